@@ -1,0 +1,66 @@
+/*
+ * Codec of the client protocol, version 1 (docs/protocol.md): builds the messages a client
+ * sends and parses the messages the scheduler sends. Pure functions, no allocation, no state.
+ */
+#ifndef NVSHARE_MESSAGE_H
+#define NVSHARE_MESSAGE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define NVS_DEVICE_ID_MAX 96
+
+enum nvs_msg_type {
+    NVS_MSG_WELCOME = 1,
+    NVS_MSG_GRANT,
+    NVS_MSG_DROP,
+    NVS_MSG_REVOKE,
+    NVS_MSG_MODE,
+    NVS_MSG_ERROR,
+};
+
+enum nvs_mode { NVS_MODE_ON = 0, NVS_MODE_OFF = 1, NVS_MODE_AUTO = 2 };
+
+/* A parsed scheduler message; only the fields of its type are meaningful. */
+struct nvs_msg {
+    enum nvs_msg_type type;
+    char device[NVS_DEVICE_ID_MAX + 1];
+    uint64_t grant;
+    enum nvs_mode mode;
+    int exclusive;
+    uint64_t quantum_ms;
+    uint64_t grace_ms;
+    uint64_t heartbeat_ms;
+    uint64_t idle_release_ms;
+    char client[64];
+    char reason[32];   /* DROP / REVOKE reason */
+    char code[32];     /* ERROR code */
+    char detail[256];  /* ERROR detail, truncated */
+};
+
+/* Parse one scheduler message. 0 on success, -1 if malformed or of a type a client does not
+ * accept (the caller logs and ignores it). Unknown keys are ignored, as the protocol says. */
+int nvs_msg_parse(const char *buf, size_t len, struct nvs_msg *out);
+
+/* Identity sent in HELLO. Strings may be empty (then omitted); control characters are replaced. */
+struct nvs_hello {
+    long pid;
+    char session[17];          /* 16 lowercase hex digits */
+    const char *host, *container, *pod, *namespace_, *program;
+    const char *const *held;   /* device ids, `n_held` of them */
+    size_t n_held;
+    const char *const *wanted;
+    size_t n_wanted;
+};
+
+/* Builders: write the message into buf (capacity cap) and return its length, or 0 if it does
+ * not fit or an argument is invalid (a device id that is not [A-Za-z0-9-]{1,96}). */
+size_t nvs_msg_hello(char *buf, size_t cap, const struct nvs_hello *hello);
+size_t nvs_msg_device(char *buf, size_t cap, const char *device, uint64_t total, const char *name);
+size_t nvs_msg_memory(char *buf, size_t cap, const char *device, uint64_t used);
+size_t nvs_msg_acquire(char *buf, size_t cap, const char *device);
+size_t nvs_msg_release(char *buf, size_t cap, const char *device, uint64_t grant, const char *reason);
+size_t nvs_msg_heartbeat(char *buf, size_t cap);
+size_t nvs_msg_bye(char *buf, size_t cap);
+
+#endif

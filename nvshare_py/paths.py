@@ -1,0 +1,62 @@
+"""Where the scheduler's sockets live. One setting, NVSHARE_SOCKET_DIR, locates both.
+
+    <socket-dir>/client/scheduler.sock   clients (mounted into containers)
+    <socket-dir>/control/control.sock    nvsharectl (never mounted into containers)
+    <socket-dir>/control/scheduler.lock  held by the running daemon
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_SOCKET_DIR = "NVSHARE_SOCKET_DIR"
+
+
+def default_socket_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/run/nvshare")
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return Path(runtime) / "nvshare"
+    return Path(f"/tmp/nvshare-{os.geteuid()}")
+
+
+@dataclass(frozen=True)
+class SocketPaths:
+    root: Path
+
+    @classmethod
+    def resolve(cls, socket_dir: str | os.PathLike | None = None) -> "SocketPaths":
+        """`socket_dir` if given, else $NVSHARE_SOCKET_DIR, else the per-user default."""
+        chosen = socket_dir or os.environ.get(ENV_SOCKET_DIR) or default_socket_dir()
+        return cls(Path(chosen).absolute())
+
+    @property
+    def client_dir(self) -> Path:
+        return self.root / "client"
+
+    @property
+    def control_dir(self) -> Path:
+        return self.root / "control"
+
+    @property
+    def client_socket(self) -> Path:
+        return self.client_dir / "scheduler.sock"
+
+    @property
+    def control_socket(self) -> Path:
+        return self.control_dir / "control.sock"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.control_dir / "scheduler.lock"
+
+    @property
+    def client_endpoint(self) -> str:
+        return f"ipc://{self.client_socket}"
+
+    @property
+    def control_endpoint(self) -> str:
+        return f"ipc://{self.control_socket}"

@@ -1,0 +1,295 @@
+"""Wire protocol v1 of the client socket: message types and their text codec.
+
+See docs/protocol.md. Every message is one ZeroMQ frame of at most MAX_MESSAGE bytes:
+
+    NVSHARE/1 TYPE
+    key=value
+    ...
+
+`decode` raises ProtocolError (with one of the documented error codes) on anything it does not
+accept, so the daemon can answer with an ERROR message instead of crashing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+VERSION = 1
+MAX_MESSAGE = 4096
+MAX_FIELDS = 32
+MAX_VALUE = 1024
+MAX_INT = 2**63 - 1
+
+MODES = ("on", "off", "auto")
+RELEASE_REASONS = ("idle", "drop", "revoke", "exit", "user")
+DROP_REASONS = ("quantum", "mode", "memory", "conflict")
+REVOKE_REASONS = ("grace-expired", "conflict")
+ERROR_CODES = (
+    "malformed",
+    "too-large",
+    "unsupported-version",
+    "unknown-type",
+    "bad-field",
+    "not-registered",
+    "already-registered",
+)
+
+_HEADER = re.compile(rb"NVSHARE/([0-9]{1,4}) ([A-Z]{1,16})\Z")
+_KEY = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
+_DEVICE = re.compile(r"[A-Za-z0-9-]{1,96}\Z")
+_SESSION = re.compile(r"[0-9a-f]{16}\Z")
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be accepted; `code` is the ERROR code to answer with."""
+
+    def __init__(self, code: str, detail: str, msg_type: str = "") -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+        self.detail = detail
+        self.msg_type = msg_type
+
+
+# Field kinds: how a dataclass field is written and parsed.
+def _device(value: str) -> str:
+    if not _DEVICE.match(value):
+        raise ValueError("not a device id")
+    return value
+
+
+def _uint(value: str) -> int:
+    if not value.isdigit() or len(value) > 19:
+        raise ValueError("not an unsigned integer")
+    number = int(value)
+    if number > MAX_INT:
+        raise ValueError("integer too large")
+    return number
+
+
+def _text(value: str) -> str:
+    return value
+
+
+def _session(value: str) -> str:
+    if not _SESSION.match(value):
+        raise ValueError("session must be 16 lowercase hex digits")
+    return value
+
+
+def _devices(value: str) -> tuple[str, ...]:
+    if value == "":
+        return ()
+    return tuple(_device(item) for item in value.split(","))
+
+
+def _choice(options: tuple[str, ...]):
+    def parse(value: str) -> str:
+        if value not in options:
+            raise ValueError(f"must be one of {', '.join(options)}")
+        return value
+
+    return parse
+
+
+def _flag(value: str) -> bool:
+    if value not in ("0", "1"):
+        raise ValueError("must be 0 or 1")
+    return value == "1"
+
+
+def _format(value: object) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, tuple):
+        return ",".join(value)
+    return str(value)
+
+
+def _meta(parse, required: bool = True) -> dict:
+    return {"parse": parse, "required": required}
+
+
+@dataclass(frozen=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+
+    def encode(self) -> bytes:
+        lines = [f"NVSHARE/{VERSION} {self.TYPE}"]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not f.metadata["required"] and value in ("", ()):
+                continue
+            text = _format(value)
+            if _CONTROL_CHARS.search(text):
+                raise ValueError(f"{self.TYPE}.{f.name} contains control characters")
+            lines.append(f"{f.name}={text}")
+        data = "\n".join(lines).encode()
+        if len(data) > MAX_MESSAGE:
+            raise ValueError(f"{self.TYPE} message is {len(data)} bytes, over {MAX_MESSAGE}")
+        return data
+
+
+# --- client -> scheduler -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    TYPE: ClassVar[str] = "HELLO"
+    pid: int = field(metadata=_meta(_uint))
+    session: str = field(metadata=_meta(_session))
+    host: str = field(default="", metadata=_meta(_text, False))
+    container: str = field(default="", metadata=_meta(_text, False))
+    pod: str = field(default="", metadata=_meta(_text, False))
+    namespace: str = field(default="", metadata=_meta(_text, False))
+    program: str = field(default="", metadata=_meta(_text, False))
+    held: tuple[str, ...] = field(default=(), metadata=_meta(_devices, False))
+    wanted: tuple[str, ...] = field(default=(), metadata=_meta(_devices, False))
+
+
+@dataclass(frozen=True)
+class Device(Message):
+    TYPE: ClassVar[str] = "DEVICE"
+    device: str = field(metadata=_meta(_device))
+    total: int = field(metadata=_meta(_uint))
+    name: str = field(default="", metadata=_meta(_text, False))
+
+
+@dataclass(frozen=True)
+class Memory(Message):
+    TYPE: ClassVar[str] = "MEMORY"
+    device: str = field(metadata=_meta(_device))
+    used: int = field(metadata=_meta(_uint))
+
+
+@dataclass(frozen=True)
+class Acquire(Message):
+    TYPE: ClassVar[str] = "ACQUIRE"
+    device: str = field(metadata=_meta(_device))
+
+
+@dataclass(frozen=True)
+class Release(Message):
+    TYPE: ClassVar[str] = "RELEASE"
+    device: str = field(metadata=_meta(_device))
+    grant: int = field(metadata=_meta(_uint))
+    reason: str = field(default="user", metadata=_meta(_choice(RELEASE_REASONS)))
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    TYPE: ClassVar[str] = "HEARTBEAT"
+
+
+@dataclass(frozen=True)
+class Bye(Message):
+    TYPE: ClassVar[str] = "BYE"
+
+
+# --- scheduler -> client -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    TYPE: ClassVar[str] = "WELCOME"
+    client: str = field(metadata=_meta(_text))
+    heartbeat_ms: int = field(metadata=_meta(_uint))
+    idle_release_ms: int = field(metadata=_meta(_uint))
+    version: int = field(default=VERSION, metadata=_meta(_uint))
+
+
+@dataclass(frozen=True)
+class Grant(Message):
+    TYPE: ClassVar[str] = "GRANT"
+    device: str = field(metadata=_meta(_device))
+    grant: int = field(metadata=_meta(_uint))
+    mode: str = field(metadata=_meta(_choice(MODES)))
+    exclusive: bool = field(metadata=_meta(_flag))
+    quantum_ms: int = field(metadata=_meta(_uint))
+
+
+@dataclass(frozen=True)
+class Drop(Message):
+    TYPE: ClassVar[str] = "DROP"
+    device: str = field(metadata=_meta(_device))
+    grant: int = field(metadata=_meta(_uint))
+    grace_ms: int = field(metadata=_meta(_uint))
+    reason: str = field(metadata=_meta(_choice(DROP_REASONS)))
+
+
+@dataclass(frozen=True)
+class Revoke(Message):
+    TYPE: ClassVar[str] = "REVOKE"
+    device: str = field(metadata=_meta(_device))
+    grant: int = field(metadata=_meta(_uint))
+    reason: str = field(metadata=_meta(_choice(REVOKE_REASONS)))
+
+
+@dataclass(frozen=True)
+class ModeNotice(Message):
+    TYPE: ClassVar[str] = "MODE"
+    device: str = field(metadata=_meta(_device))
+    mode: str = field(metadata=_meta(_choice(MODES)))
+    quantum_ms: int = field(metadata=_meta(_uint))
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    TYPE: ClassVar[str] = "ERROR"
+    code: str = field(metadata=_meta(_choice(ERROR_CODES)))
+    detail: str = field(default="", metadata=_meta(_text, False))
+    type: str = field(default="", metadata=_meta(_text, False))
+
+
+CLIENT_MESSAGES = {m.TYPE: m for m in (Hello, Device, Memory, Acquire, Release, Heartbeat, Bye)}
+SCHEDULER_MESSAGES = {m.TYPE: m for m in (Welcome, Grant, Drop, Revoke, ModeNotice, Error)}
+
+
+def decode(data: bytes, catalogue: dict[str, type[Message]] = CLIENT_MESSAGES) -> Message:
+    """Parse one frame; `catalogue` says which side's messages are acceptable."""
+    if len(data) > MAX_MESSAGE:
+        raise ProtocolError("too-large", f"{len(data)} bytes, limit {MAX_MESSAGE}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError("malformed", "not UTF-8") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    if not lines:
+        raise ProtocolError("malformed", "empty message")
+    header = _HEADER.match(lines[0].encode())
+    if header is None:
+        raise ProtocolError("malformed", "first line must be 'NVSHARE/<version> <TYPE>'")
+    version, msg_type = int(header.group(1)), header.group(2).decode()
+    if version != VERSION:
+        raise ProtocolError("unsupported-version", f"version {version}; this side speaks {VERSION}", msg_type)
+    cls = catalogue.get(msg_type)
+    if cls is None:
+        raise ProtocolError("unknown-type", f"unknown message type {msg_type}", msg_type)
+    if len(lines) - 1 > MAX_FIELDS:
+        raise ProtocolError("malformed", f"more than {MAX_FIELDS} fields", msg_type)
+    raw: dict[str, str] = {}
+    for line in lines[1:]:
+        key, sep, value = line.partition("=")
+        if not sep or not _KEY.match(key):
+            raise ProtocolError("malformed", f"bad field line {line[:40]!r}", msg_type)
+        if key in raw:
+            raise ProtocolError("malformed", f"field {key} repeated", msg_type)
+        if len(value.encode()) > MAX_VALUE or _CONTROL_CHARS.search(value):
+            raise ProtocolError("bad-field", f"field {key} too long or has control characters", msg_type)
+        raw[key] = value
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            if f.metadata["required"]:
+                raise ProtocolError("bad-field", f"missing field {f.name}", msg_type)
+            continue
+        try:
+            kwargs[f.name] = f.metadata["parse"](raw[f.name])
+        except ValueError as exc:
+            raise ProtocolError("bad-field", f"field {f.name}: {exc}", msg_type) from None
+    return cls(**kwargs)

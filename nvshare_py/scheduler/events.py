@@ -1,0 +1,178 @@
+"""Inputs and outputs of the sans-I/O lock core (nvshare_py.scheduler.core).
+
+The core never reads a clock, touches a socket or logs: the daemon feeds it events (each
+carrying `now`, seconds on a monotonic clock) and carries out the actions it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Literal
+
+from .. import protocol
+
+ClientKey = Hashable  # opaque to the core: the daemon uses the ZeroMQ routing id
+Mode = Literal["on", "off", "auto"]
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    """Who a client is. `pid` is what the client reports (its own pid namespace);
+    `host_pid`/`uid` come from the kernel (SO_PEERCRED) and are 0/None when not visible."""
+
+    pid: int
+    session: str
+    host_pid: int = 0
+    uid: int | None = None
+    host: str = ""
+    container: str = ""
+    pod: str = ""
+    namespace: str = ""
+    program: str = ""
+
+
+# --- events --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Register:
+    now: float
+    client: ClientKey
+    info: ClientInfo
+    held: tuple[str, ...] = ()
+    wanted: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    now: float
+    client: ClientKey
+    device: str
+    total: int
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    now: float
+    client: ClientKey
+    device: str
+    used: int
+
+
+@dataclass(frozen=True)
+class Acquire:
+    now: float
+    client: ClientKey
+    device: str
+
+
+@dataclass(frozen=True)
+class Release:
+    now: float
+    client: ClientKey
+    device: str
+    grant: int
+    reason: str = "user"
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Any message from a registered client counts as one; the daemon sends this event for
+    HEARTBEAT messages and the core refreshes liveness on every other client event too."""
+
+    now: float
+    client: ClientKey
+
+
+@dataclass(frozen=True)
+class Unregister:
+    """The client is gone: BYE, its process exited (pidfd), its connection closed, ..."""
+
+    now: float
+    client: ClientKey
+    reason: str  # "bye", "exited", "disconnected", ...
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed; sent when `next_deadline()` is reached (and harmless at any other time)."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class SetMode:
+    now: float
+    mode: Mode
+    device: str | None = None  # None: the default and every device
+
+
+@dataclass(frozen=True)
+class SetQuantum:
+    now: float
+    seconds: float
+    device: str | None = None
+
+
+@dataclass(frozen=True)
+class SetBudget:
+    now: float
+    device: str
+    budget: int | None  # None: back to the device's total memory
+
+
+Event = (
+    Register | DeviceInfo | MemoryReport | Acquire | Release | Heartbeat | Unregister | Tick
+    | SetMode | SetQuantum | SetBudget
+)
+
+
+# --- actions -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Send:
+    client: ClientKey
+    message: protocol.Message
+
+
+@dataclass(frozen=True)
+class Forget:
+    """The registration is gone (after Unregister or a heartbeat timeout): drop per-client
+    resources such as pidfd watchers. No message is sent to the client."""
+
+    client: ClientKey
+    reason: str
+
+
+@dataclass(frozen=True)
+class Log:
+    level: Literal["debug", "info", "warning"]
+    text: str
+    fields: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LockEvent:
+    """One entry of the timeline (docs/protocol.md, Events). `now` is monotonic; the daemon
+    converts it to wall-clock time and gives it a sequence number."""
+
+    now: float
+    kind: str
+    device: str = ""
+    client: str = ""  # the client's display id ("c12")
+    grant: int = 0
+    detail: str = ""
+
+
+Action = Send | Forget | Log | LockEvent
+
+
+class CoreError(ValueError):
+    """A control request the core refuses (unknown device, bad value); `code` is the
+    control-protocol error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
