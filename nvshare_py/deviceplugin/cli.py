@@ -1,0 +1,119 @@
+"""`nvshare-device-plugin`: serve nvshare.com/gpu to the kubelet, or install libnvshare.so on
+the node. Every flag can also be set through the environment variable named in --help."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from nvshare_py.paths import ENV_SOCKET_DIR, SocketPaths
+
+from . import config as defaults
+from .config import AllocationPolicy, ConfigError, PluginConfig, Preload, parse_container_env, parse_xids
+from .nvml import NvmlUnavailable
+from .server import PluginError, serve
+from .v1beta1 import DEFAULT_DEVICE_PLUGIN_DIR
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Kubernetes device plugin for nvshare: shares each GPU among several containers.")
+
+LIBRARY_NAME = "libnvshare.so"
+log = logging.getLogger("nvshare_py.deviceplugin")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)-7s %(message)s")
+
+
+@app.command("serve")
+def serve_command(
+    resource_name: Annotated[str, typer.Option(envvar="NVSHARE_DP_RESOURCE_NAME",
+                                               help="Extended resource to advertise.")] = defaults.DEFAULT_RESOURCE_NAME,
+    replicas: Annotated[int, typer.Option(envvar="NVSHARE_DP_REPLICAS",
+                                          help="Virtual devices per physical GPU (containers that may share it).")] = defaults.DEFAULT_REPLICAS,
+    device_plugin_dir: Annotated[Path, typer.Option(envvar="NVSHARE_DP_DIR",
+                                                    help="The kubelet's device-plugin directory (holds kubelet.sock).")] = Path(DEFAULT_DEVICE_PLUGIN_DIR),
+    endpoint: Annotated[str, typer.Option(envvar="NVSHARE_DP_ENDPOINT",
+                                          help="File name of this plugin's socket in that directory.")] = defaults.DEFAULT_ENDPOINT,
+    socket_dir: Annotated[Optional[Path], typer.Option(envvar=ENV_SOCKET_DIR, show_default="/var/run/nvshare for root",
+                                                       help="The nvshare scheduler's socket directory on the node; "
+                                                            "its client/ subdirectory is mounted into containers.")] = None,
+    library: Annotated[Path, typer.Option(envvar="NVSHARE_DP_LIBRARY",
+                                          help="libnvshare.so on the node.")] = defaults.DEFAULT_LIBRARY,
+    container_library: Annotated[Path, typer.Option(envvar="NVSHARE_DP_CONTAINER_LIBRARY",
+                                                    help="Where containers see libnvshare.so.")] = defaults.DEFAULT_CONTAINER_LIBRARY,
+    preload: Annotated[Preload, typer.Option(envvar="NVSHARE_DP_PRELOAD",
+                                             help="env: set LD_PRELOAD; file: mount an /etc/ld.so.preload "
+                                                  "that the plugin writes on the node.")] = Preload.ENV,
+    preload_file: Annotated[Path, typer.Option(envvar="NVSHARE_DP_PRELOAD_FILE",
+                                               help="Node path of the ld.so.preload written for --preload=file.")] = defaults.DEFAULT_PRELOAD_FILE,
+    allocation: Annotated[AllocationPolicy, typer.Option(envvar="NVSHARE_DP_ALLOCATION",
+                                                         help="spread: suggest the least shared GPU; "
+                                                              "pack: fill one GPU before the next.")] = AllocationPolicy.SPREAD,
+    container_env: Annotated[Optional[list[str]], typer.Option(envvar="NVSHARE_DP_CONTAINER_ENV",
+                                                               help="NAME=VALUE set in every container, e.g. "
+                                                                    "NVSHARE_FAIL_MODE=closed (repeatable; the variable "
+                                                                    "takes a space-separated list).")] = None,
+    health_interval: Annotated[float, typer.Option(envvar="NVSHARE_DP_HEALTH_INTERVAL",
+                                                   help="Seconds between GPU health checks.")] = 2.0,
+    ignored_xids: Annotated[str, typer.Option(envvar="NVSHARE_DP_IGNORED_XIDS",
+                                              help="Xids that leave a GPU healthy (application faults).")] =
+        ",".join(str(xid) for xid in sorted(defaults.DEFAULT_IGNORED_XIDS)),
+    kubelet_watch_interval: Annotated[float, typer.Option(envvar="NVSHARE_DP_KUBELET_WATCH_INTERVAL",
+                                                          help="Seconds between checks for a kubelet restart.")] = 1.0,
+    log_level: Annotated[str, typer.Option(envvar="NVSHARE_DP_LOG_LEVEL", help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Advertise every GPU as REPLICAS devices and inject nvshare into the containers given one."""
+    _setup_logging(log_level)
+    try:
+        config = PluginConfig(
+            resource_name=resource_name, replicas=replicas, device_plugin_dir=device_plugin_dir.absolute(),
+            endpoint=endpoint, socket_paths=SocketPaths.resolve(socket_dir), library=library,
+            container_library=container_library, preload=preload, preload_file=preload_file,
+            allocation=allocation, container_env=parse_container_env(container_env or []),
+            health_interval=health_interval, ignored_xids=parse_xids(ignored_xids),
+            kubelet_watch_interval=kubelet_watch_interval)
+        asyncio.run(serve(config))
+    except (ConfigError, NvmlUnavailable, PluginError) as error:
+        log.error("%s", error)
+        raise typer.Exit(1) from None
+
+
+def packaged_library() -> Path:
+    """libnvshare.so as `pip install` ships it inside the nvshare_py package."""
+    return Path(__file__).resolve().parents[1] / "_lib" / LIBRARY_NAME
+
+
+@app.command("install-library")
+def install_library_command(
+    target_dir: Annotated[Path, typer.Option("--to", envvar="NVSHARE_DP_LIBRARY_DIR",
+                                             help="Node directory to put libnvshare.so in.")] = defaults.DEFAULT_LIBRARY.parent,
+    source: Annotated[Optional[Path], typer.Option("--from", help="The library to install.",
+                                                   show_default="the one in this package")] = None,
+) -> None:
+    """Copy libnvshare.so onto the node (an atomic replace: running containers keep theirs)."""
+    _setup_logging("info")
+    source = source or packaged_library()
+    if not source.is_file():
+        log.error("%s does not exist: this installation ships no %s (install nvshare_py with "
+                  "`pip install .` from a checkout, which builds it)", source, LIBRARY_NAME)
+        raise typer.Exit(1)
+    target_dir.mkdir(parents=True, exist_ok=True)
+    target = target_dir / LIBRARY_NAME
+    scratch = target_dir / f".{LIBRARY_NAME}.{os.getpid()}"
+    shutil.copyfile(source, scratch)
+    scratch.chmod(0o755)
+    scratch.replace(target)
+    log.info("installed %s as %s", source, target)
+
+
+def main() -> None:
+    app()

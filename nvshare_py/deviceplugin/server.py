@@ -1,0 +1,358 @@
+"""The device plugin's I/O shell: the gRPC service the kubelet calls, registration with the
+kubelet, re-registration after a kubelet restart, and the health watch.
+
+Everything runs on one asyncio event loop (grpc.aio): the kubelet calls back into this process
+while `Register` is in flight, so serving and registering must not block each other. The tasks
+form one tree owned by `Plugin.run`; SIGTERM ends it, which stops the server and removes the
+plugin's socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import stat
+from pathlib import Path
+from typing import Awaitable
+
+import grpc
+
+from .config import CONTAINER_PRELOAD_PATH, PluginConfig, Preload
+from .inventory import Gpu, GpuUnavailable, InvalidRequest, Inventory
+from .nvml import Nvml
+from .v1beta1 import API_VERSION, HEALTHY
+from .v1beta1 import api_pb2 as api
+from .v1beta1 import api_pb2_grpc as api_grpc
+
+log = logging.getLogger(__name__)
+
+REGISTER_TIMEOUT_S = 10.0
+SERVER_STOP_GRACE_S = 1.0
+
+
+class PluginError(RuntimeError):
+    """The plugin cannot go on; the message is meant for the operator."""
+
+
+class MissingHostFile(RuntimeError):
+    """A file the containers need is not on the node."""
+
+
+class Changes:
+    """Tells ListAndWatch streams that the device list changed."""
+
+    def __init__(self) -> None:
+        self._version = 0
+        self._condition = asyncio.Condition()
+
+    async def notify(self) -> None:
+        async with self._condition:
+            self._version += 1
+            self._condition.notify_all()
+
+    async def wait_newer(self, seen: int | None) -> int:
+        """Returns at once for `seen=None`, else once the version is past `seen`."""
+        async with self._condition:
+            await self._condition.wait_for(lambda: seen is None or self._version != seen)
+            return self._version
+
+
+def _host_files(config: PluginConfig) -> list[tuple[Path, str]]:
+    """The node files every container mounts, each with what puts it there."""
+    files = [(config.library, "`nvshare-device-plugin install-library` puts it there (the "
+                              "device-plugin DaemonSet runs it as an init container)")]
+    if config.preload is Preload.FILE:
+        files.append((config.preload_file, "the plugin writes it at start; restart the plugin"))
+    return files
+
+
+def container_response(config: PluginConfig, gpus: list[Gpu]) -> api.ContainerAllocateResponse:
+    """What one container needs in order to run under nvshare on `gpus`."""
+    for path, remedy in _host_files(config):
+        if not path.is_file():
+            raise MissingHostFile(f"{path} is not on this node; {remedy}")
+    client_dir = config.socket_paths.client_dir
+    if not client_dir.is_dir():
+        raise MissingHostFile(f"the scheduler's client socket directory {client_dir} does not exist")
+    envs = dict(config.container_env)
+    envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(gpu.uuid for gpu in gpus)
+    envs["NVSHARE_SOCKET_DIR"] = str(config.socket_paths.root)
+    mounts = [
+        # Only the client directory: the control socket must stay out of containers.
+        api.Mount(container_path=str(client_dir), host_path=str(client_dir), read_only=True),
+        api.Mount(container_path=str(config.container_library), host_path=str(config.library), read_only=True),
+    ]
+    if config.preload is Preload.ENV:
+        envs["LD_PRELOAD"] = str(config.container_library)
+    else:
+        mounts.append(api.Mount(container_path=str(CONTAINER_PRELOAD_PATH),
+                                host_path=str(config.preload_file), read_only=True))
+    return api.ContainerAllocateResponse(envs=envs, mounts=mounts)
+
+
+class DevicePluginService(api_grpc.DevicePluginServicer):
+    def __init__(self, config: PluginConfig, inventory: Inventory, changes: Changes):
+        self.config = config
+        self.inventory = inventory
+        self.changes = changes
+
+    async def GetDevicePluginOptions(self, request, context):
+        return api.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+    async def ListAndWatch(self, request, context):
+        log.info("the kubelet is watching the device list")
+        seen = None
+        while True:
+            seen = await self.changes.wait_newer(seen)
+            devices = self.inventory.devices()
+            healthy = sum(health == HEALTHY for _, health in devices)
+            log.info("sending the device list: %d of %d devices healthy", healthy, len(devices))
+            yield api.ListAndWatchResponse(devices=[api.Device(ID=device_id, health=health)
+                                                    for device_id, health in devices])
+
+    async def GetPreferredAllocation(self, request, context):
+        responses = []
+        for container in request.container_requests:
+            try:
+                chosen = self.inventory.preferred(list(container.available_deviceIDs),
+                                                  list(container.must_include_deviceIDs),
+                                                  container.allocation_size, self.config.allocation)
+            except InvalidRequest as error:
+                log.warning("refused a preferred-allocation request: %s", error)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            responses.append(api.ContainerPreferredAllocationResponse(deviceIDs=chosen))
+        return api.PreferredAllocationResponse(container_responses=responses)
+
+    async def Allocate(self, request, context):
+        # All containers or none: every answer is computed before anything is returned.
+        try:
+            if not request.container_requests:
+                raise InvalidRequest("an Allocate request without containers")
+            answers = []
+            for container in request.container_requests:
+                gpus = self.inventory.resolve(list(container.devices_ids))
+                answers.append((container, gpus, container_response(self.config, gpus)))
+        except InvalidRequest as error:
+            log.warning("refused an allocation: %s", error)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except (GpuUnavailable, MissingHostFile) as error:
+            log.warning("refused an allocation: %s", error)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        for container, gpus, _ in answers:
+            log.info("allocated %s to a container: GPU %s", ", ".join(container.devices_ids),
+                     ", ".join(f"{gpu.index} ({gpu.uuid})" for gpu in gpus))
+        return api.AllocateResponse(container_responses=[answer for _, _, answer in answers])
+
+    async def PreStartContainer(self, request, context):
+        return api.PreStartContainerResponse()
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """Tells a recreated file from the old one (inode numbers alone may be reused)."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return None
+    return (info.st_dev, info.st_ino, info.st_ctime_ns)
+
+
+async def run_until_first_exits(*awaitables: Awaitable) -> None:
+    """Runs the awaitables as sibling tasks; when one ends, cancels the others and waits for
+    them, then re-raises the first failure (asyncio.TaskGroup, which Python 3.10 lacks)."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for task in done:
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+
+
+class Plugin:
+    def __init__(self, config: PluginConfig, nvml: Nvml, inventory: Inventory):
+        self.config = config
+        self.nvml = nvml
+        self.inventory = inventory
+        self.changes = Changes()
+        self._socket_identity = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.check_health()
+        await run_until_first_exits(self._watch_health(), self._serve_and_register(), stop.wait())
+
+    # ---- health -------------------------------------------------------------------------
+
+    def check_health(self) -> bool:
+        """Drains NVML's Xid events and checks that every GPU is present. True when the health
+        of some GPU flipped (the kubelet needs a new device list)."""
+        before = {gpu.uuid: self.inventory.unhealthy_reason(gpu.uuid) for gpu in self.inventory.gpus}
+        for uuid, xid in self.nvml.pending_xids():
+            gpu = self.inventory.gpu(uuid)
+            if xid in self.config.ignored_xids:
+                log.info("GPU %d (%s) reported Xid %d, an application fault: the GPU stays healthy",
+                         gpu.index, uuid, xid)
+            else:
+                log.error("GPU %d (%s) reported critical Xid %d", gpu.index, uuid, xid)
+                self.inventory.record_fatal_xid(uuid, xid)
+        for gpu in self.inventory.gpus:
+            self.inventory.set_presence(gpu.uuid, self.nvml.presence_problem(gpu.uuid))
+        flipped = False
+        for gpu in self.inventory.gpus:
+            reason = self.inventory.unhealthy_reason(gpu.uuid)
+            if reason == before[gpu.uuid]:
+                continue
+            if reason is None:
+                log.warning("GPU %d (%s) answers again: its devices are Healthy", gpu.index, gpu.uuid)
+            elif self.inventory.fatal_xid(gpu.uuid) is not None:
+                log.error("GPU %d (%s): its devices are Unhealthy (%s) until the plugin restarts",
+                          gpu.index, gpu.uuid, reason)
+            else:
+                log.error("GPU %d (%s) is gone: its devices are Unhealthy (%s)", gpu.index, gpu.uuid, reason)
+            flipped |= (reason is None) != (before[gpu.uuid] is None)
+        return flipped
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval)
+            if self.check_health():
+                await self.changes.notify()
+
+    # ---- serving and registering ----------------------------------------------------------
+
+    async def _serve_and_register(self) -> None:
+        while True:
+            server = await self._start_server()
+            try:
+                kubelet = await self._register()
+                reason = await self._wait_for_reset(kubelet)
+                log.warning("%s: serving and registering again", reason)
+            finally:
+                await server.stop(SERVER_STOP_GRACE_S)
+                self._remove_own_socket()
+
+    async def _start_server(self) -> grpc.aio.Server:
+        path = self.config.plugin_socket
+        self._remove_stale_socket(path)
+        server = grpc.aio.server()
+        api_grpc.add_DevicePluginServicer_to_server(
+            DevicePluginService(self.config, self.inventory, self.changes), server)
+        try:
+            server.add_insecure_port(f"unix://{path}")
+        except RuntimeError as error:
+            raise PluginError(f"cannot listen on {path}: {error}") from None
+        await server.start()
+        self._socket_identity = _identity(path)
+        log.info("serving the device plugin API on %s", path)
+        return server
+
+    @staticmethod
+    def _remove_stale_socket(path: Path) -> None:
+        try:
+            if stat.S_ISSOCK(path.lstat().st_mode):
+                path.unlink()
+            else:
+                raise PluginError(f"{path} exists and is not a socket; refusing to replace it")
+        except FileNotFoundError:
+            pass
+
+    def _remove_own_socket(self) -> None:
+        path = self.config.plugin_socket
+        if self._socket_identity is not None and _identity(path) == self._socket_identity:
+            path.unlink(missing_ok=True)
+        self._socket_identity = None
+
+    async def _register(self) -> tuple[int, int, int]:
+        """Registers with the kubelet, waiting for it as long as it takes; returns the identity
+        of the kubelet socket it registered through."""
+        kubelet_socket = self.config.kubelet_socket
+        request = api.RegisterRequest(
+            version=API_VERSION, endpoint=self.config.endpoint, resource_name=self.config.resource_name,
+            options=api.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True))
+        said_waiting = False
+        while True:
+            identity = _identity(kubelet_socket)
+            if identity is not None:
+                try:
+                    async with grpc.aio.insecure_channel(f"unix://{kubelet_socket}") as channel:
+                        await api_grpc.RegistrationStub(channel).Register(request, timeout=REGISTER_TIMEOUT_S)
+                except grpc.aio.AioRpcError as error:
+                    if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        raise PluginError(f"the kubelet refused to register {self.config.resource_name}: "
+                                          f"{error.details()}") from None
+                    if not said_waiting:
+                        log.info("the kubelet does not answer on %s yet (%s); retrying", kubelet_socket, error.details())
+                        said_waiting = True
+                else:
+                    gpus = len(self.inventory.gpus)
+                    log.info("registered %s with the kubelet: %d GPU(s), %d devices", self.config.resource_name,
+                             gpus, gpus * self.inventory.replicas)
+                    return identity
+            elif not said_waiting:
+                log.info("waiting for the kubelet socket %s", kubelet_socket)
+                said_waiting = True
+            await asyncio.sleep(self.config.kubelet_watch_interval)
+
+    async def _wait_for_reset(self, kubelet: tuple[int, int, int]) -> str:
+        """Returns why the plugin must serve and register again: a kubelet restart recreates
+        kubelet.sock and deletes every plugin socket."""
+        while True:
+            await asyncio.sleep(self.config.kubelet_watch_interval)
+            if _identity(self.config.kubelet_socket) != kubelet:
+                return f"{self.config.kubelet_socket} was recreated (kubelet restart)"
+            if _identity(self.config.plugin_socket) != self._socket_identity:
+                return f"{self.config.plugin_socket} was removed"
+
+
+def _prepare_host(config: PluginConfig) -> None:
+    client_dir = config.socket_paths.client_dir
+    if not client_dir.is_dir():
+        # The mount source must exist even before the scheduler starts; the protocol's mode.
+        client_dir.mkdir(parents=True)
+        client_dir.chmod(0o755)
+        log.info("created the client socket directory %s", client_dir)
+    if config.preload is Preload.FILE:
+        config.preload_file.parent.mkdir(parents=True, exist_ok=True)
+        scratch = config.preload_file.with_name(f".{config.preload_file.name}.{os.getpid()}")
+        scratch.write_text(f"{config.container_library}\n")
+        scratch.chmod(0o644)
+        # Atomic: containers already running keep the file they had.
+        scratch.replace(config.preload_file)
+        log.info("wrote %s (mounted at %s in containers)", config.preload_file, CONTAINER_PRELOAD_PATH)
+
+
+async def serve(config: PluginConfig) -> None:
+    """Runs the plugin until SIGTERM or SIGINT."""
+    nvml = Nvml()
+    try:
+        gpus = nvml.discover()
+        if not gpus:
+            raise PluginError("NVML found no usable GPU on this node; nothing to advertise")
+        log.info("NVIDIA driver %s; %d GPU(s), %d %s devices each:", nvml.driver_version, len(gpus),
+                 config.replicas, config.resource_name)
+        for gpu in gpus:
+            log.info("  GPU %d: %s (%s, %.1f GiB)", gpu.index, gpu.uuid, gpu.name, gpu.memory / 2**30)
+        _prepare_host(config)
+        nvml.watch_xids(gpus)
+        plugin = Plugin(config, nvml, Inventory(gpus, config.replicas))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, _request_stop, stop, signum)
+        try:
+            await plugin.run(stop)
+        finally:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
+    finally:
+        nvml.close()
+    log.info("stopped")
+
+
+def _request_stop(stop: asyncio.Event, signum: int) -> None:
+    log.info("%s received: stopping", signal.Signals(signum).name)
+    stop.set()

@@ -1,0 +1,121 @@
+"""k8s/: every manifest is valid against the Kubernetes schemas, and the manifests agree with
+the programs they run (commands, flags, environment variables, paths)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import typer.main
+import yaml
+
+from nvshare_py.deviceplugin import cli, config
+from nvshare_py.paths import SocketPaths
+
+K8S = Path(__file__).resolve().parents[1] / "k8s"
+# The oldest Kubernetes these manifests promise to work with, and the newest the schemas know.
+VERSIONS = ["1.27.0", kubernetes_validate.utils.latest_version()]
+NOT_KUBERNETES_KINDS = {"Kustomization"}
+
+
+def load(path: Path) -> list[dict]:
+    return [document for document in yaml.safe_load_all(path.read_text()) if document]
+
+
+MANIFESTS = sorted(K8S.rglob("*.yaml"))
+RESOURCES = [(path, document) for path in MANIFESTS for document in load(path)]
+
+
+def find(kind: str, name: str) -> dict:
+    (found,) = [doc for _, doc in RESOURCES if doc["kind"] == kind and doc["metadata"]["name"] == name]
+    return found
+
+
+def pod_spec(workload: dict) -> dict:
+    return workload["spec"]["template"]["spec"]
+
+
+def host_mounts(spec: dict, container: dict) -> dict[str, str]:
+    """mountPath -> hostPath of a container's hostPath volumes."""
+    host_paths = {volume["name"]: volume["hostPath"]["path"] for volume in spec["volumes"] if "hostPath" in volume}
+    return {mount["mountPath"]: host_paths[mount["name"]] for mount in container.get("volumeMounts", [])
+            if mount["name"] in host_paths}
+
+
+def test_there_are_manifests():
+    names = {path.relative_to(K8S).as_posix() for path in MANIFESTS}
+    assert {"namespace.yaml", "scheduler.yaml", "device-plugin.yaml", "kustomization.yaml",
+            "examples/notebook.yaml", "examples/training-job.yaml"} <= names
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("path, document", [pytest.param(path, doc, id=f"{path.name}:{doc['kind']}/{doc['metadata']['name']}")
+                                            for path, doc in RESOURCES if doc["kind"] not in NOT_KUBERNETES_KINDS])
+def test_manifest_is_valid_kubernetes(path, document, version):
+    kubernetes_validate.validate(document, version, strict=True)
+
+
+def test_kustomization_installs_the_node_components():
+    (kustomization,) = load(K8S / "kustomization.yaml")
+    assert kustomization["resources"] == ["namespace.yaml", "scheduler.yaml", "device-plugin.yaml"]
+    images = {image["name"] for image in kustomization["images"]}
+    used = {container["image"].rsplit(":", 1)[0]
+            for path in ("scheduler.yaml", "device-plugin.yaml") for doc in load(K8S / path)
+            for container in pod_spec(doc)["containers"] + pod_spec(doc).get("initContainers", [])}
+    assert images == used
+
+
+def test_node_components_share_the_namespace():
+    namespace = find("Namespace", "nvshare-system")["metadata"]["name"]
+    for name in ("nvshare-scheduler", "nvshare-device-plugin"):
+        assert find("DaemonSet", name)["metadata"]["namespace"] == namespace
+
+
+def test_scheduler_sees_host_pids_and_owns_the_host_socket_directory():
+    spec = pod_spec(find("DaemonSet", "nvshare-scheduler"))
+    assert spec["hostPID"] is True
+    (container,) = spec["containers"]
+    socket_dir = str(SocketPaths.resolve("/var/run/nvshare").root)
+    assert container["command"] == ["nvshare-scheduler", "--socket-dir", socket_dir]
+    assert host_mounts(spec, container) == {socket_dir: socket_dir}
+
+
+def test_device_plugin_mounts_what_it_serves_and_injects():
+    spec = pod_spec(find("DaemonSet", "nvshare-device-plugin"))
+    assert "hostPID" not in spec
+    (install,) = spec["initContainers"]
+    (plugin,) = spec["containers"]
+    env = {item["name"]: item["value"] for item in plugin["env"]}
+    socket_paths = SocketPaths.resolve(env["NVSHARE_SOCKET_DIR"])
+    mounts = host_mounts(spec, plugin)
+    # Same paths inside as on the host: the plugin hands host paths to the kubelet.
+    assert all(inside == host for inside, host in mounts.items())
+    assert "/var/lib/kubelet/device-plugins" in mounts
+    assert str(socket_paths.client_dir) in mounts and str(socket_paths.control_dir) not in mounts
+    library = config.DEFAULT_LIBRARY
+    assert any(library.is_relative_to(path) for path in mounts)
+    # The init container puts the library where the plugin looks for it.
+    assert install["command"][:2] == ["nvshare-device-plugin", "install-library"]
+    target = Path(install["command"][install["command"].index("--to") + 1])
+    assert target / library.name == library
+    assert any(target.is_relative_to(path) for path in host_mounts(spec, install))
+    assert plugin["command"] == ["nvshare-device-plugin", "serve"]
+
+
+def test_device_plugin_settings_are_ones_the_plugin_reads():
+    commands = typer.main.get_command(cli.app).commands
+    known = {envvar for param in commands["serve"].params for envvar in ([param.envvar] if isinstance(param.envvar, str) else param.envvar or [])}
+    (plugin,) = pod_spec(find("DaemonSet", "nvshare-device-plugin"))["containers"]
+    for item in plugin["env"]:
+        if item["name"].startswith("NVSHARE_"):
+            assert item["name"] in known, f"{item['name']} is not read by nvshare-device-plugin serve"
+    assert {"serve", "install-library"} <= set(commands)
+
+
+@pytest.mark.parametrize("kind, name", [("Pod", "notebook"), ("Job", "nvshare-training")])
+def test_examples_ask_for_nvshare_gpus(kind, name):
+    workload = find(kind, name)
+    spec = workload["spec"] if kind == "Pod" else pod_spec(workload)
+    for container in spec["containers"]:
+        assert container["resources"]["limits"][config.DEFAULT_RESOURCE_NAME] == 1
