@@ -32,14 +32,17 @@ struct nvs_msg {
     uint64_t grace_ms;
     uint64_t heartbeat_ms;
     uint64_t idle_release_ms;
-    char client[64];
-    char reason[32];   /* DROP / REVOKE reason */
-    char code[32];     /* ERROR code */
-    char detail[256];  /* ERROR detail, truncated */
+    char client[64];     /* WELCOME client id, cut at a character boundary if longer */
+    char reason[32];     /* DROP / REVOKE reason */
+    char code[32];       /* ERROR code */
+    char detail[256];    /* ERROR detail, cut at a character boundary */
+    char error_type[32]; /* ERROR: type of the rejected message ("" when not given), cut */
 };
 
 /* Parse one scheduler message. 0 on success, -1 if malformed or of a type a client does not
- * accept (the caller logs and ignores it). Unknown keys are ignored, as the protocol says. */
+ * accept (the caller logs and ignores it). Accepts exactly what nvshare_py.protocol.decode
+ * accepts for scheduler messages; unknown keys are ignored, as the protocol says. `out` is
+ * zeroed first, also on failure. */
 int nvs_msg_parse(const char *buf, size_t len, struct nvs_msg *out);
 
 /* Identity sent in HELLO. Strings may be empty (then omitted); control characters are replaced. */
@@ -53,8 +56,14 @@ struct nvs_hello {
     size_t n_wanted;
 };
 
-/* Builders: write the message into buf (capacity cap) and return its length, or 0 if it does
- * not fit or an argument is invalid (a device id that is not [A-Za-z0-9-]{1,96}). */
+/* Builders: write the message into buf (capacity cap; no NUL terminator) and return its length,
+ * or 0 if it does not fit (in cap, or in the protocol's 4096 bytes) or an argument is invalid:
+ * a device id that is not [A-Za-z0-9-]{1,96} (NULL included), a number above 2^63-1, a negative
+ * pid, a session that is not 16 lowercase hex digits, a device list longer than 1024 bytes once
+ * joined, a RELEASE reason other than idle/drop/revoke/exit/user (NULL included).
+ * Free texts (host ... program, DEVICE name; NULL or "" = omitted) are made acceptable to the
+ * scheduler: bytes that are not UTF-8 and control characters become '?', and the text is cut
+ * at a character boundary to 1024 bytes. The output is what nvshare_py.protocol encodes. */
 size_t nvs_msg_hello(char *buf, size_t cap, const struct nvs_hello *hello);
 size_t nvs_msg_device(char *buf, size_t cap, const char *device, uint64_t total, const char *name);
 size_t nvs_msg_memory(char *buf, size_t cap, const char *device, uint64_t used);

@@ -62,7 +62,8 @@ def _device(value: str) -> str:
 
 
 def _uint(value: str) -> int:
-    if not value.isdigit() or len(value) > 19:
+    # isascii: str.isdigit alone accepts other scripts' digits (int() reads "٣" as 3).
+    if not (value.isascii() and value.isdigit()) or len(value) > 19:
         raise ValueError("not an unsigned integer")
     number = int(value)
     if number > MAX_INT:
@@ -126,6 +127,8 @@ class Message:
             text = _format(value)
             if _CONTROL_CHARS.search(text):
                 raise ValueError(f"{self.TYPE}.{f.name} contains control characters")
+            if len(text.encode()) > MAX_VALUE:
+                raise ValueError(f"{self.TYPE}.{f.name} is longer than {MAX_VALUE} bytes")
             lines.append(f"{f.name}={text}")
         data = "\n".join(lines).encode()
         if len(data) > MAX_MESSAGE:
