@@ -15,19 +15,21 @@ from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# extension name -> (directory with a Makefile, file it builds, path inside the package tree)
+# extension name -> (directory with a Makefile, the file it builds and we install)
 LIBRARIES = {
-    "nvshare_py._lib.libnvshare": ("interceptor", "libnvshare.so", "nvshare_py/_lib/libnvshare.so"),
-    "nvshare_py._lib.simcuda.libcuda": ("tests/simcuda", "libcuda.so.1", "nvshare_py/_lib/simcuda/libcuda.so.1"),
-    "nvshare_py._lib.simcuda.libnvidia_ml": ("tests/simcuda", "libnvidia-ml.so.1", "nvshare_py/_lib/simcuda/libnvidia-ml.so.1"),
+    "nvshare_py._lib.libnvshare": ("interceptor", "libnvshare.so"),
+    "nvshare_py._lib.simcuda.libcuda": ("tests/simcuda", "libcuda.so.1"),
+    "nvshare_py._lib.simcuda.libnvidia_ml": ("tests/simcuda", "libnvidia-ml.so.1"),
 }
+# build_ext asks for file names by the last component of the extension name
+FILE_NAMES = {name.rsplit(".", 1)[1]: product for name, (_, product) in LIBRARIES.items()}
 
 
 class MakeBuild(build_ext):
     """Each Makefile builds all its products into $(BUILD) with its default target."""
 
     def get_ext_filename(self, fullname):
-        return LIBRARIES[fullname][2]
+        return FILE_NAMES[fullname.rsplit(".", 1)[-1]]
 
     def run(self):
         with tempfile.TemporaryDirectory(prefix="nvshare-build-") as scratch:
@@ -36,7 +38,7 @@ class MakeBuild(build_ext):
             super().run()
 
     def build_extension(self, ext):
-        source_dir, product, _ = LIBRARIES[ext.name]
+        source_dir, product = LIBRARIES[ext.name]
         out = self._built.get(source_dir)
         if out is None:
             out = os.path.join(self._scratch, source_dir.replace("/", "_"))

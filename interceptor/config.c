@@ -1,0 +1,123 @@
+/*
+ * NVSHARE_* settings, read once from the environment on first use (docs/interceptor.md lists
+ * them). A malformed value is reported on stderr and its default used: the library must never
+ * stop the host program.
+ */
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "nvshare.h"
+
+/* Written once by nvs_config_load (see nvshare.h). */
+struct nvs_config nvs_config;
+
+static int is_directory(const char *path) {
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    close(fd);
+    return 1;
+}
+
+/* The socket directory rule of nvshare_py/paths.py: $NVSHARE_SOCKET_DIR, else
+ * /var/run/nvshare for root, $XDG_RUNTIME_DIR/nvshare, /tmp/nvshare-<uid>. */
+static void socket_dir(char *out, size_t cap) {
+    const char *dir = getenv("NVSHARE_SOCKET_DIR");
+    const char *runtime = getenv("XDG_RUNTIME_DIR");
+    if (dir != NULL && dir[0] != '\0')
+        snprintf(out, cap, "%s", dir);
+    else if (geteuid() == 0)
+        snprintf(out, cap, "/var/run/nvshare");
+    else if (runtime != NULL && runtime[0] != '\0' && is_directory(runtime))
+        snprintf(out, cap, "%s/nvshare", runtime);
+    else
+        snprintf(out, cap, "/tmp/nvshare-%u", (unsigned)geteuid());
+}
+
+/* 1/0 for on/off words, -1 for anything else. */
+static int parse_switch(const char *value) {
+    static const char *const on[] = {"1", "true", "yes", "on"};
+    static const char *const off[] = {"0", "false", "no", "off"};
+    for (size_t i = 0; i < sizeof on / sizeof on[0]; i++) {
+        if (strcasecmp(value, on[i]) == 0) return 1;
+        if (strcasecmp(value, off[i]) == 0) return 0;
+    }
+    return -1;
+}
+
+static void copy_env(const char *name, char *out, size_t cap) {
+    const char *value = getenv(name);
+    snprintf(out, cap, "%s", value != NULL ? value : "");
+}
+
+void nvs_config_load(void) {
+    const char *value;
+
+    value = getenv("NVSHARE_LOG");
+    if (value != NULL && value[0] != '\0') {
+        static const char *const levels[] = {"error", "warn", "info", "debug"};
+        int level = -1;
+        for (int i = 0; i < 4; i++)
+            if (strcasecmp(value, levels[i]) == 0) level = i;
+        if (strcasecmp(value, "warning") == 0) level = NVS_LOG_WARN;
+        if (level < 0)
+            nvs_error("NVSHARE_LOG=%s is not one of error, warn, info, debug; using warn", value);
+        else
+            nvs_log_level = level;
+    }
+
+    char dir[200];
+    socket_dir(dir, sizeof dir);
+    snprintf(nvs_config.socket_path, sizeof nvs_config.socket_path, "%s/client/scheduler.sock",
+             dir);
+    if (strlen(nvs_config.socket_path) > 107)
+        nvs_error("the scheduler socket path %s is longer than the 107 bytes a Unix socket "
+                  "allows; set NVSHARE_SOCKET_DIR to a shorter directory",
+                  nvs_config.socket_path);
+
+    nvs_config.fail_open = 0;
+    value = getenv("NVSHARE_FAIL_MODE");
+    if (value != NULL && value[0] != '\0') {
+        if (strcasecmp(value, "open") == 0)
+            nvs_config.fail_open = 1;
+        else if (strcasecmp(value, "closed") != 0)
+            nvs_error("NVSHARE_FAIL_MODE=%s is not 'open' or 'closed'; using closed", value);
+    }
+
+    nvs_config.idle_release_ms = -1;
+    value = getenv("NVSHARE_IDLE_RELEASE_MS");
+    if (value != NULL && value[0] != '\0') {
+        char *end;
+        long ms = strtol(value, &end, 10);
+        if (*end != '\0' || ms < 0 || ms > 86400000L)
+            nvs_error("NVSHARE_IDLE_RELEASE_MS=%s is not a number of milliseconds (0 disables "
+                      "early release); using the scheduler's idle window",
+                      value);
+        else
+            nvs_config.idle_release_ms = ms;
+    }
+
+    nvs_config.managed = 1;
+    value = getenv("NVSHARE_MANAGED");
+    if (value != NULL && value[0] != '\0') {
+        int on = parse_switch(value);
+        if (on < 0)
+            nvs_error("NVSHARE_MANAGED=%s is not 1 or 0; converting allocations (1)", value);
+        else
+            nvs_config.managed = on;
+    }
+
+    nvs_config.vmm_hide = 0;
+    value = getenv("NVSHARE_VMM");
+    if (value != NULL && value[0] != '\0') {
+        if (strcasecmp(value, "hide") == 0)
+            nvs_config.vmm_hide = 1;
+        else if (strcasecmp(value, "allow") != 0)
+            nvs_error("NVSHARE_VMM=%s is not 'allow' or 'hide'; using allow", value);
+    }
+
+    copy_env("NVSHARE_POD_NAME", nvs_config.pod, sizeof nvs_config.pod);
+    copy_env("NVSHARE_POD_NAMESPACE", nvs_config.pod_namespace, sizeof nvs_config.pod_namespace);
+}

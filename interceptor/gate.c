@@ -1,0 +1,305 @@
+/*
+ * The per-device gate and the context bookkeeping behind it.
+ *
+ * A submission does fetch_add(entered), load(gate_open), the real call, fetch_add(exited)
+ * (nvshare.h, nvs_gate_enter/exit). Closing is store(gate_open = 0) followed by waiting until
+ * exited == entered. All of these are seq_cst, so either the submitter sees the gate closed
+ * (and backs out) or the closer sees its `entered` (and waits for it): a release never overlaps
+ * a submission that passed the gate.
+ *
+ * The device of a call is the device of the calling thread's current context, cached per
+ * thread; the context hooks below drop the cache whenever the current context may change.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "nvshare.h"
+
+pthread_mutex_t nvs_mu = PTHREAD_MUTEX_INITIALIZER;
+pthread_cond_t nvs_gate_cv = PTHREAD_COND_INITIALIZER;
+pthread_mutex_t nvs_ctx_mu = PTHREAD_MUTEX_INITIALIZER;
+
+struct nvs_device nvs_devices[NVS_MAX_DEVICES];
+int nvs_n_devices;
+
+__thread struct nvs_thread_state nvs_tls __attribute__((tls_model("initial-exec")));
+
+static void format_uuid(const CUuuid *uuid, char *out, size_t cap) {
+    const unsigned char *b = (const unsigned char *)uuid->bytes;
+    snprintf(out, cap,
+             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+             b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12],
+             b[13], b[14], b[15]);
+}
+
+struct nvs_device *nvs_device_get(CUdevice ordinal) {
+    if (ordinal < 0 || ordinal >= NVS_MAX_DEVICES) {
+        nvs_error("device ordinal %d is beyond the %d devices nvshare tracks; its work is not "
+                  "scheduled",
+                  ordinal, NVS_MAX_DEVICES);
+        return NULL;
+    }
+    struct nvs_device *d = &nvs_devices[ordinal];
+    pthread_mutex_lock(&nvs_mu);
+    int known = d->known;
+    pthread_mutex_unlock(&nvs_mu);
+    if (known) return d;
+
+    /* Identity queries happen outside the lock (they are driver calls); racing threads compute
+     * the same values and the first to publish wins. */
+    CUuuid uuid;
+    memset(&uuid, 0, sizeof uuid);
+    CUresult r = CUDA_ERROR_NOT_FOUND;
+    if (nvs_real.cuDeviceGetUuid_v2 != NULL) r = nvs_real.cuDeviceGetUuid_v2(&uuid, ordinal);
+    if (r != CUDA_SUCCESS && nvs_real.cuDeviceGetUuid != NULL) r = nvs_real.cuDeviceGetUuid(&uuid, ordinal);
+    if (r != CUDA_SUCCESS) {
+        nvs_error("cuDeviceGetUuid failed (%d) for device %d; its work is not scheduled", r, ordinal);
+        return NULL;
+    }
+    char name[128] = "";
+    if (nvs_real.cuDeviceGetName == NULL || nvs_real.cuDeviceGetName(name, sizeof name, ordinal) != CUDA_SUCCESS)
+        name[0] = '\0';
+    size_t total = 0;
+    if (nvs_real.cuDeviceTotalMem_v2 == NULL || nvs_real.cuDeviceTotalMem_v2(&total, ordinal) != CUDA_SUCCESS)
+        total = 0;
+
+    pthread_mutex_lock(&nvs_mu);
+    if (!d->known) {
+        d->ordinal = ordinal;
+        format_uuid(&uuid, d->uuid, sizeof d->uuid);
+        /* The protocol forbids control characters in values. */
+        for (char *c = name; *c; c++)
+            if ((unsigned char)*c < 0x20 || *c == 0x7f) *c = ' ';
+        snprintf(d->name, sizeof d->name, "%s", name);
+        d->total = total;
+        d->known = 1;
+        if (ordinal >= nvs_n_devices) nvs_n_devices = ordinal + 1;
+        nvs_debug("device %d is %s (%s, %zu bytes)", ordinal, d->uuid, d->name, total);
+    }
+    pthread_mutex_unlock(&nvs_mu);
+    return d;
+}
+
+struct nvs_device *nvs_device_by_uuid(const char *uuid) {
+    for (int i = 0; i < nvs_n_devices; i++)
+        if (nvs_devices[i].known && strcmp(nvs_devices[i].uuid, uuid) == 0) return &nvs_devices[i];
+    return NULL;
+}
+
+static void note_context_locked(struct nvs_device *d, CUcontext ctx) {
+    for (int i = 0; i < d->n_contexts; i++)
+        if (d->contexts[i] == ctx) return;
+    if (d->n_contexts == d->cap_contexts) {
+        int cap = d->cap_contexts ? 2 * d->cap_contexts : 4;
+        CUcontext *grown = realloc(d->contexts, (size_t)cap * sizeof *grown);
+        if (grown == NULL) {
+            nvs_error("out of memory recording a context; drains may miss its work");
+            return;
+        }
+        d->contexts = grown;
+        d->cap_contexts = cap;
+    }
+    d->contexts[d->n_contexts++] = ctx;
+}
+
+static void forget_context_locked(CUcontext ctx) {
+    for (int i = 0; i < nvs_n_devices; i++) {
+        struct nvs_device *d = &nvs_devices[i];
+        for (int j = 0; j < d->n_contexts; j++)
+            if (d->contexts[j] == ctx) d->contexts[j--] = d->contexts[--d->n_contexts];
+    }
+}
+
+struct nvs_device *nvs_current_device(void) {
+    if (nvs_real_load() != 0 || nvs_real.cuCtxGetCurrent == NULL || nvs_real.cuCtxGetDevice == NULL) return NULL;
+    CUcontext ctx = NULL;
+    if (nvs_real.cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || ctx == NULL) return NULL;
+    CUdevice ordinal;
+    if (nvs_real.cuCtxGetDevice(&ordinal) != CUDA_SUCCESS) return NULL;
+    struct nvs_device *d = nvs_device_get(ordinal);
+    if (d == NULL) return NULL;
+    pthread_mutex_lock(&nvs_mu);
+    note_context_locked(d, ctx);
+    pthread_mutex_unlock(&nvs_mu);
+    return d;
+}
+
+/* Slow part of nvs_gate_enter: the thread has no cached device. No current context means the
+ * call is passed through: the driver returns its own error. */
+struct nvs_device *nvs_gate_resolve(void) {
+    struct nvs_device *d = nvs_current_device();
+    nvs_tls.device = d;
+    return d;
+}
+
+void nvs_gate_wait(struct nvs_device *d) {
+    nvs_runtime_start();
+    pthread_mutex_lock(&nvs_mu);
+    if (!atomic_load(&d->gate_open)) {
+        if (d->waiters++ == 0) nvs_client_wake();
+        while (!atomic_load(&d->gate_open)) pthread_cond_wait(&nvs_gate_cv, &nvs_mu);
+        d->waiters--;
+    }
+    pthread_mutex_unlock(&nvs_mu);
+}
+
+void nvs_gate_set_locked(struct nvs_device *d, int open) {
+    atomic_store(&d->gate_open, open);
+    if (open) pthread_cond_broadcast(&nvs_gate_cv);
+}
+
+static void pause_briefly(long *ns) {
+    struct timespec ts = {0, *ns};
+    nanosleep(&ts, NULL);
+    if (*ns < 1000000) *ns *= 2;
+}
+
+void nvs_gate_sync_contexts(struct nvs_device *d) {
+    if (nvs_real.cuCtxPushCurrent_v2 == NULL || nvs_real.cuCtxSynchronize == NULL || nvs_real.cuCtxPopCurrent_v2 == NULL)
+        return; /* no driver worth the name: nothing can be in flight */
+    pthread_mutex_lock(&nvs_ctx_mu);
+    pthread_mutex_lock(&nvs_mu);
+    int n = d->n_contexts;
+    CUcontext stack_copy[16];
+    CUcontext *contexts = n <= 16 ? stack_copy : malloc((size_t)n * sizeof *contexts);
+    if (contexts == NULL) n = 0;
+    if (n > 0) memcpy(contexts, d->contexts, (size_t)n * sizeof *contexts);
+    pthread_mutex_unlock(&nvs_mu);
+
+    for (int i = 0; i < n; i++) {
+        CUresult r = nvs_real.cuCtxPushCurrent_v2(contexts[i]);
+        if (r != CUDA_SUCCESS) {
+            /* A context the application destroyed behind our back (cudaDeviceReset). */
+            nvs_debug("dropping context %p of device %d: push failed (%d)", (void *)contexts[i], d->ordinal, r);
+            pthread_mutex_lock(&nvs_mu);
+            forget_context_locked(contexts[i]);
+            pthread_mutex_unlock(&nvs_mu);
+            continue;
+        }
+        r = nvs_real.cuCtxSynchronize();
+        if (r != CUDA_SUCCESS)
+            nvs_debug("cuCtxSynchronize on device %d returned %d (the application sees it too)", d->ordinal, r);
+        CUcontext popped;
+        nvs_real.cuCtxPopCurrent_v2(&popped);
+    }
+    if (contexts != stack_copy) free(contexts);
+    pthread_mutex_unlock(&nvs_ctx_mu);
+}
+
+void nvs_gate_drain(struct nvs_device *d) {
+    pthread_mutex_lock(&nvs_mu);
+    nvs_gate_set_locked(d, 0);
+    pthread_mutex_unlock(&nvs_mu);
+    /* exited first, then entered: equal values mean nothing was in flight at the first read,
+     * and everything entering after the gate closed backs out without submitting. */
+    long pause_ns = 20000;
+    for (;;) {
+        uint64_t x = atomic_load(&d->exited);
+        uint64_t e = atomic_load(&d->entered);
+        if (x == e) break;
+        pause_briefly(&pause_ns);
+    }
+    nvs_gate_sync_contexts(d);
+}
+
+/* --- context hooks ----------------------------------------------------------------------------*/
+
+#define NVS_REAL_OR_FAIL(name)                                                                  \
+    do {                                                                                        \
+        if (nvs_real_load() != 0) return CUDA_ERROR_NOT_INITIALIZED;                            \
+        if (nvs_real.name == NULL) return CUDA_ERROR_NOT_FOUND;                                 \
+    } while (0)
+
+NVS_EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
+    NVS_REAL_OR_FAIL(cuCtxSetCurrent);
+    CUresult r = nvs_real.cuCtxSetCurrent(ctx);
+    nvs_tls.device = NULL;
+    return r;
+}
+
+NVS_EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
+    NVS_REAL_OR_FAIL(cuCtxPushCurrent_v2);
+    CUresult r = nvs_real.cuCtxPushCurrent_v2(ctx);
+    nvs_tls.device = NULL;
+    return r;
+}
+
+NVS_EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *pctx) {
+    NVS_REAL_OR_FAIL(cuCtxPopCurrent_v2);
+    CUresult r = nvs_real.cuCtxPopCurrent_v2(pctx);
+    nvs_tls.device = NULL;
+    return r;
+}
+
+NVS_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
+    NVS_REAL_OR_FAIL(cuCtxCreate_v2);
+    CUresult r = nvs_real.cuCtxCreate_v2(pctx, flags, dev);
+    nvs_tls.device = NULL;
+    return r;
+}
+
+NVS_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, void *affinityParams, int numParams, unsigned int flags,
+                                   CUdevice dev) {
+    NVS_REAL_OR_FAIL(cuCtxCreate_v3);
+    CUresult r = nvs_real.cuCtxCreate_v3(pctx, affinityParams, numParams, flags, dev);
+    nvs_tls.device = NULL;
+    return r;
+}
+
+NVS_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, void *createParams, unsigned int flags, CUdevice dev) {
+    NVS_REAL_OR_FAIL(cuCtxCreate_v4);
+    CUresult r = nvs_real.cuCtxCreate_v4(pctx, createParams, flags, dev);
+    nvs_tls.device = NULL;
+    return r;
+}
+
+NVS_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) {
+    NVS_REAL_OR_FAIL(cuCtxDestroy_v2);
+    /* Forget it first and keep drains away until the driver has destroyed it. */
+    pthread_mutex_lock(&nvs_ctx_mu);
+    pthread_mutex_lock(&nvs_mu);
+    forget_context_locked(ctx);
+    pthread_mutex_unlock(&nvs_mu);
+    CUresult r = nvs_real.cuCtxDestroy_v2(ctx);
+    pthread_mutex_unlock(&nvs_ctx_mu);
+    nvs_tls.device = NULL;
+    return r;
+}
+
+/* Releasing or resetting a primary context may destroy it: drop every recorded context of the
+ * device that the driver no longer knows. */
+static void forget_dead_contexts(CUdevice ordinal) {
+    if (ordinal < 0 || ordinal >= NVS_MAX_DEVICES || nvs_real.cuCtxGetApiVersion == NULL) return;
+    struct nvs_device *d = &nvs_devices[ordinal];
+    pthread_mutex_lock(&nvs_mu);
+    for (int j = 0; j < d->n_contexts; j++) {
+        unsigned int version;
+        if (nvs_real.cuCtxGetApiVersion(d->contexts[j], &version) != CUDA_SUCCESS)
+            d->contexts[j--] = d->contexts[--d->n_contexts];
+    }
+    pthread_mutex_unlock(&nvs_mu);
+}
+
+NVS_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+    NVS_REAL_OR_FAIL(cuDevicePrimaryCtxRelease_v2);
+    pthread_mutex_lock(&nvs_ctx_mu);
+    CUresult r = nvs_real.cuDevicePrimaryCtxRelease_v2(dev);
+    forget_dead_contexts(dev);
+    pthread_mutex_unlock(&nvs_ctx_mu);
+    nvs_tls.device = NULL;
+    return r;
+}
+
+NVS_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
+    NVS_REAL_OR_FAIL(cuDevicePrimaryCtxReset_v2);
+    pthread_mutex_lock(&nvs_ctx_mu);
+    CUresult r = nvs_real.cuDevicePrimaryCtxReset_v2(dev);
+    forget_dead_contexts(dev);
+    pthread_mutex_unlock(&nvs_ctx_mu);
+    nvs_tls.device = NULL;
+    return r;
+}

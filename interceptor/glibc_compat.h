@@ -1,0 +1,26 @@
+/*
+ * Force-included into every source of libnvshare.so (Makefile: -include). Binds the glibc
+ * functions whose default version is newer than 2.17 to their oldest version, so the library
+ * loads on any glibc >= 2.17 (CentOS 7, old CUDA base images) although it is built on a new one.
+ * glibc keeps these old versions as compatibility symbols; their behaviour is the same for the
+ * way nvshare calls them. tests/test_library_hygiene.py fails when a new reference needs an
+ * entry here.
+ */
+#ifndef NVSHARE_GLIBC_COMPAT_H
+#define NVSHARE_GLIBC_COMPAT_H
+#if defined(__x86_64__)
+/* libdl moved into libc in 2.34 */
+__asm__(".symver dlopen, dlopen@GLIBC_2.2.5");
+__asm__(".symver dlclose, dlclose@GLIBC_2.2.5");
+__asm__(".symver dlerror, dlerror@GLIBC_2.2.5");
+__asm__(".symver dlvsym, dlvsym@GLIBC_2.2.5");
+/* libpthread moved into libc in 2.34 */
+__asm__(".symver pthread_create, pthread_create@GLIBC_2.2.5");
+__asm__(".symver pthread_once, pthread_once@GLIBC_2.2.5");
+__asm__(".symver pthread_attr_setstacksize, pthread_attr_setstacksize@GLIBC_2.2.5");
+__asm__(".symver pthread_sigmask, pthread_sigmask@GLIBC_2.2.5");
+/* memcpy@GLIBC_2.14 only stopped copying overlapping buffers backwards; nvshare never
+ * copies overlapping buffers */
+__asm__(".symver memcpy, memcpy@GLIBC_2.2.5");
+#endif
+#endif

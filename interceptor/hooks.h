@@ -1,0 +1,340 @@
+/*
+ * Every driver entry point libnvshare.so intercepts, declared once (an X-macro list).
+ *
+ *   X(kind, name, (parameters), (arguments))
+ *
+ * kind GATED:  the wrapper is generated in hooks.c: wait for the device's lock, call the real
+ *              function, leave the gate. For everything that submits GPU work or touches
+ *              device memory.
+ * kind CUSTOM: the wrapper is hand-written (memory.c, gate.c, hooks.c).
+ *
+ * `name` is the exported ABI symbol of libcuda.so.1 (with its _v2/_ptds/_ptsz suffix), which
+ * is also the symbol libnvshare.so exports. Adding a hook is one line here (plus its
+ * hand-written wrapper if it is CUSTOM). Every hook returns CUresult. Parameters that are
+ * pointers to structs nvshare never reads are written as `void *` (same ABI).
+ *
+ * NVS_FOR_EACH_REAL lists functions nvshare only calls (never exported, never wrapped).
+ */
+#ifndef NVSHARE_HOOKS_H
+#define NVSHARE_HOOKS_H
+
+#include "cuda_types.h"
+
+#define NVS_LAUNCH_PARAMS                                                                       \
+    CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,          \
+        unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,                 \
+        unsigned int sharedMemBytes, CUstream hStream, void **kernelParams
+#define NVS_LAUNCH_ARGS                                                                         \
+    f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,  \
+        kernelParams
+
+#define NVS_FOR_EACH_HOOK(X)                                                                    \
+    /* --- kernel launches and graphs --- */                                                    \
+    X(GATED, cuLaunchKernel, (NVS_LAUNCH_PARAMS, void **extra), (NVS_LAUNCH_ARGS, extra))       \
+    X(GATED, cuLaunchKernel_ptsz, (NVS_LAUNCH_PARAMS, void **extra), (NVS_LAUNCH_ARGS, extra))  \
+    X(GATED, cuLaunchKernelEx,                                                                  \
+      (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),          \
+      (config, f, kernelParams, extra))                                                         \
+    X(GATED, cuLaunchKernelEx_ptsz,                                                             \
+      (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),          \
+      (config, f, kernelParams, extra))                                                         \
+    X(GATED, cuLaunchCooperativeKernel, (NVS_LAUNCH_PARAMS), (NVS_LAUNCH_ARGS))                 \
+    X(GATED, cuLaunchCooperativeKernel_ptsz, (NVS_LAUNCH_PARAMS), (NVS_LAUNCH_ARGS))            \
+    X(GATED, cuLaunchCooperativeKernelMultiDevice,                                              \
+      (CUDA_LAUNCH_PARAMS *launchParamsList, unsigned int numDevices, unsigned int flags),      \
+      (launchParamsList, numDevices, flags))                                                    \
+    X(GATED, cuLaunch, (CUfunction f), (f))                                                     \
+    X(GATED, cuLaunchGrid, (CUfunction f, int grid_width, int grid_height),                     \
+      (f, grid_width, grid_height))                                                             \
+    X(GATED, cuLaunchGridAsync, (CUfunction f, int grid_width, int grid_height, CUstream s),    \
+      (f, grid_width, grid_height, s))                                                          \
+    X(GATED, cuGraphLaunch, (CUgraphExec hGraphExec, CUstream hStream), (hGraphExec, hStream))  \
+    X(GATED, cuGraphLaunch_ptsz, (CUgraphExec hGraphExec, CUstream hStream),                    \
+      (hGraphExec, hStream))                                                                    \
+    /* --- copies --- */                                                                       \
+    X(GATED, cuMemcpy, (CUdeviceptr dst, CUdeviceptr src, size_t n), (dst, src, n))             \
+    X(GATED, cuMemcpy_ptds, (CUdeviceptr dst, CUdeviceptr src, size_t n), (dst, src, n))        \
+    X(GATED, cuMemcpyAsync, (CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s),           \
+      (dst, src, n, s))                                                                         \
+    X(GATED, cuMemcpyAsync_ptsz, (CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s),      \
+      (dst, src, n, s))                                                                         \
+    X(GATED, cuMemcpyPeer,                                                                      \
+      (CUdeviceptr dst, CUcontext dstCtx, CUdeviceptr src, CUcontext srcCtx, size_t n),         \
+      (dst, dstCtx, src, srcCtx, n))                                                            \
+    X(GATED, cuMemcpyPeer_ptds,                                                                 \
+      (CUdeviceptr dst, CUcontext dstCtx, CUdeviceptr src, CUcontext srcCtx, size_t n),         \
+      (dst, dstCtx, src, srcCtx, n))                                                            \
+    X(GATED, cuMemcpyPeerAsync,                                                                 \
+      (CUdeviceptr dst, CUcontext dstCtx, CUdeviceptr src, CUcontext srcCtx, size_t n,          \
+       CUstream s),                                                                             \
+      (dst, dstCtx, src, srcCtx, n, s))                                                         \
+    X(GATED, cuMemcpyPeerAsync_ptsz,                                                            \
+      (CUdeviceptr dst, CUcontext dstCtx, CUdeviceptr src, CUcontext srcCtx, size_t n,          \
+       CUstream s),                                                                             \
+      (dst, dstCtx, src, srcCtx, n, s))                                                         \
+    X(GATED, cuMemcpyHtoD_v2, (CUdeviceptr dst, const void *src, size_t n), (dst, src, n))      \
+    X(GATED, cuMemcpyHtoD_v2_ptds, (CUdeviceptr dst, const void *src, size_t n), (dst, src, n)) \
+    X(GATED, cuMemcpyDtoH_v2, (void *dst, CUdeviceptr src, size_t n), (dst, src, n))            \
+    X(GATED, cuMemcpyDtoH_v2_ptds, (void *dst, CUdeviceptr src, size_t n), (dst, src, n))       \
+    X(GATED, cuMemcpyDtoD_v2, (CUdeviceptr dst, CUdeviceptr src, size_t n), (dst, src, n))      \
+    X(GATED, cuMemcpyDtoD_v2_ptds, (CUdeviceptr dst, CUdeviceptr src, size_t n), (dst, src, n)) \
+    X(GATED, cuMemcpyDtoA_v2, (CUarray dst, size_t dstOff, CUdeviceptr src, size_t n),          \
+      (dst, dstOff, src, n))                                                                    \
+    X(GATED, cuMemcpyDtoA_v2_ptds, (CUarray dst, size_t dstOff, CUdeviceptr src, size_t n),     \
+      (dst, dstOff, src, n))                                                                    \
+    X(GATED, cuMemcpyAtoD_v2, (CUdeviceptr dst, CUarray src, size_t srcOff, size_t n),          \
+      (dst, src, srcOff, n))                                                                    \
+    X(GATED, cuMemcpyAtoD_v2_ptds, (CUdeviceptr dst, CUarray src, size_t srcOff, size_t n),     \
+      (dst, src, srcOff, n))                                                                    \
+    X(GATED, cuMemcpyHtoA_v2, (CUarray dst, size_t dstOff, const void *src, size_t n),          \
+      (dst, dstOff, src, n))                                                                    \
+    X(GATED, cuMemcpyHtoA_v2_ptds, (CUarray dst, size_t dstOff, const void *src, size_t n),     \
+      (dst, dstOff, src, n))                                                                    \
+    X(GATED, cuMemcpyAtoH_v2, (void *dst, CUarray src, size_t srcOff, size_t n),                \
+      (dst, src, srcOff, n))                                                                    \
+    X(GATED, cuMemcpyAtoH_v2_ptds, (void *dst, CUarray src, size_t srcOff, size_t n),           \
+      (dst, src, srcOff, n))                                                                    \
+    X(GATED, cuMemcpyAtoA_v2, (CUarray dst, size_t dstOff, CUarray src, size_t srcOff, size_t n), \
+      (dst, dstOff, src, srcOff, n))                                                            \
+    X(GATED, cuMemcpyAtoA_v2_ptds,                                                              \
+      (CUarray dst, size_t dstOff, CUarray src, size_t srcOff, size_t n),                       \
+      (dst, dstOff, src, srcOff, n))                                                            \
+    X(GATED, cuMemcpyHtoAAsync_v2,                                                              \
+      (CUarray dst, size_t dstOff, const void *src, size_t n, CUstream s),                      \
+      (dst, dstOff, src, n, s))                                                                 \
+    X(GATED, cuMemcpyHtoAAsync_v2_ptsz,                                                         \
+      (CUarray dst, size_t dstOff, const void *src, size_t n, CUstream s),                      \
+      (dst, dstOff, src, n, s))                                                                 \
+    X(GATED, cuMemcpyAtoHAsync_v2, (void *dst, CUarray src, size_t srcOff, size_t n, CUstream s), \
+      (dst, src, srcOff, n, s))                                                                 \
+    X(GATED, cuMemcpyAtoHAsync_v2_ptsz,                                                         \
+      (void *dst, CUarray src, size_t srcOff, size_t n, CUstream s), (dst, src, srcOff, n, s))  \
+    X(GATED, cuMemcpyHtoDAsync_v2, (CUdeviceptr dst, const void *src, size_t n, CUstream s),    \
+      (dst, src, n, s))                                                                         \
+    X(GATED, cuMemcpyHtoDAsync_v2_ptsz,                                                         \
+      (CUdeviceptr dst, const void *src, size_t n, CUstream s), (dst, src, n, s))               \
+    X(GATED, cuMemcpyDtoHAsync_v2, (void *dst, CUdeviceptr src, size_t n, CUstream s),          \
+      (dst, src, n, s))                                                                         \
+    X(GATED, cuMemcpyDtoHAsync_v2_ptsz, (void *dst, CUdeviceptr src, size_t n, CUstream s),     \
+      (dst, src, n, s))                                                                         \
+    X(GATED, cuMemcpyDtoDAsync_v2, (CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s),    \
+      (dst, src, n, s))                                                                         \
+    X(GATED, cuMemcpyDtoDAsync_v2_ptsz,                                                         \
+      (CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s), (dst, src, n, s))               \
+    X(GATED, cuMemcpy2D_v2, (const CUDA_MEMCPY2D *p), (p))                                      \
+    X(GATED, cuMemcpy2D_v2_ptds, (const CUDA_MEMCPY2D *p), (p))                                 \
+    X(GATED, cuMemcpy2DUnaligned_v2, (const CUDA_MEMCPY2D *p), (p))                             \
+    X(GATED, cuMemcpy2DUnaligned_v2_ptds, (const CUDA_MEMCPY2D *p), (p))                        \
+    X(GATED, cuMemcpy2DAsync_v2, (const CUDA_MEMCPY2D *p, CUstream s), (p, s))                  \
+    X(GATED, cuMemcpy2DAsync_v2_ptsz, (const CUDA_MEMCPY2D *p, CUstream s), (p, s))             \
+    X(GATED, cuMemcpy3D_v2, (const CUDA_MEMCPY3D *p), (p))                                      \
+    X(GATED, cuMemcpy3D_v2_ptds, (const CUDA_MEMCPY3D *p), (p))                                 \
+    X(GATED, cuMemcpy3DAsync_v2, (const CUDA_MEMCPY3D *p, CUstream s), (p, s))                  \
+    X(GATED, cuMemcpy3DAsync_v2_ptsz, (const CUDA_MEMCPY3D *p, CUstream s), (p, s))             \
+    X(GATED, cuMemcpy3DPeer, (const CUDA_MEMCPY3D_PEER *p), (p))                                \
+    X(GATED, cuMemcpy3DPeer_ptds, (const CUDA_MEMCPY3D_PEER *p), (p))                           \
+    X(GATED, cuMemcpy3DPeerAsync, (const CUDA_MEMCPY3D_PEER *p, CUstream s), (p, s))            \
+    X(GATED, cuMemcpy3DPeerAsync_ptsz, (const CUDA_MEMCPY3D_PEER *p, CUstream s), (p, s))       \
+    /* batch copies: CUDA 12.8 (with failIdx) and 13.0 (_v2, without) */                       \
+    X(GATED, cuMemcpyBatchAsync,                                                                \
+      (CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,                       \
+       CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, size_t *failIdx,          \
+       CUstream s),                                                                             \
+      (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, failIdx, s))                       \
+    X(GATED, cuMemcpyBatchAsync_ptsz,                                                           \
+      (CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,                       \
+       CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, size_t *failIdx,          \
+       CUstream s),                                                                             \
+      (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, failIdx, s))                       \
+    X(GATED, cuMemcpyBatchAsync_v2,                                                             \
+      (CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,                       \
+       CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, CUstream s),              \
+      (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, s))                                \
+    X(GATED, cuMemcpyBatchAsync_v2_ptsz,                                                        \
+      (CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,                       \
+       CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, CUstream s),              \
+      (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, s))                                \
+    X(GATED, cuMemcpy3DBatchAsync,                                                              \
+      (size_t numOps, CUDA_MEMCPY3D_BATCH_OP *ops, size_t *failIdx, unsigned long long flags,   \
+       CUstream s),                                                                             \
+      (numOps, ops, failIdx, flags, s))                                                         \
+    X(GATED, cuMemcpy3DBatchAsync_ptsz,                                                         \
+      (size_t numOps, CUDA_MEMCPY3D_BATCH_OP *ops, size_t *failIdx, unsigned long long flags,   \
+       CUstream s),                                                                             \
+      (numOps, ops, failIdx, flags, s))                                                         \
+    X(GATED, cuMemcpy3DBatchAsync_v2,                                                           \
+      (size_t numOps, CUDA_MEMCPY3D_BATCH_OP *ops, unsigned long long flags, CUstream s),       \
+      (numOps, ops, flags, s))                                                                  \
+    X(GATED, cuMemcpy3DBatchAsync_v2_ptsz,                                                      \
+      (size_t numOps, CUDA_MEMCPY3D_BATCH_OP *ops, unsigned long long flags, CUstream s),       \
+      (numOps, ops, flags, s))                                                                  \
+    X(GATED, cuMemcpyWithAttributesAsync,                                                       \
+      (CUdeviceptr dst, CUdeviceptr src, size_t n, CUmemcpyAttributes *attr, CUstream s),       \
+      (dst, src, n, attr, s))                                                                   \
+    X(GATED, cuMemcpy3DWithAttributesAsync,                                                     \
+      (CUDA_MEMCPY3D_BATCH_OP *op, unsigned long long flags, CUstream s), (op, flags, s))       \
+    /* --- memset --- */                                                                       \
+    X(GATED, cuMemsetD8_v2, (CUdeviceptr d, unsigned char v, size_t n), (d, v, n))              \
+    X(GATED, cuMemsetD8_v2_ptds, (CUdeviceptr d, unsigned char v, size_t n), (d, v, n))         \
+    X(GATED, cuMemsetD16_v2, (CUdeviceptr d, unsigned short v, size_t n), (d, v, n))            \
+    X(GATED, cuMemsetD16_v2_ptds, (CUdeviceptr d, unsigned short v, size_t n), (d, v, n))       \
+    X(GATED, cuMemsetD32_v2, (CUdeviceptr d, unsigned int v, size_t n), (d, v, n))              \
+    X(GATED, cuMemsetD32_v2_ptds, (CUdeviceptr d, unsigned int v, size_t n), (d, v, n))         \
+    X(GATED, cuMemsetD2D8_v2, (CUdeviceptr d, size_t pitch, unsigned char v, size_t w, size_t h), \
+      (d, pitch, v, w, h))                                                                      \
+    X(GATED, cuMemsetD2D8_v2_ptds,                                                              \
+      (CUdeviceptr d, size_t pitch, unsigned char v, size_t w, size_t h), (d, pitch, v, w, h))  \
+    X(GATED, cuMemsetD2D16_v2,                                                                  \
+      (CUdeviceptr d, size_t pitch, unsigned short v, size_t w, size_t h), (d, pitch, v, w, h)) \
+    X(GATED, cuMemsetD2D16_v2_ptds,                                                             \
+      (CUdeviceptr d, size_t pitch, unsigned short v, size_t w, size_t h), (d, pitch, v, w, h)) \
+    X(GATED, cuMemsetD2D32_v2,                                                                  \
+      (CUdeviceptr d, size_t pitch, unsigned int v, size_t w, size_t h), (d, pitch, v, w, h))   \
+    X(GATED, cuMemsetD2D32_v2_ptds,                                                             \
+      (CUdeviceptr d, size_t pitch, unsigned int v, size_t w, size_t h), (d, pitch, v, w, h))   \
+    X(GATED, cuMemsetD8Async, (CUdeviceptr d, unsigned char v, size_t n, CUstream s),           \
+      (d, v, n, s))                                                                             \
+    X(GATED, cuMemsetD8Async_ptsz, (CUdeviceptr d, unsigned char v, size_t n, CUstream s),      \
+      (d, v, n, s))                                                                             \
+    X(GATED, cuMemsetD16Async, (CUdeviceptr d, unsigned short v, size_t n, CUstream s),         \
+      (d, v, n, s))                                                                             \
+    X(GATED, cuMemsetD16Async_ptsz, (CUdeviceptr d, unsigned short v, size_t n, CUstream s),    \
+      (d, v, n, s))                                                                             \
+    X(GATED, cuMemsetD32Async, (CUdeviceptr d, unsigned int v, size_t n, CUstream s),           \
+      (d, v, n, s))                                                                             \
+    X(GATED, cuMemsetD32Async_ptsz, (CUdeviceptr d, unsigned int v, size_t n, CUstream s),      \
+      (d, v, n, s))                                                                             \
+    X(GATED, cuMemsetD2D8Async,                                                                 \
+      (CUdeviceptr d, size_t pitch, unsigned char v, size_t w, size_t h, CUstream s),           \
+      (d, pitch, v, w, h, s))                                                                   \
+    X(GATED, cuMemsetD2D8Async_ptsz,                                                            \
+      (CUdeviceptr d, size_t pitch, unsigned char v, size_t w, size_t h, CUstream s),           \
+      (d, pitch, v, w, h, s))                                                                   \
+    X(GATED, cuMemsetD2D16Async,                                                                \
+      (CUdeviceptr d, size_t pitch, unsigned short v, size_t w, size_t h, CUstream s),          \
+      (d, pitch, v, w, h, s))                                                                   \
+    X(GATED, cuMemsetD2D16Async_ptsz,                                                           \
+      (CUdeviceptr d, size_t pitch, unsigned short v, size_t w, size_t h, CUstream s),          \
+      (d, pitch, v, w, h, s))                                                                   \
+    X(GATED, cuMemsetD2D32Async,                                                                \
+      (CUdeviceptr d, size_t pitch, unsigned int v, size_t w, size_t h, CUstream s),            \
+      (d, pitch, v, w, h, s))                                                                   \
+    X(GATED, cuMemsetD2D32Async_ptsz,                                                           \
+      (CUdeviceptr d, size_t pitch, unsigned int v, size_t w, size_t h, CUstream s),            \
+      (d, pitch, v, w, h, s))                                                                   \
+    /* --- managed-memory migration --- */                                                     \
+    X(GATED, cuMemPrefetchAsync, (CUdeviceptr p, size_t n, CUdevice dst, CUstream s),           \
+      (p, n, dst, s))                                                                           \
+    X(GATED, cuMemPrefetchAsync_ptsz, (CUdeviceptr p, size_t n, CUdevice dst, CUstream s),      \
+      (p, n, dst, s))                                                                           \
+    X(GATED, cuMemPrefetchAsync_v2,                                                             \
+      (CUdeviceptr p, size_t n, CUmemLocation loc, unsigned int flags, CUstream s),             \
+      (p, n, loc, flags, s))                                                                    \
+    X(GATED, cuMemPrefetchAsync_v2_ptsz,                                                        \
+      (CUdeviceptr p, size_t n, CUmemLocation loc, unsigned int flags, CUstream s),             \
+      (p, n, loc, flags, s))                                                                    \
+    X(GATED, cuMemPrefetchBatchAsync,                                                           \
+      (CUdeviceptr *ptrs, size_t *sizes, size_t count, CUmemLocation *locs, size_t *locIdxs,    \
+       size_t numLocs, unsigned long long flags, CUstream s),                                   \
+      (ptrs, sizes, count, locs, locIdxs, numLocs, flags, s))                                   \
+    X(GATED, cuMemDiscardAndPrefetchBatchAsync,                                                 \
+      (CUdeviceptr *ptrs, size_t *sizes, size_t count, CUmemLocation *locs, size_t *locIdxs,    \
+       size_t numLocs, unsigned long long flags, CUstream s),                                   \
+      (ptrs, sizes, count, locs, locIdxs, numLocs, flags, s))                                   \
+    /* --- allocations (memory.c) --- */                                                       \
+    X(CUSTOM, cuMemAlloc_v2, (CUdeviceptr *dptr, size_t size), (dptr, size))                    \
+    X(CUSTOM, cuMemAllocPitch_v2,                                                               \
+      (CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height, unsigned int elemSize),   \
+      (dptr, pitch, width, height, elemSize))                                                   \
+    X(CUSTOM, cuMemAllocAsync, (CUdeviceptr *dptr, size_t size, CUstream s), (dptr, size, s))   \
+    X(CUSTOM, cuMemAllocAsync_ptsz, (CUdeviceptr *dptr, size_t size, CUstream s),               \
+      (dptr, size, s))                                                                          \
+    X(CUSTOM, cuMemAllocFromPoolAsync,                                                          \
+      (CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s), (dptr, size, pool, s))   \
+    X(CUSTOM, cuMemAllocFromPoolAsync_ptsz,                                                     \
+      (CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s), (dptr, size, pool, s))   \
+    X(CUSTOM, cuMemAllocManaged, (CUdeviceptr *dptr, size_t size, unsigned int flags),          \
+      (dptr, size, flags))                                                                      \
+    X(CUSTOM, cuMemFree_v2, (CUdeviceptr dptr), (dptr))                                         \
+    X(CUSTOM, cuMemFreeAsync, (CUdeviceptr dptr, CUstream s), (dptr, s))                        \
+    X(CUSTOM, cuMemFreeAsync_ptsz, (CUdeviceptr dptr, CUstream s), (dptr, s))                   \
+    X(CUSTOM, cuMemGetInfo_v2, (size_t *free_bytes, size_t *total_bytes),                       \
+      (free_bytes, total_bytes))                                                                \
+    X(CUSTOM, cuMemCreate,                                                                      \
+      (CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,      \
+       unsigned long long flags),                                                               \
+      (handle, size, prop, flags))                                                              \
+    X(CUSTOM, cuMemRelease, (CUmemGenericAllocationHandle handle), (handle))                    \
+    X(CUSTOM, cuIpcGetMemHandle, (CUipcMemHandle *handle, CUdeviceptr dptr), (handle, dptr))    \
+    X(CUSTOM, cuDeviceGetAttribute, (int *value, CUdevice_attribute attrib, CUdevice dev),      \
+      (value, attrib, dev))                                                                     \
+    /* --- contexts (gate.c): they change the calling thread's device --- */                   \
+    X(CUSTOM, cuCtxSetCurrent, (CUcontext ctx), (ctx))                                          \
+    X(CUSTOM, cuCtxPushCurrent_v2, (CUcontext ctx), (ctx))                                      \
+    X(CUSTOM, cuCtxPopCurrent_v2, (CUcontext *pctx), (pctx))                                    \
+    X(CUSTOM, cuCtxCreate_v2, (CUcontext *pctx, unsigned int flags, CUdevice dev),              \
+      (pctx, flags, dev))                                                                       \
+    X(CUSTOM, cuCtxCreate_v3,                                                                   \
+      (CUcontext *pctx, void *affinityParams, int numParams, unsigned int flags, CUdevice dev), \
+      (pctx, affinityParams, numParams, flags, dev))                                            \
+    X(CUSTOM, cuCtxCreate_v4,                                                                   \
+      (CUcontext *pctx, void *createParams, unsigned int flags, CUdevice dev),                  \
+      (pctx, createParams, flags, dev))                                                         \
+    X(CUSTOM, cuCtxDestroy_v2, (CUcontext ctx), (ctx))                                          \
+    X(CUSTOM, cuDevicePrimaryCtxRelease_v2, (CUdevice dev), (dev))                              \
+    X(CUSTOM, cuDevicePrimaryCtxReset_v2, (CUdevice dev), (dev))                                \
+    /* --- lookup (hooks.c) --- */                                                             \
+    X(CUSTOM, cuGetProcAddress,                                                                 \
+      (const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags),                      \
+      (symbol, pfn, cudaVersion, flags))                                                        \
+    X(CUSTOM, cuGetProcAddress_v2,                                                              \
+      (const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,                       \
+       CUdriverProcAddressQueryResult *symbolStatus),                                           \
+      (symbol, pfn, cudaVersion, flags, symbolStatus))
+
+#define NVS_FOR_EACH_REAL(X)                                                                    \
+    X(cuCtxGetCurrent, (CUcontext * pctx))                                                      \
+    X(cuCtxGetDevice, (CUdevice * dev))                                                         \
+    X(cuCtxSynchronize, (void))                                                                 \
+    X(cuCtxGetApiVersion, (CUcontext ctx, unsigned int *version))                               \
+    X(cuDeviceGetUuid_v2, (CUuuid * uuid, CUdevice dev))                                        \
+    X(cuDeviceGetUuid, (CUuuid * uuid, CUdevice dev))                                           \
+    X(cuDeviceGetName, (char *name, int len, CUdevice dev))                                     \
+    X(cuDeviceTotalMem_v2, (size_t * bytes, CUdevice dev))                                      \
+    X(cuEventCreate, (CUevent * event, unsigned int flags))                                     \
+    X(cuEventRecord, (CUevent event, CUstream stream))                                          \
+    X(cuEventQuery, (CUevent event))                                                            \
+    X(cuEventDestroy_v2, (CUevent event))                                                       \
+    X(cuStreamIsCapturing, (CUstream stream, int *status))                                      \
+    X(cuPointerGetAttribute, (void *data, CUpointer_attribute attribute, CUdeviceptr ptr))
+
+/* `make` lists the exported names for the version script with this. */
+#ifdef NVS_LIST_HOOK_NAMES
+#define NVS_HOOK_NAME(kind, name, params, args) @name@
+NVS_FOR_EACH_HOOK(NVS_HOOK_NAME)
+#undef NVS_HOOK_NAME
+#endif
+
+/* Prototypes of every exported hook, so hand-written wrappers are checked against the list. */
+#define NVS_DECLARE_HOOK(kind, name, params, args) CUresult name params;
+NVS_FOR_EACH_HOOK(NVS_DECLARE_HOOK)
+#undef NVS_DECLARE_HOOK
+
+/* The real driver's functions, resolved once from libcuda.so.1 (hooks.c). A pointer stays
+ * NULL when the installed driver lacks the symbol. */
+struct nvs_real_table {
+#define NVS_REAL_FIELD(kind, name, params, args) CUresult(*name) params;
+    NVS_FOR_EACH_HOOK(NVS_REAL_FIELD)
+#undef NVS_REAL_FIELD
+#define NVS_REAL_ONLY_FIELD(name, params) CUresult(*name) params;
+    NVS_FOR_EACH_REAL(NVS_REAL_ONLY_FIELD)
+#undef NVS_REAL_ONLY_FIELD
+};
+
+extern struct nvs_real_table nvs_real;
+
+/* Resolve the real driver once (dlopen libcuda.so.1). Cheap after the first call. Returns 0
+ * when the driver could be loaded. Safe before cuInit and from any thread. */
+int nvs_real_load(void);
+
+#endif

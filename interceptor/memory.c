@@ -1,0 +1,463 @@
+/*
+ * Device allocations become managed allocations, so every process may use the whole GPU and
+ * the driver pages to host memory when the sum exceeds it. A table remembers what each
+ * pointer is, for frees, for the per-device byte counts that feed MEMORY reports and
+ * cuMemGetInfo, and for the IPC explanation. Allocations are not the hot path: one mutex.
+ */
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <string.h>
+
+#include "nvshare.h"
+
+#define CU_EVENT_DISABLE_TIMING 0x2
+#define CU_STREAM_CAPTURE_STATUS_NONE 0
+
+enum alloc_kind {
+    ALLOC_CONVERTED = 1, /* a device allocation nvshare turned into a managed one */
+    ALLOC_MANAGED,       /* the application's own cuMemAllocManaged */
+    ALLOC_DEVICE,        /* passed through (NVSHARE_MANAGED=0): physical device memory */
+    ALLOC_VMM,           /* cuMemCreate handle: physical, never converted */
+};
+
+struct alloc {
+    uint64_t key; /* device pointer, or VMM handle */
+    size_t size;
+    struct nvs_device *device;
+    enum alloc_kind kind;
+};
+
+/* Open-addressing hash table of live allocations; under mem_mu. Keys are never 0. Pointers
+ * and VMM handles live in separate tables because their values may coincide. */
+struct alloc_table {
+    struct alloc *slots;
+    size_t cap, used, tombstones;
+};
+#define TOMBSTONE UINT64_MAX
+
+static pthread_mutex_t mem_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct alloc_table pointers, vmm_handles;
+
+static size_t slot_of(uint64_t key, size_t cap) {
+    key ^= key >> 33;
+    key *= 0xff51afd7ed558ccdULL;
+    key ^= key >> 33;
+    return (size_t)key & (cap - 1);
+}
+
+static int table_grow(struct alloc_table *t) {
+    size_t cap = t->cap ? 2 * t->cap : 1024;
+    if (t->used * 4 < t->cap) cap = t->cap; /* mostly tombstones: rehash in place */
+    struct alloc *slots = calloc(cap, sizeof *slots);
+    if (slots == NULL) return -1;
+    for (size_t i = 0; i < t->cap; i++) {
+        struct alloc *a = &t->slots[i];
+        if (a->key == 0 || a->key == TOMBSTONE) continue;
+        size_t j = slot_of(a->key, cap);
+        while (slots[j].key != 0) j = (j + 1) & (cap - 1);
+        slots[j] = *a;
+    }
+    free(t->slots);
+    t->slots = slots;
+    t->cap = cap;
+    t->tombstones = 0;
+    return 0;
+}
+
+static int table_put(struct alloc_table *t, const struct alloc *a) {
+    if ((t->used + t->tombstones + 1) * 2 > t->cap && table_grow(t) != 0) return -1;
+    size_t j = slot_of(a->key, t->cap);
+    while (t->slots[j].key != 0 && t->slots[j].key != TOMBSTONE && t->slots[j].key != a->key)
+        j = (j + 1) & (t->cap - 1);
+    if (t->slots[j].key == TOMBSTONE) t->tombstones--;
+    if (t->slots[j].key != a->key) t->used++;
+    t->slots[j] = *a;
+    return 0;
+}
+
+static struct alloc *table_find(struct alloc_table *t, uint64_t key) {
+    if (t->cap == 0 || key == 0 || key == TOMBSTONE) return NULL;
+    size_t j = slot_of(key, t->cap);
+    while (t->slots[j].key != 0) {
+        if (t->slots[j].key == key) return &t->slots[j];
+        j = (j + 1) & (t->cap - 1);
+    }
+    return NULL;
+}
+
+static void table_remove(struct alloc_table *t, struct alloc *a) {
+    a->key = TOMBSTONE;
+    t->used--;
+    t->tombstones++;
+}
+
+static void count_bytes(struct nvs_device *d, size_t size, int add) {
+    if (d == NULL) return;
+    if (add)
+        atomic_fetch_add(&d->bytes, size);
+    else
+        atomic_fetch_sub(&d->bytes, size);
+    nvs_client_memory_changed();
+}
+
+static void remember(struct alloc_table *t, uint64_t key, size_t size, struct nvs_device *d, enum alloc_kind kind) {
+    struct alloc a = {key, size, d, kind};
+    pthread_mutex_lock(&mem_mu);
+    int failed = table_put(t, &a);
+    pthread_mutex_unlock(&mem_mu);
+    if (failed) {
+        nvs_error("out of memory recording an allocation of %zu bytes; it is not counted", size);
+        return;
+    }
+    count_bytes(d, size, 1);
+}
+
+/* Remove `key` from `t`; returns 1 and fills `out` if it was there. */
+static int forget(struct alloc_table *t, uint64_t key, struct alloc *out) {
+    pthread_mutex_lock(&mem_mu);
+    struct alloc *a = table_find(t, key);
+    if (a != NULL) {
+        *out = *a;
+        table_remove(t, a);
+    }
+    pthread_mutex_unlock(&mem_mu);
+    return a != NULL;
+}
+
+static int lookup_kind(uint64_t key) {
+    pthread_mutex_lock(&mem_mu);
+    struct alloc *a = table_find(&pointers, key);
+    int kind = a != NULL ? (int)a->kind : 0;
+    pthread_mutex_unlock(&mem_mu);
+    return kind;
+}
+
+#define REAL_OR_FAIL(name)                                                                      \
+    do {                                                                                        \
+        if (nvs_real_load() != 0) return CUDA_ERROR_NOT_INITIALIZED;                            \
+        if (nvs_real.name == NULL) return CUDA_ERROR_NOT_FOUND;                                 \
+    } while (0)
+
+/* Common start of every allocation: threads running (memory reports), old frees done. */
+static void allocation_prologue(void) {
+    nvs_runtime_start();
+    nvs_memory_poll_frees();
+}
+
+/* The managed replacement of a device allocation of `size` bytes. */
+static CUresult allocate_converted(CUdeviceptr *dptr, size_t size) {
+    if (nvs_real.cuMemAllocManaged == NULL) return CUDA_ERROR_NOT_FOUND;
+    CUresult r = nvs_real.cuMemAllocManaged(dptr, size, CU_MEM_ATTACH_GLOBAL);
+    if (r == CUDA_SUCCESS) remember(&pointers, *dptr, size, nvs_current_device(), ALLOC_CONVERTED);
+    return r;
+}
+
+NVS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
+    REAL_OR_FAIL(cuMemAlloc_v2);
+    allocation_prologue();
+    if (nvs_config.managed) return allocate_converted(dptr, size);
+    CUresult r = nvs_real.cuMemAlloc_v2(dptr, size);
+    if (r == CUDA_SUCCESS) remember(&pointers, *dptr, size, nvs_current_device(), ALLOC_DEVICE);
+    return r;
+}
+
+NVS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
+                                       unsigned int elemSize) {
+    REAL_OR_FAIL(cuMemAllocPitch_v2);
+    allocation_prologue();
+    if (!nvs_config.managed) {
+        CUresult r = nvs_real.cuMemAllocPitch_v2(dptr, pitch, width, height, elemSize);
+        if (r == CUDA_SUCCESS) remember(&pointers, *dptr, *pitch * height, nvs_current_device(), ALLOC_DEVICE);
+        return r;
+    }
+    if (dptr == NULL || pitch == NULL || width == 0 || height == 0 ||
+        (elemSize != 4 && elemSize != 8 && elemSize != 16))
+        return CUDA_ERROR_INVALID_VALUE;
+    /* Rows start at multiples of the texture pitch alignment, and never closer than 512 bytes
+     * apart: current drivers hand out pitches in multiples of 512, and code written against
+     * them may assume it. */
+    size_t alignment = 512;
+    struct nvs_device *d = nvs_current_device();
+    int texture_alignment = 0;
+    if (d != NULL && nvs_real.cuDeviceGetAttribute != NULL &&
+        nvs_real.cuDeviceGetAttribute(&texture_alignment, CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT,
+                                      d->ordinal) == CUDA_SUCCESS &&
+        (size_t)texture_alignment > alignment)
+        alignment = (size_t)texture_alignment;
+    if (width > SIZE_MAX - alignment) return CUDA_ERROR_INVALID_VALUE;
+    size_t row = (width + alignment - 1) / alignment * alignment;
+    if (height > SIZE_MAX / row) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = allocate_converted(dptr, row * height);
+    if (r == CUDA_SUCCESS) *pitch = row;
+    return r;
+}
+
+static CUresult alloc_async(CUdeviceptr *dptr, size_t size, CUstream s, int per_thread) {
+    allocation_prologue();
+    if (nvs_config.managed) return allocate_converted(dptr, size);
+    CUresult r = per_thread ? nvs_real.cuMemAllocAsync_ptsz(dptr, size, s) : nvs_real.cuMemAllocAsync(dptr, size, s);
+    if (r == CUDA_SUCCESS) remember(&pointers, *dptr, size, nvs_current_device(), ALLOC_DEVICE);
+    return r;
+}
+
+NVS_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream s) {
+    REAL_OR_FAIL(cuMemAllocAsync);
+    return alloc_async(dptr, size, s, 0);
+}
+
+NVS_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, CUstream s) {
+    REAL_OR_FAIL(cuMemAllocAsync_ptsz);
+    return alloc_async(dptr, size, s, 1);
+}
+
+static CUresult alloc_from_pool(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s, int per_thread) {
+    allocation_prologue();
+    if (nvs_config.managed) return allocate_converted(dptr, size);
+    CUresult r = per_thread ? nvs_real.cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, s)
+                            : nvs_real.cuMemAllocFromPoolAsync(dptr, size, pool, s);
+    if (r == CUDA_SUCCESS) remember(&pointers, *dptr, size, nvs_current_device(), ALLOC_DEVICE);
+    return r;
+}
+
+NVS_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s) {
+    REAL_OR_FAIL(cuMemAllocFromPoolAsync);
+    return alloc_from_pool(dptr, size, pool, s, 0);
+}
+
+NVS_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s) {
+    REAL_OR_FAIL(cuMemAllocFromPoolAsync_ptsz);
+    return alloc_from_pool(dptr, size, pool, s, 1);
+}
+
+NVS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned int flags) {
+    REAL_OR_FAIL(cuMemAllocManaged);
+    allocation_prologue();
+    CUresult r = nvs_real.cuMemAllocManaged(dptr, size, flags);
+    if (r == CUDA_SUCCESS) remember(&pointers, *dptr, size, nvs_current_device(), ALLOC_MANAGED);
+    return r;
+}
+
+NVS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
+    REAL_OR_FAIL(cuMemFree_v2);
+    nvs_memory_poll_frees();
+    struct alloc a;
+    int known = forget(&pointers, dptr, &a);
+    CUresult r = nvs_real.cuMemFree_v2(dptr);
+    if (known && r == CUDA_SUCCESS) count_bytes(a.device, a.size, 0);
+    if (known && r != CUDA_SUCCESS) { /* still allocated: keep it */
+        pthread_mutex_lock(&mem_mu);
+        table_put(&pointers, &a);
+        pthread_mutex_unlock(&mem_mu);
+    }
+    return r;
+}
+
+/* --- stream-ordered frees of converted memory -------------------------------------------------
+ * cuMemFreeAsync must not free before the work queued on its stream is done, and managed
+ * memory has no stream-ordered free: record an event on the stream and free once it has
+ * completed. Pending frees are completed on later allocations and frees, and by the worker
+ * thread; never from a host callback (those may not call CUDA). */
+
+struct pending_free {
+    struct pending_free *next;
+    CUdeviceptr ptr;
+    size_t size;
+    struct nvs_device *device;
+    CUcontext ctx;
+    CUevent event;
+};
+
+static struct pending_free *pending; /* under mem_mu */
+static _Atomic int n_pending;
+
+int nvs_memory_frees_pending(void) { return atomic_load(&n_pending) > 0; }
+
+void nvs_memory_poll_frees(void) {
+    if (NVS_LIKELY(atomic_load(&n_pending) == 0)) return;
+    pthread_mutex_lock(&mem_mu);
+    struct pending_free *list = pending;
+    pending = NULL;
+    pthread_mutex_unlock(&mem_mu);
+
+    struct pending_free *keep = NULL;
+    while (list != NULL) {
+        struct pending_free *p = list;
+        list = p->next;
+        if (nvs_real.cuEventQuery(p->event) == CUDA_ERROR_NOT_READY) {
+            p->next = keep;
+            keep = p;
+            continue;
+        }
+        /* Free in the allocating context (the calling thread may have none). */
+        int pushed = p->ctx != NULL && nvs_real.cuCtxPushCurrent_v2(p->ctx) == CUDA_SUCCESS;
+        CUresult r = nvs_real.cuMemFree_v2(p->ptr);
+        nvs_real.cuEventDestroy_v2(p->event);
+        if (pushed) {
+            CUcontext popped;
+            nvs_real.cuCtxPopCurrent_v2(&popped);
+        }
+        if (r != CUDA_SUCCESS) nvs_warn("deferred free of %#llx failed (%d)", (unsigned long long)p->ptr, r);
+        count_bytes(p->device, p->size, 0);
+        atomic_fetch_sub(&n_pending, 1);
+        free(p);
+    }
+    if (keep != NULL) {
+        pthread_mutex_lock(&mem_mu);
+        struct pending_free *tail = keep;
+        while (tail->next != NULL) tail = tail->next;
+        tail->next = pending;
+        pending = keep;
+        pthread_mutex_unlock(&mem_mu);
+    }
+}
+
+static CUresult free_async(CUdeviceptr dptr, CUstream s, int per_thread) {
+    nvs_memory_poll_frees();
+    int kind = lookup_kind(dptr);
+    if (kind != ALLOC_CONVERTED) {
+        CUresult r = per_thread ? nvs_real.cuMemFreeAsync_ptsz(dptr, s) : nvs_real.cuMemFreeAsync(dptr, s);
+        struct alloc a;
+        if (r == CUDA_SUCCESS && kind != 0 && forget(&pointers, dptr, &a)) count_bytes(a.device, a.size, 0);
+        return r;
+    }
+    /* The per-thread variant's stream 0 is the per-thread default stream. */
+    CUstream stream = per_thread && s == NULL ? CU_STREAM_PER_THREAD : s;
+    int capture = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (nvs_real.cuStreamIsCapturing != NULL && nvs_real.cuStreamIsCapturing(stream, &capture) == CUDA_SUCCESS &&
+        capture != CU_STREAM_CAPTURE_STATUS_NONE) {
+        nvs_warn("cuMemFreeAsync of converted (managed) memory inside stream capture is not supported; "
+                 "set NVSHARE_MANAGED=0 for this program");
+        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    }
+    struct pending_free *p = calloc(1, sizeof *p);
+    if (p == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = nvs_real.cuEventCreate(&p->event, CU_EVENT_DISABLE_TIMING);
+    if (r == CUDA_SUCCESS) {
+        r = nvs_real.cuEventRecord(p->event, stream);
+        if (r != CUDA_SUCCESS) nvs_real.cuEventDestroy_v2(p->event);
+    }
+    if (r != CUDA_SUCCESS) {
+        free(p);
+        return r;
+    }
+    struct alloc a;
+    forget(&pointers, dptr, &a);
+    p->ptr = dptr;
+    p->size = a.size;
+    p->device = a.device;
+    if (nvs_real.cuCtxGetCurrent(&p->ctx) != CUDA_SUCCESS) p->ctx = NULL;
+    pthread_mutex_lock(&mem_mu);
+    p->next = pending;
+    pending = p;
+    atomic_fetch_add(&n_pending, 1);
+    pthread_mutex_unlock(&mem_mu);
+    nvs_worker_kick(); /* the worker polls while frees are pending */
+    return CUDA_SUCCESS;
+}
+
+NVS_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream s) {
+    REAL_OR_FAIL(cuMemFreeAsync);
+    return free_async(dptr, s, 0);
+}
+
+NVS_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream s) {
+    REAL_OR_FAIL(cuMemFreeAsync_ptsz);
+    return free_async(dptr, s, 1);
+}
+
+/* --- what the application is told ---------------------------------------------------------*/
+
+NVS_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes) {
+    REAL_OR_FAIL(cuMemGetInfo_v2);
+    if (free_bytes == NULL || total_bytes == NULL) return CUDA_ERROR_INVALID_VALUE;
+    size_t real_free, real_total;
+    CUresult r = nvs_real.cuMemGetInfo_v2(&real_free, &real_total);
+    if (r != CUDA_SUCCESS) return r;
+    struct nvs_device *d = nvs_config.managed ? nvs_current_device() : NULL;
+    if (d == NULL) {
+        *free_bytes = real_free;
+        *total_bytes = real_total;
+        return CUDA_SUCCESS;
+    }
+    /* Each process sees the GPU as if it were alone: managed memory may be oversubscribed,
+     * so other processes' memory does not reduce what this one may use. */
+    uint64_t used = atomic_load(&d->bytes);
+    *total_bytes = real_total;
+    *free_bytes = used >= real_total ? 0 : real_total - used;
+    return CUDA_SUCCESS;
+}
+
+NVS_EXPORT CUresult cuDeviceGetAttribute(int *value, CUdevice_attribute attrib, CUdevice dev) {
+    REAL_OR_FAIL(cuDeviceGetAttribute);
+    CUresult r = nvs_real.cuDeviceGetAttribute(value, attrib, dev);
+    if (r == CUDA_SUCCESS && nvs_config.vmm_hide && attrib == CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)
+        *value = 0;
+    return r;
+}
+
+/* --- virtual memory management: passed through, physical, counted ---------------------------*/
+
+NVS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                                unsigned long long flags) {
+    REAL_OR_FAIL(cuMemCreate);
+    allocation_prologue();
+    CUresult r = nvs_real.cuMemCreate(handle, size, prop, flags);
+    if (r != CUDA_SUCCESS) return r;
+    static _Atomic int explained;
+    if (!atomic_exchange(&explained, 1))
+        nvs_warn("cuMemCreate (virtual memory management) allocations are passed through unconverted: they "
+                 "are physical device memory and cannot be oversubscribed (NVSHARE_VMM=%s; 'hide' makes "
+                 "NCCL and PyTorch fall back to cuMemAlloc, which is converted)",
+                 nvs_config.vmm_hide ? "hide" : "allow");
+    struct nvs_device *d = NULL;
+    if (prop != NULL && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE) d = nvs_device_get(prop->location.id);
+    remember(&vmm_handles, *handle, size, d, ALLOC_VMM);
+    return r;
+}
+
+NVS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+    REAL_OR_FAIL(cuMemRelease);
+    CUresult r = nvs_real.cuMemRelease(handle);
+    struct alloc a;
+    if (r == CUDA_SUCCESS && forget(&vmm_handles, handle, &a)) count_bytes(a.device, a.size, 0);
+    return r;
+}
+
+/* --- CUDA IPC: the driver refuses managed memory; say why ---------------------------------*/
+
+NVS_EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr dptr) {
+    REAL_OR_FAIL(cuIpcGetMemHandle);
+    CUresult r = nvs_real.cuIpcGetMemHandle(handle, dptr);
+    if (r == CUDA_SUCCESS) return r;
+    unsigned int is_managed = 0;
+    if (nvs_real.cuPointerGetAttribute != NULL &&
+        nvs_real.cuPointerGetAttribute(&is_managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, dptr) == CUDA_SUCCESS &&
+        is_managed) {
+        static _Atomic int explained;
+        if (!atomic_exchange(&explained, 1))
+            nvs_warn("cuIpcGetMemHandle failed (%d) on %#llx: nvshare turned this device allocation into "
+                     "managed memory, which CUDA IPC cannot share. Run this program with NVSHARE_MANAGED=0 "
+                     "(its allocations are then physical and not oversubscribable; the lock still applies)",
+                     r, (unsigned long long)dptr);
+    }
+    return r;
+}
+
+/* --- fork ----------------------------------------------------------------------------------*/
+
+void nvs_memory_reset_after_fork(void) {
+    pthread_mutex_init(&mem_mu, NULL);
+    free(pointers.slots);
+    free(vmm_handles.slots);
+    memset(&pointers, 0, sizeof pointers);
+    memset(&vmm_handles, 0, sizeof vmm_handles);
+    while (pending != NULL) {
+        struct pending_free *p = pending;
+        pending = p->next;
+        free(p);
+    }
+    atomic_store(&n_pending, 0);
+}
+
+void nvs_memory_fork_prepare(void) { pthread_mutex_lock(&mem_mu); }
+void nvs_memory_fork_parent(void) { pthread_mutex_unlock(&mem_mu); }

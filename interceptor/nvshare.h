@@ -1,0 +1,193 @@
+/*
+ * Internal interfaces of libnvshare.so shared by its source files. Nothing here is exported:
+ * the library is built with -fvisibility=hidden and only the hooks (NVS_EXPORT) and dlsym
+ * leave it.
+ */
+#ifndef NVSHARE_INTERNAL_H
+#define NVSHARE_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "cuda_types.h"
+#include "hooks.h"
+#include "message.h"
+
+#define NVS_EXPORT __attribute__((visibility("default")))
+#define NVS_LIKELY(x) __builtin_expect(!!(x), 1)
+#define NVS_UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+/* ---------------------------------------------------------------- config.c */
+
+enum nvs_log_level { NVS_LOG_ERROR = 0, NVS_LOG_WARN = 1, NVS_LOG_INFO = 2, NVS_LOG_DEBUG = 3 };
+
+/* Read once from the environment by nvs_config_load() (first use, in an application thread,
+ * before any nvshare thread exists) and never written afterwards. */
+struct nvs_config {
+    char socket_path[256];     /* <socket-dir>/client/scheduler.sock */
+    int fail_open;             /* NVSHARE_FAIL_MODE=open */
+    long idle_release_ms;      /* NVSHARE_IDLE_RELEASE_MS, -1: take the scheduler's */
+    int managed;               /* NVSHARE_MANAGED (default 1): convert allocations */
+    int vmm_hide;              /* NVSHARE_VMM=hide */
+    char pod[256];             /* NVSHARE_POD_NAME */
+    char pod_namespace[256];   /* NVSHARE_POD_NAMESPACE */
+};
+
+extern struct nvs_config nvs_config;
+void nvs_config_load(void);
+
+/* ---------------------------------------------------------------- log.c */
+
+/* Written by nvs_config_load only; read everywhere. */
+extern int nvs_log_level;
+void nvs_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#define nvs_error(...) nvs_log(NVS_LOG_ERROR, __VA_ARGS__)
+#define nvs_warn(...) nvs_log(NVS_LOG_WARN, __VA_ARGS__)
+#define nvs_info(...) nvs_log(NVS_LOG_INFO, __VA_ARGS__)
+#define nvs_debug(...)                                                                          \
+    do {                                                                                        \
+        if (NVS_UNLIKELY(nvs_log_level >= NVS_LOG_DEBUG)) nvs_log(NVS_LOG_DEBUG, __VA_ARGS__);  \
+    } while (0)
+
+/* Monotonic seconds. */
+double nvs_now(void);
+
+/* ---------------------------------------------------------------- gate.c */
+
+#define NVS_MAX_DEVICES 64
+
+/* Lock state of one device as this process sees it. */
+enum nvs_lock_state {
+    NVS_IDLE = 0,      /* gate closed, lock not asked for */
+    NVS_WAITING,       /* ACQUIRE sent, gate closed */
+    NVS_HOLDING,       /* gate open (a GRANT, or a claim re-registered after a reconnection) */
+    NVS_DRAINING,      /* gate closed, the worker drains before RELEASE */
+    NVS_UNSCHEDULED,   /* fail-open without a scheduler: gate open, no lock */
+};
+
+enum nvs_job { NVS_JOB_NONE = 0, NVS_JOB_DRAIN, NVS_JOB_PROBE };
+enum nvs_job_result { NVS_RESULT_NONE = 0, NVS_RESULT_DRAINED, NVS_RESULT_ACTIVE };
+
+struct nvs_device {
+    /* The gate (fast path). Every application thread that submits work on this device
+     * touches this cache line: entered/exited with seq_cst read-modify-writes, gate_open with
+     * a seq_cst load. gate_open is written only under nvs_mu. */
+    _Atomic uint64_t entered __attribute__((aligned(64)));
+    _Atomic uint64_t exited;
+    _Atomic int gate_open;
+
+    /* Bytes this process has allocated on the device (memory.c), any thread. */
+    _Atomic uint64_t bytes __attribute__((aligned(64)));
+
+    /* Identity: written once under nvs_mu before `known` is set, constant afterwards. */
+    int ordinal;
+    int known;
+    char uuid[NVS_DEVICE_ID_MAX + 1];
+    char name[128];
+    uint64_t total;
+
+    /* Lock state, all under nvs_mu. state/grant/announced/... belong to the client thread;
+     * waiters to application threads in the slow path; job/job_result to the worker. */
+    enum nvs_lock_state state;
+    uint64_t grant;
+    int grant_known;          /* 0 after a reconnection until the scheduler names the grant */
+    int waiters;              /* application threads blocked at the closed gate */
+    int drop_pending;         /* DROP/REVOKE seen: the current job must end in a release */
+    const char *release_reason;
+    enum nvs_job job;
+    int job_running;
+    enum nvs_job_result job_result;
+    int announced;            /* DEVICE sent on the current connection */
+    uint64_t reported_bytes;  /* last MEMORY sent on the current connection */
+    uint64_t idle_entered;    /* idle detection: `entered` at the last check */
+    double idle_since;
+    double idle_next_check;
+
+    /* Contexts this process used on the device (drains synchronise each), under nvs_mu. */
+    CUcontext *contexts;
+    int n_contexts, cap_contexts;
+};
+
+/* Guards all lock state above and the device table; never held across a CUDA call or I/O. */
+extern pthread_mutex_t nvs_mu;
+/* Signalled (broadcast) whenever a gate opens. */
+extern pthread_cond_t nvs_gate_cv;
+/* Held by whoever synchronises or destroys recorded contexts, so a drain never touches a
+ * context while the application destroys it. Taken before nvs_mu, never the other way. */
+extern pthread_mutex_t nvs_ctx_mu;
+
+extern struct nvs_device nvs_devices[NVS_MAX_DEVICES];
+extern int nvs_n_devices; /* highest ordinal seen + 1, under nvs_mu */
+
+struct nvs_thread_state {
+    struct nvs_device *device; /* device of the current context, NULL: look it up */
+    unsigned int depth;        /* > 0 while inside a gated call (nested calls pass through) */
+};
+extern __thread struct nvs_thread_state nvs_tls __attribute__((tls_model("initial-exec")));
+
+struct nvs_device *nvs_gate_resolve(void);
+void nvs_gate_wait(struct nvs_device *dev);
+/* The device of the calling thread's current context (NULL when there is none). */
+struct nvs_device *nvs_current_device(void);
+/* The device with this ordinal, its identity filled in (NULL if out of range). */
+struct nvs_device *nvs_device_get(CUdevice ordinal);
+struct nvs_device *nvs_device_by_uuid(const char *uuid); /* under nvs_mu */
+
+/* Enter the gate of the calling thread's device; returns the device to pass to
+ * nvs_gate_exit (NULL: nested call or no current context, nothing counted). */
+static inline struct nvs_device *nvs_gate_enter(void) {
+    struct nvs_thread_state *t = &nvs_tls;
+    if (t->depth++ != 0) return NULL;
+    struct nvs_device *d = t->device;
+    if (NVS_UNLIKELY(d == NULL)) {
+        d = nvs_gate_resolve();
+        if (d == NULL) return NULL;
+    }
+    for (;;) {
+        atomic_fetch_add(&d->entered, 1);
+        if (NVS_LIKELY(atomic_load(&d->gate_open))) return d;
+        atomic_fetch_add(&d->exited, 1);
+        nvs_gate_wait(d);
+    }
+}
+
+static inline void nvs_gate_exit(struct nvs_device *d) {
+    if (d != NULL) atomic_fetch_add(&d->exited, 1);
+    nvs_tls.depth--;
+}
+
+/* Under nvs_mu: open or close a device's gate. */
+void nvs_gate_set_locked(struct nvs_device *d, int open);
+/* Worker side: wait until no submission is in flight on a closed gate, then synchronise every
+ * context the process used on the device. */
+void nvs_gate_drain(struct nvs_device *d);
+/* Synchronise every recorded context of the device (gate left as it is). */
+void nvs_gate_sync_contexts(struct nvs_device *d);
+
+/* ---------------------------------------------------------------- memory.c */
+
+/* Complete stream-ordered frees whose event has completed. Cheap when none is pending. */
+void nvs_memory_poll_frees(void);
+int nvs_memory_frees_pending(void);
+/* Fork child: forget every allocation (the child has no device memory of its own). */
+void nvs_memory_reset_after_fork(void);
+void nvs_memory_fork_prepare(void);
+void nvs_memory_fork_parent(void);
+
+/* ---------------------------------------------------------------- client.c */
+
+/* Start the client and worker threads once per process (again in a forked child). */
+void nvs_runtime_start(void);
+/* Wake the client thread (never from a signal handler). */
+void nvs_client_wake(void);
+/* A device's allocated bytes changed: the client thread sends a (coalesced) MEMORY report. */
+void nvs_client_memory_changed(void);
+/* Tell the worker thread that stream-ordered frees are pending. */
+void nvs_worker_kick(void);
+/* Fork handlers (hooks.c registers them). */
+void nvs_fork_prepare(void);
+void nvs_fork_parent(void);
+void nvs_fork_child(void);
+
+#endif

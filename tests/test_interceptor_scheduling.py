@@ -1,0 +1,203 @@
+"""Processes under libnvshare.so share the simulated GPU through the real scheduler: their GPU
+work never overlaps while the scheduler is on, the lock changes hands by quantum and by
+idleness, drains come before releases, and crashes, restarts, forks and a missing scheduler
+leave every process running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from fixtures.interceptor import line_time, overlaps
+from fixtures.scheduler import short_socket_dir, wait_for
+
+DEVICE0 = "GPU-5151ad00-0000-4000-8000-000000000000"
+DEVICE1 = "GPU-5151ad00-0000-4000-8000-000000000001"
+NO_IDLE_RELEASE = {"NVSHARE_IDLE_RELEASE_MS": "0"}
+
+
+def client_state(scheduler, pid: int, device: str = DEVICE0) -> str | None:
+    for client in scheduler.status()["clients"]:
+        if client["pid"] == pid and device in client["devices"]:
+            return client["devices"][device]["state"]
+    return None
+
+
+def has_waiter(scheduler, device: str = DEVICE0) -> bool:
+    return any(d["waiters"] for d in scheduler.status()["devices"] if d["device"] == device)
+
+
+def handoffs(*apps) -> int:
+    """How often the GPU passed from one process to another, in execution order."""
+    kernels = sorted((op["start"], op["pid"]) for app in apps for op in app.kernels())
+    return sum(1 for (_, a), (_, b) in zip(kernels, kernels[1:]) if a != b)
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_gpu_work_never_overlaps_when_scheduled_and_does_when_not(scheduler_factory, cuda_app, mode):
+    scheduler = scheduler_factory(tq=0.4, mode=mode)
+    apps = [cuda_app(scheduler.env, "init", "loop:2.5:30000") for _ in range(2)]
+    for app in apps:
+        assert app.wait() == 0, app.stderr
+    a, b = (app.kernels() for app in apps)
+    assert a and b
+    if mode == "on":
+        assert overlaps(a, b) == []
+        assert handoffs(*apps) >= 2  # the time quantum passed the lock back and forth
+    else:
+        assert overlaps(a, b) != []
+
+
+def test_idle_holder_releases_early(scheduler_factory, cuda_app):
+    scheduler = scheduler_factory(tq=600, grace=600)  # only idleness can move the lock
+    idle = cuda_app(scheduler.env, "init", "kernel:1000", "sync", "wait")
+    idle.expect("waiting")
+    busy = cuda_app(scheduler.env, "init", "kernel:1000", "sync")
+    assert busy.wait() == 0, busy.stderr  # ran while the idle process still lives
+    assert idle.process.poll() is None
+    releases = [e for e in scheduler.events() if e["kind"] == "release"]
+    assert releases and releases[0]["detail"] == "idle"
+    idle.continue_()
+    assert idle.wait() == 0
+
+
+def test_idle_release_can_be_turned_off(scheduler_factory, cuda_app):
+    scheduler = scheduler_factory(tq=600, grace=600)
+    holder = cuda_app(scheduler.env, "init", "kernel:1000", "sync", "sleep:1.5", "mark:slept", "wait",
+                      env=NO_IDLE_RELEASE)
+    holder.expect("mark slept")
+    assert client_state(scheduler, holder.pid) == "holding"
+    holder.continue_()
+    assert holder.wait() == 0
+
+
+@pytest.mark.parametrize("release_by", ["quantum", "idle"])
+def test_drain_before_release(scheduler_factory, cuda_app, release_by):
+    """The holder's last queued kernel ends before the next holder's first one starts."""
+    if release_by == "quantum":
+        scheduler = scheduler_factory(tq=0.2, grace=10)
+        env = NO_IDLE_RELEASE
+    else:
+        scheduler = scheduler_factory(tq=600, grace=600)
+        env = {}
+    first = cuda_app(scheduler.env, "init", "kernel:300000:3", "mark:queued", "wait", env=env)
+    first.expect("mark queued")  # three 0.3 s kernels queued, none finished
+    second = cuda_app(scheduler.env, "init", "kernel:1000", "sync")
+    assert second.wait() == 0, second.stderr
+    a, b = first.kernels(), second.kernels()
+    assert len(a) == 3 and len(b) == 1
+    assert max(op["end"] for op in a) <= b[0]["start"]
+    reasons = [e["detail"] for e in scheduler.events() if e["kind"] == "release"]
+    assert reasons[0] == ("drop" if release_by == "quantum" else "idle")
+    first.continue_()
+    assert first.wait() == 0
+
+
+def test_holder_crash_lets_the_waiter_run(scheduler_factory, cuda_app):
+    scheduler = scheduler_factory(tq=600, grace=600)
+    holder = cuda_app(scheduler.env, "init", "kernel:1000", "sync", "wait", env=NO_IDLE_RELEASE)
+    holder.expect("waiting")
+    waiter = cuda_app(scheduler.env, "init", "kernel:1000", "sync")
+    wait_for(lambda: has_waiter(scheduler), what="the second process waiting")
+    holder.process.send_signal(signal.SIGKILL)
+    assert waiter.wait() == 0, waiter.stderr
+
+
+def test_scheduler_restart_mid_run(scheduler_factory, cuda_app):
+    scheduler = scheduler_factory(tq=0.3)
+    apps = [cuda_app(scheduler.env, "init", "loop:4:20000") for _ in range(2)]
+    for app in apps:
+        app.expect("ready")
+    wait_for(lambda: all(app.kernels() for app in apps), what="both processes running kernels")
+    scheduler.restart()
+    restarted = time.monotonic()
+    for app in apps:
+        assert app.wait() == 0, app.stderr  # nobody died
+    for app in apps:
+        assert any(op["start"] > restarted for op in app.kernels()), "work continued after the restart"
+    a, b = (app.kernels() for app in apps)
+    assert overlaps(a, b) == []
+
+
+def test_fail_closed_waits_for_a_scheduler(scheduler_factory, cuda_app):
+    socket_dir = short_socket_dir()
+    daemon = scheduler_factory(socket_dir=socket_dir, start=False)
+    app = cuda_app(daemon.env, "init", "mark:started", "kernel:1000", "sync")
+    app.expect("mark started")
+    wait_for(lambda: "waiting for the scheduler" in app.stderr, what="the fail-closed warning")
+    assert str(socket_dir) in app.stderr and "NVSHARE_FAIL_MODE" in app.stderr
+    assert app.process.poll() is None
+    starting = time.monotonic()
+    daemon.start()
+    assert app.wait() == 0, app.stderr
+    assert line_time(app.expect("synced")) > starting
+    assert app.kernels()[0]["start"] > starting
+
+
+def test_fail_open_runs_without_a_scheduler(cuda_app):
+    socket_dir = short_socket_dir()
+    env = dict(os.environ, NVSHARE_SOCKET_DIR=str(socket_dir), NVSHARE_FAIL_MODE="open")
+    app = cuda_app(env, "init", "kernel:1000", "sync")
+    assert app.wait() == 0, app.stderr
+    assert "running unscheduled" in app.stderr
+    assert len(app.kernels()) == 1
+
+
+def test_forked_child_neither_registers_nor_releases_the_parents_lock(scheduler_factory, cuda_app):
+    scheduler = scheduler_factory(tq=600, grace=600)
+    parent = cuda_app(scheduler.env, "init", "kernel:1000", "sync", "fork:0.2", "sleep:0.8", "mark:child-gone",
+                      "wait", env=NO_IDLE_RELEASE)
+    child = int(parent.expect("child ").split()[1])
+    parent.expect("mark child-gone")
+    assert client_state(scheduler, parent.pid) == "holding"
+    assert all(client["pid"] != child for client in scheduler.status()["clients"])
+    parent.continue_()
+    assert parent.wait() == 0
+
+
+def test_parent_death_releases_although_its_child_lives(scheduler_factory, cuda_app):
+    scheduler = scheduler_factory(tq=600, grace=600)
+    parent = cuda_app(scheduler.env, "init", "kernel:1000", "sync", "fork:60", "wait", env=NO_IDLE_RELEASE)
+    child = int(parent.expect("child ").split()[1])
+    parent.expect("waiting")
+    try:
+        waiter = cuda_app(scheduler.env, "init", "kernel:1000", "sync")
+        wait_for(lambda: has_waiter(scheduler), what="the second process waiting")
+        parent.process.send_signal(signal.SIGKILL)
+        assert waiter.wait() == 0, waiter.stderr
+        os.kill(child, 0)  # the child (holding a copy of the parent's descriptors) still lives
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+def test_two_devices_two_locks(scheduler_factory, cuda_app):
+    scheduler = scheduler_factory(tq=600, grace=600)
+    env = {"SIMCUDA_DEVICES": "2", **NO_IDLE_RELEASE}
+    app = cuda_app(scheduler.env, "init:0", "init:1", "use:0", "kernel:1000", "sync", "use:1", "kernel:1000", "sync",
+                   "wait", env=env)
+    app.expect("waiting")
+    assert client_state(scheduler, app.pid, DEVICE0) == "holding"
+    assert client_state(scheduler, app.pid, DEVICE1) == "holding"
+    # another process may use device 1 only when this one lets it go
+    other = cuda_app(scheduler.env, "init:1", "kernel:1000", "sync", env=env)
+    wait_for(lambda: has_waiter(scheduler, DEVICE1), what="a waiter on the second device")
+    assert not has_waiter(scheduler, DEVICE0)
+    app.continue_()
+    assert app.wait() == 0
+    assert other.wait() == 0, other.stderr
+    assert {op["dev"] for op in app.kernels()} == {DEVICE0, DEVICE1}
+
+
+@pytest.mark.parametrize("each_gib,expect_overlap", [(3, False), (1, True)])
+def test_auto_mode_serialises_only_when_memory_does_not_fit(scheduler_factory, cuda_app, each_gib, expect_overlap):
+    scheduler = scheduler_factory(mode="auto", tq=0.3)
+    env = {"SIMCUDA_MEMORY": "4G"}
+    apps = [cuda_app(scheduler.env, "init", f"alloc:mem:{each_gib << 30}", "loop:2:30000", env=env) for _ in range(2)]
+    for app in apps:
+        assert app.wait() == 0, app.stderr
+    a, b = (app.kernels() for app in apps)
+    assert a and b
+    assert (overlaps(a, b) != []) == expect_overlap

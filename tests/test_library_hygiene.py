@@ -1,0 +1,142 @@
+"""libnvshare.so must load into any process of any container: nothing but libc, only the hook
+symbols exported, glibc symbol versions no newer than 2.17, and a dlsym override that keeps
+RTLD_NEXT working for other interposers."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures.interceptor import INTERCEPTOR_DIR, REPO_ROOT
+
+GLIBC_FLOOR = (2, 17)
+ALLOWED_NEEDED = {"libc.so.6", "libdl.so.2", "libpthread.so.0"}
+
+
+def readelf(*args: str) -> str:
+    return subprocess.run(["readelf", "-W", *args], check=True, capture_output=True, text=True).stdout
+
+
+def hook_names() -> set[str]:
+    text = (INTERCEPTOR_DIR / "hooks.h").read_text()
+    return set(re.findall(r"X\((?:GATED|CUSTOM),\s*(\w+),", text))
+
+
+def exported(lib: Path) -> dict[str, set[str]]:
+    """Defined global symbols -> their versions."""
+    symbols: dict[str, set[str]] = {}
+    for line in readelf("--dyn-syms", str(lib)).splitlines():
+        fields = line.split()
+        if len(fields) < 8 or fields[6] in ("UND", "ABS") or fields[4] not in ("GLOBAL", "WEAK"):
+            continue
+        name, _, version = fields[7].replace("@@", "@").partition("@")
+        symbols.setdefault(name, set()).add(version)
+    return symbols
+
+
+def test_needs_only_libc(libnvshare):
+    needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", readelf("-d", str(libnvshare))))
+    assert "libc.so.6" in needed
+    assert needed <= ALLOWED_NEEDED, f"unexpected dependencies: {needed - ALLOWED_NEEDED}"
+
+
+def test_exports_exactly_the_hooks_and_dlsym(libnvshare):
+    symbols = exported(libnvshare)
+    hooks = hook_names()
+    assert len(hooks) > 100  # the list parsed
+    assert set(symbols) == hooks | {"dlsym"}
+    # PyTorch/JAX/ctypes import dlsym@GLIBC_2.2.5, newer binaries dlsym@GLIBC_2.34
+    assert symbols["dlsym"] == {"GLIBC_2.2.5", "GLIBC_2.34"}
+
+
+def test_glibc_versions_needed_are_old(libnvshare):
+    section = readelf("-V", str(libnvshare)).split("Version needs section", 1)[1]
+    versions = {tuple(int(p) for p in v.split(".")) for v in re.findall(r"Name: GLIBC_([0-9.]+)", section)}
+    assert versions, "no glibc version references found (readelf output changed?)"
+    newest = max(versions)
+    assert newest <= GLIBC_FLOOR, (
+        f"libnvshare.so needs GLIBC_{'.'.join(map(str, newest))}: pin the symbol in interceptor/glibc_compat.h"
+    )
+
+
+@pytest.mark.parametrize("argv", [["/bin/true"], [sys.executable, "-c", "import ctypes; ctypes.CDLL(None)"]])
+def test_loads_into_any_process(libnvshare, argv):
+    env = dict(os.environ, LD_PRELOAD=str(libnvshare))
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert result.stderr == ""  # no CUDA use: not a word, no thread, no connection
+
+
+NEXT_PROBE_LIBRARY = """
+#define _GNU_SOURCE
+#include <dlfcn.h>
+int nvs_probe_value(void) { return %(value)d; }
+"""
+
+NEXT_CALLER_LIBRARY = """
+#define _GNU_SOURCE
+#include <dlfcn.h>
+%(symver)s
+int nvs_probe_value(void) { return 2; }
+int nvs_next_value(void) {
+    int (*next)(void) = (int (*)(void))dlsym(RTLD_NEXT, "nvs_probe_value");
+    return next ? next() : -1;
+}
+"""
+
+OLD_DLSYM = '__asm__(".symver dlsym, dlsym@GLIBC_2.2.5");'
+
+
+@pytest.mark.parametrize("dlsym_version", ["GLIBC_2.2.5", "GLIBC_2.34"])
+def test_rtld_next_still_finds_the_next_definition(libnvshare, compile_c, dlsym_version):
+    """Another interposer's dlsym(RTLD_NEXT, ...) goes through nvshare's dlsym, which must pass
+    the caller's identity on (a tail call): otherwise glibc searches after libnvshare and the
+    interposer finds itself."""
+    symver = OLD_DLSYM if dlsym_version == "GLIBC_2.2.5" else ""
+    caller = compile_c(NEXT_CALLER_LIBRARY % {"symver": symver}, f"libnextcaller_{dlsym_version}.so", shared=True)
+    imports = readelf("--dyn-syms", str(caller))
+    assert f"dlsym@{dlsym_version}" in imports
+    probe = compile_c(NEXT_PROBE_LIBRARY % {"value": 1}, "libnextprobe.so", shared=True)
+    script = "import ctypes; print(ctypes.CDLL(None).nvs_next_value())"
+    env = dict(os.environ, LD_PRELOAD=f"{libnvshare}:{caller}:{probe}")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "1"
+
+
+def test_installed_package_ships_a_loadable_library():
+    """What `pip install .` put into the package: nvshare_py.library.path() exists and loads."""
+    import ctypes
+
+    import nvshare_py
+    from nvshare_py import library
+
+    if Path(nvshare_py.__file__).resolve().is_relative_to(REPO_ROOT) and not library.PACKAGED.exists():
+        pytest.skip("nvshare_py is imported from the source tree, which has no built _lib (pip install . builds it)")
+    env_override = os.environ.pop(library.ENV_LIBRARY, None)
+    try:
+        path = library.path()
+    finally:
+        if env_override is not None:
+            os.environ[library.ENV_LIBRARY] = env_override
+    assert path == library.PACKAGED and path.is_file()
+    ctypes.CDLL(str(path))
+
+
+def test_library_override_and_clear_error(monkeypatch, tmp_path, libnvshare):
+    from nvshare_py import library
+
+    monkeypatch.setenv(library.ENV_LIBRARY, str(libnvshare))
+    assert library.path() == libnvshare
+    monkeypatch.setenv(library.ENV_LIBRARY, str(tmp_path / "missing.so"))
+    with pytest.raises(library.LibraryNotFound, match="does not name a file"):
+        library.path()
+    monkeypatch.delenv(library.ENV_LIBRARY)
+    monkeypatch.setattr(library, "PACKAGED", tmp_path / "_lib" / "libnvshare.so")
+    with pytest.raises(library.LibraryNotFound, match="pip"):
+        library.path()
