@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from nvshare_py import library
 from nvshare_py.paths import ENV_SOCKET_DIR, SocketPaths
 
 from . import config as defaults
@@ -87,11 +88,6 @@ def serve_command(
         raise typer.Exit(1) from None
 
 
-def packaged_library() -> Path:
-    """libnvshare.so as `pip install` ships it inside the nvshare_py package."""
-    return Path(__file__).resolve().parents[1] / "_lib" / LIBRARY_NAME
-
-
 @app.command("install-library")
 def install_library_command(
     target_dir: Annotated[Path, typer.Option("--to", envvar="NVSHARE_DP_LIBRARY_DIR",
@@ -101,10 +97,14 @@ def install_library_command(
 ) -> None:
     """Copy libnvshare.so onto the node (an atomic replace: running containers keep theirs)."""
     _setup_logging("info")
-    source = source or packaged_library()
+    if source is None:
+        try:
+            source = library.path()
+        except library.LibraryNotFound as missing:
+            log.error("%s", missing)
+            raise typer.Exit(1) from None
     if not source.is_file():
-        log.error("%s does not exist: this installation ships no %s (install nvshare_py with "
-                  "`pip install .` from a checkout, which builds it)", source, LIBRARY_NAME)
+        log.error("%s does not exist", source)
         raise typer.Exit(1)
     target_dir.mkdir(parents=True, exist_ok=True)
     target = target_dir / LIBRARY_NAME
