@@ -1,0 +1,746 @@
+"""The scheduler's lock logic as a pure state machine (sans-I/O).
+
+The daemon feeds `SchedulerCore.handle` the events of nvshare_py.scheduler.events (each carries
+`now`, seconds on a monotonic clock) and carries out the actions it returns; it sends
+`Tick(now)` once `next_deadline()` is reached. Nothing here reads a clock, touches a socket or
+logs, so every rule of docs/protocol.md ("Scheduling rules", "Lock state") can be tested with
+plain function calls.
+
+Words used below:
+- a *pair* is one (client, device) relation: the client's memory use on the device, its place
+  in the device's queue, its current grant and its statistics;
+- an *active holder* holds a grant in state `holding` or `draining` (after a DROP); active
+  holders are what the mode rules count;
+- a grant revoked after its grace ran out but not yet released is *overdue*: it is listed in
+  the status so the operator sees it, but it no longer counts for granting. (The task brief's
+  "draining/overdue holders count" for mode `on` means holders past their quantum, which are
+  still active; a revoked grant never blocks the lock, or one hung client would stop a device.)
+
+Time comparisons use `>=` throughout: a deadline is due at the very tick `next_deadline()`
+announced, so after `handle(Tick(now))` the next deadline always lies after `now`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+from .. import protocol
+from .events import (
+    Acquire,
+    Action,
+    ClientInfo,
+    ClientKey,
+    CoreError,
+    DeviceInfo,
+    Event,
+    Forget,
+    Heartbeat,
+    LockEvent,
+    Log,
+    MemoryReport,
+    Mode,
+    Register,
+    Release,
+    Send,
+    SetBudget,
+    SetMode,
+    SetQuantum,
+    Tick,
+    Unregister,
+)
+
+__all__ = ["CoreConfig", "CoreError", "SchedulerCore"]
+
+
+def _ms(seconds: float) -> int:
+    return round(seconds * 1000)
+
+
+def _check_seconds(name: str, value: float, *, allow_zero: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number of seconds, not {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} seconds, not {value!r}")
+    if _ms(value) > protocol.MAX_INT:
+        raise ValueError(f"{name} of {value!r} seconds is too large")
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    mode: Mode = "on"
+    tq: float = 30.0  # time quantum, seconds
+    grace: float = 5.0  # seconds between DROP and REVOKE
+    heartbeat_interval: float = 1.0  # sent to clients in WELCOME
+    heartbeat_timeout: float = 5.0  # no message for this long -> the client is gone
+    idle_release: float = 1.0  # sent to clients in WELCOME
+    recovery: float = 0.0  # > 0 only when restarting over a previous daemon's clients
+
+    def __post_init__(self) -> None:
+        if self.mode not in protocol.MODES:
+            raise ValueError(f"mode must be one of {', '.join(protocol.MODES)}, not {self.mode!r}")
+        _check_seconds("tq", self.tq, allow_zero=False)
+        _check_seconds("grace", self.grace, allow_zero=True)
+        _check_seconds("heartbeat_interval", self.heartbeat_interval, allow_zero=False)
+        _check_seconds("heartbeat_timeout", self.heartbeat_timeout, allow_zero=False)
+        _check_seconds("idle_release", self.idle_release, allow_zero=True)
+        _check_seconds("recovery", self.recovery, allow_zero=True)
+
+
+# --- internal state ------------------------------------------------------------------------
+
+
+class _Hold:
+    """One grant. `state` is holding, draining (DROP sent for `reason`, `deadline` is when the
+    grace ends) or overdue (revoked, RELEASE not seen yet)."""
+
+    __slots__ = ("grant", "since", "state", "deadline", "reason")
+
+    def __init__(self, grant: int, since: float) -> None:
+        self.grant = grant
+        self.since = since
+        self.state = "holding"
+        self.deadline = 0.0
+        self.reason = ""
+
+
+class _Client:
+    __slots__ = ("key", "cid", "info", "connected", "last_seen", "pairs")
+
+    def __init__(self, key: ClientKey, cid: str, info: ClientInfo, now: float) -> None:
+        self.key = key
+        self.cid = cid
+        self.info = info
+        self.connected = now
+        self.last_seen = now
+        self.pairs: dict[str, _Pair] = {}  # by device id
+
+
+class _Device:
+    __slots__ = ("id", "name", "total", "budget_override", "mode", "tq", "holders", "overdue", "queue", "pairs", "used")
+
+    def __init__(self, device_id: str, mode: Mode, tq: float) -> None:
+        self.id = device_id
+        self.name = ""
+        self.total = 0  # 0: not announced by any DEVICE message yet
+        self.budget_override: int | None = None
+        self.mode: Mode = mode
+        self.tq = tq
+        self.holders: dict[int, _Pair] = {}  # active grants by grant id; insertion = grant order
+        self.overdue: dict[int, _Pair] = {}  # revoked grants awaiting their RELEASE
+        self.queue: OrderedDict[_Pair, None] = OrderedDict()  # FCFS; O(1) pop at the head
+        self.pairs: dict[_Pair, None] = {}  # every client that knows the device (MODE notices)
+        self.used = 0  # sum of the pairs' used bytes
+
+    @property
+    def budget(self) -> int:
+        """0 means unknown, which auto mode treats as unlimited."""
+        return self.total if self.budget_override is None else self.budget_override
+
+    def held_used(self) -> int:
+        return sum(pair.used for pair in self.holders.values())
+
+
+class _Pair:
+    __slots__ = ("client", "device", "used", "hold", "overdue", "waiting_since", "wait_total", "hold_total", "grants")
+
+    def __init__(self, client: _Client, device: _Device) -> None:
+        self.client = client  # changes when a reconnecting process takes its pairs over
+        self.device = device
+        self.used = 0
+        self.hold: _Hold | None = None  # the current grant, holding or draining
+        self.overdue: dict[int, _Hold] = {}
+        self.waiting_since: float | None = None
+        self.wait_total = 0.0
+        self.hold_total = 0.0
+        self.grants = 0
+
+
+def _same_process(old: ClientInfo, new: ClientInfo) -> bool:
+    """A reconnection: same random session, and the kernel-verified host pid and uid do not
+    contradict it (0 / None mean the daemon could not see them)."""
+    return (
+        old.session == new.session
+        and (old.host_pid == new.host_pid or old.host_pid == 0 or new.host_pid == 0)
+        and (old.uid == new.uid or old.uid is None or new.uid is None)
+    )
+
+
+# --- the core ------------------------------------------------------------------------------
+
+
+class SchedulerCore:
+    """Events in, actions out. Not thread-safe: the daemon calls it from one task."""
+
+    def __init__(self, config: CoreConfig, now: float) -> None:
+        self.config = config
+        self._default_mode: Mode = config.mode
+        self._default_tq = config.tq
+        self._clients: dict[ClientKey, _Client] = {}
+        self._sessions: dict[str, list[_Client]] = {}
+        # Clients ordered by last message, least recently heard first: the head is the next
+        # one to time out, so heartbeats and timeouts cost O(1).
+        self._silence: OrderedDict[ClientKey, _Client] = OrderedDict()
+        self._devices: dict[str, _Device] = {}
+        # Earliest pending drop/quantum deadline per device; refreshed after every change.
+        self._deadlines: dict[_Device, float] = {}
+        self._client_numbers = 0
+        self._grant_numbers = 0
+        self._recovery_end: float | None = now + config.recovery if config.recovery > 0 else None
+        self._client_handlers = {
+            DeviceInfo: self._device_info,
+            MemoryReport: self._memory,
+            Acquire: self._acquire,
+            Release: self._release,
+            Heartbeat: self._heartbeat,
+            Unregister: self._unregister,
+        }
+        self._other_handlers = {
+            Register: self._register,
+            Tick: self._tick,
+            SetMode: self._set_mode,
+            SetQuantum: self._set_quantum,
+            SetBudget: self._set_budget,
+        }
+
+    # --- public API ----------------------------------------------------------------------
+
+    def handle(self, event: Event) -> list[Action]:
+        """Apply one event. Raises CoreError only for control requests (SetMode, SetQuantum,
+        SetBudget) it refuses, before changing anything."""
+        out: list[Action] = []
+        handler = self._client_handlers.get(type(event))
+        if handler is not None:
+            client = self._clients.get(event.client)
+            if client is None:
+                out.append(Log("debug", f"{type(event).__name__} from an unregistered client ignored",
+                               {"client": repr(event.client)}))
+                return out
+            client.last_seen = event.now
+            self._silence.move_to_end(client.key)
+            handler(client, event, out)
+            return out
+        try:
+            handler = self._other_handlers[type(event)]
+        except KeyError:
+            raise TypeError(f"not a scheduler event: {event!r}") from None
+        handler(event, out)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When `Tick` is due next: grace and quantum ends that matter, heartbeat timeouts and
+        the end of the recovery window. None when nothing is pending."""
+        best = self._recovery_end
+        if self._silence:
+            client = next(iter(self._silence.values()))
+            timeout = client.last_seen + self.config.heartbeat_timeout
+            if best is None or timeout < best:
+                best = timeout
+        if self._deadlines:
+            earliest = min(self._deadlines.values())
+            if best is None or earliest < best:
+                best = earliest
+        return best
+
+    def client_id(self, key: ClientKey) -> str | None:
+        client = self._clients.get(key)
+        return None if client is None else client.cid
+
+    def status(self, now: float, wall: Callable[[float], float]) -> dict:
+        """The "devices" and "clients" parts of the status document (docs/protocol.md)."""
+        devices = []
+        for device_id in sorted(self._devices):
+            dev = self._devices[device_id]
+            holds = [(grant, pair, pair.hold) for grant, pair in dev.holders.items()]
+            holds += [(grant, pair, pair.overdue[grant]) for grant, pair in dev.overdue.items()]
+            holds.sort(key=lambda item: item[0])
+            devices.append({
+                "device": dev.id,
+                "name": dev.name,
+                "total": dev.total,
+                "budget": dev.budget,
+                "mode": dev.mode,
+                "tq": dev.tq,
+                "used": dev.used,
+                "holders": [
+                    {
+                        "client": pair.client.cid,
+                        "grant": grant,
+                        "since": wall(hold.since),
+                        "quantum_left": max(0.0, hold.since + dev.tq - now),
+                        "state": hold.state,
+                    }
+                    for grant, pair, hold in holds
+                ],
+                "waiters": [{"client": pair.client.cid, "since": wall(pair.waiting_since)} for pair in dev.queue],
+            })
+        clients = []
+        for client in self._clients.values():  # registration order: c1, c2, ...
+            info = client.info
+            clients.append({
+                "client": client.cid,
+                "pid": info.pid,
+                "host_pid": info.host_pid,
+                "uid": info.uid,
+                "host": info.host,
+                "container": info.container,
+                "pod": info.pod,
+                "namespace": info.namespace,
+                "program": info.program,
+                "connected": wall(client.connected),
+                "devices": {device_id: self._pair_status(pair, now) for device_id, pair in client.pairs.items()},
+            })
+        return {"devices": devices, "clients": clients}
+
+    @staticmethod
+    def _pair_status(pair: _Pair, now: float) -> dict:
+        waiting = pair.waiting_since is not None
+        if pair.hold is not None:
+            state = pair.hold.state
+        elif waiting:
+            state = "waiting"
+        elif pair.overdue:
+            state = "overdue"
+        else:
+            state = "idle"
+        return {
+            "used": pair.used,
+            "state": state,
+            "wait_total": pair.wait_total + (now - pair.waiting_since if waiting else 0.0),
+            "hold_total": pair.hold_total + (now - pair.hold.since if pair.hold is not None else 0.0),
+            "grants": pair.grants,
+        }
+
+    # --- registration --------------------------------------------------------------------
+
+    def _register(self, ev: Register, out: list[Action]) -> None:
+        if ev.client in self._clients:
+            out.append(Log("debug", "second registration on one connection ignored",
+                           {"client": self._clients[ev.client].cid}))
+            return
+        now = ev.now
+        self._client_numbers += 1
+        client = _Client(ev.client, f"c{self._client_numbers}", ev.info, now)
+        predecessors = [old for old in self._sessions.get(ev.info.session, ()) if _same_process(old.info, ev.info)]
+        self._clients[client.key] = client
+        self._sessions.setdefault(ev.info.session, []).append(client)
+        self._silence[client.key] = client
+        config = self.config
+        out.append(Send(client.key, protocol.Welcome(
+            client=client.cid,
+            heartbeat_ms=_ms(config.heartbeat_interval),
+            idle_release_ms=_ms(config.idle_release),
+        )))
+        out.append(LockEvent(now, "register", client=client.cid, detail=f"pid={ev.info.pid}"))
+        out.append(Log("info", f"client {client.cid} registered (pid {ev.info.pid}, {ev.info.program or '?'})",
+                       {"client": client.cid, "pid": ev.info.pid, "host_pid": ev.info.host_pid}))
+
+        held = dict.fromkeys(ev.held)
+        wanted = dict.fromkeys(ev.wanted)
+        touched: dict[_Device, None] = {}
+        for old in predecessors:
+            self._take_over(old, client, held, wanted, now, out, touched)
+        for device_id in held:
+            pair = self._pair(client, device_id)
+            touched[pair.device] = None
+            if pair.hold is None:
+                self._claim(pair, now, out)
+        for device_id in wanted:
+            pair = self._pair(client, device_id)
+            touched[pair.device] = None
+            self._enqueue(pair, now, out)
+        for dev in touched:
+            self._settle(dev, now, out)
+
+    def _take_over(self, old: _Client, new: _Client, held: dict, wanted: dict, now: float,
+                   out: list[Action], touched: dict) -> None:
+        """`new` is `old` reconnected: it inherits the holds it still claims (same grant) and the
+        queue places it still wants; everything else of `old` is given up."""
+        for device_id, pair in old.pairs.items():
+            dev = pair.device
+            touched[dev] = None
+            if device_id in new.pairs:  # two stale registrations of one process: keep the first
+                self._discard_pair(pair, now)
+                continue
+            self._forget_overdue(pair)
+            if pair.hold is not None and device_id not in held:
+                out.append(LockEvent(now, "release", dev.id, old.cid, pair.hold.grant, "replaced"))
+                self._end_hold(pair, now)
+            if pair.waiting_since is not None and device_id not in wanted:
+                self._leave_queue(pair, now)
+            pair.client = new
+            new.pairs[device_id] = pair
+            if pair.hold is not None:
+                hold = pair.hold
+                out.append(Send(new.key, self._grant_message(dev, hold.grant)))
+                if hold.state == "draining":  # the DROP may have been lost with the old connection
+                    out.append(Send(new.key, protocol.Drop(device=dev.id, grant=hold.grant, reason=hold.reason,
+                                                           grace_ms=max(0, _ms(hold.deadline - now)))))
+                out.append(Log("info", f"grant {hold.grant} on {dev.id} passes from {old.cid} to {new.cid}",
+                               {"client": new.cid, "device": dev.id, "grant": hold.grant}))
+        old.pairs = {}
+        self._unlink_client(old)
+        out.append(Forget(old.key, "replaced"))
+        out.append(LockEvent(now, "unregister", client=old.cid, detail="replaced"))
+        out.append(Log("info", f"client {old.cid} replaced by {new.cid} (same process reconnected)",
+                       {"client": old.cid, "successor": new.cid}))
+
+    def _claim(self, pair: _Pair, now: float, out: list[Action]) -> None:
+        """A (re)registering client says its gate is open on this device. If nobody holds it the
+        claim is simply granted; where the rules do not let it run beside the holders, it gets a
+        grant that is dropped at once, so its work drains within the grace period."""
+        dev = pair.device
+        if dev.holders and self._serialised_against(dev, pair):
+            self._grant_numbers += 1
+            hold = _Hold(self._grant_numbers, now)
+            pair.hold = hold
+            pair.grants += 1
+            dev.holders[hold.grant] = pair
+            out.append(LockEvent(now, "grant", dev.id, pair.client.cid, hold.grant, "claimed"))
+            out.append(Log("warning", f"{pair.client.cid} claims {dev.id}, which others hold: dropping its claim",
+                           {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
+            self._drop(pair, now, "conflict", out)
+        else:
+            self._grant(pair, now, out, detail="claimed")
+
+    # --- client events -------------------------------------------------------------------
+
+    def _device_info(self, client: _Client, ev: DeviceInfo, out: list[Action]) -> None:
+        pair = self._pair(client, ev.device)
+        dev = pair.device
+        dev.total = ev.total
+        if ev.name:
+            dev.name = ev.name
+        if dev.mode == "auto" and dev.budget_override is None:
+            self._settle(dev, ev.now, out)
+
+    def _memory(self, client: _Client, ev: MemoryReport, out: list[Action]) -> None:
+        pair = self._pair(client, ev.device)
+        dev = pair.device
+        dev.used += ev.used - pair.used
+        pair.used = ev.used
+        if dev.mode == "auto":
+            self._settle(dev, ev.now, out)
+
+    def _acquire(self, client: _Client, ev: Acquire, out: list[Action]) -> None:
+        pair = self._pair(client, ev.device)
+        if self._enqueue(pair, ev.now, out):
+            self._settle(pair.device, ev.now, out)
+
+    def _release(self, client: _Client, ev: Release, out: list[Action]) -> None:
+        pair = client.pairs.get(ev.device)
+        fields = {"client": client.cid, "device": ev.device, "grant": ev.grant}
+        if pair is not None and pair.hold is not None and pair.hold.grant == ev.grant:
+            dev = pair.device
+            out.append(LockEvent(ev.now, "release", dev.id, client.cid, ev.grant, ev.reason))
+            out.append(Log("debug", f"{client.cid} released grant {ev.grant} on {dev.id} ({ev.reason})", fields))
+            self._end_hold(pair, ev.now)
+            self._settle(dev, ev.now, out)
+        elif pair is not None and ev.grant in pair.overdue:
+            del pair.overdue[ev.grant]
+            del pair.device.overdue[ev.grant]
+            out.append(Log("debug", f"{client.cid} released revoked grant {ev.grant} on {ev.device}", fields))
+        else:
+            out.append(Log("debug", f"{client.cid} released grant {ev.grant} on {ev.device}, which is not current",
+                           fields))
+
+    def _heartbeat(self, client: _Client, ev: Heartbeat, out: list[Action]) -> None:
+        pass  # liveness was refreshed in handle()
+
+    def _unregister(self, client: _Client, ev: Unregister, out: list[Action]) -> None:
+        self._remove_client(client, ev.reason, ev.now, out)
+
+    def _remove_client(self, client: _Client, reason: str, now: float, out: list[Action]) -> None:
+        per_device_kind = "unregister" if reason == "bye" else "lost"
+        touched = []
+        for pair in client.pairs.values():
+            dev = pair.device
+            if pair.hold is not None or pair.waiting_since is not None or pair.overdue:
+                grant = pair.hold.grant if pair.hold is not None else 0
+                out.append(LockEvent(now, per_device_kind, dev.id, client.cid, grant, reason))
+                touched.append(dev)
+            self._discard_pair(pair, now)
+        client.pairs = {}
+        self._unlink_client(client)
+        out.append(Forget(client.key, reason))
+        out.append(LockEvent(now, "unregister", client=client.cid, detail=reason))
+        if reason == "heartbeat-timeout":
+            out.append(Log("warning", f"client {client.cid} silent for {self.config.heartbeat_timeout:g} s: removed",
+                           {"client": client.cid, "pid": client.info.pid}))
+        else:
+            out.append(Log("info", f"client {client.cid} unregistered ({reason})", {"client": client.cid}))
+        for dev in touched:
+            self._settle(dev, now, out)
+
+    # --- time ----------------------------------------------------------------------------
+
+    def _tick(self, ev: Tick, out: list[Action]) -> None:
+        now = ev.now
+        recovered = self._recovery_end is not None and now >= self._recovery_end
+        if recovered:
+            self._recovery_end = None
+            out.append(Log("info", "recovery window over: granting locks normally"))
+        timeout = self.config.heartbeat_timeout
+        while self._silence:
+            client = next(iter(self._silence.values()))
+            if client.last_seen + timeout > now:
+                break
+            self._remove_client(client, "heartbeat-timeout", now, out)
+        if recovered:
+            due = list(self._devices.values())
+        else:
+            due = [dev for dev, deadline in self._deadlines.items() if deadline <= now]
+        for dev in due:
+            self._settle(dev, now, out)
+
+    # --- control requests ----------------------------------------------------------------
+
+    def _targets(self, device_id: str | None) -> list[_Device]:
+        if device_id is None:
+            return list(self._devices.values())
+        dev = self._devices.get(device_id)
+        if dev is None:
+            raise CoreError("unknown-device", f"no client has announced device {device_id}")
+        return [dev]
+
+    def _set_mode(self, ev: SetMode, out: list[Action]) -> None:
+        if ev.mode not in protocol.MODES:
+            raise CoreError("bad-request", f"mode must be one of {', '.join(protocol.MODES)}, not {ev.mode!r}")
+        targets = self._targets(ev.device)
+        if ev.device is None:
+            self._default_mode = ev.mode
+        out.append(Log("info", f"mode {ev.mode} on {ev.device or 'every device'}", {"device": ev.device or ""}))
+        for dev in targets:
+            if dev.mode == ev.mode:
+                continue
+            dev.mode = ev.mode
+            out.append(LockEvent(ev.now, "mode", dev.id, detail=ev.mode))
+            self._notify_settings(dev, out)
+            self._settle(dev, ev.now, out)
+
+    def _set_quantum(self, ev: SetQuantum, out: list[Action]) -> None:
+        try:
+            _check_seconds("tq", ev.seconds, allow_zero=False)
+        except ValueError as exc:
+            raise CoreError("bad-request", str(exc)) from None
+        targets = self._targets(ev.device)
+        if ev.device is None:
+            self._default_tq = ev.seconds
+        out.append(Log("info", f"time quantum {ev.seconds:g} s on {ev.device or 'every device'}",
+                       {"device": ev.device or ""}))
+        for dev in targets:
+            if dev.tq == ev.seconds:
+                continue
+            dev.tq = ev.seconds
+            out.append(LockEvent(ev.now, "tq", dev.id, detail=f"{ev.seconds:g}"))
+            self._notify_settings(dev, out)
+            self._settle(dev, ev.now, out)
+
+    def _set_budget(self, ev: SetBudget, out: list[Action]) -> None:
+        budget = ev.budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+            raise CoreError("bad-request", f"budget must be a positive number of bytes or null, not {budget!r}")
+        (dev,) = self._targets(ev.device)
+        dev.budget_override = budget
+        detail = "total" if budget is None else str(budget)
+        out.append(LockEvent(ev.now, "budget", dev.id, detail=detail))
+        out.append(Log("info", f"memory budget of {dev.id}: {detail}", {"device": dev.id}))
+        self._settle(dev, ev.now, out)
+
+    def _notify_settings(self, dev: _Device, out: list[Action]) -> None:
+        notice = protocol.ModeNotice(device=dev.id, mode=dev.mode, quantum_ms=_ms(dev.tq))
+        out.extend(Send(pair.client.key, notice) for pair in dev.pairs)
+
+    # --- the lock rules ------------------------------------------------------------------
+
+    def _settle(self, dev: _Device, now: float, out: list[Action]) -> None:
+        """Bring one device in line with the rules after anything about it changed: revoke
+        holders whose grace ran out, drop holders that may no longer run together, grant what
+        the queue allows, drop holders whose quantum ended while someone waits."""
+        while True:
+            self._revoke_due(dev, now, out)
+            dropped = self._enforce_exclusion(dev, now, out)
+            self._grant_waiters(dev, now, out)
+            dropped |= self._drop_expired(dev, now, out)
+            # With grace 0 a DROP is due at once: go round again so it is revoked (and the
+            # lock passed on) now, not at a tick that next_deadline() would put at `now`.
+            if not dropped or self.config.grace > 0:
+                break
+        self._refresh_deadline(dev)
+
+    def _revoke_due(self, dev: _Device, now: float, out: list[Action]) -> None:
+        for pair in [p for p in dev.holders.values() if p.hold.state == "draining" and now >= p.hold.deadline]:
+            hold = pair.hold
+            cid = pair.client.cid
+            del dev.holders[hold.grant]
+            pair.hold_total += now - hold.since
+            pair.hold = None
+            hold.state = "overdue"
+            pair.overdue[hold.grant] = hold
+            dev.overdue[hold.grant] = pair
+            out.append(Send(pair.client.key, protocol.Revoke(device=dev.id, grant=hold.grant, reason="grace-expired")))
+            out.append(LockEvent(now, "revoke", dev.id, cid, hold.grant, "grace-expired"))
+            out.append(Log("warning", f"{cid} did not release grant {hold.grant} on {dev.id} within "
+                                      f"{self.config.grace:g} s: revoked",
+                           {"client": cid, "device": dev.id, "grant": hold.grant, "pid": pair.client.info.pid}))
+
+    def _enforce_exclusion(self, dev: _Device, now: float, out: list[Action]) -> bool:
+        """Mode on allows one active holder; auto allows several while their memory fits the
+        budget. Otherwise every holder but the one granted first is dropped."""
+        if len(dev.holders) < 2 or dev.mode == "off":
+            return False
+        if dev.mode == "auto":
+            budget = dev.budget
+            if budget <= 0 or dev.held_used() <= budget:
+                return False
+            reason = "memory"
+        else:
+            reason = "mode"
+        later = [pair for pair in list(dev.holders.values())[1:] if pair.hold.state == "holding"]
+        for pair in later:
+            self._drop(pair, now, reason, out)
+        return bool(later)
+
+    def _grant_waiters(self, dev: _Device, now: float, out: list[Action]) -> None:
+        if self._recovery_end is not None and now < self._recovery_end:
+            return  # only claims of reconnecting holders are granted until recovery ends
+        queue = dev.queue
+        while queue:
+            pair = next(iter(queue))
+            if pair.hold is not None:
+                break  # a draining holder that asked again waits for its own release
+            if dev.holders and self._serialised_against(dev, pair):
+                break  # FCFS: nobody overtakes the head
+            self._grant(pair, now, out)
+
+    def _drop_expired(self, dev: _Device, now: float, out: list[Action]) -> bool:
+        if not dev.queue or dev.mode == "off":
+            return False
+        tq = dev.tq
+        expired = [p for p in dev.holders.values() if p.hold.state == "holding" and now >= p.hold.since + tq]
+        for pair in expired:
+            self._drop(pair, now, "quantum", out)
+        return bool(expired)
+
+    def _refresh_deadline(self, dev: _Device) -> None:
+        # Must mirror _revoke_due and _drop_expired exactly, or ticks would come too early or late.
+        best = None
+        quantum_matters = bool(dev.queue) and dev.mode != "off"
+        for pair in dev.holders.values():
+            hold = pair.hold
+            if hold.state == "draining":
+                deadline = hold.deadline
+            elif quantum_matters:
+                deadline = hold.since + dev.tq
+            else:
+                continue
+            if best is None or deadline < best:
+                best = deadline
+        if best is None:
+            self._deadlines.pop(dev, None)
+        else:
+            self._deadlines[dev] = best
+
+    def _serialised_against(self, dev: _Device, pair: _Pair) -> bool:
+        """Whether `pair` may not run beside the device's current (non-empty) holders."""
+        if dev.mode == "on":
+            return True
+        if dev.mode == "off":
+            return False
+        budget = dev.budget
+        return budget > 0 and dev.held_used() + pair.used > budget
+
+    # --- state changes -------------------------------------------------------------------
+
+    def _grant(self, pair: _Pair, now: float, out: list[Action], detail: str = "") -> None:
+        dev = pair.device
+        self._grant_numbers += 1
+        hold = _Hold(self._grant_numbers, now)
+        if pair.waiting_since is not None:
+            self._leave_queue(pair, now)
+        pair.hold = hold
+        pair.grants += 1
+        dev.holders[hold.grant] = pair
+        cid = pair.client.cid
+        out.append(Send(pair.client.key, self._grant_message(dev, hold.grant)))
+        out.append(LockEvent(now, "grant", dev.id, cid, hold.grant, detail))
+        out.append(Log("debug", f"grant {hold.grant} on {dev.id} to {cid}", {"client": cid, "device": dev.id,
+                                                                           "grant": hold.grant}))
+
+    def _grant_message(self, dev: _Device, grant: int) -> protocol.Grant:
+        return protocol.Grant(device=dev.id, grant=grant, mode=dev.mode, exclusive=dev.mode == "on",
+                              quantum_ms=_ms(dev.tq))
+
+    def _drop(self, pair: _Pair, now: float, reason: str, out: list[Action]) -> None:
+        dev = pair.device
+        hold = pair.hold
+        hold.state = "draining"
+        hold.deadline = now + self.config.grace
+        hold.reason = reason
+        cid = pair.client.cid
+        out.append(Send(pair.client.key, protocol.Drop(device=dev.id, grant=hold.grant,
+                                                       grace_ms=_ms(self.config.grace), reason=reason)))
+        out.append(LockEvent(now, "drop", dev.id, cid, hold.grant, reason))
+        out.append(Log("info", f"drop grant {hold.grant} of {cid} on {dev.id} ({reason})",
+                       {"client": cid, "device": dev.id, "grant": hold.grant}))
+
+    def _enqueue(self, pair: _Pair, now: float, out: list[Action]) -> bool:
+        """ACQUIRE: idempotent while waiting or holding; a draining holder is queued behind
+        the others for a fresh grant after its release. Returns whether it queued."""
+        if pair.waiting_since is not None or (pair.hold is not None and pair.hold.state == "holding"):
+            return False
+        pair.waiting_since = now
+        pair.device.queue[pair] = None
+        out.append(LockEvent(now, "acquire", pair.device.id, pair.client.cid))
+        return True
+
+    def _leave_queue(self, pair: _Pair, now: float) -> None:
+        del pair.device.queue[pair]
+        pair.wait_total += now - pair.waiting_since
+        pair.waiting_since = None
+
+    def _end_hold(self, pair: _Pair, now: float) -> None:
+        hold = pair.hold
+        del pair.device.holders[hold.grant]
+        pair.hold_total += now - hold.since
+        pair.hold = None
+
+    def _forget_overdue(self, pair: _Pair) -> None:
+        for grant in pair.overdue:
+            del pair.device.overdue[grant]
+        pair.overdue.clear()
+
+    def _discard_pair(self, pair: _Pair, now: float) -> None:
+        """The client is gone from this device: nothing of it may block anyone."""
+        dev = pair.device
+        if pair.hold is not None:
+            self._end_hold(pair, now)
+        if pair.waiting_since is not None:
+            self._leave_queue(pair, now)
+        self._forget_overdue(pair)
+        dev.used -= pair.used
+        del dev.pairs[pair]
+
+    def _unlink_client(self, client: _Client) -> None:
+        del self._clients[client.key]
+        del self._silence[client.key]
+        same_session = self._sessions[client.info.session]
+        same_session.remove(client)
+        if not same_session:
+            del self._sessions[client.info.session]
+
+    def _device(self, device_id: str) -> _Device:
+        dev = self._devices.get(device_id)
+        if dev is None:
+            dev = self._devices[device_id] = _Device(device_id, self._default_mode, self._default_tq)
+        return dev
+
+    def _pair(self, client: _Client, device_id: str) -> _Pair:
+        pair = client.pairs.get(device_id)
+        if pair is None:
+            dev = self._device(device_id)
+            pair = client.pairs[device_id] = _Pair(client, dev)
+            dev.pairs[pair] = None
+        return pair
