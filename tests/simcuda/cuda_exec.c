@@ -1,0 +1,441 @@
+/*
+ * The executor: one thread per active context runs the context's queued operations in
+ * submission order (all its streams share that order), and appends one trace line per executed
+ * GPU operation to SIMCUDA_TRACE.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "simcuda.h"
+
+/* Opened by cuInit (under its pthread_once) and never closed; -1 when tracing is off. */
+static int trace_fd = -1;
+
+/* The calling thread's tag, copied into every operation it submits. */
+static __thread char thread_tag[SIM_TAG_MAX];
+
+SIM_EXPORT void simcudaSetTag(const char *tag)
+{
+    snprintf(thread_tag, sizeof thread_tag, "%s", tag ? tag : "");
+}
+
+CUresult sim_trace_open(void)
+{
+    const char *path = getenv("SIMCUDA_TRACE");
+    if (!path || !*path)
+        return CUDA_SUCCESS;
+    trace_fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (trace_fd < 0) {
+        fprintf(stderr, "simcuda: cannot open SIMCUDA_TRACE=%s: %s\n", path, strerror(errno));
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    return CUDA_SUCCESS;
+}
+
+void *sim_calloc(size_t count, size_t size)
+{
+    void *memory = calloc(count, size);
+    if (!memory) {
+        fprintf(stderr, "simcuda: out of host memory\n");
+        abort();
+    }
+    return memory;
+}
+
+struct sim_op *sim_op_new(enum sim_op_kind kind, const char *api)
+{
+    struct sim_op *op = sim_calloc(1, sizeof *op);
+    op->kind = kind;
+    op->api = api;
+    memcpy(op->tag, thread_tag, sizeof op->tag);
+    return op;
+}
+
+struct sim_op *sim_op_clone(const struct sim_op *original, const char *api)
+{
+    struct sim_op *op = sim_calloc(1, sizeof *op);
+    *op = *original;
+    op->next = NULL;
+    op->seq = 0;
+    op->api = api;
+    memcpy(op->tag, thread_tag, sizeof op->tag);
+    if (op->kind == SIM_OP_BATCH) {
+        op->u.batch.copies = sim_calloc(op->u.batch.count, sizeof(struct sim_copy));
+        memcpy(op->u.batch.copies, original->u.batch.copies, op->u.batch.count * sizeof(struct sim_copy));
+    }
+    /* Staged operations are never captured (pageable copies cannot be), so never cloned. */
+    op->staging = NULL;
+    return op;
+}
+
+void sim_op_free(struct sim_op *op)
+{
+    if (op->kind == SIM_OP_BATCH)
+        free(op->u.batch.copies);
+    free(op->staging);
+    free(op);
+}
+
+CUresult sim_stream_resolve(CUstream handle, struct sim_ctx **ctx_out, struct sim_stream **stream_out)
+{
+    struct sim_ctx *current;
+    CUresult result = sim_ctx_require(&current);
+    if (result != CUDA_SUCCESS)
+        return result;
+    if (handle == NULL || handle == CU_STREAM_LEGACY || handle == CU_STREAM_PER_THREAD) {
+        *ctx_out = current;
+        *stream_out = NULL;
+        return CUDA_SUCCESS;
+    }
+    struct sim_stream *stream = (struct sim_stream *)handle;
+    if (stream->magic != SIM_MAGIC_STREAM)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!atomic_load(&stream->ctx->active))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    result = atomic_load(&stream->ctx->sticky);
+    if (result != CUDA_SUCCESS)
+        return result;
+    *ctx_out = stream->ctx;
+    *stream_out = stream;
+    return CUDA_SUCCESS;
+}
+
+/* With ctx->lock held. */
+static uint64_t append_locked(struct sim_ctx *ctx, struct sim_op *op)
+{
+    op->seq = ++ctx->submitted;
+    if (ctx->tail)
+        ctx->tail->next = op;
+    else
+        ctx->head = op;
+    ctx->tail = op;
+    pthread_cond_signal(&ctx->work_cv);
+    return op->seq;
+}
+
+CUresult sim_submit(struct sim_ctx *ctx, struct sim_stream *stream, struct sim_op *op, int wait)
+{
+    pthread_mutex_lock(&ctx->lock);
+    if (stream && stream->capture) {
+        sim_graph_append(stream->capture, op);
+        pthread_mutex_unlock(&ctx->lock);
+        return CUDA_SUCCESS;
+    }
+    if (!ctx->running) {
+        pthread_mutex_unlock(&ctx->lock);
+        sim_op_free(op);
+        return CUDA_ERROR_INVALID_CONTEXT;
+    }
+    uint64_t seq = append_locked(ctx, op);
+    if (stream)
+        stream->last_seq = seq;
+    if (op->kind == SIM_OP_EVENT) {
+        /* The event is pending from its record until the record executes. */
+        op->u.event->ctx = ctx;
+        op->u.event->seq = seq;
+    }
+    pthread_mutex_unlock(&ctx->lock);
+    if (!wait)
+        return CUDA_SUCCESS;
+    sim_wait(ctx, seq);
+    return atomic_load(&ctx->sticky);
+}
+
+void sim_wait(struct sim_ctx *ctx, uint64_t seq)
+{
+    pthread_mutex_lock(&ctx->lock);
+    while (ctx->completed < seq)
+        pthread_cond_wait(&ctx->done_cv, &ctx->lock);
+    pthread_mutex_unlock(&ctx->lock);
+}
+
+void sim_drain(struct sim_ctx *ctx)
+{
+    pthread_mutex_lock(&ctx->lock);
+    uint64_t seq = ctx->submitted;
+    while (ctx->completed < seq)
+        pthread_cond_wait(&ctx->done_cv, &ctx->lock);
+    pthread_mutex_unlock(&ctx->lock);
+}
+
+/* ---- Execution ---- */
+
+static void sleep_until(double deadline)
+{
+    struct timespec until = {.tv_sec = (time_t)deadline};
+    until.tv_nsec = (long)((deadline - (double)until.tv_sec) * 1e9);
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &until, NULL) == EINTR)
+        ;
+}
+
+static size_t copy_bytes(const struct sim_copy *copy)
+{
+    return copy->width * copy->height * copy->depth;
+}
+
+static CUresult run_copy(const struct sim_copy *copy)
+{
+    if (copy_bytes(copy) == 0)
+        return CUDA_SUCCESS;
+    if (copy->check_dst &&
+        !sim_mem_range_ok(copy->dst, sim_extent(copy->width, copy->height, copy->depth, copy->dst_pitch, copy->dst_slice)))
+        return CUDA_ERROR_ILLEGAL_ADDRESS;
+    if (copy->check_src &&
+        !sim_mem_range_ok(copy->src, sim_extent(copy->width, copy->height, copy->depth, copy->src_pitch, copy->src_slice)))
+        return CUDA_ERROR_ILLEGAL_ADDRESS;
+    for (size_t z = 0; z < copy->depth; z++)
+        for (size_t y = 0; y < copy->height; y++)
+            memmove((char *)copy->dst + z * copy->dst_slice + y * copy->dst_pitch,
+                    (const char *)copy->src + z * copy->src_slice + y * copy->src_pitch, copy->width);
+    return CUDA_SUCCESS;
+}
+
+static CUresult run_set(const struct sim_set *set)
+{
+    if (set->width == 0 || set->height == 0)
+        return CUDA_SUCCESS;
+    size_t row_bytes = set->width * set->element_size;
+    if (!sim_mem_range_ok(set->dst, sim_extent(row_bytes, set->height, 1, set->pitch, 0)))
+        return CUDA_ERROR_ILLEGAL_ADDRESS;
+    for (size_t y = 0; y < set->height; y++) {
+        char *row = (char *)set->dst + y * set->pitch;
+        switch (set->element_size) {
+        case 1:
+            memset(row, (int)set->value, set->width);
+            break;
+        case 2:
+            for (size_t x = 0; x < set->width; x++)
+                ((uint16_t *)row)[x] = (uint16_t)set->value;
+            break;
+        default:
+            for (size_t x = 0; x < set->width; x++)
+                ((uint32_t *)row)[x] = set->value;
+            break;
+        }
+    }
+    return CUDA_SUCCESS;
+}
+
+/* Runs a GPU operation that touches driver memory, with the registry read-locked. */
+static CUresult run_memory_op(struct sim_op *op)
+{
+    CUresult result = CUDA_SUCCESS;
+    sim_mem_read_lock();
+    switch (op->kind) {
+    case SIM_OP_KERNEL: {
+        uint64_t count = op->u.kernel.count;
+        if (count > SIZE_MAX / 4 || !sim_mem_range_ok(op->u.kernel.dst, (size_t)count * 4)) {
+            result = count ? CUDA_ERROR_ILLEGAL_ADDRESS : CUDA_SUCCESS;
+            break;
+        }
+        uint32_t *words = (uint32_t *)op->u.kernel.dst;
+        for (uint64_t i = 0; i < count; i++)
+            words[i] = op->u.kernel.value;
+        break;
+    }
+    case SIM_OP_MEMCPY:
+        result = run_copy(&op->u.copy);
+        break;
+    case SIM_OP_BATCH:
+        for (size_t i = 0; i < op->u.batch.count && result == CUDA_SUCCESS; i++)
+            result = run_copy(&op->u.batch.copies[i]);
+        break;
+    case SIM_OP_MEMSET:
+        result = run_set(&op->u.set);
+        break;
+    case SIM_OP_PREFETCH:
+        if (!sim_mem_range_ok(op->u.prefetch.ptr, op->u.prefetch.bytes))
+            result = CUDA_ERROR_ILLEGAL_ADDRESS;
+        break;
+    default:
+        break;
+    }
+    sim_mem_unlock();
+    return result;
+}
+
+static size_t op_bytes(const struct sim_op *op)
+{
+    size_t bytes = 0;
+    switch (op->kind) {
+    case SIM_OP_MEMCPY:
+        return copy_bytes(&op->u.copy);
+    case SIM_OP_BATCH:
+        for (size_t i = 0; i < op->u.batch.count; i++)
+            bytes += copy_bytes(&op->u.batch.copies[i]);
+        return bytes;
+    case SIM_OP_MEMSET:
+        return op->u.set.width * op->u.set.height * op->u.set.element_size;
+    case SIM_OP_PREFETCH:
+        return op->u.prefetch.bytes;
+    case SIM_OP_KERNEL:
+        return op->u.kernel.count * 4; /* nvshare_fill */
+    default:
+        return 0;
+    }
+}
+
+/* JSON string body: quotes, backslashes and control characters escaped. */
+static void json_escape(char *out, size_t size, const char *text)
+{
+    size_t used = 0;
+    for (; *text && used + 7 < size; text++) {
+        unsigned char c = (unsigned char)*text;
+        if (c == '"' || c == '\\')
+            used += (size_t)snprintf(out + used, size - used, "\\%c", c);
+        else if (c < 0x20)
+            used += (size_t)snprintf(out + used, size - used, "\\u%04x", c);
+        else
+            out[used++] = (char)c;
+    }
+    out[used] = '\0';
+}
+
+static void trace(const struct sim_ctx *ctx, const struct sim_op *op, double start, double end, CUresult error)
+{
+    if (trace_fd < 0)
+        return;
+    const char *name = NULL, *kind;
+    switch (op->kind) {
+    case SIM_OP_KERNEL:
+        kind = "kernel";
+        name = op->u.kernel.kind == SIM_KERNEL_SLEEP ? "nvshare_sleep" : "nvshare_fill";
+        break;
+    case SIM_OP_MEMCPY:
+    case SIM_OP_BATCH:
+        kind = "memcpy";
+        break;
+    case SIM_OP_MEMSET:
+        kind = "memset";
+        break;
+    case SIM_OP_PREFETCH:
+        kind = "prefetch";
+        break;
+    case SIM_OP_HOST_FN:
+        kind = "host";
+        break;
+    default:
+        return; /* events, waits and frees are bookkeeping, not GPU work */
+    }
+    char line[1024], tag[2 * SIM_TAG_MAX];
+    int length = snprintf(line, sizeof line, "{\"pid\": %d, \"dev\": \"%s\", \"ctx\": %d, \"op\": \"%s\"",
+                          (int)getpid(), ctx->device->uuid_text, ctx->id, kind);
+    if (name)
+        length += snprintf(line + length, sizeof line - (size_t)length, ", \"name\": \"%s\"", name);
+    if (op->kind != SIM_OP_HOST_FN && !(op->kind == SIM_OP_KERNEL && op->u.kernel.kind == SIM_KERNEL_SLEEP))
+        length += snprintf(line + length, sizeof line - (size_t)length, ", \"bytes\": %zu", op_bytes(op));
+    length += snprintf(line + length, sizeof line - (size_t)length, ", \"api\": \"%s\"", op->api);
+    if (op->tag[0]) {
+        json_escape(tag, sizeof tag, op->tag);
+        length += snprintf(line + length, sizeof line - (size_t)length, ", \"tag\": \"%s\"", tag);
+    }
+    if (error != CUDA_SUCCESS) {
+        const char *error_name = "CUDA_ERROR_UNKNOWN";
+        cuGetErrorName(error, &error_name);
+        length += snprintf(line + length, sizeof line - (size_t)length, ", \"error\": \"%s\"", error_name);
+    }
+    length += snprintf(line + length, sizeof line - (size_t)length, ", \"start\": %.9f, \"end\": %.9f}\n", start, end);
+    /* One write on an O_APPEND descriptor: lines of concurrent processes never interleave. */
+    if (write(trace_fd, line, (size_t)length) != length)
+        fprintf(stderr, "simcuda: trace write failed: %s\n", strerror(errno));
+}
+
+static void execute(struct sim_ctx *ctx, struct sim_op *op)
+{
+    if (op->kind == SIM_OP_WAIT) {
+        sim_wait(op->u.wait.ctx, op->u.wait.seq);
+        return;
+    }
+    if (op->kind == SIM_OP_FREE) {
+        sim_mem_free_now(op->u.free_ptr);
+        return;
+    }
+    if (op->kind == SIM_OP_EVENT) {
+        op->u.event->time = sim_now(); /* published by the completion under ctx->lock */
+        return;
+    }
+    /* A context that hit an error runs no further work, as after a GPU fault. */
+    if (atomic_load(&ctx->sticky) != CUDA_SUCCESS)
+        return;
+    double start = sim_now();
+    CUresult error = CUDA_SUCCESS;
+    if (op->kind == SIM_OP_KERNEL && op->u.kernel.kind == SIM_KERNEL_SLEEP)
+        sleep_until(start + (double)op->u.kernel.duration_us * 1e-6);
+    else if (op->kind == SIM_OP_HOST_FN)
+        op->u.host.fn(op->u.host.data);
+    else
+        error = run_memory_op(op);
+    double end = sim_now();
+    if (error != CUDA_SUCCESS) {
+        int expected = CUDA_SUCCESS;
+        atomic_compare_exchange_strong(&ctx->sticky, &expected, error);
+    }
+    trace(ctx, op, start, end, error);
+}
+
+static void *executor_main(void *argument)
+{
+    struct sim_ctx *ctx = argument;
+    pthread_mutex_lock(&ctx->lock);
+    for (;;) {
+        while (!ctx->head && !ctx->stopping)
+            pthread_cond_wait(&ctx->work_cv, &ctx->lock);
+        if (!ctx->head)
+            break;
+        struct sim_op *op = ctx->head;
+        ctx->head = op->next;
+        if (!ctx->head)
+            ctx->tail = NULL;
+        pthread_mutex_unlock(&ctx->lock);
+        execute(ctx, op);
+        pthread_mutex_lock(&ctx->lock);
+        ctx->completed = op->seq;
+        struct sim_event *event = op->kind == SIM_OP_EVENT ? op->u.event : NULL;
+        /* cuEventDestroy on a pending event leaves its release to its last record. */
+        if (event && event->magic == SIM_MAGIC_DEAD && event->seq == op->seq)
+            free(event);
+        pthread_cond_broadcast(&ctx->done_cv);
+        pthread_mutex_unlock(&ctx->lock);
+        sim_op_free(op);
+        pthread_mutex_lock(&ctx->lock);
+    }
+    pthread_mutex_unlock(&ctx->lock);
+    return NULL;
+}
+
+void sim_executor_start(struct sim_ctx *ctx)
+{
+    /* The executor takes no signals: they belong to the application's threads. */
+    sigset_t all, previous;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &previous);
+    pthread_mutex_lock(&ctx->lock);
+    ctx->running = 1;
+    ctx->stopping = 0;
+    pthread_mutex_unlock(&ctx->lock);
+    int error = pthread_create(&ctx->executor, NULL, executor_main, ctx);
+    pthread_sigmask(SIG_SETMASK, &previous, NULL);
+    if (error) {
+        fprintf(stderr, "simcuda: cannot start an executor thread: %s\n", strerror(error));
+        abort();
+    }
+}
+
+void sim_executor_stop(struct sim_ctx *ctx)
+{
+    pthread_mutex_lock(&ctx->lock);
+    ctx->running = 0;
+    while (ctx->completed < ctx->submitted)
+        pthread_cond_wait(&ctx->done_cv, &ctx->lock);
+    ctx->stopping = 1;
+    pthread_cond_signal(&ctx->work_cv);
+    pthread_mutex_unlock(&ctx->lock);
+    pthread_join(ctx->executor, NULL);
+}

@@ -1,0 +1,225 @@
+/*
+ * CUDA graphs built by stream capture: while a (non-default) stream is captured, the
+ * operations submitted to it are recorded instead of queued; launching the instantiated graph
+ * queues copies of them, traced with the launching entry point as "api". Only single-stream
+ * capture is simulated: a capture does not spread to streams that wait on its events.
+ */
+#include <stdlib.h>
+
+#include "simcuda.h"
+
+struct sim_graph {
+    enum sim_magic magic; /* SIM_MAGIC_GRAPH or SIM_MAGIC_GRAPH_EXEC */
+    struct sim_op *head, *tail;
+};
+
+static struct sim_graph *graph_new(enum sim_magic magic)
+{
+    struct sim_graph *graph = calloc(1, sizeof *graph);
+    if (graph)
+        graph->magic = magic;
+    return graph;
+}
+
+void sim_graph_free(struct sim_graph *graph)
+{
+    while (graph->head) {
+        struct sim_op *next = graph->head->next;
+        sim_op_free(graph->head);
+        graph->head = next;
+    }
+    graph->magic = SIM_MAGIC_DEAD;
+    free(graph);
+}
+
+void sim_graph_append(struct sim_graph *graph, struct sim_op *op)
+{
+    op->next = NULL;
+    if (graph->tail)
+        graph->tail->next = op;
+    else
+        graph->head = op;
+    graph->tail = op;
+}
+
+int sim_stream_capturing(struct sim_stream *stream)
+{
+    if (!stream)
+        return 0;
+    pthread_mutex_lock(&stream->ctx->lock);
+    int capturing = stream->capture != NULL;
+    pthread_mutex_unlock(&stream->ctx->lock);
+    return capturing;
+}
+
+static CUresult begin_capture(CUstream hStream, CUstreamCaptureMode mode)
+{
+    SIM_ENTER();
+    if ((int)mode < CU_STREAM_CAPTURE_MODE_GLOBAL || mode > CU_STREAM_CAPTURE_MODE_RELAXED)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_ctx *ctx;
+    struct sim_stream *stream;
+    CUresult result = sim_stream_resolve(hStream, &ctx, &stream);
+    if (result != CUDA_SUCCESS)
+        return result;
+    if (!stream) /* the default streams cannot be captured */
+        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    struct sim_graph *graph = graph_new(SIM_MAGIC_GRAPH);
+    if (!graph)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&ctx->lock);
+    if (stream->capture)
+        result = CUDA_ERROR_ILLEGAL_STATE;
+    else
+        stream->capture = graph;
+    pthread_mutex_unlock(&ctx->lock);
+    if (result != CUDA_SUCCESS)
+        free(graph);
+    return result;
+}
+
+SIM_EXPORT CUresult cuStreamBeginCapture(CUstream hStream)
+{
+    return begin_capture(hStream, CU_STREAM_CAPTURE_MODE_GLOBAL);
+}
+
+SIM_EXPORT CUresult cuStreamBeginCapture_ptsz(CUstream hStream)
+{
+    return begin_capture(hStream, CU_STREAM_CAPTURE_MODE_GLOBAL);
+}
+
+SIM_EXPORT CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode)
+{
+    return begin_capture(hStream, mode);
+}
+
+SIM_EXPORT CUresult cuStreamBeginCapture_v2_ptsz(CUstream hStream, CUstreamCaptureMode mode)
+{
+    return begin_capture(hStream, mode);
+}
+
+static CUresult end_capture(CUstream hStream, CUgraph *phGraph)
+{
+    SIM_ENTER();
+    if (!phGraph)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_ctx *ctx;
+    struct sim_stream *stream;
+    CUresult result = sim_stream_resolve(hStream, &ctx, &stream);
+    if (result != CUDA_SUCCESS)
+        return result;
+    if (!stream)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    pthread_mutex_lock(&ctx->lock);
+    struct sim_graph *graph = stream->capture;
+    stream->capture = NULL;
+    pthread_mutex_unlock(&ctx->lock);
+    if (!graph)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    *phGraph = (CUgraph)graph;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph)
+{
+    return end_capture(hStream, phGraph);
+}
+
+SIM_EXPORT CUresult cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph)
+{
+    return end_capture(hStream, phGraph);
+}
+
+static CUresult is_capturing(CUstream hStream, CUstreamCaptureStatus *captureStatus)
+{
+    SIM_ENTER();
+    if (!captureStatus)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_ctx *ctx;
+    struct sim_stream *stream;
+    CUresult result = sim_stream_resolve(hStream, &ctx, &stream);
+    if (result != CUDA_SUCCESS)
+        return result;
+    *captureStatus = sim_stream_capturing(stream) ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureStatus)
+{
+    return is_capturing(hStream, captureStatus);
+}
+
+SIM_EXPORT CUresult cuStreamIsCapturing_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus)
+{
+    return is_capturing(hStream, captureStatus);
+}
+
+static CUresult check_graph(void *handle, enum sim_magic magic, struct sim_graph **out)
+{
+    struct sim_graph *graph = handle;
+    if (!graph || graph->magic != magic)
+        return CUDA_ERROR_INVALID_VALUE;
+    *out = graph;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
+{
+    (void)flags; /* auto-free-on-launch, upload, device launch, priority: nothing to simulate */
+    SIM_ENTER();
+    struct sim_graph *graph;
+    if (!phGraphExec || check_graph(hGraph, SIM_MAGIC_GRAPH, &graph) != CUDA_SUCCESS)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_graph *exec = graph_new(SIM_MAGIC_GRAPH_EXEC);
+    if (!exec)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    for (struct sim_op *op = graph->head; op; op = op->next)
+        sim_graph_append(exec, sim_op_clone(op, op->api));
+    *phGraphExec = (CUgraphExec)exec;
+    return CUDA_SUCCESS;
+}
+
+static CUresult graph_launch(CUgraphExec hGraphExec, CUstream hStream, const char *api)
+{
+    SIM_ENTER();
+    struct sim_graph *exec;
+    CUresult result = check_graph(hGraphExec, SIM_MAGIC_GRAPH_EXEC, &exec);
+    if (result != CUDA_SUCCESS)
+        return result;
+    struct sim_ctx *ctx;
+    struct sim_stream *stream;
+    result = sim_stream_resolve(hStream, &ctx, &stream);
+    for (struct sim_op *op = exec->head; op && result == CUDA_SUCCESS; op = op->next)
+        result = sim_submit(ctx, stream, sim_op_clone(op, api), 0);
+    return result;
+}
+
+SIM_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
+{
+    return graph_launch(hGraphExec, hStream, __func__);
+}
+
+SIM_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
+{
+    return graph_launch(hGraphExec, hStream, __func__);
+}
+
+SIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
+{
+    SIM_ENTER();
+    struct sim_graph *exec;
+    CUresult result = check_graph(hGraphExec, SIM_MAGIC_GRAPH_EXEC, &exec);
+    if (result == CUDA_SUCCESS)
+        sim_graph_free(exec);
+    return result;
+}
+
+SIM_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
+{
+    SIM_ENTER();
+    struct sim_graph *graph;
+    CUresult result = check_graph(hGraph, SIM_MAGIC_GRAPH, &graph);
+    if (result == CUDA_SUCCESS)
+        sim_graph_free(graph);
+    return result;
+}

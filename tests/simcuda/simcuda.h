@@ -1,0 +1,335 @@
+/*
+ * Internal declarations of the simulated CUDA driver (libcuda.so.1). Not installed, not part
+ * of any ABI: applications see only the entry points of cuda_entry_points.h.
+ *
+ * Model: device memory is host memory (mmap), every context has one executor thread that runs
+ * the operations queued on any of its streams in submission order, and every executed
+ * operation can be traced (see cuda_exec.c and docs/architecture.md).
+ */
+#ifndef SIMCUDA_H
+#define SIMCUDA_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "cuda_types.h"
+
+/* The library is built with -fvisibility=hidden: only entry points are exported. */
+#define SIM_EXPORT __attribute__((visibility("default")))
+
+#define CU_ENTRY(symbol, base, version, per_thread, params) SIM_EXPORT CUresult symbol params;
+#include "cuda_entry_points.h"
+#undef CU_ENTRY
+
+/* Not a CUDA entry point: simapp (through dlsym) labels the trace lines of the calling thread. */
+SIM_EXPORT void simcudaSetTag(const char *tag);
+
+#define SIM_DRIVER_VERSION 13000
+#define SIM_MAX_DEVICES 64
+#define SIM_TAG_MAX 128
+#define SIM_DEVICE_NAME "nvshare simulated GPU"
+#define SIM_UUID_FORMAT "GPU-5151ad00-0000-4000-8000-%012x"
+/* Granularity of cuMemCreate / cuMemMap, as on current data-centre GPUs. */
+#define SIM_VMM_GRANULARITY (2u << 20)
+
+/* Handle validation: every object handed out starts with one of these. */
+enum sim_magic {
+    SIM_MAGIC_CTX = 0x5c7c7a11,
+    SIM_MAGIC_STREAM = 0x5c57ea11,
+    SIM_MAGIC_EVENT = 0x5ce7e711,
+    SIM_MAGIC_MODULE = 0x5c30d011,
+    SIM_MAGIC_FUNCTION = 0x5cf0c711,
+    SIM_MAGIC_GRAPH = 0x5c6a9811,
+    SIM_MAGIC_GRAPH_EXEC = 0x5c6ae711,
+    SIM_MAGIC_POOL = 0x5cb0b011,
+    SIM_MAGIC_PHYS = 0x5cf1a511,
+    SIM_MAGIC_DEAD = 0x5cdead11,
+};
+
+/* ---- cuda_init.c: configuration, devices, initialisation state ---- */
+
+struct sim_pool;
+
+struct sim_device {
+    int ordinal;         /* CUdevice value seen by the application */
+    int index;           /* simulated physical index (UUID, NVML index) */
+    char uuid_text[48];  /* GPU-5151ad00-... */
+    CUuuid uuid;
+    size_t total;        /* SIMCUDA_MEMORY */
+    size_t used;         /* non-managed bytes allocated by this process; registry lock */
+    struct sim_ctx *primary;      /* created by cuInit, never freed */
+    struct sim_pool *default_pool; /* created by cuInit, never freed */
+};
+
+/* Written once by cuInit (under its pthread_once), read-only afterwards. */
+extern struct sim_device sim_devices[SIM_MAX_DEVICES];
+extern int sim_device_count;
+
+/* Returns CUDA_SUCCESS when the driver may be used by the calling process. */
+CUresult sim_check_init(void);
+#define SIM_ENTER()                          \
+    do {                                     \
+        CUresult sim_enter_result_ = sim_check_init(); \
+        if (sim_enter_result_ != CUDA_SUCCESS) \
+            return sim_enter_result_;        \
+    } while (0)
+
+/* The entry points of the 32-bit ABI of CUDA 2.x exist but cannot be used with the contexts of
+ * today's API: the real driver answers CUDA_ERROR_INVALID_CONTEXT. */
+#define SIM_32BIT_ABI()                      \
+    do {                                     \
+        SIM_ENTER();                         \
+        return CUDA_ERROR_INVALID_CONTEXT;   \
+    } while (0)
+
+/* Features that are not simulated (CUDA arrays, 3D batches). */
+#define SIM_NOT_SUPPORTED()                  \
+    do {                                     \
+        SIM_ENTER();                         \
+        return CUDA_ERROR_NOT_SUPPORTED;     \
+    } while (0)
+
+/* Defines an entry point and its _ptds/_ptsz twin with one body (__func__ names each). */
+#define SIM_WITH_TWIN(symbol, twin, params, ...) \
+    SIM_EXPORT CUresult symbol params { __VA_ARGS__ } \
+    SIM_EXPORT CUresult twin params { __VA_ARGS__ }
+
+struct sim_device *sim_device_get(CUdevice ordinal); /* NULL when out of range */
+/* Zeroed memory for the driver's own objects; aborts (with a message) when the host is out of
+ * memory, which the simulation cannot report as a device error. */
+void *sim_calloc(size_t count, size_t size);
+double sim_now(void);                               /* CLOCK_MONOTONIC seconds */
+
+/* ---- cuda_context.c: contexts and the per-thread current-context stack ---- */
+
+struct sim_op;
+
+struct sim_ctx {
+    enum sim_magic magic;
+    int id;                       /* small number for the trace, unique per process */
+    struct sim_device *device;
+    int is_primary;
+    unsigned int flags;           /* cuda_context.c's admin lock */
+    int retained;                 /* primary context: retain count; admin lock */
+    atomic_int active;            /* usable by the application */
+    atomic_int sticky;            /* first asynchronous failure (CUresult); the context stays broken */
+    /* The fields below are guarded by `lock`. */
+    pthread_mutex_t lock;
+    pthread_cond_t work_cv;       /* executor waits for work or for `stopping` */
+    pthread_cond_t done_cv;       /* waiters wait for `completed` to advance */
+    int running;                  /* executor started and not told to stop: accepts work */
+    int stopping;
+    struct sim_op *head, *tail;   /* queued, not yet started */
+    uint64_t submitted;           /* sequence number of the last queued operation */
+    uint64_t completed;           /* sequence number of the last finished operation */
+    pthread_t executor;
+};
+
+/* A context object, not yet active. Aborts on memory exhaustion. */
+struct sim_ctx *sim_ctx_new(struct sim_device *device, int is_primary, unsigned int flags);
+
+/* The current context if there is a usable one: CUDA_ERROR_INVALID_CONTEXT otherwise, or the
+ * context's sticky error. */
+CUresult sim_ctx_require(struct sim_ctx **out);
+/* Validates an application-supplied context handle (NULL is not valid). */
+CUresult sim_ctx_check(CUcontext handle, struct sim_ctx **out);
+
+/* ---- cuda_exec.c: operation queue, executor, trace ---- */
+
+enum sim_kernel_kind { SIM_KERNEL_SLEEP, SIM_KERNEL_FILL };
+
+/* Bytes spanned by `height` rows of `width` bytes in each of `depth` slices. */
+static inline size_t sim_extent(size_t width, size_t height, size_t depth, size_t pitch, size_t slice)
+{
+    return (depth - 1) * slice + (height - 1) * pitch + width;
+}
+
+/* A strided 3D copy; 1D and 2D copies have depth (and height) 1. */
+struct sim_copy {
+    uintptr_t dst, src;
+    size_t width, height, depth;
+    size_t dst_pitch, src_pitch;  /* bytes between rows */
+    size_t dst_slice, src_slice;  /* bytes between slices */
+    int check_dst, check_src;     /* side must lie in driver memory when the copy executes */
+};
+
+struct sim_set {
+    uintptr_t dst;
+    size_t pitch;                 /* bytes between rows */
+    size_t width, height;         /* in elements */
+    unsigned int element_size;    /* 1, 2 or 4 */
+    uint32_t value;
+};
+
+/* Several copies executed as one operation (cuMemcpyBatchAsync). */
+struct sim_batch {
+    size_t count;
+    struct sim_copy *copies;
+};
+
+enum sim_op_kind {
+    SIM_OP_KERNEL,
+    SIM_OP_MEMCPY,
+    SIM_OP_BATCH,
+    SIM_OP_MEMSET,
+    SIM_OP_PREFETCH,
+    SIM_OP_HOST_FN,
+    SIM_OP_EVENT,                 /* stamps an event */
+    SIM_OP_WAIT,                  /* waits for another context's sequence number */
+    SIM_OP_FREE,                  /* stream-ordered free */
+};
+
+struct sim_event;
+
+struct sim_op {
+    struct sim_op *next;
+    enum sim_op_kind kind;
+    uint64_t seq;
+    const char *api;              /* entry point that submitted it (a string literal) */
+    char tag[SIM_TAG_MAX];        /* submitting thread's tag, "" when none */
+    void *staging;                /* copy of pageable source bytes, freed with the operation */
+    union {
+        struct {
+            enum sim_kernel_kind kind;
+            uint64_t duration_us;
+            uintptr_t dst;
+            uint32_t value;
+            uint64_t count;
+        } kernel;
+        struct sim_copy copy;
+        struct sim_batch batch;
+        struct sim_set set;
+        struct {
+            uintptr_t ptr;
+            size_t bytes;
+        } prefetch;
+        struct {
+            CUhostFn fn;
+            void *data;
+        } host;
+        struct sim_event *event;
+        struct {
+            struct sim_ctx *ctx;
+            uint64_t seq;
+        } wait;
+        uintptr_t free_ptr;
+    } u;
+};
+
+struct sim_graph;
+
+struct sim_stream {
+    enum sim_magic magic;
+    struct sim_ctx *ctx;
+    unsigned int flags;
+    int priority;
+    uint64_t last_seq;            /* ctx->lock */
+    struct sim_graph *capture;    /* non-NULL while capturing; ctx->lock */
+};
+
+struct sim_event {
+    enum sim_magic magic;
+    unsigned int flags;
+    /* Guarded by the lock of `ctx` (the context of the last record). */
+    struct sim_ctx *ctx;
+    uint64_t seq;                 /* 0: never recorded */
+    double time;                  /* when the record executed */
+};
+
+/* A new operation of `kind` tagged with the calling thread's tag. Aborts on memory exhaustion. */
+struct sim_op *sim_op_new(enum sim_op_kind kind, const char *api);
+/* A copy of `op` submitted by the calling thread through `api` (graph capture and launch). */
+struct sim_op *sim_op_clone(const struct sim_op *op, const char *api);
+void sim_op_free(struct sim_op *op);
+
+/* Resolves a stream argument: NULL, CU_STREAM_LEGACY and CU_STREAM_PER_THREAD name the current
+ * context's default stream (*stream_out = NULL); other handles are validated. */
+CUresult sim_stream_resolve(CUstream handle, struct sim_ctx **ctx_out, struct sim_stream **stream_out);
+
+/* Queues `op` on the stream (appends it to the graph being captured, if any). With `wait`, returns
+ * once it has executed, with the context's sticky error. Takes ownership of `op`. */
+CUresult sim_submit(struct sim_ctx *ctx, struct sim_stream *stream, struct sim_op *op, int wait);
+/* Waits until the context has executed `seq`. */
+void sim_wait(struct sim_ctx *ctx, uint64_t seq);
+/* Waits until the context has executed everything queued so far. */
+void sim_drain(struct sim_ctx *ctx);
+
+void sim_executor_start(struct sim_ctx *ctx);
+/* Drains, then stops and joins the executor. */
+void sim_executor_stop(struct sim_ctx *ctx);
+/* Opens SIMCUDA_TRACE (called by cuInit). */
+CUresult sim_trace_open(void);
+
+/* ---- cuda_graph.c ---- */
+
+/* Appends `op` to a graph under capture; ownership passes (ctx->lock held by the caller). */
+void sim_graph_append(struct sim_graph *graph, struct sim_op *op);
+/* Whether the stream is being captured (operations that cannot be captured check this). */
+int sim_stream_capturing(struct sim_stream *stream);
+/* Frees a graph, a graph exec or an abandoned capture, with its operations. */
+void sim_graph_free(struct sim_graph *graph);
+
+/* ---- cuda_memory.c: allocations and the address registry ---- */
+
+enum sim_family {
+    SIM_MEM_DEVICE,    /* cuMemAlloc_v2, cuMemAllocPitch_v2 */
+    SIM_MEM_POOL,      /* cuMemAllocAsync, cuMemAllocFromPoolAsync */
+    SIM_MEM_MANAGED,   /* cuMemAllocManaged */
+    SIM_MEM_HOST,      /* cuMemAllocHost_v2, cuMemHostAlloc */
+    SIM_MEM_VMM,       /* a range mapped with cuMemMap */
+    SIM_MEM_IPC,       /* a range opened with cuIpcOpenMemHandle */
+};
+
+struct sim_phys;
+
+struct sim_alloc {
+    uintptr_t start;
+    size_t size;
+    enum sim_family family;
+    struct sim_device *device;
+    struct sim_ctx *ctx;
+    struct sim_pool *pool;        /* SIM_MEM_POOL */
+    struct sim_phys *phys;        /* SIM_MEM_VMM */
+    size_t charged;               /* bytes counted in device->used */
+    int accessible;               /* VMM ranges become accessible with cuMemSetAccess */
+    int free_queued;              /* a cuMemFreeAsync for it is queued */
+    int shared_fd;                /* memfd backing once exported with cuIpcGetMemHandle, or -1 */
+};
+
+/* The registry lock. Executors hold it for reading while they touch driver memory, so that
+ * nothing is unmapped under them; allocation and free take it for writing. */
+void sim_mem_read_lock(void);
+void sim_mem_write_lock(void);
+void sim_mem_unlock(void);
+/* With the lock held: the allocation containing [ptr, ptr + bytes), or NULL. */
+struct sim_alloc *sim_mem_find_range(uintptr_t ptr, size_t bytes);
+/* With the write lock held: records a copy of `prototype` (NULL when out of host memory), and
+ * forgets a record (freeing it, not the memory it describes). */
+struct sim_alloc *sim_mem_add(const struct sim_alloc *prototype);
+void sim_mem_remove(struct sim_alloc *alloc);
+/* With the write lock held: counts bytes against the device budget (-1 when they do not fit). */
+int sim_mem_charge(struct sim_device *device, size_t bytes);
+void sim_mem_uncharge(struct sim_device *device, size_t bytes);
+
+/* With the lock held: whether [ptr, ptr + bytes) may be accessed by the device. */
+int sim_mem_range_ok(uintptr_t ptr, size_t bytes);
+/* Without the lock: whether [ptr, ptr + bytes) lies in driver memory; and whether it is pinned
+ * host memory or managed memory (so that copies from it need no staging). */
+int sim_mem_range_known(uintptr_t ptr, size_t bytes, enum sim_family *family);
+/* Executes a stream-ordered free (executor thread, no lock held). */
+void sim_mem_free_now(uintptr_t ptr);
+/* Frees every allocation owned by a context that is being destroyed. */
+void sim_mem_release_ctx(struct sim_ctx *ctx);
+/* Creates the default memory pool of a device (cuInit). */
+struct sim_pool *sim_pool_new_default(struct sim_device *device);
+
+/* ---- cuda_module.c ---- */
+
+struct sim_function {
+    enum sim_magic magic;
+    enum sim_kernel_kind kind;
+    const char *name;
+};
+
+#endif
