@@ -1,0 +1,1 @@
+"""nvsharectl (installed as the package nvshare_py.ctl): see main.py."""

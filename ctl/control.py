@@ -1,0 +1,114 @@
+"""The requesting side of the control socket (docs/protocol.md, "Control socket").
+
+`ControlConnection` turns every way a request can fail into a `ControlFailure` whose
+`exit_code` is nvsharectl's documented exit status, so callers (nvsharectl, test fixtures,
+scripts) can tell a refusal from a missing daemon from a permission problem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any
+
+import zmq
+
+from ..paths import SocketPaths
+
+EXIT_OK = 0
+EXIT_REFUSED = 1  # the daemon refused the request
+EXIT_USAGE = 2
+EXIT_NOT_RUNNING = 3  # no socket, connection refused, or no answer in time
+EXIT_PERMISSION = 4  # socket not accessible, or the daemon said "forbidden"
+
+REQUEST_MAX = 64 * 1024
+REPLY_MAX = 8 * 1024 * 1024
+
+
+class ControlFailure(Exception):
+    def __init__(self, exit_code: int, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.code = code  # the daemon's error code, when it answered
+
+
+def probe(path: os.PathLike) -> None:
+    """A plain AF_UNIX connect, to tell 'not running' from 'not allowed' before ZeroMQ
+    (which would silently retry either) gets involved."""
+    probe_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe_socket.connect(os.fspath(path))
+    except FileNotFoundError:
+        raise ControlFailure(
+            EXIT_NOT_RUNNING, f"no scheduler control socket at {path} (is nvshare-scheduler running? check --socket-dir)"
+        ) from None
+    except ConnectionRefusedError:
+        raise ControlFailure(EXIT_NOT_RUNNING, f"nvshare-scheduler is not running (nothing listens on {path})") from None
+    except PermissionError:
+        raise ControlFailure(
+            EXIT_PERMISSION, f"permission denied on {path}: run as root or as the scheduler's user"
+        ) from None
+    except OSError as exc:
+        raise ControlFailure(EXIT_NOT_RUNNING, f"cannot reach {path}: {exc.strerror}") from None
+    finally:
+        probe_socket.close()
+
+
+class ControlConnection:
+    """One REQ connection to the control socket; use as a context manager."""
+
+    def __init__(self, paths: SocketPaths, timeout: float = 5.0) -> None:
+        self.paths = paths
+        self.timeout = timeout
+        probe(paths.control_socket)
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.REQ)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.RCVTIMEO, max(1, int(timeout * 1000)))
+        self._socket.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
+        self._socket.setsockopt(zmq.MAXMSGSIZE, REPLY_MAX)
+        self._socket.connect(paths.control_endpoint)
+
+    def request(self, op: str, **fields: Any) -> Any:
+        """Send one request and return its `result`; raises ControlFailure."""
+        data = json.dumps({"v": 1, "op": op, **fields}).encode()
+        if len(data) > REQUEST_MAX:
+            raise ControlFailure(EXIT_USAGE, f"request of {len(data)} bytes is over the {REQUEST_MAX}-byte limit")
+        try:
+            self._socket.send(data)
+            reply = json.loads(self._socket.recv())
+        except zmq.Again:
+            self.close()
+            raise ControlFailure(
+                EXIT_NOT_RUNNING, f"nvshare-scheduler did not answer within {self.timeout:g} s ({self.paths.control_socket})"
+            ) from None
+        except ValueError:
+            raise ControlFailure(EXIT_REFUSED, "the scheduler's answer is not JSON") from None
+        if not isinstance(reply, dict):
+            raise ControlFailure(EXIT_REFUSED, "the scheduler's answer is not a JSON object")
+        if reply.get("ok"):
+            return reply.get("result")
+        error = reply.get("error") or {}
+        code = str(error.get("code", "unknown"))
+        message = str(error.get("message", ""))
+        exit_code = EXIT_PERMISSION if code == "forbidden" else EXIT_REFUSED
+        raise ControlFailure(exit_code, f"the scheduler refused: {code}" + (f": {message}" if message else ""), code)
+
+    def close(self) -> None:
+        if self._context is not None:
+            self._socket.close(linger=0)
+            self._context.term()
+            self._context = None
+
+    def __enter__(self) -> "ControlConnection":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def request(paths: SocketPaths, op: str, *, timeout: float = 5.0, **fields: Any) -> Any:
+    """One request on a fresh connection."""
+    with ControlConnection(paths, timeout) as connection:
+        return connection.request(op, **fields)

@@ -1,0 +1,305 @@
+"""nvsharectl: steer and inspect a running nvshare-scheduler through its control socket.
+
+Exit codes: 0 ok; 1 the scheduler refused the request (its message is shown); 2 usage error;
+3 the scheduler is not running (no socket, connection refused, or no answer within --timeout);
+4 permission denied (the socket is not accessible to you, or the scheduler said forbidden).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from ..paths import ENV_SOCKET_DIR, SocketPaths
+from .control import ControlConnection, ControlFailure
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Steer and inspect nvshare-scheduler. Exit codes: 0 ok, 1 refused by the scheduler, "
+    "2 usage error, 3 scheduler not running, 4 permission denied.",
+)
+# Piped output is not squeezed to 80 columns (device UUIDs alone take 40).
+stdout = Console(highlight=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160)
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(?:i?b)?\s*\Z", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '8G', '512M', '1.5GiB', '1048576' (binary units: 1K = 1024 bytes)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a size (examples: 8G, 512M, 1.5GiB, 1048576)")
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ValueError("the size must be greater than 0")
+    return size
+
+
+def format_bytes(size: int | None) -> str:
+    if not size:
+        return "-" if size is None else "0"
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
+def format_time(unix: float) -> str:
+    return datetime.fromtimestamp(unix).strftime("%H:%M:%S.%f")[:-3]
+
+
+@dataclass
+class Settings:
+    paths: SocketPaths
+    timeout: float
+
+    def connect(self) -> ControlConnection:
+        return ControlConnection(self.paths, self.timeout)
+
+
+def _fail(failure: ControlFailure) -> None:
+    typer.echo(f"nvsharectl: {failure}", err=True)
+    raise typer.Exit(failure.exit_code)
+
+
+def _call(ctx: typer.Context, op: str, **fields: Any) -> Any:
+    try:
+        with ctx.obj.connect() as connection:
+            return connection.request(op, **fields)
+    except ControlFailure as failure:
+        _fail(failure)
+
+
+@app.callback()
+def options(
+    ctx: typer.Context,
+    socket_dir: Optional[Path] = typer.Option(
+        None, envvar=ENV_SOCKET_DIR, readable=False, help="The scheduler's socket directory [default: as nvshare-scheduler]"
+    ),
+    timeout: float = typer.Option(5.0, min=0.001, help="Seconds to wait for the scheduler's answer"),
+) -> None:
+    ctx.obj = Settings(SocketPaths.resolve(socket_dir), timeout)
+
+
+DEVICE_OPTION = typer.Option(None, "--device", help="A device UUID; without it the default and every device change")
+
+
+@app.command("set-tq")
+def set_tq(ctx: typer.Context, seconds: float = typer.Argument(..., help="Time quantum in seconds (> 0)"), device: Optional[str] = DEVICE_OPTION) -> None:
+    """Set the time quantum."""
+    if not seconds > 0:
+        raise typer.BadParameter("must be greater than 0", param_hint="SECONDS")
+    result = _call(ctx, "set-tq", seconds=seconds, **({"device": device} if device else {}))
+    typer.echo(f"time quantum of {result['device'] or 'every device'}: {result['tq']:g} s")
+
+
+def _set_mode(ctx: typer.Context, mode: str, device: str | None) -> None:
+    result = _call(ctx, "set-mode", mode=mode, **({"device": device} if device else {}))
+    typer.echo(f"mode of {result['device'] or 'every device'}: {result['mode']}")
+
+
+@app.command("on")
+def mode_on(ctx: typer.Context, device: Optional[str] = DEVICE_OPTION) -> None:
+    """Serialise: one process holds a GPU at a time."""
+    _set_mode(ctx, "on", device)
+
+
+@app.command("off")
+def mode_off(ctx: typer.Context, device: Optional[str] = DEVICE_OPTION) -> None:
+    """Stop scheduling: every process runs at once."""
+    _set_mode(ctx, "off", device)
+
+
+@app.command("auto")
+def mode_auto(ctx: typer.Context, device: Optional[str] = DEVICE_OPTION) -> None:
+    """Run processes side by side while their memory fits the device's budget."""
+    _set_mode(ctx, "auto", device)
+
+
+@app.command("set-budget")
+def set_budget(
+    ctx: typer.Context,
+    size: str = typer.Argument(..., metavar="BYTES|default", help="Memory budget, e.g. 60G, 512M, or 'default' for the device's total"),
+    device: str = typer.Option(..., "--device", help="The device UUID"),
+) -> None:
+    """Set the memory budget that auto mode fits holders into."""
+    if size.strip().lower() == "default":
+        budget = None
+    else:
+        try:
+            budget = parse_size(size)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="BYTES") from None
+    result = _call(ctx, "set-budget", device=device, bytes=budget)
+    shown = "the device's total" if result["budget"] is None else format_bytes(result["budget"])
+    typer.echo(f"memory budget of {result['device']}: {shown}")
+
+
+# --- status --------------------------------------------------------------------------------
+
+
+def _identity(client: dict) -> str:
+    parts = []
+    if client.get("namespace") or client.get("pod"):
+        parts.append(f"{client.get('namespace') or '?'}/{client.get('pod') or '?'}")
+    if client.get("host"):
+        parts.append(client["host"])
+    if client.get("container"):
+        parts.append(client["container"][:12])
+    if client.get("program"):
+        parts.append(client["program"])
+    return " ".join(parts) or "-"
+
+
+def render_status(status: dict) -> Group:
+    scheduler = status.get("scheduler", {})
+    defaults = scheduler.get("defaults", {})
+    header = Text(
+        f"nvshare-scheduler {scheduler.get('version', '?')}  pid {scheduler.get('pid', '?')}  "
+        f"{scheduler.get('socket_dir', '')}  default mode {defaults.get('mode', '?')}, TQ {defaults.get('tq', 0):g} s, "
+        f"grace {defaults.get('grace', 0):g} s"
+    )
+    devices = Table(title="Devices", title_justify="left", expand=False)
+    devices.add_column("device", no_wrap=True)
+    for column in ("mode", "TQ", "memory used / budget", "holders (time left, state)", "waiters (in order)"):
+        devices.add_column(column)
+    for device in status.get("devices", []):
+        holders = [
+            f"{h['client']} #{h['grant']} {h['quantum_left']:.1f}s {h['state']}" for h in device.get("holders", [])
+        ]
+        waiters = [w["client"] for w in device.get("waiters", [])]
+        name = device["device"] + (f"\n{device['name']}" if device.get("name") else "")
+        budget = format_bytes(device.get("budget"))
+        if device.get("total") and device.get("budget") != device.get("total"):
+            budget += f" (of {format_bytes(device['total'])})"
+        devices.add_row(
+            name,
+            device.get("mode", ""),
+            f"{device.get('tq', 0):g} s",
+            f"{format_bytes(device.get('used'))} / {budget}",
+            "\n".join(holders) or "-",
+            ", ".join(waiters) or "-",
+        )
+    clients = Table(title="Clients", title_justify="left", expand=False)
+    for column in ("client", "pid", "host pid", "uid", "identity", "device", "state", "memory", "waited", "held", "grants"):
+        clients.add_column(column)
+    for client in status.get("clients", []):
+        per_device = client.get("devices") or {"-": {}}
+        first = True
+        for device, usage in per_device.items():
+            identity_cells = (
+                [client["client"], str(client.get("pid", "")), str(client.get("host_pid") or "-"), str(client.get("uid", "-")), _identity(client)]
+                if first
+                else ["", "", "", "", ""]
+            )
+            clients.add_row(
+                *identity_cells,
+                device,
+                usage.get("state", "-"),
+                format_bytes(usage.get("used")),
+                f"{usage.get('wait_total', 0):.1f} s" if usage else "-",
+                f"{usage.get('hold_total', 0):.1f} s" if usage else "-",
+                str(usage.get("grants", "-")),
+            )
+            first = False
+    return Group(header, devices, clients)
+
+
+@app.command("status")
+def status_command(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Print the status document as JSON"),
+    watch: bool = typer.Option(False, "--watch", help="Refresh until interrupted"),
+    interval: float = typer.Option(1.0, "--interval", min=0.05, help="Seconds between refreshes with --watch"),
+) -> None:
+    """Show devices, lock holders, waiters and clients."""
+    settings: Settings = ctx.obj
+    try:
+        with settings.connect() as connection:
+            if not watch:
+                status = connection.request("status")
+                if as_json:
+                    typer.echo(json.dumps(status, indent=2))
+                else:
+                    stdout.print(render_status(status))
+                return
+            if as_json:
+                while True:
+                    typer.echo(json.dumps(connection.request("status")), nl=True)
+                    time.sleep(interval)
+            if not stdout.is_terminal:  # a log of snapshots rather than a redrawn screen
+                while True:
+                    stdout.print(render_status(connection.request("status")))
+                    time.sleep(interval)
+            with Live(render_status(connection.request("status")), console=stdout, auto_refresh=False) as live:
+                while True:
+                    time.sleep(interval)
+                    live.update(render_status(connection.request("status")), refresh=True)
+    except ControlFailure as failure:
+        _fail(failure)
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
+# --- events --------------------------------------------------------------------------------
+
+
+def format_event(event: dict) -> str:
+    fields = [f"{event['seq']:>6}", format_time(event["t"]), f"{event['kind']:<10}"]
+    for key in ("device", "client"):
+        if event.get(key):
+            fields.append(f"{key}={event[key]}")
+    if event.get("grant"):
+        fields.append(f"grant={event['grant']}")
+    if event.get("detail"):
+        fields.append(f"detail={event['detail']}")
+    return " ".join(fields)
+
+
+@app.command("events")
+def events_command(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="JSON: the whole answer, or one event per line with --follow"),
+    since: int = typer.Option(0, "--since", min=0, help="First sequence number to show"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new events until interrupted"),
+    interval: float = typer.Option(0.5, "--interval", min=0.05, help="Seconds between polls with --follow"),
+) -> None:
+    """Show the scheduler's lock timeline (the last 10 000 events)."""
+    settings: Settings = ctx.obj
+    try:
+        with settings.connect() as connection:
+            answer = connection.request("events", since=since, limit=10_000)
+            if as_json and not follow:
+                typer.echo(json.dumps(answer, indent=2))
+                return
+            while True:
+                for event in answer["events"]:
+                    typer.echo(json.dumps(event) if as_json else format_event(event))
+                if not follow:
+                    return
+                time.sleep(interval)
+                answer = connection.request("events", since=answer["next"], limit=10_000)
+    except ControlFailure as failure:
+        _fail(failure)
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
+def main() -> None:
+    app(prog_name="nvsharectl")
+

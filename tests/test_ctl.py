@@ -1,0 +1,178 @@
+"""nvsharectl as operators run it: a separate process against the real daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from fixtures.scheduler import CHILD_CWD, ensure_ctl_importable, nvsharectl_command, short_socket_dir, wait_for
+
+GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
+
+
+@pytest.fixture
+def busy(scheduler):
+    """A scheduler with one holder and one waiter on GPU."""
+    holder, waiter = scheduler.agent(), scheduler.agent()
+    holder.send(f"announce {GPU} 17179869184 simulated GPU")
+    holder.send(f"memory {GPU} 1073741824")
+    holder.send(f"acquire {GPU}")
+    holder.expect(f"granted {GPU}")
+    waiter.send(f"acquire {GPU}")
+    wait_for(lambda: scheduler.waiters(GPU) == [waiter.client_id], what="the waiter")
+    return scheduler, holder, waiter
+
+
+def test_status_table(busy):
+    scheduler, holder, waiter = busy
+    result = scheduler.ctl("status")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert GPU in out and "simulated GPU" in out
+    assert f"{holder.client_id} #" in out and "holding" in out  # holder with grant and state
+    assert waiter.client_id in out
+    assert "1.0 GiB / 16.0 GiB" in out
+    assert str(holder.pid) in out and "scheduler.py" in out
+
+
+def test_status_json(busy):
+    scheduler, holder, waiter = busy
+    result = scheduler.ctl("status", "--json")
+    assert result.returncode == 0
+    status = json.loads(result.stdout)
+    (device,) = status["devices"]
+    assert [h["client"] for h in device["holders"]] == [holder.client_id]
+    assert [w["client"] for w in device["waiters"]] == [waiter.client_id]
+    assert status["scheduler"]["pid"] == scheduler.pid
+
+
+def test_settings_commands(busy):
+    scheduler, holder, waiter = busy
+    result = scheduler.ctl("set-tq", "12.5")
+    assert result.returncode == 0 and "12.5 s" in result.stdout
+    assert scheduler.device(GPU)["tq"] == 12.5
+    assert scheduler.ctl("set-tq", "4", "--device", GPU).returncode == 0
+    assert scheduler.device(GPU)["tq"] == 4
+
+    assert scheduler.ctl("auto", "--device", GPU).returncode == 0
+    assert scheduler.device(GPU)["mode"] == "auto"
+    assert scheduler.status()["scheduler"]["defaults"]["mode"] == "on"
+    result = scheduler.ctl("off")
+    assert result.returncode == 0 and "every device: off" in result.stdout
+    waiter.expect(f"granted {GPU}")  # mode off: everyone runs
+    assert scheduler.ctl("on").returncode == 0
+    assert scheduler.status()["scheduler"]["defaults"]["mode"] == "on"
+
+    result = scheduler.ctl("set-budget", "8G", "--device", GPU)
+    assert result.returncode == 0 and "8.0 GiB" in result.stdout
+    assert scheduler.device(GPU)["budget"] == 8 << 30
+    assert scheduler.ctl("set-budget", "512MiB", "--device", GPU).returncode == 0
+    assert scheduler.device(GPU)["budget"] == 512 << 20
+    assert scheduler.ctl("set-budget", "default", "--device", GPU).returncode == 0
+    assert scheduler.device(GPU)["budget"] == 17179869184
+
+
+def test_refusals_exit_1(busy):
+    scheduler, _, _ = busy
+    result = scheduler.ctl("on", "--device", "GPU-nobody")
+    assert result.returncode == 1
+    assert "unknown-device" in result.stderr
+    result = scheduler.ctl("set-budget", "1G", "--device", "GPU-nobody")
+    assert result.returncode == 1
+
+
+def test_usage_errors_exit_2(scheduler):
+    for argv in (["set-tq", "0"], ["set-tq", "soon"], ["set-budget", "8 apples", "--device", GPU],
+                 ["set-budget", "8G"], ["frobnicate"], ["events", "--since", "-1"]):
+        result = scheduler.ctl(*argv)
+        assert result.returncode == 2, (argv, result.stdout, result.stderr)
+
+
+def test_events(busy):
+    scheduler, holder, waiter = busy
+    result = scheduler.ctl("events", "--json")
+    assert result.returncode == 0
+    answer = json.loads(result.stdout)
+    kinds = [(e["kind"], e["client"]) for e in answer["events"]]
+    assert ("grant", holder.client_id) in kinds and ("acquire", waiter.client_id) in kinds
+    assert answer["next"] == answer["events"][-1]["seq"] + 1
+
+    result = scheduler.ctl("events", "--since", str(answer["next"] - 1))
+    assert result.returncode == 0
+    (line,) = result.stdout.splitlines()
+    assert line.split()[0] == str(answer["next"] - 1)
+    assert f"client={waiter.client_id}" in line
+
+
+def test_events_follow_prints_new_events(busy):
+    scheduler, holder, waiter = busy
+    start = scheduler.request("events", since=0, limit=1)["events"][0]["seq"]
+    follower = subprocess.Popen(
+        [*nvsharectl_command(), "events", "--follow", "--json", "--interval", "0.1", "--since", str(start)],
+        env=scheduler.env, cwd=CHILD_CWD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        holder.send(f"release {GPU}")
+        waiter.expect(f"granted {GPU}")
+        seen = []
+        while not any(e["kind"] == "grant" and e["client"] == waiter.client_id for e in seen):
+            line = follower.stdout.readline()
+            assert line, follower.stderr.read()
+            seen.append(json.loads(line))
+    finally:
+        follower.send_signal(signal.SIGINT)
+        assert follower.wait(30) == 0
+
+
+def test_status_watch_refreshes_until_interrupted(busy):
+    scheduler, holder, waiter = busy
+    watcher = subprocess.Popen(
+        [*nvsharectl_command(), "status", "--watch", "--interval", "0.2"],
+        env=scheduler.env, cwd=CHILD_CWD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    time.sleep(1.5)
+    watcher.send_signal(signal.SIGINT)
+    out, err = watcher.communicate(timeout=30)
+    assert watcher.returncode == 0, err
+    assert out.count("Devices") >= 2  # rendered more than once
+
+
+def test_not_running_exits_3(scheduler):
+    empty = short_socket_dir()
+    try:
+        result = scheduler.ctl("--socket-dir", str(empty), "status")
+        assert result.returncode == 3 and "no scheduler control socket" in result.stderr
+    finally:
+        os.rmdir(empty)
+    scheduler.kill()  # the socket file stays; nothing listens
+    result = scheduler.ctl("status")
+    assert result.returncode == 3 and "not running" in result.stderr
+
+
+def test_no_answer_within_timeout_exits_3(scheduler):
+    os.kill(scheduler.pid, signal.SIGSTOP)
+    try:
+        result = scheduler.ctl("--timeout", "0.5", "status")
+    finally:
+        os.kill(scheduler.pid, signal.SIGCONT)
+    assert result.returncode == 3
+    assert "did not answer within 0.5 s" in result.stderr
+
+
+def test_parse_size():
+    ensure_ctl_importable()
+    from nvshare_py.ctl.main import parse_size
+
+    assert parse_size("8G") == 8 << 30
+    assert parse_size("512M") == 512 << 20
+    assert parse_size("1.5GiB") == 3 << 29
+    assert parse_size("64k") == 64 << 10
+    assert parse_size("1048576") == 1 << 20
+    for bad in ("", "G", "-1G", "0", "8X", "1e9"):
+        with pytest.raises(ValueError):
+            parse_size(bad)

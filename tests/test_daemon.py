@@ -1,0 +1,278 @@
+"""The scheduler daemon end to end: real daemon process, real client processes, real sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+
+import zmq
+
+from fixtures.scheduler import SchedulerProcess, short_socket_dir, wait_for
+
+GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
+
+
+def granted_ids(agent) -> list[str]:
+    return [line for line in agent.lines if line.startswith("granted")]
+
+
+def test_handoff_between_two_client_processes(scheduler):
+    first, second = scheduler.agent(), scheduler.agent()
+    first.send(f"acquire {GPU}")
+    first.expect(f"granted {GPU}")
+    second.send(f"acquire {GPU}")
+    wait_for(lambda: scheduler.waiters(GPU) == [second.client_id], what="the second client to wait")
+    assert scheduler.holders(GPU) == [first.client_id]
+    assert granted_ids(second) == []  # the lock is exclusive in mode on
+
+    first.send(f"release {GPU}")
+    line = second.expect(f"granted {GPU}")
+    assert line.endswith(" on 1")  # mode on, exclusive
+    assert scheduler.holders(GPU) == [second.client_id]
+    kinds = [(e["kind"], e["client"]) for e in scheduler.events() if e["device"] == GPU]
+    assert kinds.index(("release", first.client_id)) < kinds.index(("grant", second.client_id))
+
+
+def test_sigkill_of_the_holder_passes_the_lock_on(scheduler):
+    holder, waiter = scheduler.agent(), scheduler.agent()
+    holder.send(f"acquire {GPU}")
+    holder.expect(f"granted {GPU}")
+    waiter.send(f"acquire {GPU}")
+    wait_for(lambda: scheduler.waiters(GPU) == [waiter.client_id], what="the waiter to queue")
+
+    holder.kill()  # SIGKILL: no BYE, no RELEASE; the daemon sees the process exit (pidfd)
+    waiter.expect(f"granted {GPU}", timeout=10)
+    status = scheduler.status()
+    assert holder.client_id not in [c["client"] for c in status["clients"]]
+    lost = [e for e in scheduler.events() if e["kind"] == "lost" and e["client"] == holder.client_id]
+    assert lost and lost[0]["detail"] == "exited"
+
+
+def test_sigkill_of_a_waiter_removes_it_from_the_queue(scheduler):
+    holder, doomed, patient = scheduler.agent(), scheduler.agent(), scheduler.agent()
+    holder.send(f"acquire {GPU}")
+    holder.expect(f"granted {GPU}")
+    doomed.send(f"acquire {GPU}")
+    wait_for(lambda: scheduler.waiters(GPU) == [doomed.client_id], what="first waiter")
+    patient.send(f"acquire {GPU}")
+    wait_for(lambda: scheduler.waiters(GPU) == [doomed.client_id, patient.client_id], what="second waiter")
+
+    doomed.kill()
+    wait_for(lambda: scheduler.waiters(GPU) == [patient.client_id], what="the killed waiter to leave the queue")
+    holder.send(f"release {GPU}")
+    patient.expect(f"granted {GPU}")
+
+
+def test_a_stopped_holder_times_out_and_recovers_when_resumed(scheduler):
+    holder, waiter = scheduler.agent(), scheduler.agent()
+    holder.send(f"acquire {GPU}")
+    holder.expect(f"granted {GPU}")
+    waiter.send(f"acquire {GPU}")
+    wait_for(lambda: scheduler.waiters(GPU) == [waiter.client_id], what="the waiter to queue")
+
+    holder.signal(signal.SIGSTOP)  # alive (pidfd silent) but mute: only heartbeats tell
+    try:
+        waiter.expect(f"granted {GPU}", timeout=20)
+        assert holder.client_id not in scheduler.clients()
+    finally:
+        holder.signal(signal.SIGCONT)
+    # Resumed, the client learns that its registration and its grant are gone ...
+    holder.expect(f"revoked {GPU}", timeout=20)
+    holder.send(f"grant {GPU}")
+    assert holder.expect(f"grant {GPU}") == f"grant {GPU} none"
+    # ... registers again and can queue for the device like anyone else.
+    wait_for(lambda: len(scheduler.clients()) == 2, what="the resumed client to register again")
+    holder.send(f"acquire {GPU}")
+    waiter.send(f"release {GPU}")
+    holder.expect(f"granted {GPU}")
+    assert holder.process.poll() is None and waiter.process.poll() is None
+
+
+def test_restart_keeps_the_holder_and_the_waiter(scheduler):
+    holder, waiter = scheduler.agent(), scheduler.agent()
+    holder.send(f"announce {GPU} 17179869184 simulated")
+    holder.send(f"acquire {GPU}")
+    holder.expect(f"granted {GPU}")
+    waiter.send(f"acquire {GPU}")
+    wait_for(lambda: scheduler.waiters(GPU) == [waiter.client_id], what="the waiter to queue")
+
+    scheduler.restart()
+    status = wait_for(
+        lambda: (s := scheduler.status())["devices"] and len(s["clients"]) == 2 and s, what="both clients to re-register"
+    )
+    assert status["scheduler"]["restarted"] is True
+    (device,) = status["devices"]
+    assert len(device["holders"]) == 1 and len(device["waiters"]) == 1
+    assert device["total"] == 17179869184  # DEVICE repeated after the reconnection
+    holder_id, waiter_id = device["holders"][0]["client"], device["waiters"][0]["client"]
+    pids = {c["client"]: c["host_pid"] for c in status["clients"]}
+    assert pids[holder_id] == holder.pid and pids[waiter_id] == waiter.pid
+
+    holder.send(f"grant {GPU}")
+    assert holder.expect(f"grant {GPU}") != f"grant {GPU} none"  # the holder kept its lock
+    assert granted_ids(waiter) == []
+    holder.send(f"release {GPU}")
+    waiter.expect(f"granted {GPU}")
+    assert holder.process.poll() is None and waiter.process.poll() is None
+
+
+def test_restart_after_sigkill_of_the_daemon(scheduler):
+    holder = scheduler.agent()
+    holder.send(f"acquire {GPU}")
+    holder.expect(f"granted {GPU}")
+    scheduler.restart(kill=True)
+    wait_for(lambda: scheduler.holders(GPU), what="the holder to reclaim its lock")
+    other = scheduler.agent()
+    other.send(f"acquire {GPU}")
+    wait_for(lambda: scheduler.waiters(GPU) == [other.client_id], what="the new client to wait")
+    holder.send(f"release {GPU}")
+    other.expect(f"granted {GPU}")
+
+
+def test_a_forked_child_cannot_keep_the_dead_parents_registration(scheduler):
+    parent, waiter = scheduler.agent(), scheduler.agent()
+    parent.send(f"acquire {GPU}")
+    parent.expect(f"granted {GPU}")
+    parent.send("fork")
+    child_pid = int(parent.expect("forked").split()[1])
+    try:
+        # The child inherited the connection but may not use the parent's client.
+        assert parent.expect("child") == "child refused RuntimeError"
+        waiter.send(f"acquire {GPU}")
+        wait_for(lambda: scheduler.waiters(GPU) == [waiter.client_id], what="the waiter to queue")
+        parent.kill()  # the child lives on, holding the inherited socket open
+        os.kill(child_pid, 0)
+        waiter.expect(f"granted {GPU}")
+        assert parent.client_id not in scheduler.clients()
+    finally:
+        os.kill(child_pid, signal.SIGKILL)
+
+
+def test_socket_directory_permissions(scheduler):
+    paths = scheduler.paths
+    assert stat.S_IMODE(os.stat(paths.client_dir).st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(paths.control_dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(paths.client_socket).st_mode) == 0o666
+    assert stat.S_IMODE(os.stat(paths.control_socket).st_mode) == 0o600
+    assert stat.S_ISSOCK(os.stat(paths.client_socket).st_mode)
+
+
+def test_stop_is_clean_and_leaves_the_socket_files(scheduler):
+    assert scheduler.stop() == 0
+    assert stat.S_ISSOCK(os.lstat(scheduler.paths.client_socket).st_mode)
+    assert "stopped" in scheduler.log_text()
+    scheduler.start()  # the lock file was released
+    assert scheduler.status()["scheduler"]["restarted"] is True
+
+
+def test_a_second_daemon_on_the_same_directory_is_refused(scheduler):
+    second = SchedulerProcess(scheduler.socket_dir, dict(scheduler.options))
+    result = second.run_to_exit()
+    assert result.returncode == 1
+    assert f"another nvshare-scheduler (pid {scheduler.pid})" in result.stderr
+    assert scheduler.status()["scheduler"]["pid"] == scheduler.pid  # the first one is unharmed
+
+
+def test_socket_paths_over_107_bytes_are_refused():
+    base = short_socket_dir()
+    try:
+        long_dir = base / ("d" * (107 - len(str(base)) - len("/control/control.sock") + 5))
+        process = SchedulerProcess(long_dir, {})
+        result = process.run_to_exit()
+        assert result.returncode == 1
+        assert "limited to 107 bytes" in result.stderr
+        assert not long_dir.exists()
+    finally:
+        os.rmdir(base)
+
+
+def test_idle_daemon_does_not_wake_up(scheduler):
+    def thread_switches() -> int:
+        total = 0
+        for tid in os.listdir(f"/proc/{scheduler.pid}/task"):
+            with open(f"/proc/{scheduler.pid}/task/{tid}/status") as status:
+                fields = dict(line.split(":", 1) for line in status)
+            total += int(fields["voluntary_ctxt_switches"]) + int(fields["nonvoluntary_ctxt_switches"])
+        return total
+
+    time.sleep(0.5)  # let the fixture's readiness request (a control connection) wind down
+    before = thread_switches()
+    time.sleep(2.0)
+    # No clients, no deadlines: nothing may wake any of the daemon's threads (a polling loop
+    # would show hundreds of context switches).
+    assert thread_switches() - before <= 2
+
+
+def test_sigint_stops_the_daemon_cleanly(scheduler):
+    scheduler.process.send_signal(signal.SIGINT)
+    assert scheduler.process.wait(30) == 0
+    assert "stopping signal=SIGINT" in scheduler.log_text()
+
+
+def test_options_reach_the_clients(scheduler_factory):
+    scheduler = scheduler_factory(heartbeat_interval=0.25, idle_release=0.75, tq=3)
+    context = zmq.Context()
+    try:
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+        dealer.connect(scheduler.paths.client_endpoint)
+        dealer.send(b"NVSHARE/1 HELLO\npid=1\nsession=00000000000000aa")
+        welcome = dealer.recv().decode()
+        assert "heartbeat_ms=250" in welcome and "idle_release_ms=750" in welcome
+        dealer.send(f"NVSHARE/1 ACQUIRE\ndevice={GPU}".encode())
+        grant = dealer.recv().decode()
+        assert "quantum_ms=3000" in grant and "exclusive=1" in grant
+    finally:
+        context.destroy(linger=0)
+
+
+def test_invalid_options_are_usage_errors():
+    directory = short_socket_dir()
+    try:
+        for bad in (["--tq", "0"], ["--heartbeat-timeout", "0.5", "--heartbeat-interval", "1"], ["--mode", "sometimes"]):
+            process = SchedulerProcess(directory, {})
+            result = process.run_to_exit(*bad)
+            assert result.returncode == 2, (bad, result.stderr)
+    finally:
+        os.rmdir(directory)
+
+
+def test_auto_mode_shares_while_memory_fits(scheduler_factory):
+    scheduler = scheduler_factory(mode="auto", tq=30)
+    gib = 1 << 30
+    first, second, third = scheduler.agent(), scheduler.agent(), scheduler.agent()
+    for agent in (first, second, third):
+        agent.send(f"announce {GPU} {16 * gib}")
+    first.send(f"memory {GPU} {6 * gib}")
+    second.send(f"memory {GPU} {6 * gib}")
+    third.send(f"memory {GPU} {12 * gib}")
+    for agent in (first, second, third):
+        agent.expect("reported")
+    wait_for(lambda: (d := scheduler.device(GPU)) and d["used"] == 24 * gib, what="the memory reports")
+
+    first.send(f"acquire {GPU}")
+    assert first.expect(f"granted {GPU}").endswith(" auto 0")
+    second.send(f"acquire {GPU}")
+    second.expect(f"granted {GPU}")  # 6 + 6 GiB fit in 16 GiB: both run
+    third.send(f"acquire {GPU}")
+    wait_for(lambda: scheduler.waiters(GPU) == [third.client_id], what="the third client to wait (24 GiB > 16 GiB)")
+    assert sorted(scheduler.holders(GPU)) == sorted([first.client_id, second.client_id])
+
+    # Memory grows past the budget: the later holder is dropped (and releases), the first keeps it.
+    second.send(f"memory {GPU} {12 * gib}")
+    assert second.expect("drop").startswith(f"drop {GPU}")
+    wait_for(lambda: scheduler.holders(GPU) == [first.client_id], what="the later holder to give way")
+    # 6 + 12 GiB do not fit either: the third waits until the first holder leaves.
+    assert scheduler.waiters(GPU) == [third.client_id]
+    first.send(f"release {GPU}")
+    third.expect(f"granted {GPU}")
+
+    # The budget is the operator's: below the announced total, fewer processes fit beside
+    # each other; `null` returns to the device's total.
+    assert scheduler.request("set-budget", device=GPU, bytes=4 * gib) == {"device": GPU, "budget": 4 * gib}
+    assert scheduler.device(GPU)["budget"] == 4 * gib
+    scheduler.request("set-budget", device=GPU, bytes=None)
+    assert scheduler.device(GPU)["budget"] == 16 * gib

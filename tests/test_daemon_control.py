@@ -1,0 +1,207 @@
+"""The control socket: who may use it, what each op does, and the events ring."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import zmq
+
+from fixtures.scheduler import ensure_ctl_importable, nvsharectl_command, run_child, wait_for
+from nvshare_py import protocol
+
+GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
+OTHER_UID = 1001
+
+
+def raw_request(scheduler, frames: list[bytes], socket_type: int = zmq.DEALER) -> dict:
+    """Send frames on a fresh socket and return the decoded reply."""
+    context = zmq.Context()
+    try:
+        sock = context.socket(socket_type)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        sock.connect(scheduler.paths.control_endpoint)
+        sock.send_multipart(frames)
+        return json.loads(sock.recv_multipart()[-1])
+    finally:
+        context.destroy(linger=0)
+
+
+def registered_dealer(context, scheduler, session: str) -> zmq.Socket:
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+    dealer.connect(scheduler.paths.client_endpoint)
+    dealer.send(protocol.Hello(pid=os.getpid(), session=session).encode())
+    assert isinstance(protocol.decode(dealer.recv(), protocol.SCHEDULER_MESSAGES), protocol.Welcome)
+    return dealer
+
+
+# --- who may use it --------------------------------------------------------------------------
+
+
+def _can_run(*argv: str) -> bool:
+    try:
+        return subprocess.run([*argv, "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def test_a_peer_in_another_pid_namespace_is_refused(scheduler):
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    wrapper = ["unshare", "--pid", "--fork", "--mount-proc"]
+    if os.geteuid() != 0:
+        wrapper = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
+    if not _can_run(*wrapper):
+        pytest.skip(f"cannot create a pid namespace here ({' '.join(wrapper)} failed)")
+    result = run_child([*wrapper, *nvsharectl_command(), "status"], scheduler.env)
+    assert result.returncode == 4, result.stderr
+    assert "forbidden" in result.stderr and "pid namespace" in result.stderr
+    # The same request from our own namespace is served.
+    assert scheduler.ctl("status", "--json").returncode == 0
+
+
+def _as_other_user(*capabilities: str) -> list[str]:
+    if os.geteuid() != 0:
+        pytest.skip("switching to another uid needs root")
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    argv = ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups"]
+    for capability in capabilities:
+        argv += [f"--inh-caps=+{capability}", f"--ambient-caps=+{capability}"]
+    if not _can_run(*argv):
+        pytest.skip(f"cannot run a process as uid {OTHER_UID} here")
+    return argv
+
+
+def test_another_user_cannot_reach_the_control_socket(scheduler):
+    result = run_child([*_as_other_user(), *nvsharectl_command(), "off"], scheduler.env)
+    assert result.returncode == 4, result.stderr
+    assert "permission denied" in result.stderr
+    assert scheduler.status()["scheduler"]["defaults"]["mode"] == "on"
+
+
+def test_another_user_past_the_file_modes_is_still_refused(scheduler):
+    # CAP_DAC_OVERRIDE gets it through the 0700/0600 modes, as a root-in-a-container process
+    # with the directory mounted would; the daemon's own check must refuse it.
+    argv = _as_other_user("dac_override")
+    result = run_child([*argv, *nvsharectl_command(), "off"], scheduler.env)
+    assert result.returncode == 4, result.stderr
+    assert "forbidden" in result.stderr and f"uid {OTHER_UID}" in result.stderr
+    assert scheduler.status()["scheduler"]["defaults"]["mode"] == "on"
+    assert "control request refused" in scheduler.log_text()
+
+
+def test_the_client_directory_holds_no_way_to_control_the_scheduler(scheduler):
+    # Containers get <socket-dir>/client only.
+    assert sorted(os.listdir(scheduler.paths.client_dir)) == ["scheduler.sock"]
+
+
+# --- ops ---------------------------------------------------------------------------------------
+
+
+def test_malformed_requests_are_answered_with_codes(scheduler):
+    def code(frames: list[bytes], socket_type: int = zmq.DEALER) -> str:
+        reply = raw_request(scheduler, frames, socket_type)
+        assert reply["v"] == 1 and reply["ok"] is False
+        return reply["error"]["code"]
+
+    assert code([b"not json"]) == "bad-request"
+    assert code([b"[1, 2]"]) == "bad-request"
+    assert code([json.dumps({"op": "status"}).encode()]) == "bad-request"  # no "v"
+    assert code([json.dumps({"v": 1, "op": "reboot"}).encode()]) == "unknown-op"
+    assert code([json.dumps({"v": 1, "op": "set-tq", "seconds": -1}).encode()]) == "bad-request"
+    assert code([json.dumps({"v": 1, "op": "set-tq", "seconds": True}).encode()]) == "bad-request"
+    assert code([json.dumps({"v": 1, "op": "set-mode", "mode": "sometimes"}).encode()]) == "bad-request"
+    assert code([json.dumps({"v": 1, "op": "set-mode", "mode": "off", "device": "GPU-nobody"}).encode()]) == "unknown-device"
+    assert code([json.dumps({"v": 1, "op": "set-budget", "bytes": 1}).encode()]) == "bad-request"  # no device
+    assert code([json.dumps({"v": 1, "op": "events", "limit": 10_001}).encode()]) == "bad-request"
+    assert code([json.dumps({"v": 1, "op": "status", "pad": "x" * 70_000}).encode()]) == "too-large"
+    assert code([b"{}", b"{}"]) == "bad-request"  # two frames
+    assert code([b"", b"not json"], zmq.DEALER) == "bad-request"  # REQ-style envelope by hand
+    # And a good one over REQ, the way nvsharectl asks.
+    reply = raw_request(scheduler, [json.dumps({"v": 1, "op": "status"}).encode()], zmq.REQ)
+    assert reply["ok"] is True and reply["result"]["scheduler"]["pid"] == scheduler.pid
+
+
+def test_settings_changes_reach_clients_and_status(scheduler):
+    agent = scheduler.agent()
+    agent.send(f"announce {GPU} 1000 simulated")
+    agent.expect("announced")
+    wait_for(lambda: scheduler.device(GPU), what="the device to be known")
+
+    assert scheduler.request("set-tq", seconds=7.5, device=GPU) == {"device": GPU, "tq": 7.5}
+    assert agent.expect(f"mode {GPU}") == f"mode {GPU} on 7.5"
+    assert scheduler.request("set-mode", mode="off") == {"device": None, "mode": "off"}
+    assert agent.expect(f"mode {GPU}") == f"mode {GPU} off 7.5"
+    status = scheduler.status()
+    assert status["scheduler"]["defaults"]["mode"] == "off"
+    assert status["devices"][0]["mode"] == "off" and status["devices"][0]["tq"] == 7.5
+    assert scheduler.request("set-budget", device=GPU, bytes=600) == {"device": GPU, "budget": 600}
+    assert scheduler.device(GPU)["budget"] == 600
+    assert scheduler.request("set-budget", device=GPU, bytes=None)["budget"] is None
+    assert scheduler.device(GPU)["budget"] == 1000
+    kinds = [e["kind"] for e in scheduler.events()]
+    assert {"tq", "mode", "budget"} <= set(kinds)
+
+
+def test_status_shows_who_the_clients_are(scheduler):
+    agent = scheduler.agent(env={"NVSHARE_POD_NAME": "nb-0", "NVSHARE_POD_NAMESPACE": "team-a"})
+    agent.send(f"memory {GPU} 4096")
+    agent.send(f"acquire {GPU}")
+    agent.expect(f"granted {GPU}")
+    status = wait_for(lambda: (s := scheduler.status())["devices"] and s["devices"][0]["used"] == 4096 and s,
+                      what="the memory report")
+    scheduler_block = status["scheduler"]
+    assert scheduler_block["socket_dir"] == str(scheduler.socket_dir)
+    assert scheduler_block["defaults"] == {"mode": "on", "tq": 2.0, "grace": 1.0, "heartbeat_timeout": 1.0, "idle_release": 0.3}
+    (client,) = status["clients"]
+    assert client["client"] == agent.client_id
+    assert client["pid"] == agent.pid and client["host_pid"] == agent.pid and client["uid"] == os.geteuid()
+    assert (client["pod"], client["namespace"], client["program"]) == ("nb-0", "team-a", "scheduler.py")
+    assert client["devices"][GPU]["state"] == "holding" and client["devices"][GPU]["grants"] == 1
+    (holder,) = status["devices"][0]["holders"]
+    assert holder["client"] == agent.client_id and holder["state"] == "holding"
+    assert 0 <= holder["quantum_left"] <= 2.0
+
+
+def test_the_events_ring_keeps_the_last_10000_with_sequence_numbers(scheduler):
+    context = zmq.Context()
+    try:
+        dealer = registered_dealer(context, scheduler, "00000000000000e1")
+        # Each cycle adds acquire, grant and release: 3 400 cycles overflow the ring.
+        for _ in range(3400):
+            dealer.send(protocol.Acquire(device=GPU).encode())
+            grant = protocol.decode(dealer.recv(), protocol.SCHEDULER_MESSAGES)
+            dealer.send(protocol.Release(device=GPU, grant=grant.grant, reason="user").encode())
+        last_grant = grant.grant
+    finally:
+        context.destroy(linger=0)
+
+    total = wait_for(lambda: (n := scheduler.request("events", since=0, limit=1)["events"][0]["seq"]) and
+                     scheduler.request("events", since=n + 10_000, limit=1)["next"], what="the last release")
+    first = scheduler.request("events", since=0, limit=1)
+    assert first["events"][0]["seq"] == total - 10_000  # only the last 10 000 are kept
+    page = scheduler.request("events", since=total - 3, limit=10)
+    assert [e["seq"] for e in page["events"]] == [total - 3, total - 2, total - 1]
+    assert page["next"] == total
+    assert page["events"][-1]["kind"] == "release" and page["events"][-1]["grant"] == last_grant
+    assert scheduler.request("events", since=total)["events"] == []
+    entry = page["events"][-1]
+    assert set(entry) == {"seq", "t", "device", "client", "kind", "grant", "detail"}
+    assert entry["detail"] == "user" and entry["device"] == GPU
+
+
+def test_control_client_library_reports_a_missing_daemon(scheduler):
+    ensure_ctl_importable()
+    from nvshare_py.ctl.control import ControlFailure
+
+    scheduler.stop()
+    with pytest.raises(ControlFailure) as failure:
+        scheduler.request("status", timeout=2)
+    assert failure.value.exit_code == 3
