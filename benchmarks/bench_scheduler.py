@@ -2,8 +2,10 @@
 
     python benchmarks/bench_scheduler.py [--quick] [--output FILE]
 
-Each client is a separate process using nvshare_py.client; the daemon is
-`python -m nvshare_py.scheduler` with its default settings. Measured:
+Each client is a separate process, of one of two kinds (`--client`): `c` is
+benchmarks/c/lock_client.c, which speaks the protocol with libnvshare.so's own transport and
+codec (what CUDA programs under nvshare use); `python` uses nvshare_py.client (libzmq on both
+ends). The daemon is `python -m nvshare_py.scheduler` with its default settings. Measured:
 
 - uncontended acquire: acquire() call -> Grant returned, while one client at a time works and
   the others stay connected (idle, heartbeating);
@@ -161,6 +163,56 @@ def worker(socket_dir: str, device: str, commands, results) -> None:
             return
 
 
+class CClients:
+    """N lock_client processes (benchmarks/c/lock_client.c), client i using device i % devices,
+    driven through the same commands as the Python workers."""
+
+    def __init__(self, binary: Path, daemon: Daemon, count: int, devices: int) -> None:
+        self.processes = [
+            subprocess.Popen([str(binary), str(daemon.paths.client_socket), device_name(index % devices)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            for index in range(count)
+        ]
+        for process in self.processes:
+            if process.stdout.readline().strip() != "ready":
+                raise RuntimeError("lock_client did not start")
+
+    def send(self, index: int, command) -> None:
+        if command[0] == "uncontended":
+            line = f"uncontended {command[1]}"
+        elif command[0] == "handoff":
+            _, seconds, start_at, hold = command
+            line = f"handoff {start_at} {seconds} {int(hold * 1e6)}"
+        else:
+            raise ValueError(f"lock_client has no command {command[0]}")
+        self.processes[index].stdin.write(line + "\n")
+        self.processes[index].stdin.flush()
+
+    def receive(self, index: int):
+        kind, *values = self.processes[index].stdout.readline().split()
+        if kind == "samples":
+            return [int(v) for v in values]
+        return [tuple(int(x) for x in v.split(",")) for v in values]
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.stdin.write("exit\n")
+                process.stdin.flush()
+        for process in self.processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def build_lock_client(directory: Path) -> Path:
+    binary = directory / "lock_client"
+    sources = [REPO / "benchmarks/c/lock_client.c", REPO / "interceptor/transport.c", REPO / "interceptor/message.c"]
+    subprocess.run(["cc", "-O2", f"-I{REPO / 'interceptor'}", "-o", str(binary), *map(str, sources)], check=True)
+    return binary
+
+
 class Clients:
     """N worker processes, client i using device i % devices."""
 
@@ -296,6 +348,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
     parser.add_argument("--clients", type=int, nargs="+", default=CLIENT_COUNTS, help="client counts to run")
     parser.add_argument("--devices", type=int, nargs="+", default=DEVICE_COUNTS, help="device counts to run")
+    parser.add_argument("--client", choices=("c", "python"), nargs="+", default=("c", "python"),
+                        help="client implementations to measure")
     parser.add_argument("--no-extras", action="store_true", help="skip the idle-CPU and SIGKILL measurements")
     parser.add_argument("--output", type=Path, help="where to write the JSON (default benchmarks/results/scheduler-<date>.json)")
     args = parser.parse_args()
@@ -322,23 +376,26 @@ def main() -> None:
     try:
         if not args.no_extras:
             results["idle_cpu_no_clients"] = measure_idle_cpu(daemon, 10.0)
-        for devices in args.devices:
-            for count in args.clients:
+        lock_client = build_lock_client(daemon.directory)
+        for kind, devices, count in ((k, d, c) for k in args.client for d in args.devices for c in args.clients):
+            if kind == "c":
+                clients = CClients(lock_client, daemon, count, devices)
+            else:
                 clients = Clients(context, daemon, count, devices)
-                try:
-                    entry = {"clients": count, "devices": devices}
-                    results["uncontended_acquire"].append({**entry, **measure_uncontended(clients, daemon, uncontended_total)})
-                    if count >= 2 * devices:
-                        for hold in HOLD_TIMES:
-                            results["handoff"].append({**entry, **measure_handoff(clients, devices, handoff_seconds, hold)})
-                    else:
-                        results["handoff"].append({**entry, "skipped": "needs at least two clients per device"})
-                    if count == 32 and devices == 1 and not args.no_extras:
-                        wait_until_free(daemon)
-                        results["idle_cpu_32_clients"] = measure_idle_cpu(daemon, 10.0)
-                finally:
-                    clients.close()
-                print(json.dumps(results["handoff"][-1]), file=sys.stderr)
+            try:
+                entry = {"client": kind, "clients": count, "devices": devices}
+                results["uncontended_acquire"].append({**entry, **measure_uncontended(clients, daemon, uncontended_total)})
+                if count >= 2 * devices:
+                    for hold in HOLD_TIMES:
+                        results["handoff"].append({**entry, **measure_handoff(clients, devices, handoff_seconds, hold)})
+                else:
+                    results["handoff"].append({**entry, "skipped": "needs at least two clients per device"})
+                if count == 32 and devices == 1 and kind == "python" and not args.no_extras:
+                    wait_until_free(daemon)
+                    results["idle_cpu_32_clients"] = measure_idle_cpu(daemon, 10.0)
+            finally:
+                clients.close()
+            print(json.dumps(results["handoff"][-1]), file=sys.stderr)
         if not args.no_extras:
             results["sigkill_holder_to_next_grant"] = measure_kill_to_grant(context, daemon, 5 if args.quick else 20)
     finally:

@@ -13,9 +13,10 @@ accept, so the daemon can answer with an ERROR message instead of crashing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 VERSION = 1
 MAX_MESSAGE = 4096
@@ -37,7 +38,7 @@ ERROR_CODES = (
     "already-registered",
 )
 
-_HEADER = re.compile(rb"NVSHARE/([0-9]{1,4}) ([A-Z]{1,16})\Z")
+_HEADER = re.compile(r"NVSHARE/([0-9]{1,4}) ([A-Z]{1,16})\Z")
 _KEY = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
 _DEVICE = re.compile(r"[A-Za-z0-9-]{1,96}\Z")
 _SESSION = re.compile(r"[0-9a-f]{16}\Z")
@@ -114,22 +115,29 @@ def _meta(parse, required: bool = True) -> dict:
     return {"parse": parse, "required": required}
 
 
+@functools.cache
+def _schema(cls: type) -> tuple[tuple[str, Callable[[str], object], bool], ...]:
+    """(name, parser, required) of each field; computed once per message type because the codec
+    is on the lock-handoff path."""
+    return tuple((f.name, f.metadata["parse"], f.metadata["required"]) for f in dataclasses.fields(cls))
+
+
 @dataclass(frozen=True)
 class Message:
     TYPE: ClassVar[str] = ""
 
     def encode(self) -> bytes:
         lines = [f"NVSHARE/{VERSION} {self.TYPE}"]
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if not f.metadata["required"] and value in ("", ()):
+        for name, _, required in _schema(type(self)):
+            value = getattr(self, name)
+            if not required and value in ("", ()):
                 continue
             text = _format(value)
             if _CONTROL_CHARS.search(text):
-                raise ValueError(f"{self.TYPE}.{f.name} contains control characters")
+                raise ValueError(f"{self.TYPE}.{name} contains control characters")
             if len(text.encode()) > MAX_VALUE:
-                raise ValueError(f"{self.TYPE}.{f.name} is longer than {MAX_VALUE} bytes")
-            lines.append(f"{f.name}={text}")
+                raise ValueError(f"{self.TYPE}.{name} is longer than {MAX_VALUE} bytes")
+            lines.append(f"{name}={text}")
         data = "\n".join(lines).encode()
         if len(data) > MAX_MESSAGE:
             raise ValueError(f"{self.TYPE} message is {len(data)} bytes, over {MAX_MESSAGE}")
@@ -264,10 +272,10 @@ def decode(data: bytes, catalogue: dict[str, type[Message]] = CLIENT_MESSAGES) -
         lines.pop()
     if not lines:
         raise ProtocolError("malformed", "empty message")
-    header = _HEADER.match(lines[0].encode())
+    header = _HEADER.match(lines[0])
     if header is None:
         raise ProtocolError("malformed", "first line must be 'NVSHARE/<version> <TYPE>'")
-    version, msg_type = int(header.group(1)), header.group(2).decode()
+    version, msg_type = int(header.group(1)), header.group(2)
     if version != VERSION:
         raise ProtocolError("unsupported-version", f"version {version}; this side speaks {VERSION}", msg_type)
     cls = catalogue.get(msg_type)
@@ -286,13 +294,13 @@ def decode(data: bytes, catalogue: dict[str, type[Message]] = CLIENT_MESSAGES) -
             raise ProtocolError("bad-field", f"field {key} too long or has control characters", msg_type)
         raw[key] = value
     kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in raw:
-            if f.metadata["required"]:
-                raise ProtocolError("bad-field", f"missing field {f.name}", msg_type)
+    for name, parse, required in _schema(cls):
+        if name not in raw:
+            if required:
+                raise ProtocolError("bad-field", f"missing field {name}", msg_type)
             continue
         try:
-            kwargs[f.name] = f.metadata["parse"](raw[f.name])
+            kwargs[name] = parse(raw[name])
         except ValueError as exc:
-            raise ProtocolError("bad-field", f"field {f.name}: {exc}", msg_type) from None
+            raise ProtocolError("bad-field", f"field {name}: {exc}", msg_type) from None
     return cls(**kwargs)

@@ -172,6 +172,8 @@ def test_an_ignored_drop_ends_in_a_revoke(scheduler, clients):
     waiting = acquire_in_thread(waiter, GPU)
     waiting["thread"].join(30)  # after TQ (2 s) + grace (1 s)
     assert "grant" in waiting
+    # The REVOKE reaches the holder's process independently of the waiter's GRANT.
+    wait_for(lambda: revokes, what="the holder hears of the revoke")
     assert drops == [grant] and revokes == [(grant, "grace-expired")]
     assert holder.grant(GPU) is None
     assert holder.release(GPU) is False

@@ -138,8 +138,10 @@ def test_a_forked_child_cannot_keep_the_dead_parents_registration(scheduler):
     parent.send("fork")
     child_pid = int(parent.expect("forked").split()[1])
     try:
-        # The child inherited the connection but may not use the parent's client.
-        assert parent.expect("child") == "child refused RuntimeError"
+        # The child inherited the connection but may not use the parent's client. (Its line and
+        # the parent's "forked" line come in either order.)
+        wait_for(lambda: any(line.startswith("child") for line in parent.lines), what="the child to report")
+        assert [line for line in parent.lines if line.startswith("child")] == ["child refused RuntimeError"]
         waiter.send(f"acquire {GPU}")
         wait_for(lambda: scheduler.waiters(GPU) == [waiter.client_id], what="the waiter to queue")
         parent.kill()  # the child lives on, holding the inherited socket open

@@ -39,7 +39,7 @@ from .. import __version__, protocol
 from ..paths import SocketPaths
 from . import events as ev
 from .core import CoreConfig, SchedulerCore
-from .zmqtrio import bind_router, check_socket_path, peer_credentials, recv_nowait, wait_readable
+from .zmqtrio import bind_router, check_socket_path, has_message, peer_credentials, recv_nowait, wait_readable
 
 log = logging.getLogger("nvshare.scheduler")
 
@@ -329,7 +329,7 @@ class Daemon:
                 await trio.lowlevel.checkpoint()
                 continue
             # A send may have consumed the descriptor's edge: look at EVENTS before sleeping.
-            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if has_message(sock):
                 continue
             with trio.move_on_at(math.inf if deadline is None else deadline) as wait:
                 self._pump_wait = wait

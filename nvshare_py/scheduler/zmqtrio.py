@@ -26,10 +26,19 @@ import zmq
 # sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
 
+# Plain ints: pyzmq's enum constants build a new flag object on every `&` (the pump checks
+# EVENTS after every message).
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+def has_message(sock: zmq.Socket) -> bool:
+    """Whether a message can be received now (reading EVENTS also re-arms the descriptor)."""
+    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
+
 
 async def wait_readable(sock: zmq.Socket) -> None:
     """Return once `sock` has a message to receive (checks EVENTS before sleeping)."""
-    while not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+    while not has_message(sock):
         await trio.lowlevel.wait_readable(sock.getsockopt(zmq.FD))
 
 
