@@ -187,7 +187,7 @@ class Release(Message):
     TYPE: ClassVar[str] = "RELEASE"
     device: str = field(metadata=_meta(_device))
     grant: int = field(metadata=_meta(_uint))
-    reason: str = field(default="user", metadata=_meta(_choice(RELEASE_REASONS)))
+    reason: str = field(default="user", metadata=_meta(_choice(RELEASE_REASONS), False))
 
 
 @dataclass(frozen=True)
