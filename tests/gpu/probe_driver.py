@@ -3,10 +3,11 @@
 Prints, for each name, whether cuGetProcAddress returns the address of an exported
 versioned symbol (so an interceptor can map it back to the right wrapper).
 """
-import ctypes, ctypes.util, json, os, subprocess, sys
+import ctypes
+import json
+import sys
 
 cuda = ctypes.CDLL("libcuda.so.1")
-libdl = ctypes.CDLL(None)
 res = {}
 cuda.cuInit(0)
 v = ctypes.c_int()
