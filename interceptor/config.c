@@ -52,6 +52,19 @@ static void copy_env(const char *name, char *out, size_t cap) {
     snprintf(out, cap, "%s", value != NULL ? value : "");
 }
 
+/*
+ * The only work done at load time, before main(): JAX reads XLA_PYTHON_CLIENT_ALLOCATOR from the
+ * environment that Python copies at start-up, so later is too late. XLA's default allocator
+ * (JAX 0.11) builds device memory with cuMemCreate/cuMemMap, which cannot be made managed
+ * (measured on an H200); its cuda_async allocator uses cuMemAllocFromPoolAsync, which nvshare
+ * converts. A value the user set wins, and NVSHARE_MANAGED=0 (no conversion) leaves it alone.
+ */
+__attribute__((constructor)) static void prefer_convertible_allocators(void) {
+    const char *managed = getenv("NVSHARE_MANAGED");
+    if (managed != NULL && parse_switch(managed) == 0) return;
+    setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async", 0);
+}
+
 void nvs_config_load(void) {
     const char *value;
 

@@ -4,6 +4,7 @@ RTLD_NEXT working for other interposers."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -70,6 +71,20 @@ def test_loads_into_any_process(libnvshare, argv):
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
     assert result.stderr == ""  # no CUDA use: not a word, no thread, no connection
+
+
+@pytest.mark.parametrize("setting, expected", [
+    ({}, "cuda_async"),  # XLA's default allocator maps cuMemCreate memory, which cannot be managed
+    ({"XLA_PYTHON_CLIENT_ALLOCATOR": "bfc"}, "bfc"),  # the user's choice wins
+    ({"NVSHARE_MANAGED": "0"}, None),  # no conversion wanted: nothing to adapt
+])
+def test_jax_is_steered_to_an_allocator_nvshare_converts(libnvshare, setting, expected):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_PYTHON_CLIENT_ALLOCATOR", "NVSHARE_MANAGED")}
+    env.update(setting, LD_PRELOAD=str(libnvshare))
+    code = "import json, os; print(json.dumps(os.environ.get('XLA_PYTHON_CLIENT_ALLOCATOR')))"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == expected
 
 
 NEXT_PROBE_LIBRARY = """
