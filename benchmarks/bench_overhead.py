@@ -46,14 +46,16 @@ def main() -> None:
                    check=True)
     subprocess.run(["make", "-s", "-C", str(ROOT / "interceptor"), f"BUILD={work}"], check=True)
     socket_dir = work / "s"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), NVSHARE_SOCKET_DIR=str(socket_dir))
+    python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=python_path, NVSHARE_SOCKET_DIR=str(socket_dir))
+    scheduler_log = open(work / "scheduler.log", "wb")
     scheduler = subprocess.Popen([sys.executable, "-m", "nvshare_py.scheduler", "--socket-dir", str(socket_dir)],
-                                 env=env, stderr=subprocess.DEVNULL)
+                                 env=env, stdout=scheduler_log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30
         while not (socket_dir / "client" / "scheduler.sock").exists():
             if time.monotonic() > deadline or scheduler.poll() is not None:
-                raise SystemExit("the scheduler did not start")
+                raise SystemExit("the scheduler did not start:\n" + (work / "scheduler.log").read_text())
             time.sleep(0.1)
         shared_env = dict(env, LD_PRELOAD=str(work / "libnvshare.so"))
         launch = {"native": [], "nvshare": []}
