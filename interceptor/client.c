@@ -167,9 +167,11 @@ static void send_hello(double now) {
         if (!d->known) continue;
         if (d->state == NVS_HOLDING || d->state == NVS_UNSCHEDULED)
             held[n_held++] = d->uuid;
-        else if (C.was_registered && (d->waiters > 0 || d->state == NVS_WAITING))
+        else if (C.was_registered && (d->state == NVS_WAITING || (d->state == NVS_IDLE && d->waiters > 0)))
             wanted[n_wanted++] = d->uuid; /* keeps its place in the queue of the same daemon; a
-                                             * first registration asks with DEVICE, MEMORY, ACQUIRE */
+                                             * first registration asks with DEVICE, MEMORY, ACQUIRE.
+                                             * Not while draining: a GRANT must not come before
+                                             * the drain ends (it asks again then). */
     }
     pthread_mutex_unlock(&nvs_mu);
 
@@ -282,6 +284,29 @@ static void reset_idle_tracking_locked(struct nvs_device *d, double now) {
     d->idle_next_check = now + (window > 0 ? window / 4000.0 : 1.0);
 }
 
+/* The scheduler answered `not-registered` although it had welcomed us: it dropped this client
+ * while the connection stayed up (silent past its heartbeat timeout: the process was stopped,
+ * or starved). Every grant is void and its lock may be someone else's by now: close the gates,
+ * drain what already passed them (nothing to release: the scheduler forgot those grants), and
+ * register again, asking for the devices waited for. */
+static void lose_registration(double now) {
+    nvs_warn("the scheduler dropped this process's registration (silent past its heartbeat timeout); "
+             "registering again, GPU work waits for the lock");
+    C.registered = 0;
+    C.connected_at = now; /* the WELCOME timeout counts from the new HELLO */
+    pthread_mutex_lock(&nvs_mu);
+    for (int i = 0; i < nvs_n_devices; i++) {
+        struct nvs_device *d = &nvs_devices[i];
+        d->announced = 0; /* the scheduler forgot its DEVICE and MEMORY reports too */
+        if (d->state == NVS_HOLDING || d->state == NVS_DRAINING) {
+            d->grant_known = 0;
+            begin_release_locked(d, "revoke");
+        }
+    }
+    pthread_mutex_unlock(&nvs_mu);
+    send_hello(now);
+}
+
 static void handle_message(const struct nvs_msg *m, double now) {
     if (m->type == NVS_MSG_WELCOME) {
         C.registered = 1;
@@ -308,7 +333,12 @@ static void handle_message(const struct nvs_msg *m, double now) {
         return;
     }
     if (m->type == NVS_MSG_ERROR) {
-        nvs_warn("the scheduler rejected a message: %s (%s)", m->code, m->detail);
+        if (strcmp(m->code, "not-registered") != 0)
+            nvs_warn("the scheduler rejected a message: %s (%s)", m->code, m->detail);
+        else if (C.registered)
+            lose_registration(now);
+        else /* an answer to what was sent before our HELLO; WELCOME follows */
+            nvs_debug("not-registered answer to %s ignored: registering", m->error_type);
         return;
     }
     pthread_mutex_lock(&nvs_mu);

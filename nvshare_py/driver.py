@@ -1,10 +1,12 @@
 """A small ctypes binding of the CUDA driver API, resolved the way the CUDA runtime resolves it.
 
-Only ``cuGetProcAddress_v2`` is looked up with ``dlsym``. It is then asked for
-``cuGetProcAddress`` itself (CUDA 12.0 ABI), and every other function is resolved by base name
-through the pointer that came back, with the CUDA version of the ABI this module calls (the
-``PFN_<name>_v<version>`` numbers of cudaTypedefs.h). Under the nvshare interceptor every call
-therefore takes the interceptor's main path, as PyTorch, JAX and CuPy calls do.
+By default (``via="gpa"``) only ``cuGetProcAddress_v2`` is looked up with ``dlsym``. It is then
+asked for ``cuGetProcAddress`` itself (CUDA 12.0 ABI), and every other function is resolved by
+base name through the pointer that came back, with the CUDA version of the ABI this module calls
+(the ``PFN_<name>_v<version>`` numbers of cudaTypedefs.h). Under the nvshare interceptor every
+call therefore takes the interceptor's main path, as PyTorch, JAX and CuPy calls do. The other
+entry paths into a driver (see :data:`VIAS`) can be chosen instead, so that tests reach the
+interceptor through each of them.
 
 It works on the real driver and on the simulated one (``tests/simcuda``): the two kernels it
 launches, ``nvshare_sleep`` and ``nvshare_fill``, come from a small PTX module embedded here
@@ -29,7 +31,7 @@ import threading
 from ctypes import POINTER, byref, c_char, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_p
 from dataclasses import dataclass
 
-__all__ = ["Device", "Driver", "DriverError", "DriverNotFound", "FAMILIES", "KERNELS_PTX"]
+__all__ = ["Device", "Driver", "DriverError", "DriverNotFound", "FAMILIES", "KERNELS_PTX", "VIAS"]
 
 # nvshare_sleep(uint64 duration_us): spins on %globaltimer (nanoseconds) for the duration.
 # nvshare_fill(uint64 dst, uint32 value, uint64 count): a grid-stride loop writing `count` words.
@@ -88,12 +90,20 @@ DONE:
 FAMILIES = ("plain", "pitch", "async", "pool", "managed", "host", "vmm")
 """Allocation families of :meth:`Driver.alloc`."""
 
+VIAS = ("gpa", "gpa-ptds", "dlsym", "export")
+"""Entry paths :class:`Driver` can resolve the driver's functions through: ``gpa``
+(cuGetProcAddress, as the CUDA runtime uses it), ``gpa-ptds`` (the same with
+CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, as code built with ``--default-stream
+per-thread``), ``dlsym`` (the ABI symbol looked up in the library's handle, as PyTorch does for
+some functions) and ``export`` (the symbol the process's global scope binds, as in a program
+linked against libcuda)."""
+
 _CUdeviceptr = c_uint64
 _CU_POINTER_ATTRIBUTE_IS_MANAGED = 8
 _CU_MEM_ATTACH_GLOBAL = 1
 _CU_GET_PROC_ADDRESS_DEFAULT = 0
 _CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM = 2
-_CUDA_ERROR_NOT_FOUND = 500
+_IPC_HANDLE_BYTES = 64  # CU_IPC_HANDLE_SIZE
 _FILL_THREADS = 256
 _FILL_MAX_BLOCKS = 4096
 
@@ -137,6 +147,7 @@ _FUNCTIONS: dict[str, tuple[str, int, int | None, list]] = {
     "cuGetErrorName": ("cuGetErrorName", 6000, None, [c_int, POINTER(c_char_p)]),
     "cuGetErrorString": ("cuGetErrorString", 6000, None, [c_int, POINTER(c_char_p)]),
     "cuDeviceGetCount": ("cuDeviceGetCount", 2000, None, [POINTER(c_int)]),
+    "cuDeviceGetAttribute": ("cuDeviceGetAttribute", 2000, None, [POINTER(c_int), c_int, c_int]),
     "cuDeviceGet": ("cuDeviceGet", 2000, None, [POINTER(c_int), c_int]),
     "cuDeviceGetName": ("cuDeviceGetName", 2000, None, [c_char_p, c_int, c_int]),
     "cuDeviceGetUuid_v2": ("cuDeviceGetUuid", 11040, None, [POINTER(c_char * 16), c_int]),
@@ -186,6 +197,7 @@ _FUNCTIONS: dict[str, tuple[str, int, int | None, list]] = {
     "cuMemcpyHtoD_v2": ("cuMemcpyHtoD", 3020, 7000, [_CUdeviceptr, c_void_p, c_size_t]),
     "cuMemcpyDtoH_v2": ("cuMemcpyDtoH", 3020, 7000, [c_void_p, _CUdeviceptr, c_size_t]),
     "cuPointerGetAttribute": ("cuPointerGetAttribute", 4000, None, [c_void_p, c_int, _CUdeviceptr]),
+    "cuIpcGetMemHandle": ("cuIpcGetMemHandle", 4010, None, [POINTER(c_char * _IPC_HANDLE_BYTES), _CUdeviceptr]),
 }
 
 _GetProcAddress = ctypes.CFUNCTYPE(c_int, c_char_p, POINTER(c_void_p), c_int, c_uint64, POINTER(c_int))
@@ -230,25 +242,28 @@ def _uuid_text(raw: bytes) -> str:
 class Driver:
     """The CUDA driver of this process, loaded from ``library`` and initialised (``cuInit``).
 
-    ``per_thread_default_stream`` resolves the stream-ordered functions with
-    ``CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM`` (their ``_ptsz``/``_ptds`` variants), as code
-    built with ``--default-stream per-thread`` does.
+    ``via`` picks the entry path every function is resolved through (one of :data:`VIAS`); with
+    ``gpa-ptds`` the stream-ordered functions are their ``_ptsz``/``_ptds`` variants.
 
     Each thread that calls the driver first makes a context current with :meth:`context`.
     Methods raise :class:`DriverError` when a call fails.
     """
 
-    def __init__(self, library: str = "libcuda.so.1", *, per_thread_default_stream: bool = False):
+    def __init__(self, library: str = "libcuda.so.1", *, via: str = "gpa"):
+        if via not in VIAS:
+            raise ValueError(f"unknown entry path {via!r}; one of {', '.join(VIAS)}")
         try:
-            self._library = ctypes.CDLL(library)
-            bootstrap = _GetProcAddress(("cuGetProcAddress_v2", self._library))
+            # A program linked against libcuda has it in the global scope, where `export` looks.
+            self._library = ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL if via == "export" else ctypes.DEFAULT_MODE)
+            bootstrap = _GetProcAddress(("cuGetProcAddress_v2", self._library)) if via.startswith("gpa") else None
         except (OSError, AttributeError) as error:
             raise DriverNotFound(
                 f"cannot load the CUDA driver {library!r}: {error}. Install the NVIDIA driver, or put the "
                 "simulated driver (built by `make -C tests/simcuda`, shipped in nvshare_py/_lib/simcuda) "
                 "on LD_LIBRARY_PATH."
             ) from error
-        self.per_thread_default_stream = per_thread_default_stream
+        self.library = library
+        self.via = via
         self._lock = threading.Lock()
         self._allocations: dict[int, _Allocation] = {}  # guarded by _lock
         self._contexts: dict[int, int] = {}  # device index -> retained primary context; _lock
@@ -257,25 +272,42 @@ class Driver:
         self.resolved: dict[str, int] = {}
         """Address each function resolved to, by the name of the ABI this module calls."""
 
+        self._lookup = self._scope = None
+        if bootstrap is not None:
+            self._lookup = self._get_proc_address(bootstrap)
+        else:  # dlsym looks in the library's own handle, export in the process's global scope
+            self._scope = self._library if via == "dlsym" else ctypes.CDLL(None)
+        self._functions = {}
+        for name, (base, version, per_thread_version, argtypes) in _FUNCTIONS.items():
+            self.resolved[name] = self._resolve(name, base, version, per_thread_version)
+            self._functions[name] = ctypes.CFUNCTYPE(c_int, *argtypes)(self.resolved[name])
+        self._call("cuInit", 0)
+
+    def _get_proc_address(self, bootstrap):
+        """cuGetProcAddress as the CUDA runtime uses it: looked up through itself."""
         address = c_void_p()
         status = c_int()
         result = bootstrap(b"cuGetProcAddress", byref(address), 12000, _CU_GET_PROC_ADDRESS_DEFAULT, byref(status))
         if result != 0 or not address.value:
-            raise DriverNotFound(f"{library}: cuGetProcAddress cannot resolve itself (CUresult {result})")
-        lookup = _GetProcAddress(address.value)
-        self._functions = {}
-        for name, (base, version, per_thread_version, argtypes) in _FUNCTIONS.items():
-            flags, wanted = _CU_GET_PROC_ADDRESS_DEFAULT, version
-            if per_thread_default_stream and per_thread_version is not None:
-                flags, wanted = _CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, per_thread_version
-            result = lookup(base.encode(), byref(address), wanted, flags, byref(status))
-            if result != 0 or not address.value:
-                raise DriverNotFound(
-                    f"{library}: cuGetProcAddress({base!r}, {wanted}) failed (CUresult {result}, status {status.value})"
-                )
-            self.resolved[name] = address.value
-            self._functions[name] = ctypes.CFUNCTYPE(c_int, *argtypes)(address.value)
-        self._call("cuInit", 0)
+            raise DriverNotFound(f"{self.library}: cuGetProcAddress cannot resolve itself (CUresult {result})")
+        return _GetProcAddress(address.value)
+
+    def _resolve(self, name: str, base: str, version: int, per_thread_version: int | None) -> int:
+        if self._scope is not None:
+            try:
+                return ctypes.cast(getattr(self._scope, name), c_void_p).value
+            except AttributeError as error:
+                raise DriverNotFound(f"{self.library}: {name} not found through {self.via}: {error}") from error
+        flags, wanted = _CU_GET_PROC_ADDRESS_DEFAULT, version
+        if self.via == "gpa-ptds" and per_thread_version is not None:
+            flags, wanted = _CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, per_thread_version
+        address, status = c_void_p(), c_int()
+        result = self._lookup(base.encode(), byref(address), wanted, flags, byref(status))
+        if result != 0 or not address.value:
+            raise DriverNotFound(
+                f"{self.library}: cuGetProcAddress({base!r}, {wanted}) failed (CUresult {result}, status {status.value})"
+            )
+        return address.value
 
     # ---- plumbing ----
 
@@ -334,6 +366,12 @@ class Driver:
             found.append(Device(index, _uuid_text(bytes(uuid)), name.value.decode(), total.value))
         return found
 
+    def device_attribute(self, attribute: int, device: int = 0) -> int:
+        """A CUdevice_attribute of the device (cuDeviceGetAttribute)."""
+        value = c_int()
+        self._call("cuDeviceGetAttribute", byref(value), attribute, device)
+        return value.value
+
     def context(self, device: int = 0) -> int:
         """Makes the device's primary context current on the calling thread; returns its handle.
 
@@ -376,6 +414,8 @@ class Driver:
             raise ValueError(f"unknown allocation family {family!r}; one of {', '.join(FAMILIES)}")
         if nbytes <= 0:
             raise ValueError("nbytes must be positive")
+        if family == "pitch":
+            return self.alloc_pitch(nbytes, 1)[0]
         handle = 0
         size = nbytes
         if family == "host":
@@ -388,9 +428,6 @@ class Driver:
             dptr = _CUdeviceptr()
             if family == "plain":
                 self._call("cuMemAlloc_v2", byref(dptr), nbytes)
-            elif family == "pitch":
-                pitch = c_size_t()
-                self._call("cuMemAllocPitch_v2", byref(dptr), byref(pitch), nbytes, 1, 4)
             elif family == "async":
                 self._call("cuMemAllocAsync", byref(dptr), nbytes, None)
             elif family == "pool":
@@ -401,6 +438,16 @@ class Driver:
         with self._lock:
             self._allocations[ptr] = _Allocation(family, size, handle)
         return ptr
+
+    def alloc_pitch(self, width: int, height: int, element_bytes: int = 4) -> tuple[int, int]:
+        """Allocates ``height`` rows of ``width`` bytes on the current device (cuMemAllocPitch_v2,
+        ``element_bytes`` 4, 8 or 16); returns the device address and the row pitch the driver
+        chose. Freed by :meth:`free`."""
+        dptr, pitch = _CUdeviceptr(), c_size_t()
+        self._call("cuMemAllocPitch_v2", byref(dptr), byref(pitch), width, height, element_bytes)
+        with self._lock:
+            self._allocations[dptr.value] = _Allocation("pitch", pitch.value * height)
+        return dptr.value, pitch.value
 
     def _default_pool(self) -> int:
         device = self._current_device()
@@ -468,6 +515,12 @@ class Driver:
         managed = c_uint(0)  # zeroed: a driver that writes a one-byte bool reads the same
         self._call("cuPointerGetAttribute", byref(managed), _CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr)
         return bool(managed.value)
+
+    def ipc_mem_handle(self, ptr: int) -> bytes:
+        """The CUDA IPC handle of device memory (cuIpcGetMemHandle), for another process to open."""
+        handle = (c_char * _IPC_HANDLE_BYTES)()
+        self._call("cuIpcGetMemHandle", byref(handle), ptr)
+        return handle.raw
 
     def memcpy_htod(self, dst: int, data: bytes | bytearray | memoryview) -> None:
         """Copies ``data`` to device address ``dst`` (cuMemcpyHtoD_v2)."""

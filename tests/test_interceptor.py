@@ -19,7 +19,7 @@ DEVICE0 = "GPU-5151ad00-0000-4000-8000-000000000000"
 
 @pytest.mark.parametrize("via", ["dlsym", "export", "gpa", "gpa-ptds"])
 def test_every_allocation_family_becomes_managed_on_every_entry_path(scheduler, cuda_app, via):
-    app = cuda_app(scheduler.env, "init", "alloc:mem:4096", "alloc:pitch:100", "alloc:async:4096",
+    app = cuda_app(scheduler.env, "init", "alloc:plain:4096", "alloc:pitch:100", "alloc:async:4096",
                    "alloc:pool:4096", "alloc:managed:4096", "kernel:1000", "sync", env={"NVS_APP_VIA": via})
     assert app.wait() == 0, app.stderr
     pointers = [line for line in app.lines if line.startswith("ptr ")]
@@ -31,7 +31,7 @@ def test_every_allocation_family_becomes_managed_on_every_entry_path(scheduler, 
 
 
 def test_without_conversion_allocations_stay_device_memory(scheduler, cuda_app):
-    app = cuda_app(scheduler.env, "init", "alloc:mem:4096", "alloc:async:4096", env={"NVSHARE_MANAGED": "0"})
+    app = cuda_app(scheduler.env, "init", "alloc:plain:4096", "alloc:async:4096", env={"NVSHARE_MANAGED": "0"})
     assert app.wait() == 0, app.stderr
     assert [line.split()[3] for line in app.lines if line.startswith("ptr ")] == ["managed=0", "managed=0"]
 
@@ -49,9 +49,9 @@ def test_stream_ordered_free_waits_for_the_work_queued_before_it(scheduler, cuda
 
 def test_memory_figures_are_per_process(scheduler, cuda_app):
     """free = total - this process's allocations; another process's memory does not count."""
-    other = cuda_app(scheduler.env, "init", f"alloc:mem:{4 * GiB}", "wait")
+    other = cuda_app(scheduler.env, "init", f"alloc:plain:{4 * GiB}", "wait")
     other.expect("waiting")
-    app = cuda_app(scheduler.env, "init", "meminfo", f"alloc:mem:{GiB}", f"alloc:mem:{2 * GiB}", "meminfo")
+    app = cuda_app(scheduler.env, "init", "meminfo", f"alloc:plain:{GiB}", f"alloc:plain:{2 * GiB}", "meminfo")
     assert app.wait() == 0, app.stderr
     first, second = [line for line in app.lines if line.startswith("meminfo")]
     assert f"free={SIM_TOTAL} total={SIM_TOTAL}" in first
@@ -61,7 +61,7 @@ def test_memory_figures_are_per_process(scheduler, cuda_app):
 
 
 def test_memory_reports_reach_the_scheduler(scheduler, cuda_app):
-    app = cuda_app(scheduler.env, "init", f"alloc:mem:{3 * GiB}", "alloc:managed:1000", "wait")
+    app = cuda_app(scheduler.env, "init", f"alloc:plain:{3 * GiB}", "alloc:managed:1000", "wait")
     app.expect("waiting")
 
     def used():
@@ -77,10 +77,11 @@ def test_memory_reports_reach_the_scheduler(scheduler, cuda_app):
 
 @pytest.mark.parametrize("policy,expected", [("allow", "1"), ("hide", "0")])
 def test_vmm_policy(scheduler, cuda_app, policy, expected):
-    app = cuda_app(scheduler.env, "init", "vmm-attr", f"vmm-create:{2 << 20}", "meminfo", env={"NVSHARE_VMM": policy})
+    app = cuda_app(scheduler.env, "init", "vmm-attr", f"alloc:vmm:{2 << 20}", "meminfo", env={"NVSHARE_VMM": policy})
     assert app.wait() == 0, app.stderr
     assert any(line.startswith(f"vmm-supported {expected}") for line in app.lines)
     # passed through unconverted, but counted as this process's memory
+    assert next(line for line in app.lines if line.startswith("ptr vmm")).split()[3] == "managed=0"
     assert any(f"free={SIM_TOTAL - (2 << 20)} " in line for line in app.lines if line.startswith("meminfo"))
     assert "cannot be oversubscribed" in app.stderr
 

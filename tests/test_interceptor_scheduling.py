@@ -106,6 +106,40 @@ def test_holder_crash_lets_the_waiter_run(scheduler_factory, cuda_app):
     assert waiter.wait() == 0, waiter.stderr
 
 
+def test_a_holder_stopped_past_the_heartbeat_timeout_waits_for_the_lock_again(scheduler_factory, cuda_app):
+    """SIGSTOP silences the holder: the scheduler drops it and passes its lock on. After SIGCONT
+    the scheduler answers it `not-registered`; it must register again and wait for the lock
+    before its next kernel, without crashing."""
+    scheduler = scheduler_factory(tq=600, grace=600)  # only the lost registration moves the lock
+    holder = cuda_app(scheduler.env, "init", "kernel:1000", "sync", "wait", "mark:resumed", "kernel:1000", "sync",
+                      env=NO_IDLE_RELEASE)
+    holder.expect("waiting")
+    other = cuda_app(scheduler.env, "init", "kernel:1000", "sync", "wait", "kernel:200000", "sync",
+                     env=NO_IDLE_RELEASE)
+    wait_for(lambda: has_waiter(scheduler), what="the second process waiting")
+    holder.process.send_signal(signal.SIGSTOP)
+    try:
+        other.expect("waiting")  # it ran: the silent holder was dropped
+    finally:
+        holder.process.send_signal(signal.SIGCONT)
+    registered = lambda: any(c["pid"] == holder.pid for c in scheduler.status()["clients"])  # noqa: E731
+    wait_for(registered, what="the holder registering again")
+    holder.continue_()
+    holder.expect("mark resumed")
+    wait_for(lambda: client_state(scheduler, holder.pid) == "waiting", what="the holder asking for the lock")
+    assert len(holder.kernels()) == 1  # its next kernel waits while the other process holds the lock
+    other.continue_()
+    assert other.wait() == 0, other.stderr
+    assert holder.wait() == 0, holder.stderr
+    a, b = holder.kernels(), other.kernels()
+    assert len(a) == 2 and len(b) == 2
+    assert overlaps(a, b) == []
+    assert max(op["end"] for op in b) <= a[1]["start"]
+    assert "registering again" in holder.stderr
+    lost = [e for e in scheduler.events() if e["kind"] == "unregister" and e["detail"] == "heartbeat-timeout"]
+    assert len(lost) == 1
+
+
 def test_scheduler_restart_mid_run(scheduler_factory, cuda_app):
     scheduler = scheduler_factory(tq=0.3)
     apps = [cuda_app(scheduler.env, "init", "loop:4:20000") for _ in range(2)]
@@ -195,7 +229,7 @@ def test_two_devices_two_locks(scheduler_factory, cuda_app):
 def test_auto_mode_serialises_only_when_memory_does_not_fit(scheduler_factory, cuda_app, each_gib, expect_overlap):
     scheduler = scheduler_factory(mode="auto", tq=0.3)
     env = {"SIMCUDA_MEMORY": "4G"}
-    apps = [cuda_app(scheduler.env, "init", f"alloc:mem:{each_gib << 30}", "loop:2:30000", env=env) for _ in range(2)]
+    apps = [cuda_app(scheduler.env, "init", f"alloc:plain:{each_gib << 30}", "loop:2:30000", env=env) for _ in range(2)]
     for app in apps:
         assert app.wait() == 0, app.stderr
     a, b = (app.kernels() for app in apps)

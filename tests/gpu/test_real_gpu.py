@@ -116,28 +116,47 @@ def test_with_the_scheduler_off_two_processes_run_side_by_side(shared, record):
 
 
 TWO_GPUS = r"""
-import json, torch
+import json, sys, time, torch
 assert torch.cuda.device_count() >= 2
-out = []
-for device in (0, 1):
-    x = torch.randn(2048, 2048, device=f"cuda:{device}")
-    out.append(float((x @ x).sum()))
-torch.cuda.synchronize(0); torch.cuda.synchronize(1)
-print(json.dumps({"sums": out}))
+sums = []
+for _ in range(int(sys.argv[1])):
+    for device in (0, 1):
+        x = torch.randn(4096, 4096, device=f"cuda:{device}", generator=None)
+        for _ in range(200):
+            y = x @ x
+        torch.cuda.synchronize(device)
+        sums.append(float(y[0, :4].sum()))
+    time.sleep(0.2)
+print(json.dumps({"sums": sums}))
 """
 
 
-def test_a_process_using_two_gpus_holds_one_lock_per_gpu(shared, record):
-    needs("torch")
-    _, env, scheduler = shared
+def two_gpu_count(env: dict[str, str]) -> int:
     count = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"], env=env,
                            capture_output=True, text=True, timeout=300)
-    if int(count.stdout.strip() or 0) < 2:
+    return int(count.stdout.strip() or 0)
+
+
+def test_processes_using_two_gpus_hold_one_lock_per_gpu(shared, record):
+    needs("torch")
+    _, env, scheduler = shared
+    if two_gpu_count(env) < 2:
         pytest.skip("needs a machine with two GPUs")
-    run = subprocess.run([sys.executable, "-c", TWO_GPUS], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-4000:]
-    grants = [e for e in scheduler.events() if e["kind"] == "grant"]
-    devices = {e["device"] for e in grants}
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_GPUS, "3"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-4000:]
+    events = scheduler.events()
+    grants = [e for e in events if e["kind"] == "grant"]
+    devices = sorted({e["device"] for e in grants})
     assert len(devices) == 2, grants
-    assert len({e["client"] for e in grants}) == 1
-    record("multi-gpu/one-process-two-locks", devices=sorted(devices))
+    # Each process held a lock on each GPU ...
+    assert {(e["client"], e["device"]) for e in grants} == {(c, d) for c in {e["client"] for e in grants} for d in devices}
+    # ... and on each GPU the two processes never held it at the same time.
+    for device in devices:
+        intervals = hold_intervals([e for e in events if e["device"] == device])
+        assert len(intervals) == 2, intervals
+        first, second = intervals.values()
+        assert overlap_seconds(first, second) == 0.0, (device, intervals)
+    record("multi-gpu/two-processes-two-gpus", devices=devices, grants=len(grants))
