@@ -39,7 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--train-rounds", type=int, default=3)
+    parser.add_argument("--train-rounds", type=int, default=5)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nvs-bench-", dir="/tmp"))
     subprocess.run(["nvcc", "-O2", "-o", str(work / "launch_bench"), str(ROOT / "benchmarks/gpu/launch_bench.cu")],

@@ -12,7 +12,7 @@ import torchvision
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--batch", type=int, default=128)
     args = parser.parse_args()
