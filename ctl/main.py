@@ -7,6 +7,7 @@ Exit codes: 0 ok; 1 the scheduler refused the request (its message is shown); 2 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -23,8 +24,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from .. import timeline as timelines
 from ..paths import ENV_SOCKET_DIR, SocketPaths
-from .control import ControlConnection, ControlFailure
+from .control import EXIT_REFUSED, EXIT_USAGE, ControlConnection, ControlFailure
 
 app = typer.Typer(
     add_completion=False,
@@ -298,6 +300,93 @@ def events_command(
         _fail(failure)
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
+
+
+# --- timeline ------------------------------------------------------------------------------
+
+DEFAULT_TIMELINE_SECONDS = 300.0
+
+
+def _all_events(connection: ControlConnection) -> list[dict]:
+    events: list[dict] = []
+    since = 0
+    while True:
+        answer = connection.request("events", since=since, limit=10_000)
+        if not answer["events"]:
+            return events
+        events.extend(answer["events"])
+        since = answer["next"]
+
+
+def _client_names(status: dict) -> dict[str, str]:
+    """Row names for the clients still registered: id, program and pid."""
+    names = {}
+    for client in status.get("clients", []):
+        parts = [client["client"], client.get("program") or "", f"pid {client['pid']}" if client.get("pid") else ""]
+        names[client["client"]] = " ".join(part for part in parts if part)
+    return names
+
+
+@app.command("timeline")
+def timeline_command(
+    ctx: typer.Context,
+    device: Optional[str] = typer.Option(None, "--device", help="Only this device (UUID)"),
+    since: Optional[float] = typer.Option(
+        None, "--since", metavar="SECONDS_AGO", min=0.001,
+        help=f"Show the last SECONDS_AGO seconds [default: {DEFAULT_TIMELINE_SECONDS:g}]",
+    ),
+    show_all: bool = typer.Option(False, "--all", help="Show every event the scheduler keeps (the last 10 000)"),
+    json_path: Optional[Path] = typer.Option(
+        None, "--json", metavar="FILE", help="Also write the holds, waits, summary and events as JSON"
+    ),
+    png_path: Optional[Path] = typer.Option(
+        None, "--png", metavar="FILE", help="Also draw the timeline into a PNG (needs matplotlib)"
+    ),
+    width: Optional[int] = typer.Option(
+        None, "--width", min=1, help="Width of the drawing in characters [default: the terminal's]"
+    ),
+) -> None:
+    """Show who held and who waited for each GPU when, as a timeline; export it as JSON or PNG."""
+    if show_all and since is not None:
+        raise typer.BadParameter("give --since or --all, not both", param_hint="--since")
+    if png_path is not None and importlib.util.find_spec("matplotlib") is None:
+        typer.echo(f"nvsharectl: --png needs matplotlib: {timelines.PLOT_EXTRA_HINT}", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    settings: Settings = ctx.obj
+    try:
+        with settings.connect() as connection:
+            events = _all_events(connection)
+            status = connection.request("status")
+    except ControlFailure as failure:
+        _fail(failure)
+    now = time.time()
+    whole = timelines.Timeline.from_events(events, now=now)
+    whole.labels.update(_client_names(status))
+    if device is not None:
+        if device not in whole.devices() and device not in {d["device"] for d in status.get("devices", [])}:
+            typer.echo(f"nvsharectl: unknown-device: no client has announced device {device}", err=True)
+            raise typer.Exit(EXIT_REFUSED)
+        whole = whole.only_device(device)
+    start = whole.start if show_all else max(whole.start, now - (since or DEFAULT_TIMELINE_SECONDS))
+    shown = whole.window(start, now)
+    console = stdout if width is None else Console(highlight=False, width=width)
+    console.print(timelines.render(shown, width=console.width, title="GPU lock timeline"))
+    if shown.intervals:
+        console.print(timelines.summary_table(timelines.summarise(shown)))
+    try:
+        if json_path is not None:
+            document = timelines.to_json(shown)
+            document["events"] = [
+                e for e in events if e["t"] >= start and (device is None or e.get("device") in ("", device))
+            ]
+            timelines.write_json(json_path, document)
+            typer.echo(f"wrote {json_path}")
+        if png_path is not None:
+            timelines.write_png(png_path, shown, title="GPU lock timeline" + (f" of {device}" if device else ""))
+            typer.echo(f"wrote {png_path}")
+    except OSError as error:
+        typer.echo(f"nvsharectl: cannot write {error.filename}: {error.strerror}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
 
 
 def main() -> None:

@@ -1,0 +1,486 @@
+"""Lock timelines: who held, and who waited for, which device when.
+
+The scheduler keeps its recent lock events (docs/protocol.md, Events). This module turns a list
+of them into intervals, one per hold and per wait of a client on a device, and shows them: as a
+terminal timeline (rich), a summary table, a JSON document and a PNG picture (matplotlib, an
+optional dependency imported only when a picture is asked for). `nvsharectl timeline` and
+`nvshare-demo` both draw with it.
+
+    timeline = Timeline.from_events(answer["events"], now=time.time())
+    timeline.labels["c3"] = "training"            # optional names for the rows
+    console.print(render(timeline, width=120))
+    console.print(summary_table(summarise(timeline)))
+    write_json(path, to_json(timeline))
+    write_png(path, timeline, title="...")         # MissingMatplotlib if it is not installed
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+HOLD = "hold"
+WAIT = "wait"
+
+# How a hold or wait ended (Interval.ended_by), beyond the RELEASE reasons of the protocol
+# (idle, drop, revoke, exit, user, replaced) and the removal reasons (bye, exited,
+# heartbeat-timeout, disconnected, ...), which are kept as the scheduler wrote them.
+ENDED_GRANTED = "granted"  # a wait that ended with a grant
+ENDED_REVOKED = "revoked"  # the scheduler revoked the grant: the holder did not release in time
+ENDED_RECONNECTED = "reconnected"  # the same process registered again; its next row goes on
+ENDED_REGRANTED = "regranted"  # a new grant replaced a hold whose end was not in the events
+
+PLOT_EXTRA_HINT = "pip install 'nvshare-py[plot]' (or pip install matplotlib)"
+
+
+class MissingMatplotlib(RuntimeError):
+    """PNG export needs matplotlib, an optional dependency."""
+
+
+@dataclass
+class Interval:
+    """One hold (grant to release) or wait (acquire to grant) of a client on a device.
+    Times are wall-clock Unix seconds, as in the scheduler's events."""
+
+    device: str
+    client: str
+    kind: str  # HOLD or WAIT
+    start: float
+    end: float | None = None  # None: still going on at the timeline's end
+    grant: int = 0
+    ended_by: str = ""
+    drop_at: float | None = None  # holds: when the scheduler asked for the lock back (DROP)
+    drop_reason: str = ""  # quantum, mode, memory, conflict
+    known_start: bool = True  # False: it began before the oldest event available
+
+    def end_or(self, now: float) -> float:
+        return self.end if self.end is not None else now
+
+    @property
+    def tq_handoff(self) -> bool:
+        """The hold ended because its time quantum ran out while someone waited."""
+        return self.kind == HOLD and self.drop_reason == "quantum" and self.end is not None \
+            and self.ended_by in ("drop", ENDED_REVOKED)
+
+    @property
+    def early_release(self) -> bool:
+        """The holder gave the lock back by itself because it had gone idle."""
+        return self.kind == HOLD and self.ended_by == "idle"
+
+
+@dataclass
+class Timeline:
+    """Holds and waits between `start` and `end` (wall-clock seconds)."""
+
+    start: float
+    end: float
+    intervals: list[Interval] = field(default_factory=list)
+    settings: list[dict] = field(default_factory=list)  # mode/tq/budget events, as received
+    pids: dict[str, int] = field(default_factory=dict)  # client id -> pid it registered with
+    labels: dict[str, str] = field(default_factory=dict)  # client id -> row name (optional)
+
+    @classmethod
+    def from_events(cls, events: Iterable[dict], now: float | None = None) -> Timeline:
+        """Replay lock events (any order; sorted by `seq`). `now` ends the intervals still
+        open; it defaults to the last event's time."""
+        ordered = sorted(events, key=lambda event: event["seq"])
+        first = ordered[0]["t"] if ordered else (now or 0.0)
+        last = ordered[-1]["t"] if ordered else first
+        replay = _Replay(first)
+        for event in ordered:
+            replay.apply(event)
+        end = max(now if now is not None else last, last)
+        return cls(first, end, replay.intervals, replay.settings, replay.pids)
+
+    # --- names and rows ---
+
+    def label(self, client: str) -> str:
+        if client in self.labels:
+            return self.labels[client]
+        pid = self.pids.get(client)
+        return f"{client} pid {pid}" if pid else client
+
+    def devices(self) -> list[str]:
+        return list(dict.fromkeys(interval.device for interval in self.intervals))
+
+    def rows(self, device: str) -> list[str]:
+        """Row names on `device`, in the order they first appear."""
+        return list(dict.fromkeys(self.label(i.client) for i in self.intervals if i.device == device))
+
+    # --- selections ---
+
+    def window(self, start: float | None = None, end: float | None = None) -> Timeline:
+        """The part between `start` and `end` (each defaulting to this timeline's own);
+        intervals are cut at the edges."""
+        start = self.start if start is None else start
+        end = self.end if end is None else end
+        kept = []
+        for interval in self.intervals:
+            if interval.start > end or interval.end_or(end) < start:
+                continue
+            cut = replace(interval)
+            if cut.start < start:
+                cut.start = start
+            if cut.end is not None and cut.end > end:
+                cut.end, cut.ended_by = None, ""
+            kept.append(cut)
+        settings = [s for s in self.settings if start <= s["t"] <= end]
+        return Timeline(start, end, kept, settings, dict(self.pids), dict(self.labels))
+
+    def only_device(self, device: str) -> Timeline:
+        return Timeline(self.start, self.end, [i for i in self.intervals if i.device == device],
+                        [s for s in self.settings if s["device"] == device], dict(self.pids), dict(self.labels))
+
+    def overlapping_holds(self) -> list[tuple[Interval, Interval]]:
+        """Pairs of holds of different rows on one device that overlap in time (touching ends
+        do not count: a handover is recorded at one instant)."""
+        found = []
+        holds = sorted((i for i in self.intervals if i.kind == HOLD), key=lambda i: i.start)
+        for index, first in enumerate(holds):
+            first_end = first.end_or(self.end)
+            for second in holds[index + 1:]:
+                if second.start >= first_end:
+                    break
+                if second.device == first.device and self.label(second.client) != self.label(first.client) \
+                        and second.end_or(self.end) > second.start:
+                    found.append((first, second))
+        return found
+
+
+def registered_pid(event: dict) -> int:
+    """The pid a `register` event's client gave (its own pid namespace's), 0 if none."""
+    detail = event.get("detail") or ""
+    return int(detail[4:]) if detail.startswith("pid=") and detail[4:].isdigit() else 0
+
+
+class _Replay:
+    """Lock state per (device, client) while events are replayed in order."""
+
+    def __init__(self, first_time: float) -> None:
+        self.first_time = first_time
+        self.intervals: list[Interval] = []
+        self.settings: list[dict] = []
+        self.pids: dict[str, int] = {}
+        self.holds: dict[tuple[str, str], Interval] = {}
+        self.waits: dict[tuple[str, str], Interval] = {}
+        self.last_registered = ""
+
+    def apply(self, event: dict) -> None:
+        kind = event.get("kind", "")
+        device = event.get("device") or ""
+        client = event.get("client") or ""
+        t = float(event["t"])
+        grant = int(event.get("grant") or 0)
+        detail = event.get("detail") or ""
+        key = (device, client)
+        if kind == "register":
+            self.pids[client] = registered_pid(event)
+            self.last_registered = client
+        elif kind == "acquire":
+            if key not in self.waits:
+                self.waits[key] = self._open(Interval(device, client, WAIT, t))
+        elif kind == "grant":
+            self._close(self.waits, key, t, ENDED_GRANTED)
+            self._close(self.holds, key, t, ENDED_REGRANTED)
+            self.holds[key] = self._open(Interval(device, client, HOLD, t, grant=grant))
+        elif kind == "drop":
+            hold = self._current_hold(key, grant)
+            hold.drop_at, hold.drop_reason = t, detail
+        elif kind in ("release", "revoke"):
+            self._current_hold(key, grant)
+            self._close(self.holds, key, t, (detail or "user") if kind == "release" else ENDED_REVOKED)
+        elif kind in ("lost", "unregister") and device:
+            if grant:
+                self._current_hold(key, grant)
+            self._close(self.holds, key, t, detail or kind)
+            self._close(self.waits, key, t, detail or kind)
+        elif kind == "unregister":
+            self._client_gone(client, t, detail)
+        elif kind in ("mode", "tq", "budget"):
+            self.settings.append(dict(event))
+        # other kinds (newer daemons) carry nothing a timeline draws
+
+    def _open(self, interval: Interval) -> Interval:
+        self.intervals.append(interval)
+        return interval
+
+    def _close(self, table: dict, key: tuple[str, str], t: float, ended_by: str) -> Interval | None:
+        interval = table.pop(key, None)
+        if interval is not None:
+            interval.end, interval.ended_by = t, ended_by
+        return interval
+
+    def _current_hold(self, key: tuple[str, str], grant: int) -> Interval:
+        """The open hold of `key`; one that began before the oldest event is opened then."""
+        hold = self.holds.get(key)
+        if hold is None:
+            hold = self.holds[key] = self._open(
+                Interval(key[0], key[1], HOLD, self.first_time, grant=grant, known_start=False))
+        return hold
+
+    def _client_gone(self, client: str, t: float, reason: str) -> None:
+        # A process that reconnects registers anew and then its old registration goes, with
+        # "replaced": the new one carries on its holds (same grant) and its place in queues.
+        successor = self.last_registered if reason == "replaced" and self.last_registered != client else ""
+        for table in (self.holds, self.waits):
+            for key in [key for key in table if key[1] == client]:
+                old = self._close(table, key, t, ENDED_RECONNECTED if successor else reason)
+                if successor:
+                    table[(key[0], successor)] = self._open(replace(
+                        old, client=successor, start=t, end=None, ended_by="", known_start=True))
+
+
+# --- summary ---------------------------------------------------------------------------------
+
+
+@dataclass
+class RowSummary:
+    device: str
+    row: str
+    holds: int = 0
+    held: float = 0.0
+    waits: int = 0
+    waited: float = 0.0
+    longest_wait: float = 0.0
+    tq_handoffs: int = 0
+    early_releases: int = 0
+    revoked: int = 0
+
+
+def summarise(timeline: Timeline) -> list[RowSummary]:
+    """Per device and row: holds and time held, waits, longest wait, TQ handoffs, early
+    releases, revocations."""
+    rows: dict[tuple[str, str], RowSummary] = {}
+    for device in timeline.devices():
+        for row in timeline.rows(device):
+            rows[(device, row)] = RowSummary(device, row)
+    for interval in timeline.intervals:
+        summary = rows[(interval.device, timeline.label(interval.client))]
+        length = max(0.0, interval.end_or(timeline.end) - interval.start)
+        if interval.kind == HOLD:
+            if interval.known_start and interval.ended_by != ENDED_RECONNECTED:
+                summary.holds += 1  # a grant, counted once even across a reconnection
+            summary.held += length
+            summary.tq_handoffs += interval.tq_handoff
+            summary.early_releases += interval.early_release
+            summary.revoked += interval.ended_by == ENDED_REVOKED
+        else:
+            if interval.ended_by != ENDED_RECONNECTED:
+                summary.waits += 1
+            summary.waited += length
+            summary.longest_wait = max(summary.longest_wait, length)
+    return list(rows.values())
+
+
+def summary_table(rows: list[RowSummary], title: str = "Summary") -> Table:
+    several_devices = len({row.device for row in rows}) > 1
+    table = Table(title=title, title_justify="left")
+    table.add_column("program" if not several_devices else "device / program", no_wrap=True)
+    for column in ("holds", "held", "waited", "longest wait", "TQ handoffs", "early releases", "revoked"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        name = f"{_short_device(row.device)} {row.row}" if several_devices else row.row
+        table.add_row(name, str(row.holds), f"{row.held:.1f} s", f"{row.waited:.1f} s", f"{row.longest_wait:.1f} s",
+                      str(row.tq_handoffs), str(row.early_releases), str(row.revoked))
+    return table
+
+
+# --- terminal rendering ----------------------------------------------------------------------
+
+ROW_COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
+_NOTHING, _WAITING, _DRAINING, _HOLDING = 0, 1, 2, 3
+_CELLS = {_NOTHING: " ", _WAITING: "░", _DRAINING: "▓", _HOLDING: "█"}
+_MARKS = {"tq": "Q", "idle": "i", "revoked": "R", "gone": "x"}
+LEGEND = ("█ holds the lock   ▓ asked to hand it over (DROP), draining   ░ waits for it   "
+          "Q handed over at the end of its time quantum   i released early (idle)   R revoked   x exited/gone")
+_TICK_STEPS = (0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 86400)
+
+
+def render(timeline: Timeline, width: int = 100, title: str | None = None, legend: bool = True) -> Group:
+    """The timeline as lines of at most `width` characters: per device a header and one row
+    per client, and a time axis (seconds since the timeline's start)."""
+    width = max(1, int(width))
+    span = max(timeline.end - timeline.start, 1e-6)
+    lines: list[Text] = []
+    heading = f"{_clock(timeline.start)} → {_clock(timeline.end)}  ({span:.1f} s)"
+    lines.append(Text(_fit(f"{title}  {heading}" if title else heading, width), style="bold", no_wrap=True))
+    devices = timeline.devices()
+    if not devices:
+        lines.append(Text(_fit("no lock events in this period", width), style="dim", no_wrap=True))
+        return Group(*lines)
+    names = [row for device in devices for row in timeline.rows(device)]
+    label_width = min(max(len(name) for name in names), max(0, (width - 3) // 3))
+    bar_width = max(1, width - label_width - 2)
+    colours = {name: ROW_COLOURS[index % len(ROW_COLOURS)] for index, name in enumerate(dict.fromkeys(names))}
+    for device in devices:
+        lines.append(Text(_fit(device, width), style="bold", no_wrap=True))
+        for setting in timeline.settings:
+            if setting["device"] == device:
+                change = f"  {setting['t'] - timeline.start:6.1f} s  {setting['kind']} {setting['detail']}"
+                lines.append(Text(_fit(change, width), style="dim", no_wrap=True))
+        for name in timeline.rows(device):
+            intervals = [i for i in timeline.intervals if i.device == device and timeline.label(i.client) == name]
+            line = Text(_fit(name, label_width).ljust(label_width) + " │", no_wrap=True, overflow="crop")
+            line.append_text(_bar(intervals, timeline, bar_width, colours[name]))
+            lines.append(line)
+    lines.append(Text(" " * (label_width + 2) + _axis(span, bar_width), style="dim", no_wrap=True, overflow="crop"))
+    if legend:
+        lines.append(Text(LEGEND, style="dim", overflow="fold"))
+    return Group(*lines)
+
+
+def _bar(intervals: list[Interval], timeline: Timeline, cells: int, colour: str) -> Text:
+    span = max(timeline.end - timeline.start, 1e-6)
+    state = [_NOTHING] * cells
+    marks: dict[int, str] = {}
+
+    def cell_range(start: float, end: float) -> range:
+        first = int((start - timeline.start) / span * cells)
+        last = math.ceil((end - timeline.start) / span * cells)
+        first = min(max(first, 0), cells - 1)
+        return range(first, min(max(last, first + 1), cells))
+
+    def cell_of(t: float) -> int:
+        return min(max(int((t - timeline.start) / span * cells), 0), cells - 1)
+
+    for interval in intervals:
+        end = interval.end_or(timeline.end)
+        if interval.kind == WAIT:
+            painted = [(interval.start, end, _WAITING)] if end > interval.start else []
+        elif interval.drop_at is not None and interval.drop_at > interval.start:
+            painted = [(interval.start, interval.drop_at, _HOLDING), (interval.drop_at, end, _DRAINING)]
+        elif interval.drop_at is not None:
+            painted = [(interval.start, end, _DRAINING)]
+        else:
+            painted = [(interval.start, end, _HOLDING)]
+        for start, stop, value in painted:
+            for index in cell_range(start, stop):
+                state[index] = max(state[index], value)
+        if interval.kind == HOLD and interval.end is not None:
+            if interval.tq_handoff:
+                marks[cell_of(interval.end)] = _MARKS["tq"]
+            elif interval.early_release:
+                marks[cell_of(interval.end)] = _MARKS["idle"]
+            elif interval.ended_by == ENDED_REVOKED:
+                marks[cell_of(interval.end)] = _MARKS["revoked"]
+            elif interval.ended_by not in ("drop", "user", "replaced", ENDED_RECONNECTED, ENDED_REGRANTED):
+                marks[cell_of(interval.end)] = _MARKS["gone"]
+    text = Text(no_wrap=True, overflow="crop")
+    for index, value in enumerate(state):
+        if index in marks:
+            text.append(marks[index], style=f"bold reverse {colour}")
+        else:
+            text.append(_CELLS[value], style=colour if value != _WAITING else f"dim {colour}")
+    return text
+
+
+def _axis(span: float, cells: int) -> str:
+    """Tick labels (seconds since the start) spaced at least ~10 characters apart."""
+    step = next((s for s in _TICK_STEPS if s / span * cells >= 10), _TICK_STEPS[-1])
+    axis = [" "] * cells
+    tick = 0.0
+    while tick <= span:
+        position = int(tick / span * cells)
+        label = f"{tick:g}s"
+        if position + len(label) <= cells and all(c == " " for c in axis[max(0, position - 1):position + len(label)]):
+            axis[position:position + len(label)] = label
+        tick += step
+    return "".join(axis)
+
+
+def _fit(text: str, width: int) -> str:
+    if len(text) <= width:
+        return text
+    return text[: max(0, width - 1)] + "…" if width > 0 else ""
+
+
+def _clock(unix: float) -> str:
+    return datetime.fromtimestamp(unix).strftime("%H:%M:%S")
+
+
+def _short_device(device: str) -> str:
+    return device if len(device) <= 13 else device[:12] + "…"
+
+
+# --- export ----------------------------------------------------------------------------------
+
+
+def to_json(timeline: Timeline) -> dict[str, Any]:
+    """A JSON-able document: the window, the rows, every interval (with its row name) and the
+    summary. Open intervals have `"end": null`."""
+    clients = sorted({i.client for i in timeline.intervals} | set(timeline.pids))
+    return {
+        "start": timeline.start,
+        "end": timeline.end,
+        "devices": timeline.devices(),
+        "clients": {c: {"pid": timeline.pids.get(c), "row": timeline.label(c)} for c in clients},
+        "intervals": [{**asdict(i), "row": timeline.label(i.client)} for i in timeline.intervals],
+        "settings": timeline.settings,
+        "summary": [asdict(row) for row in summarise(timeline)],
+    }
+
+
+def write_json(path: str | os.PathLike, document: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(document, indent=2) + "\n")
+
+
+def write_png(path: str | os.PathLike, timeline: Timeline, title: str = "") -> None:
+    """Draw the timeline with matplotlib (holds solid, draining hatched, waits light; markers
+    at TQ handoffs, early releases and revocations). Raises MissingMatplotlib without it."""
+    try:
+        from matplotlib.figure import Figure  # noqa: PLC0415 (optional dependency)
+        from matplotlib.patches import Patch  # noqa: PLC0415
+        from matplotlib.lines import Line2D  # noqa: PLC0415
+    except ImportError:
+        raise MissingMatplotlib(f"PNG export needs matplotlib: {PLOT_EXTRA_HINT}") from None
+    rows = [(device, name) for device in timeline.devices() for name in timeline.rows(device)]
+    several_devices = len(timeline.devices()) > 1
+    palette = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
+    colours = {name: palette[index % len(palette)] for index, name in enumerate(dict.fromkeys(n for _, n in rows))}
+    figure = Figure(figsize=(11, 1.6 + 0.6 * max(1, len(rows))), layout="constrained")
+    axes = figure.add_subplot()
+    origin = timeline.start
+    for position, (device, name) in enumerate(rows):
+        y = len(rows) - 1 - position
+        colour = colours[name]
+        for interval in timeline.intervals:
+            if interval.device != device or timeline.label(interval.client) != name:
+                continue
+            start, end = interval.start - origin, interval.end_or(timeline.end) - origin
+            if interval.kind == WAIT:
+                axes.broken_barh([(start, end - start)], (y - 0.15, 0.3), facecolors=colour, alpha=0.25)
+                continue
+            drop = end if interval.drop_at is None else max(start, interval.drop_at - origin)
+            axes.broken_barh([(start, drop - start)], (y - 0.35, 0.7), facecolors=colour)
+            if drop < end:
+                axes.broken_barh([(drop, end - drop)], (y - 0.35, 0.7), facecolors=colour, alpha=0.55, hatch="///")
+            marker = ("v" if interval.tq_handoff else "o" if interval.early_release
+                      else "X" if interval.ended_by == ENDED_REVOKED else None)
+            if marker and interval.end is not None:
+                axes.plot([end], [y + 0.5], marker=marker, color="black", markersize=7, linestyle="none")
+    axes.set_yticks(range(len(rows)))
+    axes.set_yticklabels([f"{_short_device(d)} {n}" if several_devices else n for d, n in reversed(rows)])
+    axes.set_ylim(-0.7, max(1, len(rows)) - 0.2)
+    axes.set_xlim(0, max(timeline.end - origin, 1e-3))
+    axes.set_xlabel(f"seconds since {datetime.fromtimestamp(origin).strftime('%Y-%m-%d %H:%M:%S')}")
+    axes.grid(axis="x", alpha=0.3)
+    axes.set_title(title or "GPU lock timeline")
+    axes.legend(handles=[
+        Patch(facecolor="grey", label="holds the lock"),
+        Patch(facecolor="grey", alpha=0.55, hatch="///", label="draining after DROP"),
+        Patch(facecolor="grey", alpha=0.25, label="waits"),
+        Line2D([], [], marker="v", color="black", linestyle="none", label="TQ handoff"),
+        Line2D([], [], marker="o", color="black", linestyle="none", label="early release (idle)"),
+        Line2D([], [], marker="X", color="black", linestyle="none", label="revoked"),
+    ], loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) < 3 else -0.15), ncol=6, fontsize="small",
+        frameon=False)
+    figure.savefig(os.fspath(path), dpi=120)
