@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
@@ -111,8 +112,18 @@ def _format(value: object) -> str:
     return str(value)
 
 
-def _meta(parse, required: bool = True) -> dict:
-    return {"parse": parse, "required": required}
+def _json_object(value: str) -> str:
+    try:
+        document = json.loads(value)
+    except ValueError:
+        raise ValueError("not JSON") from None
+    if not isinstance(document, dict):
+        raise ValueError("not a JSON object")
+    return value
+
+
+def _meta(parse, required: bool = True, max_bytes: int = MAX_VALUE) -> dict:
+    return {"parse": parse, "required": required, "max_bytes": max_bytes}
 
 
 @functools.cache
@@ -122,12 +133,19 @@ def _schema(cls: type) -> tuple[tuple[str, Callable[[str], object], bool], ...]:
     return tuple((f.name, f.metadata["parse"], f.metadata["required"]) for f in dataclasses.fields(cls))
 
 
+@functools.cache
+def _longer_values(cls: type) -> dict[str, int]:
+    """The fields of `cls` whose values may exceed MAX_VALUE, with their own limit."""
+    return {f.name: f.metadata["max_bytes"] for f in dataclasses.fields(cls) if f.metadata["max_bytes"] != MAX_VALUE}
+
+
 @dataclass(frozen=True)
 class Message:
     TYPE: ClassVar[str] = ""
 
     def encode(self) -> bytes:
         lines = [f"NVSHARE/{VERSION} {self.TYPE}"]
+        longer = _longer_values(type(self))
         for name, _, required in _schema(type(self)):
             value = getattr(self, name)
             if not required and value in ("", ()):
@@ -135,8 +153,9 @@ class Message:
             text = _format(value)
             if _CONTROL_CHARS.search(text):
                 raise ValueError(f"{self.TYPE}.{name} contains control characters")
-            if len(text.encode()) > MAX_VALUE:
-                raise ValueError(f"{self.TYPE}.{name} is longer than {MAX_VALUE} bytes")
+            limit = longer.get(name, MAX_VALUE)
+            if len(text.encode()) > limit:
+                raise ValueError(f"{self.TYPE}.{name} is longer than {limit} bytes")
             lines.append(f"{name}={text}")
         data = "\n".join(lines).encode()
         if len(data) > MAX_MESSAGE:
@@ -200,6 +219,14 @@ class Bye(Message):
     TYPE: ClassVar[str] = "BYE"
 
 
+@dataclass(frozen=True)
+class Query(Message):
+    """What the scheduler knows of the asking process's registrations; allowed before HELLO and
+    answered by STATUS. The connection that asks need not be registered (and is not by asking)."""
+
+    TYPE: ClassVar[str] = "QUERY"
+
+
 # --- scheduler -> client -------------------------------------------------------------------
 
 
@@ -255,8 +282,43 @@ class Error(Message):
     type: str = field(default="", metadata=_meta(_text, False))
 
 
-CLIENT_MESSAGES = {m.TYPE: m for m in (Hello, Device, Memory, Acquire, Release, Heartbeat, Bye)}
+# "NVSHARE/1 STATUS\njson=": what the document may fill of the message.
+STATUS_DOCUMENT_MAX = MAX_MESSAGE - len(f"NVSHARE/{VERSION} STATUS\njson=")
+
+
+@dataclass(frozen=True)
+class Status(Message):
+    """The answer to QUERY: `json` is a compact JSON object (docs/protocol.md, Queries); the only
+    value allowed to be longer than MAX_VALUE. Build it with `Status.of(document)`."""
+
+    TYPE: ClassVar[str] = "STATUS"
+    json: str = field(metadata=_meta(_json_object, max_bytes=STATUS_DOCUMENT_MAX))
+
+    @classmethod
+    def of(cls, document: dict) -> "Status":
+        """Encode `document`, leaving out devices from the end of its "devices" list until it
+        fits; "truncated" then says how many were left out."""
+        devices = list(document.get("devices", ()))
+        left_out = 0
+        while True:
+            shown = {**document, "devices": devices}
+            if left_out:
+                shown["truncated"] = left_out
+            text = json.dumps(shown, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+            if len(text.encode()) <= STATUS_DOCUMENT_MAX or not devices:
+                return cls(json=text)
+            devices.pop()
+            left_out += 1
+
+    def document(self) -> dict:
+        return json.loads(self.json)
+
+
+CLIENT_MESSAGES = {m.TYPE: m for m in (Hello, Device, Memory, Acquire, Release, Heartbeat, Bye, Query)}
+# What a registered client may receive. STATUS is not among them: only a connection that sent
+# QUERY receives it, and it reads replies with QUERY_REPLIES.
 SCHEDULER_MESSAGES = {m.TYPE: m for m in (Welcome, Grant, Drop, Revoke, ModeNotice, Error)}
+QUERY_REPLIES = {m.TYPE: m for m in (Status, Error)}
 
 
 def decode(data: bytes, catalogue: dict[str, type[Message]] = CLIENT_MESSAGES) -> Message:
@@ -284,13 +346,14 @@ def decode(data: bytes, catalogue: dict[str, type[Message]] = CLIENT_MESSAGES) -
     if len(lines) - 1 > MAX_FIELDS:
         raise ProtocolError("malformed", f"more than {MAX_FIELDS} fields", msg_type)
     raw: dict[str, str] = {}
+    longer = _longer_values(cls)
     for line in lines[1:]:
         key, sep, value = line.partition("=")
         if not sep or not _KEY.match(key):
             raise ProtocolError("malformed", f"bad field line {line[:40]!r}", msg_type)
         if key in raw:
             raise ProtocolError("malformed", f"field {key} repeated", msg_type)
-        if len(value.encode()) > MAX_VALUE or _CONTROL_CHARS.search(value):
+        if len(value.encode()) > longer.get(key, MAX_VALUE) or _CONTROL_CHARS.search(value):
             raise ProtocolError("bad-field", f"field {key} too long or has control characters", msg_type)
         raw[key] = value
     kwargs = {}

@@ -195,6 +195,9 @@ def test_the_events_ring_keeps_the_last_10000_with_sequence_numbers(scheduler):
     entry = page["events"][-1]
     assert set(entry) == {"seq", "t", "device", "client", "kind", "grant", "detail"}
     assert entry["detail"] == "user" and entry["device"] == GPU
+    # Timelines rely on it: the wall-clock times never run backwards along the sequence.
+    times = [e["t"] for e in scheduler.request("events", since=0, limit=10_000)["events"]]
+    assert times == sorted(times)
 
 
 def test_control_client_library_reports_a_missing_daemon(scheduler):

@@ -640,6 +640,7 @@ def test_parser_reads_every_scheduler_message(codec):
     ("\n", False),
     ("NVSHARE/1 ERROR\ncode=malformed\ndetail=" + "é" * 512, True),
     ("NVSHARE/1 ERROR\ncode=malformed\ndetail=" + "x" * 1023 + "é", False),  # 1025 bytes
+    ("NVSHARE/1 STATUS\njson={}", False),  # a QUERY's answer: never sent to the interceptor
 ])
 def test_parser_accepts_what_python_accepts(codec, text, accepted):
     data = text.encode()

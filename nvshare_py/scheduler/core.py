@@ -22,6 +22,7 @@ announced, so after `handle(Tick(now))` the next deadline always lies after `now
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -53,6 +54,11 @@ from .events import (
 )
 
 __all__ = ["CoreConfig", "CoreError", "SchedulerCore"]
+
+# QUERY answers (docs/protocol.md) must fit one message: they name at most this many clients
+# per list, and cut the texts that clients chose themselves.
+QUERY_NAMES_SHOWN = 4
+QUERY_TEXT_MAX = 48
 
 
 def _ms(seconds: float) -> int:
@@ -144,7 +150,8 @@ class _Device:
 
 
 class _Pair:
-    __slots__ = ("client", "device", "used", "hold", "overdue", "waiting_since", "wait_total", "hold_total", "grants")
+    __slots__ = ("client", "device", "used", "hold", "overdue", "waiting_since", "wait_total", "hold_total", "grants",
+                 "blocked_by", "last_wait")
 
     def __init__(self, client: _Client, device: _Device) -> None:
         self.client = client  # changes when a reconnecting process takes its pairs over
@@ -156,6 +163,10 @@ class _Pair:
         self.wait_total = 0.0
         self.hold_total = 0.0
         self.grants = 0
+        # Who was ahead when the current wait began (holders, then waiters), for QUERY; and
+        # the last finished wait: (seconds, who was ahead).
+        self.blocked_by: tuple[_Client, ...] = ()
+        self.last_wait: tuple[float, tuple[_Client, ...]] | None = None
 
 
 def _same_process(old: ClientInfo, new: ClientInfo) -> bool:
@@ -166,6 +177,12 @@ def _same_process(old: ClientInfo, new: ClientInfo) -> bool:
         and (old.host_pid == new.host_pid or old.host_pid == 0 or new.host_pid == 0)
         and (old.uid == new.uid or old.uid is None or new.uid is None)
     )
+
+
+def _named(client: _Client) -> dict:
+    """How QUERY names another client: its display id and what it says it is."""
+    info = client.info
+    return {"client": client.cid, "program": info.program[:QUERY_TEXT_MAX], "pod": info.pod[:QUERY_TEXT_MAX]}
 
 
 # --- the core ------------------------------------------------------------------------------
@@ -293,6 +310,48 @@ class SchedulerCore:
                 "devices": {device_id: self._pair_status(pair, now) for device_id, pair in client.pairs.items()},
             })
         return {"devices": devices, "clients": clients}
+
+    def query(self, host_pid: int, now: float) -> dict:
+        """The answer to QUERY (docs/protocol.md): the devices of every registration whose
+        kernel-verified host pid is `host_pid` (0: not visible, nothing to match), those the
+        process holds or waits for first."""
+        if not host_pid:
+            return {"pid": 0, "clients": [], "devices": []}
+        clients = [client for client in self._clients.values() if client.info.host_pid == host_pid]
+        pairs = [pair for client in clients for pair in client.pairs.values()]
+        pairs.sort(key=lambda pair: (pair.hold is None and pair.waiting_since is None, pair.device.id))
+        return {
+            "pid": host_pid,
+            "clients": [client.cid for client in clients],
+            "devices": [self._pair_query(pair, now) for pair in pairs],
+        }
+
+    def _pair_query(self, pair: _Pair, now: float) -> dict:
+        dev = pair.device
+        status = self._pair_status(pair, now)
+        waiting = pair.waiting_since is not None
+        last_wait = None
+        if pair.last_wait is not None:
+            seconds, ahead = pair.last_wait
+            last_wait = {"seconds": round(seconds, 3), "held_by": [_named(client) for client in ahead]}
+        return {
+            "device": dev.id,
+            "name": dev.name[:QUERY_TEXT_MAX],
+            "client": pair.client.cid,
+            "mode": dev.mode,
+            "tq": dev.tq,
+            "state": status["state"],
+            "position": next(i for i, waiter in enumerate(dev.queue, 1) if waiter is pair) if waiting else 0,
+            "waiters": len(dev.queue),
+            "waiting_for": round(now - pair.waiting_since, 3) if waiting else 0.0,
+            "wait_total": round(status["wait_total"], 3),
+            "hold_total": round(status["hold_total"], 3),
+            "grants": status["grants"],
+            "used": status["used"],
+            "quantum_left": round(max(0.0, pair.hold.since + dev.tq - now), 3) if pair.hold is not None else None,
+            "holders": [_named(holder.client) for holder in itertools.islice(dev.holders.values(), QUERY_NAMES_SHOWN)],
+            "last_wait": last_wait,
+        }
 
     @staticmethod
     def _pair_status(pair: _Pair, now: float) -> dict:
@@ -691,14 +750,20 @@ class SchedulerCore:
         the others for a fresh grant after its release. Returns whether it queued."""
         if pair.waiting_since is not None or (pair.hold is not None and pair.hold.state == "holding"):
             return False
+        dev = pair.device
+        ahead = (other.client for other in itertools.chain(dev.holders.values(), dev.queue) if other is not pair)
+        pair.blocked_by = tuple(itertools.islice(ahead, QUERY_NAMES_SHOWN))
         pair.waiting_since = now
-        pair.device.queue[pair] = None
-        out.append(LockEvent(now, "acquire", pair.device.id, pair.client.cid))
+        dev.queue[pair] = None
+        out.append(LockEvent(now, "acquire", dev.id, pair.client.cid))
         return True
 
     def _leave_queue(self, pair: _Pair, now: float) -> None:
         del pair.device.queue[pair]
-        pair.wait_total += now - pair.waiting_since
+        waited = now - pair.waiting_since
+        pair.wait_total += waited
+        pair.last_wait = (waited, pair.blocked_by)
+        pair.blocked_by = ()
         pair.waiting_since = None
 
     def _end_hold(self, pair: _Pair, now: float) -> None:

@@ -163,6 +163,7 @@ class Daemon:
             "idle_release": config.idle_release,
         }
         self._started = 0.0
+        self._wall_offset = 0.0
         self._uid = os.geteuid()
         own_ns = os.stat("/proc/self/ns/pid")
         self._pid_namespace = (own_ns.st_dev, own_ns.st_ino)
@@ -269,6 +270,9 @@ class Daemon:
             trio.current_time(),
         )
         self._started = time.time()
+        # One offset for the daemon's life: converting each time with a fresh time.time() would
+        # let two events of one instant come out in the wrong order.
+        self._wall_offset = self._started - trio.current_time()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self._stop_on_signal, nursery.cancel_scope)
@@ -297,7 +301,7 @@ class Daemon:
                 return
 
     def _wall(self, monotonic: float) -> float:
-        return time.time() - (trio.current_time() - monotonic)
+        return monotonic + self._wall_offset
 
     # --- the client pump -------------------------------------------------------------------
 
@@ -423,8 +427,13 @@ class Daemon:
             self._reject(key, exc.code, exc.detail, exc.msg_type)
             return
         now = trio.current_time()
-        registered = self.core.client_id(key) is not None
         kind = type(message)
+        if kind is protocol.Query:
+            # Matched by the kernel-verified pid, never by anything the peer says.
+            answer = self.core.query(peer_credentials(frame).pid, now)
+            self._send(key, protocol.Status.of(answer))
+            return
+        registered = self.core.client_id(key) is not None
         if kind is protocol.Hello:
             if registered:
                 self._reject(key, "already-registered", "this connection is registered already", "HELLO")

@@ -1,0 +1,248 @@
+"""Two real Jupyter kernels, started from the installed "Python 3 (nvshare)" kernelspec through
+jupyter_client, share one (simulated) GPU: a kernel that goes idle hands the GPU to the one
+that waits, %nvshare tells each which it is, a cell that waited gets a note naming the holder,
+and a kernel that dies in the middle of a cell frees the GPU."""
+
+from __future__ import annotations
+
+import ast
+import json
+import queue
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
+
+from fixtures.scheduler import CHILD_CWD, child_env, run_child, wait_for
+
+GPU0 = "GPU-5151ad00-0000-4000-8000-000000000000"
+IDLE_RELEASE = 1.0  # the scheduler's idle window, seconds
+# The GPU work of the cells: the ctypes driver binding, through the interceptor, on simcuda.
+SETUP = """
+from nvshare_py.driver import Driver
+gpu = Driver()
+gpu.context(0)
+buffer = gpu.alloc(64 << 20)
+"""
+
+
+@dataclass
+class Cell:
+    stdout: str = ""
+    stderr: str = ""
+    displays: list[str] = field(default_factory=list)  # text/plain of display_data
+    result: str = ""  # text/plain of execute_result
+    error: str = ""
+
+    @property
+    def notes(self) -> list[str]:
+        return [text for text in self.displays if text.startswith("nvshare: this cell waited")]
+
+
+class Kernel:
+    """One kernel from the kernelspec, driven like a notebook front end drives it."""
+
+    def __init__(self, spec_dir: str, name: str, env: dict[str, str]) -> None:
+        specs = KernelSpecManager(kernel_dirs=[spec_dir])
+        self.manager = KernelManager(kernel_name=name, kernel_spec_manager=specs)
+        self.manager.start_kernel(env=env, cwd=CHILD_CWD)
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client_id = ""
+
+    @property
+    def pid(self) -> int:
+        return self.manager.provisioner.pid
+
+    def submit(self, code: str) -> str:
+        return self.client.execute(code)
+
+    def collect(self, msg_id: str, timeout: float = 60.0) -> Cell:
+        """Everything cell `msg_id` printed and displayed, once it has finished."""
+        cell = Cell()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                msg = self.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"cell {msg_id} of kernel {self.pid} did not finish within {timeout:g} s: {cell}")
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                if content["name"] == "stdout":
+                    cell.stdout += content["text"]
+                else:
+                    cell.stderr += content["text"]
+            elif kind == "display_data":
+                cell.displays.append(content["data"].get("text/plain", ""))
+            elif kind == "execute_result":
+                cell.result = content["data"].get("text/plain", "")
+            elif kind == "error":
+                cell.error = f"{content['ename']}: {content['evalue']}"
+            elif kind == "status" and content["execution_state"] == "idle":
+                return cell
+
+    def run(self, code: str, timeout: float = 60.0) -> Cell:
+        cell = self.collect(self.submit(code), timeout)
+        assert not cell.error, f"cell failed: {cell.error}\n{cell.stderr}"
+        return cell
+
+    def status(self) -> dict:
+        """What the extension reports (%nvshare json), evaluated in the kernel."""
+        return ast.literal_eval(self.run("%nvshare json").result)
+
+    def shutdown(self) -> None:
+        self.client.stop_channels()
+        if self.manager.is_alive():
+            self.manager.shutdown_kernel(now=True)
+        else:
+            self.manager.cleanup_resources()
+
+
+@pytest.fixture
+def notebooks(libnvshare, simcuda, scheduler_factory, tmp_path, monkeypatch):
+    """start(env, ...) -> one ready kernel per environment, from the installed kernelspec (or
+    `kernel_name=` another in the same directory); their GPU is simcuda's, their scheduler
+    `start.scheduler` (TQ and grace so long that only idleness or an exit can move the lock)."""
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))  # connection files
+    scheduler = scheduler_factory(tq=600, grace=600, idle_release=IDLE_RELEASE)
+    prefix = tmp_path / "jupyter"
+    installed = run_child([sys.executable, "-m", "nvshare_py.jupyter", "install", "--prefix", str(prefix)],
+                          child_env(scheduler.socket_dir, {"NVSHARE_LIBRARY": str(libnvshare)}))
+    assert installed.returncode == 0, installed.stderr
+    trace = tmp_path / "trace.jsonl"
+    kernels: list[Kernel] = []
+    spec_dir = prefix / "share" / "jupyter" / "kernels"
+
+    def start(*envs: dict[str, str], kernel_name: str = "nvshare") -> list[Kernel]:
+        for extra in envs:
+            env = simcuda.env(trace=trace, **{"NVSHARE_SOCKET_DIR": str(scheduler.socket_dir), "NVSHARE_LOG": "info",
+                                              **extra})
+            kernels.append(Kernel(str(spec_dir), kernel_name, env))
+        started = kernels[-len(envs):]
+        for kernel in started:
+            kernel.client.wait_for_ready(timeout=120)
+        return started
+
+    start.scheduler = scheduler
+    start.spec_dir = spec_dir
+    start.trace = trace
+    start.simcuda = simcuda
+    yield start
+    for kernel in kernels:
+        kernel.shutdown()
+
+
+def pair_state(scheduler, kernel: Kernel) -> dict | None:
+    """The kernel's (client, GPU0) entry in the scheduler's own status document."""
+    for client in scheduler.status()["clients"]:
+        if client["host_pid"] == kernel.pid and GPU0 in client["devices"]:
+            return client["devices"][GPU0]
+    return None
+
+
+def test_an_idle_notebook_hands_the_gpu_to_the_waiting_one(notebooks):
+    scheduler = notebooks.scheduler
+    # B keeps the lock once it has it (NVSHARE_IDLE_RELEASE_MS=0), so its status is stable.
+    a, b = notebooks({}, {"NVSHARE_IDLE_RELEASE_MS": "0"})
+    a.run(SETUP)
+    b.run(SETUP)
+
+    a.run("gpu.launch_sleep(2_500_000)")  # queued at once: A holds the GPU while it runs
+    mine = a.status()["devices"][0]
+    assert mine["state"] == "holding" and mine["device"] == GPU0 and mine["used"] == 64 << 20
+    a.client_id = mine["client"]
+    assert "holds the GPU lock" in a.run("%nvshare").displays[0]
+
+    # B's GPU work waits, on a thread, so that B can still run %nvshare meanwhile.
+    b.run("import threading\n"
+          "def work():\n    gpu.context(0)\n    gpu.launch_sleep(1000)\n    gpu.synchronize()\n"
+          "worker = threading.Thread(target=work)\nworker.start()")
+    waiting = wait_for(lambda: (d := b.status()["devices"][0])["state"] == "waiting" and d, timeout=30,
+                       what="kernel B waiting")
+    assert waiting["position"] == 1 and waiting["waiting_for"] >= 0
+    assert [h["client"] for h in waiting["holders"]] == [a.client_id]
+    shown = b.run("%nvshare").displays[0]
+    assert "waiting for the GPU, 1st in line" in shown and f"held by    {a.client_id} (" in shown
+    assert a.status()["devices"][0]["waiters"] == 1
+
+    assert b.run("worker.join(60)\nprint(worker.is_alive())").stdout.strip() == "False"
+    held = b.status()["devices"][0]
+    assert held["state"] == "holding" and held["last_wait"]["held_by"][0]["client"] == a.client_id
+    assert "holds the GPU lock" in b.run("%nvshare").displays[0]
+    assert a.status()["devices"][0]["state"] == "idle"
+    assert a.manager.is_alive()  # A gave the GPU back by going idle, not by leaving
+
+    events = scheduler.events()
+    release = next(e for e in events if e["kind"] == "release" and e["client"] == a.client_id)
+    assert release["detail"] == "idle"
+    b_grant = next(e for e in events if e["kind"] == "grant" and e["client"] == held["client"])
+    assert b_grant["seq"] > release["seq"]
+    # On the GPU itself: B's first kernel starts after A's last one ends, within the idle
+    # window plus a margin (a quantum of 600 s could not have moved the lock).
+    ops = notebooks.simcuda.read_trace(notebooks.trace)
+    a_end = max(op["end"] for op in ops if op["pid"] == a.pid and op["op"] == "kernel")
+    b_start = min(op["start"] for op in ops if op["pid"] == b.pid and op["op"] == "kernel")
+    assert a_end <= b_start < a_end + IDLE_RELEASE + 10.0
+
+
+def test_a_kernel_that_dies_mid_cell_frees_the_gpu_and_the_waiter_is_told_who_held_it(notebooks):
+    scheduler = notebooks.scheduler
+    crashing, waiting = notebooks({"NVSHARE_IDLE_RELEASE_MS": "0"}, {})
+    crashing.run(SETUP)
+    waiting.run(SETUP)
+    crashing.run("gpu.launch_sleep(1000)\ngpu.synchronize()")  # holds the GPU from now on
+    holder_id = crashing.status()["devices"][0]["client"]
+    assert "every cell that waited at least 0.5 s" in waiting.run("%nvshare note 0.5").stdout
+
+    blocked = waiting.submit("gpu.launch_sleep(1000)\ngpu.synchronize()\nprint('ran')")
+    wait_for(lambda: (s := pair_state(scheduler, waiting)) and s["state"] == "waiting" and s["wait_total"] >= 0.8,
+             timeout=30, what="the second kernel waiting for 0.8 s")
+    crashing.submit("import os\ngpu.launch_sleep(5_000_000)\nos.kill(os.getpid(), 9)")
+
+    cell = waiting.collect(blocked, timeout=60)
+    assert not cell.error and cell.stdout.strip() == "ran"
+    (note,) = cell.notes
+    assert f"for the GPU held by {holder_id} (" in note
+    assert float(note.split("waited ")[1].split(" s")[0]) >= 0.8
+    wait_for(lambda: not crashing.manager.is_alive(), what="the crashed kernel gone")
+    lost = [e for e in scheduler.events() if e["client"] == holder_id and e["kind"] == "lost"]
+    assert lost and lost[0]["detail"] == "exited"
+
+    again = waiting.run("gpu.launch_sleep(1000)\ngpu.synchronize()")  # holds it: no wait, no note
+    assert again.notes == []
+    text = waiting.run("%nvshare").displays[0]
+    assert "holds the GPU lock" in text and f"behind {holder_id} (" in text
+
+
+def test_first_cell_says_when_no_scheduler_runs_and_when_nvshare_is_missing(notebooks, tmp_path):
+    # A kernelspec whose library has gone since it was installed (a broken installation), and
+    # that does not load the extension: it is loaded by hand, in a cell.
+    broken = notebooks.spec_dir / "broken"
+    shutil.copytree(notebooks.spec_dir / "nvshare", broken)
+    spec = json.loads((broken / "kernel.json").read_text())
+    spec["env"]["NVSHARE_LIBRARY"] = str(tmp_path / "removed.so")
+    spec["argv"].remove("--ext=nvshare_py")
+    (broken / "kernel.json").write_text(json.dumps(spec))
+    (no_library,) = notebooks({}, kernel_name="broken")
+    (no_scheduler,) = notebooks({"NVSHARE_SOCKET_DIR": str(tmp_path / "elsewhere")})
+
+    # Loaded when the kernel started: the first cell says what is wrong, once.
+    first = no_scheduler.run("1 + 1")
+    assert first.result == "2"
+    assert f"No nvshare scheduler at {tmp_path / 'elsewhere'}/client/scheduler.sock" in first.stderr
+    assert "GPU calls wait" in first.stderr
+    assert no_scheduler.run("2 + 2").stderr == ""
+    assert "does not exist" in no_scheduler.run("%nvshare").displays[0]
+
+    # Loaded in a cell: that cell says it.
+    assert "libnvshare" not in no_library.run("import os\nprint(os.environ.get('LD_PRELOAD', ''))").stdout
+    loaded = no_library.run("%load_ext nvshare_py")
+    assert "libnvshare.so is not loaded in this kernel" in loaded.stderr
+    assert no_library.run("3 + 3").stderr == ""
+    assert "libnvshare.so is not loaded" in no_library.run("%nvshare").displays[0]
