@@ -38,58 +38,63 @@ def overhead(native: float, shared: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--train-rounds", type=int, default=5)
+    parser.add_argument("--parts", nargs="+", choices=("launch", "train"), default=("launch", "train"))
+    parser.add_argument("--rounds", type=int, default=5, help="launch-loop processes per variant")
+    parser.add_argument("--train-rounds", type=int, default=5, help="training processes per variant")
+    parser.add_argument("--gate-only", action="store_true",
+                        help="also measure NVSHARE_MANAGED=0 (the lock gate without memory conversion)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nvs-bench-", dir="/tmp"))
-    subprocess.run(["nvcc", "-O2", "-o", str(work / "launch_bench"), str(ROOT / "benchmarks/gpu/launch_bench.cu")],
-                   check=True)
+    if "launch" in args.parts:
+        subprocess.run(["nvcc", "-O2", "-o", str(work / "launch_bench"), str(ROOT / "benchmarks/gpu/launch_bench.cu")],
+                       check=True)
     subprocess.run(["make", "-s", "-C", str(ROOT / "interceptor"), f"BUILD={work}"], check=True)
     socket_dir = work / "s"
     python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PYTHONPATH=python_path, NVSHARE_SOCKET_DIR=str(socket_dir))
+    variants = {"native": env, "nvshare": dict(env, LD_PRELOAD=str(work / "libnvshare.so"))}
+    if args.gate_only:
+        variants["nvshare-gate-only"] = dict(variants["nvshare"], NVSHARE_MANAGED="0")
+    commands = {"launch": ([str(work / "launch_bench")], args.rounds, ("launch_ns_median", "alloc_1MiB_ns",
+                                                                       "free_1MiB_ns", "alloc_256MiB_ns", "free_256MiB_ns")),
+                "train": ([sys.executable, str(ROOT / "benchmarks/gpu/train_bench.py")], args.train_rounds,
+                          ("step_ms_median",))}
     scheduler_log = open(work / "scheduler.log", "wb")
     scheduler = subprocess.Popen([sys.executable, "-m", "nvshare_py.scheduler", "--socket-dir", str(socket_dir)],
                                  env=env, stdout=scheduler_log, stderr=subprocess.STDOUT)
+    raw: dict[str, dict[str, list[dict]]] = {}
     try:
         deadline = time.monotonic() + 30
         while not (socket_dir / "client" / "scheduler.sock").exists():
             if time.monotonic() > deadline or scheduler.poll() is not None:
                 raise SystemExit("the scheduler did not start:\n" + (work / "scheduler.log").read_text())
             time.sleep(0.1)
-        shared_env = dict(env, LD_PRELOAD=str(work / "libnvshare.so"))
-        launch = {"native": [], "nvshare": []}
-        for _ in range(args.rounds):
-            launch["native"].append(run_json([str(work / "launch_bench")], env))
-            launch["nvshare"].append(run_json([str(work / "launch_bench")], shared_env))
-        train = {"native": [], "nvshare": []}
-        for _ in range(args.train_rounds):
-            train["native"].append(run_json([sys.executable, str(ROOT / "benchmarks/gpu/train_bench.py")], env))
-            train["nvshare"].append(run_json([sys.executable, str(ROOT / "benchmarks/gpu/train_bench.py")], shared_env))
+        for part in args.parts:
+            argv, rounds, _ = commands[part]
+            raw[part] = {name: [] for name in variants}
+            for _ in range(rounds):  # variants interleaved, so drifts of the machine hit all alike
+                for name, variant_env in variants.items():
+                    raw[part][name].append(run_json(argv, variant_env))
     finally:
         scheduler.terminate()
         scheduler.wait(timeout=30)
 
-    def median(runs: list[dict], key: str) -> float:
-        return statistics.median(r[key] for r in runs)
-
     result = {"gpu": subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                                    capture_output=True, text=True).stdout.strip(),
-              "launch": {}, "alloc": {}, "train": {}, "raw": {"launch": launch, "train": train}}
-    for key in ("launch_ns_median", "launch_ns_min"):
-        native, shared = median(launch["native"], key), median(launch["nvshare"], key)
-        result["launch"][key] = {"native": native, "nvshare": shared, "overhead_pct": overhead(native, shared)}
-    for key in ("alloc_1MiB_ns", "free_1MiB_ns", "alloc_256MiB_ns", "free_256MiB_ns"):
-        result["alloc"][key] = {"native": median(launch["native"], key), "nvshare": median(launch["nvshare"], key)}
-    native, shared = median(train["native"], "step_ms_median"), median(train["nvshare"], "step_ms_median")
-    result["train"] = {"step_ms_native": native, "step_ms_nvshare": shared, "overhead_pct": overhead(native, shared)}
+                                    capture_output=True, text=True).stdout.strip(), "raw": raw}
+    for part in args.parts:
+        for key in commands[part][2]:
+            medians = {name: statistics.median(r[key] for r in runs) for name, runs in raw[part].items()}
+            result.setdefault(part, {})[key] = {
+                **medians, **{f"{name}_overhead_pct": overhead(medians["native"], value)
+                              for name, value in medians.items() if name != "native"}}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
-    print(f"launch: native {result['launch']['launch_ns_median']['native']:.0f} ns, nvshare "
-          f"{result['launch']['launch_ns_median']['nvshare']:.0f} ns ({result['launch']['launch_ns_median']['overhead_pct']:+.2f} %); "
-          f"train step: native {native:.2f} ms, nvshare {shared:.2f} ms ({result['train']['overhead_pct']:+.2f} %)")
+    for part, key in (("launch", "launch_ns_median"), ("train", "step_ms_median")):
+        if part in result:
+            print(f"{part} {key}: " + ", ".join(f"{name} {value:.4g}" if not name.endswith("pct") else f"{name} {value:+.2f} %"
+                                                 for name, value in result[part][key].items()))
 
 
 if __name__ == "__main__":
