@@ -175,11 +175,16 @@ static void send_hello(double now) {
     }
     pthread_mutex_unlock(&nvs_mu);
 
-    char host[256] = "", container[80], program[64];
+    char host[256] = "", container[80], program[sizeof nvs_config.program];
     gethostname(host, sizeof host - 1);
     container_id(container, sizeof container);
-    read_small_file("/proc/self/comm", program, sizeof program);
-    program[strcspn(program, "\n")] = '\0';
+    /* "python" says little when several notebooks share a GPU: launchers may name the program. */
+    if (nvs_config.program[0] != '\0') {
+        memcpy(program, nvs_config.program, sizeof program);
+    } else {
+        read_small_file("/proc/self/comm", program, sizeof program);
+        program[strcspn(program, "\n")] = '\0';
+    }
     struct nvs_hello hello = {
         .pid = (long)getpid(),
         .host = host,

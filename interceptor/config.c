@@ -133,4 +133,5 @@ void nvs_config_load(void) {
 
     copy_env("NVSHARE_POD_NAME", nvs_config.pod, sizeof nvs_config.pod);
     copy_env("NVSHARE_POD_NAMESPACE", nvs_config.pod_namespace, sizeof nvs_config.pod_namespace);
+    copy_env("NVSHARE_PROGRAM", nvs_config.program, sizeof nvs_config.program);
 }

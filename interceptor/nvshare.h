@@ -32,6 +32,7 @@ struct nvs_config {
     int vmm_hide;              /* NVSHARE_VMM=hide */
     char pod[256];             /* NVSHARE_POD_NAME */
     char pod_namespace[256];   /* NVSHARE_POD_NAMESPACE */
+    char program[128];         /* NVSHARE_PROGRAM, "" = /proc/self/comm */
 };
 
 extern struct nvs_config nvs_config;

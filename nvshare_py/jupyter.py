@@ -212,6 +212,11 @@ def launch(
     paths = SocketPaths.resolve()
     env = dict(os.environ)
     env[ENV_SOCKET_DIR] = str(paths.root)
+    # Jupyter tells a kernel which notebook it serves; status and notes then name the notebook
+    # ("held by c3 (analysis.ipynb)") instead of "python".
+    notebook = os.path.basename(env.get("JPY_SESSION_NAME", ""))
+    if notebook:
+        env.setdefault("NVSHARE_PROGRAM", notebook)
     try:
         lib = library.path()
     except library.LibraryNotFound as error:

@@ -60,8 +60,9 @@ def test_memory_figures_are_per_process(scheduler, cuda_app):
     assert other.wait() == 0
 
 
-def test_memory_reports_reach_the_scheduler(scheduler, cuda_app):
-    app = cuda_app(scheduler.env, "init", f"alloc:plain:{3 * GiB}", "alloc:managed:1000", "wait")
+def test_memory_reports_and_identity_reach_the_scheduler(scheduler, cuda_app):
+    app = cuda_app(scheduler.env, "init", f"alloc:plain:{3 * GiB}", "alloc:managed:1000", "wait",
+                   env={"NVSHARE_PROGRAM": "analysis.ipynb", "NVSHARE_POD_NAME": "nb-0"})
     app.expect("waiting")
 
     def used():
@@ -71,6 +72,8 @@ def test_memory_reports_reach_the_scheduler(scheduler, cuda_app):
         return False
 
     wait_for(used, what="the MEMORY report in the scheduler's status")
+    (client,) = [c for c in scheduler.status()["clients"] if c["pid"] == app.pid]
+    assert (client["program"], client["pod"]) == ("analysis.ipynb", "nb-0")
     app.continue_()
     assert app.wait() == 0
 

@@ -111,7 +111,8 @@ def test_invalid_names_are_usage_errors(cli, tmp_path):
 
 # --- the launcher --------------------------------------------------------------------------
 
-SHOW = "import os, json; print(json.dumps({'pid': os.getpid(), 'preload': os.environ.get('LD_PRELOAD', ''), 'dir': os.environ['NVSHARE_SOCKET_DIR']}))"
+SHOW = ("import os, json; print(json.dumps({'pid': os.getpid(), 'preload': os.environ.get('LD_PRELOAD', ''), "
+        "'dir': os.environ['NVSHARE_SOCKET_DIR'], 'program': os.environ.get('NVSHARE_PROGRAM')}))")
 
 
 def test_launcher_preloads_the_interceptor_first_keeps_the_rest_and_execs(compile_c, libnvshare, tmp_path):
@@ -137,6 +138,13 @@ def test_launcher_starts_the_kernel_without_nvshare_when_the_library_is_gone(tmp
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout.strip().splitlines()[-1])["preload"] == ""
     assert "WITHOUT nvshare" in run.stderr
+
+
+def test_launcher_names_the_kernel_after_its_notebook(tmp_path):
+    env = child_env(tmp_path / "no-scheduler", {"JPY_SESSION_NAME": "/home/ada/work/analysis.ipynb"})
+    run = run_child([*CLI, "launch", "--", sys.executable, "-c", SHOW], env)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.strip().splitlines()[-1])["program"] == "analysis.ipynb"
 
 
 def test_launcher_reports_a_command_that_cannot_run(tmp_path):
