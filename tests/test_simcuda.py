@@ -37,6 +37,7 @@ CUDA_ERROR_NOT_READY = 600
 CUDA_ERROR_ILLEGAL_ADDRESS = 700
 CUDA_ERROR_NOT_SUPPORTED = 801
 CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900
+NVML_ERROR_UNKNOWN = 999
 
 # Loaded by every probe script: ctypes access to the simulated driver (found on LD_LIBRARY_PATH).
 PRELUDE = """
@@ -251,6 +252,48 @@ def test_bad_configuration_is_reported(simcuda):
     assert "SIMCUDA_MEMORY=lots" in run.stderr
 
 
+CONFIG_PROBE = """
+    nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    class NvmlMemory(ctypes.Structure):
+        _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+    result["cuInit"], result["nvmlInit"] = cuda.cuInit(0), nvml.nvmlInit_v2()
+    result["driver"], result["nvml"] = [], []
+    count = c_int()
+    if result["cuInit"] == 0 and cuda.cuDeviceGetCount(byref(count)) == 0:
+        for ordinal in range(count.value):
+            uuid, total = (ctypes.c_ubyte * 16)(), c_size_t()
+            assert cuda.cuDeviceGetUuid(uuid, ordinal) == 0 and cuda.cuDeviceTotalMem_v2(byref(total), ordinal) == 0
+            result["driver"].append([bytes(uuid).hex(), total.value])
+    nvml_count = c_uint()
+    if result["nvmlInit"] == 0 and nvml.nvmlDeviceGetCount_v2(byref(nvml_count)) == 0:
+        for index in range(nvml_count.value):
+            device, uuid, memory = c_void_p(), ctypes.create_string_buffer(96), NvmlMemory()
+            assert nvml.nvmlDeviceGetHandleByIndex_v2(index, byref(device)) == 0
+            assert nvml.nvmlDeviceGetUUID(device, uuid, 96) == 0
+            assert nvml.nvmlDeviceGetMemoryInfo(device, byref(memory)) == 0
+            result["nvml"].append([uuid.value.decode()[4:].replace("-", ""), memory.total])
+"""
+
+
+@pytest.mark.parametrize("settings, devices, memory", [
+    ({"SIMCUDA_DEVICES": "3", "SIMCUDA_MEMORY": "512M"}, 3, 512 << 20),
+    ({"SIMCUDA_DEVICES": "2", "SIMCUDA_MEMORY": "1024"}, 2, 1024),
+    ({"SIMCUDA_MEMORY": "16g"}, None, None),       # the suffixes are upper case
+    ({"SIMCUDA_MEMORY": "-1"}, None, None),        # not the largest number
+    ({"SIMCUDA_MEMORY": "17179869184G"}, None, None),  # 2**64 bytes
+    ({"SIMCUDA_DEVICES": ""}, None, None),
+])
+def test_driver_and_nvml_read_the_same_configuration(simcuda, settings, devices, memory):
+    """Both libraries accept and refuse the same settings and then report the same devices."""
+    result = probe(simcuda, CONFIG_PROBE, env=simcuda.env(**settings))
+    if devices is None:
+        assert (result["cuInit"], result["nvmlInit"]) == (CUDA_ERROR_INVALID_VALUE, NVML_ERROR_UNKNOWN)
+    else:
+        assert (result["cuInit"], result["nvmlInit"]) == (0, 0)
+        expected = [[f"5151ad00000040008000{index:012x}", memory] for index in range(devices)]
+        assert result["driver"] == result["nvml"] == expected
+
+
 def test_created_contexts_are_pushed_and_run_beside_the_primary_one(simcuda, tmp_path):
     trace = tmp_path / "trace.jsonl"
     result = probe(simcuda, """
@@ -375,6 +418,38 @@ def test_stream_ordered_free_waits_for_earlier_work_and_use_after_free_is_an_ill
                              env=simcuda.env(trace=broken))
     assert [step["rc"] for step in run.steps] == [0, 0, 0, CUDA_ERROR_ILLEGAL_ADDRESS, CUDA_ERROR_ILLEGAL_ADDRESS]
     assert [line.get("error") for line in simcuda.read_trace(broken)] == ["CUDA_ERROR_ILLEGAL_ADDRESS"]
+
+
+def test_a_free_that_races_a_stream_ordered_free_of_the_same_memory_fails(simcuda):
+    """cuMemFree_v2 waits for the context's queued work; a cuMemFreeAsync of the same pointer that
+    is queued meanwhile is the free that counts, and the memory is released once."""
+    result = probe(simcuda, """
+        ctx = init_context()
+        dptr, stream = c_uint64(), c_void_p()
+        assert cuda.cuMemAlloc_v2(byref(dptr), 1 << 20) == 0
+        assert cuda.cuStreamCreate(byref(stream), 1) == 0
+        hold_first, open_first = gate()
+        hold_second, open_second = gate()
+        assert cuda.cuLaunchHostFunc(None, hold_first, None) == 0
+        blocking = {}
+        def free_synchronously():
+            cuda.cuCtxSetCurrent(ctx)
+            blocking["rc"] = cuda.cuMemFree_v2(dptr)   # waits for hold_first
+        thread = threading.Thread(target=free_synchronously)
+        thread.start()
+        time.sleep(0.3)  # most likely waiting by now; if not, it sees the queued free at once
+        assert cuda.cuLaunchHostFunc(stream, hold_second, None) == 0
+        result["async free"] = cuda.cuMemFreeAsync(dptr, stream)   # queued behind hold_second
+        open_first.set()
+        thread.join(30)
+        result["free"] = blocking.get("rc")
+        open_second.set()
+        result["sync"] = cuda.cuCtxSynchronize()
+        free, total = c_size_t(), c_size_t()
+        assert cuda.cuMemGetInfo_v2(byref(free), byref(total)) == 0
+        result["used"] = total.value - free.value
+    """)
+    assert result == {"async free": 0, "free": CUDA_ERROR_INVALID_VALUE, "sync": 0, "used": 0}
 
 
 def test_ipc_handles_open_in_another_process_and_managed_memory_is_refused(simcuda):
@@ -607,6 +682,9 @@ def test_simapp_reports_bad_steps(simcuda):
     assert run.returncode == 2 and "alloc:<family>:<bytes>" in run.stderr
     run = simcuda.run_simapp("frobnicate")
     assert run.returncode == 2 and "unknown step frobnicate" in run.stderr
+    for size in ("-1K", "17179869184G"):  # a negative size, 2**64 bytes: no silent wrap-around
+        run = simcuda.run_simapp(f"alloc:plain:{size}")
+        assert run.returncode == 2 and f"not a byte count (K, M, G suffixes): {size}" in run.stderr
 
 
 def test_parse_steps_reads_simapp_output(simcuda):

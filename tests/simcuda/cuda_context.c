@@ -34,21 +34,30 @@ static struct sim_ctx *sim_ctx_current(void)
     return context_depth > 0 ? context_stack[context_depth - 1] : NULL;
 }
 
+/* Whether `ctx` is a context that exists and is active (NULL is not). */
+static int is_live(struct sim_ctx *ctx)
+{
+    return ctx && ctx->magic == SIM_MAGIC_CTX && atomic_load(&ctx->active);
+}
+
 CUresult sim_ctx_check(CUcontext handle, struct sim_ctx **out)
 {
     struct sim_ctx *ctx = (struct sim_ctx *)handle;
-    if (!ctx || ctx->magic != SIM_MAGIC_CTX || !atomic_load(&ctx->active))
+    if (!is_live(ctx))
         return CUDA_ERROR_INVALID_CONTEXT;
     *out = ctx;
     return CUDA_SUCCESS;
 }
 
+CUresult sim_ctx_usable(struct sim_ctx *ctx)
+{
+    return is_live(ctx) ? atomic_load(&ctx->sticky) : CUDA_ERROR_INVALID_CONTEXT;
+}
+
 CUresult sim_ctx_require(struct sim_ctx **out)
 {
-    CUresult result = sim_ctx_check((CUcontext)sim_ctx_current(), out);
-    if (result != CUDA_SUCCESS)
-        return result;
-    return atomic_load(&(*out)->sticky);
+    *out = sim_ctx_current();
+    return sim_ctx_usable(*out);
 }
 
 static void activate(struct sim_ctx *ctx)
@@ -79,9 +88,7 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     SIM_ENTER();
     if (!pctx)
         return CUDA_ERROR_INVALID_VALUE;
-    struct sim_device *device = sim_device_get(dev);
-    if (!device)
-        return CUDA_ERROR_INVALID_DEVICE;
+    SIM_REQUIRE_DEVICE(dev, device);
     pthread_mutex_lock(&admin_lock);
     if (device->primary->retained++ == 0)
         activate(device->primary);
@@ -93,9 +100,7 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 SIM_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
 {
     SIM_ENTER();
-    struct sim_device *device = sim_device_get(dev);
-    if (!device)
-        return CUDA_ERROR_INVALID_DEVICE;
+    SIM_REQUIRE_DEVICE(dev, device);
     CUresult result = CUDA_SUCCESS;
     pthread_mutex_lock(&admin_lock);
     if (device->primary->retained == 0)
@@ -114,9 +119,7 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
 SIM_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
 {
     SIM_ENTER();
-    struct sim_device *device = sim_device_get(dev);
-    if (!device)
-        return CUDA_ERROR_INVALID_DEVICE;
+    SIM_REQUIRE_DEVICE(dev, device);
     pthread_mutex_lock(&admin_lock);
     if (device->primary->retained > 0) {
         deactivate(device->primary);
@@ -139,9 +142,7 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags
     SIM_ENTER();
     if (!flags || !active)
         return CUDA_ERROR_INVALID_VALUE;
-    struct sim_device *device = sim_device_get(dev);
-    if (!device)
-        return CUDA_ERROR_INVALID_DEVICE;
+    SIM_REQUIRE_DEVICE(dev, device);
     pthread_mutex_lock(&admin_lock);
     *flags = device->primary->flags;
     *active = device->primary->retained > 0;
@@ -152,9 +153,7 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags
 SIM_EXPORT CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags)
 {
     SIM_ENTER();
-    struct sim_device *device = sim_device_get(dev);
-    if (!device)
-        return CUDA_ERROR_INVALID_DEVICE;
+    SIM_REQUIRE_DEVICE(dev, device);
     pthread_mutex_lock(&admin_lock);
     device->primary->flags = flags;
     pthread_mutex_unlock(&admin_lock);
@@ -181,9 +180,7 @@ static CUresult create_context(CUcontext *pctx, unsigned int flags, CUdevice dev
     SIM_ENTER();
     if (!pctx)
         return CUDA_ERROR_INVALID_VALUE;
-    struct sim_device *device = sim_device_get(dev);
-    if (!device)
-        return CUDA_ERROR_INVALID_DEVICE;
+    SIM_REQUIRE_DEVICE(dev, device);
     if (context_depth == CONTEXT_STACK_DEPTH)
         return CUDA_ERROR_INVALID_VALUE;
     struct sim_ctx *ctx = sim_ctx_new(device, 0, flags);
@@ -209,6 +206,7 @@ SIM_EXPORT CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice de
 SIM_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
                                    unsigned int flags, CUdevice dev)
 {
+    SIM_ENTER();
     if (numParams < 0 || (numParams > 0 && !paramsArray))
         return CUDA_ERROR_INVALID_VALUE;
     return create_context(pctx, flags, dev);

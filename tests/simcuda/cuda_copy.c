@@ -111,14 +111,19 @@ SIM_WITH_TWIN(cuMemcpyDtoDAsync_v2, cuMemcpyDtoDAsync_v2_ptsz,
 
 /* ---- Peer copies: the contexts must be valid; the copy runs on the current context. ---- */
 
+static CUresult check_peer_contexts(CUcontext dst_context, CUcontext src_context)
+{
+    struct sim_ctx *ignored;
+    CUresult result = sim_ctx_check(dst_context, &ignored);
+    return result != CUDA_SUCCESS ? result : sim_ctx_check(src_context, &ignored);
+}
+
 static CUresult copy_peer(CUdeviceptr dst, CUcontext dst_context, CUdeviceptr src, CUcontext src_context,
                           size_t bytes, CUstream hStream, int synchronous, const char *api)
 {
     SIM_ENTER();
-    struct sim_ctx *ignored;
-    if (sim_ctx_check(dst_context, &ignored) != CUDA_SUCCESS || sim_ctx_check(src_context, &ignored) != CUDA_SUCCESS)
-        return CUDA_ERROR_INVALID_CONTEXT;
-    return copy_linear(DEVICE(dst), DEVICE(src), bytes, hStream, synchronous, api);
+    CUresult result = check_peer_contexts(dst_context, src_context);
+    return result != CUDA_SUCCESS ? result : copy_linear(DEVICE(dst), DEVICE(src), bytes, hStream, synchronous, api);
 }
 
 SIM_WITH_TWIN(cuMemcpyPeer, cuMemcpyPeer_ptds,
@@ -171,7 +176,6 @@ static CUresult resolve_endpoint(const struct endpoint *end, size_t height, size
 static CUresult copy_3d(const struct endpoint *dst, const struct endpoint *src, size_t width, size_t height, size_t depth,
                         CUstream hStream, int synchronous, const char *api)
 {
-    SIM_ENTER();
     struct sim_copy copy = {.width = width, .height = height, .depth = depth, .dst_pitch = dst->pitch,
                             .src_pitch = src->pitch};
     enum side dst_side, src_side;
@@ -185,6 +189,7 @@ static CUresult copy_3d(const struct endpoint *dst, const struct endpoint *src, 
 
 static CUresult copy_2d(const CUDA_MEMCPY2D *p, CUstream hStream, int synchronous, const char *api)
 {
+    SIM_ENTER();
     if (!p)
         return CUDA_ERROR_INVALID_VALUE;
     struct endpoint src = {p->srcMemoryType, p->srcHost, p->srcDevice, p->srcXInBytes, p->srcY, 0, 0, p->srcPitch, p->Height};
@@ -192,14 +197,17 @@ static CUresult copy_2d(const CUDA_MEMCPY2D *p, CUstream hStream, int synchronou
     return copy_3d(&dst, &src, p->WidthInBytes, p->Height, 1, hStream, synchronous, api);
 }
 
+/* One side (src or dst) of a CUDA_MEMCPY3D or CUDA_MEMCPY3D_PEER, which name their fields alike. */
+#define ENDPOINT_3D(p, side)                                                                                \
+    {(p)->side##MemoryType, (p)->side##Host, (p)->side##Device, (p)->side##XInBytes, (p)->side##Y, (p)->side##Z, \
+     (p)->side##LOD, (p)->side##Pitch, (p)->side##Height}
+
 static CUresult copy_3d_descriptor(const CUDA_MEMCPY3D *p, CUstream hStream, int synchronous, const char *api)
 {
+    SIM_ENTER();
     if (!p)
         return CUDA_ERROR_INVALID_VALUE;
-    struct endpoint src = {p->srcMemoryType, p->srcHost, p->srcDevice, p->srcXInBytes, p->srcY,
-                           p->srcZ, p->srcLOD, p->srcPitch, p->srcHeight};
-    struct endpoint dst = {p->dstMemoryType, p->dstHost, p->dstDevice, p->dstXInBytes, p->dstY,
-                           p->dstZ, p->dstLOD, p->dstPitch, p->dstHeight};
+    struct endpoint src = ENDPOINT_3D(p, src), dst = ENDPOINT_3D(p, dst);
     return copy_3d(&dst, &src, p->WidthInBytes, p->Height, p->Depth, hStream, synchronous, api);
 }
 
@@ -208,13 +216,10 @@ static CUresult copy_3d_peer(const CUDA_MEMCPY3D_PEER *p, CUstream hStream, int 
     SIM_ENTER();
     if (!p)
         return CUDA_ERROR_INVALID_VALUE;
-    struct sim_ctx *ignored;
-    if (sim_ctx_check(p->srcContext, &ignored) != CUDA_SUCCESS || sim_ctx_check(p->dstContext, &ignored) != CUDA_SUCCESS)
-        return CUDA_ERROR_INVALID_CONTEXT;
-    struct endpoint src = {p->srcMemoryType, p->srcHost, p->srcDevice, p->srcXInBytes, p->srcY,
-                           p->srcZ, p->srcLOD, p->srcPitch, p->srcHeight};
-    struct endpoint dst = {p->dstMemoryType, p->dstHost, p->dstDevice, p->dstXInBytes, p->dstY,
-                           p->dstZ, p->dstLOD, p->dstPitch, p->dstHeight};
+    CUresult result = check_peer_contexts(p->dstContext, p->srcContext);
+    if (result != CUDA_SUCCESS)
+        return result;
+    struct endpoint src = ENDPOINT_3D(p, src), dst = ENDPOINT_3D(p, dst);
     return copy_3d(&dst, &src, p->WidthInBytes, p->Height, p->Depth, hStream, synchronous, api);
 }
 
@@ -367,59 +372,53 @@ SIM_WITH_TWIN(cuMemsetD2D32Async, cuMemsetD2D32Async_ptsz,
 
 /* ---- Not simulated: CUDA arrays, 3D batches; unusable: the 32-bit ABI ---- */
 
-#pragma GCC diagnostic ignored "-Wunused-parameter"
+SIM_NOT_SUPPORTED_WITH_TWIN(cuMemcpyDtoA_v2, cuMemcpyDtoA_v2_ptds,
+                            (CUarray dstArray, size_t dstOffset, CUdeviceptr srcDevice, size_t ByteCount))
+SIM_NOT_SUPPORTED_WITH_TWIN(cuMemcpyAtoD_v2, cuMemcpyAtoD_v2_ptds,
+                            (CUdeviceptr dstDevice, CUarray srcArray, size_t srcOffset, size_t ByteCount))
+SIM_NOT_SUPPORTED_WITH_TWIN(cuMemcpyHtoA_v2, cuMemcpyHtoA_v2_ptds,
+                            (CUarray dstArray, size_t dstOffset, const void *srcHost, size_t ByteCount))
+SIM_NOT_SUPPORTED_WITH_TWIN(cuMemcpyAtoH_v2, cuMemcpyAtoH_v2_ptds,
+                            (void *dstHost, CUarray srcArray, size_t srcOffset, size_t ByteCount))
+SIM_NOT_SUPPORTED_WITH_TWIN(cuMemcpyAtoA_v2, cuMemcpyAtoA_v2_ptds,
+                            (CUarray dstArray, size_t dstOffset, CUarray srcArray, size_t srcOffset, size_t ByteCount))
+SIM_NOT_SUPPORTED_WITH_TWIN(cuMemcpyHtoAAsync_v2, cuMemcpyHtoAAsync_v2_ptsz,
+                            (CUarray dstArray, size_t dstOffset, const void *srcHost, size_t ByteCount, CUstream hStream))
+SIM_NOT_SUPPORTED_WITH_TWIN(cuMemcpyAtoHAsync_v2, cuMemcpyAtoHAsync_v2_ptsz,
+                            (void *dstHost, CUarray srcArray, size_t srcOffset, size_t ByteCount, CUstream hStream))
+SIM_NOT_SUPPORTED_WITH_TWIN(cuMemcpy3DBatchAsync, cuMemcpy3DBatchAsync_ptsz,
+                            (size_t numOps, CUDA_MEMCPY3D_BATCH_OP *opList, size_t *failIdx, unsigned long long flags,
+                             CUstream hStream))
+SIM_NOT_SUPPORTED_WITH_TWIN(cuMemcpy3DBatchAsync_v2, cuMemcpy3DBatchAsync_v2_ptsz,
+                            (size_t numOps, CUDA_MEMCPY3D_BATCH_OP *opList, unsigned long long flags, CUstream hStream))
 
-#define NOT_SUPPORTED_WITH_TWIN(symbol, twin, params) SIM_WITH_TWIN(symbol, twin, params, SIM_NOT_SUPPORTED();)
-#define OLD_ABI_ENTRY(symbol, params) \
-    SIM_EXPORT CUresult symbol params { SIM_32BIT_ABI(); }
-
-NOT_SUPPORTED_WITH_TWIN(cuMemcpyDtoA_v2, cuMemcpyDtoA_v2_ptds,
-                        (CUarray dstArray, size_t dstOffset, CUdeviceptr srcDevice, size_t ByteCount))
-NOT_SUPPORTED_WITH_TWIN(cuMemcpyAtoD_v2, cuMemcpyAtoD_v2_ptds,
-                        (CUdeviceptr dstDevice, CUarray srcArray, size_t srcOffset, size_t ByteCount))
-NOT_SUPPORTED_WITH_TWIN(cuMemcpyHtoA_v2, cuMemcpyHtoA_v2_ptds,
-                        (CUarray dstArray, size_t dstOffset, const void *srcHost, size_t ByteCount))
-NOT_SUPPORTED_WITH_TWIN(cuMemcpyAtoH_v2, cuMemcpyAtoH_v2_ptds,
-                        (void *dstHost, CUarray srcArray, size_t srcOffset, size_t ByteCount))
-NOT_SUPPORTED_WITH_TWIN(cuMemcpyAtoA_v2, cuMemcpyAtoA_v2_ptds,
-                        (CUarray dstArray, size_t dstOffset, CUarray srcArray, size_t srcOffset, size_t ByteCount))
-NOT_SUPPORTED_WITH_TWIN(cuMemcpyHtoAAsync_v2, cuMemcpyHtoAAsync_v2_ptsz,
-                        (CUarray dstArray, size_t dstOffset, const void *srcHost, size_t ByteCount, CUstream hStream))
-NOT_SUPPORTED_WITH_TWIN(cuMemcpyAtoHAsync_v2, cuMemcpyAtoHAsync_v2_ptsz,
-                        (void *dstHost, CUarray srcArray, size_t srcOffset, size_t ByteCount, CUstream hStream))
-NOT_SUPPORTED_WITH_TWIN(cuMemcpy3DBatchAsync, cuMemcpy3DBatchAsync_ptsz,
-                        (size_t numOps, CUDA_MEMCPY3D_BATCH_OP *opList, size_t *failIdx, unsigned long long flags,
-                         CUstream hStream))
-NOT_SUPPORTED_WITH_TWIN(cuMemcpy3DBatchAsync_v2, cuMemcpy3DBatchAsync_v2_ptsz,
-                        (size_t numOps, CUDA_MEMCPY3D_BATCH_OP *opList, unsigned long long flags, CUstream hStream))
-
-OLD_ABI_ENTRY(cuMemcpyHtoD, (unsigned int dstDevice, const void *srcHost, unsigned int ByteCount))
-OLD_ABI_ENTRY(cuMemcpyDtoH, (void *dstHost, unsigned int srcDevice, unsigned int ByteCount))
-OLD_ABI_ENTRY(cuMemcpyDtoD, (unsigned int dstDevice, unsigned int srcDevice, unsigned int ByteCount))
-OLD_ABI_ENTRY(cuMemcpyDtoA, (CUarray dstArray, unsigned int dstOffset, unsigned int srcDevice, unsigned int ByteCount))
-OLD_ABI_ENTRY(cuMemcpyAtoD, (unsigned int dstDevice, CUarray srcArray, unsigned int srcOffset, unsigned int ByteCount))
-OLD_ABI_ENTRY(cuMemcpyHtoA, (CUarray dstArray, unsigned int dstOffset, const void *srcHost, unsigned int ByteCount))
-OLD_ABI_ENTRY(cuMemcpyAtoH, (void *dstHost, CUarray srcArray, unsigned int srcOffset, unsigned int ByteCount))
-OLD_ABI_ENTRY(cuMemcpyAtoA,
+SIM_32BIT_ABI_ENTRY(cuMemcpyHtoD, (unsigned int dstDevice, const void *srcHost, unsigned int ByteCount))
+SIM_32BIT_ABI_ENTRY(cuMemcpyDtoH, (void *dstHost, unsigned int srcDevice, unsigned int ByteCount))
+SIM_32BIT_ABI_ENTRY(cuMemcpyDtoD, (unsigned int dstDevice, unsigned int srcDevice, unsigned int ByteCount))
+SIM_32BIT_ABI_ENTRY(cuMemcpyDtoA, (CUarray dstArray, unsigned int dstOffset, unsigned int srcDevice, unsigned int ByteCount))
+SIM_32BIT_ABI_ENTRY(cuMemcpyAtoD, (unsigned int dstDevice, CUarray srcArray, unsigned int srcOffset, unsigned int ByteCount))
+SIM_32BIT_ABI_ENTRY(cuMemcpyHtoA, (CUarray dstArray, unsigned int dstOffset, const void *srcHost, unsigned int ByteCount))
+SIM_32BIT_ABI_ENTRY(cuMemcpyAtoH, (void *dstHost, CUarray srcArray, unsigned int srcOffset, unsigned int ByteCount))
+SIM_32BIT_ABI_ENTRY(cuMemcpyAtoA,
                     (CUarray dstArray, unsigned int dstOffset, CUarray srcArray, unsigned int srcOffset, unsigned int ByteCount))
-OLD_ABI_ENTRY(cuMemcpyHtoDAsync, (unsigned int dstDevice, const void *srcHost, unsigned int ByteCount, CUstream hStream))
-OLD_ABI_ENTRY(cuMemcpyDtoHAsync, (void *dstHost, unsigned int srcDevice, unsigned int ByteCount, CUstream hStream))
-OLD_ABI_ENTRY(cuMemcpyDtoDAsync, (unsigned int dstDevice, unsigned int srcDevice, unsigned int ByteCount, CUstream hStream))
-OLD_ABI_ENTRY(cuMemcpyHtoAAsync,
+SIM_32BIT_ABI_ENTRY(cuMemcpyHtoDAsync, (unsigned int dstDevice, const void *srcHost, unsigned int ByteCount, CUstream hStream))
+SIM_32BIT_ABI_ENTRY(cuMemcpyDtoHAsync, (void *dstHost, unsigned int srcDevice, unsigned int ByteCount, CUstream hStream))
+SIM_32BIT_ABI_ENTRY(cuMemcpyDtoDAsync, (unsigned int dstDevice, unsigned int srcDevice, unsigned int ByteCount, CUstream hStream))
+SIM_32BIT_ABI_ENTRY(cuMemcpyHtoAAsync,
                     (CUarray dstArray, unsigned int dstOffset, const void *srcHost, unsigned int ByteCount, CUstream hStream))
-OLD_ABI_ENTRY(cuMemcpyAtoHAsync,
+SIM_32BIT_ABI_ENTRY(cuMemcpyAtoHAsync,
                     (void *dstHost, CUarray srcArray, unsigned int srcOffset, unsigned int ByteCount, CUstream hStream))
-OLD_ABI_ENTRY(cuMemcpy2D, (const void *pCopy))
-OLD_ABI_ENTRY(cuMemcpy2DUnaligned, (const void *pCopy))
-OLD_ABI_ENTRY(cuMemcpy2DAsync, (const void *pCopy, CUstream hStream))
-OLD_ABI_ENTRY(cuMemcpy3D, (const void *pCopy))
-OLD_ABI_ENTRY(cuMemcpy3DAsync, (const void *pCopy, CUstream hStream))
-OLD_ABI_ENTRY(cuMemsetD8, (unsigned int dstDevice, unsigned char uc, unsigned int N))
-OLD_ABI_ENTRY(cuMemsetD16, (unsigned int dstDevice, unsigned short us, unsigned int N))
-OLD_ABI_ENTRY(cuMemsetD32, (unsigned int dstDevice, unsigned int ui, unsigned int N))
-OLD_ABI_ENTRY(cuMemsetD2D8,
+SIM_32BIT_ABI_ENTRY(cuMemcpy2D, (const void *pCopy))
+SIM_32BIT_ABI_ENTRY(cuMemcpy2DUnaligned, (const void *pCopy))
+SIM_32BIT_ABI_ENTRY(cuMemcpy2DAsync, (const void *pCopy, CUstream hStream))
+SIM_32BIT_ABI_ENTRY(cuMemcpy3D, (const void *pCopy))
+SIM_32BIT_ABI_ENTRY(cuMemcpy3DAsync, (const void *pCopy, CUstream hStream))
+SIM_32BIT_ABI_ENTRY(cuMemsetD8, (unsigned int dstDevice, unsigned char uc, unsigned int N))
+SIM_32BIT_ABI_ENTRY(cuMemsetD16, (unsigned int dstDevice, unsigned short us, unsigned int N))
+SIM_32BIT_ABI_ENTRY(cuMemsetD32, (unsigned int dstDevice, unsigned int ui, unsigned int N))
+SIM_32BIT_ABI_ENTRY(cuMemsetD2D8,
                     (unsigned int dstDevice, unsigned int dstPitch, unsigned char uc, unsigned int Width, unsigned int Height))
-OLD_ABI_ENTRY(cuMemsetD2D16,
+SIM_32BIT_ABI_ENTRY(cuMemsetD2D16,
                     (unsigned int dstDevice, unsigned int dstPitch, unsigned short us, unsigned int Width, unsigned int Height))
-OLD_ABI_ENTRY(cuMemsetD2D32,
+SIM_32BIT_ABI_ENTRY(cuMemsetD2D32,
                     (unsigned int dstDevice, unsigned int dstPitch, unsigned int ui, unsigned int Width, unsigned int Height))

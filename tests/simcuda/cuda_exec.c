@@ -97,9 +97,7 @@ CUresult sim_stream_resolve(CUstream handle, struct sim_ctx **ctx_out, struct si
     struct sim_stream *stream = (struct sim_stream *)handle;
     if (stream->magic != SIM_MAGIC_STREAM)
         return CUDA_ERROR_INVALID_HANDLE;
-    if (!atomic_load(&stream->ctx->active))
-        return CUDA_ERROR_INVALID_CONTEXT;
-    result = atomic_load(&stream->ctx->sticky);
+    result = sim_ctx_usable(stream->ctx);
     if (result != CUDA_SUCCESS)
         return result;
     *ctx_out = stream->ctx;
@@ -148,20 +146,24 @@ CUresult sim_submit(struct sim_ctx *ctx, struct sim_stream *stream, struct sim_o
     return atomic_load(&ctx->sticky);
 }
 
+/* With ctx->lock held. */
+static void wait_locked(struct sim_ctx *ctx, uint64_t seq)
+{
+    while (ctx->completed < seq)
+        pthread_cond_wait(&ctx->done_cv, &ctx->lock);
+}
+
 void sim_wait(struct sim_ctx *ctx, uint64_t seq)
 {
     pthread_mutex_lock(&ctx->lock);
-    while (ctx->completed < seq)
-        pthread_cond_wait(&ctx->done_cv, &ctx->lock);
+    wait_locked(ctx, seq);
     pthread_mutex_unlock(&ctx->lock);
 }
 
 void sim_drain(struct sim_ctx *ctx)
 {
     pthread_mutex_lock(&ctx->lock);
-    uint64_t seq = ctx->submitted;
-    while (ctx->completed < seq)
-        pthread_cond_wait(&ctx->done_cv, &ctx->lock);
+    wait_locked(ctx, ctx->submitted);
     pthread_mutex_unlock(&ctx->lock);
 }
 
@@ -432,8 +434,7 @@ void sim_executor_stop(struct sim_ctx *ctx)
 {
     pthread_mutex_lock(&ctx->lock);
     ctx->running = 0;
-    while (ctx->completed < ctx->submitted)
-        pthread_cond_wait(&ctx->done_cv, &ctx->lock);
+    wait_locked(ctx, ctx->submitted);
     ctx->stopping = 1;
     pthread_cond_signal(&ctx->work_cv);
     pthread_mutex_unlock(&ctx->lock);

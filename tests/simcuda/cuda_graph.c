@@ -78,25 +78,10 @@ static CUresult begin_capture(CUstream hStream, CUstreamCaptureMode mode)
     return result;
 }
 
-SIM_EXPORT CUresult cuStreamBeginCapture(CUstream hStream)
-{
-    return begin_capture(hStream, CU_STREAM_CAPTURE_MODE_GLOBAL);
-}
-
-SIM_EXPORT CUresult cuStreamBeginCapture_ptsz(CUstream hStream)
-{
-    return begin_capture(hStream, CU_STREAM_CAPTURE_MODE_GLOBAL);
-}
-
-SIM_EXPORT CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode)
-{
-    return begin_capture(hStream, mode);
-}
-
-SIM_EXPORT CUresult cuStreamBeginCapture_v2_ptsz(CUstream hStream, CUstreamCaptureMode mode)
-{
-    return begin_capture(hStream, mode);
-}
+SIM_WITH_TWIN(cuStreamBeginCapture, cuStreamBeginCapture_ptsz, (CUstream hStream),
+              return begin_capture(hStream, CU_STREAM_CAPTURE_MODE_GLOBAL);)
+SIM_WITH_TWIN(cuStreamBeginCapture_v2, cuStreamBeginCapture_v2_ptsz, (CUstream hStream, CUstreamCaptureMode mode),
+              return begin_capture(hStream, mode);)
 
 static CUresult end_capture(CUstream hStream, CUgraph *phGraph)
 {
@@ -120,15 +105,8 @@ static CUresult end_capture(CUstream hStream, CUgraph *phGraph)
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph)
-{
-    return end_capture(hStream, phGraph);
-}
-
-SIM_EXPORT CUresult cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph)
-{
-    return end_capture(hStream, phGraph);
-}
+SIM_WITH_TWIN(cuStreamEndCapture, cuStreamEndCapture_ptsz, (CUstream hStream, CUgraph *phGraph),
+              return end_capture(hStream, phGraph);)
 
 static CUresult is_capturing(CUstream hStream, CUstreamCaptureStatus *captureStatus)
 {
@@ -144,15 +122,8 @@ static CUresult is_capturing(CUstream hStream, CUstreamCaptureStatus *captureSta
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureStatus)
-{
-    return is_capturing(hStream, captureStatus);
-}
-
-SIM_EXPORT CUresult cuStreamIsCapturing_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus)
-{
-    return is_capturing(hStream, captureStatus);
-}
+SIM_WITH_TWIN(cuStreamIsCapturing, cuStreamIsCapturing_ptsz, (CUstream hStream, CUstreamCaptureStatus *captureStatus),
+              return is_capturing(hStream, captureStatus);)
 
 static CUresult check_graph(void *handle, enum sim_magic magic, struct sim_graph **out)
 {
@@ -194,15 +165,8 @@ static CUresult graph_launch(CUgraphExec hGraphExec, CUstream hStream, const cha
     return result;
 }
 
-SIM_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
-{
-    return graph_launch(hGraphExec, hStream, __func__);
-}
-
-SIM_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
-{
-    return graph_launch(hGraphExec, hStream, __func__);
-}
+SIM_WITH_TWIN(cuGraphLaunch, cuGraphLaunch_ptsz, (CUgraphExec hGraphExec, CUstream hStream),
+              return graph_launch(hGraphExec, hStream, __func__);)
 
 SIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
 {

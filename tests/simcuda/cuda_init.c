@@ -3,7 +3,6 @@
  * behaviour, error strings and device queries.
  */
 #define _GNU_SOURCE
-#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,28 +48,6 @@ static void mark_forked_child(void)
 {
     if (atomic_load(&initialized))
         atomic_store(&forked_after_init, 1);
-}
-
-/* "16G", "512M", "1024": powers of 1024, as the simulated NVML reads it. */
-static int parse_size(const char *text, size_t *out)
-{
-    char *end;
-    errno = 0;
-    unsigned long long value = strtoull(text, &end, 10);
-    if (errno || end == text || text[0] == '-')
-        return -1;
-    unsigned shift = 0;
-    switch (*end) {
-    case '\0': break;
-    case 'K': shift = 10; end++; break;
-    case 'M': shift = 20; end++; break;
-    case 'G': shift = 30; end++; break;
-    default: return -1;
-    }
-    if (*end != '\0' || (shift && value > (SIZE_MAX >> shift)))
-        return -1;
-    *out = (size_t)value << shift;
-    return 0;
 }
 
 /* CUDA_VISIBLE_DEVICES: comma-separated indices or UUIDs (a unique prefix is enough). As with
@@ -127,23 +104,9 @@ static void uuid_bytes(int index, CUuuid *uuid)
 
 static void run_init(void)
 {
-    const char *count_text = getenv("SIMCUDA_DEVICES");
-    const char *memory_text = getenv("SIMCUDA_MEMORY");
-    int physical = 1;
-    size_t memory = (size_t)16 << 30;
-    if (count_text) {
-        char *end;
-        long value = strtol(count_text, &end, 10);
-        if (end == count_text || *end || value < 0 || value > SIM_MAX_DEVICES) {
-            fprintf(stderr, "simcuda: SIMCUDA_DEVICES=%s is not a number from 0 to %d\n", count_text,
-                    SIM_MAX_DEVICES);
-            init_result = CUDA_ERROR_INVALID_VALUE;
-            return;
-        }
-        physical = (int)value;
-    }
-    if (memory_text && (parse_size(memory_text, &memory) || memory == 0)) {
-        fprintf(stderr, "simcuda: SIMCUDA_MEMORY=%s is not a byte count (K, M, G suffixes)\n", memory_text);
+    int physical;
+    size_t memory;
+    if (sim_read_config("simcuda", &physical, &memory) != 0) {
         init_result = CUDA_ERROR_INVALID_VALUE;
         return;
     }
@@ -164,7 +127,7 @@ static void run_init(void)
         uuid_bytes(map[i], &device->uuid);
         device->total = memory;
         device->primary = sim_ctx_new(device, 1, 0);
-        device->default_pool = sim_pool_new_default(device);
+        device->default_pool = sim_pool_new(device, 1);
     }
     pthread_atfork(NULL, NULL, mark_forked_child);
     atomic_store_explicit(&initialized, 1, memory_order_release);
@@ -260,17 +223,12 @@ SIM_EXPORT CUresult cuGetExportTable(const void **ppExportTable, const CUuuid *p
 
 /* ---- Devices ---- */
 
-#define REQUIRE_DEVICE(dev, out)                  \
-    struct sim_device *out = sim_device_get(dev); \
-    if (!out)                                     \
-        return CUDA_ERROR_INVALID_DEVICE
-
 SIM_EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
 {
     SIM_ENTER();
     if (!device)
         return CUDA_ERROR_INVALID_VALUE;
-    REQUIRE_DEVICE(ordinal, found);
+    SIM_REQUIRE_DEVICE(ordinal, found);
     *device = found->ordinal;
     return CUDA_SUCCESS;
 }
@@ -289,7 +247,7 @@ SIM_EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
     SIM_ENTER();
     if (!name || len <= 0)
         return CUDA_ERROR_INVALID_VALUE;
-    REQUIRE_DEVICE(dev, device);
+    SIM_REQUIRE_DEVICE(dev, device);
     (void)device;
     snprintf(name, (size_t)len, "%s", SIM_DEVICE_NAME);
     return CUDA_SUCCESS;
@@ -300,7 +258,7 @@ SIM_EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
     SIM_ENTER();
     if (!uuid)
         return CUDA_ERROR_INVALID_VALUE;
-    REQUIRE_DEVICE(dev, device);
+    SIM_REQUIRE_DEVICE(dev, device);
     *uuid = device->uuid;
     return CUDA_SUCCESS;
 }
@@ -326,7 +284,7 @@ SIM_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
     SIM_ENTER();
     if (!bytes)
         return CUDA_ERROR_INVALID_VALUE;
-    REQUIRE_DEVICE(dev, device);
+    SIM_REQUIRE_DEVICE(dev, device);
     *bytes = device->total;
     return CUDA_SUCCESS;
 }
@@ -399,7 +357,7 @@ SIM_EXPORT CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUd
     SIM_ENTER();
     if (!pi || (int)attrib <= 0 || (int)attrib >= DEVICE_ATTRIBUTE_END)
         return CUDA_ERROR_INVALID_VALUE;
-    REQUIRE_DEVICE(dev, device);
+    SIM_REQUIRE_DEVICE(dev, device);
     *pi = 0;
     if ((int)attrib == 33) /* PCI_BUS_ID: one bus per simulated GPU */
         *pi = 0x10 + device->index;

@@ -185,8 +185,9 @@ static void release(struct sim_alloc *alloc)
     sim_mem_remove(alloc);
 }
 
+/* Writes *out only on success. */
 static CUresult allocate(struct sim_ctx *ctx, size_t bytes, enum sim_family family, struct sim_pool *pool,
-                         uintptr_t *out)
+                         CUdeviceptr *out)
 {
     if (bytes == 0)
         return CUDA_ERROR_INVALID_VALUE;
@@ -213,7 +214,7 @@ static CUresult allocate(struct sim_ctx *ctx, size_t bytes, enum sim_family fami
         if (pool->used > pool->used_high)
             pool->used_high = pool->used;
     }
-    *out = (uintptr_t)memory;
+    *out = (CUdeviceptr)(uintptr_t)memory;
     result = CUDA_SUCCESS;
     goto out;
 uncharge:
@@ -224,33 +225,18 @@ out:
     return result;
 }
 
-SIM_EXPORT CUresult cuMemAlloc(unsigned int *dptr, unsigned int bytesize)
+/* An allocation of the calling thread's current context. */
+static CUresult allocate_in_current(size_t bytes, enum sim_family family, CUdeviceptr *out)
 {
-    (void)dptr, (void)bytesize;
-    SIM_32BIT_ABI();
+    struct sim_ctx *ctx;
+    CUresult result = sim_ctx_require(&ctx);
+    return result != CUDA_SUCCESS ? result : allocate(ctx, bytes, family, NULL, out);
 }
 
 SIM_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 {
     SIM_ENTER();
-    if (!dptr)
-        return CUDA_ERROR_INVALID_VALUE;
-    struct sim_ctx *ctx;
-    CUresult result = sim_ctx_require(&ctx);
-    if (result != CUDA_SUCCESS)
-        return result;
-    uintptr_t address;
-    result = allocate(ctx, bytesize, SIM_MEM_DEVICE, NULL, &address);
-    if (result == CUDA_SUCCESS)
-        *dptr = (CUdeviceptr)address;
-    return result;
-}
-
-SIM_EXPORT CUresult cuMemAllocPitch(unsigned int *dptr, unsigned int *pPitch, unsigned int WidthInBytes,
-                                    unsigned int Height, unsigned int ElementSizeBytes)
-{
-    (void)dptr, (void)pPitch, (void)WidthInBytes, (void)Height, (void)ElementSizeBytes;
-    SIM_32BIT_ABI();
+    return dptr ? allocate_in_current(bytesize, SIM_MEM_DEVICE, dptr) : CUDA_ERROR_INVALID_VALUE;
 }
 
 SIM_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
@@ -269,12 +255,9 @@ SIM_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t
     size_t pitch = (WidthInBytes + PITCH_ALIGNMENT - 1) / PITCH_ALIGNMENT * PITCH_ALIGNMENT;
     if (Height > SIZE_MAX / pitch)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    uintptr_t address;
-    result = allocate(ctx, pitch * Height, SIM_MEM_DEVICE, NULL, &address);
-    if (result == CUDA_SUCCESS) {
-        *dptr = (CUdeviceptr)address;
+    result = allocate(ctx, pitch * Height, SIM_MEM_DEVICE, NULL, dptr);
+    if (result == CUDA_SUCCESS)
         *pPitch = pitch;
-    }
     return result;
 }
 
@@ -283,52 +266,36 @@ SIM_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsign
     SIM_ENTER();
     if (!dptr || (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST))
         return CUDA_ERROR_INVALID_VALUE;
-    struct sim_ctx *ctx;
-    CUresult result = sim_ctx_require(&ctx);
-    if (result != CUDA_SUCCESS)
-        return result;
-    uintptr_t address;
-    result = allocate(ctx, bytesize, SIM_MEM_MANAGED, NULL, &address);
-    if (result == CUDA_SUCCESS)
-        *dptr = (CUdeviceptr)address;
-    return result;
+    return allocate_in_current(bytesize, SIM_MEM_MANAGED, dptr);
 }
 
-SIM_EXPORT CUresult cuMemAllocHost(void **pp, unsigned int bytesize)
-{
-    (void)pp, (void)bytesize;
-    SIM_32BIT_ABI();
-}
-
-static CUresult allocate_host(void **pp, size_t bytesize)
+SIM_EXPORT CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)
 {
     SIM_ENTER();
-    if (!pp)
+    if (!pp ||
+        (Flags & ~(unsigned int)(CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_WRITECOMBINED)))
         return CUDA_ERROR_INVALID_VALUE;
-    struct sim_ctx *ctx;
-    CUresult result = sim_ctx_require(&ctx);
-    if (result != CUDA_SUCCESS)
-        return result;
-    uintptr_t address;
-    result = allocate(ctx, bytesize, SIM_MEM_HOST, NULL, &address);
+    CUdeviceptr address;
+    CUresult result = allocate_in_current(bytesize, SIM_MEM_HOST, &address);
     if (result == CUDA_SUCCESS)
-        *pp = (void *)address;
+        *pp = (void *)(uintptr_t)address;
     return result;
 }
 
 SIM_EXPORT CUresult cuMemAllocHost_v2(void **pp, size_t bytesize)
 {
-    return allocate_host(pp, bytesize);
-}
-
-SIM_EXPORT CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)
-{
-    if (Flags & ~(unsigned int)(CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_WRITECOMBINED))
-        return CUDA_ERROR_INVALID_VALUE;
-    return allocate_host(pp, bytesize);
+    return cuMemHostAlloc(pp, bytesize, 0);
 }
 
 #define FAMILY(family) (1u << (family))
+
+/* With the lock held: the allocation starting at `ptr` if it is one of `families` and no
+ * stream-ordered free of it is queued, else NULL. */
+static struct sim_alloc *find_freeable(uintptr_t ptr, unsigned int families)
+{
+    struct sim_alloc *alloc = sim_mem_find_start(ptr);
+    return alloc && !alloc->free_queued && (families & FAMILY(alloc->family)) ? alloc : NULL;
+}
 
 /* Frees the allocation starting at `ptr` if its family is in `families`. Like cuMemFree and
  * cuMemFreeHost, it first waits for the owning context's queued work, so that no queued
@@ -340,27 +307,22 @@ static CUresult free_now(uintptr_t ptr, unsigned int families)
     if (result != CUDA_SUCCESS)
         return result;
     sim_mem_read_lock();
-    struct sim_alloc *alloc = sim_mem_find_start(ptr);
-    int valid = alloc && !alloc->free_queued && (families & FAMILY(alloc->family));
-    struct sim_ctx *owner = valid ? alloc->ctx : NULL;
+    struct sim_alloc *alloc = find_freeable(ptr, families);
+    struct sim_ctx *owner = alloc ? alloc->ctx : NULL;
     sim_mem_unlock();
-    if (!valid)
+    if (!alloc)
         return CUDA_ERROR_INVALID_VALUE;
     sim_drain(owner);
     sim_mem_write_lock();
-    alloc = sim_mem_find_start(ptr); /* another thread may have freed it meanwhile */
-    if (alloc && alloc->ctx == owner && (families & FAMILY(alloc->family)))
+    /* Another thread may have freed it meanwhile, or queued a stream-ordered free of it, which
+     * is then the free that counts: releasing it here too would free it twice. */
+    alloc = find_freeable(ptr, families);
+    if (alloc && alloc->ctx == owner)
         release(alloc);
     else
         result = CUDA_ERROR_INVALID_VALUE;
     sim_mem_unlock();
     return result;
-}
-
-SIM_EXPORT CUresult cuMemFree(unsigned int dptr)
-{
-    (void)dptr;
-    SIM_32BIT_ABI();
 }
 
 /* Freeing NULL succeeds, as measured for both. */
@@ -386,12 +348,6 @@ void sim_mem_release_ctx(struct sim_ctx *ctx)
     sim_mem_unlock();
 }
 
-SIM_EXPORT CUresult cuMemGetInfo(unsigned int *free, unsigned int *total)
-{
-    (void)free, (void)total;
-    SIM_32BIT_ABI();
-}
-
 SIM_EXPORT CUresult cuMemGetInfo_v2(size_t *free, size_t *total)
 {
     SIM_ENTER();
@@ -410,12 +366,12 @@ SIM_EXPORT CUresult cuMemGetInfo_v2(size_t *free, size_t *total)
 
 /* ---- Stream-ordered allocation ---- */
 
-struct sim_pool *sim_pool_new_default(struct sim_device *device)
+struct sim_pool *sim_pool_new(struct sim_device *device, int is_default)
 {
     struct sim_pool *pool = sim_calloc(1, sizeof *pool);
     pool->magic = SIM_MAGIC_POOL;
     pool->device = device;
-    pool->is_default = 1;
+    pool->is_default = is_default;
     pool->reuse[0] = pool->reuse[1] = pool->reuse[2] = 1;
     return pool;
 }
@@ -444,33 +400,14 @@ static CUresult allocate_async(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool 
         return CUDA_ERROR_INVALID_VALUE;
     if (sim_stream_capturing(stream)) /* graph memory nodes are not simulated */
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    uintptr_t address;
-    result = allocate(ctx, bytesize, SIM_MEM_POOL, pool, &address);
-    if (result == CUDA_SUCCESS)
-        *dptr = (CUdeviceptr)address;
-    return result;
+    return allocate(ctx, bytesize, SIM_MEM_POOL, pool, dptr);
 }
 
-SIM_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
-{
-    return allocate_async(dptr, bytesize, NULL, hStream);
-}
-
-SIM_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
-{
-    return allocate_async(dptr, bytesize, NULL, hStream);
-}
-
-SIM_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
-{
-    return pool ? allocate_async(dptr, bytesize, pool, hStream) : CUDA_ERROR_INVALID_VALUE;
-}
-
-SIM_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
-                                                 CUstream hStream)
-{
-    return pool ? allocate_async(dptr, bytesize, pool, hStream) : CUDA_ERROR_INVALID_VALUE;
-}
+SIM_WITH_TWIN(cuMemAllocAsync, cuMemAllocAsync_ptsz, (CUdeviceptr *dptr, size_t bytesize, CUstream hStream),
+              return allocate_async(dptr, bytesize, NULL, hStream);)
+SIM_WITH_TWIN(cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync_ptsz,
+              (CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream),
+              return pool ? allocate_async(dptr, bytesize, pool, hStream) : CUDA_ERROR_INVALID_VALUE;)
 
 /* Frees device or pool memory once the stream reaches this point. Managed memory cannot be freed
  * in stream order: CUDA_ERROR_NOT_SUPPORTED, as measured. */
@@ -500,15 +437,8 @@ static CUresult free_async(CUdeviceptr dptr, CUstream hStream, const char *api)
     return sim_submit(ctx, stream, op, 0);
 }
 
-SIM_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
-{
-    return free_async(dptr, hStream, __func__);
-}
-
-SIM_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
-{
-    return free_async(dptr, hStream, __func__);
-}
+SIM_WITH_TWIN(cuMemFreeAsync, cuMemFreeAsync_ptsz, (CUdeviceptr dptr, CUstream hStream),
+              return free_async(dptr, hStream, __func__);)
 
 void sim_mem_free_now(uintptr_t ptr)
 {
@@ -524,9 +454,7 @@ SIM_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice d
     SIM_ENTER();
     if (!pool_out)
         return CUDA_ERROR_INVALID_VALUE;
-    struct sim_device *device = sim_device_get(dev);
-    if (!device)
-        return CUDA_ERROR_INVALID_DEVICE;
+    SIM_REQUIRE_DEVICE(dev, device);
     *pool_out = (CUmemoryPool)device->default_pool;
     return CUDA_SUCCESS;
 }
@@ -537,12 +465,8 @@ SIM_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool_out, const CUmemPoolProps
     if (!pool_out || !poolProps || poolProps->allocType != CU_MEM_ALLOCATION_TYPE_PINNED ||
         poolProps->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
         return CUDA_ERROR_INVALID_VALUE;
-    struct sim_device *device = sim_device_get(poolProps->location.id);
-    if (!device)
-        return CUDA_ERROR_INVALID_DEVICE;
-    struct sim_pool *pool = sim_pool_new_default(device);
-    pool->is_default = 0;
-    *pool_out = (CUmemoryPool)pool;
+    SIM_REQUIRE_DEVICE(poolProps->location.id, device);
+    *pool_out = (CUmemoryPool)sim_pool_new(device, 0);
     return CUDA_SUCCESS;
 }
 
@@ -688,27 +612,12 @@ static CUresult prefetch(CUdeviceptr devPtr, size_t count, CUmemLocation locatio
     return sim_submit(ctx, stream, op, 0);
 }
 
-SIM_EXPORT CUresult cuMemPrefetchAsync(CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream)
-{
-    return prefetch(devPtr, count, device_location(dstDevice), 0, hStream, __func__);
-}
-
-SIM_EXPORT CUresult cuMemPrefetchAsync_ptsz(CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream)
-{
-    return prefetch(devPtr, count, device_location(dstDevice), 0, hStream, __func__);
-}
-
-SIM_EXPORT CUresult cuMemPrefetchAsync_v2(CUdeviceptr devPtr, size_t count, CUmemLocation location,
-                                          unsigned int flags, CUstream hStream)
-{
-    return prefetch(devPtr, count, location, flags, hStream, __func__);
-}
-
-SIM_EXPORT CUresult cuMemPrefetchAsync_v2_ptsz(CUdeviceptr devPtr, size_t count, CUmemLocation location,
-                                               unsigned int flags, CUstream hStream)
-{
-    return prefetch(devPtr, count, location, flags, hStream, __func__);
-}
+SIM_WITH_TWIN(cuMemPrefetchAsync, cuMemPrefetchAsync_ptsz,
+              (CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream),
+              return prefetch(devPtr, count, device_location(dstDevice), 0, hStream, __func__);)
+SIM_WITH_TWIN(cuMemPrefetchAsync_v2, cuMemPrefetchAsync_v2_ptsz,
+              (CUdeviceptr devPtr, size_t count, CUmemLocation location, unsigned int flags, CUstream hStream),
+              return prefetch(devPtr, count, location, flags, hStream, __func__);)
 
 static CUresult advise(CUdeviceptr devPtr, size_t count, CUmem_advise advice, CUmemLocation location)
 {
@@ -924,3 +833,12 @@ SIM_EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)
     SIM_ENTER();
     return free_now((uintptr_t)dptr, FAMILY(SIM_MEM_IPC));
 }
+
+/* ---- The 32-bit ABI of CUDA 2.x ---- */
+
+SIM_32BIT_ABI_ENTRY(cuMemAlloc, (unsigned int *dptr, unsigned int bytesize))
+SIM_32BIT_ABI_ENTRY(cuMemAllocPitch, (unsigned int *dptr, unsigned int *pPitch, unsigned int WidthInBytes,
+                                      unsigned int Height, unsigned int ElementSizeBytes))
+SIM_32BIT_ABI_ENTRY(cuMemAllocHost, (void **pp, unsigned int bytesize))
+SIM_32BIT_ABI_ENTRY(cuMemFree, (unsigned int dptr))
+SIM_32BIT_ABI_ENTRY(cuMemGetInfo, (unsigned int *free, unsigned int *total))

@@ -70,6 +70,7 @@ SIM_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
 SIM_EXPORT CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions,
                                        CUjit_option *options, void **optionValues)
 {
+    SIM_ENTER();
     if (numOptions > 0 && (!options || !optionValues))
         return CUDA_ERROR_INVALID_VALUE;
     return load_module(module, image);
@@ -172,40 +173,36 @@ static CUresult read_arguments(const struct sim_function *function, void **kerne
 {
     if ((kernelParams == NULL) == (extra == NULL))
         return CUDA_ERROR_INVALID_VALUE;
-    op->u.kernel.kind = function->kind;
+    size_t count = function->kind == SIM_KERNEL_SLEEP ? 1 : 3;
+    const void *arguments[3];
     if (kernelParams) {
-        if (function->kind == SIM_KERNEL_SLEEP) {
-            memcpy(&op->u.kernel.duration_us, kernelParams[0], sizeof(uint64_t));
-        } else {
-            CUdeviceptr dst;
-            memcpy(&dst, kernelParams[0], sizeof dst);
-            op->u.kernel.dst = (uintptr_t)dst;
-            memcpy(&op->u.kernel.value, kernelParams[1], sizeof(uint32_t));
-            memcpy(&op->u.kernel.count, kernelParams[2], sizeof(uint64_t));
+        for (size_t i = 0; i < count; i++)
+            arguments[i] = kernelParams[i];
+    } else {
+        const char *buffer = NULL;
+        size_t size = 0;
+        for (size_t i = 0; extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
+            if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER)
+                buffer = extra[i + 1];
+            else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE)
+                size = *(size_t *)extra[i + 1];
+            else
+                return CUDA_ERROR_INVALID_VALUE;
         }
-        return CUDA_SUCCESS;
-    }
-    const char *buffer = NULL;
-    size_t size = 0;
-    for (size_t i = 0; extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
-        if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER)
-            buffer = extra[i + 1];
-        else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE)
-            size = *(size_t *)extra[i + 1];
-        else
+        if (!buffer || size < 8 * count)
             return CUDA_ERROR_INVALID_VALUE;
+        for (size_t i = 0; i < count; i++)
+            arguments[i] = buffer + 8 * i;
     }
-    size_t needed = function->kind == SIM_KERNEL_SLEEP ? 8 : 24;
-    if (!buffer || size < needed)
-        return CUDA_ERROR_INVALID_VALUE;
+    op->u.kernel.kind = function->kind;
     if (function->kind == SIM_KERNEL_SLEEP) {
-        memcpy(&op->u.kernel.duration_us, buffer, sizeof(uint64_t));
+        memcpy(&op->u.kernel.duration_us, arguments[0], sizeof(uint64_t));
     } else {
         CUdeviceptr dst;
-        memcpy(&dst, buffer, sizeof dst);
+        memcpy(&dst, arguments[0], sizeof dst);
         op->u.kernel.dst = (uintptr_t)dst;
-        memcpy(&op->u.kernel.value, buffer + 8, sizeof(uint32_t));
-        memcpy(&op->u.kernel.count, buffer + 16, sizeof(uint64_t));
+        memcpy(&op->u.kernel.value, arguments[1], sizeof(uint32_t));
+        memcpy(&op->u.kernel.count, arguments[2], sizeof(uint64_t));
     }
     return CUDA_SUCCESS;
 }
@@ -238,58 +235,29 @@ static CUresult launch(CUfunction f, unsigned int gridDimX, unsigned int gridDim
     return sim_submit(ctx, stream, op, 0);
 }
 
-SIM_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
-                                   unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
-                                   unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra)
-{
-    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
-                  kernelParams, extra, __func__);
-}
-
-SIM_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
-                                        unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
-                                        unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
-                                        void **kernelParams, void **extra)
-{
-    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
-                  kernelParams, extra, __func__);
-}
+SIM_WITH_TWIN(cuLaunchKernel, cuLaunchKernel_ptsz,
+              (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, unsigned int blockDimX,
+               unsigned int blockDimY, unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+               void **kernelParams, void **extra),
+              return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
+                            kernelParams, extra, __func__);)
 
 static CUresult launch_ex(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra,
                           const char *api)
 {
+    SIM_ENTER();
     if (!config || (config->numAttrs > 0 && !config->attrs))
         return CUDA_ERROR_INVALID_VALUE;
     return launch(f, config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX, config->blockDimY,
                   config->blockDimZ, config->sharedMemBytes, config->hStream, kernelParams, extra, api);
 }
 
-SIM_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
-{
-    return launch_ex(config, f, kernelParams, extra, __func__);
-}
-
-SIM_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
-                                          void **extra)
-{
-    return launch_ex(config, f, kernelParams, extra, __func__);
-}
-
-SIM_EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
-                                              unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
-                                              unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
-                                              void **kernelParams)
-{
-    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
-                  kernelParams, NULL, __func__);
-}
-
-SIM_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
-                                                   unsigned int gridDimZ, unsigned int blockDimX,
-                                                   unsigned int blockDimY, unsigned int blockDimZ,
-                                                   unsigned int sharedMemBytes, CUstream hStream,
-                                                   void **kernelParams)
-{
-    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
-                  kernelParams, NULL, __func__);
-}
+SIM_WITH_TWIN(cuLaunchKernelEx, cuLaunchKernelEx_ptsz,
+              (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),
+              return launch_ex(config, f, kernelParams, extra, __func__);)
+SIM_WITH_TWIN(cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz,
+              (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, unsigned int blockDimX,
+               unsigned int blockDimY, unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+               void **kernelParams),
+              return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
+                            kernelParams, NULL, __func__);)

@@ -10,9 +10,9 @@
  * - a known name without an entry old enough: CUDA_SUCCESS, status VERSION_NOT_SUFFICIENT;
  * - an unknown name: CUDA_SUCCESS, status SYMBOL_NOT_FOUND (both with *pfn = NULL);
  * - cudaVersion above the driver's version, or an unknown flag: CUDA_ERROR_INVALID_VALUE.
- * The library is linked with
- * -Bsymbolic, so these addresses are the driver's own even when a preloaded library exports
- * the same names (an interceptor relies on that to reach the real functions).
+ * The library is linked with -Bsymbolic, so these addresses are the driver's own even when a
+ * preloaded library exports the same names (an interceptor relies on that to reach the real
+ * functions).
  */
 #include <string.h>
 

@@ -96,15 +96,7 @@ static CUresult stream_synchronize(CUstream hStream)
     return atomic_load(&ctx->sticky);
 }
 
-SIM_EXPORT CUresult cuStreamSynchronize(CUstream hStream)
-{
-    return stream_synchronize(hStream);
-}
-
-SIM_EXPORT CUresult cuStreamSynchronize_ptsz(CUstream hStream)
-{
-    return stream_synchronize(hStream);
-}
+SIM_WITH_TWIN(cuStreamSynchronize, cuStreamSynchronize_ptsz, (CUstream hStream), return stream_synchronize(hStream);)
 
 static CUresult stream_query(CUstream hStream)
 {
@@ -119,15 +111,7 @@ static CUresult stream_query(CUstream hStream)
     return done ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
-SIM_EXPORT CUresult cuStreamQuery(CUstream hStream)
-{
-    return stream_query(hStream);
-}
-
-SIM_EXPORT CUresult cuStreamQuery_ptsz(CUstream hStream)
-{
-    return stream_query(hStream);
-}
+SIM_WITH_TWIN(cuStreamQuery, cuStreamQuery_ptsz, (CUstream hStream), return stream_query(hStream);)
 
 static CUresult stream_get_ctx(CUstream hStream, CUcontext *pctx)
 {
@@ -142,15 +126,8 @@ static CUresult stream_get_ctx(CUstream hStream, CUcontext *pctx)
     return result;
 }
 
-SIM_EXPORT CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx)
-{
-    return stream_get_ctx(hStream, pctx);
-}
-
-SIM_EXPORT CUresult cuStreamGetCtx_ptsz(CUstream hStream, CUcontext *pctx)
-{
-    return stream_get_ctx(hStream, pctx);
-}
+SIM_WITH_TWIN(cuStreamGetCtx, cuStreamGetCtx_ptsz, (CUstream hStream, CUcontext *pctx),
+              return stream_get_ctx(hStream, pctx);)
 
 static CUresult launch_host_func(CUstream hStream, CUhostFn fn, void *userData, const char *api)
 {
@@ -168,15 +145,8 @@ static CUresult launch_host_func(CUstream hStream, CUhostFn fn, void *userData, 
     return sim_submit(ctx, stream, op, 0);
 }
 
-SIM_EXPORT CUresult cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)
-{
-    return launch_host_func(hStream, fn, userData, __func__);
-}
-
-SIM_EXPORT CUresult cuLaunchHostFunc_ptsz(CUstream hStream, CUhostFn fn, void *userData)
-{
-    return launch_host_func(hStream, fn, userData, __func__);
-}
+SIM_WITH_TWIN(cuLaunchHostFunc, cuLaunchHostFunc_ptsz, (CUstream hStream, CUhostFn fn, void *userData),
+              return launch_host_func(hStream, fn, userData, __func__);)
 
 /* ---- Events ---- */
 
@@ -225,28 +195,11 @@ static CUresult event_record(CUevent hEvent, CUstream hStream, const char *api)
     return sim_submit(ctx, stream, op, 0);
 }
 
-SIM_EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
-{
-    return event_record(hEvent, hStream, __func__);
-}
-
-SIM_EXPORT CUresult cuEventRecord_ptsz(CUevent hEvent, CUstream hStream)
-{
-    return event_record(hEvent, hStream, __func__);
-}
-
+SIM_WITH_TWIN(cuEventRecord, cuEventRecord_ptsz, (CUevent hEvent, CUstream hStream),
+              return event_record(hEvent, hStream, __func__);)
 /* Flags only matter for events inside graphs (external waits), which are not simulated. */
-SIM_EXPORT CUresult cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigned int flags)
-{
-    (void)flags;
-    return event_record(hEvent, hStream, __func__);
-}
-
-SIM_EXPORT CUresult cuEventRecordWithFlags_ptsz(CUevent hEvent, CUstream hStream, unsigned int flags)
-{
-    (void)flags;
-    return event_record(hEvent, hStream, __func__);
-}
+SIM_WITH_TWIN(cuEventRecordWithFlags, cuEventRecordWithFlags_ptsz, (CUevent hEvent, CUstream hStream, unsigned int flags),
+              (void)flags; return event_record(hEvent, hStream, __func__);)
 
 /* Whether the event's last record has executed (an event never recorded counts as done). */
 static int event_done(struct sim_event *event, double *time)
@@ -363,12 +316,5 @@ static CUresult stream_wait_event(CUstream hStream, CUevent hEvent, unsigned int
     return sim_submit(ctx, stream, op, 0);
 }
 
-SIM_EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
-{
-    return stream_wait_event(hStream, hEvent, Flags, __func__);
-}
-
-SIM_EXPORT CUresult cuStreamWaitEvent_ptsz(CUstream hStream, CUevent hEvent, unsigned int Flags)
-{
-    return stream_wait_event(hStream, hEvent, Flags, __func__);
-}
+SIM_WITH_TWIN(cuStreamWaitEvent, cuStreamWaitEvent_ptsz, (CUstream hStream, CUevent hEvent, unsigned int Flags),
+              return stream_wait_event(hStream, hEvent, Flags, __func__);)

@@ -1,11 +1,13 @@
 /*
  * Simulated NVML (libnvidia-ml.so.1) for machines without a GPU.
  *
- * It reports the same devices as the simulated CUDA driver, from the same variables:
- *   SIMCUDA_DEVICES  number of GPUs (default 1, at most SIMNVML_MAX_DEVICES)
+ * It reports the same devices as the simulated CUDA driver, read from the same variables by the
+ * same code (sim_devices.c):
+ *   SIMCUDA_DEVICES  number of GPUs (default 1, at most SIM_MAX_DEVICES)
  *   SIMCUDA_MEMORY   memory per GPU in bytes, K/M/G suffixes are powers of 1024 (default 16G)
  * Device i has UUID GPU-5151ad00-0000-4000-8000-%012x (i), name "nvshare simulated GPU",
- * compute capability 9.0, minor number i. Both variables are read once, by the first init.
+ * compute capability 9.0, minor number i. Both variables are read once, by the first init; a
+ * value that does not parse makes it fail with NVML_ERROR_UNKNOWN (and cuInit as well).
  *
  * Dynamic state for tests: SIMNVML_STATE names a file that is re-read on every call. Each line
  * is "<index> <state>" with <state> one of
@@ -26,13 +28,14 @@
  * library shares no state with the simulated driver, so it could not list real clients.
  */
 #define _GNU_SOURCE
-#include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include "sim_devices.h"
 
 typedef enum {
     NVML_SUCCESS = 0,
@@ -51,9 +54,6 @@ typedef enum {
 #define NVML_EVENT_TYPE_XID_CRITICAL_ERROR 0x8ULL
 #define NVML_MEMORY_V2_VERSION (sizeof(nvmlMemory_v2_t) | (2u << 24))
 
-#define SIMNVML_MAX_DEVICES 64
-#define SIMNVML_NAME "nvshare simulated GPU"
-#define SIMNVML_UUID_FORMAT "GPU-5151ad00-0000-4000-8000-%012x"
 #define SIMNVML_DRIVER_VERSION "580.00.sim"
 #define SIMNVML_NVML_VERSION "13.580.00.sim"
 #define SIMNVML_CUDA_VERSION 13000
@@ -83,8 +83,8 @@ typedef struct {
 } nvmlEventData_t;
 
 struct nvmlEventSet_st {
-    unsigned long long registered[SIMNVML_MAX_DEVICES]; /* event mask per device */
-    unsigned long long delivered_xid[SIMNVML_MAX_DEVICES]; /* 0: none since the last non-xid */
+    unsigned long long registered[SIM_MAX_DEVICES];    /* event mask per device */
+    unsigned long long delivered_xid[SIM_MAX_DEVICES]; /* 0: none since the last non-xid */
 };
 typedef struct nvmlEventSet_st *nvmlEventSet_t;
 
@@ -96,7 +96,7 @@ struct device_state {
 };
 
 /* Written by the first nvmlInit under state_lock, read-only afterwards. */
-static struct nvmlDevice_st devices[SIMNVML_MAX_DEVICES];
+static struct nvmlDevice_st devices[SIM_MAX_DEVICES];
 static unsigned int device_count;
 static unsigned long long device_memory;
 static int configured;
@@ -105,51 +105,17 @@ static int configured;
 static pthread_mutex_t state_lock = PTHREAD_MUTEX_INITIALIZER;
 static unsigned int init_refcount;
 
-static int parse_memory(const char *text, unsigned long long *out)
-{
-    char *end;
-    errno = 0;
-    unsigned long long value = strtoull(text, &end, 10);
-    if (errno || end == text)
-        return -1;
-    unsigned shift = 0;
-    switch (*end) {
-    case 'K': case 'k': shift = 10; end++; break;
-    case 'M': case 'm': shift = 20; end++; break;
-    case 'G': case 'g': shift = 30; end++; break;
-    default: break;
-    }
-    if (*end != '\0' || value == 0 || value > (~0ULL >> shift))
-        return -1;
-    *out = value << shift;
-    return 0;
-}
-
 static nvmlReturn_t configure_locked(void)
 {
     if (configured)
         return NVML_SUCCESS;
-    const char *count_text = getenv("SIMCUDA_DEVICES");
-    const char *memory_text = getenv("SIMCUDA_MEMORY");
-    unsigned long count = 1;
-    if (count_text && *count_text) {
-        char *end;
-        count = strtoul(count_text, &end, 10);
-        if (*end != '\0' || count > SIMNVML_MAX_DEVICES) {
-            fprintf(stderr, "simnvml: SIMCUDA_DEVICES=%s is not a number from 0 to %d\n",
-                    count_text, SIMNVML_MAX_DEVICES);
-            return NVML_ERROR_UNKNOWN;
-        }
-    }
-    unsigned long long memory = 16ULL << 30;
-    if (memory_text && *memory_text && parse_memory(memory_text, &memory) != 0) {
-        fprintf(stderr, "simnvml: SIMCUDA_MEMORY=%s is not a byte count (K, M, G suffixes)\n",
-                memory_text);
+    int count;
+    size_t memory;
+    if (sim_read_config("simnvml", &count, &memory) != 0)
         return NVML_ERROR_UNKNOWN;
-    }
-    for (unsigned int i = 0; i < count; i++) {
-        devices[i].index = i;
-        snprintf(devices[i].uuid, sizeof devices[i].uuid, SIMNVML_UUID_FORMAT, i);
+    for (int i = 0; i < count; i++) {
+        devices[i].index = (unsigned int)i;
+        snprintf(devices[i].uuid, sizeof devices[i].uuid, SIM_UUID_FORMAT, i);
     }
     device_count = (unsigned int)count;
     device_memory = memory;
@@ -193,7 +159,7 @@ static void read_states(struct device_state *states)
 
 static enum gpu_state state_of(unsigned int index)
 {
-    struct device_state states[SIMNVML_MAX_DEVICES];
+    struct device_state states[SIM_MAX_DEVICES];
     read_states(states);
     return states[index].state;
 }
@@ -351,7 +317,7 @@ nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int len
 nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
 {
     nvmlReturn_t result = check_device(device);
-    return result != NVML_SUCCESS ? result : copy_string(name, length, SIMNVML_NAME);
+    return result != NVML_SUCCESS ? result : copy_string(name, length, SIM_DEVICE_NAME);
 }
 
 nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
@@ -451,7 +417,7 @@ nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long ty
 /* One pass over the state file: fills *data and returns 1 when an Xid is due for this set. */
 static int take_pending_event(nvmlEventSet_t set, nvmlEventData_t *data)
 {
-    struct device_state states[SIMNVML_MAX_DEVICES];
+    struct device_state states[SIM_MAX_DEVICES];
     read_states(states);
     for (unsigned int i = 0; i < device_count; i++) {
         if (!(set->registered[i] & NVML_EVENT_TYPE_XID_CRITICAL_ERROR))

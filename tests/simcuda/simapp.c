@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "cuda_types.h"
+#include "sim_devices.h"
 
 /* Prototypes (for --entry=direct) and function-pointer types of every entry point. */
 #define CU_ENTRY(symbol, base, version, per_thread, params) \
@@ -57,7 +58,6 @@ static int per_thread_streams;       /* --ptds */
 static const char *module_path;      /* --module */
 static void (*set_tag)(const char *); /* simcudaSetTag, when the driver has it */
 
-#define MAX_DEVICES 64
 #define MAX_BUFFERS 4096
 #define SCRATCH_BYTES (64u << 10)
 
@@ -86,7 +86,7 @@ struct device_state {
 static pthread_mutex_t state_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct buffer buffers[MAX_BUFFERS];
 static int buffer_count;
-static struct device_state devices[MAX_DEVICES];
+static struct device_state devices[SIM_MAX_DEVICES];
 
 /* Per thread: the device and stream later steps use, the tag, and the thread number. */
 static __thread int current_device;
@@ -236,6 +236,15 @@ static void usage_error(const char *format, const char *argument)
     exit(2);
 }
 
+/* Memory for simapp's own bookkeeping: running out ends the run like a usage error. */
+static void *host_calloc(size_t count, size_t size)
+{
+    void *memory = calloc(count, size);
+    if (!memory)
+        usage_error("out of host memory%s", "");
+    return memory;
+}
+
 /* Calls an entry point through its resolved pointer; -1 when it did not resolve. */
 #define CALL(pointer, ...) ((pointer) ? (int)(pointer)(__VA_ARGS__) : -1)
 
@@ -253,15 +262,10 @@ static unsigned long long parse_number(const char *text, const char *what)
 
 static size_t parse_bytes(const char *text)
 {
-    char *end;
-    errno = 0;
-    unsigned long long value = strtoull(text, &end, 10);
-    unsigned shift = *end == 'K' ? 10 : *end == 'M' ? 20 : *end == 'G' ? 30 : 0;
-    if (shift)
-        end++;
-    if (errno || end == text || *end)
+    size_t bytes;
+    if (sim_parse_size(text, &bytes) != 0)
         usage_error("not a byte count (K, M, G suffixes): %s", text);
-    return (size_t)(value << shift);
+    return bytes;
 }
 
 /* Splits "a:b:c" in place; returns the number of fields (at most `max`, the last keeps the rest). */
@@ -288,9 +292,11 @@ static char *read_file(const char *path)
         usage_error("cannot read the module %s", path);
     fseek(file, 0, SEEK_END);
     long size = ftell(file);
+    if (size < 0)
+        usage_error("cannot read the module %s", path);
     fseek(file, 0, SEEK_SET);
-    char *data = calloc(1, (size_t)size + 1);
-    if (!data || fread(data, 1, (size_t)size, file) != (size_t)size)
+    char *data = host_calloc(1, (size_t)size + 1);
+    if (fread(data, 1, (size_t)size, file) != (size_t)size)
         usage_error("cannot read the module %s", path);
     fclose(file);
     return data;
@@ -299,7 +305,7 @@ static char *read_file(const char *path)
 /* Retains the device's primary context, makes it current and loads the kernels (once). */
 static int use_device(int ordinal)
 {
-    if (ordinal < 0 || ordinal >= MAX_DEVICES)
+    if (ordinal < 0 || ordinal >= SIM_MAX_DEVICES)
         return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&state_lock);
     struct device_state *device = &devices[ordinal];
@@ -556,9 +562,7 @@ static void step_fill_or_check(int check, char **args, int count, struct outcome
         out->rc = fill(buffer->ptr, value, words);
         return;
     }
-    uint32_t *host = malloc(words * 4 + 1);
-    if (!host)
-        usage_error("cannot allocate host memory for %s", args[0]);
+    uint32_t *host = host_calloc(words + 1, 4);
     out->rc = CALL(STREAM_FN(cuMemcpyDtoH_v2, cuMemcpyDtoH_v2_ptds), host, buffer->ptr, words * 4);
     if (out->rc == CUDA_SUCCESS) {
         uint64_t mismatch = words;
@@ -682,7 +686,7 @@ static int run_copy_api(const struct copy_api *api, void *pointer, unsigned char
         return rc;
     static __thread unsigned seed = 1;
     seed += 17;
-    unsigned char *source = malloc(SCRATCH_BYTES);
+    unsigned char *source = host_calloc(1, SCRATCH_BYTES);
     for (size_t i = 0; i < SCRATCH_BYTES; i++)
         source[i] = pattern(i, seed);
     memset(expected, 0, SCRATCH_BYTES);
@@ -835,7 +839,7 @@ static void step_copy(char **args, int count, struct outcome *out)
         out->rc = -1;
         return;
     }
-    unsigned char *expected = malloc(SCRATCH_BYTES), *actual = malloc(SCRATCH_BYTES);
+    unsigned char *expected = host_calloc(1, SCRATCH_BYTES), *actual = host_calloc(1, SCRATCH_BYTES);
     int destination_is_b;
     out->rc = run_copy_api(&api, pointer, expected, actual, &destination_is_b);
     if (out->rc == CUDA_SUCCESS) {
@@ -988,8 +992,8 @@ static void step_threads(char **args, int count, struct outcome *out)
     if (count != 3)
         usage_error("threads:<n>:<steps> expected, got %s", args[0]);
     unsigned long long n = parse_number(args[1], args[1]);
-    pthread_t *threads = calloc(n, sizeof *threads);
-    struct thread_start *starts = calloc(n, sizeof *starts);
+    pthread_t *threads = host_calloc(n, sizeof *threads);
+    struct thread_start *starts = host_calloc(n, sizeof *starts);
     for (unsigned long long i = 0; i < n; i++) {
         starts[i] = (struct thread_start){strdup(args[2]), current_device, (int)i + 1, current_stream, current_tag};
         if (pthread_create(&threads[i], NULL, thread_main, &starts[i]) != 0)

@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "cuda_types.h"
+#include "sim_devices.h"
 
 /* The library is built with -fvisibility=hidden: only entry points are exported. */
 #define SIM_EXPORT __attribute__((visibility("default")))
@@ -26,10 +27,7 @@
 SIM_EXPORT void simcudaSetTag(const char *tag);
 
 #define SIM_DRIVER_VERSION 13000
-#define SIM_MAX_DEVICES 64
 #define SIM_TAG_MAX 128
-#define SIM_DEVICE_NAME "nvshare simulated GPU"
-#define SIM_UUID_FORMAT "GPU-5151ad00-0000-4000-8000-%012x"
 /* Granularity of cuMemCreate / cuMemMap, as on current data-centre GPUs. */
 #define SIM_VMM_GRANULARITY (2u << 20)
 
@@ -75,27 +73,31 @@ CUresult sim_check_init(void);
             return sim_enter_result_;        \
     } while (0)
 
-/* The entry points of the 32-bit ABI of CUDA 2.x exist but cannot be used with the contexts of
- * today's API: the real driver answers CUDA_ERROR_INVALID_CONTEXT. */
-#define SIM_32BIT_ABI()                      \
-    do {                                     \
-        SIM_ENTER();                         \
-        return CUDA_ERROR_INVALID_CONTEXT;   \
-    } while (0)
-
-/* Features that are not simulated (CUDA arrays, 3D batches). */
-#define SIM_NOT_SUPPORTED()                  \
-    do {                                     \
-        SIM_ENTER();                         \
-        return CUDA_ERROR_NOT_SUPPORTED;     \
-    } while (0)
-
 /* Defines an entry point and its _ptds/_ptsz twin with one body (__func__ names each). */
 #define SIM_WITH_TWIN(symbol, twin, params, ...) \
     SIM_EXPORT CUresult symbol params { __VA_ARGS__ } \
     SIM_EXPORT CUresult twin params { __VA_ARGS__ }
 
+/* Definitions whose parameters go unused: they keep the names of cuda_entry_points.h. */
+#define SIM_IGNORING_PARAMETERS(...)                                                        \
+    _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wunused-parameter\"") \
+    __VA_ARGS__ _Pragma("GCC diagnostic pop")
+
+/* An entry point of the 32-bit ABI of CUDA 2.x: it exists but cannot be used with the contexts
+ * of today's API, the real driver answers CUDA_ERROR_INVALID_CONTEXT. */
+#define SIM_32BIT_ABI_ENTRY(symbol, params) \
+    SIM_IGNORING_PARAMETERS(SIM_EXPORT CUresult symbol params { SIM_ENTER(); return CUDA_ERROR_INVALID_CONTEXT; })
+
+/* An entry point and its twin for a feature that is not simulated (CUDA arrays, 3D batches). */
+#define SIM_NOT_SUPPORTED_WITH_TWIN(symbol, twin, params) \
+    SIM_IGNORING_PARAMETERS(SIM_WITH_TWIN(symbol, twin, params, SIM_ENTER(); return CUDA_ERROR_NOT_SUPPORTED;))
+
 struct sim_device *sim_device_get(CUdevice ordinal); /* NULL when out of range */
+/* Declares `out`, the device of ordinal `dev`; returns CUDA_ERROR_INVALID_DEVICE when there is none. */
+#define SIM_REQUIRE_DEVICE(dev, out)                  \
+    struct sim_device *out = sim_device_get(dev);     \
+    if (!out)                                         \
+        return CUDA_ERROR_INVALID_DEVICE
 /* Zeroed memory for the driver's own objects; aborts (with a message) when the host is out of
  * memory, which the simulation cannot report as a device error. */
 void *sim_calloc(size_t count, size_t size);
@@ -129,11 +131,13 @@ struct sim_ctx {
 /* A context object, not yet active. Aborts on memory exhaustion. */
 struct sim_ctx *sim_ctx_new(struct sim_device *device, int is_primary, unsigned int flags);
 
-/* The current context if there is a usable one: CUDA_ERROR_INVALID_CONTEXT otherwise, or the
- * context's sticky error. */
-CUresult sim_ctx_require(struct sim_ctx **out);
 /* Validates an application-supplied context handle (NULL is not valid). */
 CUresult sim_ctx_check(CUcontext handle, struct sim_ctx **out);
+/* Whether work may be submitted to the context: CUDA_ERROR_INVALID_CONTEXT when it is not a live
+ * context, its sticky error when it has one. */
+CUresult sim_ctx_usable(struct sim_ctx *ctx);
+/* The current context if there is a usable one (sim_ctx_usable says why not). */
+CUresult sim_ctx_require(struct sim_ctx **out);
 
 /* ---- cuda_exec.c: operation queue, executor, trace ---- */
 
@@ -321,8 +325,9 @@ int sim_mem_range_known(uintptr_t ptr, size_t bytes, enum sim_family *family);
 void sim_mem_free_now(uintptr_t ptr);
 /* Frees every allocation owned by a context that is being destroyed. */
 void sim_mem_release_ctx(struct sim_ctx *ctx);
-/* Creates the default memory pool of a device (cuInit). */
-struct sim_pool *sim_pool_new_default(struct sim_device *device);
+/* A memory pool of the device: its default one (created by cuInit) or one cuMemPoolCreate makes.
+ * Aborts on memory exhaustion. */
+struct sim_pool *sim_pool_new(struct sim_device *device, int is_default);
 
 /* ---- cuda_module.c ---- */
 
