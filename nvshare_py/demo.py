@@ -16,13 +16,15 @@ the programs run on the simulated driver shipped in the package (nvshare_py/_lib
 NVSHARE_SIMCUDA_DIR names another build), and every output says so. Each program allocates
 4 MiB.
 
-Exit status: 0 all checks passed; 1 a check failed, a program crashed or something did not
-start (the logs are kept and their directory named); 2 usage error or a missing part of the
-installation; 130 interrupted (every process the demo started is stopped).
+Exit status: 0 all checks passed; 1 a check failed, a program crashed, something did not start
+or --json/--png could not be written (the logs are kept and their directory named); 2 usage
+error or a missing part of the installation; 130 interrupted (every process the demo started is
+stopped).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -43,6 +45,7 @@ from rich.text import Text
 
 from . import library, timeline as tl
 from .ctl.control import ControlConnection, ControlFailure
+from .demo_worker import die_with_parent
 from .paths import ENV_SOCKET_DIR, SocketPaths
 from .run import with_preload
 
@@ -165,14 +168,6 @@ def find_gpu(force_simulated: bool) -> Gpu:
 # --- processes -------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """preexec_fn of the scheduler (started before this process has any thread): SIGTERM when
-    the demo goes, however it goes, so no daemon outlives it."""
-    import ctypes  # noqa: PLC0415 (only in the child, between fork and exec)
-
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class Program:
     """One demo program (nvshare_py.demo_worker) and what it reported so far."""
@@ -242,10 +237,11 @@ class Demo:
         command = [sys.executable, "-m", "nvshare_py.scheduler", "--socket-dir", str(self.paths.root),
                    "--tq", f"{self.tq:g}", "--idle-release", f"{IDLE_RELEASE:g}", "--grace", f"{GRACE:g}",
                    "--log-level", "info"]
+        # preexec_fn is safe here: the demo has no other thread when it starts the scheduler.
         with open(self.workdir / "scheduler.log", "wb") as log:
             self.scheduler = subprocess.Popen(command, env=base_env(), cwd="/", stdout=log, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, start_new_session=True,
-                                              preexec_fn=_die_with_parent)
+                                              preexec_fn=functools.partial(die_with_parent, os.getpid()))
         deadline = time.monotonic() + START_TIMEOUT
         while self.control is None:
             if self.scheduler.poll() is not None:
@@ -296,6 +292,14 @@ class Demo:
         if self.scheduler is not None:
             _stop(self.scheduler, 5.0)
 
+    @property
+    def roles_by_pid(self) -> dict[int, str]:
+        return {program.pid: role for role, program in self.programs.items()}
+
+    def finished(self) -> bool:
+        """Whether both programs were started and have exited."""
+        return len(self.programs) == len(ROLES) and all(p.process.poll() is not None for p in self.programs.values())
+
     def remove_workdir(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -316,7 +320,7 @@ class Demo:
             if len(answer["events"]) < EVENTS_PER_REQUEST:
                 break
         self.events.extend(fresh)
-        roles = {program.pid: role for role, program in self.programs.items()}
+        roles = self.roles_by_pid
         for event in fresh:
             if event["kind"] == "register" and tl.registered_pid(event) in roles:
                 self.roles[event["client"]] = roles[tl.registered_pid(event)]
@@ -362,7 +366,7 @@ def run_demo(demo: Demo, output: LiveOutput | LogOutput) -> None:
             program = crashed[0]
             raise DemoFailure(f"the {program.role} program failed ({_how_it_ended(program.process.returncode)}):\n"
                               f"{program.stderr_tail()}")
-        if len(demo.programs) == len(ROLES) and all(p.process.poll() == 0 for p in demo.programs.values()):
+        if demo.finished():  # each with status 0: a failed one was raised above
             break
         if time.time() > deadline:
             raise DemoFailure(f"the programs did not finish within {FINISH_MARGIN:g} s of the end of the run")
@@ -400,15 +404,13 @@ class LiveOutput:
 
     def view(self, demo: Demo) -> Group:
         now = time.time()
-        finished = len(demo.programs) == len(ROLES) and all(p.process.poll() is not None
-                                                             for p in demo.programs.values())
         parts: list[Any] = [
             _banner(demo.gpu),
             Text(f"scheduler: mode on, TQ {demo.tq:g} s, idle release {IDLE_RELEASE:g} s   "
                  f"{min(now, demo.until) - demo.started:4.1f} s of {demo.duration:g} s", style="dim"),
             AtConsoleWidth(demo.timeline(now)),
         ]
-        if not finished:
+        if not demo.finished():
             parts.append(_now_line(demo))
         parts.append(_progress_line(demo))
         return Group(*parts)
@@ -477,12 +479,11 @@ def _banner(gpu: Gpu, why: bool = False) -> Text:
 
 def _now_line(demo: Demo) -> Text:
     device = next((d for d in demo.status.get("devices", []) if d["device"] == demo.gpu.uuid), None)
-    names = demo.roles
     if device is None:
         return Text("now: no program has used the GPU yet")
-    holders = [f"{names.get(h['client'], h['client'])} holds the GPU ({h['state']}, "
+    holders = [f"{demo.name(h['client'])} holds the GPU ({h['state']}, "
                f"{max(0.0, h['quantum_left']):.1f} s of its quantum left)" for h in device.get("holders", [])]
-    waiters = [names.get(w["client"], w["client"]) for w in device.get("waiters", [])]
+    waiters = [demo.name(w["client"]) for w in device.get("waiters", [])]
     text = "; ".join(holders) or "nobody holds the GPU"
     return Text(f"now: {text}; waiting: {', '.join(waiters) or 'nobody'}")
 
@@ -563,7 +564,7 @@ def checks(demo: Demo, timeline: tl.Timeline) -> list[Check]:
                                         f"({grants} grants checked)", True))
 
     if demo.gpu.simulated:
-        roles = {program.pid: role for role, program in demo.programs.items()}
+        roles = demo.roles_by_pid
         count, overlapping = kernel_overlaps(demo.trace, roles)
         if overlapping:
             first, second = overlapping[0]
@@ -600,23 +601,26 @@ def report(demo: Demo, console: Console, live: bool, json_path: Path | None, png
         mark, style = ("✔", "green") if check.ok else ("✘", "bold red") if check.required else ("!", "yellow")
         console.print(Text(f"{mark} {check.text}", style=style))
     ok = all(check.ok for check in found if check.required)
-    if json_path is not None:
-        tl.write_json(json_path, {
-            "ok": ok,
-            "gpu": {"uuid": demo.gpu.uuid, "name": demo.gpu.name, "total": demo.gpu.total,
-                    "simulated": demo.gpu.simulated, "label": demo.gpu.label},
-            "settings": {"duration": demo.duration, "tq": demo.tq, "idle_release": IDLE_RELEASE, "grace": GRACE},
-            "programs": {role: {"pid": p.pid, "exit_status": p.process.returncode, "done": p.last("done"),
-                                "clients": sorted(c for c, row in demo.roles.items() if row == role)}
-                         for role, p in demo.programs.items()},
-            "checks": [check.to_json() for check in found],
-            "timeline": tl.to_json(timeline),
-            "events": demo.events,
-        })
-        console.print(f"wrote {json_path}")
-    if png_path is not None:
-        tl.write_png(png_path, timeline, title=f"nvshare demo on {demo.gpu.label}")
-        console.print(f"wrote {png_path}")
+    try:
+        if json_path is not None:
+            tl.write_json(json_path, {
+                "ok": ok,
+                "gpu": {"uuid": demo.gpu.uuid, "name": demo.gpu.name, "total": demo.gpu.total,
+                        "simulated": demo.gpu.simulated, "label": demo.gpu.label},
+                "settings": {"duration": demo.duration, "tq": demo.tq, "idle_release": IDLE_RELEASE, "grace": GRACE},
+                "programs": {role: {"pid": p.pid, "exit_status": p.process.returncode, "done": p.last("done"),
+                                    "clients": sorted(c for c, row in demo.roles.items() if row == role)}
+                             for role, p in demo.programs.items()},
+                "checks": [check.to_json() for check in found],
+                "timeline": tl.to_json(timeline),
+                "events": demo.events,
+            })
+            console.print(f"wrote {json_path}")
+        if png_path is not None:
+            tl.write_png(png_path, timeline, title=f"nvshare demo on {demo.gpu.label}")
+            console.print(f"wrote {png_path}")
+    except OSError as error:
+        raise DemoFailure(f"cannot write {error.filename}: {error.strerror}") from None
     return ok
 
 
@@ -675,8 +679,6 @@ def demo(
     except ControlFailure as failure:
         _exit(f"lost the scheduler: {failure}\n{running.log_tail('scheduler.log')}\n"
               f"(logs kept in {running.workdir})", EXIT_FAILED)
-    except OSError as error:  # writing --json or --png
-        _exit(f"cannot write {error.filename}: {error.strerror}", EXIT_FAILED)
     except KeyboardInterrupt:
         if running is not None:
             running.stop()

@@ -42,6 +42,9 @@ NOTEBOOK_THINKING = 0.5  # time quanta between cells: it asks halfway through th
 NOTEBOOK_THINKING_MIN = 1.0  # seconds; longer than the demo's idle window, so it releases early
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
+# Loaded at import, not in die_with_parent: that also runs between fork and exec (the demo's
+# preexec_fn for the scheduler), where the child should do as little as it can.
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def say(event: str, **fields) -> None:
@@ -66,14 +69,17 @@ def probe() -> int:
     return 0
 
 
-def _belong_to(parent: int, name: str) -> None:
-    """Die with the demo (SIGTERM when it goes, however it goes) and show a telling program name
-    in `nvsharectl status` (the interceptor reports /proc/self/comm)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+def die_with_parent(parent: int) -> None:
+    """SIGTERM when the demo, process `parent`, goes, however it goes (so that nothing it started
+    outlives it); exit at once if it went already. Also the scheduler's preexec_fn."""
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if parent and os.getppid() != parent:  # the demo went before the line above took effect
         raise SystemExit(1)
-    libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+
+
+def _set_program_name(name: str) -> None:
+    """A telling name in `nvsharectl status` (the interceptor reports /proc/self/comm)."""
+    _LIBC.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
 def _work(cuda: Driver, buffer: int, step: int, kernels: tuple[int, int]) -> None:
@@ -139,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.role == "probe":
         return probe()
-    _belong_to(args.parent, f"nvs-{args.role}")
+    die_with_parent(args.parent)
+    _set_program_name(f"nvs-{args.role}")
     return run(args.role, args.until, args.tq)
 
 

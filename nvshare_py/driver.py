@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from ctypes import POINTER, byref, c_char, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_p
@@ -104,8 +105,13 @@ _CU_MEM_ATTACH_GLOBAL = 1
 _CU_GET_PROC_ADDRESS_DEFAULT = 0
 _CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM = 2
 _IPC_HANDLE_BYTES = 64  # CU_IPC_HANDLE_SIZE
+_CU_MEM_ALLOCATION_TYPE_PINNED = 1
+_CU_MEM_LOCATION_TYPE_DEVICE = 1
+_CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+_CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
 _FILL_THREADS = 256
 _FILL_MAX_BLOCKS = 4096
+_KERNEL_NAMES = ("nvshare_sleep", "nvshare_fill")  # the entries of KERNELS_PTX
 
 
 class _MemLocation(ctypes.Structure):
@@ -134,11 +140,6 @@ class _MemAllocationProp(ctypes.Structure):
 class _MemAccessDesc(ctypes.Structure):
     _fields_ = [("location", _MemLocation), ("flags", c_int)]
 
-
-_CU_MEM_ALLOCATION_TYPE_PINNED = 1
-_CU_MEM_LOCATION_TYPE_DEVICE = 1
-_CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
-_CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
 
 # name -> (base name, CUDA version of this ABI, version of its per-thread twin or None, argtypes)
 _FUNCTIONS: dict[str, tuple[str, int, int | None, list]] = {
@@ -267,7 +268,7 @@ class Driver:
         self._lock = threading.Lock()
         self._allocations: dict[int, _Allocation] = {}  # guarded by _lock
         self._contexts: dict[int, int] = {}  # device index -> retained primary context; _lock
-        self._kernels: dict[int, tuple[int, int]] = {}  # context -> (sleep, fill); _lock
+        self._kernels: dict[int, dict[str, int]] = {}  # context -> kernel name -> function; _lock
         self._pools: dict[int, int] = {}  # device index -> default memory pool; _lock
         self.resolved: dict[str, int] = {}
         """Address each function resolved to, by the name of the ABI this module calls."""
@@ -468,22 +469,18 @@ class Driver:
         self._call("cuMemGetAllocationGranularity", byref(granularity), byref(prop),
                    _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
         size = -(-nbytes // granularity.value) * granularity.value
-        handle = c_uint64()
-        self._call("cuMemCreate", byref(handle), size, byref(prop), 0)
-        ptr = _CUdeviceptr()
-        try:
+        handle, ptr = c_uint64(), _CUdeviceptr()
+        # A failed step undoes exactly the steps that succeeded before it, newest first.
+        with contextlib.ExitStack() as undo:
+            self._call("cuMemCreate", byref(handle), size, byref(prop), 0)
+            undo.callback(self._functions["cuMemRelease"], handle)
             self._call("cuMemAddressReserve", byref(ptr), size, 0, 0, 0)
-            try:
-                self._call("cuMemMap", ptr, size, 0, handle, 0)
-                access = _MemAccessDesc(location, _CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
-                self._call("cuMemSetAccess", ptr, size, byref(access), 1)
-            except DriverError:
-                self._functions["cuMemUnmap"](ptr, size)
-                self._functions["cuMemAddressFree"](ptr, size)
-                raise
-        except DriverError:
-            self._functions["cuMemRelease"](handle)
-            raise
+            undo.callback(self._functions["cuMemAddressFree"], ptr, size)
+            self._call("cuMemMap", ptr, size, 0, handle, 0)
+            undo.callback(self._functions["cuMemUnmap"], ptr, size)
+            access = _MemAccessDesc(location, _CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            self._call("cuMemSetAccess", ptr, size, byref(access), 1)
+            undo.pop_all()
         return ptr.value, size, handle.value
 
     def free(self, ptr: int) -> None:
@@ -550,20 +547,22 @@ class Driver:
         """Waits for all work of the current context (cuCtxSynchronize)."""
         self._call("cuCtxSynchronize")
 
-    def _kernel(self, which: int) -> int:
+    def _kernel(self, name: str) -> int:
+        """The function `name` of KERNELS_PTX in the current context (loaded on first use)."""
         ctx = self._current_context()
         with self._lock:
             kernels = self._kernels.get(ctx)
         if kernels is None:
             module = c_void_p()
             self._call("cuModuleLoadData", byref(module), KERNELS_PTX.encode())
-            sleep, fill = c_void_p(), c_void_p()
-            self._call("cuModuleGetFunction", byref(sleep), module, b"nvshare_sleep")
-            self._call("cuModuleGetFunction", byref(fill), module, b"nvshare_fill")
-            kernels = (sleep.value, fill.value)
+            kernels = {}
+            for kernel_name in _KERNEL_NAMES:
+                function = c_void_p()
+                self._call("cuModuleGetFunction", byref(function), module, kernel_name.encode())
+                kernels[kernel_name] = function.value
             with self._lock:
                 self._kernels[ctx] = kernels
-        return kernels[which]
+        return kernels[name]
 
     def _launch(self, function: int, blocks: int, threads: int, stream: int | None, *arguments) -> None:
         # The driver copies the arguments during the launch; they only need to live until then.
@@ -573,10 +572,10 @@ class Driver:
 
     def launch_sleep(self, us: int, stream: int | None = None) -> None:
         """Queues ``nvshare_sleep``: the kernel occupies the device for ``us`` microseconds."""
-        self._launch(self._kernel(0), 1, 1, stream, c_uint64(us))
+        self._launch(self._kernel("nvshare_sleep"), 1, 1, stream, c_uint64(us))
 
     def fill(self, ptr: int, value: int, count: int, stream: int | None = None) -> None:
         """Queues ``nvshare_fill``: writes ``count`` 32-bit words of ``value`` from ``ptr``."""
         blocks = max(1, min(_FILL_MAX_BLOCKS, -(-count // _FILL_THREADS)))
-        self._launch(self._kernel(1), blocks, _FILL_THREADS, stream,
+        self._launch(self._kernel("nvshare_fill"), blocks, _FILL_THREADS, stream,
                      _CUdeviceptr(ptr), c_uint(value & 0xFFFFFFFF), c_uint64(count))

@@ -397,20 +397,28 @@ class Extension:
         self._pending: int | None = None  # the ticket of the query sent before the running cell
         self._paused_until = 0.0
         self._notice_due = True  # problems are shown once, in a cell's output
+        self._hooks: list[tuple[str, Any]] = []  # (event, callback) registered with the shell
 
     # hooks ---------------------------------------------------------------------------------
 
     def register(self) -> None:
-        self.shell.events.register("pre_run_cell", self.pre_run_cell)
-        self.shell.events.register("post_run_cell", self.post_run_cell)
+        if self.interceptor is not None:
+            self._hooks = [("pre_run_cell", self.pre_run_cell), ("post_run_cell", self.post_run_cell)]
+        elif self._notice_due:
+            # No hooks that would cost cells anything: only the first cell says why nothing is shared.
+            self._hooks = [("pre_run_cell", self._first_cell_notice)]
+        for name, hook in self._hooks:
+            self.shell.events.register(name, hook)
 
     def unregister(self) -> None:
-        for name, hook in (("pre_run_cell", self.pre_run_cell), ("post_run_cell", self.post_run_cell)):
-            try:
-                self.shell.events.unregister(name, hook)
-            except ValueError:
-                pass
+        hooks, self._hooks = self._hooks, []
+        for name, hook in hooks:
+            self.shell.events.unregister(name, hook)
         self.link.close()
+
+    def _first_cell_notice(self, info: Any = None) -> None:
+        self.unregister()
+        self.show_problems()
 
     def pre_run_cell(self, info: Any = None) -> None:
         if self._notice_due:
@@ -427,9 +435,10 @@ class Extension:
 
     def post_run_cell(self, result: Any = None) -> None:
         before, self._pending = self._pending, None
-        if before is None or self.note_seconds is None:
-            if before is not None:
-                self.link.forget(before)
+        if before is None:
+            return
+        if self.note_seconds is None:  # turned off during the cell
+            self.link.forget(before)
             return
         deadline = time.monotonic() + CELL_QUERY_TIMEOUT
         try:
@@ -462,6 +471,11 @@ class Extension:
             )
         for problem in problems:
             print(f"nvshare: {problem}", file=sys.stderr)
+
+    def set_note(self, seconds: float | None) -> None:
+        """The shortest wait a note is shown for; None: no notes. Lifts a pause after a silence."""
+        self.note_seconds = seconds
+        self._paused_until = 0.0
 
     # %nvshare --------------------------------------------------------------------------------
 
@@ -503,8 +517,7 @@ class NvshareMagics(Magics):
             return extension.link.ask(STATUS_TIMEOUT)
         if words[0] == "note" and len(words) <= 2:
             if len(words) == 2:
-                extension.note_seconds = _note_setting(words[1])
-                extension._paused_until = 0.0
+                extension.set_note(_note_setting(words[1]))
             seconds = extension.note_seconds
             print("nvshare: notes after cells are off" if seconds is None else
                   f"nvshare: a note follows every cell that waited at least {seconds:g} s for the GPU")
@@ -534,19 +547,7 @@ def load_ipython_extension(shell: Any) -> None:
     # cell shows them.
     if sys.displayhook is getattr(shell, "displayhook", None):
         extension.show_problems()
-    if extension.interceptor is not None:
-        extension.register()
-    elif extension._notice_due:
-        # No hooks that would cost cells anything: only the first cell says why nothing is shared.
-        shell.events.register("pre_run_cell", _once(shell, extension))
-
-
-def _once(shell: Any, extension: Extension):
-    def show(info: Any = None) -> None:
-        shell.events.unregister("pre_run_cell", show)
-        extension.show_problems()
-
-    return show
+    extension.register()
 
 
 def unload_ipython_extension(shell: Any) -> None:

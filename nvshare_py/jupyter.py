@@ -38,7 +38,7 @@ import typer
 
 from . import __version__, library
 from .paths import ENV_SOCKET_DIR, SocketPaths
-from .run import scheduler_unreachable, with_preload
+from .run import exec_command, scheduler_unreachable, with_preload
 
 DEFAULT_NAME = "nvshare"
 DEFAULT_DISPLAY_NAME = "Python 3 (nvshare)"
@@ -176,7 +176,7 @@ def install(
     typer.echo(f"  its kernels preload {lib}")
     if directory not in {Path(found).absolute() for found in KernelSpecManager().kernel_dirs}:
         typer.echo(f"  Jupyter does not look in {directory}: start it with JUPYTER_PATH={directory.parent}")
-    paths = SocketPaths.resolve(socket_dir or kernel_env.get(ENV_SOCKET_DIR))
+    paths = SocketPaths.resolve(kernel_env.get(ENV_SOCKET_DIR))  # --socket-dir is recorded there
     reason = scheduler_unreachable(paths)
     if reason is None:
         typer.echo(f"  the scheduler at {paths.root} answers")
@@ -228,13 +228,9 @@ def launch(
             waits = env.get("NVSHARE_FAIL_MODE") != "open"
             echo(f"no nvshare scheduler at {paths.client_socket} ({reason}); the kernel's GPU "
                  + ("calls wait until one is started." if waits else "work runs unscheduled until one is started."))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        os.execvpe(command[0], command, env)
-    except OSError as error:
-        echo(f"cannot run {command[0]}: {error.strerror or error}")
-        raise typer.Exit(127 if isinstance(error, FileNotFoundError) else 126) from None
+    status, why = exec_command(command, env)
+    echo(f"cannot run {why}")
+    raise typer.Exit(status)
 
 
 def main() -> None:

@@ -48,6 +48,20 @@ def with_preload(existing: str | None, lib: Path) -> str:
     return ":".join([str(lib), *others])
 
 
+def exec_command(command: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """Replace this process with COMMAND (so it keeps the pid, signals and exit status). Returns
+    only when it cannot be executed: the exit status a shell gives then (127 not found, 126
+    otherwise) and why."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvpe(command[0], command, env)
+    except FileNotFoundError:
+        return 127, f"{command[0]}: command not found"
+    except OSError as error:
+        return 126, f"{command[0]}: {error.strerror or error}"
+
+
 def fail(message: str, code: int) -> typer.Exit:
     typer.echo(f"nvshare-run: {message}", err=True)
     return typer.Exit(code)
@@ -96,14 +110,8 @@ def run(
             )
         typer.echo(f"nvshare-run: {where}; running unscheduled until it is reachable (--fail-open)", err=True)
 
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        os.execvpe(command[0], command, env)
-    except FileNotFoundError:
-        raise fail(f"{command[0]}: command not found", 127) from None
-    except OSError as error:
-        raise fail(f"{command[0]}: {error.strerror}", 126) from None
+    status, why = exec_command(command, env)
+    raise fail(why, status)
 
 
 def main() -> None:

@@ -76,6 +76,23 @@ class Interval:
         """The holder gave the lock back by itself because it had gone idle."""
         return self.kind == HOLD and self.ended_by == "idle"
 
+    @property
+    def end_mark(self) -> str | None:
+        """How a finished hold ended, where a drawing marks it: "tq" (TQ handoff), "idle" (early
+        release), "revoked", "gone" (its process went); None for a plain release, a handover
+        after DROP that was not for the quantum, a reconnection, or a wait."""
+        if self.kind != HOLD or self.end is None:
+            return None
+        if self.tq_handoff:
+            return "tq"
+        if self.early_release:
+            return "idle"
+        if self.ended_by == ENDED_REVOKED:
+            return "revoked"
+        if self.ended_by not in ("drop", "user", "replaced", ENDED_RECONNECTED, ENDED_REGRANTED):
+            return "gone"
+        return None
+
 
 @dataclass
 class Timeline:
@@ -132,6 +149,8 @@ class Timeline:
                 cut.start = start
             if cut.end is not None and cut.end > end:
                 cut.end, cut.ended_by = None, ""
+            if cut.drop_at is not None and cut.drop_at > end:  # asked for the lock back later
+                cut.drop_at, cut.drop_reason = None, ""
             kept.append(cut)
         settings = [s for s in self.settings if start <= s["t"] <= end]
         return Timeline(start, end, kept, settings, dict(self.pids), dict(self.labels))
@@ -365,15 +384,8 @@ def _bar(intervals: list[Interval], timeline: Timeline, cells: int, colour: str)
         for start, stop, value in painted:
             for index in cell_range(start, stop):
                 state[index] = max(state[index], value)
-        if interval.kind == HOLD and interval.end is not None:
-            if interval.tq_handoff:
-                marks[cell_of(interval.end)] = _MARKS["tq"]
-            elif interval.early_release:
-                marks[cell_of(interval.end)] = _MARKS["idle"]
-            elif interval.ended_by == ENDED_REVOKED:
-                marks[cell_of(interval.end)] = _MARKS["revoked"]
-            elif interval.ended_by not in ("drop", "user", "replaced", ENDED_RECONNECTED, ENDED_REGRANTED):
-                marks[cell_of(interval.end)] = _MARKS["gone"]
+        if interval.end_mark is not None:
+            marks[cell_of(interval.end)] = _MARKS[interval.end_mark]
     text = Text(no_wrap=True, overflow="crop")
     for index, value in enumerate(state):
         if index in marks:
@@ -433,6 +445,9 @@ def write_json(path: str | os.PathLike, document: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(document, indent=2) + "\n")
 
 
+_PNG_MARKERS = {"tq": "v", "idle": "o", "revoked": "X"}  # an exit is not marked in the picture
+
+
 def write_png(path: str | os.PathLike, timeline: Timeline, title: str = "") -> None:
     """Draw the timeline with matplotlib (holds solid, draining hatched, waits light; markers
     at TQ handoffs, early releases and revocations). Raises MissingMatplotlib without it."""
@@ -463,9 +478,8 @@ def write_png(path: str | os.PathLike, timeline: Timeline, title: str = "") -> N
             axes.broken_barh([(start, drop - start)], (y - 0.35, 0.7), facecolors=colour)
             if drop < end:
                 axes.broken_barh([(drop, end - drop)], (y - 0.35, 0.7), facecolors=colour, alpha=0.55, hatch="///")
-            marker = ("v" if interval.tq_handoff else "o" if interval.early_release
-                      else "X" if interval.ended_by == ENDED_REVOKED else None)
-            if marker and interval.end is not None:
+            marker = _PNG_MARKERS.get(interval.end_mark)
+            if marker is not None:
                 axes.plot([end], [y + 0.5], marker=marker, color="black", markersize=7, linestyle="none")
     axes.set_yticks(range(len(rows)))
     axes.set_yticklabels([f"{_short_device(d)} {n}" if several_devices else n for d, n in reversed(rows)])
@@ -478,9 +492,8 @@ def write_png(path: str | os.PathLike, timeline: Timeline, title: str = "") -> N
         Patch(facecolor="grey", label="holds the lock"),
         Patch(facecolor="grey", alpha=0.55, hatch="///", label="draining after DROP"),
         Patch(facecolor="grey", alpha=0.25, label="waits"),
-        Line2D([], [], marker="v", color="black", linestyle="none", label="TQ handoff"),
-        Line2D([], [], marker="o", color="black", linestyle="none", label="early release (idle)"),
-        Line2D([], [], marker="X", color="black", linestyle="none", label="revoked"),
+        *(Line2D([], [], marker=_PNG_MARKERS[mark], color="black", linestyle="none", label=label)
+          for mark, label in (("tq", "TQ handoff"), ("idle", "early release (idle)"), ("revoked", "revoked"))),
     ], loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) < 3 else -0.15), ncol=6, fontsize="small",
         frameon=False)
     figure.savefig(os.fspath(path), dpi=120)

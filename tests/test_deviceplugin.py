@@ -416,6 +416,29 @@ def test_install_library_replaces_the_node_copy(tmp_path):
     assert missing.returncode == 1 and "absent.so does not exist" in missing.stderr
 
 
+def test_install_library_failures_are_reported_and_leave_nothing_behind(tmp_path):
+    source = tmp_path / "built.so"
+    source.write_bytes(b"new library")
+    target_dir = tmp_path / "lib"
+    (target_dir / "libnvshare.so").mkdir(parents=True)  # in the way of the rename
+    done = subprocess.run([sys.executable, "-m", "nvshare_py.deviceplugin", "install-library", "--to", str(target_dir),
+                           "--from", str(source)], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 1
+    assert f"cannot install {source} as {target_dir / 'libnvshare.so'}" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert sorted(p.name for p in target_dir.iterdir()) == ["libnvshare.so"]  # no scratch copy left
+
+
+def test_a_node_file_that_cannot_be_written_stops_the_plugin_with_the_reason(node, simnvml_dir):
+    blocker = node.root / "a-file"
+    blocker.write_text("")
+    with running_plugin(node, simnvml_dir, gpus=1,
+                        args=["--preload", "file", "--preload-file", str(blocker / "ld.so.preload")]) as plugin:
+        assert plugin.wait() == 1
+        assert f"cannot prepare {blocker} on the node" in plugin.log()
+        assert "Traceback" not in plugin.log()
+
+
 def real_gpu_uuids() -> list[str]:
     try:
         done = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"],

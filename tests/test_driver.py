@@ -78,7 +78,6 @@ def shim_env(simcuda, shim) -> dict[str, str]:
     return simcuda.env(LD_PRELOAD=str(shim), SHIM_DLSYM_LOG=str(shim.parent / "dlsym.log"))
 
 
-
 def test_every_function_is_resolved_through_cuGetProcAddress(simcuda, shim):
     """The addresses are those of the ABI versions asked for, and a preloaded library that
     exports the same names is not what the binding calls (it did not use dlsym)."""

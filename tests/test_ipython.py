@@ -9,13 +9,15 @@ import os
 import shutil
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import zmq
 from IPython.core.events import EventManager, available_events
 
+import nvshare_py
 from fixtures.scheduler import short_socket_dir, wait_for
-from nvshare_py import protocol
+from nvshare_py import ipython, protocol
 from nvshare_py.client import Client
 from nvshare_py.ipython import (
     NOT_UNDER_NVSHARE,
@@ -37,6 +39,10 @@ class StubShell:
 
     def __init__(self) -> None:
         self.events = EventManager(self, available_events)
+        self.magics_manager = SimpleNamespace(registry={})
+
+    def register_magics(self, magics) -> None:
+        self.magics_manager.registry[type(magics).__name__] = magics
 
 
 def status_document(**devices: str) -> dict:
@@ -156,6 +162,30 @@ def test_a_silent_scheduler_pauses_the_notes_instead_of_slowing_every_cell(fake,
     extension.pre_run_cell()
     extension.post_run_cell()
     assert fake.receive(timeout=0.3) is None  # nothing asked for the next cell
+
+
+def test_a_kernel_not_under_nvshare_says_so_in_its_first_cell_only(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("NVSHARE_SOCKET_DIR", str(tmp_path))
+    monkeypatch.setattr(ipython, "interceptor_path", lambda: None)
+    shell = StubShell()
+    nvshare_py.load_ipython_extension(shell)  # at kernel start: no cell to show it in yet
+    for _ in range(2):
+        shell.events.trigger("pre_run_cell", None)
+    assert capsys.readouterr().err.count(NOT_UNDER_NVSHARE) == 1
+    assert shell.events.callbacks["pre_run_cell"] == []
+
+
+@pytest.mark.parametrize("interceptor", ["/pretend/libnvshare.so", None])
+def test_unloading_removes_every_hook(capsys, monkeypatch, tmp_path, interceptor):
+    monkeypatch.setenv("NVSHARE_SOCKET_DIR", str(tmp_path))
+    monkeypatch.setattr(ipython, "interceptor_path", lambda: interceptor)
+    shell = StubShell()
+    nvshare_py.load_ipython_extension(shell)
+    nvshare_py.unload_ipython_extension(shell)
+    shell.events.trigger("pre_run_cell", None)
+    shell.events.trigger("post_run_cell", None)
+    assert shell.events.callbacks["pre_run_cell"] == shell.events.callbacks["post_run_cell"] == []
+    assert capsys.readouterr() == ("", "")
 
 
 # --- the note after a cell -----------------------------------------------------------------

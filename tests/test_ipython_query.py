@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 
 import pytest
 import zmq
 
-from fixtures.scheduler import wait_for
+from fixtures.scheduler import run_child, wait_for
 from nvshare_py import protocol
 from nvshare_py.client import Client
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
@@ -210,10 +211,8 @@ def test_query_reports_this_process_holding_then_waiting_behind_another(schedule
 
 
 def scheduler_query_from_child(scheduler) -> str:
-    from fixtures.scheduler import run_child
-
     code = ("import sys, json; from nvshare_py.ipython import query; "
             "print(json.dumps(query(socket_dir=sys.argv[1])))")
-    run = run_child([__import__("sys").executable, "-c", code, str(scheduler.socket_dir)], scheduler.env)
+    run = run_child([sys.executable, "-c", code, str(scheduler.socket_dir)], scheduler.env)
     assert run.returncode == 0, run.stderr
     return run.stdout.strip().splitlines()[-1]

@@ -157,6 +157,13 @@ def test_window_cuts_intervals_at_its_edges():
     assert by_row(part)["c2 pid 12"].early_releases == 0
 
 
+def test_a_drop_after_the_window_is_not_in_it():
+    timeline = handoff_and_early_release().timeline()
+    part = timeline.window(T0 + 2, T0 + 3)  # c1 holds throughout; it is asked to hand over at 3.1 s
+    (hold,) = [i for i in tl.to_json(part)["intervals"] if i["client"] == "c1" and i["kind"] == tl.HOLD]
+    assert (hold["end"], hold["drop_at"], hold["drop_reason"]) == (None, None, "")
+
+
 def test_unknown_event_kinds_are_ignored():
     events = Events().add(0, "grant", "c1", 1).add(1, "rebalance", "c1", 1, "future").add(2, "release", "c1", 1, "idle")
     assert spans(events.timeline(), "c1", tl.HOLD) == [(0, 2)]

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -19,7 +17,7 @@ from nvshare_py.paths import ENV_SOCKET_DIR, SocketPaths
 from . import config as defaults
 from .config import AllocationPolicy, ConfigError, PluginConfig, Preload, parse_container_env, parse_xids
 from .nvml import NvmlUnavailable
-from .server import PluginError, serve
+from .server import PluginError, replace_file, serve
 from .v1beta1 import DEFAULT_DEVICE_PLUGIN_DIR
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -106,12 +104,12 @@ def install_library_command(
     if not source.is_file():
         log.error("%s does not exist", source)
         raise typer.Exit(1)
-    target_dir.mkdir(parents=True, exist_ok=True)
     target = target_dir / LIBRARY_NAME
-    scratch = target_dir / f".{LIBRARY_NAME}.{os.getpid()}"
-    shutil.copyfile(source, scratch)
-    scratch.chmod(0o755)
-    scratch.replace(target)
+    try:
+        replace_file(target, source.read_bytes(), 0o755)
+    except OSError as error:
+        log.error("cannot install %s as %s: %s", source, target, error.strerror or error)
+        raise typer.Exit(1) from None
     log.info("installed %s as %s", source, target)
 
 

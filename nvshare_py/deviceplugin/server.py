@@ -191,6 +191,7 @@ class Plugin:
         """Drains NVML's Xid events and checks that every GPU is present. True when the health
         of some GPU flipped (the kubelet needs a new device list)."""
         before = {gpu.uuid: self.inventory.unhealthy_reason(gpu.uuid) for gpu in self.inventory.gpus}
+        flipped = False
         for uuid, xid in self.nvml.pending_xids():
             gpu = self.inventory.gpu(uuid)
             if xid in self.config.ignored_xids:
@@ -198,10 +199,10 @@ class Plugin:
                          gpu.index, uuid, xid)
             else:
                 log.error("GPU %d (%s) reported critical Xid %d", gpu.index, uuid, xid)
-                self.inventory.record_fatal_xid(uuid, xid)
+                flipped |= self.inventory.record_fatal_xid(uuid, xid)
         for gpu in self.inventory.gpus:
-            self.inventory.set_presence(gpu.uuid, self.nvml.presence_problem(gpu.uuid))
-        flipped = False
+            flipped |= self.inventory.set_presence(gpu.uuid, self.nvml.presence_problem(gpu.uuid))
+        # The log says every change of reason, also between two that are both Unhealthy.
         for gpu in self.inventory.gpus:
             reason = self.inventory.unhealthy_reason(gpu.uuid)
             if reason == before[gpu.uuid]:
@@ -213,7 +214,6 @@ class Plugin:
                           gpu.index, gpu.uuid, reason)
             else:
                 log.error("GPU %d (%s) is gone: its devices are Unhealthy (%s)", gpu.index, gpu.uuid, reason)
-            flipped |= (reason is None) != (before[gpu.uuid] is None)
         return flipped
 
     async def _watch_health(self) -> None:
@@ -308,21 +308,32 @@ class Plugin:
                 return f"{self.config.plugin_socket} was removed"
 
 
+def replace_file(target: Path, data: bytes, mode: int) -> None:
+    """Writes `target` anew through one rename, so that containers already running keep the
+    file they have (their mount or mapping holds the old one)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = target.with_name(f".{target.name}.{os.getpid()}")
+    try:
+        scratch.write_bytes(data)
+        scratch.chmod(mode)
+        scratch.replace(target)
+    finally:
+        scratch.unlink(missing_ok=True)  # only left when a step failed
+
+
 def _prepare_host(config: PluginConfig) -> None:
     client_dir = config.socket_paths.client_dir
-    if not client_dir.is_dir():
-        # The mount source must exist even before the scheduler starts; the protocol's mode.
-        client_dir.mkdir(parents=True)
-        client_dir.chmod(0o755)
-        log.info("created the client socket directory %s", client_dir)
-    if config.preload is Preload.FILE:
-        config.preload_file.parent.mkdir(parents=True, exist_ok=True)
-        scratch = config.preload_file.with_name(f".{config.preload_file.name}.{os.getpid()}")
-        scratch.write_text(f"{config.container_library}\n")
-        scratch.chmod(0o644)
-        # Atomic: containers already running keep the file they had.
-        scratch.replace(config.preload_file)
-        log.info("wrote %s (mounted at %s in containers)", config.preload_file, CONTAINER_PRELOAD_PATH)
+    try:
+        if not client_dir.is_dir():
+            # The mount source must exist even before the scheduler starts; the protocol's mode.
+            client_dir.mkdir(parents=True)
+            client_dir.chmod(0o755)
+            log.info("created the client socket directory %s", client_dir)
+        if config.preload is Preload.FILE:
+            replace_file(config.preload_file, f"{config.container_library}\n".encode(), 0o644)
+            log.info("wrote %s (mounted at %s in containers)", config.preload_file, CONTAINER_PRELOAD_PATH)
+    except OSError as error:
+        raise PluginError(f"cannot prepare {error.filename} on the node: {error.strerror}") from None
 
 
 async def serve(config: PluginConfig) -> None:
