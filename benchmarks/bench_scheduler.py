@@ -70,6 +70,8 @@ class Daemon:
         deadline = time.monotonic() + 30
         while not self.paths.control_socket.exists() or not self._answers():
             if self.process.poll() is not None or time.monotonic() > deadline:
+                self.process.kill()
+                self.process.wait()
                 raise RuntimeError((self.directory / "scheduler.log").read_text())
             time.sleep(0.05)
 
@@ -376,7 +378,7 @@ def main() -> None:
     try:
         if not args.no_extras:
             results["idle_cpu_no_clients"] = measure_idle_cpu(daemon, 10.0)
-        lock_client = build_lock_client(daemon.directory)
+        lock_client = build_lock_client(daemon.directory) if "c" in args.client else None
         for kind, devices, count in ((k, d, c) for k in args.client for d in args.devices for c in args.clients):
             if kind == "c":
                 clients = CClients(lock_client, daemon, count, devices)

@@ -24,6 +24,8 @@ EXIT_PERMISSION = 4  # socket not accessible, or the daemon said "forbidden"
 
 REQUEST_MAX = 64 * 1024
 REPLY_MAX = 8 * 1024 * 1024
+# ZeroMQ takes send and receive timeouts as a C int of milliseconds (about 24.8 days).
+TIMEOUT_MAX = (2**31 - 1) // 1000
 
 
 class ControlFailure(Exception):

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,7 +28,8 @@ from rich.text import Text
 
 from .. import timeline as timelines
 from ..paths import ENV_SOCKET_DIR, SocketPaths
-from .control import EXIT_REFUSED, EXIT_USAGE, ControlConnection, ControlFailure
+from ..protocol import MAX_INT
+from .control import EXIT_REFUSED, EXIT_USAGE, TIMEOUT_MAX, ControlConnection, ControlFailure
 
 app = typer.Typer(
     add_completion=False,
@@ -39,6 +42,8 @@ stdout = Console(highlight=False, width=None if sys.stdout.isatty() or os.enviro
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(?:i?b)?\s*\Z", re.IGNORECASE)
+# The scheduler's ring holds the last 10 000 events, and that is also its largest page.
+EVENTS_PAGE = 10_000
 
 
 def parse_size(text: str) -> int:
@@ -46,9 +51,10 @@ def parse_size(text: str) -> int:
     match = _SIZE.match(text)
     if match is None:
         raise ValueError(f"{text!r} is not a size (examples: 8G, 512M, 1.5GiB, 1048576)")
-    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if size <= 0:
-        raise ValueError("the size must be greater than 0")
+    # Exact arithmetic: a float would round large byte counts and overflow on absurd ones.
+    size = int(Fraction(match.group(1)) * _UNITS[match.group(2).lower()])
+    if not 0 < size <= MAX_INT:
+        raise ValueError(f"the size must be greater than 0 and at most {MAX_INT} bytes")
     return size
 
 
@@ -93,7 +99,7 @@ def options(
     socket_dir: Optional[Path] = typer.Option(
         None, envvar=ENV_SOCKET_DIR, readable=False, help="The scheduler's socket directory [default: as nvshare-scheduler]"
     ),
-    timeout: float = typer.Option(5.0, min=0.001, help="Seconds to wait for the scheduler's answer"),
+    timeout: float = typer.Option(5.0, min=0.001, max=TIMEOUT_MAX, help="Seconds to wait for the scheduler's answer"),
 ) -> None:
     ctx.obj = Settings(SocketPaths.resolve(socket_dir), timeout)
 
@@ -104,14 +110,14 @@ DEVICE_OPTION = typer.Option(None, "--device", help="A device UUID; without it t
 @app.command("set-tq")
 def set_tq(ctx: typer.Context, seconds: float = typer.Argument(..., help="Time quantum in seconds (> 0)"), device: Optional[str] = DEVICE_OPTION) -> None:
     """Set the time quantum."""
-    if not seconds > 0:
-        raise typer.BadParameter("must be greater than 0", param_hint="SECONDS")
-    result = _call(ctx, "set-tq", seconds=seconds, **({"device": device} if device else {}))
+    if not 0 < seconds < math.inf:
+        raise typer.BadParameter("must be greater than 0 and finite", param_hint="SECONDS")
+    result = _call(ctx, "set-tq", seconds=seconds, device=device)
     typer.echo(f"time quantum of {result['device'] or 'every device'}: {result['tq']:g} s")
 
 
 def _set_mode(ctx: typer.Context, mode: str, device: str | None) -> None:
-    result = _call(ctx, "set-mode", mode=mode, **({"device": device} if device else {}))
+    result = _call(ctx, "set-mode", mode=mode, device=device)
     typer.echo(f"mode of {result['device'] or 'every device'}: {result['mode']}")
 
 
@@ -285,7 +291,7 @@ def events_command(
     settings: Settings = ctx.obj
     try:
         with settings.connect() as connection:
-            answer = connection.request("events", since=since, limit=10_000)
+            answer = connection.request("events", since=since, limit=EVENTS_PAGE)
             if as_json and not follow:
                 typer.echo(json.dumps(answer, indent=2))
                 return
@@ -295,7 +301,7 @@ def events_command(
                 if not follow:
                     return
                 time.sleep(interval)
-                answer = connection.request("events", since=answer["next"], limit=10_000)
+                answer = connection.request("events", since=answer["next"], limit=EVENTS_PAGE)
     except ControlFailure as failure:
         _fail(failure)
     except KeyboardInterrupt:
@@ -311,7 +317,7 @@ def _all_events(connection: ControlConnection) -> list[dict]:
     events: list[dict] = []
     since = 0
     while True:
-        answer = connection.request("events", since=since, limit=10_000)
+        answer = connection.request("events", since=since, limit=EVENTS_PAGE)
         if not answer["events"]:
             return events
         events.extend(answer["events"])

@@ -13,6 +13,9 @@ from pathlib import Path
 
 ENV_SOCKET_DIR = "NVSHARE_SOCKET_DIR"
 
+# sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+
 
 def default_socket_dir() -> Path:
     if os.geteuid() == 0:
@@ -21,6 +24,14 @@ def default_socket_dir() -> Path:
     if runtime and os.path.isdir(runtime):
         return Path(runtime) / "nvshare"
     return Path(f"/tmp/nvshare-{os.geteuid()}")
+
+
+def check_socket_path(path: Path) -> None:
+    """Raise ValueError, saying why, when `path` is too long to be a Unix socket's address
+    (bind and connect would fail with a bare "AF_UNIX path too long")."""
+    length = len(os.fsencode(path))
+    if length > MAX_SOCKET_PATH:
+        raise ValueError(f"socket path {path} is {length} bytes; Unix socket paths are limited to {MAX_SOCKET_PATH} bytes")
 
 
 @dataclass(frozen=True)

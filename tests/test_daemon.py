@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import time
 
+import pytest
+import trio
+import trio.testing
 import zmq
 
 from fixtures.scheduler import SchedulerProcess, short_socket_dir, wait_for
+from nvshare_py.scheduler import events as ev
+from nvshare_py.scheduler.core import SchedulerCore
+from nvshare_py.scheduler.daemon import FAILED_TICK_RETRY, Daemon, DaemonConfig
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 
 
-def granted_ids(agent) -> list[str]:
+def granted_lines(agent) -> list[str]:
     return [line for line in agent.lines if line.startswith("granted")]
 
 
@@ -25,7 +32,7 @@ def test_handoff_between_two_client_processes(scheduler):
     second.send(f"acquire {GPU}")
     wait_for(lambda: scheduler.waiters(GPU) == [second.client_id], what="the second client to wait")
     assert scheduler.holders(GPU) == [first.client_id]
-    assert granted_ids(second) == []  # the lock is exclusive in mode on
+    assert granted_lines(second) == []  # the lock is exclusive in mode on
 
     first.send(f"release {GPU}")
     line = second.expect(f"granted {GPU}")
@@ -112,7 +119,7 @@ def test_restart_keeps_the_holder_and_the_waiter(scheduler):
 
     holder.send(f"grant {GPU}")
     assert holder.expect(f"grant {GPU}") != f"grant {GPU} none"  # the holder kept its lock
-    assert granted_ids(waiter) == []
+    assert granted_lines(waiter) == []
     holder.send(f"release {GPU}")
     waiter.expect(f"granted {GPU}")
     assert holder.process.poll() is None and waiter.process.poll() is None
@@ -207,6 +214,32 @@ def test_idle_daemon_does_not_wake_up(scheduler):
     assert thread_switches() - before <= 2
 
 
+def test_a_core_failing_on_its_ticks_is_retried_without_spinning(monkeypatch):
+    # In-process, on Trio's virtual clock: a deadline that never moves (as when the core
+    # raises on every Tick) must not turn the pump into a busy loop.
+    directory = short_socket_dir()
+    daemon = Daemon(DaemonConfig(socket_dir=directory))
+    ticks: list[float] = []
+
+    def handle(core, event):
+        assert isinstance(event, ev.Tick), event
+        ticks.append(event.now)
+        if len(ticks) == 4:
+            daemon._nursery.cancel_scope.cancel()
+        raise RuntimeError("a bug in the core")
+
+    monkeypatch.setattr(SchedulerCore, "next_deadline", lambda core: 0.0)
+    monkeypatch.setattr(SchedulerCore, "handle", handle)
+    daemon.open()
+    try:
+        trio.run(daemon.serve, clock=trio.testing.MockClock(autojump_threshold=0))
+    finally:
+        daemon.close()
+        shutil.rmtree(directory)
+    assert len(ticks) == 4
+    assert all(later - earlier >= FAILED_TICK_RETRY for earlier, later in zip(ticks, ticks[1:])), ticks
+
+
 def test_sigint_stops_the_daemon_cleanly(scheduler):
     scheduler.process.send_signal(signal.SIGINT)
     assert scheduler.process.wait(30) == 0
@@ -234,10 +267,27 @@ def test_options_reach_the_clients(scheduler_factory):
 def test_invalid_options_are_usage_errors():
     directory = short_socket_dir()
     try:
-        for bad in (["--tq", "0"], ["--heartbeat-timeout", "0.5", "--heartbeat-interval", "1"], ["--mode", "sometimes"]):
+        for bad in (["--tq", "0"], ["--heartbeat-timeout", "0.5", "--heartbeat-interval", "1"], ["--mode", "sometimes"],
+                    ["--tq", "inf"], ["--grace", "1e300"], ["--recovery", "inf"]):
             process = SchedulerProcess(directory, {})
             result = process.run_to_exit(*bad)
             assert result.returncode == 2, (bad, result.stderr)
+            assert "Traceback" not in result.stderr
+    finally:
+        os.rmdir(directory)  # refused before anything was created in it
+
+
+def test_a_socket_directory_of_another_user_is_refused():
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory to another uid needs root")
+    directory = short_socket_dir()
+    try:
+        # E.g. another user created the /tmp default first: they could swap the sockets.
+        os.chown(directory, 1001, 1001)
+        result = SchedulerProcess(directory, {}).run_to_exit()
+        assert result.returncode == 1
+        assert f"{directory} belongs to uid 1001" in result.stderr
+        assert os.listdir(directory) == []
     finally:
         os.rmdir(directory)
 

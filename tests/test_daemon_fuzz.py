@@ -3,11 +3,15 @@ with well-formed messages, and a well-behaved client keeps getting its lock thro
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import zmq
+import zmq.utils.monitor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fixtures.scheduler import DEFAULT_OPTIONS, SchedulerProcess, short_socket_dir
 from nvshare_py import protocol
 from nvshare_py.client import Client
 
@@ -72,11 +76,8 @@ MESSAGE = st.one_of(
 
 
 @pytest.fixture(scope="module")
-def fuzz_target(request):
+def fuzz_target():
     """One daemon and one well-behaved client shared by every example of this module."""
-    from fixtures.scheduler import SchedulerProcess, DEFAULT_OPTIONS, short_socket_dir
-    import shutil
-
     directory = short_socket_dir()
     scheduler = SchedulerProcess(directory, {**DEFAULT_OPTIONS, "log_level": "info"}).start()
     client = Client(directory)
@@ -174,9 +175,14 @@ def test_a_peer_over_the_wire_limit_is_cut_off_and_others_carry_on(fuzz_target):
     scheduler, client, context = fuzz_target
     peer = context.socket(zmq.DEALER)
     peer.setsockopt(zmq.LINGER, 0)
+    monitor = peer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     peer.connect(scheduler.paths.client_endpoint)
     try:
         peer.send(b"x" * (2 << 20))  # libzmq drops the connection (MAXMSGSIZE) without reading it
+        assert monitor.poll(15_000), "the daemon did not cut the peer off"
+        assert zmq.utils.monitor.recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
         assert_good_client_works(scheduler, client)
     finally:
+        peer.disable_monitor()
+        monitor.close(linger=0)
         peer.close(linger=0)

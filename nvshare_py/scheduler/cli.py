@@ -59,14 +59,8 @@ def serve(
 ) -> None:
     if heartbeat_timeout <= heartbeat_interval:
         raise typer.BadParameter("must be longer than --heartbeat-interval", param_hint="--heartbeat-timeout")
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=log_level.value.upper(),
-        format="%(asctime)s.%(msecs)03d %(levelname)s %(message)s",
-        datefmt="%Y-%m-%dT%H:%M:%S",
-    )
-    daemon = Daemon(
-        DaemonConfig(
+    try:
+        config = DaemonConfig(
             socket_dir=socket_dir,
             mode=mode.value,
             tq=tq,
@@ -76,7 +70,15 @@ def serve(
             idle_release=idle_release,
             recovery=recovery,
         )
+    except ValueError as exc:  # what the callbacks let through, e.g. "inf" or 1e300 seconds
+        raise typer.BadParameter(str(exc)) from None
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=log_level.value.upper(),
+        format="%(asctime)s.%(msecs)03d %(levelname)s %(message)s",
+        datefmt="%Y-%m-%dT%H:%M:%S",
     )
+    daemon = Daemon(config)
     try:
         daemon.open()
     except StartupError as exc:

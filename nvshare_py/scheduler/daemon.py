@@ -36,10 +36,10 @@ import trio
 import zmq
 
 from .. import __version__, protocol
-from ..paths import SocketPaths
+from ..paths import SocketPaths, check_socket_path
 from . import events as ev
 from .core import CoreConfig, SchedulerCore
-from .zmqtrio import bind_router, check_socket_path, has_message, peer_credentials, recv_nowait, wait_readable
+from .zmqtrio import bind_router, peer_credentials, recv_nowait, wait_readable
 
 log = logging.getLogger("nvshare.scheduler")
 
@@ -53,6 +53,9 @@ CLIENT_WIRE_MAX = 64 * 1024
 CONTROL_WIRE_MAX = 1024 * 1024
 # Messages handled before the pump lets the other tasks run (fairness under a flood).
 PUMP_BATCH = 64
+# Seconds before a Tick is given again for a deadline that the last one should have handled
+# (the core failed on it): often enough to recover, rarely enough not to spin or flood the log.
+FAILED_TICK_RETRY = 1.0
 
 
 class StartupError(Exception):
@@ -69,6 +72,23 @@ class DaemonConfig:
     heartbeat_timeout: float = 5.0
     idle_release: float = 1.0
     recovery: float = 2.0  # only used when a previous daemon's client socket is found
+
+    def __post_init__(self) -> None:
+        # Refuse values the lock core does not accept now, before any directory or socket is
+        # touched (a socket left behind would make the next daemon believe it restarted).
+        self.core_config(restarted=True)
+
+    def core_config(self, restarted: bool) -> CoreConfig:
+        """The lock core's settings; raises ValueError for a value it does not accept."""
+        return CoreConfig(
+            mode=self.mode,
+            tq=self.tq,
+            grace=self.grace,
+            heartbeat_interval=self.heartbeat_interval,
+            heartbeat_timeout=self.heartbeat_timeout,
+            idle_release=self.idle_release,
+            recovery=self.recovery if restarted else 0.0,
+        )
 
 
 def format_fields(fields: dict[str, Any]) -> str:
@@ -123,6 +143,7 @@ class ControlError(Exception):
 
 
 _LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
+_INTERNAL_ERROR = "the scheduler failed on this request; see its log"
 
 
 class _Pending:
@@ -143,7 +164,7 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.paths = SocketPaths.resolve(config.socket_dir)
-        self.recovering = False
+        self.restarted = False  # a previous daemon's client socket was found: clients may come back
         self.core: SchedulerCore | None = None
         self._lock_fd: int | None = None
         self._context: zmq.Context | None = None
@@ -179,12 +200,12 @@ class Daemon:
             try:
                 check_socket_path(path)
             except ValueError as exc:
-                raise StartupError(str(exc)) from None
+                raise StartupError(f"{exc}: choose a shorter --socket-dir") from None
         _raise_descriptor_limit()
         try:
             self._prepare_directories()
             self._lock_fd = self._take_lock()
-            self.recovering = self._previous_daemon_left_clients()
+            self.restarted = self._previous_daemon_left_clients()
             self._context = zmq.Context()
             self._clients = bind_router(self._context, paths.client_socket, 0o666, max_message=CLIENT_WIRE_MAX)
             self._control = bind_router(self._context, paths.control_socket, 0o600, max_message=CONTROL_WIRE_MAX)
@@ -211,6 +232,14 @@ class Daemon:
     def _prepare_directories(self) -> None:
         paths = self.paths
         paths.root.mkdir(mode=0o755, parents=True, exist_ok=True)
+        # Whoever owns the directory can rename the socket directories in it and put its own
+        # in their place (e.g. by creating the /tmp default of another user first).
+        owner = paths.root.stat().st_uid
+        if owner not in (0, self._uid):
+            raise StartupError(
+                f"{paths.root} belongs to uid {owner}, neither this daemon's uid {self._uid} nor root, "
+                "so that user could replace the sockets in it: choose another --socket-dir"
+            )
         for directory, mode in ((paths.client_dir, 0o755), (paths.control_dir, 0o700)):
             try:
                 directory.mkdir(mode=mode)
@@ -256,19 +285,7 @@ class Daemon:
 
     async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         config = self.config
-        recovery = config.recovery if self.recovering else 0.0
-        self.core = SchedulerCore(
-            CoreConfig(
-                mode=config.mode,
-                tq=config.tq,
-                grace=config.grace,
-                heartbeat_interval=config.heartbeat_interval,
-                heartbeat_timeout=config.heartbeat_timeout,
-                idle_release=config.idle_release,
-                recovery=recovery,
-            ),
-            trio.current_time(),
-        )
+        self.core = SchedulerCore(config.core_config(self.restarted), trio.current_time())
         self._started = time.time()
         # One offset for the daemon's life: converting each time with a fresh time.time() would
         # let two events of one instant come out in the wrong order.
@@ -287,7 +304,7 @@ class Daemon:
                 tq=config.tq,
                 grace=config.grace,
                 heartbeat_timeout=config.heartbeat_timeout,
-                recovery=recovery,
+                recovery=self.core.config.recovery,
             )
             task_status.started()
         emit(logging.INFO, "stopped")
@@ -322,19 +339,18 @@ class Daemon:
             now = trio.current_time()
             deadline = core.next_deadline()
             if deadline is not None and deadline <= now:
-                if now > last_tick:
+                # After Tick(t) the core's deadlines lie after t; one at or before t means it
+                # failed on that Tick (logged by _feed).
+                if deadline > last_tick or now >= last_tick + FAILED_TICK_RETRY:
                     last_tick = now
                     self._feed(ev.Tick(now))
                     continue
-                # The core still reports a passed deadline right after a Tick at this very
-                # instant: wait for the clock to move rather than spin.
-                deadline = now + 0.001
+                deadline = last_tick + FAILED_TICK_RETRY
             if handled == PUMP_BATCH:
                 await trio.lowlevel.checkpoint()
                 continue
-            # A send may have consumed the descriptor's edge: look at EVENTS before sleeping.
-            if has_message(sock):
-                continue
+            # wait_readable looks at EVENTS before sleeping: a send may have consumed the
+            # descriptor's edge.
             with trio.move_on_at(math.inf if deadline is None else deadline) as wait:
                 self._pump_wait = wait
                 await wait_readable(sock)
@@ -352,27 +368,30 @@ class Daemon:
         return pending
 
     def _run_pending(self, pending: _Pending) -> None:
+        """Feed a handed-over event; the core's refusal (or failure) goes back to the poster."""
+        event = pending.make_event(trio.current_time())
         try:
-            self._feed(pending.make_event(trio.current_time()), strict=True)
+            actions = self.core.handle(event)
         except ev.CoreError as exc:
             pending.error = exc
         except Exception:
-            log.exception("core failed on a control request")
-            pending.error = ev.CoreError("internal", "the scheduler failed on this request; see its log")
+            log.exception("core failed on %r", event)
+            pending.error = ev.CoreError("internal", _INTERNAL_ERROR)
+        else:
+            self._carry_out(actions)
         pending.done.set()
 
-    def _feed(self, event: ev.Event, *, strict: bool = False) -> None:
-        """Give the core one event and carry out its actions. With `strict` the core's
-        exceptions propagate (control requests are answered with them); for client events a
-        failing core is logged, not fatal: one bad event must not take every client's
-        scheduler down."""
+    def _feed(self, event: ev.Event) -> None:
+        """Give the core one event and carry out its actions. A failing core is logged, not
+        fatal: one bad event must not take every client's scheduler down."""
         try:
             actions = self.core.handle(event)
         except Exception:
-            if strict:
-                raise
             log.exception("core failed on %r", event)
             return
+        self._carry_out(actions)
+
+    def _carry_out(self, actions: list[ev.Action]) -> None:
         # Messages first: a GRANT is on the waiter's handoff path, the bookkeeping is not.
         for action in actions:
             if type(action) is ev.Send:
@@ -429,9 +448,7 @@ class Daemon:
         now = trio.current_time()
         kind = type(message)
         if kind is protocol.Query:
-            # Matched by the kernel-verified pid, never by anything the peer says.
-            answer = self.core.query(peer_credentials(frame).pid, now)
-            self._send(key, protocol.Status.of(answer))
+            self._answer_query(key, frame, now)
             return
         registered = self.core.client_id(key) is not None
         if kind is protocol.Hello:
@@ -458,6 +475,16 @@ class Daemon:
         else:  # the codec only returns client messages
             raise AssertionError(f"unexpected message {kind.__name__}")
         self._feed(event)
+
+    def _answer_query(self, key: bytes, frame: zmq.Frame, now: float) -> None:
+        # Matched by the kernel-verified pid, never by anything the peer says. Any local user
+        # may ask: a failure is logged, not fatal, as for events (see _feed).
+        try:
+            answer = protocol.Status.of(self.core.query(peer_credentials(frame).pid, now))
+        except Exception:
+            log.exception("cannot answer a QUERY")
+            return
+        self._send(key, answer)
 
     def _reject(self, key: bytes, code: str, detail: str, msg_type: str = "") -> None:
         suppressed = self._bad_input_log.take()
@@ -552,10 +579,12 @@ class Daemon:
             if not isinstance(request, dict) or request.get("v") != 1:
                 raise ControlError("bad-request", 'a request is a JSON object with "v": 1')
             result = await self._control_op(request)
-        except ControlError as exc:
+        except (ControlError, ev.CoreError) as exc:
             return _failure(exc.code, str(exc))
-        except ev.CoreError as exc:
-            return _failure(exc.code, str(exc))
+        except Exception:
+            # E.g. the core failing on `status`: answered, and the daemon serves on.
+            log.exception("control request %r failed", request.get("op"))
+            return _failure("internal", _INTERNAL_ERROR)
         return {"v": 1, "ok": True, "result": result}
 
     def _authorisation_failure(self, frame: zmq.Frame) -> str | None:
@@ -582,19 +611,16 @@ class Daemon:
             since = _integer(request, "since", 0, minimum=0)
             limit = _integer(request, "limit", EVENTS_DEFAULT_LIMIT, minimum=1, maximum=EVENT_RING_SIZE)
             return self.events(since, limit)
+        # The core judges the values of settings (CoreError bad-request) before changing anything.
         if op == "set-tq":
-            seconds = request.get("seconds")
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
-                raise ControlError("bad-request", "seconds must be a number > 0")
+            seconds = _number(request, "seconds")
             device = _device(request, required=False)
-            await self._apply(lambda now: ev.SetQuantum(now, float(seconds), device))
+            await self._apply(lambda now: ev.SetQuantum(now, seconds, device))
             if device is None:
-                self._defaults["tq"] = float(seconds)
-            return {"device": device, "tq": float(seconds)}
+                self._defaults["tq"] = seconds
+            return {"device": device, "tq": seconds}
         if op == "set-mode":
             mode = request.get("mode")
-            if mode not in protocol.MODES:
-                raise ControlError("bad-request", f"mode must be one of {', '.join(protocol.MODES)}")
             device = _device(request, required=False)
             await self._apply(lambda now: ev.SetMode(now, mode, device))
             if device is None:
@@ -625,7 +651,7 @@ class Daemon:
                 "started": self._started,
                 "socket_dir": str(self.paths.root),
                 "defaults": dict(self._defaults),
-                "restarted": self.recovering,
+                "restarted": self.restarted,
             }
         }
         document.update(self.core.status(trio.current_time(), self._wall))
@@ -659,6 +685,16 @@ def _split_envelope(frames: list[zmq.Frame]) -> tuple[list[bytes], list[zmq.Fram
         envelope.append(b"")
         rest = rest[1:]
     return envelope, rest
+
+
+def _number(request: dict, key: str) -> float:
+    value = request.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ControlError("bad-request", f"{key} must be a number")
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        raise ControlError("bad-request", f"{key} is too large") from None
 
 
 def _integer(request: dict, key: str, default: int, *, minimum: int, maximum: int = protocol.MAX_INT) -> int:

@@ -23,9 +23,6 @@ from pathlib import Path
 import trio
 import zmq
 
-# sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
-MAX_SOCKET_PATH = 107
-
 # Plain ints: pyzmq's enum constants build a new flag object on every `&` (the pump checks
 # EVENTS after every message).
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
@@ -75,16 +72,6 @@ def peer_credentials(frame: zmq.Frame) -> PeerCredentials:
     if len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
         return UNKNOWN_PEER
     return PeerCredentials(int(parts[1]), int(parts[2]), int(parts[3]))
-
-
-def check_socket_path(path: Path) -> None:
-    """Raise ValueError with an operator-readable message when `path` cannot be a Unix socket."""
-    length = len(os.fsencode(path))
-    if length > MAX_SOCKET_PATH:
-        raise ValueError(
-            f"socket path {path} is {length} bytes; Unix socket paths are limited to "
-            f"{MAX_SOCKET_PATH} bytes: choose a shorter --socket-dir"
-        )
 
 
 def listen_unix(path: Path, mode: int, backlog: int = 256) -> int:
