@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nvshare_py.paths import SocketPaths
+from nvshare_py.paths import SocketPaths, check_socket_path
 
 from .v1beta1 import DEFAULT_DEVICE_PLUGIN_DIR, KUBELET_SOCKET
 
@@ -113,9 +113,10 @@ class PluginConfig:
                 raise ConfigError(f"{label} path {path} must be absolute")
         if self.health_interval <= 0 or self.kubelet_watch_interval <= 0:
             raise ConfigError("intervals must be positive")
-        # 108 bytes is sun_path; one byte goes to the terminating NUL.
-        if len(str(self.plugin_socket).encode()) > 107:
-            raise ConfigError(f"socket path {self.plugin_socket} is longer than 107 bytes")
+        try:
+            check_socket_path(self.plugin_socket)
+        except ValueError as too_long:
+            raise ConfigError(str(too_long)) from None
 
     @property
     def plugin_socket(self) -> Path:
