@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from typing import Any
 
 import zmq
 
-from ..paths import SocketPaths
+from ..paths import SocketPaths, connect_error
+from ..protocol import CONTROL_EVENTS_MAX, CONTROL_REPLY_MAX, CONTROL_REQUEST_MAX
 
 EXIT_OK = 0
 EXIT_REFUSED = 1  # the daemon refused the request
@@ -22,8 +22,6 @@ EXIT_USAGE = 2
 EXIT_NOT_RUNNING = 3  # no socket, connection refused, or no answer in time
 EXIT_PERMISSION = 4  # socket not accessible, or the daemon said "forbidden"
 
-REQUEST_MAX = 64 * 1024
-REPLY_MAX = 8 * 1024 * 1024
 # ZeroMQ takes send and receive timeouts as a C int of milliseconds (about 24.8 days).
 TIMEOUT_MAX = (2**31 - 1) // 1000
 
@@ -38,23 +36,18 @@ class ControlFailure(Exception):
 def probe(path: os.PathLike) -> None:
     """A plain AF_UNIX connect, to tell 'not running' from 'not allowed' before ZeroMQ
     (which would silently retry either) gets involved."""
-    probe_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe_socket.connect(os.fspath(path))
-    except FileNotFoundError:
+    error = connect_error(path)
+    if error is None:
+        return
+    if isinstance(error, FileNotFoundError):
         raise ControlFailure(
             EXIT_NOT_RUNNING, f"no scheduler control socket at {path} (is nvshare-scheduler running? check --socket-dir)"
-        ) from None
-    except ConnectionRefusedError:
-        raise ControlFailure(EXIT_NOT_RUNNING, f"nvshare-scheduler is not running (nothing listens on {path})") from None
-    except PermissionError:
-        raise ControlFailure(
-            EXIT_PERMISSION, f"permission denied on {path}: run as root or as the scheduler's user"
-        ) from None
-    except OSError as exc:
-        raise ControlFailure(EXIT_NOT_RUNNING, f"cannot reach {path}: {exc.strerror}") from None
-    finally:
-        probe_socket.close()
+        )
+    if isinstance(error, ConnectionRefusedError):
+        raise ControlFailure(EXIT_NOT_RUNNING, f"nvshare-scheduler is not running (nothing listens on {path})")
+    if isinstance(error, PermissionError):
+        raise ControlFailure(EXIT_PERMISSION, f"permission denied on {path}: run as root or as the scheduler's user")
+    raise ControlFailure(EXIT_NOT_RUNNING, f"cannot reach {path}: {error.strerror or error}")
 
 
 class ControlConnection:
@@ -69,14 +62,14 @@ class ControlConnection:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.RCVTIMEO, max(1, int(timeout * 1000)))
         self._socket.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
-        self._socket.setsockopt(zmq.MAXMSGSIZE, REPLY_MAX)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, CONTROL_REPLY_MAX)
         self._socket.connect(paths.control_endpoint)
 
     def request(self, op: str, **fields: Any) -> Any:
         """Send one request and return its `result`; raises ControlFailure."""
         data = json.dumps({"v": 1, "op": op, **fields}).encode()
-        if len(data) > REQUEST_MAX:
-            raise ControlFailure(EXIT_USAGE, f"request of {len(data)} bytes is over the {REQUEST_MAX}-byte limit")
+        if len(data) > CONTROL_REQUEST_MAX:
+            raise ControlFailure(EXIT_USAGE, f"request of {len(data)} bytes is over the {CONTROL_REQUEST_MAX}-byte limit")
         try:
             self._socket.send(data)
             reply = json.loads(self._socket.recv())
@@ -96,6 +89,17 @@ class ControlConnection:
         message = str(error.get("message", ""))
         exit_code = EXIT_PERMISSION if code == "forbidden" else EXIT_REFUSED
         raise ControlFailure(exit_code, f"the scheduler refused: {code}" + (f": {message}" if message else ""), code)
+
+    def events_since(self, since: int = 0) -> tuple[list[dict], int]:
+        """Every stored lock event with a sequence number from `since` on (paging through the
+        `events` operation), and the number to ask from next time."""
+        events: list[dict] = []
+        while True:
+            answer = self.request("events", since=since, limit=CONTROL_EVENTS_MAX)
+            events.extend(answer["events"])
+            since = answer["next"]
+            if len(answer["events"]) < CONTROL_EVENTS_MAX:
+                return events, since
 
     def close(self) -> None:
         if self._context is not None:

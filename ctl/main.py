@@ -28,7 +28,7 @@ from rich.text import Text
 
 from .. import timeline as timelines
 from ..paths import ENV_SOCKET_DIR, SocketPaths
-from ..protocol import MAX_INT
+from ..protocol import CONTROL_EVENTS_MAX, MAX_INT
 from .control import EXIT_REFUSED, EXIT_USAGE, TIMEOUT_MAX, ControlConnection, ControlFailure
 
 app = typer.Typer(
@@ -43,7 +43,6 @@ stdout = Console(highlight=False, width=None if sys.stdout.isatty() or os.enviro
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(?:i?b)?\s*\Z", re.IGNORECASE)
 # The scheduler's ring holds the last 10 000 events, and that is also its largest page.
-EVENTS_PAGE = 10_000
 
 
 def parse_size(text: str) -> int:
@@ -291,7 +290,7 @@ def events_command(
     settings: Settings = ctx.obj
     try:
         with settings.connect() as connection:
-            answer = connection.request("events", since=since, limit=EVENTS_PAGE)
+            answer = connection.request("events", since=since, limit=CONTROL_EVENTS_MAX)
             if as_json and not follow:
                 typer.echo(json.dumps(answer, indent=2))
                 return
@@ -301,7 +300,7 @@ def events_command(
                 if not follow:
                     return
                 time.sleep(interval)
-                answer = connection.request("events", since=answer["next"], limit=EVENTS_PAGE)
+                answer = connection.request("events", since=answer["next"], limit=CONTROL_EVENTS_MAX)
     except ControlFailure as failure:
         _fail(failure)
     except KeyboardInterrupt:
@@ -311,17 +310,6 @@ def events_command(
 # --- timeline ------------------------------------------------------------------------------
 
 DEFAULT_TIMELINE_SECONDS = 300.0
-
-
-def _all_events(connection: ControlConnection) -> list[dict]:
-    events: list[dict] = []
-    since = 0
-    while True:
-        answer = connection.request("events", since=since, limit=EVENTS_PAGE)
-        if not answer["events"]:
-            return events
-        events.extend(answer["events"])
-        since = answer["next"]
 
 
 def _client_names(status: dict) -> dict[str, str]:
@@ -361,7 +349,7 @@ def timeline_command(
     settings: Settings = ctx.obj
     try:
         with settings.connect() as connection:
-            events = _all_events(connection)
+            events, _ = connection.events_since(0)
             status = connection.request("status")
     except ControlFailure as failure:
         _fail(failure)

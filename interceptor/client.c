@@ -6,8 +6,9 @@
  *   machine of every device (docs/protocol.md), heartbeats, memory reports, idle detection,
  *   reconnection. It never calls CUDA and never blocks on the GPU, so it keeps heart-beating
  *   while work drains.
- * - the worker thread does what needs the GPU: drains before a RELEASE, idle probes, deferred
- *   stream-ordered frees.
+ * - the worker thread does what needs the GPU: drains before a RELEASE (after DROP or REVOKE,
+ *   or ahead of a contended quantum's end: the pre-drain), idle probes, deferred stream-ordered
+ *   frees.
  *
  * They share state with application threads through nvs_mu (nvshare.h); I/O and CUDA calls
  * happen outside it.
@@ -33,6 +34,10 @@
 #define MEMORY_REPORT_PERIOD_S 0.1
 #define DEFAULT_HEARTBEAT_MS 1000
 #define DEFAULT_IDLE_RELEASE_MS 1000
+/* Pre-drain lead: the longest recent drain of the device times PREDRAIN_LEAD_FACTOR (a margin
+ * for drains that grow), at least PREDRAIN_LEAD_MIN_S, at most half the quantum. */
+#define PREDRAIN_LEAD_FACTOR 1.5
+#define PREDRAIN_LEAD_MIN_S 0.02
 
 /* --- state shared with application threads ----------------------------------------------------*/
 
@@ -237,6 +242,7 @@ static void disconnect(const char *why, int err) {
         struct nvs_device *d = &nvs_devices[i];
         d->announced = 0;
         d->grant_known = 0; /* grant ids are per connection: a new one names them again */
+        d->predrain_at = 0; /* so is contention: the scheduler tells a re-registered holder again */
         if (d->state == NVS_WAITING) d->state = NVS_IDLE; /* asked again after re-registration */
     }
     pthread_mutex_unlock(&nvs_mu);
@@ -266,11 +272,14 @@ static void start_job_locked(struct nvs_device *d, enum nvs_job job) {
     pthread_cond_signal(&worker_cv);
 }
 
-/* DROP or REVOKE of the device's current grant: stop submitting, drain, then RELEASE. */
-static void begin_release_locked(struct nvs_device *d, const char *reason) {
+/* DROP, REVOKE or a due pre-drain of the device's current grant: stop submitting, drain, then
+ * RELEASE. A second cause joins the running drain (a REVOKE changes the reason it gives). */
+static void begin_release_locked(struct nvs_device *d, const char *reason, double now) {
     nvs_gate_set_locked(d, 0);
+    if (!d->drop_pending) d->drain_started = now;
     d->drop_pending = 1;
     d->release_reason = reason;
+    d->predrain_at = 0;
     if (d->state == NVS_HOLDING) d->state = NVS_DRAINING;
     if (d->job_result == NVS_RESULT_DRAINED || d->job_running) return; /* the worker's result will do */
     start_job_locked(d, NVS_JOB_DRAIN);
@@ -305,11 +314,32 @@ static void lose_registration(double now) {
         d->announced = 0; /* the scheduler forgot its DEVICE and MEMORY reports too */
         if (d->state == NVS_HOLDING || d->state == NVS_DRAINING) {
             d->grant_known = 0;
-            begin_release_locked(d, "revoke");
+            begin_release_locked(d, "revoke", now);
         }
     }
     pthread_mutex_unlock(&nvs_mu);
     send_hello(now);
+}
+
+/* How long before the quantum's end a contended device's drain should start (see
+ * PREDRAIN_LEAD_FACTOR); with no drain seen yet, the minimum. Under nvs_mu. */
+static double predrain_lead_locked(const struct nvs_device *d) {
+    double longest = 0;
+    for (int i = 0; i < d->drains_known; i++)
+        if (d->drain_seconds[i] > longest) longest = d->drain_seconds[i];
+    double lead = longest * PREDRAIN_LEAD_FACTOR;
+    if (lead < PREDRAIN_LEAD_MIN_S) lead = PREDRAIN_LEAD_MIN_S;
+    double half_quantum = d->quantum_ms / 2000.0; /* a process never gives more of it to its queue */
+    return lead < half_quantum ? lead : half_quantum;
+}
+
+/* The drain that began at drain_started ends with this RELEASE: remember how long it took. */
+static void note_drain_locked(struct nvs_device *d, double now) {
+    if (d->drain_started <= 0) return;
+    d->drain_seconds[d->drain_next] = now - d->drain_started;
+    d->drain_next = (d->drain_next + 1) % NVS_DRAIN_HISTORY;
+    if (d->drains_known < NVS_DRAIN_HISTORY) d->drains_known++;
+    d->drain_started = 0;
 }
 
 static void handle_message(const struct nvs_msg *m, double now) {
@@ -360,9 +390,25 @@ static void handle_message(const struct nvs_msg *m, double now) {
         d->grant = m->grant;
         d->grant_known = 1;
         d->drop_pending = 0;
+        d->quantum_ms = m->quantum_ms;
+        d->predrain_at = 0; /* a CONTENDED follows when others wait */
         reset_idle_tracking_locked(d, now);
         nvs_gate_set_locked(d, 1);
         nvs_debug("granted %s (grant %llu)", d->uuid, (unsigned long long)m->grant);
+        break;
+    case NVS_MSG_CONTENDED:
+        if (d->state != NVS_HOLDING || !grant_matches(d, m->grant)) {
+            nvs_debug("stale CONTENDED for grant %llu ignored", (unsigned long long)m->grant);
+        } else if (!nvs_config.predrain) {
+            nvs_debug("others wait for %s; no pre-drain (NVSHARE_PREDRAIN=0)", d->uuid);
+        } else {
+            d->grant = m->grant;
+            d->grant_known = 1;
+            double left = m->quantum_left_ms / 1000.0, lead = predrain_lead_locked(d);
+            d->predrain_at = now + (left > lead ? left - lead : 0); /* due now at the latest */
+            nvs_debug("others wait for %s: draining in %.3f s, %.3f s before the quantum ends", d->uuid,
+                      d->predrain_at - now, lead);
+        }
         break;
     case NVS_MSG_DROP:
     case NVS_MSG_REVOKE:
@@ -372,9 +418,9 @@ static void handle_message(const struct nvs_msg *m, double now) {
             if (m->type == NVS_MSG_REVOKE) {
                 nvs_warn("the scheduler revoked the lock of %s (%s): its work did not drain in time", d->uuid,
                          m->reason);
-                begin_release_locked(d, "revoke");
+                begin_release_locked(d, "revoke", now);
             } else if (!d->drop_pending) {
-                begin_release_locked(d, "drop");
+                begin_release_locked(d, "drop", now);
             }
         } else {
             nvs_debug("stale %s for grant %llu ignored", m->type == NVS_MSG_DROP ? "DROP" : "REVOKE",
@@ -382,6 +428,7 @@ static void handle_message(const struct nvs_msg *m, double now) {
         }
         break;
     case NVS_MSG_MODE:
+        d->quantum_ms = m->quantum_ms;
         nvs_debug("%s: mode %d, quantum %llu ms", d->uuid, (int)m->mode, (unsigned long long)m->quantum_ms);
         break;
     default:
@@ -427,11 +474,21 @@ static size_t next_message(double now, char *buf, size_t cap) {
             d->job_result = NVS_RESULT_NONE;
             const char *reason = d->drop_pending ? d->release_reason : "idle";
             int known_grant = d->grant_known;
+            if (d->drop_pending) note_drain_locked(d, now);
             d->state = NVS_IDLE;
             d->drop_pending = 0;
             if (C.registered && known_grant) {
                 nvs_debug("releasing %s (grant %llu, %s)", d->uuid, (unsigned long long)d->grant, reason);
                 return nvs_msg_release(buf, cap, d->uuid, d->grant, reason);
+            }
+        }
+
+        /* others wait and the quantum is nearly over: drain now, so the handoff is on time */
+        if (d->predrain_at > 0 && now >= d->predrain_at) {
+            d->predrain_at = 0;
+            if (d->state == NVS_HOLDING && d->grant_known && C.registered) {
+                nvs_debug("draining %s ahead of its quantum's end (grant %llu)", d->uuid, (unsigned long long)d->grant);
+                begin_release_locked(d, "quantum", now);
             }
         }
 
@@ -513,6 +570,7 @@ static int poll_timeout(double now) {
             if (d->announced && atomic_load(&d->bytes) != d->reported_bytes && memory < due) due = memory;
             if (d->state == NVS_HOLDING && d->grant_known && idle_window_ms() > 0 && d->idle_next_check < due)
                 due = d->idle_next_check;
+            if (d->predrain_at > 0 && d->predrain_at < due) due = d->predrain_at;
         }
         pthread_mutex_unlock(&nvs_mu);
     }
@@ -725,6 +783,11 @@ void nvs_fork_child(void) {
         d->job_running = 0;
         d->job_result = NVS_RESULT_NONE;
         d->announced = 0;
+        d->predrain_at = 0;
+        d->quantum_ms = 0;
+        d->drain_started = 0;
+        d->drains_known = 0;
+        d->drain_next = 0;
         d->n_contexts = 0;
     }
     nvs_tls.device = NULL;

@@ -122,6 +122,16 @@ void nvs_config_load(void) {
             nvs_config.managed = on;
     }
 
+    nvs_config.predrain = 1;
+    value = getenv("NVSHARE_PREDRAIN");
+    if (value != NULL && value[0] != '\0') {
+        int on = parse_switch(value);
+        if (on < 0)
+            nvs_error("NVSHARE_PREDRAIN=%s is not 1 or 0; draining ahead of contended quanta (1)", value);
+        else
+            nvs_config.predrain = on;
+    }
+
     nvs_config.vmm_hide = 0;
     value = getenv("NVSHARE_VMM");
     if (value != NULL && value[0] != '\0') {

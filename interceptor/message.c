@@ -23,7 +23,7 @@ enum {
 #define HEADER_PREFIX "NVSHARE/1 " /* what builders write: this side speaks version 1 */
 #define UINT_LIMIT ((uint64_t)INT64_MAX) /* integers are below 2^63 */
 
-static const char *const release_reasons[] = {"idle", "drop", "revoke", "exit", "user", NULL};
+static const char *const release_reasons[] = {"idle", "drop", "quantum", "revoke", "exit", "user", NULL};
 static const char *const drop_reasons[] = {"quantum", "mode", "memory", "conflict", NULL};
 static const char *const revoke_reasons[] = {"grace-expired", "conflict", NULL};
 static const char *const error_codes[] = {
@@ -217,6 +217,11 @@ static const struct field_spec drop_fields[] = {
     STORED("grace_ms", FIELD_UINT, grace_ms, NULL),
     STORED("reason", FIELD_CHOICE, reason, drop_reasons),
 };
+static const struct field_spec contended_fields[] = {
+    STORED("device", FIELD_DEVICE, device, NULL),
+    STORED("grant", FIELD_UINT, grant, NULL),
+    STORED("quantum_left_ms", FIELD_UINT, quantum_left_ms, NULL),
+};
 static const struct field_spec revoke_fields[] = {
     STORED("device", FIELD_DEVICE, device, NULL),
     STORED("grant", FIELD_UINT, grant, NULL),
@@ -241,6 +246,7 @@ static const struct message_spec scheduler_messages[] = {
     {"WELCOME", NVS_MSG_WELCOME, FIELDS(welcome_fields), NULL, 0},
     {"GRANT", NVS_MSG_GRANT, FIELDS(grant_fields), NULL, 0},
     {"DROP", NVS_MSG_DROP, FIELDS(drop_fields), NULL, 0},
+    {"CONTENDED", NVS_MSG_CONTENDED, FIELDS(contended_fields), NULL, 0},
     {"REVOKE", NVS_MSG_REVOKE, FIELDS(revoke_fields), NULL, 0},
     {"MODE", NVS_MSG_MODE, FIELDS(mode_fields), NULL, 0},
     {"ERROR", NVS_MSG_ERROR, FIELDS(error_required), FIELDS(error_optional)},

@@ -17,6 +17,7 @@ enum nvs_msg_type {
     NVS_MSG_REVOKE,
     NVS_MSG_MODE,
     NVS_MSG_ERROR,
+    NVS_MSG_CONTENDED,
 };
 
 enum nvs_mode { NVS_MODE_ON = 0, NVS_MODE_OFF = 1, NVS_MODE_AUTO = 2 };
@@ -29,6 +30,7 @@ struct nvs_msg {
     enum nvs_mode mode;
     int exclusive;
     uint64_t quantum_ms;
+    uint64_t quantum_left_ms; /* CONTENDED */
     uint64_t grace_ms;
     uint64_t heartbeat_ms;
     uint64_t idle_release_ms;
@@ -60,7 +62,7 @@ struct nvs_hello {
  * or 0 if it does not fit (in cap, or in the protocol's 4096 bytes) or an argument is invalid:
  * a device id that is not [A-Za-z0-9-]{1,96} (NULL included), a number above 2^63-1, a negative
  * pid, a session that is not 16 lowercase hex digits, a device list longer than 1024 bytes once
- * joined, a RELEASE reason other than idle/drop/revoke/exit/user (NULL included).
+ * joined, a RELEASE reason other than idle/drop/quantum/revoke/exit/user (NULL included).
  * Free texts (host ... program, DEVICE name; NULL or "" = omitted) are made acceptable to the
  * scheduler: bytes that are not UTF-8 and control characters become '?', and the text is cut
  * at a character boundary to 1024 bytes. The output is what nvshare_py.protocol encodes. */

@@ -30,6 +30,7 @@ struct nvs_config {
     long idle_release_ms;      /* NVSHARE_IDLE_RELEASE_MS, -1: take the scheduler's */
     int managed;               /* NVSHARE_MANAGED (default 1): convert allocations */
     int vmm_hide;              /* NVSHARE_VMM=hide */
+    int predrain;              /* NVSHARE_PREDRAIN (default 1): drain ahead of a contended quantum's end */
     char pod[256];             /* NVSHARE_POD_NAME */
     char pod_namespace[256];   /* NVSHARE_POD_NAMESPACE */
     char program[128];         /* NVSHARE_PROGRAM, "" = /proc/self/comm */
@@ -57,6 +58,7 @@ double nvs_now(void);
 /* ---------------------------------------------------------------- gate.c */
 
 #define NVS_MAX_DEVICES 64
+#define NVS_DRAIN_HISTORY 4 /* drains remembered per device to foresee the next one's length */
 
 /* Lock state of one device as this process sees it. */
 enum nvs_lock_state {
@@ -104,6 +106,13 @@ struct nvs_device {
     uint64_t idle_entered;    /* idle detection: `entered` at the last check */
     double idle_since;
     double idle_next_check;
+    /* Pre-drain (client thread): after CONTENDED the drain starts at predrain_at (0: none due),
+     * so that the lock changes hands when the quantum ends rather than a long drain later. */
+    double predrain_at;
+    uint64_t quantum_ms;      /* of the current grant (GRANT, MODE) */
+    double drain_started;     /* start of the drain that ends in a RELEASE, 0: none running */
+    double drain_seconds[NVS_DRAIN_HISTORY]; /* the last drains' durations, a ring */
+    int drains_known, drain_next;
 
     /* Contexts this process used on the device (drains synchronise each), under nvs_mu. */
     CUcontext *contexts;

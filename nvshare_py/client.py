@@ -14,6 +14,11 @@ What the program is told:
 - `on_revoke(device, grant, reason)`: the grant is void (grace expired, a conflict, or the
   scheduler lost this client's registration: reason `lost`). The library already considers
   the device released; call `acquire` again if you still need it.
+- `on_contended(device, grant, quantum_left)`: others wait for the device; the quantum of
+  this grant ends in `quantum_left` seconds, then a DROP follows. A program that keeps a long
+  queue of GPU work may drain it ahead of time and `release(device, reason="quantum")`, so
+  that the lock changes hands when the quantum ends instead of a drain later. The default
+  does nothing.
 - `on_mode(device, mode, quantum)`: the device's mode or time quantum changed.
 Callbacks run on the client's I/O thread: keep them short, and never wait in them for the
 scheduler (no acquire()).
@@ -141,6 +146,7 @@ class Client:
         on_drop: Callable[[str, Grant], None] | None = None,
         on_mode: Callable[[str, str, float], None] | None = None,
         on_revoke: Callable[[str, Grant, str], None] | None = None,
+        on_contended: Callable[[str, Grant, float], None] | None = None,
         info: dict[str, str] | None = None,
         connect_timeout: float = 5.0,
     ) -> None:
@@ -148,6 +154,7 @@ class Client:
         self.on_drop = on_drop
         self.on_mode = on_mode
         self.on_revoke = on_revoke
+        self.on_contended = on_contended
         self.identity = {**default_identity(), **(info or {})}
         self.connect_timeout = connect_timeout
         self.session = os.urandom(8).hex()
@@ -613,6 +620,15 @@ class Client:
         else:
             self._callback(self.on_drop, message.device, grant)
 
+    def _on_contended(self, message: protocol.Contended) -> None:
+        if self.on_contended is None:
+            return
+        with self._cond:
+            state = self._devices.get(message.device)
+            grant = state.grant if state is not None else None
+        if grant is not None and grant.id == message.grant:
+            self._callback(self.on_contended, message.device, grant, message.quantum_left_ms / 1000)
+
     def _on_revoke(self, message: protocol.Revoke) -> None:
         with self._cond:
             state = self._devices.get(message.device)
@@ -672,6 +688,7 @@ class Client:
         protocol.Welcome: _on_welcome,
         protocol.Grant: _on_grant,
         protocol.Drop: _on_drop,
+        protocol.Contended: _on_contended,
         protocol.Revoke: _on_revoke,
         protocol.ModeNotice: _on_mode,
         protocol.Error: _on_error,

@@ -59,7 +59,6 @@ PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 IDLE_RELEASE = 0.5  # seconds: the notebook's early release shows within a second
 GRACE = 2.0
 POLL_INTERVAL = 0.1
-EVENTS_PER_REQUEST = 10_000  # the most the control socket hands out at once
 START_TIMEOUT = 30.0  # scheduler start, GPU probe, a program's first step (a loaded machine)
 FINISH_MARGIN = 30.0  # past the end of the run, before the programs count as hung
 FREE_MEMORY_NEEDED = 1 << 30  # two CUDA contexts and 8 MiB of buffers, with room to spare
@@ -312,13 +311,7 @@ class Demo:
 
     def poll(self) -> list[dict]:
         """New lock events (also kept in self.events) and a fresh status document."""
-        fresh = []
-        while True:
-            answer = self.control.request("events", since=self.next_seq, limit=EVENTS_PER_REQUEST)
-            fresh.extend(answer["events"])
-            self.next_seq = answer["next"]
-            if len(answer["events"]) < EVENTS_PER_REQUEST:
-                break
+        fresh, self.next_seq = self.control.events_since(self.next_seq)
         self.events.extend(fresh)
         roles = self.roles_by_pid
         for event in fresh:
@@ -449,7 +442,9 @@ def _narration(demo: Demo, event: dict) -> tuple[str, str]:
         "drop": (f"is asked to hand the GPU over: its {demo.tq:g} s quantum is up and the other program waits"
                  if detail == "quantum" else f"is asked to hand the GPU over ({detail})"),
         "release": {"idle": f"gives the GPU back early: idle for {IDLE_RELEASE:g} s",
-                    "drop": "hands the GPU over"}.get(detail, f"releases the GPU ({detail})"),
+                    "drop": "hands the GPU over",
+                    "quantum": "hands the GPU over as its time quantum ends (drained ahead)"}.get(
+                        detail, f"releases the GPU ({detail})"),
         "revoke": f"is REVOKED: it did not release the GPU within the {GRACE:g} s grace period",
         "lost": f"is gone ({detail})" + (", so it loses the GPU" if event.get("grant") else ""),
         "unregister": f"leaves the scheduler ({detail})",

@@ -21,12 +21,17 @@ from typing import Callable, ClassVar
 
 VERSION = 1
 MAX_MESSAGE = 4096
+# The control socket (JSON, docs/protocol.md): request and reply size limits.
+CONTROL_REQUEST_MAX = 64 * 1024
+CONTROL_REPLY_MAX = 8 * 1024 * 1024
+# The daemon keeps this many lock events, and one `events` request returns at most this many.
+CONTROL_EVENTS_MAX = 10_000
 MAX_FIELDS = 32
 MAX_VALUE = 1024
 MAX_INT = 2**63 - 1
 
 MODES = ("on", "off", "auto")
-RELEASE_REASONS = ("idle", "drop", "revoke", "exit", "user")
+RELEASE_REASONS = ("idle", "drop", "quantum", "revoke", "exit", "user")
 DROP_REASONS = ("quantum", "mode", "memory", "conflict")
 REVOKE_REASONS = ("grace-expired", "conflict")
 ERROR_CODES = (
@@ -259,6 +264,17 @@ class Drop(Message):
 
 
 @dataclass(frozen=True)
+class Contended(Message):
+    """Others wait for the device while this grant's quantum runs: the holder may drain ahead
+    of its end so that the lock changes hands on time. A notice: nothing must be done."""
+
+    TYPE: ClassVar[str] = "CONTENDED"
+    device: str = field(metadata=_meta(_device))
+    grant: int = field(metadata=_meta(_uint))
+    quantum_left_ms: int = field(metadata=_meta(_uint))
+
+
+@dataclass(frozen=True)
 class Revoke(Message):
     TYPE: ClassVar[str] = "REVOKE"
     device: str = field(metadata=_meta(_device))
@@ -317,7 +333,7 @@ class Status(Message):
 CLIENT_MESSAGES = {m.TYPE: m for m in (Hello, Device, Memory, Acquire, Release, Heartbeat, Bye, Query)}
 # What a registered client may receive. STATUS is not among them: only a connection that sent
 # QUERY receives it, and it reads replies with QUERY_REPLIES.
-SCHEDULER_MESSAGES = {m.TYPE: m for m in (Welcome, Grant, Drop, Revoke, ModeNotice, Error)}
+SCHEDULER_MESSAGES = {m.TYPE: m for m in (Welcome, Grant, Drop, Contended, Revoke, ModeNotice, Error)}
 QUERY_REPLIES = {m.TYPE: m for m in (Status, Error)}
 
 

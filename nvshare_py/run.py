@@ -13,7 +13,6 @@ scheduler is not reachable (unless --fail-open); 126/127 when COMMAND cannot be 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -21,7 +20,7 @@ from typing import List, Optional
 import typer
 
 from . import library
-from .paths import ENV_SOCKET_DIR, SocketPaths
+from .paths import ENV_SOCKET_DIR, SocketPaths, connect_error
 
 EXIT_USAGE = 2
 EXIT_NO_SCHEDULER = 3
@@ -31,15 +30,8 @@ app = typer.Typer(add_completion=False, context_settings={"allow_interspersed_ar
 
 def scheduler_unreachable(paths: SocketPaths) -> str | None:
     """Why the scheduler's client socket cannot be connected to, or None when it can."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(2.0)
-        sock.connect(str(paths.client_socket))
-    except OSError as error:
-        return error.strerror or str(error)
-    finally:
-        sock.close()
-    return None
+    error = connect_error(paths.client_socket)
+    return None if error is None else error.strerror or str(error)
 
 
 def with_preload(existing: str | None, lib: Path) -> str:

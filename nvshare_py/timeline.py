@@ -67,9 +67,11 @@ class Interval:
 
     @property
     def tq_handoff(self) -> bool:
-        """The hold ended because its time quantum ran out while someone waited."""
-        return self.kind == HOLD and self.drop_reason == "quantum" and self.end is not None \
-            and self.ended_by in ("drop", ENDED_REVOKED)
+        """The hold ended because its time quantum ran out while someone waited: released after
+        the DROP (or revoked), or drained ahead of the quantum's end (release reason quantum)."""
+        if self.kind != HOLD or self.end is None:
+            return False
+        return self.ended_by == "quantum" or (self.drop_reason == "quantum" and self.ended_by in ("drop", ENDED_REVOKED))
 
     @property
     def early_release(self) -> bool:

@@ -163,6 +163,25 @@ def test_a_drop_is_answered_by_releasing(scheduler, clients):
     assert releases[-1]["detail"] == "drop"
 
 
+def test_a_contention_notice_lets_the_holder_hand_over_before_its_quantum_ends(scheduler, clients):
+    notices = []
+
+    def on_contended(device, grant, quantum_left):
+        notices.append((device, grant, quantum_left))
+        holder.release(device, reason="quantum")
+
+    holder, waiter = clients(on_contended=on_contended), clients()
+    grant = holder.acquire(GPU)
+    waiting = acquire_in_thread(waiter, GPU)
+    waiting["thread"].join(30)
+    assert "grant" in waiting
+    ((device, told, quantum_left),) = notices
+    assert (device, told) == (GPU, grant) and 0 < quantum_left <= 2.0  # the test scheduler's tq
+    # Handed over in answer to the notice: the quantum never ran out, so no DROP was needed.
+    history = [(e["kind"], e["detail"]) for e in scheduler.events() if e["grant"] == grant.id]
+    assert history == [("grant", ""), ("release", "quantum")]
+
+
 def test_an_ignored_drop_ends_in_a_revoke(scheduler, clients):
     drops, revokes = [], []
     holder = clients(on_drop=lambda device, grant: drops.append(grant),

@@ -192,8 +192,8 @@ def test_quantum_drop_only_when_someone_waits():
     assert h.core.next_deadline() == 1000.0  # only the heartbeat timeouts: nobody waits
     h.tick(50.0)
     assert h.sent() == [] and h.holders() == [("c1", "holding")]
-    h.acquire("b")  # the quantum is long over: DROP at once
-    ((to, drop),) = h.sent(protocol.Drop)
+    h.acquire("b")  # the quantum is long over: DROP at once, no CONTENDED
+    ((to, drop),) = h.sent()
     assert to == "a" and (drop.grant, drop.grace_ms, drop.reason) == (grant, 3000, "quantum")
     assert h.holders() == [("c1", "draining")]
     assert h.core.next_deadline() == 53.0
@@ -202,8 +202,9 @@ def test_quantum_drop_only_when_someone_waits():
 def test_quantum_ends_on_time_when_the_waiter_came_first():
     h = with_clients("a", "b", tq=10.0, heartbeat_timeout=1000.0)
     h.at(5).acquire("a")
+    grant = h.grant_of("a")
     h.at(6).acquire("b")
-    assert h.sent() == []
+    assert h.sent() == [("a", protocol.Contended(device=GPU0, grant=grant, quantum_left_ms=9000))]
     assert h.core.next_deadline() == 15.0
     h.tick(14.9)
     assert h.sent() == []
@@ -264,6 +265,96 @@ def test_grace_zero_revokes_at_the_drop():
     assert h.core.next_deadline() > h.now
 
 
+# --- contention notices ----------------------------------------------------------------------
+
+
+def contended(h: Harness, to=None) -> list[tuple[str, int, int]]:
+    return [(key, m.grant, m.quantum_left_ms) for key, m in h.sent(protocol.Contended, to)]
+
+
+def test_holder_is_told_once_per_contention_episode_with_the_quantum_left():
+    h = with_clients("a", "b", "c", "d", tq=10.0, heartbeat_timeout=1000.0)
+    h.acquire("a")
+    grant = h.grant_of("a")
+    assert contended(h) == []  # nobody waits
+    h.at(4).acquire("b")
+    assert contended(h) == [("a", grant, 6000)]
+    assert h.holders() == [("c1", "holding")]  # a notice: nothing changed
+    h.at(5).acquire("c")  # the same episode: not told again
+    assert h.sent() == []
+    h.at(6).bye("b")
+    assert contended(h) == []  # c still waits
+    h.at(7).bye("c")  # nobody waits any more: the episode is over
+    h.at(8).acquire("d")  # a new episode
+    assert contended(h) == [("a", grant, 2000)]
+    h.tick(10.0)
+    assert [(to, m.reason) for to, m in h.sent()] == [("a", "quantum")]  # the DROP still comes on time
+
+
+def test_holder_granted_while_others_wait_is_told_right_after_its_grant():
+    h = with_clients("a", "b", "c", tq=10.0, heartbeat_timeout=1000.0)
+    h.acquire("a")
+    grant_a = h.grant_of("a")
+    h.at(1).acquire("b")
+    h.at(2).acquire("c")
+    h.at(3).release("a", grant_a, reason="quantum")
+    assert [type(m) for _, m in h.sent(to="b")] == [protocol.Grant, protocol.Contended]
+    grant_b = h.grant_of("b")
+    assert contended(h) == [("b", grant_b, 10_000)]
+    assert [(e.kind, e.detail) for e in h.events()] == [("release", "quantum"), ("grant", "")]
+    h.at(4).release("b", grant_b, reason="quantum")
+    assert [type(m) for _, m in h.sent(to="c")] == [protocol.Grant]  # the last waiter: nobody behind it
+
+
+def test_auto_mode_tells_holders_only_when_a_waiter_does_not_fit():
+    h = with_clients("a", "b", "c", mode="auto", tq=10.0, heartbeat_timeout=1000.0)
+    for key, used in (("a", 6), ("b", 6)):
+        h.memory(key, used * GiB)
+        h.acquire(key)
+    assert contended(h) == []  # both fit: nobody waits
+    h.memory("c", 6 * GiB)
+    h.at(2).acquire("c")
+    assert sorted((to, left) for to, _, left in contended(h)) == [("a", 8000), ("b", 8000)]
+
+
+def test_changing_the_quantum_tells_contended_holders_the_new_quantum_left():
+    h = with_clients("a", "b", tq=10.0, heartbeat_timeout=1000.0)
+    h.acquire("a")
+    grant = h.grant_of("a")
+    h.at(1).acquire("b")
+    h.at(2).feed(SetQuantum(2.0, 5.0))
+    assert contended(h) == [("a", grant, 3000)]
+    h.at(3).feed(SetQuantum(3.0, 2.5))  # over already: DROP, not CONTENDED
+    assert contended(h) == [] and [m.reason for _, m in h.sent(protocol.Drop, "a")] == ["quantum"]
+
+
+def test_a_reconnected_holder_is_told_of_contention_again():
+    h = Harness(tq=10.0, heartbeat_timeout=1000.0)
+    h.register("a1", host_pid=42)
+    h.register("b")
+    h.acquire("a1")
+    grant = h.grant_of("a1")
+    h.at(1).acquire("b")
+    assert contended(h) == [("a1", grant, 9000)]
+    h.at(3).register("a2", session=h.sessions["a1"], host_pid=42, held=[GPU0])
+    assert [type(m) for _, m in h.sent(to="a2")] == [protocol.Welcome, protocol.Grant, protocol.Contended]
+    assert contended(h) == [("a2", grant, 7000)]
+
+
+def test_switching_to_off_ends_the_episode_and_back_to_on_starts_a_new_one():
+    h = with_clients("a", "b", "c", tq=10.0, heartbeat_timeout=1000.0)
+    h.acquire("a")
+    grant = h.grant_of("a")
+    h.at(1).acquire("b")
+    assert contended(h) == [("a", grant, 9000)]
+    h.feed(SetMode(2.0, "off"))
+    assert [to for to, _ in h.sent(protocol.Grant)] == ["b"] and contended(h) == []
+    h.feed(SetMode(3.0, "on"))  # b is dropped (mode); nobody waits
+    assert [to for to, _ in h.sent(protocol.Drop)] == ["b"] and contended(h) == []
+    h.at(4).acquire("c")
+    assert contended(h) == [("a", grant, 6000)]  # b drains: it is not told
+
+
 # --- modes -----------------------------------------------------------------------------------
 
 
@@ -310,10 +401,11 @@ def test_mode_off_never_drops_for_quantum():
     h.at(2).acquire("b")  # a's quantum is over: DROP
     h.acquire("a")  # a asks again at once: queued behind b
     h.feed(SetMode(2.0, "off"))
-    assert [to for to, _ in h.sent(protocol.Grant)] == ["b"]
+    assert [to for to, _ in h.sent(protocol.Grant)] == ["b"] and contended(h) == []  # a waits, but in mode off
     assert h.waiters() == ["c1"] and h.core.next_deadline() == 7.0  # a's grace only
     h.at(6).acquire("c")  # FCFS holds in off mode too: c queues behind a
-    assert h.sent() == [] and h.waiters() == ["c1", "c3"]  # b's quantum is long over, yet no DROP
+    # b's quantum is long over, yet no DROP; and nobody is told of contention in mode off
+    assert h.sent() == [] and h.waiters() == ["c1", "c3"]
     h.release("a", first, reason="drop")
     assert [to for to, _ in h.sent(protocol.Grant)] == ["a", "c"] and h.sent(protocol.Drop) == []
     assert h.holders() == [("c2", "holding"), ("c1", "holding"), ("c3", "holding")]

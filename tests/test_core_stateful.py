@@ -21,6 +21,10 @@ Forget, ...) and what the clients and the operator sent, and checks after every 
    the model after every step), no message is ever sent to it again, and the lock does not sit
    idle while someone waits (the queue head is blocked by the rules at every moment).
 5. Mode, quantum and budget switches happen between the other steps, so 1-4 hold across them.
+6. CONTENDED (a notice) goes exactly to the holders whose quantum still runs while someone
+   waits in a mode other than off, once per contention episode (first waiter until the queue
+   is empty again), with the quantum they have left; again only to a reconnected process or
+   after the quantum changed. After every step each such holder has been told.
 
 Bound on waiting (property 3). Let waiter W start waiting at t0 with H grants outstanding and
 Q waiters ahead of it in the queue. Let TQ be the largest quantum the device had since t0, G
@@ -101,6 +105,7 @@ class Outstanding:
     proc: Proc
     granted_at: float
     dropped_at: float | None = None
+    told: bool = False  # CONTENDED received in the device's current contention episode
 
 
 @dataclass
@@ -126,6 +131,10 @@ class DeviceModel:
     @property
     def budget(self) -> int:
         return self.total if self.budget_override is None else self.budget_override
+
+    @property
+    def contended(self) -> bool:
+        return bool(self.queue) and self.mode != "off"
 
     def held_used(self) -> int:
         return sum(o.proc.used.get(self.id, 0) for o in self.outstanding.values())
@@ -178,6 +187,10 @@ class LockCoreMachine(RuleBasedStateMachine):
             else:
                 assert isinstance(action, (Log, LockEvent)), action
         assert sorted(self.forgets) == sorted(expect_forgets)
+        for dev in self.devices.values():
+            if not dev.contended:  # the episode is over: the next waiter starts a new one
+                for held in dev.outstanding.values():
+                    held.told = False
         deadline = self.core.next_deadline()
         if isinstance(event, Tick):  # everything due is done: another Tick now would spin the daemon
             assert deadline is None or deadline > self.now, f"deadline {deadline} is not after {self.now}"
@@ -229,6 +242,8 @@ class LockCoreMachine(RuleBasedStateMachine):
             self.on_drop(proc, message)
         elif isinstance(message, protocol.Revoke):
             self.on_revoke(proc, message)
+        elif isinstance(message, protocol.Contended):
+            self.on_contended(proc, message)
         elif isinstance(message, protocol.ModeNotice):
             dev = self.devices[message.device]
             assert (message.mode, message.quantum_ms) == (dev.mode, round(dev.tq * 1000))
@@ -281,6 +296,18 @@ class LockCoreMachine(RuleBasedStateMachine):
         else:
             raise AssertionError(f"unexpected DROP reason {msg.reason}")
         held.dropped_at = self.now
+
+    def on_contended(self, proc: Proc, msg: protocol.Contended) -> None:
+        dev = self.devices[msg.device]
+        held = dev.outstanding.get(msg.grant)
+        assert held is not None and held.proc is proc, "CONTENDED of a grant that is not outstanding"
+        assert held.dropped_at is None, "CONTENDED to a holder already dropped"
+        assert dev.contended, "CONTENDED while nobody waits, or in mode off"
+        left = held.granted_at + dev.tq - self.now
+        assert left > 0, "CONTENDED after the quantum ran out (a DROP is due instead)"
+        assert msg.quantum_left_ms == round(left * 1000)
+        assert not held.told, "CONTENDED twice in one contention episode"
+        held.told = True
 
     def on_revoke(self, proc: Proc, msg: protocol.Revoke) -> None:
         dev = self.devices[msg.device]
@@ -349,7 +376,7 @@ class LockCoreMachine(RuleBasedStateMachine):
         assert all(isinstance(a, Log) and a.level == "debug" for a in actions)
 
     @precondition(lambda self: self.live)
-    @rule(index=pick, reason=st.sampled_from(["idle", "user", "drop", "stale"]))
+    @rule(index=pick, reason=st.sampled_from(["idle", "user", "drop", "quantum", "stale"]))
     def release(self, index, reason):
         proc = self.choose(index)
         current = sorted(proc.grants)
@@ -398,6 +425,8 @@ class LockCoreMachine(RuleBasedStateMachine):
             for grant in grants:
                 del self.devices[device].overdue[grant]
         proc.revoked = {}
+        for device in held:  # a CONTENDED may have been lost with the old connection
+            self.devices[device].outstanding[proc.grants[device]].told = False
         self.sent_by(proc)
         self.reconnecting, self.confirmed = proc, set()
         self.feed(Register(self.now, proc.key, ClientInfo(pid=1, session=proc.session, host_pid=proc.host_pid,
@@ -474,6 +503,9 @@ class LockCoreMachine(RuleBasedStateMachine):
         changed, dev.tq = dev.tq != seconds, seconds
         for waiter in dev.queue:
             waiter.tq_max = max(waiter.tq_max, seconds)
+        if changed:  # holders are told the quantum they have left again
+            for held in dev.outstanding.values():
+                held.told = False
         return changed
 
     @staticmethod
@@ -548,6 +580,16 @@ class LockCoreMachine(RuleBasedStateMachine):
                 for held in dev.outstanding.values():
                     if held.dropped_at is None:
                         assert self.now < held.granted_at + dev.tq, "quantum over, someone waits, no DROP"
+
+    @invariant()
+    def contended_holders_have_been_told(self):
+        if self.core is None:
+            return
+        for dev in self.devices.values():
+            if dev.contended:
+                for grant, held in dev.outstanding.items():
+                    assert held.dropped_at is not None or held.told, (
+                        f"{held.proc.cid} holds grant {grant} of {dev.id} while others wait, untold")
 
     @invariant()
     def waiting_is_bounded(self):

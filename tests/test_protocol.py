@@ -16,7 +16,7 @@ texts = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters
 
 FIELD_STRATEGIES = {
     "device": devices, "total": uints, "used": uints, "grant": uints, "pid": uints,
-    "quantum_ms": uints, "grace_ms": uints, "heartbeat_ms": uints, "idle_release_ms": uints,
+    "quantum_ms": uints, "quantum_left_ms": uints, "grace_ms": uints, "heartbeat_ms": uints, "idle_release_ms": uints,
     "version": st.just(protocol.VERSION), "session": st.from_regex(r"\A[0-9a-f]{16}\Z"),
     "held": st.lists(devices, max_size=3).map(tuple), "wanted": st.lists(devices, max_size=3).map(tuple),
     "exclusive": st.booleans(), "mode": st.sampled_from(protocol.MODES),
@@ -73,6 +73,17 @@ def test_refusals_carry_the_documented_code(data, code):
     with pytest.raises(protocol.ProtocolError) as refused:
         protocol.decode(data)
     assert refused.value.code == code
+
+
+def test_contention_notice_and_the_quantum_release_reason_on_the_wire():
+    notice = protocol.Contended(device="GPU-1", grant=7, quantum_left_ms=1500)
+    assert notice.encode() == b"NVSHARE/1 CONTENDED\ndevice=GPU-1\ngrant=7\nquantum_left_ms=1500"
+    assert protocol.decode(notice.encode(), protocol.SCHEDULER_MESSAGES) == notice
+    with pytest.raises(protocol.ProtocolError) as refused:  # a scheduler message, not a client's
+        protocol.decode(notice.encode())
+    assert refused.value.code == "unknown-type"
+    release = protocol.decode(b"NVSHARE/1 RELEASE\ndevice=GPU-1\ngrant=7\nreason=quantum")
+    assert release == protocol.Release(device="GPU-1", grant=7, reason="quantum")
 
 
 def test_unknown_fields_are_ignored_for_forward_compatibility():

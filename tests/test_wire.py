@@ -375,6 +375,9 @@ def c_view(msg: protocol.Message) -> dict:
                 "grace_ms": msg.grace_ms, "reason": msg.reason}
     if isinstance(msg, protocol.Revoke):
         return {"type": "REVOKE", "device": msg.device, "grant": msg.grant, "reason": msg.reason}
+    if isinstance(msg, protocol.Contended):
+        return {"type": "CONTENDED", "device": msg.device, "grant": msg.grant,
+                "quantum_left_ms": msg.quantum_left_ms}
     if isinstance(msg, protocol.ModeNotice):
         return {"type": "MODE", "device": msg.device, **mode, "quantum_ms": msg.quantum_ms}
     assert isinstance(msg, protocol.Error)
@@ -407,6 +410,7 @@ scheduler_messages = st.one_of(
               reason=st.sampled_from(protocol.DROP_REASONS)),
     st.builds(protocol.Revoke, device=devices, grant=uints,
               reason=st.sampled_from(protocol.REVOKE_REASONS)),
+    st.builds(protocol.Contended, device=devices, grant=uints, quantum_left_ms=uints),
     st.builds(protocol.ModeNotice, device=devices, mode=st.sampled_from(protocol.MODES),
               quantum_ms=uints),
     st.builds(protocol.Error, code=st.sampled_from(protocol.ERROR_CODES), detail=texts, type=texts),
@@ -414,6 +418,7 @@ scheduler_messages = st.one_of(
 unknown_keys = st.from_regex(r"[a-z][a-z0-9_]{0,31}", fullmatch=True).filter(
     lambda key: key not in {"client", "heartbeat_ms", "idle_release_ms", "version", "device",
                             "grant", "mode", "exclusive", "quantum_ms", "grace_ms", "reason",
+                            "quantum_left_ms",
                             "code", "detail", "type"})
 
 
@@ -438,6 +443,8 @@ def test_builders_produce_what_python_encodes(codec):
         (codec.build("acquire", device=DEVICE), protocol.Acquire(device=DEVICE)),
         (codec.build("release", device=DEVICE, grant=17, reason="drop"),
          protocol.Release(device=DEVICE, grant=17, reason="drop")),
+        (codec.build("release", device=DEVICE, grant=18, reason="quantum"),
+         protocol.Release(device=DEVICE, grant=18, reason="quantum")),
         (codec.build("heartbeat"), protocol.Heartbeat()),
         (codec.build("bye"), protocol.Bye()),
     ]
@@ -576,6 +583,8 @@ def test_parser_reads_every_scheduler_message(codec):
         protocol.Grant(device=DEVICE, grant=18, mode="on", exclusive=True, quantum_ms=1),
         protocol.Drop(device=DEVICE, grant=17, grace_ms=5000, reason="quantum"),
         protocol.Revoke(device=DEVICE, grant=17, reason="grace-expired"),
+        protocol.Contended(device=DEVICE, grant=17, quantum_left_ms=1250),
+        protocol.Contended(device=DEVICE, grant=17, quantum_left_ms=0),
         protocol.ModeNotice(device=DEVICE, mode="off", quantum_ms=60000),
         protocol.Error(code="bad-field", detail="missing field device", type="ACQUIRE"),
         protocol.Error(code="not-registered"),
@@ -631,6 +640,14 @@ def test_parser_reads_every_scheduler_message(codec):
     ("NVSHARE/1 ERROR\ncode=oops", False),
     ("NVSHARE/1 DROP\ndevice=G\ngrant=1\ngrace_ms=1\nreason=grace-expired", False),
     ("NVSHARE/1 REVOKE\ndevice=G\ngrant=1\nreason=grace-expired", True),
+    ("NVSHARE/1 CONTENDED\ndevice=G\ngrant=1\nquantum_left_ms=29000", True),
+    ("NVSHARE/1 CONTENDED\nquantum_left_ms=0\ngrant=1\ndevice=G\nfuture=1", True),
+    ("NVSHARE/1 CONTENDED\ndevice=G\ngrant=1", False),  # missing quantum_left_ms
+    ("NVSHARE/1 CONTENDED\ndevice=G\nquantum_left_ms=5", False),  # missing grant
+    ("NVSHARE/1 CONTENDED\ndevice=G\ngrant=1\nquantum_left_ms=-5", False),
+    ("NVSHARE/1 CONTENDED\ndevice=G\ngrant=1\nquantum_left_ms=9223372036854775808", False),
+    ("NVSHARE/1 CONTENDED\ndevice=G,H\ngrant=1\nquantum_left_ms=5", False),
+    ("NVSHARE/1 CONTENDED\ndevice=G\ngrant=1\nquantum_left_ms=5\nquantum_left_ms=5", False),
     ("NVSHARE/1 ACQUIRE\ndevice=G", False),  # a client message
     ("NVSHARE/1 UNKNOWN", False),
     ("NVSHARE/1 welcome\nclient=c\nheartbeat_ms=1\nidle_release_ms=1\nversion=1", False),
@@ -808,6 +825,7 @@ def test_every_scheduler_message_reaches_the_client(harness, sockdir, zctx):
         protocol.Grant(device=DEVICE, grant=1, mode="on", exclusive=True, quantum_ms=30000),
         protocol.Drop(device=DEVICE, grant=1, grace_ms=5000, reason="memory"),
         protocol.Revoke(device=DEVICE, grant=1, reason="conflict"),
+        protocol.Contended(device=DEVICE, grant=1, quantum_left_ms=12345),
         protocol.ModeNotice(device=DEVICE, mode="auto", quantum_ms=10000),
         protocol.Error(code="too-large", detail="4097 bytes, limit 4096", type=""),
         protocol.Error(code="bad-field", detail="x" * 1024, type="MEMORY"),  # long frame

@@ -100,9 +100,10 @@ class CoreConfig:
 
 class _Hold:
     """One grant. `state` is holding, draining (DROP sent for `reason`, `deadline` is when the
-    grace ends) or overdue (revoked, RELEASE not seen yet)."""
+    grace ends) or overdue (revoked, RELEASE not seen yet). `contended`: CONTENDED was sent in
+    the device's current contention episode."""
 
-    __slots__ = ("grant", "since", "state", "deadline", "reason")
+    __slots__ = ("grant", "since", "state", "deadline", "reason", "contended")
 
     def __init__(self, grant: int, since: float) -> None:
         self.grant = grant
@@ -110,6 +111,7 @@ class _Hold:
         self.state = "holding"
         self.deadline = 0.0
         self.reason = ""
+        self.contended = False
 
 
 class _Client:
@@ -260,6 +262,16 @@ class SchedulerCore:
             if best is None or earliest < best:
                 best = earliest
         return best
+
+    @property
+    def default_mode(self) -> Mode:
+        """The mode of devices without a setting of their own (SetMode without a device)."""
+        return self._default_mode
+
+    @property
+    def default_tq(self) -> float:
+        """The time quantum of devices without a setting of their own."""
+        return self._default_tq
 
     def client_id(self, key: ClientKey) -> str | None:
         client = self._clients.get(key)
@@ -437,6 +449,7 @@ class SchedulerCore:
                 if hold.state == "draining":  # the DROP may have been lost with the old connection
                     out.append(Send(new.key, protocol.Drop(device=dev.id, grant=hold.grant, reason=hold.reason,
                                                            grace_ms=max(0, _ms(hold.deadline - now)))))
+                hold.contended = False  # a CONTENDED may have been lost too: _settle tells it again
                 out.append(Log("info", f"grant {hold.grant} on {dev.id} passes from {old.cid} to {new.cid}",
                                {"client": new.cid, "device": dev.id, "grant": hold.grant}))
         old.pairs = {}
@@ -595,6 +608,8 @@ class SchedulerCore:
             dev.tq = ev.seconds
             out.append(LockEvent(ev.now, "tq", dev.id, detail=f"{ev.seconds:g}"))
             self._notify_settings(dev, out)
+            for pair in dev.holders.values():
+                pair.hold.contended = False  # the quantum left changed: tell it again
             self._settle(dev, ev.now, out)
 
     def _set_budget(self, ev: SetBudget, out: list[Action]) -> None:
@@ -627,6 +642,7 @@ class SchedulerCore:
             # lock passed on) now, not at a tick that next_deadline() would put at `now`.
             if not dropped or self.config.grace > 0:
                 break
+        self._notify_contention(dev, now, out)
         self._refresh_deadline(dev)
 
     def _revoke_due(self, dev: _Device, now: float, out: list[Action]) -> None:
@@ -674,8 +690,13 @@ class SchedulerCore:
                 break  # FCFS: nobody overtakes the head
             self._grant(pair, now, out)
 
+    @staticmethod
+    def _contended(dev: _Device) -> bool:
+        """Someone waits for the device in a mode where quanta count: holders' quanta end."""
+        return bool(dev.queue) and dev.mode != "off"
+
     def _drop_expired(self, dev: _Device, now: float, out: list[Action]) -> bool:
-        if not dev.queue or dev.mode == "off":
+        if not self._contended(dev):
             return False
         tq = dev.tq
         expired = [p for p in dev.holders.values() if p.hold.state == "holding" and now >= p.hold.since + tq]
@@ -686,7 +707,7 @@ class SchedulerCore:
     def _refresh_deadline(self, dev: _Device) -> None:
         # Must mirror _revoke_due and _drop_expired exactly, or ticks would come too early or late.
         best = None
-        quantum_matters = bool(dev.queue) and dev.mode != "off"
+        quantum_matters = self._contended(dev)
         for pair in dev.holders.values():
             hold = pair.hold
             if hold.state == "draining":
@@ -701,6 +722,24 @@ class SchedulerCore:
             self._deadlines.pop(dev, None)
         else:
             self._deadlines[dev] = best
+
+    def _notify_contention(self, dev: _Device, now: float, out: list[Action]) -> None:
+        """CONTENDED to each holder whose quantum still runs, once per contention episode
+        (from the first waiter until the queue is empty again), so that it can drain ahead of
+        the quantum's end. Holders whose quantum has run out were dropped instead."""
+        contended = self._contended(dev)
+        for pair in dev.holders.values():
+            hold = pair.hold
+            if not contended:
+                hold.contended = False
+            elif hold.state == "holding" and not hold.contended:
+                hold.contended = True
+                left = _ms(hold.since + dev.tq - now)
+                out.append(Send(pair.client.key, protocol.Contended(device=dev.id, grant=hold.grant,
+                                                                    quantum_left_ms=left)))
+                out.append(Log("debug", f"{pair.client.cid} told that others wait for {dev.id} "
+                                        f"({left} ms of its quantum left)",
+                               {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
 
     def _serialised_against(self, dev: _Device, pair: _Pair) -> bool:
         """Whether `pair` may not run beside the device's current (non-empty) holders."""

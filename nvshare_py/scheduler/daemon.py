@@ -43,9 +43,6 @@ from .zmqtrio import bind_router, peer_credentials, recv_nowait, wait_readable
 
 log = logging.getLogger("nvshare.scheduler")
 
-EVENT_RING_SIZE = 10_000
-CONTROL_REQUEST_MAX = 64 * 1024
-CONTROL_REPLY_MAX = 8 * 1024 * 1024
 EVENTS_DEFAULT_LIMIT = 1000
 # libzmq drops the connection of a peer whose single message is larger than these. Between
 # the protocol's limit and these, a message is answered (ERROR too-large / "too-large").
@@ -174,15 +171,8 @@ class Daemon:
         self._inbox: collections.deque[_Pending] = collections.deque()
         self._pump_wait: trio.CancelScope | None = None
         self._watchers: dict[ev.ClientKey, trio.CancelScope] = {}
-        self._events: collections.deque[dict] = collections.deque(maxlen=EVENT_RING_SIZE)
+        self._events: collections.deque[dict] = collections.deque(maxlen=protocol.CONTROL_EVENTS_MAX)
         self._next_seq = 1
-        self._defaults = {
-            "mode": config.mode,
-            "tq": config.tq,
-            "grace": config.grace,
-            "heartbeat_timeout": config.heartbeat_timeout,
-            "idle_release": config.idle_release,
-        }
         self._started = 0.0
         self._wall_offset = 0.0
         self._uid = os.geteuid()
@@ -552,7 +542,7 @@ class Daemon:
                 envelope, body = _split_envelope(frames)
                 reply = await self._answer(body)
                 data = json.dumps(reply, separators=(",", ":")).encode()
-                if len(data) > CONTROL_REPLY_MAX:
+                if len(data) > protocol.CONTROL_REPLY_MAX:
                     data = json.dumps(_failure("too-large", f"reply of {len(data)} bytes")).encode()
                 try:
                     sock.send_multipart([*envelope, data], flags=zmq.NOBLOCK)
@@ -569,8 +559,8 @@ class Daemon:
             if suppressed is not None:
                 emit(logging.WARNING, "control request refused", reason=refusal, suppressed=suppressed)
             return _failure("forbidden", refusal)
-        if len(frame) > CONTROL_REQUEST_MAX:
-            return _failure("too-large", f"request of {len(frame)} bytes, limit {CONTROL_REQUEST_MAX}")
+        if len(frame) > protocol.CONTROL_REQUEST_MAX:
+            return _failure("too-large", f"request of {len(frame)} bytes, limit {protocol.CONTROL_REQUEST_MAX}")
         try:
             request = json.loads(frame.bytes)
         except ValueError:
@@ -609,22 +599,18 @@ class Daemon:
             return self.status()
         if op == "events":
             since = _integer(request, "since", 0, minimum=0)
-            limit = _integer(request, "limit", EVENTS_DEFAULT_LIMIT, minimum=1, maximum=EVENT_RING_SIZE)
+            limit = _integer(request, "limit", EVENTS_DEFAULT_LIMIT, minimum=1, maximum=protocol.CONTROL_EVENTS_MAX)
             return self.events(since, limit)
         # The core judges the values of settings (CoreError bad-request) before changing anything.
         if op == "set-tq":
             seconds = _number(request, "seconds")
             device = _device(request, required=False)
             await self._apply(lambda now: ev.SetQuantum(now, seconds, device))
-            if device is None:
-                self._defaults["tq"] = seconds
             return {"device": device, "tq": seconds}
         if op == "set-mode":
             mode = request.get("mode")
             device = _device(request, required=False)
             await self._apply(lambda now: ev.SetMode(now, mode, device))
-            if device is None:
-                self._defaults["mode"] = mode
             return {"device": device, "mode": mode}
         if op == "set-budget":
             budget = request.get("bytes")
@@ -650,7 +636,13 @@ class Daemon:
                 "pid": os.getpid(),
                 "started": self._started,
                 "socket_dir": str(self.paths.root),
-                "defaults": dict(self._defaults),
+                "defaults": {
+                    "mode": self.core.default_mode,
+                    "tq": self.core.default_tq,
+                    "grace": self.config.grace,
+                    "heartbeat_timeout": self.config.heartbeat_timeout,
+                    "idle_release": self.config.idle_release,
+                },
                 "restarted": self.restarted,
             }
         }
