@@ -208,54 +208,8 @@ void nvs_gate_drain(struct nvs_device *d) {
 
 /* --- context hooks ----------------------------------------------------------------------------*/
 
-#define NVS_REAL_OR_FAIL(name)                                                                  \
-    do {                                                                                        \
-        if (nvs_real_load() != 0) return CUDA_ERROR_NOT_INITIALIZED;                            \
-        if (nvs_real.name == NULL) return CUDA_ERROR_NOT_FOUND;                                 \
-    } while (0)
-
-NVS_EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
-    NVS_REAL_OR_FAIL(cuCtxSetCurrent);
-    CUresult r = nvs_real.cuCtxSetCurrent(ctx);
-    nvs_tls.device = NULL;
-    return r;
-}
-
-NVS_EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
-    NVS_REAL_OR_FAIL(cuCtxPushCurrent_v2);
-    CUresult r = nvs_real.cuCtxPushCurrent_v2(ctx);
-    nvs_tls.device = NULL;
-    return r;
-}
-
-NVS_EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *pctx) {
-    NVS_REAL_OR_FAIL(cuCtxPopCurrent_v2);
-    CUresult r = nvs_real.cuCtxPopCurrent_v2(pctx);
-    nvs_tls.device = NULL;
-    return r;
-}
-
-NVS_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
-    NVS_REAL_OR_FAIL(cuCtxCreate_v2);
-    CUresult r = nvs_real.cuCtxCreate_v2(pctx, flags, dev);
-    nvs_tls.device = NULL;
-    return r;
-}
-
-NVS_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, void *affinityParams, int numParams, unsigned int flags,
-                                   CUdevice dev) {
-    NVS_REAL_OR_FAIL(cuCtxCreate_v3);
-    CUresult r = nvs_real.cuCtxCreate_v3(pctx, affinityParams, numParams, flags, dev);
-    nvs_tls.device = NULL;
-    return r;
-}
-
-NVS_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, void *createParams, unsigned int flags, CUdevice dev) {
-    NVS_REAL_OR_FAIL(cuCtxCreate_v4);
-    CUresult r = nvs_real.cuCtxCreate_v4(pctx, createParams, flags, dev);
-    nvs_tls.device = NULL;
-    return r;
-}
+/* The context hooks that only change which context is current (cuCtxSetCurrent, Push/Pop,
+ * cuCtxCreate) are generated in hooks.c (kind CONTEXT): they drop the thread's cached device. */
 
 NVS_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) {
     NVS_REAL_OR_FAIL(cuCtxDestroy_v2);
@@ -284,22 +238,23 @@ static void forget_dead_contexts(CUdevice ordinal) {
     pthread_mutex_unlock(&nvs_mu);
 }
 
-NVS_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
-    NVS_REAL_OR_FAIL(cuDevicePrimaryCtxRelease_v2);
+/* Release or reset of a primary context (`primary` is the real function), with drains kept away
+ * until the driver is done and dead contexts forgotten afterwards. */
+static CUresult change_primary_context(CUresult (*primary)(CUdevice), CUdevice dev) {
     pthread_mutex_lock(&nvs_ctx_mu);
-    CUresult r = nvs_real.cuDevicePrimaryCtxRelease_v2(dev);
+    CUresult r = primary(dev);
     forget_dead_contexts(dev);
     pthread_mutex_unlock(&nvs_ctx_mu);
     nvs_tls.device = NULL;
     return r;
 }
 
+NVS_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+    NVS_REAL_OR_FAIL(cuDevicePrimaryCtxRelease_v2);
+    return change_primary_context(nvs_real.cuDevicePrimaryCtxRelease_v2, dev);
+}
+
 NVS_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
     NVS_REAL_OR_FAIL(cuDevicePrimaryCtxReset_v2);
-    pthread_mutex_lock(&nvs_ctx_mu);
-    CUresult r = nvs_real.cuDevicePrimaryCtxReset_v2(dev);
-    forget_dead_contexts(dev);
-    pthread_mutex_unlock(&nvs_ctx_mu);
-    nvs_tls.device = NULL;
-    return r;
+    return change_primary_context(nvs_real.cuDevicePrimaryCtxReset_v2, dev);
 }

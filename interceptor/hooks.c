@@ -17,15 +17,21 @@
 
 struct nvs_real_table nvs_real;
 
-/* --- generated wrappers of the GATED hooks -------------------------------------------------*/
+/* --- generated wrappers of the GATED and CONTEXT hooks -------------------------------------*/
 
 #define NVS_WRAPPER_GATED(name, params, args)                                                   \
     NVS_EXPORT CUresult name params {                                                           \
-        if (NVS_UNLIKELY(nvs_real.name == NULL) && nvs_real_load() != 0) return CUDA_ERROR_NOT_INITIALIZED; \
-        if (NVS_UNLIKELY(nvs_real.name == NULL)) return CUDA_ERROR_NOT_FOUND;                   \
+        NVS_REAL_OR_FAIL(name);                                                                 \
         struct nvs_device *gate = nvs_gate_enter();                                             \
         CUresult result = nvs_real.name args;                                                   \
         nvs_gate_exit(gate);                                                                    \
+        return result;                                                                          \
+    }
+#define NVS_WRAPPER_CONTEXT(name, params, args)                                                 \
+    NVS_EXPORT CUresult name params {                                                           \
+        NVS_REAL_OR_FAIL(name);                                                                 \
+        CUresult result = nvs_real.name args;                                                   \
+        nvs_tls.device = NULL; /* resolved again on the thread's next gated call */             \
         return result;                                                                          \
     }
 #define NVS_WRAPPER_CUSTOM(name, params, args)

@@ -6,6 +6,8 @@
  * kind GATED:  the wrapper is generated in hooks.c: wait for the device's lock, call the real
  *              function, leave the gate. For everything that submits GPU work or touches
  *              device memory.
+ * kind CONTEXT: the wrapper is generated in hooks.c: call the real function, then forget the
+ *              calling thread's cached device (the call may change its current context).
  * kind CUSTOM: the wrapper is hand-written (memory.c, gate.c, hooks.c).
  *
  * `name` is the exported ABI symbol of libcuda.so.1 (with its _v2/_ptds/_ptsz suffix), which
@@ -269,15 +271,15 @@
     X(CUSTOM, cuDeviceGetAttribute, (int *value, CUdevice_attribute attrib, CUdevice dev),      \
       (value, attrib, dev))                                                                     \
     /* --- contexts (gate.c): they change the calling thread's device --- */                   \
-    X(CUSTOM, cuCtxSetCurrent, (CUcontext ctx), (ctx))                                          \
-    X(CUSTOM, cuCtxPushCurrent_v2, (CUcontext ctx), (ctx))                                      \
-    X(CUSTOM, cuCtxPopCurrent_v2, (CUcontext *pctx), (pctx))                                    \
-    X(CUSTOM, cuCtxCreate_v2, (CUcontext *pctx, unsigned int flags, CUdevice dev),              \
+    X(CONTEXT, cuCtxSetCurrent, (CUcontext ctx), (ctx))                                          \
+    X(CONTEXT, cuCtxPushCurrent_v2, (CUcontext ctx), (ctx))                                      \
+    X(CONTEXT, cuCtxPopCurrent_v2, (CUcontext *pctx), (pctx))                                    \
+    X(CONTEXT, cuCtxCreate_v2, (CUcontext *pctx, unsigned int flags, CUdevice dev),              \
       (pctx, flags, dev))                                                                       \
-    X(CUSTOM, cuCtxCreate_v3,                                                                   \
+    X(CONTEXT, cuCtxCreate_v3,                                                                   \
       (CUcontext *pctx, void *affinityParams, int numParams, unsigned int flags, CUdevice dev), \
       (pctx, affinityParams, numParams, flags, dev))                                            \
-    X(CUSTOM, cuCtxCreate_v4,                                                                   \
+    X(CONTEXT, cuCtxCreate_v4,                                                                   \
       (CUcontext *pctx, void *createParams, unsigned int flags, CUdevice dev),                  \
       (pctx, createParams, flags, dev))                                                         \
     X(CUSTOM, cuCtxDestroy_v2, (CUcontext ctx), (ctx))                                          \
@@ -336,5 +338,15 @@ extern struct nvs_real_table nvs_real;
 /* Resolve the real driver once (dlopen libcuda.so.1). Cheap after the first call. Returns 0
  * when the driver could be loaded. Safe before cuInit and from any thread. */
 int nvs_real_load(void);
+
+/* First line of every wrapper: the error a caller expects when the driver cannot be loaded, or
+ * when the installed driver lacks this entry point. Checks the pointer first: once the driver
+ * is loaded this is one load and one branch. */
+#define NVS_REAL_OR_FAIL(name)                                                                  \
+    do {                                                                                        \
+        if (NVS_UNLIKELY(nvs_real.name == NULL) && nvs_real_load() != 0)                        \
+            return CUDA_ERROR_NOT_INITIALIZED;                                                  \
+        if (NVS_UNLIKELY(nvs_real.name == NULL)) return CUDA_ERROR_NOT_FOUND;                   \
+    } while (0)
 
 #endif

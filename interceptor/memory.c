@@ -132,16 +132,17 @@ static int lookup_kind(uint64_t key) {
     return kind;
 }
 
-#define REAL_OR_FAIL(name)                                                                      \
-    do {                                                                                        \
-        if (nvs_real_load() != 0) return CUDA_ERROR_NOT_INITIALIZED;                            \
-        if (nvs_real.name == NULL) return CUDA_ERROR_NOT_FOUND;                                 \
-    } while (0)
-
 /* Common start of every allocation: threads running (memory reports), old frees done. */
 static void allocation_prologue(void) {
     nvs_runtime_start();
     nvs_memory_poll_frees();
+}
+
+/* With conversion off (NVSHARE_MANAGED=0): account for the device memory the driver's own
+ * allocation call returned `result` for. */
+static CUresult track_unconverted(CUdeviceptr *dptr, size_t size, CUresult result) {
+    if (result == CUDA_SUCCESS) remember(&pointers, *dptr, size, nvs_current_device(), ALLOC_DEVICE);
+    return result;
 }
 
 /* The managed replacement of a device allocation of `size` bytes. */
@@ -153,17 +154,15 @@ static CUresult allocate_converted(CUdeviceptr *dptr, size_t size) {
 }
 
 NVS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
-    REAL_OR_FAIL(cuMemAlloc_v2);
+    NVS_REAL_OR_FAIL(cuMemAlloc_v2);
     allocation_prologue();
     if (nvs_config.managed) return allocate_converted(dptr, size);
-    CUresult r = nvs_real.cuMemAlloc_v2(dptr, size);
-    if (r == CUDA_SUCCESS) remember(&pointers, *dptr, size, nvs_current_device(), ALLOC_DEVICE);
-    return r;
+    return track_unconverted(dptr, size, nvs_real.cuMemAlloc_v2(dptr, size));
 }
 
 NVS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
                                        unsigned int elemSize) {
-    REAL_OR_FAIL(cuMemAllocPitch_v2);
+    NVS_REAL_OR_FAIL(cuMemAllocPitch_v2);
     allocation_prologue();
     if (!nvs_config.managed) {
         CUresult r = nvs_real.cuMemAllocPitch_v2(dptr, pitch, width, height, elemSize);
@@ -195,42 +194,39 @@ NVS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t 
 static CUresult alloc_async(CUdeviceptr *dptr, size_t size, CUstream s, int per_thread) {
     allocation_prologue();
     if (nvs_config.managed) return allocate_converted(dptr, size);
-    CUresult r = per_thread ? nvs_real.cuMemAllocAsync_ptsz(dptr, size, s) : nvs_real.cuMemAllocAsync(dptr, size, s);
-    if (r == CUDA_SUCCESS) remember(&pointers, *dptr, size, nvs_current_device(), ALLOC_DEVICE);
-    return r;
+    return track_unconverted(dptr, size,
+                             per_thread ? nvs_real.cuMemAllocAsync_ptsz(dptr, size, s) : nvs_real.cuMemAllocAsync(dptr, size, s));
 }
 
 NVS_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream s) {
-    REAL_OR_FAIL(cuMemAllocAsync);
+    NVS_REAL_OR_FAIL(cuMemAllocAsync);
     return alloc_async(dptr, size, s, 0);
 }
 
 NVS_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, CUstream s) {
-    REAL_OR_FAIL(cuMemAllocAsync_ptsz);
+    NVS_REAL_OR_FAIL(cuMemAllocAsync_ptsz);
     return alloc_async(dptr, size, s, 1);
 }
 
 static CUresult alloc_from_pool(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s, int per_thread) {
     allocation_prologue();
     if (nvs_config.managed) return allocate_converted(dptr, size);
-    CUresult r = per_thread ? nvs_real.cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, s)
-                            : nvs_real.cuMemAllocFromPoolAsync(dptr, size, pool, s);
-    if (r == CUDA_SUCCESS) remember(&pointers, *dptr, size, nvs_current_device(), ALLOC_DEVICE);
-    return r;
+    return track_unconverted(dptr, size, per_thread ? nvs_real.cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, s)
+                                                    : nvs_real.cuMemAllocFromPoolAsync(dptr, size, pool, s));
 }
 
 NVS_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s) {
-    REAL_OR_FAIL(cuMemAllocFromPoolAsync);
+    NVS_REAL_OR_FAIL(cuMemAllocFromPoolAsync);
     return alloc_from_pool(dptr, size, pool, s, 0);
 }
 
 NVS_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s) {
-    REAL_OR_FAIL(cuMemAllocFromPoolAsync_ptsz);
+    NVS_REAL_OR_FAIL(cuMemAllocFromPoolAsync_ptsz);
     return alloc_from_pool(dptr, size, pool, s, 1);
 }
 
 NVS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned int flags) {
-    REAL_OR_FAIL(cuMemAllocManaged);
+    NVS_REAL_OR_FAIL(cuMemAllocManaged);
     allocation_prologue();
     CUresult r = nvs_real.cuMemAllocManaged(dptr, size, flags);
     if (r == CUDA_SUCCESS) remember(&pointers, *dptr, size, nvs_current_device(), ALLOC_MANAGED);
@@ -238,7 +234,7 @@ NVS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned i
 }
 
 NVS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
-    REAL_OR_FAIL(cuMemFree_v2);
+    NVS_REAL_OR_FAIL(cuMemFree_v2);
     nvs_memory_poll_frees();
     struct alloc a;
     int known = forget(&pointers, dptr, &a);
@@ -356,19 +352,19 @@ static CUresult free_async(CUdeviceptr dptr, CUstream s, int per_thread) {
 }
 
 NVS_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream s) {
-    REAL_OR_FAIL(cuMemFreeAsync);
+    NVS_REAL_OR_FAIL(cuMemFreeAsync);
     return free_async(dptr, s, 0);
 }
 
 NVS_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream s) {
-    REAL_OR_FAIL(cuMemFreeAsync_ptsz);
+    NVS_REAL_OR_FAIL(cuMemFreeAsync_ptsz);
     return free_async(dptr, s, 1);
 }
 
 /* --- what the application is told ---------------------------------------------------------*/
 
 NVS_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes) {
-    REAL_OR_FAIL(cuMemGetInfo_v2);
+    NVS_REAL_OR_FAIL(cuMemGetInfo_v2);
     if (free_bytes == NULL || total_bytes == NULL) return CUDA_ERROR_INVALID_VALUE;
     size_t real_free, real_total;
     CUresult r = nvs_real.cuMemGetInfo_v2(&real_free, &real_total);
@@ -388,7 +384,7 @@ NVS_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes) {
 }
 
 NVS_EXPORT CUresult cuDeviceGetAttribute(int *value, CUdevice_attribute attrib, CUdevice dev) {
-    REAL_OR_FAIL(cuDeviceGetAttribute);
+    NVS_REAL_OR_FAIL(cuDeviceGetAttribute);
     CUresult r = nvs_real.cuDeviceGetAttribute(value, attrib, dev);
     if (r == CUDA_SUCCESS && nvs_config.vmm_hide && attrib == CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)
         *value = 0;
@@ -399,7 +395,7 @@ NVS_EXPORT CUresult cuDeviceGetAttribute(int *value, CUdevice_attribute attrib, 
 
 NVS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                                 unsigned long long flags) {
-    REAL_OR_FAIL(cuMemCreate);
+    NVS_REAL_OR_FAIL(cuMemCreate);
     allocation_prologue();
     CUresult r = nvs_real.cuMemCreate(handle, size, prop, flags);
     if (r != CUDA_SUCCESS) return r;
@@ -416,7 +412,7 @@ NVS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
 }
 
 NVS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
-    REAL_OR_FAIL(cuMemRelease);
+    NVS_REAL_OR_FAIL(cuMemRelease);
     CUresult r = nvs_real.cuMemRelease(handle);
     struct alloc a;
     if (r == CUDA_SUCCESS && forget(&vmm_handles, handle, &a)) count_bytes(a.device, a.size, 0);
@@ -426,7 +422,7 @@ NVS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
 /* --- CUDA IPC: the driver refuses managed memory; say why ---------------------------------*/
 
 NVS_EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr dptr) {
-    REAL_OR_FAIL(cuIpcGetMemHandle);
+    NVS_REAL_OR_FAIL(cuIpcGetMemHandle);
     CUresult r = nvs_real.cuIpcGetMemHandle(handle, dptr);
     if (r == CUDA_SUCCESS) return r;
     unsigned int is_managed = 0;
