@@ -6,11 +6,12 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import zmq
 
-from fixtures.scheduler import ensure_ctl_importable, nvsharectl_command, run_child, wait_for
+from fixtures.scheduler import child_env, ensure_ctl_importable, nvsharectl_command, run_child, wait_for
 from nvshare_py import protocol
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
@@ -76,6 +77,11 @@ def _as_other_user(*capabilities: str) -> list[str]:
         argv += [f"--inh-caps=+{capability}", f"--ambient-caps=+{capability}"]
     if not _can_run(*argv):
         pytest.skip(f"cannot run a process as uid {OTHER_UID} here")
+    # The other user must be able to run this test run's Python and nvshare_py (a checkout in a
+    # 0700 directory, e.g. under mktemp -d, is unreadable to it).
+    importable = run_child([*argv, sys.executable, "-c", "import nvshare_py"], child_env())
+    if importable.returncode != 0:
+        pytest.skip(f"uid {OTHER_UID} cannot run this Python installation: {importable.stderr.strip()[-200:]}")
     return argv
 
 
