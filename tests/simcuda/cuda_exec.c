@@ -169,7 +169,7 @@ void sim_drain(struct sim_ctx *ctx)
 
 /* ---- Execution ---- */
 
-static void sleep_until(double deadline)
+void sim_sleep_until(double deadline)
 {
     struct timespec until = {.tv_sec = (time_t)deadline};
     until.tv_nsec = (long)((deadline - (double)until.tv_sec) * 1e9);
@@ -326,27 +326,57 @@ static void trace(const struct sim_ctx *ctx, const struct sim_op *op, double sta
     default:
         return; /* events, waits and frees are bookkeeping, not GPU work */
     }
-    char line[1024], tag[2 * SIM_TAG_MAX];
-    int length = snprintf(line, sizeof line, "{\"pid\": %d, \"dev\": \"%s\", \"ctx\": %d, \"op\": \"%s\"",
-                          (int)getpid(), ctx->device->uuid_text, ctx->id, kind);
+    char fields[768], tag[2 * SIM_TAG_MAX];
+    int length = snprintf(fields, sizeof fields, "\"op\": \"%s\"", kind);
     if (name)
-        length += snprintf(line + length, sizeof line - (size_t)length, ", \"name\": \"%s\"", name);
+        length += snprintf(fields + length, sizeof fields - (size_t)length, ", \"name\": \"%s\"", name);
     if (op->kind != SIM_OP_HOST_FN && !(op->kind == SIM_OP_KERNEL && op->u.kernel.kind == SIM_KERNEL_SLEEP))
-        length += snprintf(line + length, sizeof line - (size_t)length, ", \"bytes\": %zu", op_bytes(op));
-    length += snprintf(line + length, sizeof line - (size_t)length, ", \"api\": \"%s\"", op->api);
+        length += snprintf(fields + length, sizeof fields - (size_t)length, ", \"bytes\": %zu", op_bytes(op));
+    length += snprintf(fields + length, sizeof fields - (size_t)length, ", \"api\": \"%s\"", op->api);
     if (op->tag[0]) {
         json_escape(tag, sizeof tag, op->tag);
-        length += snprintf(line + length, sizeof line - (size_t)length, ", \"tag\": \"%s\"", tag);
+        length += snprintf(fields + length, sizeof fields - (size_t)length, ", \"tag\": \"%s\"", tag);
     }
     if (error != CUDA_SUCCESS) {
         const char *error_name = "CUDA_ERROR_UNKNOWN";
         cuGetErrorName(error, &error_name);
-        length += snprintf(line + length, sizeof line - (size_t)length, ", \"error\": \"%s\"", error_name);
+        snprintf(fields + length, sizeof fields - (size_t)length, ", \"error\": \"%s\"", error_name);
     }
-    length += snprintf(line + length, sizeof line - (size_t)length, ", \"start\": %.9f, \"end\": %.9f}\n", start, end);
+    sim_trace_write(ctx, fields, start, end);
+}
+
+void sim_trace_write(const struct sim_ctx *ctx, const char *fields, double start, double end)
+{
+    if (trace_fd < 0)
+        return;
+    char line[1024];
+    int length = snprintf(line, sizeof line, "{\"pid\": %d, \"dev\": \"%s\", \"ctx\": %d, %s, \"start\": %.9f, \"end\": %.9f}\n",
+                          (int)getpid(), ctx->device->uuid_text, ctx->id, fields, start, end);
+    if (length >= (int)sizeof line)
+        length = (int)sizeof line - 1;
     /* One write on an O_APPEND descriptor: lines of concurrent processes never interleave. */
     if (write(trace_fd, line, (size_t)length) != length)
         fprintf(stderr, "simcuda: trace write failed: %s\n", strerror(errno));
+}
+
+/* nvshare_sleep. With residency modelled it runs in time slices, each on the simulated GPU
+ * alone and with its memory resident (faulted back in if another process took it meanwhile). */
+static void run_sleep(struct sim_ctx *ctx, const struct sim_op *op, double start)
+{
+    double duration = (double)op->u.kernel.duration_us * 1e-6;
+    if (!sim_residency_models(ctx->device)) {
+        sim_sleep_until(start + duration);
+        return;
+    }
+    double slice = sim_residency_timeslice();
+    do {
+        sim_engine_enter(ctx->device);
+        sim_residency_touch(ctx, op);
+        double run = duration < slice ? duration : slice;
+        sim_sleep_until(sim_now() + run);
+        duration -= run;
+        sim_engine_leave(ctx->device);
+    } while (duration > 0);
 }
 
 static void execute(struct sim_ctx *ctx, struct sim_op *op)
@@ -369,10 +399,15 @@ static void execute(struct sim_ctx *ctx, struct sim_op *op)
     double start = sim_now();
     CUresult error = CUDA_SUCCESS;
     if (op->kind == SIM_OP_KERNEL && op->u.kernel.kind == SIM_KERNEL_SLEEP)
-        sleep_until(start + (double)op->u.kernel.duration_us * 1e-6);
+        run_sleep(ctx, op, start);
     else if (op->kind == SIM_OP_HOST_FN)
         op->u.host.fn(op->u.host.data);
-    else
+    else if (op->kind == SIM_OP_KERNEL || op->kind == SIM_OP_PREFETCH) {
+        sim_engine_enter(ctx->device);
+        sim_residency_touch(ctx, op);
+        error = run_memory_op(op);
+        sim_engine_leave(ctx->device);
+    } else
         error = run_memory_op(op);
     double end = sim_now();
     if (error != CUDA_SUCCESS) {

@@ -129,6 +129,9 @@ static void run_init(void)
         device->primary = sim_ctx_new(device, 1, 0);
         device->default_pool = sim_pool_new(device, 1);
     }
+    init_result = sim_residency_open();
+    if (init_result != CUDA_SUCCESS)
+        return;
     pthread_atfork(NULL, NULL, mark_forked_child);
     atomic_store_explicit(&initialized, 1, memory_order_release);
 }

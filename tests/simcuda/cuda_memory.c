@@ -175,6 +175,7 @@ static void pool_release(struct sim_pool *pool, size_t bytes)
 /* Unmaps and forgets an allocation of any family but VMM (registry write-locked). */
 static void release(struct sim_alloc *alloc)
 {
+    sim_residency_forget(alloc);
     munmap((void *)alloc->start, alloc->size);
     if (alloc->shared_fd >= 0)
         close(alloc->shared_fd);
@@ -204,9 +205,14 @@ static CUresult allocate(struct sim_ctx *ctx, size_t bytes, enum sim_family fami
         .start = (uintptr_t)memory, .size = bytes, .family = family, .device = device, .ctx = ctx,
         .pool = pool, .charged = charged ? bytes : 0, .accessible = 1, .shared_fd = -1,
     };
-    if (!sim_mem_add(&prototype)) {
+    struct sim_alloc *alloc = sim_mem_add(&prototype);
+    if (!alloc) {
         munmap(memory, bytes);
         goto uncharge;
+    }
+    if (sim_residency_adopt(alloc) != 0) {
+        release(alloc);
+        goto out;
     }
     if (pool) {
         pool->outstanding++;
@@ -346,6 +352,13 @@ void sim_mem_release_ctx(struct sim_ctx *ctx)
         if (registry[i]->ctx == ctx)
             release(registry[i]);
     sim_mem_unlock();
+}
+
+void sim_mem_for_each_managed(const struct sim_device *device, void (*fn)(struct sim_alloc *, void *), void *argument)
+{
+    for (size_t i = 0; i < registry_count; i++)
+        if (registry[i]->family == SIM_MEM_MANAGED && registry[i]->device == device)
+            fn(registry[i], argument);
 }
 
 SIM_EXPORT CUresult cuMemGetInfo_v2(size_t *free, size_t *total)
@@ -592,7 +605,7 @@ static CUmemLocation device_location(CUdevice device)
     return location;
 }
 
-/* Pages never move in the simulation; a prefetch is a traced operation on the stream. */
+/* A traced operation on the stream; it moves chunks when residency is modelled. */
 static CUresult prefetch(CUdeviceptr devPtr, size_t count, CUmemLocation location, unsigned int flags,
                          CUstream hStream, const char *api)
 {
@@ -609,6 +622,7 @@ static CUresult prefetch(CUdeviceptr devPtr, size_t count, CUmemLocation locatio
     struct sim_op *op = sim_op_new(SIM_OP_PREFETCH, api);
     op->u.prefetch.ptr = (uintptr_t)devPtr;
     op->u.prefetch.bytes = count;
+    op->u.prefetch.target = location.type == CU_MEM_LOCATION_TYPE_DEVICE ? sim_device_get(location.id) : NULL;
     return sim_submit(ctx, stream, op, 0);
 }
 
@@ -619,12 +633,35 @@ SIM_WITH_TWIN(cuMemPrefetchAsync_v2, cuMemPrefetchAsync_v2_ptsz,
               (CUdeviceptr devPtr, size_t count, CUmemLocation location, unsigned int flags, CUstream hStream),
               return prefetch(devPtr, count, location, flags, hStream, __func__);)
 
+static const char *const advice_names[] = {
+    [CU_MEM_ADVISE_SET_READ_MOSTLY] = "set_read_mostly",
+    [CU_MEM_ADVISE_UNSET_READ_MOSTLY] = "unset_read_mostly",
+    [CU_MEM_ADVISE_SET_PREFERRED_LOCATION] = "set_preferred_location",
+    [CU_MEM_ADVISE_UNSET_PREFERRED_LOCATION] = "unset_preferred_location",
+    [CU_MEM_ADVISE_SET_ACCESSED_BY] = "set_accessed_by",
+    [CU_MEM_ADVISE_UNSET_ACCESSED_BY] = "unset_accessed_by",
+};
+
+/* Advice is a hint: it is checked and traced (so tests see who advised what), and changes
+ * nothing in the simulation, residency included. */
 static CUresult advise(CUdeviceptr devPtr, size_t count, CUmem_advise advice, CUmemLocation location)
 {
     SIM_ENTER();
     if (advice < CU_MEM_ADVISE_SET_READ_MOSTLY || advice > CU_MEM_ADVISE_UNSET_ACCESSED_BY ||
         !valid_location(location) || !is_managed_range(devPtr, count))
         return CUDA_ERROR_INVALID_VALUE;
+    sim_mem_read_lock();
+    struct sim_alloc *alloc = sim_mem_find_range((uintptr_t)devPtr, count ? count : 1);
+    char fields[256];
+    snprintf(fields, sizeof fields,
+             "\"op\": \"advise\", \"advice\": \"%s\", \"location\": \"%s\", \"location_id\": %d, "
+             "\"ptr\": %llu, \"bytes\": %zu",
+             advice_names[advice], location.type == CU_MEM_LOCATION_TYPE_DEVICE ? "device" : "host", location.id,
+             (unsigned long long)devPtr, count);
+    double now = sim_now();
+    if (alloc)
+        sim_trace_write(alloc->ctx, fields, now, now);
+    sim_mem_unlock();
     return CUDA_SUCCESS;
 }
 

@@ -1105,9 +1105,11 @@ static void run_step(char *text, int *number)
         out.rc = CALL(STREAM_FN(cuStreamSynchronize, cuStreamSynchronize_ptsz), current_stream);
     else if (strcmp(name, "stream") == 0)
         step_stream(args, count, &out);
-    else if (strcmp(name, "prefetch") == 0 && count == 2) {
+    else if (strcmp(name, "prefetch") == 0 && (count == 2 || (count == 3 && strcmp(args[2], "host") == 0))) {
         struct buffer *buffer = get_buffer(args[1]);
         CUmemLocation location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = current_device};
+        if (count == 3)
+            location.type = CU_MEM_LOCATION_TYPE_HOST;
         out.rc = CALL(STREAM_FN(cuMemPrefetchAsync_v2, cuMemPrefetchAsync_v2_ptsz), buffer->ptr, buffer->bytes, location,
                       0, current_stream);
     } else if (strcmp(name, "sleep") == 0 && count == 2) {

@@ -207,6 +207,7 @@ struct sim_op {
         struct {
             uintptr_t ptr;
             size_t bytes;
+            struct sim_device *target; /* NULL: the host */
         } prefetch;
         struct {
             CUhostFn fn;
@@ -264,6 +265,9 @@ void sim_executor_start(struct sim_ctx *ctx);
 void sim_executor_stop(struct sim_ctx *ctx);
 /* Opens SIMCUDA_TRACE (called by cuInit). */
 CUresult sim_trace_open(void);
+/* Appends one trace line: pid, dev and ctx of `ctx`, then `fields` (JSON members), start, end. */
+void sim_trace_write(const struct sim_ctx *ctx, const char *fields, double start, double end);
+void sim_sleep_until(double deadline);              /* CLOCK_MONOTONIC seconds */
 
 /* ---- cuda_graph.c ---- */
 
@@ -299,6 +303,8 @@ struct sim_alloc {
     int accessible;               /* VMM ranges become accessible with cuMemSetAccess */
     int free_queued;              /* a cuMemFreeAsync for it is queued */
     int shared_fd;                /* memfd backing once exported with cuIpcGetMemHandle, or -1 */
+    int32_t *chunk_slots;         /* managed memory with residency modelled: per chunk, its last
+                                     slot in the device's shared table (cuda_residency.c) */
 };
 
 /* The registry lock. Executors hold it for reading while they touch driver memory, so that
@@ -325,9 +331,33 @@ int sim_mem_range_known(uintptr_t ptr, size_t bytes, enum sim_family *family);
 void sim_mem_free_now(uintptr_t ptr);
 /* Frees every allocation owned by a context that is being destroyed. */
 void sim_mem_release_ctx(struct sim_ctx *ctx);
+/* With the lock held: calls fn for every managed allocation of the process on `device`. */
+void sim_mem_for_each_managed(const struct sim_device *device, void (*fn)(struct sim_alloc *, void *), void *argument);
 /* A memory pool of the device: its default one (created by cuInit) or one cuMemPoolCreate makes.
  * Aborts on memory exhaustion. */
 struct sim_pool *sim_pool_new(struct sim_device *device, int is_default);
+
+/* ---- cuda_residency.c: where managed memory lives, shared by the processes of a machine ---- */
+
+/* Residency is tracked in chunks of this size. */
+#define SIM_CHUNK_BYTES ((size_t)2 << 20)
+/* Maps the shared state of every device when SIMCUDA_RESIDENCY_DIR is set (called by cuInit). */
+CUresult sim_residency_open(void);
+int sim_residency_models(const struct sim_device *device);
+/* Seconds a kernel runs before it lets other processes' work onto the simulated GPU. */
+double sim_residency_timeslice(void);
+/* Fair, process-shared turns on the simulated GPU for kernels and prefetches (no-ops when
+ * residency is not modelled). */
+void sim_engine_enter(const struct sim_device *device);
+void sim_engine_leave(const struct sim_device *device);
+/* With the registry write-locked: gives a new managed allocation its chunk hints (-1 when out
+ * of host memory), and frees its chunks' slots when it goes. */
+int sim_residency_adopt(struct sim_alloc *alloc);
+void sim_residency_forget(struct sim_alloc *alloc);
+/* Executor, holding the engine, no lock held: makes the memory `op` (a kernel or a prefetch)
+ * touches resident (or, for a prefetch to the host, not), sleeping for the cost and tracing
+ * the migrations. */
+void sim_residency_touch(struct sim_ctx *ctx, const struct sim_op *op);
 
 /* ---- cuda_module.c ---- */
 
