@@ -91,7 +91,8 @@ double sim_residency_timeslice(void)
 
 /* ---- Opening the shared state ---- */
 
-static int read_double(const char *name, double fallback, double *out)
+/* A number from the environment, at least `minimum` (and above it when `exclusive`). */
+static int read_double(const char *name, double fallback, double minimum, int exclusive, double *out)
 {
     const char *text = getenv(name);
     *out = fallback;
@@ -100,8 +101,9 @@ static int read_double(const char *name, double fallback, double *out)
     char *end;
     errno = 0;
     double value = strtod(text, &end);
-    if (errno || end == text || *end || !isfinite(value) || value < 0) {
-        fprintf(stderr, "simcuda: %s=%s is not a non-negative number\n", name, text);
+    if (errno || end == text || *end || !isfinite(value) || value < minimum || (exclusive && value == minimum)) {
+        fprintf(stderr, "simcuda: %s=%s is not a number %s %g\n", name, text, exclusive ? "above" : "of at least",
+                minimum);
         return -1;
     }
     *out = value;
@@ -175,9 +177,9 @@ CUresult sim_residency_open(void)
     if (!dir || !*dir)
         return CUDA_SUCCESS;
     double fault_us, prefetch_us, slice_us;
-    if (read_double("SIMCUDA_FAULT_US_PER_MIB", DEFAULT_FAULT_US_PER_MIB, &fault_us) != 0 ||
-        read_double("SIMCUDA_PREFETCH_US_PER_MIB", DEFAULT_PREFETCH_US_PER_MIB, &prefetch_us) != 0 ||
-        read_double("SIMCUDA_TIMESLICE_US", DEFAULT_TIMESLICE_US, &slice_us) != 0 || slice_us <= 0)
+    if (read_double("SIMCUDA_FAULT_US_PER_MIB", DEFAULT_FAULT_US_PER_MIB, 0, 0, &fault_us) != 0 ||
+        read_double("SIMCUDA_PREFETCH_US_PER_MIB", DEFAULT_PREFETCH_US_PER_MIB, 0, 0, &prefetch_us) != 0 ||
+        read_double("SIMCUDA_TIMESLICE_US", DEFAULT_TIMESLICE_US, 0, 1, &slice_us) != 0)
         return CUDA_ERROR_INVALID_VALUE;
     costs.fault_s_per_byte = fault_us * 1e-6 / MIB;
     costs.prefetch_s_per_byte = prefetch_us * 1e-6 / MIB;
@@ -452,8 +454,8 @@ static void pay(const struct sim_ctx *ctx, const struct moves *moves, int prefet
     if (moved == 0)
         return;
     double start = sim_now();
-    double end = start + (double)moved * (prefetch ? costs.prefetch_s_per_byte : costs.fault_s_per_byte);
-    sim_sleep_until(end);
+    sim_sleep_until(start + (double)moved * (prefetch ? costs.prefetch_s_per_byte : costs.fault_s_per_byte));
+    double end = sim_now();
     const char *cause = prefetch ? "prefetch" : "fault";
     int32_t self = (int32_t)getpid();
     for (size_t i = 0; i < moves->evicted_owners; i++)
