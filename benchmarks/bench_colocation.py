@@ -1,0 +1,428 @@
+"""Co-located jobs under nvshare: the nvshare paper's experiments (seeds: Table 2, Figure 3), side by side.
+
+    python benchmarks/bench_colocation.py --quick          # simulated driver, well under 3 minutes
+    python benchmarks/bench_colocation.py                  # simulated driver, 2 and 4 jobs, full TQ sweep
+    python benchmarks/bench_colocation.py --gpu            # real GPU (PyTorch), see "Regimes" below
+
+Jobs (each a separate process, all started together):
+- `matrix`: a loop of GPU work over all of the job's memory and nothing else, like the paper's
+  pytorch-add (GPU share 100 %);
+- `training`: steps of a GPU burst over all of its memory followed by a CPU phase (data loading),
+  the CPU phase taking `--cpu-share` of the step (default 0.5: the paper's "balanced" variants;
+  0.1 is its "intense").
+
+Regimes:
+- `fits`: the jobs' memory together fits the device (each gets 80 % / jobs of it);
+- `oversubscribed`: each job uses 65 % of the device, so any two exceed it.
+  On the simulated driver the device is SIMCUDA_MEMORY with residency modelled
+  (tests/simcuda/README.md, "Residency": 2 MiB chunks, LRU eviction across processes, fault and
+  prefetch costs of an H200). On a real GPU the card is never physically oversubscribed (safety
+  rule): the regime is a scheduler memory budget (`nvsharectl set-budget`) below the jobs' sum.
+  Today a budget only decides which holders mode `auto` lets run together; it does not yet move
+  memory (evict on release / prefetch on grant are issue 8's scheduler work), so on a real GPU
+  the oversubscribed numbers show the scheduling, not the swapping. The JSON says which
+  mechanism each regime used.
+
+Modes: `sequential` (the baseline: the jobs one after the other, without nvshare), and the
+scheduler's `off`, `on` and `auto`, all jobs at once under libnvshare.so. A TQ sweep repeats
+`on` oversubscribed for several time quanta (the paper's Figure 3).
+
+Makespan: from the first job's first step to the last job's end (simulated driver: simapp's
+CLOCK_MONOTONIC step times; real GPU: the jobs' own monotonic stamps). The simulated driver also
+reports the bytes migrated (from its trace).
+
+Prints one JSON document on stdout; writes colocation-<date>[-quick|-gpu].json and .png (ratios
+per regime and mode beside the paper's, and the TQ sweep) into --out (benchmarks/results); a
+text table of ratios vs sequential goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from fixtures.interceptor import build_interceptor  # noqa: E402
+from fixtures.residency import handoffs, moved  # noqa: E402
+from fixtures.scheduler import DEFAULT_OPTIONS, SchedulerProcess, child_env, short_socket_dir  # noqa: E402
+from fixtures.simcuda import build_simcuda, parse_steps  # noqa: E402
+
+MIB = 1 << 20
+MODES = ("sequential", "off", "on", "auto")
+REGIMES = ("fits", "oversubscribed")
+FITS_SHARE = 0.8           # of the device, split between the jobs
+OVERSUBSCRIBED_SHARE = 0.65  # of the device, per job
+
+# The paper (Table 2, P100 16 GB, two TensorFlow ResNet152v2 jobs; "balanced" is 50 % GPU,
+# "intense" 90 %; light 7 GB each, heavy 15 GB each): completion time / sequential.
+PAPER_SEQUENTIAL = {"light_balanced": 2636, "light_intense": 1384, "heavy_balanced": 2766, "heavy_intense": 1438}
+PAPER_TCT = {
+    "off": {"light_balanced": 1772, "light_intense": 1128, "heavy_balanced": 11757, "heavy_intense": 11434},
+    "on (TQ 1000 s)": {"light_balanced": 2053, "light_intense": 1361, "heavy_balanced": 2043, "heavy_intense": 1380},
+    "on (TQ 100 s)": {"light_balanced": 2010, "light_intense": 1351, "heavy_balanced": 2100, "heavy_intense": 1435},
+    "on (TQ 30 s)": {"light_balanced": 2017, "light_intense": 1366, "heavy_balanced": 2170, "heavy_intense": 1521},
+}
+# Figure 3 (heavy_balanced, TQ sweep) as far as Table 2 gives it.
+PAPER_TQ_SWEEP = {1000: 2043, 100: 2100, 60: 2122, 30: 2170}
+
+
+def paper_ratios() -> dict[str, dict[str, float]]:
+    return {mode: {variant: round(tct / PAPER_SEQUENTIAL[variant], 3) for variant, tct in row.items()}
+            for mode, row in PAPER_TCT.items()}
+
+
+def paper_variant(regime: str, cpu_share: float) -> str:
+    return ("light" if regime == "fits" else "heavy") + ("_balanced" if cpu_share >= 0.3 else "_intense")
+
+
+# --- the simulated driver ----------------------------------------------------------------
+
+
+class Simulated:
+    """Jobs are simapp processes; the device has `capacity` bytes with residency modelled."""
+
+    mechanism = {"fits": "simulated device capacity (SIMCUDA_MEMORY), residency modelled",
+                 "oversubscribed": "simulated device capacity (SIMCUDA_MEMORY), residency modelled: "
+                                   "fault-driven paging and LRU eviction at H200 costs"}
+
+    def __init__(self, work: Path, capacity: int, steps: int, burst_s: float, kernel_us: int) -> None:
+        self.work = work
+        self.capacity = capacity
+        self.steps = steps
+        self.burst_s = burst_s
+        self.kernel_us = kernel_us
+        self.simcuda = build_simcuda(work / "sim")
+        self.library = build_interceptor(work / "lib")
+        self.run_number = 0
+
+    def job_steps(self, footprint: int, cpu_share: float) -> list[str]:
+        kernels = max(1, round(self.burst_s * 1e6 / self.kernel_us))
+        burst = ",".join([f"kernel:{self.kernel_us}"] * kernels + ["sync"])
+        if cpu_share > 0:
+            cpu_ms = self.burst_s * cpu_share / (1 - cpu_share) * 1e3
+            burst += f",sleep:{cpu_ms:.3f}"
+        return [f"alloc:plain:{footprint}", f"repeat:{self.steps}:{burst}"]
+
+    def run(self, footprints: list[int], cpu_share: float, mode: str, tq: float, timeout: float) -> dict[str, Any]:
+        self.run_number += 1
+        state = self.work / f"run{self.run_number}"
+        state.mkdir()
+        trace = state / "trace.jsonl"
+        env = self.simcuda.env(trace=trace, memory=str(self.capacity), SIMCUDA_RESIDENCY_DIR=str(state))
+        scheduler = None
+        if mode != "sequential":
+            idle = min(DEFAULT_OPTIONS["idle_release"], self.burst_s / 2)
+            scheduler = SchedulerProcess(short_socket_dir(), {**DEFAULT_OPTIONS, "log_level": "warning", "mode": mode,
+                                                              "tq": tq, "idle_release": idle}).start()
+            env = {**env, **scheduler.env, "LD_PRELOAD": str(self.library), "NVSHARE_LOG": "error"}
+        try:
+            argv = [self.simcuda.simapp_argv(*self.job_steps(f, cpu_share)) for f in footprints]
+            if mode == "sequential":
+                spans, finished = [], True
+                for one in argv:
+                    result = run_jobs([one], env, timeout)
+                    spans.append(result["makespan_s"])
+                    finished &= result["finished"]
+                outcome = {"makespan_s": round(sum(spans), 4), "finished": finished}
+            else:
+                outcome = run_jobs(argv, env, timeout)
+        finally:
+            if scheduler is not None:
+                scheduler.stop()
+                shutil.rmtree(scheduler.socket_dir, ignore_errors=True)
+        lines = self.simcuda.read_trace(trace)
+        outcome["migrated_to_device_mib"] = round(moved(lines, direction="to_device") / MIB, 1)
+        outcome["evicted_mib"] = round(moved(lines, cause="evict") / MIB, 1)
+        outcome["handoffs"] = handoffs(lines)
+        shutil.rmtree(state, ignore_errors=True)
+        return outcome
+
+
+def run_jobs(argvs: list[list[str]], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Starts simapp jobs together; makespan from their own step times. Jobs still running after
+    `timeout` are killed and the makespan is reported as at least that long."""
+    started = time.monotonic()
+    processes = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for argv in argvs]
+    outputs, finished = [], True
+    for process in processes:
+        try:
+            out, err = process.communicate(timeout=max(1.0, started + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+            finished = False
+        else:
+            if process.returncode != 0:
+                raise RuntimeError(f"job failed ({process.returncode}): {err[-2000:]}")
+        outputs.append(parse_steps(out))
+    if not finished:
+        return {"makespan_s": round(timeout, 4), "finished": False}
+    first = min(step["start"] for steps in outputs for step in steps if step["step"] != "init")
+    last = max(step["end"] for steps in outputs for step in steps)
+    return {"makespan_s": round(last - first, 4), "finished": True}
+
+
+# --- a real GPU ----------------------------------------------------------------------------
+
+GPU_JOB = r"""
+import sys, time, torch
+footprint, steps, iters, cpu_s = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+n = footprint // 4 // 2
+a = torch.ones(n, device="cuda"); b = torch.ones(n, device="cuda")
+torch.cuda.synchronize()
+start = time.monotonic()
+for _ in range(steps):
+    for _ in range(iters):
+        a.add_(b)             # pytorch-add: every byte of the job's memory each iteration
+    torch.cuda.synchronize()
+    if cpu_s:
+        time.sleep(cpu_s)     # the CPU phase (data loading)
+print(start, time.monotonic(), flush=True)
+"""
+
+
+class RealGpu:
+    """Jobs are PyTorch processes with small allocations; the device is a scheduler budget."""
+
+    mechanism = {"fits": "real GPU, memory fits the budget",
+                 "oversubscribed": "real GPU under a scheduler memory budget (nvsharectl set-budget) below the "
+                                   "jobs' sum; no swapping yet (evict-on-release / prefetch-on-grant not built): "
+                                   "pages stay on the card, only the scheduling reacts to the budget"}
+
+    def __init__(self, work: Path, capacity: int, steps: int, burst_s: float, library: Path) -> None:
+        self.work = work
+        self.capacity = capacity
+        self.steps = steps
+        self.burst_s = burst_s
+        self.library = library
+        self.iters = self.calibrate()
+
+    def calibrate(self) -> int:
+        """Iterations of a.add_(b) over a fits-regime footprint that take `burst_s` alone."""
+        code = ("import time, torch\nn = %d\na = torch.ones(n, device='cuda'); b = torch.ones(n, device='cuda')\n"
+                "for _ in range(20): a.add_(b)\ntorch.cuda.synchronize(); t = time.monotonic()\n"
+                "for _ in range(200): a.add_(b)\ntorch.cuda.synchronize(); print((time.monotonic() - t) / 200)\n"
+                % (int(self.capacity * OVERSUBSCRIBED_SHARE) // 8))
+        per_iter = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+                         .stdout.split()[-1])
+        return max(1, round(self.burst_s / per_iter))
+
+    def run(self, footprints: list[int], cpu_share: float, mode: str, tq: float, timeout: float,
+            budget: int | None = None) -> dict[str, Any]:
+        cpu_s = self.burst_s * cpu_share / (1 - cpu_share) if cpu_share > 0 else 0.0
+        env = child_env()
+        env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "0"
+        scheduler = None
+        if mode != "sequential":
+            scheduler = SchedulerProcess(short_socket_dir(), {**DEFAULT_OPTIONS, "log_level": "warning", "mode": mode,
+                                                              "tq": tq, "idle_release": min(1.0, self.burst_s / 2)})
+            scheduler.start()
+            if budget is not None:
+                scheduler.ctl("set-budget", str(budget))
+            env = {**env, **scheduler.env, "LD_PRELOAD": str(self.library), "NVSHARE_LOG": "error"}
+        try:
+            argvs = [[sys.executable, "-c", GPU_JOB, str(f), str(self.steps), str(self.iters), str(cpu_s)]
+                     for f in footprints]
+            if mode == "sequential":
+                total = 0.0
+                for argv in argvs:
+                    total += gpu_jobs([argv], env, timeout)
+                return {"makespan_s": round(total, 4), "finished": True}
+            return {"makespan_s": round(gpu_jobs(argvs, env, timeout), 4), "finished": True}
+        finally:
+            if scheduler is not None:
+                scheduler.stop()
+                shutil.rmtree(scheduler.socket_dir, ignore_errors=True)
+
+
+def gpu_jobs(argvs: list[list[str]], env: dict[str, str], timeout: float) -> float:
+    processes = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for argv in argvs]
+    spans = []
+    for process in processes:
+        out, err = process.communicate(timeout=timeout)
+        if process.returncode != 0:
+            raise RuntimeError(f"GPU job failed ({process.returncode}): {err[-2000:]}")
+        spans.append([float(x) for x in out.split()[-2:]])
+    return max(end for _, end in spans) - min(start for start, _ in spans)
+
+
+# --- the experiments -----------------------------------------------------------------------
+
+
+def footprints(regime: str, jobs: int, capacity: int) -> list[int]:
+    share = FITS_SHARE / jobs if regime == "fits" else OVERSUBSCRIBED_SHARE
+    return [int(capacity * share) // (2 * MIB) * (2 * MIB)] * jobs
+
+
+def experiments(args: argparse.Namespace, backend) -> dict[str, Any]:
+    results: list[dict[str, Any]] = []
+    kinds = {"matrix": 0.0, "training": args.cpu_share}
+    for jobs in args.jobs:
+        for kind, cpu_share in kinds.items():
+            for regime in REGIMES:
+                sizes = footprints(regime, jobs, args.capacity)
+                row = {"jobs": jobs, "kind": kind, "cpu_share": cpu_share, "regime": regime,
+                       "footprint_mib": sizes[0] // MIB, "mechanism": backend.mechanism[regime],
+                       "paper_variant": paper_variant(regime, cpu_share), "modes": {}}
+                for mode in MODES:
+                    extra = {}
+                    if isinstance(backend, RealGpu) and regime == "oversubscribed" and mode != "sequential":
+                        extra["budget"] = int(sum(sizes) / 1.5)
+                    outcome = backend.run(sizes, cpu_share, mode, args.tq, args.timeout, **extra)
+                    row["modes"][mode] = outcome
+                    print(f"  {jobs} {kind:8} {regime:14} {mode:10} {outcome}", file=sys.stderr, flush=True)
+                sequential = row["modes"]["sequential"]["makespan_s"]
+                for outcome in row["modes"].values():
+                    outcome["ratio_to_sequential"] = round(outcome["makespan_s"] / sequential, 3)
+                results.append(row)
+    sweep_sizes = footprints("oversubscribed", 2, args.capacity)
+    sweep = {"jobs": 2, "kind": "training", "cpu_share": args.cpu_share, "regime": "oversubscribed", "points": []}
+    baseline = next(r for r in results if r["jobs"] == 2 and r["kind"] == "training" and r["regime"] == "oversubscribed")
+    sweep["sequential_s"] = baseline["modes"]["sequential"]["makespan_s"]
+    for tq in args.tq_sweep:
+        extra = {"budget": int(sum(sweep_sizes) / 1.5)} if isinstance(backend, RealGpu) else {}
+        outcome = backend.run(sweep_sizes, args.cpu_share, "on", tq, args.timeout, **extra)
+        outcome["tq_s"] = tq
+        outcome["ratio_to_sequential"] = round(outcome["makespan_s"] / sweep["sequential_s"], 3)
+        sweep["points"].append(outcome)
+        print(f"  TQ {tq}: {outcome}", file=sys.stderr, flush=True)
+    return {"results": results, "tq_sweep": sweep}
+
+
+def table(document: dict[str, Any]) -> str:
+    paper = document["paper"]["ratio_to_sequential"]
+    lines = [f"{'jobs':>4} {'kind':9} {'regime':15} " + " ".join(f"{m:>11}" for m in MODES)
+             + "   paper (variant: off / on TQ 1000 / on TQ 30)"]
+    for row in document["results"]:
+        cells = []
+        for mode in MODES:
+            outcome = row["modes"][mode]
+            cells.append(f"{('>' if not outcome['finished'] else '') + format(outcome['ratio_to_sequential'], '.2f'):>11}")
+        variant = row["paper_variant"]
+        lines.append(f"{row['jobs']:>4} {row['kind']:9} {row['regime']:15} " + " ".join(cells)
+                     + f"   {variant}: {paper['off'][variant]:.2f} / {paper['on (TQ 1000 s)'][variant]:.2f}"
+                       f" / {paper['on (TQ 30 s)'][variant]:.2f}")
+    sweep = document["tq_sweep"]
+    lines.append("TQ sweep (2 training jobs, oversubscribed, on): " + ", ".join(
+        f"TQ {p['tq_s']:g}s: {p['ratio_to_sequential']:.2f}" for p in sweep["points"])
+        + "; paper heavy_balanced: " + ", ".join(
+        f"TQ {tq}s: {tct / PAPER_SEQUENTIAL['heavy_balanced']:.2f}" for tq, tct in PAPER_TQ_SWEEP.items()))
+    return "\n".join(lines)
+
+
+def plot(document: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = document["results"]
+    figure, (bars, sweep_axes) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [2, 1]})
+    paper = document["paper"]["ratio_to_sequential"]
+    labels = [f"{r['jobs']}x {r['kind']}\n{r['regime']}" for r in rows] + ["paper\nlight_balanced",
+                                                                            "paper\nheavy_balanced"]
+    width = 0.2
+    for index, mode in enumerate(MODES):
+        values = [r["modes"][mode]["ratio_to_sequential"] for r in rows]
+        paper_mode = {"sequential": None, "off": "off", "on": "on (TQ 1000 s)", "auto": None}[mode]
+        values += [paper[paper_mode]["light_balanced"] if paper_mode else 0,
+                   paper[paper_mode]["heavy_balanced"] if paper_mode else 0]
+        if mode == "sequential":
+            values[-2:] = [1.0, 1.0]
+        bars.bar([i + (index - 1.5) * width for i in range(len(labels))], values, width, label=mode)
+    bars.axhline(1.0, color="black", linewidth=0.8)
+    bars.set_xticks(range(len(labels)), labels, fontsize=7)
+    bars.set_ylabel("makespan / sequential (lower is better)")
+    bars.set_yscale("log")
+    bars.set_title(f"co-located jobs ({document['backend']})")
+    bars.legend()
+    sweep = document["tq_sweep"]
+    sweep_axes.plot([p["tq_s"] for p in sweep["points"]], [p["makespan_s"] for p in sweep["points"]], "o-",
+                    label="nvshare on")
+    sweep_axes.axhline(sweep["sequential_s"], color="grey", linestyle="--", label="sequential")
+    sweep_axes.set_xscale("log")
+    sweep_axes.set_xlabel("time quantum (s)")
+    sweep_axes.set_ylabel("makespan (s)")
+    sweep_axes.set_title("2 training jobs, oversubscribed (paper: Figure 3)")
+    sweep_axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def machine_load() -> dict[str, Any]:
+    load1, load5, load15 = os.getloadavg()
+    return {"cpus": os.cpu_count(), "loadavg": [round(load1, 2), round(load5, 2), round(load15, 2)]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="2 jobs, short steps, 3-point TQ sweep")
+    parser.add_argument("--gpu", action="store_true", help="a real GPU with PyTorch instead of the simulated driver")
+    parser.add_argument("--cpu-share", type=float, default=0.5, help="share of a training step spent on the CPU")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--library", type=Path, help="libnvshare.so for --gpu (default: built from this tree)")
+    args = parser.parse_args()
+    if args.quick:
+        args.jobs, args.steps, args.burst_s, args.tq, args.tq_sweep, args.timeout = (2,), 3, 0.3, 2.0, (0.2, 0.6, 2.0), 20.0
+    else:
+        args.jobs, args.steps, args.burst_s, args.tq, args.tq_sweep, args.timeout = (2, 4), 5, 0.5, 5.0, (0.2, 0.5, 1, 2, 5, 10), 120.0
+    work = Path(tempfile.mkdtemp(prefix="nvs-coloc-", dir="/tmp"))
+    started = time.monotonic()
+    load_before = machine_load()
+    try:
+        if args.gpu:
+            import torch  # noqa: F401  (fails early, clearly, without PyTorch)
+
+            free, total = torch.cuda.mem_get_info()
+            # A small "device": the jobs together stay far below the card's free memory.
+            args.capacity = min(4 << 30, free // 8)
+            library = args.library or build_interceptor(work / "lib")
+            backend = RealGpu(work, args.capacity, args.steps, args.burst_s, library)
+            name = f"real GPU {torch.cuda.get_device_name()} (torch {torch.__version__})"
+        else:
+            args.capacity = 1 << 30
+            backend = Simulated(work, args.capacity, args.steps, args.burst_s, kernel_us=10000)
+            name = "simulated driver (tests/simcuda, residency modelled, H200 costs)"
+        document: dict[str, Any] = {
+            "benchmark": "colocation",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "backend": name,
+            "simulated": not args.gpu,
+            "machine": {"platform": platform.platform(), "python": platform.python_version(), "load_before": load_before},
+            "settings": {"quick": args.quick, "capacity_mib": args.capacity // MIB, "steps": args.steps,
+                         "gpu_burst_s": args.burst_s, "cpu_share": args.cpu_share, "tq_s": args.tq,
+                         "timeout_s": args.timeout, "fits_share": FITS_SHARE,
+                         "oversubscribed_share_per_job": OVERSUBSCRIBED_SHARE},
+            "paper": {"ratio_to_sequential": paper_ratios(), "tq_sweep_heavy_balanced_s": PAPER_TQ_SWEEP,
+                      "sequential_s": PAPER_SEQUENTIAL},
+        }
+        document.update(experiments(args, backend))
+        document["machine"]["load_after"] = machine_load()
+        document["elapsed_s"] = round(time.monotonic() - started, 1)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    stem = f"colocation-{datetime.date.today().isoformat()}" + ("-gpu" if args.gpu else "") + ("-quick" if args.quick else "")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(document, indent=1) + "\n")
+    plot(document, args.out / f"{stem}.png")
+    print(table(document), file=sys.stderr)
+    print(json.dumps(document, indent=1))
+
+
+if __name__ == "__main__":
+    main()
