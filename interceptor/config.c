@@ -132,6 +132,16 @@ void nvs_config_load(void) {
             nvs_config.predrain = on;
     }
 
+    nvs_config.advise = 0;
+    value = getenv("NVSHARE_ADVISE");
+    if (value != NULL && value[0] != '\0') {
+        int on = parse_switch(value);
+        if (on < 0)
+            nvs_error("NVSHARE_ADVISE=%s is not 1 or 0; giving no advice (0)", value);
+        else
+            nvs_config.advise = on;
+    }
+
     nvs_config.vmm_hide = 0;
     value = getenv("NVSHARE_VMM");
     if (value != NULL && value[0] != '\0') {

@@ -308,7 +308,8 @@
     X(cuEventQuery, (CUevent event))                                                            \
     X(cuEventDestroy_v2, (CUevent event))                                                       \
     X(cuStreamIsCapturing, (CUstream stream, int *status))                                      \
-    X(cuPointerGetAttribute, (void *data, CUpointer_attribute attribute, CUdeviceptr ptr))
+    X(cuPointerGetAttribute, (void *data, CUpointer_attribute attribute, CUdeviceptr ptr))      \
+    X(cuMemAdvise_v2, (CUdeviceptr ptr, size_t count, CUmem_advise advice, CUmemLocation location))
 
 /* `make` lists the exported names for the version script with this. */
 #ifdef NVS_LIST_HOOK_NAMES

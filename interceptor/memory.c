@@ -145,11 +145,32 @@ static CUresult track_unconverted(CUdeviceptr *dptr, size_t size, CUresult resul
     return result;
 }
 
+/*
+ * NVSHARE_ADVISE=1 (an experiment until measured, benchmarks/gpu/bench_managed_advice.py): a
+ * converted allocation is advised onto the device that allocated it, SetPreferredLocation and
+ * SetAccessedBy, as a device allocation would be. Both are hints and stay correct when memory is
+ * swapped: a prefetch to the host (evict on release) moves the pages out regardless of the
+ * preferred location, and the device keeps a mapping to them, so after an eviction the GPU may
+ * read them over the bus instead of faulting them back: the grantee must prefetch them in.
+ * Advice that fails is reported and leaves the allocation as it is.
+ */
+static void advise_onto_device(CUdeviceptr ptr, size_t size, struct nvs_device *d) {
+    if (!nvs_config.advise || d == NULL || nvs_real.cuMemAdvise_v2 == NULL) return;
+    CUmemLocation location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = d->ordinal};
+    CUresult r = nvs_real.cuMemAdvise_v2(ptr, size, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, location);
+    if (r == CUDA_SUCCESS) r = nvs_real.cuMemAdvise_v2(ptr, size, CU_MEM_ADVISE_SET_ACCESSED_BY, location);
+    if (r != CUDA_SUCCESS) nvs_warn("cuMemAdvise on %#llx failed (%d); the allocation keeps no advice",
+                                    (unsigned long long)ptr, r);
+}
+
 /* The managed replacement of a device allocation of `size` bytes. */
 static CUresult allocate_converted(CUdeviceptr *dptr, size_t size) {
     if (nvs_real.cuMemAllocManaged == NULL) return CUDA_ERROR_NOT_FOUND;
     CUresult r = nvs_real.cuMemAllocManaged(dptr, size, CU_MEM_ATTACH_GLOBAL);
-    if (r == CUDA_SUCCESS) remember(&pointers, *dptr, size, nvs_current_device(), ALLOC_CONVERTED);
+    if (r != CUDA_SUCCESS) return r;
+    struct nvs_device *d = nvs_current_device();
+    remember(&pointers, *dptr, size, d, ALLOC_CONVERTED);
+    advise_onto_device(*dptr, size, d);
     return r;
 }
 

@@ -31,6 +31,7 @@ struct nvs_config {
     int managed;               /* NVSHARE_MANAGED (default 1): convert allocations */
     int vmm_hide;              /* NVSHARE_VMM=hide */
     int predrain;              /* NVSHARE_PREDRAIN (default 1): drain ahead of a contended quantum's end */
+    int advise;                /* NVSHARE_ADVISE (default 0): advise converted memory onto its device */
     char pod[256];             /* NVSHARE_POD_NAME */
     char pod_namespace[256];   /* NVSHARE_POD_NAMESPACE */
     char program[128];         /* NVSHARE_PROGRAM, "" = /proc/self/comm */

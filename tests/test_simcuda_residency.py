@@ -182,3 +182,25 @@ def test_memory_that_fits_moves_only_on_first_touch(scheduler_factory, cuda_app,
     for pid in pids:
         assert moved(lines, owner=pid) == FITS
     assert migrations(lines, cause="evict") == []
+
+
+# --- NVSHARE_ADVISE: converted memory advised onto its device ---------------------------------
+
+
+@pytest.mark.parametrize("setting", ["1", None])
+def test_converted_allocations_are_advised_onto_their_device_when_asked(scheduler, cuda_app, simcuda, setting):
+    env = {"NVSHARE_ADVISE": setting} if setting else {}
+    app = cuda_app(scheduler.env, "init:1", "alloc:plain:4194304", "alloc:async:1048576", "alloc:managed:2097152",
+                   env={"SIMCUDA_DEVICES": "2", **env})
+    assert app.wait() == 0, app.stderr
+    converted = [int(line.split()[2], 16) for line in app.lines if line.startswith(("ptr plain", "ptr async"))]
+    own = [int(line.split()[2], 16) for line in app.lines if line.startswith("ptr managed")]
+    advice = [(line["advice"], line["location"], line["location_id"], line["ptr"], line["bytes"])
+              for line in simcuda.read_trace(cuda_app.trace) if line["op"] == "advise"]
+    if setting is None:
+        assert advice == []
+        return
+    sizes = dict(zip(converted, (4 << 20, 1 << 20)))
+    assert sorted(advice) == sorted((kind, "device", 1, ptr, size) for ptr, size in sizes.items()
+                                    for kind in ("set_preferred_location", "set_accessed_by"))
+    assert not any(ptr in own for *_, ptr, _ in advice)  # the application's own managed memory is its business

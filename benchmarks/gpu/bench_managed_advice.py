@@ -1,0 +1,200 @@
+"""Steady-state cost of managed memory (issue 8): a GPT-2 training step natively and under nvshare.
+
+    python benchmarks/gpu/bench_managed_advice.py [--rounds 10] [--out results.json]
+
+Real GPU only. Builds libnvshare.so from this tree with make (or uses $NVSHARE_LIBRARY), starts a
+scheduler, and runs, in separate processes, one variant after the other in every round (the
+order rotates from round to round, so drifts of the machine hit every variant alike):
+
+- `native`: no interceptor;
+- `nvshare`: under the interceptor (allocations converted to managed memory), lock held;
+- `nvshare-managed-0`: under the interceptor with NVSHARE_MANAGED=0 (the lock gate alone);
+- `nvshare-advise`: NVSHARE_ADVISE=1, every converted allocation advised onto its device
+  (cuMemAdvise SetPreferredLocation + SetAccessedBy), see interceptor/memory.c.
+
+Each process trains GPT-2 124M (transformers' GPT2Config(), random weights, nothing downloaded;
+a torch.nn model of the same shape when transformers is missing, and the JSON says so) with bf16
+autocast, batch 8 x 512 tokens and AdamW: 8 warm-up steps, then 30 timed ones; its result is the
+median step time. Only one process uses the GPU at a time and each needs a few GiB.
+
+Prints one JSON document: per variant the median step of every run, and the overhead against
+`native` (paired by round: run / native run of the same round - 1) as median and 90th percentile;
+the issue's target is median <= 0.5 %, p90 <= 1 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+VARIANTS = {
+    "native": None,
+    "nvshare": {},
+    "nvshare-managed-0": {"NVSHARE_MANAGED": "0"},
+    "nvshare-advise": {"NVSHARE_ADVISE": "1"},
+}
+
+
+def train(warmup: int, steps: int, batch: int, tokens: int) -> dict:
+    """One process's measurement (run with --child)."""
+    import torch
+
+    torch.manual_seed(0)
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model_name = "transformers GPT2LMHeadModel(GPT2Config()), random weights"
+        model = GPT2LMHeadModel(GPT2Config()).cuda()
+
+        def loss_of(ids):
+            return model(input_ids=ids, labels=ids).loss
+    except ImportError:
+        model_name = "torch.nn GPT-2 124M shape (transformers not installed)"
+        model = Gpt2Shaped().cuda()
+
+        def loss_of(ids):
+            logits = model(ids)
+            return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    optimiser = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 50257, (batch, tokens), device="cuda")
+    times = []
+    for step in range(warmup + steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_of(ids)
+        optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        optimiser.step()
+        torch.cuda.synchronize()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    return {"step_ms_median": statistics.median(times) * 1e3, "step_ms_min": min(times) * 1e3,
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "model": model_name,
+            "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+
+
+def Gpt2Shaped():
+    """GPT-2 124M's shape from torch.nn alone: 12 pre-norm causal layers of width 768, 12 heads,
+    1024 positions, a 50257-token embedding tied to the output."""
+    import torch
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens = torch.nn.Embedding(50257, 768)
+            self.positions = torch.nn.Embedding(1024, 768)
+            layer = torch.nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.1, activation="gelu",
+                                                     batch_first=True, norm_first=True)
+            self.layers = torch.nn.TransformerEncoder(layer, 12, enable_nested_tensor=False)
+            self.norm = torch.nn.LayerNorm(768)
+
+        def forward(self, ids):
+            length = ids.shape[1]
+            mask = torch.nn.Transformer.generate_square_subsequent_mask(length, device=ids.device)
+            x = self.tokens(ids) + self.positions(torch.arange(length, device=ids.device))
+            x = self.norm(self.layers(x, mask=mask, is_causal=True))
+            return x @ self.tokens.weight.T
+
+    return Model()
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
+
+
+def library(work: Path) -> Path:
+    if os.environ.get("NVSHARE_LIBRARY"):
+        return Path(os.environ["NVSHARE_LIBRARY"])
+    subprocess.run(["make", "-s", "-C", str(ROOT / "interceptor"), f"BUILD={work}"], check=True)
+    return work / "libnvshare.so"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=10, help="processes per variant")
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(train(args.warmup, args.steps, args.batch, args.tokens)))
+        return
+    if "native" not in args.variants:
+        raise SystemExit("overheads are measured against `native`: keep it among --variants")
+    work = Path(tempfile.mkdtemp(prefix="nvs-advice-", dir="/tmp"))
+    preload = library(work)
+    socket_dir = work / "s"
+    python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    base = dict(os.environ, PYTHONPATH=python_path, NVSHARE_SOCKET_DIR=str(socket_dir))
+    base.pop("LD_PRELOAD", None)
+    envs = {name: base if extra is None else dict(base, LD_PRELOAD=str(preload), **extra)
+            for name, extra in VARIANTS.items() if name in args.variants}
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--warmup", str(args.warmup),
+            "--steps", str(args.steps), "--batch", str(args.batch), "--tokens", str(args.tokens)]
+    log = open(work / "scheduler.log", "wb")
+    scheduler = subprocess.Popen([sys.executable, "-m", "nvshare_py.scheduler", "--socket-dir", str(socket_dir)],
+                                 env=base, stdout=log, stderr=subprocess.STDOUT)
+    runs: dict[str, list[dict]] = {name: [] for name in envs}
+    try:
+        deadline = time.monotonic() + 30
+        while not (socket_dir / "client" / "scheduler.sock").exists():
+            if time.monotonic() > deadline or scheduler.poll() is not None:
+                raise SystemExit("the scheduler did not start:\n" + (work / "scheduler.log").read_text())
+            time.sleep(0.1)
+        names = list(envs)
+        for round_number in range(args.rounds):
+            shift = round_number % len(names)
+            for name in names[shift:] + names[:shift]:
+                out = subprocess.run(argv, env=envs[name], capture_output=True, text=True)
+                if out.returncode != 0:
+                    raise SystemExit(f"{name} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+                runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(f"round {round_number + 1} {name}: {runs[name][-1]['step_ms_median']:.2f} ms", file=sys.stderr,
+                      flush=True)
+    finally:
+        scheduler.terminate()
+        scheduler.wait(timeout=30)
+    native = [run["step_ms_median"] for run in runs["native"]]
+    document = {
+        "benchmark": "managed-advice",
+        "model": runs["native"][0]["model"], "gpu": runs["native"][0]["gpu"], "torch": runs["native"][0]["torch"],
+        "settings": {"rounds": args.rounds, "warmup": args.warmup, "steps": args.steps, "batch": args.batch,
+                     "tokens": args.tokens},
+        "variants": {},
+    }
+    for name, results in runs.items():
+        steps = [run["step_ms_median"] for run in results]
+        paired = [(step / base_step - 1) * 100 for step, base_step in zip(steps, native)]
+        document["variants"][name] = {
+            "step_ms": [round(step, 3) for step in steps],
+            "step_ms_median": round(statistics.median(steps), 3),
+            "peak_gib": max(run["peak_gib"] for run in results),
+            "overhead_pct_median": round(statistics.median(paired), 3),
+            "overhead_pct_p90": round(percentile(paired, 0.9), 3),
+        }
+    print(f"{'variant':20} {'median ms':>10} {'overhead median':>16} {'p90':>8}", file=sys.stderr)
+    for name, row in document["variants"].items():
+        print(f"{name:20} {row['step_ms_median']:10.2f} {row['overhead_pct_median']:15.2f}% "
+              f"{row['overhead_pct_p90']:7.2f}%", file=sys.stderr)
+    text = json.dumps(document, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
