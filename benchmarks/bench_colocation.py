@@ -2,7 +2,8 @@
 
     python benchmarks/bench_colocation.py --quick          # simulated driver, well under 3 minutes
     python benchmarks/bench_colocation.py                  # simulated driver, 2 and 4 jobs, full TQ sweep
-    python benchmarks/bench_colocation.py --gpu            # real GPU (PyTorch), see "Regimes" below
+    python benchmarks/bench_colocation.py --gpu [--quick]  # real GPU (PyTorch), see "Regimes" below;
+                                                           # --quick keeps it to a few minutes
 
 Jobs (each a separate process, all started together):
 - `matrix`: a loop of GPU work over all of the job's memory and nothing else, like the paper's
@@ -31,7 +32,8 @@ Makespan: from the first job's first step to the last job's end (simulated drive
 CLOCK_MONOTONIC step times; real GPU: the jobs' own monotonic stamps). The simulated driver also
 reports the bytes migrated (from its trace).
 
-Prints one JSON document on stdout; writes colocation-<date>[-quick|-gpu].json and .png (ratios
+Prints one JSON document on stdout (`summary`: per regime, job set and mode the makespan and its
+ratio to sequential; `results`: everything measured; `paper`: the paper's ratios); writes colocation-<date>[-quick|-gpu].json and .png (ratios
 per regime and mode beside the paper's, and the TQ sweep) into --out (benchmarks/results); a
 text table of ratios vs sequential goes to stderr.
 """
@@ -247,7 +249,6 @@ class RealGpu:
             budget: int | None = None) -> dict[str, Any]:
         cpu_s = self.burst_s * cpu_share / (1 - cpu_share) if cpu_share > 0 else 0.0
         env = child_env()
-        env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "0"
         if mode != "sequential":
             scheduler = self.schedulers.get(mode, tq, idle_release=min(1.0, self.burst_s / 2))
             env = {**env, **scheduler.env, "LD_PRELOAD": str(self.library), "NVSHARE_LOG": "error"}
@@ -319,6 +320,16 @@ def experiments(args: argparse.Namespace, backend) -> dict[str, Any]:
         sweep["points"].append(outcome)
         print(f"  TQ {tq}: {outcome}", file=sys.stderr, flush=True)
     return {"results": results, "tq_sweep": sweep}
+
+
+def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """{regime: {"<jobs>x <kind>": {mode: {makespan_s, ratio_to_sequential, finished}}}}"""
+    out: dict[str, Any] = {regime: {} for regime in REGIMES}
+    for row in results:
+        out[row["regime"]][f"{row['jobs']}x {row['kind']}"] = {
+            mode: {key: outcome[key] for key in ("makespan_s", "ratio_to_sequential", "finished")}
+            for mode, outcome in row["modes"].items()}
+    return out
 
 
 def table(document: dict[str, Any]) -> str:
@@ -440,6 +451,7 @@ def main() -> None:
             document.update(experiments(args, backend))
         finally:
             backend.schedulers.close()
+        document["summary"] = summary(document["results"])
         document["machine"]["load_after"] = machine_load()
         document["elapsed_s"] = round(time.monotonic() - started, 1)
     finally:
