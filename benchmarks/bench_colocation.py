@@ -308,9 +308,9 @@ def experiments(args: argparse.Namespace, backend) -> dict[str, Any]:
                 for outcome in row["modes"].values():
                     outcome["ratio_to_sequential"] = round(outcome["makespan_s"] / sequential, 3)
                 results.append(row)
-    sweep_sizes = footprints("oversubscribed", 2, args.capacity)
-    sweep = {"jobs": 2, "kind": "training", "cpu_share": args.cpu_share, "regime": "oversubscribed", "points": []}
-    baseline = next(r for r in results if r["jobs"] == 2 and r["kind"] == "training" and r["regime"] == "oversubscribed")
+    sweep_sizes = footprints("oversubscribed", args.jobs[0], args.capacity)
+    sweep = {"jobs": args.jobs[0], "kind": "training", "cpu_share": args.cpu_share, "regime": "oversubscribed", "points": []}
+    baseline = next(r for r in results if r["kind"] == "training" and r["regime"] == "oversubscribed")
     sweep["sequential_s"] = baseline["modes"]["sequential"]["makespan_s"]
     for tq in args.tq_sweep:
         extra = {"budget": int(sum(sweep_sizes) / 1.5)} if isinstance(backend, RealGpu) else {}
@@ -346,7 +346,7 @@ def table(document: dict[str, Any]) -> str:
                      + f"   {variant}: {paper['off'][variant]:.2f} / {paper['on (TQ 1000 s)'][variant]:.2f}"
                        f" / {paper['on (TQ 30 s)'][variant]:.2f}")
     sweep = document["tq_sweep"]
-    lines.append("TQ sweep (2 training jobs, oversubscribed, on): " + ", ".join(
+    lines.append(f"TQ sweep ({sweep['jobs']} training jobs, oversubscribed, on): " + ", ".join(
         f"TQ {p['tq_s']:g}s: {p['ratio_to_sequential']:.2f}" for p in sweep["points"])
         + "; paper heavy_balanced: " + ", ".join(
         f"TQ {tq}s: {tct / PAPER_SEQUENTIAL['heavy_balanced']:.2f}" for tq, tct in PAPER_TQ_SWEEP.items()))
@@ -394,7 +394,7 @@ def plot(document: dict[str, Any], path: Path) -> None:
     sweep_axes.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     sweep_axes.set_xlabel("time quantum (s)")
     sweep_axes.set_ylabel("makespan (s)")
-    sweep_axes.set_title("2 training jobs, oversubscribed (paper: Figure 3)")
+    sweep_axes.set_title(f"{sweep['jobs']} training jobs, oversubscribed (paper: Figure 3)")
     sweep_axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -412,11 +412,15 @@ def main() -> None:
     parser.add_argument("--cpu-share", type=float, default=0.5, help="share of a training step spent on the CPU")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--library", type=Path, help="libnvshare.so for --gpu (default: built from this tree)")
+    parser.add_argument("--jobs", type=int, nargs="+", help="co-located job counts (default: 2 with --quick, else 2 4)")
+    parser.add_argument("--timeout", type=float, help="seconds after which a run's jobs are killed (thrashing)")
     args = parser.parse_args()
     if args.quick:
-        args.jobs, args.steps, args.burst_s, args.tq, args.tq_sweep, args.timeout = (2,), 3, 0.3, 2.0, (0.2, 0.6, 2.0), 10.0
+        jobs, args.steps, args.burst_s, args.tq, args.tq_sweep, timeout = (2,), 3, 0.3, 2.0, (0.2, 0.6, 2.0), 10.0
     else:
-        args.jobs, args.steps, args.burst_s, args.tq, args.tq_sweep, args.timeout = (2, 4), 5, 0.5, 5.0, (0.2, 0.5, 1, 2, 5, 10), 120.0
+        jobs, args.steps, args.burst_s, args.tq, args.tq_sweep, timeout = (2, 4), 5, 0.5, 5.0, (0.2, 0.5, 1, 2, 5, 10), 60.0
+    args.jobs = tuple(args.jobs or jobs)
+    args.timeout = args.timeout or timeout
     work = Path(tempfile.mkdtemp(prefix="nvs-coloc-", dir="/tmp"))
     started = time.monotonic()
     load_before = machine_load()
@@ -457,6 +461,8 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     stem = f"colocation-{datetime.date.today().isoformat()}" + ("-gpu" if args.gpu else "") + ("-quick" if args.quick else "")
+    if args.jobs != jobs:
+        stem += "-jobs" + "-".join(map(str, args.jobs))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(document, indent=1) + "\n")
     plot(document, args.out / f"{stem}.png")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from fixtures.residency import MIB, handoffs, migrations, moved, residency_env, turns
+from fixtures.scheduler import wait_for
 
 DEVICE0 = "GPU-5151ad00-0000-4000-8000-000000000000"
 
@@ -97,16 +98,20 @@ def test_processes_over_capacity_evict_each_other(simcuda, cuda_app, tmp_path):
     assert moved(lines, owner=a.pid, direction="to_device") == 56 * MIB
 
 
-def test_a_process_that_dies_on_the_gpu_does_not_block_it(simcuda, tmp_path):
+def test_a_process_that_dies_on_the_gpu_does_not_block_it(simcuda, cuda_app, tmp_path):
     """Killed in the middle of a kernel that holds the simulated GPU (its time slice is longer
     than the kernel), a process leaves the GPU to the next one."""
-    trace = tmp_path / "trace.jsonl"
-    env = residency_env(simcuda, trace, tmp_path, memory="64M")
-    dead = simcuda.run_simapp("alloc:managed:8M", "kernel:600000000", "sleep:300", "crash",
-                              env={**env, "SIMCUDA_TIMESLICE_US": "1000000000"})
-    assert dead.returncode != 0
-    alive = run(simcuda, env, "alloc:managed:8M", "kernel:1000", "sync")
-    assert [line["pid"] for line in simcuda.read_trace(trace) if line["op"] == "kernel"] == [alive.steps[0]["pid"]]
+    env = residency_env(simcuda, None, tmp_path, memory="64M", SIMCUDA_TIMESLICE_US="1000000000")
+    dead = cuda_app(env, "init", "alloc:managed:8388608", "kernel:600000000", "wait", preload=False)
+    dead.expect("waiting")
+    # The kernel faulted its memory in: it holds the GPU for its whole 600 s slice.
+    wait_for(lambda: moved(simcuda.read_trace(cuda_app.trace), owner=dead.pid) == 8 * MIB, timeout=60,
+             what="the doomed kernel to start")
+    dead.kill()
+    alive = run(simcuda, {**env, "SIMCUDA_TRACE": str(cuda_app.trace)}, "alloc:managed:8M", "kernel:1000", "sync")
+    lines = simcuda.read_trace(cuda_app.trace)
+    assert [line["pid"] for line in lines if line["op"] == "kernel"] == [alive.steps[0]["pid"]]
+    assert migrations(lines, cause="evict") == []  # the dead process's chunks were free for the taking
 
 
 @pytest.mark.parametrize("setting", ["SIMCUDA_FAULT_US_PER_MIB=fast", "SIMCUDA_TIMESLICE_US=0"])
