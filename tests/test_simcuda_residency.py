@@ -114,10 +114,11 @@ def test_a_process_that_dies_on_the_gpu_does_not_block_it(simcuda, cuda_app, tmp
     assert migrations(lines, cause="evict") == []  # the dead process's chunks were free for the taking
 
 
-@pytest.mark.parametrize("setting", ["SIMCUDA_FAULT_US_PER_MIB=fast", "SIMCUDA_TIMESLICE_US=0"])
-def test_a_cost_that_does_not_parse_fails_cuinit(simcuda, tmp_path, setting):
+@pytest.mark.parametrize("setting", ["SIMCUDA_FAULT_US_PER_MIB=fast", "SIMCUDA_TIMESLICE_US=0",
+                                     "SIMCUDA_RESIDENCY_DIR=/nonexistent/simcuda"])
+def test_a_setting_that_cannot_be_used_fails_cuinit(simcuda, tmp_path, setting):
     name, value = setting.split("=")
-    result = simcuda.run_simapp("meminfo", env=residency_env(simcuda, None, tmp_path, **{name: value}))
+    result = simcuda.run_simapp("meminfo", env={**residency_env(simcuda, None, tmp_path), name: value})
     assert result.returncode != 0
     assert name in result.stderr
 

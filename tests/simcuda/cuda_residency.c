@@ -135,7 +135,7 @@ static CUresult open_shared(const char *dir, const struct sim_device *device, st
     snprintf(path, sizeof path, "%s/%s", dir, device->uuid_text);
     int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
     if (fd < 0) {
-        fprintf(stderr, "simcuda: cannot open %s: %s\n", path, strerror(errno));
+        fprintf(stderr, "simcuda: cannot open %s (SIMCUDA_RESIDENCY_DIR): %s\n", path, strerror(errno));
         return CUDA_ERROR_OPERATING_SYSTEM;
     }
     CUresult result = CUDA_ERROR_OPERATING_SYSTEM;
