@@ -77,7 +77,10 @@ def train(warmup: int, steps: int, batch: int, tokens: int) -> dict:
         torch.cuda.synchronize()
         if step >= warmup:
             times.append(time.perf_counter() - start)
+    # Spread within a run tells a uniform slowdown (every step pays) from spikes (the driver
+    # migrating pages now and then).
     return {"step_ms_median": statistics.median(times) * 1e3, "step_ms_min": min(times) * 1e3,
+            "step_ms_p90": percentile(times, 0.9) * 1e3, "step_ms_max": max(times) * 1e3,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "model": model_name,
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
 
@@ -183,6 +186,9 @@ def main() -> None:
             "step_ms": [round(step, 3) for step in steps],
             "step_ms_median": round(statistics.median(steps), 3),
             "peak_gib": max(run["peak_gib"] for run in results),
+            "within_run_p90_over_median_pct": round(statistics.median(
+                (run["step_ms_p90"] / run["step_ms_median"] - 1) * 100 for run in results), 3),
+            "within_run_max_ms": [round(run["step_ms_max"], 3) for run in results],
             "overhead_pct_median": round(statistics.median(paired), 3),
             "overhead_pct_p90": round(percentile(paired, 0.9), 3),
         }
