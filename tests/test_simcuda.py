@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from fixtures.simcuda import SIMCUDA_SOURCE, parse_steps
+from fixtures.simcuda import SIMCUDA_SOURCE, SimCuda, parse_steps
 
 ENTRY_RE = re.compile(r"^CU_ENTRY\((\w+), (\w+), (\d+), ([01]),", re.M)
 ENTRIES = [(m[0], m[1], int(m[2]), m[3] == "1") for m in ENTRY_RE.findall((SIMCUDA_SOURCE / "cuda_entry_points.h").read_text())]
@@ -37,6 +37,7 @@ CUDA_ERROR_NOT_READY = 600
 CUDA_ERROR_ILLEGAL_ADDRESS = 700
 CUDA_ERROR_NOT_SUPPORTED = 801
 CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900
+CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901
 NVML_ERROR_UNKNOWN = 999
 
 # Loaded by every probe script: ctypes access to the simulated driver (found on LD_LIBRARY_PATH).
@@ -483,7 +484,7 @@ def test_operations_of_a_context_run_in_submission_order_and_are_traced(simcuda,
                              "alloc:plain:4K", "fill:0:5", "coop:1000", "graph:1000", "sync",
                              env=simcuda.env(trace=trace))
     assert run.returncode == 0, run.stderr
-    lines = simcuda.read_trace(trace)
+    lines = [line for line in simcuda.read_trace(trace) if line["op"] != "capture"]
     assert [(line["op"], line.get("name"), line["api"], line.get("tag")) for line in lines] == [
         ("kernel", "nvshare_sleep", "cuLaunchKernel", "first"),
         ("kernel", "nvshare_sleep", "cuLaunchKernelEx", 'second "quoted"'),
@@ -623,7 +624,7 @@ def test_graphs_capture_kernels_and_replay_them(simcuda, tmp_path):
             assert cuda.cuLaunchKernel(function, 1, 1, 1, 1, 1, 1, 0, stream, params, None) == 0
         result["captured"] = [status.value, cuda.cuStreamEndCapture(stream, byref(graph))]
         assert cuda.cuCtxSynchronize() == 0
-        result["queued while capturing"] = len(open(sys.argv[1]).read().splitlines())
+        result["queued while capturing"] = sum('"capture"' not in line for line in open(sys.argv[1]))
         assert cuda.cuGraphInstantiateWithFlags(byref(exec_), graph, 0) == 0
         result["launches"] = [cuda.cuGraphLaunch(exec_, None), cuda.cuGraphLaunch_ptsz(exec_, stream)]
         result["sync"] = cuda.cuCtxSynchronize()
@@ -633,7 +634,73 @@ def test_graphs_capture_kernels_and_replay_them(simcuda, tmp_path):
                       "end without capture": CUDA_ERROR_ILLEGAL_STATE,  # measured
                       "captured": [1, 0], "queued while capturing": 0, "launches": [0, 0], "sync": 0,
                       "destroy": [0, 0]}
-    assert [line["api"] for line in simcuda.read_trace(trace)] == ["cuGraphLaunch"] * 2 + ["cuGraphLaunch_ptsz"] * 2
+    work = [line for line in simcuda.read_trace(trace) if line["op"] != "capture"]
+    assert [line["api"] for line in work] == ["cuGraphLaunch"] * 2 + ["cuGraphLaunch_ptsz"] * 2
+
+
+def capture_events(trace) -> list[tuple[str, str, str]]:
+    return [(line["event"], line["mode"], line["api"]) for line in SimCuda.read_trace(trace) if line["op"] == "capture"]
+
+
+@pytest.mark.parametrize("mode, entry, begin_api", [
+    ("global", "v2", "cuStreamBeginCapture_v2"),
+    ("thread-local", "v2", "cuStreamBeginCapture_v2"),
+    ("relaxed", "v2", "cuStreamBeginCapture_v2"),
+    ("global", "v1", "cuStreamBeginCapture"),
+    ("relaxed", "to-graph", "cuStreamBeginCaptureToGraph"),
+])
+def test_a_context_synchronize_from_another_thread_invalidates_a_capture(simcuda, tmp_path, mode, entry, begin_api):
+    """As measured on an H200 in every capture mode: cuCtxSynchronize from another thread while a
+    stream captures fails with 900 and invalidates the capture; the stream then refuses work and
+    cuStreamEndCapture fails with 901. What was captured never runs."""
+    trace = tmp_path / "trace.jsonl"
+    run = simcuda.run_simapp("stream:new", f"capture-begin:{mode}:{entry}", "kernel:1000", "threads:1:sync",
+                             "capture-status", "kernel:1000", "capture-end", "capture-status", "stream-sync", "sync",
+                             env=simcuda.env(trace=trace))
+    rc = {step["step"]: step["rc"] for step in run.steps if step["thread"] == 0 and step["step"] != "kernel:1000"}
+    assert rc[f"capture-begin:{mode}:{entry}"] == 0
+    assert [step["rc"] for step in run.steps if step["step"] == "kernel:1000"] == [0, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED]
+    (sync,) = [step for step in run.steps if step["step"] == "sync" and step["thread"] == 1]
+    assert sync["rc"] == CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+    assert [step["status"] for step in run.steps if step["step"] == "capture-status"] == ["invalidated", "none"]
+    assert rc["capture-end"] == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+    assert (rc["stream-sync"], rc["sync"]) == (0, 0)  # after the capture ended, syncs work again
+    assert capture_events(trace) == [("begin", mode, begin_api), ("invalidated", mode, "cuCtxSynchronize"),
+                                     ("end-invalidated", mode, "cuStreamEndCapture")]
+    assert [line for line in simcuda.read_trace(trace) if line["op"] == "kernel"] == []
+
+
+@pytest.mark.parametrize("sync_step, api", [("stream-sync", "cuStreamSynchronize"), ("stream-query", "cuStreamQuery")])
+def test_synchronising_the_capturing_stream_itself_invalidates_the_capture(simcuda, tmp_path, sync_step, api):
+    trace = tmp_path / "trace.jsonl"
+    run = simcuda.run_simapp("stream:new", "capture-begin:thread-local", sync_step, "capture-end",
+                             env=simcuda.env(trace=trace))
+    assert [step["rc"] for step in run.steps[1:]] == [0, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                                                      CUDA_ERROR_STREAM_CAPTURE_INVALIDATED]
+    assert [event[::2] for event in capture_events(trace)] == [("begin", "cuStreamBeginCapture_v2"), ("invalidated", api),
+                                                               ("end-invalidated", "cuStreamEndCapture")]
+
+
+def test_launches_into_a_capturing_stream_are_recorded_not_executed(simcuda, tmp_path):
+    """Kernels launched into a capturing stream, from the capturing thread and from another one,
+    join the graph; they run only when the graph is launched. Work on other streams and a sync
+    of another stream are unaffected."""
+    trace = tmp_path / "trace.jsonl"
+    run = simcuda.run_simapp("stream:new", "capture-begin:relaxed", "kernel:1000", "threads:1:kernel:2000",
+                             "capture-status", "tag:outside", "stream:default", "kernel:10", "stream-sync",
+                             env=simcuda.env(trace=trace))
+    assert run.returncode == 0, run.stderr
+    assert [step["status"] for step in run.steps if step["step"] == "capture-status"] == ["active"]
+    kernels = [line for line in simcuda.read_trace(trace) if line["op"] == "kernel"]
+    assert [line.get("tag") for line in kernels] == ["outside"]  # only the default stream's kernel ran
+    trace.unlink()
+    run = simcuda.run_simapp("stream:new", "capture-begin", "kernel:1000", "threads:1:kernel:2000", "capture-end",
+                             "graph-launch", "graph-launch", "stream-sync", env=simcuda.env(trace=trace))
+    assert run.returncode == 0, run.stderr
+    kernels = [line for line in simcuda.read_trace(trace) if line["op"] == "kernel"]
+    assert [line["api"] for line in kernels] == ["cuGraphLaunch"] * 4
+    assert capture_events(trace) == [("begin", "global", "cuStreamBeginCapture_v2"),
+                                     ("end", "global", "cuStreamEndCapture")]
 
 
 @pytest.mark.parametrize("entry, ptds", [("gpa", False), ("direct", True)])

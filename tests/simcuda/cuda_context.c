@@ -315,6 +315,11 @@ SIM_EXPORT CUresult cuCtxSynchronize(void)
     CUresult result = sim_ctx_check((CUcontext)sim_ctx_current(), &ctx);
     if (result != CUDA_SUCCESS)
         return result;
+    pthread_mutex_lock(&ctx->lock);
+    result = sim_capture_sync_locked(ctx, NULL, __func__);
+    pthread_mutex_unlock(&ctx->lock);
+    if (result != CUDA_SUCCESS)
+        return result;
     sim_drain(ctx);
     return atomic_load(&ctx->sticky);
 }

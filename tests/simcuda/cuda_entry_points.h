@@ -127,6 +127,8 @@ CU_ENTRY(cuStreamBeginCapture, cuStreamBeginCapture, 10000, 0, (CUstream hStream
 CU_ENTRY(cuStreamBeginCapture_ptsz, cuStreamBeginCapture, 10000, 1, (CUstream hStream))
 CU_ENTRY(cuStreamBeginCapture_v2, cuStreamBeginCapture, 10010, 0, (CUstream hStream, CUstreamCaptureMode mode))
 CU_ENTRY(cuStreamBeginCapture_v2_ptsz, cuStreamBeginCapture, 10010, 1, (CUstream hStream, CUstreamCaptureMode mode))
+CU_ENTRY(cuStreamBeginCaptureToGraph, cuStreamBeginCaptureToGraph, 12030, 0, (CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies, const CUgraphEdgeData *dependencyData, size_t numDependencies, CUstreamCaptureMode mode))
+CU_ENTRY(cuStreamBeginCaptureToGraph_ptsz, cuStreamBeginCaptureToGraph, 12030, 1, (CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies, const CUgraphEdgeData *dependencyData, size_t numDependencies, CUstreamCaptureMode mode))
 CU_ENTRY(cuStreamEndCapture, cuStreamEndCapture, 10000, 0, (CUstream hStream, CUgraph *phGraph))
 CU_ENTRY(cuStreamEndCapture_ptsz, cuStreamEndCapture, 10000, 1, (CUstream hStream, CUgraph *phGraph))
 CU_ENTRY(cuStreamIsCapturing, cuStreamIsCapturing, 10000, 0, (CUstream hStream, CUstreamCaptureStatus *captureStatus))
@@ -167,6 +169,7 @@ CU_ENTRY(cuLaunchCooperativeKernel, cuLaunchCooperativeKernel, 9000, 0, (CUfunct
 CU_ENTRY(cuLaunchCooperativeKernel_ptsz, cuLaunchCooperativeKernel, 9000, 1, (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream, void **kernelParams))
 
 /* Graphs */
+CU_ENTRY(cuGraphCreate, cuGraphCreate, 10000, 0, (CUgraph *phGraph, unsigned int flags))
 CU_ENTRY(cuGraphInstantiateWithFlags, cuGraphInstantiateWithFlags, 11040, 0, (CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags))
 CU_ENTRY(cuGraphLaunch, cuGraphLaunch, 10000, 0, (CUgraphExec hGraphExec, CUstream hStream))
 CU_ENTRY(cuGraphLaunch_ptsz, cuGraphLaunch, 10000, 1, (CUgraphExec hGraphExec, CUstream hStream))

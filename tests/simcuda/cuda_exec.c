@@ -122,9 +122,16 @@ CUresult sim_submit(struct sim_ctx *ctx, struct sim_stream *stream, struct sim_o
 {
     pthread_mutex_lock(&ctx->lock);
     if (stream && stream->capture) {
-        sim_graph_append(stream->capture, op);
+        /* Recorded, not executed; an invalidated capture refuses further work. */
+        CUresult result = CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+        if (stream->capture_status == CU_STREAM_CAPTURE_STATUS_ACTIVE) {
+            sim_graph_append(stream->capture, op);
+            result = CUDA_SUCCESS;
+        } else {
+            sim_op_free(op);
+        }
         pthread_mutex_unlock(&ctx->lock);
-        return CUDA_SUCCESS;
+        return result;
     }
     if (!ctx->running) {
         pthread_mutex_unlock(&ctx->lock);
@@ -357,6 +364,15 @@ void sim_trace_write(const struct sim_ctx *ctx, const char *fields, double start
     /* One write on an O_APPEND descriptor: lines of concurrent processes never interleave. */
     if (write(trace_fd, line, (size_t)length) != length)
         fprintf(stderr, "simcuda: trace write failed: %s\n", strerror(errno));
+}
+
+void sim_trace_capture(const struct sim_ctx *ctx, const char *event, const char *api, const char *mode)
+{
+    char fields[256];
+    snprintf(fields, sizeof fields, "\"op\": \"capture\", \"event\": \"%s\", \"mode\": \"%s\", \"api\": \"%s\"", event,
+             mode, api);
+    double at = sim_now();
+    sim_trace_write(ctx, fields, at, at);
 }
 
 /* nvshare_sleep. With residency modelled it runs in time slices, each on the simulated GPU

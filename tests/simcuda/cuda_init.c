@@ -184,6 +184,7 @@ static const struct error_text error_texts[] = {
     ERROR_TEXT(CUDA_ERROR_NOT_PERMITTED, "operation not permitted"),
     ERROR_TEXT(CUDA_ERROR_NOT_SUPPORTED, "operation not supported"),
     ERROR_TEXT(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "operation not permitted when stream is capturing"),
+    ERROR_TEXT(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, "operation failed due to a previous error during capture"),
     ERROR_TEXT(CUDA_ERROR_UNKNOWN, "unknown error"),
 };
 #undef ERROR_TEXT

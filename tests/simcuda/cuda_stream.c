@@ -53,10 +53,10 @@ SIM_EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
         return CUDA_ERROR_INVALID_HANDLE;
     /* A capture in progress is abandoned. */
     pthread_mutex_lock(&stream->ctx->lock);
-    struct sim_graph *capture = stream->capture;
-    stream->capture = NULL;
+    int callers = stream->capture_graph_is_callers;
+    struct sim_graph *capture = sim_capture_detach_locked(stream);
     pthread_mutex_unlock(&stream->ctx->lock);
-    if (capture)
+    if (capture && !callers)
         sim_graph_free(capture);
     stream->magic = SIM_MAGIC_DEAD;
     free(stream);
@@ -68,9 +68,9 @@ SIM_EXPORT CUresult cuStreamDestroy(CUstream hStream)
     return cuStreamDestroy_v2(hStream);
 }
 
-/* The sequence number a synchronisation of this stream waits for; CUDA_ERROR_... while the
- * stream is being captured. */
-static CUresult stream_target(CUstream hStream, struct sim_ctx **ctx, uint64_t *seq)
+/* The sequence number a synchronisation of this stream waits for; while the stream is being
+ * captured, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (and the capture is invalidated). */
+static CUresult stream_target(CUstream hStream, struct sim_ctx **ctx, uint64_t *seq, const char *api)
 {
     SIM_ENTER();
     struct sim_stream *stream;
@@ -78,31 +78,31 @@ static CUresult stream_target(CUstream hStream, struct sim_ctx **ctx, uint64_t *
     if (result != CUDA_SUCCESS)
         return result;
     pthread_mutex_lock(&(*ctx)->lock);
-    if (stream && stream->capture)
-        result = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    if (stream)
+        result = sim_capture_sync_locked(*ctx, stream, api);
     *seq = stream ? stream->last_seq : (*ctx)->submitted;
     pthread_mutex_unlock(&(*ctx)->lock);
     return result;
 }
 
-static CUresult stream_synchronize(CUstream hStream)
+static CUresult stream_synchronize(CUstream hStream, const char *api)
 {
     struct sim_ctx *ctx;
     uint64_t seq;
-    CUresult result = stream_target(hStream, &ctx, &seq);
+    CUresult result = stream_target(hStream, &ctx, &seq, api);
     if (result != CUDA_SUCCESS)
         return result;
     sim_wait(ctx, seq);
     return atomic_load(&ctx->sticky);
 }
 
-SIM_WITH_TWIN(cuStreamSynchronize, cuStreamSynchronize_ptsz, (CUstream hStream), return stream_synchronize(hStream);)
+SIM_WITH_TWIN(cuStreamSynchronize, cuStreamSynchronize_ptsz, (CUstream hStream), return stream_synchronize(hStream, __func__);)
 
-static CUresult stream_query(CUstream hStream)
+static CUresult stream_query(CUstream hStream, const char *api)
 {
     struct sim_ctx *ctx;
     uint64_t seq;
-    CUresult result = stream_target(hStream, &ctx, &seq);
+    CUresult result = stream_target(hStream, &ctx, &seq, api);
     if (result != CUDA_SUCCESS)
         return result;
     pthread_mutex_lock(&ctx->lock);
@@ -111,7 +111,7 @@ static CUresult stream_query(CUstream hStream)
     return done ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
-SIM_WITH_TWIN(cuStreamQuery, cuStreamQuery_ptsz, (CUstream hStream), return stream_query(hStream);)
+SIM_WITH_TWIN(cuStreamQuery, cuStreamQuery_ptsz, (CUstream hStream), return stream_query(hStream, __func__);)
 
 static CUresult stream_get_ctx(CUstream hStream, CUcontext *pctx)
 {

@@ -933,6 +933,81 @@ static void step_stream(char **args, int count, struct outcome *out)
         usage_error("unknown stream %s", args[1]);
 }
 
+/* ---- Stream capture ---- */
+
+/* The graph of the last capture-end, launched by graph-launch; under state_lock. */
+static CUgraphExec captured_graph;
+
+static const char *const capture_modes[] = {"global", "thread-local", "relaxed"};
+static const char *const capture_statuses[] = {"none", "active", "invalidated"};
+
+static void step_capture_begin(char **args, int count, struct outcome *out)
+{
+    if (count > 3)
+        usage_error("capture-begin[:<mode>[:v2|v1|to-graph]] expected, got %s", args[0]);
+    int mode = 0;
+    if (count >= 2) {
+        for (mode = 0; mode < 3 && strcmp(args[1], capture_modes[mode]) != 0; mode++)
+            ;
+        if (mode == 3)
+            usage_error("capture mode global, thread-local or relaxed expected, got %s", args[1]);
+    }
+    const char *entry = count == 3 ? args[2] : "v2";
+    if (strcmp(entry, "v2") == 0) {
+        out->rc = CALL(STREAM_FN(cuStreamBeginCapture_v2, cuStreamBeginCapture_v2_ptsz), current_stream,
+                       (CUstreamCaptureMode)mode);
+    } else if (strcmp(entry, "v1") == 0) {
+        if (mode != CU_STREAM_CAPTURE_MODE_GLOBAL)
+            usage_error("cuStreamBeginCapture (v1) captures in global mode only, got %s", args[0]);
+        out->rc = CALL(STREAM_FN(cuStreamBeginCapture, cuStreamBeginCapture_ptsz), current_stream);
+    } else if (strcmp(entry, "to-graph") == 0) {
+        CUgraph graph;
+        out->rc = CALL(FN(cuGraphCreate), &graph, 0);
+        if (out->rc == CUDA_SUCCESS)
+            out->rc = CALL(STREAM_FN(cuStreamBeginCaptureToGraph, cuStreamBeginCaptureToGraph_ptsz), current_stream,
+                           graph, NULL, NULL, 0, (CUstreamCaptureMode)mode);
+    } else {
+        usage_error("capture entry v2, v1 or to-graph expected, got %s", entry);
+    }
+    add(&out->fields, ", \"mode\": \"%s\"", capture_modes[mode]);
+}
+
+static void step_capture_end(struct outcome *out)
+{
+    CUgraph graph = NULL;
+    out->rc = CALL(STREAM_FN(cuStreamEndCapture, cuStreamEndCapture_ptsz), current_stream, &graph);
+    if (out->rc != CUDA_SUCCESS)
+        return;
+    CUgraphExec exec;
+    out->rc = CALL(FN(cuGraphInstantiateWithFlags), &exec, graph, 0);
+    CALL(FN(cuGraphDestroy), graph);
+    if (out->rc != CUDA_SUCCESS)
+        return;
+    pthread_mutex_lock(&state_lock);
+    CUgraphExec previous = captured_graph;
+    captured_graph = exec;
+    pthread_mutex_unlock(&state_lock);
+    if (previous)
+        CALL(FN(cuGraphExecDestroy), previous);
+}
+
+static void step_capture_status(struct outcome *out)
+{
+    CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+    out->rc = CALL(STREAM_FN(cuStreamIsCapturing, cuStreamIsCapturing_ptsz), current_stream, &status);
+    add(&out->fields, ", \"status\": \"%s\"", (unsigned)status < 3 ? capture_statuses[status] : "unknown");
+}
+
+static void step_graph_launch(struct outcome *out)
+{
+    pthread_mutex_lock(&state_lock);
+    CUgraphExec exec = captured_graph;
+    pthread_mutex_unlock(&state_lock);
+    if (!exec)
+        usage_error("graph-launch needs an earlier successful capture-end%s", "");
+    out->rc = CALL(STREAM_FN(cuGraphLaunch, cuGraphLaunch_ptsz), exec, current_stream);
+}
+
 static void step_lookup(char **args, int count, struct outcome *out)
 {
     if (count != 4)
@@ -1105,6 +1180,16 @@ static void run_step(char *text, int *number)
         out.rc = CALL(STREAM_FN(cuStreamSynchronize, cuStreamSynchronize_ptsz), current_stream);
     else if (strcmp(name, "stream") == 0)
         step_stream(args, count, &out);
+    else if (strcmp(name, "stream-query") == 0 && count == 1)
+        out.rc = CALL(STREAM_FN(cuStreamQuery, cuStreamQuery_ptsz), current_stream);
+    else if (strcmp(name, "capture-begin") == 0)
+        step_capture_begin(args, count, &out);
+    else if (strcmp(name, "capture-end") == 0 && count == 1)
+        step_capture_end(&out);
+    else if (strcmp(name, "capture-status") == 0 && count == 1)
+        step_capture_status(&out);
+    else if (strcmp(name, "graph-launch") == 0 && count == 1)
+        step_graph_launch(&out);
     else if (strcmp(name, "prefetch") == 0 && (count == 2 || (count == 3 && strcmp(args[2], "host") == 0))) {
         struct buffer *buffer = get_buffer(args[1]);
         CUmemLocation location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = current_device};

@@ -123,6 +123,7 @@ struct sim_ctx {
     int running;                  /* executor started and not told to stop: accepts work */
     int stopping;
     struct sim_op *head, *tail;   /* queued, not yet started */
+    struct sim_stream *captures;  /* streams in capture (active or invalidated), linked by next_capture */
     uint64_t submitted;           /* sequence number of the last queued operation */
     uint64_t completed;           /* sequence number of the last finished operation */
     pthread_t executor;
@@ -230,7 +231,13 @@ struct sim_stream {
     unsigned int flags;
     int priority;
     uint64_t last_seq;            /* ctx->lock */
-    struct sim_graph *capture;    /* non-NULL while capturing; ctx->lock */
+    /* Stream capture, all under ctx->lock. `capture` is non-NULL from cuStreamBeginCapture* to
+     * cuStreamEndCapture, also after the capture was invalidated. */
+    struct sim_graph *capture;
+    CUstreamCaptureStatus capture_status; /* ACTIVE or INVALIDATED while `capture` is set */
+    CUstreamCaptureMode capture_mode;
+    int capture_graph_is_callers; /* cuStreamBeginCaptureToGraph: the graph is not ours to free */
+    struct sim_stream *next_capture;
 };
 
 struct sim_event {
@@ -268,6 +275,9 @@ CUresult sim_trace_open(void);
 /* Appends one trace line: pid, dev and ctx of `ctx`, then `fields` (JSON members), start, end. */
 void sim_trace_write(const struct sim_ctx *ctx, const char *fields, double start, double end);
 void sim_sleep_until(double deadline);              /* CLOCK_MONOTONIC seconds */
+/* Appends a capture event ("begin", "end", "invalidated") of one of the context's streams to the
+ * trace; `api` is the entry point that caused it, `mode` the capture mode's name. */
+void sim_trace_capture(const struct sim_ctx *ctx, const char *event, const char *api, const char *mode);
 
 /* ---- cuda_graph.c ---- */
 
@@ -275,6 +285,13 @@ void sim_sleep_until(double deadline);              /* CLOCK_MONOTONIC seconds *
 void sim_graph_append(struct sim_graph *graph, struct sim_op *op);
 /* Whether the stream is being captured (operations that cannot be captured check this). */
 int sim_stream_capturing(struct sim_stream *stream);
+/* With ctx->lock held, for a synchronisation that is illegal during capture: `stream` NULL for
+ * the whole context (cuCtxSynchronize), else that stream. When the synchronisation would wait for
+ * a stream in capture, every such capture is invalidated (traced with `api`) and the result is
+ * CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; otherwise CUDA_SUCCESS. */
+CUresult sim_capture_sync_locked(struct sim_ctx *ctx, struct sim_stream *stream, const char *api);
+/* With ctx->lock held: the stream leaves capture (its graph is returned, not freed). */
+struct sim_graph *sim_capture_detach_locked(struct sim_stream *stream);
 /* Frees a graph, a graph exec or an abandoned capture, with its operations. */
 void sim_graph_free(struct sim_graph *graph);
 
