@@ -1,21 +1,18 @@
 /*
- * The three ways into the driver, all leading to the same wrappers:
+ * The hook table and the three ways into the driver, all leading to the same wrappers:
  *   1. the exported ABI symbols (an application linked against libcuda, or dlsym(RTLD_DEFAULT));
  *   2. dlsym on a libcuda handle (PyTorch, ctypes): the overridden dlsym below;
  *   3. cuGetProcAddress / cuGetProcAddress_v2 (the CUDA runtime, JAX, CuPy).
  * Paths 2 and 3 ask the real library first and then swap the address it returned for the
  * wrapper of exactly that symbol: the driver decides which ABI version a caller gets (by its
- * cudaVersion and flags), nvshare never guesses suffixes.
+ * cudaVersion and flags), nvshare never guesses suffixes. Finding the real driver is loader.c's.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
-#include <pthread.h>
 #include <stddef.h>
 #include <string.h>
 
 #include "nvshare.h"
-
-struct nvs_real_table nvs_real;
 
 /* --- generated wrappers of the GATED and CONTEXT hooks -------------------------------------*/
 
@@ -38,100 +35,32 @@ struct nvs_real_table nvs_real;
 #define NVS_WRAPPER(kind, name, params, args) NVS_WRAPPER_##kind(name, params, args)
 NVS_FOR_EACH_HOOK(NVS_WRAPPER)
 
-/* --- the table: name, wrapper, where its real pointer lives --------------------------------*/
+/* --- the table: each wrapper and where the real function it stands for lives ----------------*/
 
 struct hook_entry {
-    const char *name;
     void *wrapper;
     size_t real_offset;
 };
 
 static const struct hook_entry hook_table[] = {
-#define NVS_ENTRY(kind, name, params, args) {#name, (void *)name, offsetof(struct nvs_real_table, name)},
+#define NVS_ENTRY(kind, name, params, args) {(void *)name, offsetof(struct nvs_real_table, name)},
     NVS_FOR_EACH_HOOK(NVS_ENTRY)
 #undef NVS_ENTRY
 };
 #define N_HOOKS (sizeof hook_table / sizeof hook_table[0])
 
-static const struct {
-    const char *name;
-    size_t real_offset;
-} real_only_table[] = {
-#define NVS_REAL_ENTRY(name, params) {#name, offsetof(struct nvs_real_table, name)},
-    NVS_FOR_EACH_REAL(NVS_REAL_ENTRY)
-#undef NVS_REAL_ENTRY
-};
-
-static void **real_slot(size_t offset) { return (void **)((char *)&nvs_real + offset); }
-
-/* --- the real dlsym --------------------------------------------------------------------------*/
-
-typedef void *(*dlsym_fn)(void *, const char *);
-
-/* The next dlsym (glibc's), looked up with dlvsym on first use. Any thread may race to store
- * the same value: relaxed atomics. */
-static dlsym_fn real_dlsym_ptr;
-
-static dlsym_fn real_dlsym(void) {
-    dlsym_fn fn = __atomic_load_n(&real_dlsym_ptr, __ATOMIC_RELAXED);
-    if (NVS_LIKELY(fn != NULL)) return fn;
-    /* glibc >= 2.34 has dlsym@@GLIBC_2.34 in libc; older ones only dlsym@GLIBC_2.2.5 (libdl). */
-    fn = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
-    if (fn == NULL) fn = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
-    __atomic_store_n(&real_dlsym_ptr, fn, __ATOMIC_RELAXED);
-    return fn;
-}
-
-/* --- lazy loading of the real driver --------------------------------------------------------*/
-
-static pthread_once_t load_once = PTHREAD_ONCE_INIT;
-/* 1 after a successful load, -1 after a failed one; written once inside load_once. */
-static int load_state;
-
-static void load_driver(void) {
-    nvs_config_load();
-    pthread_atfork(nvs_fork_prepare, nvs_fork_parent, nvs_fork_child);
-    dlsym_fn dlsym_next = real_dlsym();
-    void *libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    if (libcuda == NULL || dlsym_next == NULL) {
-        const char *why = dlerror();
-        nvs_error("cannot load the CUDA driver libcuda.so.1: %s", why != NULL ? why : "dlsym not found");
-        __atomic_store_n(&load_state, -1, __ATOMIC_RELEASE);
-        return;
-    }
-    for (size_t i = 0; i < N_HOOKS; i++)
-        *real_slot(hook_table[i].real_offset) = dlsym_next(libcuda, hook_table[i].name);
-    for (size_t i = 0; i < sizeof real_only_table / sizeof real_only_table[0]; i++)
-        *real_slot(real_only_table[i].real_offset) = dlsym_next(libcuda, real_only_table[i].name);
-    nvs_debug("loaded the CUDA driver; socket %s", nvs_config.socket_path);
-    __atomic_store_n(&load_state, 1, __ATOMIC_RELEASE);
-}
-
-int nvs_real_load(void) {
-    if (NVS_UNLIKELY(__atomic_load_n(&load_state, __ATOMIC_ACQUIRE) == 0)) pthread_once(&load_once, load_driver);
-    return __atomic_load_n(&load_state, __ATOMIC_ACQUIRE) == 1 ? 0 : -1;
-}
-
 /* The wrapper standing for `address` if it is the real address of a hooked symbol. */
 static void *substitute(void *address) {
-    if (address == NULL) return address;
-    if (__atomic_load_n(&load_state, __ATOMIC_ACQUIRE) == 0) {
-        /* Not loaded yet: an address can only be the driver's if the process loaded it. */
-        void *loaded = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
-        if (loaded == NULL) return address;
-        dlclose(loaded);
-    }
-    if (nvs_real_load() != 0) return address;
+    if (address == NULL || nvs_real_load_if_present() != 0) return address;
     for (size_t i = 0; i < N_HOOKS; i++)
-        if (*real_slot(hook_table[i].real_offset) == address) return hook_table[i].wrapper;
+        if (nvs_real_slot(hook_table[i].real_offset) == address) return hook_table[i].wrapper;
     return address;
 }
 
 /* --- cuGetProcAddress -----------------------------------------------------------------------*/
 
 NVS_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags) {
-    if (nvs_real_load() != 0) return CUDA_ERROR_NOT_INITIALIZED;
-    if (nvs_real.cuGetProcAddress == NULL) return CUDA_ERROR_NOT_FOUND;
+    NVS_REAL_OR_FAIL(cuGetProcAddress);
     CUresult result = nvs_real.cuGetProcAddress(symbol, pfn, cudaVersion, flags);
     if (result == CUDA_SUCCESS && pfn != NULL) *pfn = substitute(*pfn);
     return result;
@@ -139,8 +68,7 @@ NVS_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVer
 
 NVS_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
                                         CUdriverProcAddressQueryResult *symbolStatus) {
-    if (nvs_real_load() != 0) return CUDA_ERROR_NOT_INITIALIZED;
-    if (nvs_real.cuGetProcAddress_v2 == NULL) return CUDA_ERROR_NOT_FOUND;
+    NVS_REAL_OR_FAIL(cuGetProcAddress_v2);
     CUresult result = nvs_real.cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, symbolStatus);
     if (result == CUDA_SUCCESS && pfn != NULL) *pfn = substitute(*pfn);
     return result;
@@ -148,21 +76,94 @@ NVS_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda
 
 /* --- dlsym ------------------------------------------------------------------------------------
  * Exported twice: dlsym@GLIBC_2.2.5 (what PyTorch, JAX and Python's ctypes import) and
- * dlsym@@GLIBC_2.34 (newer binaries). Lookups that cannot concern the driver are passed on as
- * tail calls, so that glibc sees the application's return address: RTLD_NEXT and
- * dlmopen namespaces keep working for other interposers. */
+ * dlsym@@GLIBC_2.34 (newer binaries). glibc's dlsym finds its caller by its return address:
+ * RTLD_NEXT searches the objects after the caller, RTLD_DEFAULT the caller's dlmopen namespace.
+ * Lookups that cannot concern the driver must therefore reach glibc with the application's
+ * return address. A C tail call does not guarantee that (at -O0, or with -fsanitize=thread, the
+ * compiler emits a call and glibc sees libnvshare as the caller: another interposer's
+ * dlsym(RTLD_NEXT) then finds itself). So the entry is a few instructions of assembly: it asks
+ * nvs_dlsym_route where the lookup goes and jumps there with the caller's arguments, stack and
+ * return address untouched. */
 
-__attribute__((noinline)) static void *dlsym_driver_symbol(dlsym_fn next, void *handle, const char *name) {
-    return substitute(next(handle, name));
+static void *dlsym_unavailable(void *handle, const char *name) { return NULL; }
+
+/* Driver symbols: the real dlsym's answer, swapped for the wrapper where there is one. Here
+ * glibc sees libnvshare as the caller, which is right for a libcuda handle. */
+static void *dlsym_driver_symbol(void *handle, const char *name) {
+    return substitute(nvs_real_dlsym()(handle, name));
 }
 
-static inline void *dlsym_common(void *handle, const char *name) {
-    dlsym_fn next = real_dlsym();
-    if (handle == RTLD_NEXT || name == NULL || name[0] != 'c' || name[1] != 'u') return next(handle, name);
-    return dlsym_driver_symbol(next, handle, name);
+/* Called by the assembly entry with the caller's arguments: the function to jump to. */
+__attribute__((used)) nvs_dlsym_fn nvs_dlsym_route(void *handle, const char *name) {
+    nvs_dlsym_fn next = nvs_real_dlsym();
+    if (next == NULL) return dlsym_unavailable;
+    if (handle == RTLD_NEXT || name == NULL || name[0] != 'c' || name[1] != 'u') return next;
+    return dlsym_driver_symbol;
 }
 
-NVS_EXPORT void *nvs_dlsym_glibc_2_2_5(void *handle, const char *name) { return dlsym_common(handle, name); }
-NVS_EXPORT void *nvs_dlsym_glibc_2_34(void *handle, const char *name) { return dlsym_common(handle, name); }
+#if defined(__x86_64__)
+/* rsp is 8 mod 16 at entry; two pushes and 8 bytes keep the call aligned. endbr64 is a no-op
+ * without CET. */
+__asm__(".text\n"
+        ".p2align 4\n"
+        ".globl nvs_dlsym_glibc_2_2_5\n"
+        ".globl nvs_dlsym_glibc_2_34\n"
+        ".type nvs_dlsym_glibc_2_2_5, @function\n"
+        ".type nvs_dlsym_glibc_2_34, @function\n"
+        "nvs_dlsym_glibc_2_2_5:\n"
+        "nvs_dlsym_glibc_2_34:\n"
+        "  .cfi_startproc\n"
+        "  endbr64\n"
+        "  pushq %rdi\n"
+        "  .cfi_adjust_cfa_offset 8\n"
+        "  pushq %rsi\n"
+        "  .cfi_adjust_cfa_offset 8\n"
+        "  subq $8, %rsp\n"
+        "  .cfi_adjust_cfa_offset 8\n"
+        "  call nvs_dlsym_route\n"
+        "  addq $8, %rsp\n"
+        "  .cfi_adjust_cfa_offset -8\n"
+        "  popq %rsi\n"
+        "  .cfi_adjust_cfa_offset -8\n"
+        "  popq %rdi\n"
+        "  .cfi_adjust_cfa_offset -8\n"
+        "  jmp *%rax\n"
+        "  .cfi_endproc\n"
+        ".size nvs_dlsym_glibc_2_2_5, .-nvs_dlsym_glibc_2_2_5\n"
+        ".size nvs_dlsym_glibc_2_34, .-nvs_dlsym_glibc_2_34\n");
+#elif defined(__aarch64__)
+/* The frame holds x29/x30 and the two arguments; the jump goes through x16 (the register BTI
+ * landing pads accept for an indirect branch), with x30 = the caller's return address again.
+ * `hint 34` is BTI C, a no-op on cores without BTI. */
+__asm__(".text\n"
+        ".p2align 4\n"
+        ".globl nvs_dlsym_glibc_2_2_5\n"
+        ".globl nvs_dlsym_glibc_2_34\n"
+        ".type nvs_dlsym_glibc_2_2_5, %function\n"
+        ".type nvs_dlsym_glibc_2_34, %function\n"
+        "nvs_dlsym_glibc_2_2_5:\n"
+        "nvs_dlsym_glibc_2_34:\n"
+        "  .cfi_startproc\n"
+        "  hint 34\n"
+        "  stp x29, x30, [sp, #-32]!\n"
+        "  .cfi_def_cfa_offset 32\n"
+        "  .cfi_offset 29, -32\n"
+        "  .cfi_offset 30, -24\n"
+        "  mov x29, sp\n"
+        "  stp x0, x1, [sp, #16]\n"
+        "  bl nvs_dlsym_route\n"
+        "  mov x16, x0\n"
+        "  ldp x0, x1, [sp, #16]\n"
+        "  ldp x29, x30, [sp], #32\n"
+        "  .cfi_def_cfa_offset 0\n"
+        "  .cfi_restore 29\n"
+        "  .cfi_restore 30\n"
+        "  br x16\n"
+        "  .cfi_endproc\n"
+        ".size nvs_dlsym_glibc_2_2_5, .-nvs_dlsym_glibc_2_2_5\n"
+        ".size nvs_dlsym_glibc_2_34, .-nvs_dlsym_glibc_2_34\n");
+#else
+#error "libnvshare's dlsym entry is written for x86-64 and aarch64; port the few instructions in hooks.c"
+#endif
 __asm__(".symver nvs_dlsym_glibc_2_2_5, dlsym@GLIBC_2.2.5");
 __asm__(".symver nvs_dlsym_glibc_2_34, dlsym@@GLIBC_2.34");
