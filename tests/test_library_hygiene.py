@@ -128,6 +128,60 @@ def test_rtld_next_still_finds_the_next_definition(libnvshare, libnvshare_varian
     assert result.stdout.strip() == "1"
 
 
+PUBLICATION_HARNESS = r"""
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdio.h>
+typedef int CUresult;
+static CUresult (*mem_get_info)(size_t *, size_t *);
+static CUresult (*device_get_attribute)(int *, int, int);
+static CUresult (*memset_d8)(unsigned long long, unsigned char, size_t);
+static atomic_int loaded;
+/* Started before the driver is loaded and told that it is with a relaxed store: nothing orders
+ * the loading thread's writes before these threads' reads except what libnvshare does itself. */
+static void *late(void *which) {
+    while (!atomic_load_explicit(&loaded, memory_order_relaxed))
+        ;
+    int value;
+    return (void *)(long)(which ? device_get_attribute(&value, 1, 0) : memset_d8(0, 0, 0));
+}
+int main(int argc, char **argv) {
+    /* RTLD_LOCAL: the sanitizer's own dlsym calls stay with glibc. */
+    void *nvshare = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+    if (!nvshare) { fprintf(stderr, "%s\n", dlerror()); return 2; }
+    mem_get_info = dlsym(nvshare, "cuMemGetInfo_v2");
+    device_get_attribute = dlsym(nvshare, "cuDeviceGetAttribute");
+    memset_d8 = dlsym(nvshare, "cuMemsetD8_v2");
+    pthread_t threads[8];
+    for (long i = 0; i < 8; i++) pthread_create(&threads[i], NULL, late, (void *)(i % 2));
+    CUresult first = mem_get_info(NULL, NULL); /* loads the driver */
+    atomic_store_explicit(&loaded, 1, memory_order_relaxed);
+    for (int i = 0; i < 8; i++) pthread_join(threads[i], NULL);
+    printf("loaded %d\n", first);
+    return 0;
+}
+"""
+
+
+def test_driver_functions_are_published_to_other_threads_without_a_data_race(libnvshare_variant, compile_c, simcuda):
+    """The thread that loads the driver writes nvs_real; every wrapper's first line reads it
+    without a lock. ThreadSanitizer watches threads that learn of the load only through a relaxed
+    flag (no ordering of their own) call wrappers: the read must be an acquire paired with the
+    loader's release, or it is a data race (visible as stale pointers on aarch64/GH200)."""
+    try:
+        harness = compile_c(PUBLICATION_HARNESS, "publication_harness", flags=["-fsanitize=thread", "-g"])
+    except subprocess.CalledProcessError as error:
+        pytest.skip(f"this compiler cannot build with -fsanitize=thread: {error.stderr.strip()[:200]}")
+    library = libnvshare_variant("-O1 -g -fsanitize=thread", "-fsanitize=thread")
+    env = simcuda.env(TSAN_OPTIONS="halt_on_error=1 exitcode=66")
+    result = subprocess.run([str(harness), str(library)], env=env, capture_output=True, text=True, timeout=120)
+    assert "ThreadSanitizer" not in result.stderr, result.stderr
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("loaded "), result.stdout
+
+
 def test_installed_package_ships_a_loadable_library():
     """What `pip install .` put into the package: nvshare_py.library.path() exists and loads."""
     import ctypes
