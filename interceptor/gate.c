@@ -19,6 +19,7 @@
 
 #include "nvshare.h"
 
+/* Who writes these, under which lock: nvshare.h, where they are declared. */
 pthread_mutex_t nvs_mu = PTHREAD_MUTEX_INITIALIZER;
 pthread_cond_t nvs_gate_cv = PTHREAD_COND_INITIALIZER;
 pthread_mutex_t nvs_ctx_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -68,7 +69,8 @@ struct nvs_device *nvs_device_get(CUdevice ordinal) {
         total = 0;
 
     pthread_mutex_lock(&nvs_mu);
-    if (!d->known) {
+    int published = !d->known;
+    if (published) {
         d->ordinal = ordinal;
         format_uuid(&uuid, d->uuid, sizeof d->uuid);
         /* The protocol forbids control characters in values. */
@@ -78,9 +80,10 @@ struct nvs_device *nvs_device_get(CUdevice ordinal) {
         d->total = total;
         d->known = 1;
         if (ordinal >= nvs_n_devices) nvs_n_devices = ordinal + 1;
-        nvs_debug("device %d is %s (%s, %zu bytes)", ordinal, d->uuid, d->name, total);
     }
     pthread_mutex_unlock(&nvs_mu);
+    /* Identity is constant once known: readable without the lock. */
+    if (published) nvs_debug("device %d is %s (%s, %zu bytes)", ordinal, d->uuid, d->name, total);
     return d;
 }
 
@@ -90,20 +93,19 @@ struct nvs_device *nvs_device_by_uuid(const char *uuid) {
     return NULL;
 }
 
-static void note_context_locked(struct nvs_device *d, CUcontext ctx) {
+/* Returns -1 when out of memory (the caller says so, outside nvs_mu). */
+static int note_context_locked(struct nvs_device *d, CUcontext ctx) {
     for (int i = 0; i < d->n_contexts; i++)
-        if (d->contexts[i] == ctx) return;
+        if (d->contexts[i] == ctx) return 0;
     if (d->n_contexts == d->cap_contexts) {
         int cap = d->cap_contexts ? 2 * d->cap_contexts : 4;
         CUcontext *grown = realloc(d->contexts, (size_t)cap * sizeof *grown);
-        if (grown == NULL) {
-            nvs_error("out of memory recording a context; drains may miss its work");
-            return;
-        }
+        if (grown == NULL) return -1;
         d->contexts = grown;
         d->cap_contexts = cap;
     }
     d->contexts[d->n_contexts++] = ctx;
+    return 0;
 }
 
 static void forget_context_locked(CUcontext ctx) {
@@ -123,8 +125,9 @@ struct nvs_device *nvs_current_device(void) {
     struct nvs_device *d = nvs_device_get(ordinal);
     if (d == NULL) return NULL;
     pthread_mutex_lock(&nvs_mu);
-    note_context_locked(d, ctx);
+    int noted = note_context_locked(d, ctx);
     pthread_mutex_unlock(&nvs_mu);
+    if (noted != 0) nvs_error("out of memory recording a context; drains may miss its work");
     return d;
 }
 
@@ -139,11 +142,21 @@ struct nvs_device *nvs_gate_resolve(void) {
 void nvs_gate_wait(struct nvs_device *d) {
     nvs_runtime_start();
     pthread_mutex_lock(&nvs_mu);
-    if (!atomic_load(&d->gate_open)) {
-        if (d->waiters++ == 0) nvs_client_wake();
-        while (!atomic_load(&d->gate_open)) pthread_cond_wait(&nvs_gate_cv, &nvs_mu);
-        d->waiters--;
+    if (atomic_load(&d->gate_open)) {
+        pthread_mutex_unlock(&nvs_mu);
+        return;
     }
+    int first = d->waiters++ == 0;
+    if (first) {
+        /* The first waiter wakes the client thread (a write to its pipe: I/O, so not under
+         * nvs_mu). The gate is checked again under the lock before waiting: an opening in
+         * between is not missed. */
+        pthread_mutex_unlock(&nvs_mu);
+        nvs_client_wake();
+        pthread_mutex_lock(&nvs_mu);
+    }
+    while (!atomic_load(&d->gate_open)) pthread_cond_wait(&nvs_gate_cv, &nvs_mu);
+    d->waiters--;
     pthread_mutex_unlock(&nvs_mu);
 }
 
@@ -213,8 +226,10 @@ void nvs_gate_drain(struct nvs_device *d) {
 
 NVS_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) {
     NVS_REAL_OR_FAIL(cuCtxDestroy_v2);
-    /* Forget it first and keep drains away until the driver has destroyed it. */
+    /* Settle its pending frees and forget it first, and keep drains and polls away until the
+     * driver has destroyed it. */
     pthread_mutex_lock(&nvs_ctx_mu);
+    if (ctx != NULL) nvs_memory_settle_frees(ctx, NULL);
     pthread_mutex_lock(&nvs_mu);
     forget_context_locked(ctx);
     pthread_mutex_unlock(&nvs_mu);
@@ -225,25 +240,35 @@ NVS_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) {
 }
 
 /* Releasing or resetting a primary context may destroy it: drop every recorded context of the
- * device that the driver no longer knows. */
-static void forget_dead_contexts(CUdevice ordinal) {
-    if (ordinal < 0 || ordinal >= NVS_MAX_DEVICES || nvs_real.cuCtxGetApiVersion == NULL) return;
-    struct nvs_device *d = &nvs_devices[ordinal];
+ * device that the driver no longer knows. The caller holds nvs_ctx_mu, which keeps drains away
+ * meanwhile; the driver is asked outside nvs_mu (no CUDA call under it). */
+static void forget_dead_contexts(struct nvs_device *d) {
+    if (nvs_real.cuCtxGetApiVersion == NULL) return;
     pthread_mutex_lock(&nvs_mu);
-    for (int j = 0; j < d->n_contexts; j++) {
-        unsigned int version;
-        if (nvs_real.cuCtxGetApiVersion(d->contexts[j], &version) != CUDA_SUCCESS)
-            d->contexts[j--] = d->contexts[--d->n_contexts];
-    }
+    int n = d->n_contexts;
+    CUcontext *contexts = n > 0 ? malloc((size_t)n * sizeof *contexts) : NULL;
+    if (contexts != NULL) memcpy(contexts, d->contexts, (size_t)n * sizeof *contexts);
     pthread_mutex_unlock(&nvs_mu);
+    if (contexts == NULL) return;
+    for (int i = 0; i < n; i++) {
+        unsigned int version;
+        if (nvs_real.cuCtxGetApiVersion(contexts[i], &version) == CUDA_SUCCESS) continue;
+        pthread_mutex_lock(&nvs_mu);
+        forget_context_locked(contexts[i]);
+        pthread_mutex_unlock(&nvs_mu);
+    }
+    free(contexts);
 }
 
-/* Release or reset of a primary context (`primary` is the real function), with drains kept away
- * until the driver is done and dead contexts forgotten afterwards. */
+/* Release or reset of a primary context (`primary` is the real function): the device's pending
+ * frees are settled first (the context may be gone afterwards), drains and polls are kept away
+ * until the driver is done, and dead contexts are forgotten afterwards. */
 static CUresult change_primary_context(CUresult (*primary)(CUdevice), CUdevice dev) {
+    struct nvs_device *d = dev >= 0 && dev < NVS_MAX_DEVICES ? &nvs_devices[dev] : NULL;
     pthread_mutex_lock(&nvs_ctx_mu);
+    if (d != NULL) nvs_memory_settle_frees(NULL, d);
     CUresult r = primary(dev);
-    forget_dead_contexts(dev);
+    if (d != NULL) forget_dead_contexts(d);
     pthread_mutex_unlock(&nvs_ctx_mu);
     nvs_tls.device = NULL;
     return r;

@@ -17,6 +17,7 @@ __asm__(".symver dlvsym, dlvsym@GLIBC_2.2.5");
 /* libpthread moved into libc in 2.34 */
 __asm__(".symver pthread_create, pthread_create@GLIBC_2.2.5");
 __asm__(".symver pthread_once, pthread_once@GLIBC_2.2.5");
+__asm__(".symver pthread_mutex_trylock, pthread_mutex_trylock@GLIBC_2.2.5");
 __asm__(".symver pthread_attr_setstacksize, pthread_attr_setstacksize@GLIBC_2.2.5");
 __asm__(".symver pthread_sigmask, pthread_sigmask@GLIBC_2.2.5");
 /* memcpy@GLIBC_2.14 only stopped copying overlapping buffers backwards; nvshare never

@@ -308,6 +308,7 @@
     X(cuEventCreate, (CUevent * event, unsigned int flags))                                     \
     X(cuEventRecord, (CUevent event, CUstream stream))                                          \
     X(cuEventQuery, (CUevent event))                                                            \
+    X(cuEventSynchronize, (CUevent event))                                                      \
     X(cuEventDestroy_v2, (CUevent event))                                                       \
     X(cuStreamIsCapturing, (CUstream stream, int *status))                                      \
     X(cuPointerGetAttribute, (void *data, CUpointer_attribute attribute, CUdeviceptr ptr))      \

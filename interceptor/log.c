@@ -8,7 +8,8 @@
 
 #include "nvshare.h"
 
-/* Written once by nvs_config_load before any nvshare thread starts. */
+/* Written once by nvs_config_load, inside the loader's pthread_once and before the driver table
+ * is published (release): every thread that reached a wrapper reads the final value. */
 int nvs_log_level = NVS_LOG_WARN;
 
 void nvs_log(int level, const char *fmt, ...) {

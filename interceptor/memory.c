@@ -35,6 +35,8 @@ struct alloc_table {
 };
 #define TOMBSTONE UINT64_MAX
 
+/* Guards the tables and the pending-free list; any thread. A leaf lock: taken after nvs_ctx_mu
+ * and nvs_mu (fork prepare), never held across a CUDA call, I/O or another lock. */
 static pthread_mutex_t mem_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct alloc_table pointers, vmm_handles;
 
@@ -280,51 +282,109 @@ struct pending_free {
     CUdeviceptr ptr;
     size_t size;
     struct nvs_device *device;
-    CUcontext ctx;
-    CUevent event;
+    CUcontext ctx;  /* the allocating context (current at cuMemFreeAsync), NULL: none */
+    CUevent event;  /* recorded on the freeing stream, in `ctx` */
 };
 
-static struct pending_free *pending; /* under mem_mu */
+/* Pending frees: the list under mem_mu; n_pending counts them (any thread, atomically) so that
+ * polling costs one load when there are none. Their contexts are pushed and their events
+ * queried only under nvs_ctx_mu (nvshare.h): cuCtxDestroy_v2 and the primary-context hooks hold
+ * it while they settle a context's frees and destroy it, so no free outlives its context. */
+static struct pending_free *pending;
 static _Atomic int n_pending;
 
 int nvs_memory_frees_pending(void) { return atomic_load(&n_pending) > 0; }
 
+/* Detach the pending frees `take` selects; the rest stay. */
+static struct pending_free *detach_pending(int (*take)(const struct pending_free *, const void *), const void *arg) {
+    struct pending_free *taken = NULL;
+    pthread_mutex_lock(&mem_mu);
+    for (struct pending_free **link = &pending; *link != NULL;) {
+        struct pending_free *p = *link;
+        if (take(p, arg)) {
+            *link = p->next;
+            p->next = taken;
+            taken = p;
+        } else {
+            link = &p->next;
+        }
+    }
+    pthread_mutex_unlock(&mem_mu);
+    return taken;
+}
+
+static void give_back_pending(struct pending_free *list) {
+    if (list == NULL) return;
+    struct pending_free *tail = list;
+    while (tail->next != NULL) tail = tail->next;
+    pthread_mutex_lock(&mem_mu);
+    tail->next = pending;
+    pending = list;
+    pthread_mutex_unlock(&mem_mu);
+}
+
+/* The caller holds nvs_ctx_mu and p's event has completed: free the memory in its own context
+ * and uncount it. */
+static void complete_free(struct pending_free *p) {
+    /* Free in the allocating context (the calling thread may have none, or another). */
+    int pushed = p->ctx != NULL && nvs_real.cuCtxPushCurrent_v2(p->ctx) == CUDA_SUCCESS;
+    CUresult r = nvs_real.cuMemFree_v2(p->ptr);
+    nvs_real.cuEventDestroy_v2(p->event);
+    if (pushed) {
+        CUcontext popped;
+        nvs_real.cuCtxPopCurrent_v2(&popped);
+    }
+    if (r != CUDA_SUCCESS) nvs_warn("deferred free of %#llx failed (%d)", (unsigned long long)p->ptr, r);
+    count_bytes(p->device, p->size, 0);
+    atomic_fetch_sub(&n_pending, 1);
+    free(p);
+}
+
+static int any_free(const struct pending_free *p, const void *unused) { return 1; }
+
 void nvs_memory_poll_frees(void) {
     if (NVS_LIKELY(atomic_load(&n_pending) == 0)) return;
-    pthread_mutex_lock(&mem_mu);
-    struct pending_free *list = pending;
-    pending = NULL;
-    pthread_mutex_unlock(&mem_mu);
-
-    struct pending_free *keep = NULL;
+    /* A drain or a context's destruction holds nvs_ctx_mu: leave the frees to a later poll (the
+     * worker polls every few milliseconds while frees are pending) rather than wait for it. */
+    if (pthread_mutex_trylock(&nvs_ctx_mu) != 0) return;
+    struct pending_free *list = detach_pending(any_free, NULL), *keep = NULL;
     while (list != NULL) {
         struct pending_free *p = list;
         list = p->next;
         if (nvs_real.cuEventQuery(p->event) == CUDA_ERROR_NOT_READY) {
             p->next = keep;
             keep = p;
-            continue;
+        } else {
+            complete_free(p);
         }
-        /* Free in the allocating context (the calling thread may have none). */
-        int pushed = p->ctx != NULL && nvs_real.cuCtxPushCurrent_v2(p->ctx) == CUDA_SUCCESS;
-        CUresult r = nvs_real.cuMemFree_v2(p->ptr);
-        nvs_real.cuEventDestroy_v2(p->event);
-        if (pushed) {
-            CUcontext popped;
-            nvs_real.cuCtxPopCurrent_v2(&popped);
-        }
-        if (r != CUDA_SUCCESS) nvs_warn("deferred free of %#llx failed (%d)", (unsigned long long)p->ptr, r);
-        count_bytes(p->device, p->size, 0);
-        atomic_fetch_sub(&n_pending, 1);
-        free(p);
     }
-    if (keep != NULL) {
-        pthread_mutex_lock(&mem_mu);
-        struct pending_free *tail = keep;
-        while (tail->next != NULL) tail = tail->next;
-        tail->next = pending;
-        pending = keep;
-        pthread_mutex_unlock(&mem_mu);
+    pthread_mutex_unlock(&nvs_ctx_mu);
+    give_back_pending(keep);
+}
+
+struct context_selector {
+    CUcontext ctx;
+    struct nvs_device *device;
+};
+
+static int made_in(const struct pending_free *p, const void *arg) {
+    const struct context_selector *which = arg;
+    return which->ctx != NULL ? p->ctx == which->ctx : p->device == which->device;
+}
+
+void nvs_memory_settle_frees(CUcontext ctx, struct nvs_device *device) {
+    if (atomic_load(&n_pending) == 0) return;
+    struct context_selector which = {ctx, device};
+    struct pending_free *list = detach_pending(made_in, &which);
+    while (list != NULL) {
+        struct pending_free *p = list;
+        list = p->next;
+        /* The work queued before the free still uses the memory: wait for it, as destroying
+         * the context would. */
+        CUresult r = nvs_real.cuEventSynchronize != NULL ? nvs_real.cuEventSynchronize(p->event) : CUDA_SUCCESS;
+        if (r != CUDA_SUCCESS)
+            nvs_debug("waiting for a deferred free before its context goes returned %d", r);
+        complete_free(p);
     }
 }
 
@@ -363,11 +423,8 @@ static CUresult free_async(CUdeviceptr dptr, CUstream s, int per_thread) {
     p->size = a.size;
     p->device = a.device;
     if (nvs_real.cuCtxGetCurrent(&p->ctx) != CUDA_SUCCESS) p->ctx = NULL;
-    pthread_mutex_lock(&mem_mu);
-    p->next = pending;
-    pending = p;
     atomic_fetch_add(&n_pending, 1);
-    pthread_mutex_unlock(&mem_mu);
+    give_back_pending(p);
     nvs_worker_kick(); /* the worker polls while frees are pending */
     return CUDA_SUCCESS;
 }
@@ -420,7 +477,7 @@ NVS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
     allocation_prologue();
     CUresult r = nvs_real.cuMemCreate(handle, size, prop, flags);
     if (r != CUDA_SUCCESS) return r;
-    static _Atomic int explained;
+    static _Atomic int explained; /* any thread; the first to set it explains, once */
     if (!atomic_exchange(&explained, 1))
         nvs_warn("cuMemCreate (virtual memory management) allocations are passed through unconverted: they "
                  "are physical device memory and cannot be oversubscribed (NVSHARE_VMM=%s; 'hide' makes "
@@ -450,7 +507,7 @@ NVS_EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr dptr) 
     if (nvs_real.cuPointerGetAttribute != NULL &&
         nvs_real.cuPointerGetAttribute(&is_managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, dptr) == CUDA_SUCCESS &&
         is_managed) {
-        static _Atomic int explained;
+        static _Atomic int explained; /* any thread; the first to set it explains, once */
         if (!atomic_exchange(&explained, 1))
             nvs_warn("cuIpcGetMemHandle failed (%d) on %#llx: nvshare turned this device allocation into "
                      "managed memory, which CUDA IPC cannot share. Run this program with NVSHARE_MANAGED=0 "

@@ -120,12 +120,15 @@ struct nvs_device {
     int n_contexts, cap_contexts;
 };
 
-/* Guards all lock state above and the device table; never held across a CUDA call or I/O. */
+/* Guards all lock state above and the device table; never held across a CUDA call or I/O
+ * (tests/test_library_hygiene.py checks the code for it). */
 extern pthread_mutex_t nvs_mu;
 /* Signalled (broadcast) whenever a gate opens. */
 extern pthread_cond_t nvs_gate_cv;
-/* Held by whoever synchronises or destroys recorded contexts, so a drain never touches a
- * context while the application destroys it. Taken before nvs_mu, never the other way. */
+/* Held by whoever pushes, synchronises or destroys a recorded context or queries an event in
+ * one: drains (gate.c), deferred frees (memory.c: polled with a trylock, settled before their
+ * context is destroyed) and the context-destroying hooks (gate.c). So nothing touches a context
+ * while the application destroys it. Taken before nvs_mu and mem_mu, never the other way. */
 extern pthread_mutex_t nvs_ctx_mu;
 
 extern struct nvs_device nvs_devices[NVS_MAX_DEVICES];
@@ -181,6 +184,9 @@ void nvs_gate_sync_contexts(struct nvs_device *d);
 /* Complete stream-ordered frees whose event has completed. Cheap when none is pending. */
 void nvs_memory_poll_frees(void);
 int nvs_memory_frees_pending(void);
+/* The caller holds nvs_ctx_mu, before a context may be destroyed: complete the pending frees made in
+ * `ctx` (NULL: every one on `device`), waiting for the work queued before them. */
+void nvs_memory_settle_frees(CUcontext ctx, struct nvs_device *device);
 /* Fork child: forget every allocation (the child has no device memory of its own). */
 void nvs_memory_reset_after_fork(void);
 void nvs_memory_fork_prepare(void);

@@ -4,7 +4,10 @@ submission waits for the lock."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -202,3 +205,56 @@ def test_simapp_allocations_are_managed_on_every_entry_path(scheduler, simcuda, 
     assert all(step["rc"] == 0 for step in run.steps), run.steps
     pointers = [step for step in run.steps if step["step"].startswith("ptr:")]
     assert [(p["family"], p["managed"]) for p in pointers] == [(family, True) for family in families]
+
+
+CONTEXT_DESTROY_PROBE = r"""
+import ctypes, json, sys, threading, time
+from ctypes import byref, c_int, c_size_t, c_uint64, c_void_p
+cuda = ctypes.CDLL("libcuda.so.1")
+result = {}
+assert cuda.cuInit(0) == 0
+dev = c_int()
+cuda.cuDeviceGet(byref(dev), 0)
+contexts = []
+for _ in range(int(sys.argv[1])):
+    ctx, module, function = c_void_p(), c_void_p(), c_void_p()
+    assert cuda.cuCtxCreate_v2(byref(ctx), 0, dev) == 0
+    cuda.cuModuleLoadData(byref(module), b"image")
+    cuda.cuModuleGetFunction(byref(function), module, b"nvshare_sleep")
+    ptr, duration = c_uint64(), c_uint64(100000)
+    assert cuda.cuMemAlloc_v2(byref(ptr), 1 << 20) == 0
+    params = (c_void_p * 1)(ctypes.addressof(duration))
+    assert cuda.cuLaunchKernel(function, 1, 1, 1, 1, 1, 1, 0, None, params, None) == 0
+    assert cuda.cuMemFreeAsync(ptr, None) == 0  # pending behind the kernel
+    assert cuda.cuCtxPopCurrent_v2(byref(c_void_p())) == 0
+    contexts.append(ctx)
+# The application destroys its contexts while the frees are still pending, from several threads
+# (the worker thread polls the pending frees meanwhile).
+results = [None] * len(contexts)
+def destroy(i):
+    results[i] = cuda.cuCtxDestroy_v2(contexts[i])
+threads = [threading.Thread(target=destroy, args=(i,)) for i in range(len(contexts))]
+for t in threads: t.start()
+for t in threads: t.join()
+result["destroy"] = results
+primary = c_void_p()
+cuda.cuDevicePrimaryCtxRetain(byref(primary), dev)
+cuda.cuCtxSetCurrent(primary)
+time.sleep(0.3)  # the worker's polls, if any were left
+free, total = c_size_t(), c_size_t()
+cuda.cuMemGetInfo_v2(byref(free), byref(total))
+result["free"] = free.value == total.value
+print(json.dumps(result))
+"""
+
+
+def test_destroying_a_context_completes_its_pending_stream_ordered_frees(scheduler, simcuda, libnvshare):
+    """cuMemFreeAsync of converted memory is completed later, in the allocating context. When the
+    application destroys that context first, nvshare must complete those frees before the context
+    goes (never push, query or free in a destroyed context), and count the memory as freed."""
+    env = simcuda.env(NVSHARE_SOCKET_DIR=str(scheduler.socket_dir), LD_PRELOAD=str(libnvshare), NVSHARE_LOG="warn")
+    run = subprocess.run([sys.executable, "-c", CONTEXT_DESTROY_PROBE, "4"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1]) == {"destroy": [0, 0, 0, 0], "free": True}, run.stderr
+    assert "deferred free" not in run.stderr, run.stderr

@@ -213,3 +213,109 @@ def test_library_override_and_clear_error(monkeypatch, tmp_path, libnvshare):
     monkeypatch.setattr(library, "PACKAGED", tmp_path / "_lib" / "libnvshare.so")
     with pytest.raises(library.LibraryNotFound, match="pip"):
         library.path()
+
+
+# --- the locking rule: no CUDA call and no I/O while nvs_mu is held ----------------------------
+
+# Files whose code is checked (client.c is checked by its own tests once its shell is thin).
+LOCK_CHECKED_FILES = ["gate.c", "memory.c", "hooks.c", "loader.c", "log.c", "config.c"]
+# Direct CUDA calls and I/O; a function that makes one (transitively, among the interceptor's
+# functions) counts as one.
+FORBIDDEN_UNDER_NVS_MU = re.compile(
+    r"\bnvs_real\.\w+\s*\(|\bnvs_real_slot\s*\(|\b(?:nvs_log|nvs_debug|nvs_info|nvs_warn|nvs_error|write|read|"
+    r"fprintf|printf|send|recv|poll|nanosleep|usleep|dlopen|dlsym)\s*\(")
+CALL = re.compile(r"\b([A-Za-z_]\w*)\s*\(")
+FUNCTION = re.compile(r"\b([A-Za-z_]\w*)\s*\([^;{}]*\)\s*\{")
+
+
+def strip_c(text: str) -> str:
+    """The code without comments, string and character literals, or preprocessor lines."""
+    text = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group().count("\n"), text, flags=re.S)
+    text = re.sub(r"//[^\n]*", "", text)
+    text = re.sub(r'"(?:\\.|[^"\\\n])*"', '""', text)
+    text = re.sub(r"'(?:\\.|[^'\\\n])*'", "''", text)
+    return re.sub(r"^[ \t]*#(?:[^\n]*\\\n)*[^\n]*", "", text, flags=re.M)
+
+
+def function_bodies(text: str) -> dict[str, str]:
+    """Top-level function definitions -> their bodies (including the outer braces)."""
+    bodies: dict[str, str] = {}
+    position = 0
+    while (match := FUNCTION.search(text, position)) is not None:
+        if text[:match.start()].count("{") != text[:match.start()].count("}"):
+            position = match.end()  # not at top level (a call inside an initialiser)
+            continue
+        depth, i = 0, match.end() - 1
+        while True:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+            if depth == 0:
+                break
+        bodies[match.group(1)] = text[match.end() - 1:i]
+        position = i
+    return bodies
+
+
+def violations_under_nvs_mu(name: str, body: str, blocking: set[str]) -> list[str]:
+    """Statements of `body` that make a CUDA call or I/O while nvs_mu is held. A `_locked`
+    function is called with it held. A block that ends in `return` does not change the state
+    after it (`if (...) { unlock; return; }`)."""
+    held = name.endswith("_locked")
+    found, saved = [], []
+    for token in re.finditer(r"[{};]|[^{};]+", body):
+        piece = token.group()
+        if piece == "{":
+            saved.append((held, False))
+        elif piece == "}":
+            before, returned = saved.pop()
+            if returned:
+                held = before
+        elif piece == ";" or not piece.strip():
+            continue
+        else:
+            if held:
+                calls = {c for c in CALL.findall(piece) if c in blocking}
+                if FORBIDDEN_UNDER_NVS_MU.search(piece) or calls:
+                    found.append(f"{name}: {' '.join(piece.split())}")
+            if re.search(r"pthread_mutex_lock\s*\(\s*&nvs_mu\s*\)", piece):
+                held = True
+            if re.search(r"pthread_mutex_unlock\s*\(\s*&nvs_mu\s*\)", piece):
+                held = False
+            if re.match(r"\s*return\b", piece) and saved:
+                saved[-1] = (saved[-1][0], True)
+    return found
+
+
+def test_no_cuda_call_or_io_while_nvs_mu_is_held():
+    """nvshare.h: nvs_mu is never held across a CUDA call or I/O. A stderr pipe nobody reads, or a
+    driver call that blocks, would otherwise stall every thread that needs the lock state (the
+    client thread, every waiter at a closed gate)."""
+    bodies: dict[str, tuple[str, str]] = {}
+    for path in sorted(INTERCEPTOR_DIR.glob("*.c")):
+        for name, body in function_bodies(strip_c(path.read_text())).items():
+            bodies[name] = (path.name, body)
+    blocking = {name for name, (_, body) in bodies.items() if FORBIDDEN_UNDER_NVS_MU.search(body)}
+    while True:  # transitively: a function that calls one that blocks, blocks
+        more = {name for name, (_, body) in bodies.items()
+                if name not in blocking and any(c in blocking for c in CALL.findall(body))}
+        if not more:
+            break
+        blocking |= more
+    assert {"nvs_device_get", "nvs_memory_poll_frees"} <= blocking  # the analysis sees through calls
+    checked = [name for name, (file, _) in bodies.items() if file in LOCK_CHECKED_FILES]
+    assert len(checked) > 40, checked
+    problems = [v for name in checked for v in violations_under_nvs_mu(name, bodies[name][1], blocking)]
+    assert problems == []
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("{ pthread_mutex_lock(&nvs_mu); nvs_debug(\"x\"); pthread_mutex_unlock(&nvs_mu); }", 1),
+    ("{ pthread_mutex_lock(&nvs_mu); helper(); pthread_mutex_unlock(&nvs_mu); }", 1),
+    ("{ pthread_mutex_lock(&nvs_mu); x = 1; pthread_mutex_unlock(&nvs_mu); nvs_real.cuInit(0); }", 0),
+    ("{ pthread_mutex_lock(&nvs_mu); if (a) { pthread_mutex_unlock(&nvs_mu); return; } nvs_warn(\"y\"); }", 1),
+    ("{ pthread_mutex_lock(&nvs_mu); if (a) { pthread_mutex_unlock(&nvs_mu); wake(); pthread_mutex_lock(&nvs_mu); } "
+     "pthread_mutex_unlock(&nvs_mu); nvs_warn(\"z\"); }", 0),
+])
+def test_the_lock_check_finds_what_it_should(body, expected):
+    assert len(violations_under_nvs_mu("f", body, {"helper"})) == expected
+    assert len(violations_under_nvs_mu("f_locked", "{ nvs_error(\"e\"); }", set())) == 1
