@@ -241,10 +241,25 @@
       (CUdeviceptr *ptrs, size_t *sizes, size_t count, CUmemLocation *locs, size_t *locIdxs,    \
        size_t numLocs, unsigned long long flags, CUstream s),                                   \
       (ptrs, sizes, count, locs, locIdxs, numLocs, flags, s))                                   \
+    X(GATED, cuMemPrefetchBatchAsync_ptsz,                                                      \
+      (CUdeviceptr *ptrs, size_t *sizes, size_t count, CUmemLocation *locs, size_t *locIdxs,    \
+       size_t numLocs, unsigned long long flags, CUstream s),                                   \
+      (ptrs, sizes, count, locs, locIdxs, numLocs, flags, s))                                   \
     X(GATED, cuMemDiscardAndPrefetchBatchAsync,                                                 \
       (CUdeviceptr *ptrs, size_t *sizes, size_t count, CUmemLocation *locs, size_t *locIdxs,    \
        size_t numLocs, unsigned long long flags, CUstream s),                                   \
       (ptrs, sizes, count, locs, locIdxs, numLocs, flags, s))                                   \
+    X(GATED, cuMemDiscardAndPrefetchBatchAsync_ptsz,                                            \
+      (CUdeviceptr *ptrs, size_t *sizes, size_t count, CUmemLocation *locs, size_t *locIdxs,    \
+       size_t numLocs, unsigned long long flags, CUstream s),                                   \
+      (ptrs, sizes, count, locs, locIdxs, numLocs, flags, s))                                   \
+    /* a discard is stream-ordered work on device memory too */                                \
+    X(GATED, cuMemDiscardBatchAsync,                                                            \
+      (CUdeviceptr *ptrs, size_t *sizes, size_t count, unsigned long long flags, CUstream s),   \
+      (ptrs, sizes, count, flags, s))                                                           \
+    X(GATED, cuMemDiscardBatchAsync_ptsz,                                                       \
+      (CUdeviceptr *ptrs, size_t *sizes, size_t count, unsigned long long flags, CUstream s),   \
+      (ptrs, sizes, count, flags, s))                                                           \
     /* --- allocations (memory.c) --- */                                                       \
     X(CUSTOM, cuMemAlloc_v2, (CUdeviceptr *dptr, size_t size), (dptr, size))                    \
     X(CUSTOM, cuMemAllocPitch_v2,                                                               \

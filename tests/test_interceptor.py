@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from fixtures.interceptor import line_time
+from fixtures.interceptor import gated_hook_names, line_time
 from fixtures.scheduler import wait_for
 
 GiB = 1 << 30
@@ -110,6 +110,7 @@ def test_every_gated_entry_point_waits_for_the_lock(scheduler_factory, cuda_app)
     holder.expect(f"granted {DEVICE0}")
     app = cuda_app(scheduler.env, "init", "gated-all")
     names = app.expect("gated ").split()[1].split(",")
+    assert sorted(names) == sorted(gated_hook_names())  # every one of them, none skipped
     assert {"cuLaunchKernel", "cuLaunchKernelEx_ptsz", "cuGraphLaunch", "cuMemcpyHtoD_v2", "cuMemsetD8Async",
             "cuMemcpyBatchAsync_v2", "cuMemPrefetchAsync_v2_ptsz", "cuMemcpy3DPeerAsync"} <= set(names)
     calling = lambda: {line.split()[1] for line in app.lines if line.startswith("calling ")}  # noqa: E731

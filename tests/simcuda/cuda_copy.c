@@ -13,7 +13,7 @@
  *   the copy. Pageable memory cannot be part of a stream capture.
  * All of this was checked on an H200 with driver 580. Device-side arguments must lie in driver
  * memory (CUDA_ERROR_INVALID_VALUE otherwise); memory freed before the copy executes makes the
- * context fail with CUDA_ERROR_ILLEGAL_ADDRESS. CUDA arrays and cuMemcpy3DBatchAsync are not
+ * context fail with CUDA_ERROR_ILLEGAL_ADDRESS. CUDA arrays, cuMemcpy3DBatchAsync and cuMemcpy3DWithAttributesAsync are not
  * simulated (CUDA_ERROR_NOT_SUPPORTED); the 32-bit entry points of CUDA 2.x answer
  * CUDA_ERROR_INVALID_CONTEXT, as the real driver does.
  */
@@ -314,6 +314,14 @@ SIM_EXPORT CUresult cuMemcpyBatchAsync_v2_ptsz(CUdeviceptr *dsts, CUdeviceptr *s
     return copy_batch(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, NULL, hStream, 1, __func__);
 }
 
+/* CUDA 13.2: one copy with attributes, simulated as a batch of that one copy. */
+SIM_EXPORT CUresult cuMemcpyWithAttributesAsync(CUdeviceptr dst, CUdeviceptr src, size_t size, CUmemcpyAttributes *attr,
+                                                CUstream hStream)
+{
+    size_t first = 0;
+    return copy_batch(&dst, &src, &size, 1, attr, &first, 1, NULL, hStream, 0, __func__);
+}
+
 /* ---- Memsets ---- */
 
 static CUresult submit_set(CUdeviceptr dst, size_t pitch, size_t width, size_t height, unsigned int element_size,
@@ -391,6 +399,10 @@ SIM_NOT_SUPPORTED_WITH_TWIN(cuMemcpy3DBatchAsync, cuMemcpy3DBatchAsync_ptsz,
                              CUstream hStream))
 SIM_NOT_SUPPORTED_WITH_TWIN(cuMemcpy3DBatchAsync_v2, cuMemcpy3DBatchAsync_v2_ptsz,
                             (size_t numOps, CUDA_MEMCPY3D_BATCH_OP *opList, unsigned long long flags, CUstream hStream))
+
+SIM_IGNORING_PARAMETERS(SIM_EXPORT CUresult cuMemcpy3DWithAttributesAsync(CUDA_MEMCPY3D_BATCH_OP *op,
+                                                                          unsigned long long flags, CUstream hStream)
+                        { SIM_ENTER(); return CUDA_ERROR_NOT_SUPPORTED; })
 
 SIM_32BIT_ABI_ENTRY(cuMemcpyHtoD, (unsigned int dstDevice, const void *srcHost, unsigned int ByteCount))
 SIM_32BIT_ABI_ENTRY(cuMemcpyDtoH, (void *dstHost, unsigned int srcDevice, unsigned int ByteCount))

@@ -91,6 +91,12 @@ CU_ENTRY(cuMemPrefetchAsync, cuMemPrefetchAsync, 8000, 0, (CUdeviceptr devPtr, s
 CU_ENTRY(cuMemPrefetchAsync_ptsz, cuMemPrefetchAsync, 8000, 1, (CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream))
 CU_ENTRY(cuMemPrefetchAsync_v2, cuMemPrefetchAsync, 12020, 0, (CUdeviceptr devPtr, size_t count, CUmemLocation location, unsigned int flags, CUstream hStream))
 CU_ENTRY(cuMemPrefetchAsync_v2_ptsz, cuMemPrefetchAsync, 12020, 1, (CUdeviceptr devPtr, size_t count, CUmemLocation location, unsigned int flags, CUstream hStream))
+CU_ENTRY(cuMemPrefetchBatchAsync, cuMemPrefetchBatchAsync, 13000, 0, (CUdeviceptr *dptrs, size_t *sizes, size_t count, CUmemLocation *prefetchLocs, size_t *prefetchLocIdxs, size_t numPrefetchLocs, unsigned long long flags, CUstream hStream))
+CU_ENTRY(cuMemPrefetchBatchAsync_ptsz, cuMemPrefetchBatchAsync, 13000, 1, (CUdeviceptr *dptrs, size_t *sizes, size_t count, CUmemLocation *prefetchLocs, size_t *prefetchLocIdxs, size_t numPrefetchLocs, unsigned long long flags, CUstream hStream))
+CU_ENTRY(cuMemDiscardBatchAsync, cuMemDiscardBatchAsync, 13000, 0, (CUdeviceptr *dptrs, size_t *sizes, size_t count, unsigned long long flags, CUstream hStream))
+CU_ENTRY(cuMemDiscardBatchAsync_ptsz, cuMemDiscardBatchAsync, 13000, 1, (CUdeviceptr *dptrs, size_t *sizes, size_t count, unsigned long long flags, CUstream hStream))
+CU_ENTRY(cuMemDiscardAndPrefetchBatchAsync, cuMemDiscardAndPrefetchBatchAsync, 13000, 0, (CUdeviceptr *dptrs, size_t *sizes, size_t count, CUmemLocation *prefetchLocs, size_t *prefetchLocIdxs, size_t numPrefetchLocs, unsigned long long flags, CUstream hStream))
+CU_ENTRY(cuMemDiscardAndPrefetchBatchAsync_ptsz, cuMemDiscardAndPrefetchBatchAsync, 13000, 1, (CUdeviceptr *dptrs, size_t *sizes, size_t count, CUmemLocation *prefetchLocs, size_t *prefetchLocIdxs, size_t numPrefetchLocs, unsigned long long flags, CUstream hStream))
 CU_ENTRY(cuMemAdvise, cuMemAdvise, 8000, 0, (CUdeviceptr devPtr, size_t count, CUmem_advise advice, CUdevice device))
 CU_ENTRY(cuMemAdvise_v2, cuMemAdvise, 12020, 0, (CUdeviceptr devPtr, size_t count, CUmem_advise advice, CUmemLocation location))
 CU_ENTRY(cuPointerGetAttribute, cuPointerGetAttribute, 4000, 0, (void *data, CUpointer_attribute attribute, CUdeviceptr ptr))
@@ -167,6 +173,10 @@ CU_ENTRY(cuLaunchKernelEx, cuLaunchKernelEx, 11060, 0, (const CUlaunchConfig *co
 CU_ENTRY(cuLaunchKernelEx_ptsz, cuLaunchKernelEx, 11060, 1, (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra))
 CU_ENTRY(cuLaunchCooperativeKernel, cuLaunchCooperativeKernel, 9000, 0, (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream, void **kernelParams))
 CU_ENTRY(cuLaunchCooperativeKernel_ptsz, cuLaunchCooperativeKernel, 9000, 1, (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream, void **kernelParams))
+CU_ENTRY(cuLaunchCooperativeKernelMultiDevice, cuLaunchCooperativeKernelMultiDevice, 9000, 0, (CUDA_LAUNCH_PARAMS *launchParamsList, unsigned int numDevices, unsigned int flags))
+CU_ENTRY(cuLaunch, cuLaunch, 2000, 0, (CUfunction f))
+CU_ENTRY(cuLaunchGrid, cuLaunchGrid, 2000, 0, (CUfunction f, int grid_width, int grid_height))
+CU_ENTRY(cuLaunchGridAsync, cuLaunchGridAsync, 2000, 0, (CUfunction f, int grid_width, int grid_height, CUstream hStream))
 
 /* Graphs */
 CU_ENTRY(cuGraphCreate, cuGraphCreate, 10000, 0, (CUgraph *phGraph, unsigned int flags))
@@ -247,6 +257,10 @@ CU_ENTRY(cuMemcpyBatchAsync, cuMemcpyBatchAsync, 12080, 0, (CUdeviceptr *dsts, C
 CU_ENTRY(cuMemcpyBatchAsync_ptsz, cuMemcpyBatchAsync, 12080, 1, (CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count, CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, size_t *failIdx, CUstream hStream))
 CU_ENTRY(cuMemcpyBatchAsync_v2, cuMemcpyBatchAsync, 13000, 0, (CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count, CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, CUstream hStream))
 CU_ENTRY(cuMemcpyBatchAsync_v2_ptsz, cuMemcpyBatchAsync, 13000, 1, (CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count, CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, CUstream hStream))
+/* CUDA 13.2, newer than the simulated driver (13.0): exported, but cuGetProcAddress never hands
+ * them out (a 13.0 caller cannot ask for them). */
+CU_ENTRY(cuMemcpyWithAttributesAsync, cuMemcpyWithAttributesAsync, 13020, 0, (CUdeviceptr dst, CUdeviceptr src, size_t size, CUmemcpyAttributes *attr, CUstream hStream))
+CU_ENTRY(cuMemcpy3DWithAttributesAsync, cuMemcpy3DWithAttributesAsync, 13020, 0, (CUDA_MEMCPY3D_BATCH_OP *op, unsigned long long flags, CUstream hStream))
 CU_ENTRY(cuMemcpy3DBatchAsync, cuMemcpy3DBatchAsync, 12080, 0, (size_t numOps, CUDA_MEMCPY3D_BATCH_OP *opList, size_t *failIdx, unsigned long long flags, CUstream hStream))
 CU_ENTRY(cuMemcpy3DBatchAsync_ptsz, cuMemcpy3DBatchAsync, 12080, 1, (size_t numOps, CUDA_MEMCPY3D_BATCH_OP *opList, size_t *failIdx, unsigned long long flags, CUstream hStream))
 CU_ENTRY(cuMemcpy3DBatchAsync_v2, cuMemcpy3DBatchAsync, 13000, 0, (size_t numOps, CUDA_MEMCPY3D_BATCH_OP *opList, unsigned long long flags, CUstream hStream))

@@ -633,6 +633,55 @@ SIM_WITH_TWIN(cuMemPrefetchAsync_v2, cuMemPrefetchAsync_v2_ptsz,
               (CUdeviceptr devPtr, size_t count, CUmemLocation location, unsigned int flags, CUstream hStream),
               return prefetch(devPtr, count, location, flags, hStream, __func__);)
 
+/* Range i goes to prefetchLocs[j], j the last index with prefetchLocIdxs[j] <= i (the first is 0),
+ * as batch copies pick their attributes. A discard changes nothing in the simulation. */
+static CUresult prefetch_batch(CUdeviceptr *dptrs, size_t *sizes, size_t count, CUmemLocation *locations,
+                               size_t *location_indices, size_t n_locations, unsigned long long flags, CUstream hStream,
+                               const char *api)
+{
+    SIM_ENTER();
+    if (!dptrs || !sizes || count == 0 || !locations || !location_indices || n_locations == 0 || n_locations > count ||
+        location_indices[0] != 0 || flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult result = CUDA_SUCCESS;
+    for (size_t i = 0, j = 0; i < count && result == CUDA_SUCCESS; i++) {
+        while (j + 1 < n_locations && location_indices[j + 1] <= i)
+            j++;
+        result = prefetch(dptrs[i], sizes[i], locations[j], 0, hStream, api);
+    }
+    return result;
+}
+
+static CUresult discard_batch(CUdeviceptr *dptrs, size_t *sizes, size_t count, unsigned long long flags, CUstream hStream)
+{
+    SIM_ENTER();
+    if (!dptrs || !sizes || count == 0 || flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_ctx *ctx;
+    struct sim_stream *stream;
+    CUresult result = sim_stream_resolve(hStream, &ctx, &stream);
+    for (size_t i = 0; i < count && result == CUDA_SUCCESS; i++)
+        if (!is_managed_range(dptrs[i], sizes[i]))
+            result = CUDA_ERROR_INVALID_VALUE;
+    return result;
+}
+
+#define SIM_PREFETCH_BATCH_PARAMS                                                                 \
+    (CUdeviceptr *dptrs, size_t *sizes, size_t count, CUmemLocation *prefetchLocs, size_t *prefetchLocIdxs, \
+     size_t numPrefetchLocs, unsigned long long flags, CUstream hStream)
+SIM_WITH_TWIN(cuMemPrefetchBatchAsync, cuMemPrefetchBatchAsync_ptsz, SIM_PREFETCH_BATCH_PARAMS,
+              return prefetch_batch(dptrs, sizes, count, prefetchLocs, prefetchLocIdxs, numPrefetchLocs, flags, hStream,
+                                    __func__);)
+SIM_WITH_TWIN(cuMemDiscardAndPrefetchBatchAsync, cuMemDiscardAndPrefetchBatchAsync_ptsz, SIM_PREFETCH_BATCH_PARAMS,
+              CUresult result = discard_batch(dptrs, sizes, count, flags, hStream);
+              if (result != CUDA_SUCCESS) return result;
+              return prefetch_batch(dptrs, sizes, count, prefetchLocs, prefetchLocIdxs, numPrefetchLocs, flags, hStream,
+                                    __func__);)
+#undef SIM_PREFETCH_BATCH_PARAMS
+SIM_WITH_TWIN(cuMemDiscardBatchAsync, cuMemDiscardBatchAsync_ptsz,
+              (CUdeviceptr *dptrs, size_t *sizes, size_t count, unsigned long long flags, CUstream hStream),
+              return discard_batch(dptrs, sizes, count, flags, hStream);)
+
 static const char *const advice_names[] = {
     [CU_MEM_ADVISE_SET_READ_MOSTLY] = "set_read_mostly",
     [CU_MEM_ADVISE_UNSET_READ_MOSTLY] = "unset_read_mostly",

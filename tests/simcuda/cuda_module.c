@@ -261,3 +261,30 @@ SIM_WITH_TWIN(cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz,
                void **kernelParams),
               return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
                             kernelParams, NULL, __func__);)
+
+/* Each entry launched on its own stream (and so its own device); `flags` change nothing here. */
+SIM_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList, unsigned int numDevices,
+                                                         unsigned int flags)
+{
+    (void)flags;
+    SIM_ENTER();
+    if (!launchParamsList || numDevices == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (unsigned int i = 0; i < numDevices; i++) {
+        const CUDA_LAUNCH_PARAMS *p = &launchParamsList[i];
+        CUresult result = launch(p->function, p->gridDimX, p->gridDimY, p->gridDimZ, p->blockDimX, p->blockDimY,
+                                 p->blockDimZ, p->sharedMemBytes, p->hStream, p->kernelParams, NULL, __func__);
+        if (result != CUDA_SUCCESS)
+            return result;
+    }
+    return CUDA_SUCCESS;
+}
+
+/* The execution control API of CUDA 2.x (cuFuncSetBlockShape, cuParamSet*) is not simulated:
+ * its launches exist and answer CUDA_ERROR_NOT_SUPPORTED. */
+SIM_IGNORING_PARAMETERS(
+    SIM_EXPORT CUresult cuLaunch(CUfunction f) { SIM_ENTER(); return CUDA_ERROR_NOT_SUPPORTED; }
+    SIM_EXPORT CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
+    { SIM_ENTER(); return CUDA_ERROR_NOT_SUPPORTED; }
+    SIM_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream)
+    { SIM_ENTER(); return CUDA_ERROR_NOT_SUPPORTED; })

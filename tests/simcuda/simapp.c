@@ -588,7 +588,7 @@ struct batch_attributes {
 
 enum shape {
     SHAPE_HTOD, SHAPE_DTOH, SHAPE_DTOD, SHAPE_PEER, SHAPE_2D, SHAPE_3D, SHAPE_3D_PEER,
-    SHAPE_BATCH, SHAPE_BATCH_V2, SHAPE_SET, SHAPE_SET_2D, SHAPE_UNSUPPORTED,
+    SHAPE_BATCH, SHAPE_BATCH_V2, SHAPE_ATTRIBUTES, SHAPE_SET, SHAPE_SET_2D, SHAPE_UNSUPPORTED,
 };
 
 struct copy_api {
@@ -619,6 +619,7 @@ static const struct copy_api copy_apis[] = {
     PAIR(cuMemcpy3DPeerAsync, cuMemcpy3DPeerAsync_ptsz, SHAPE_3D_PEER, 1, 0),
     PAIR(cuMemcpyBatchAsync, cuMemcpyBatchAsync_ptsz, SHAPE_BATCH, 1, 0),
     PAIR(cuMemcpyBatchAsync_v2, cuMemcpyBatchAsync_v2_ptsz, SHAPE_BATCH_V2, 1, 0),
+    {"cuMemcpyWithAttributesAsync", SHAPE_ATTRIBUTES, 1, 0},
     PAIR(cuMemsetD8_v2, cuMemsetD8_v2_ptds, SHAPE_SET, 0, 1),
     PAIR(cuMemsetD16_v2, cuMemsetD16_v2_ptds, SHAPE_SET, 0, 2),
     PAIR(cuMemsetD32_v2, cuMemsetD32_v2_ptds, SHAPE_SET, 0, 4),
@@ -778,6 +779,15 @@ static int run_copy_api(const struct copy_api *api, void *pointer, unsigned char
                  ? (int)((cuMemcpyBatchAsync_fn)pointer)(dsts, srcs, sizes, 2, attrs, attribute_indices, 1, &fail_index,
                                                           stream)
                  : (int)((cuMemcpyBatchAsync_v2_fn)pointer)(dsts, srcs, sizes, 2, attrs, attribute_indices, 1, stream);
+        break;
+    }
+    case SHAPE_ATTRIBUTES: {
+        struct batch_attributes attributes = {.src_access_order = 1};
+        memcpy(expected + 4096, source, 1024);
+        if (stream == NULL || stream == CU_STREAM_LEGACY)
+            stream = CU_STREAM_PER_THREAD;
+        rc = (int)((cuMemcpyWithAttributesAsync_fn)pointer)(device->scratch_b + 4096, device->scratch_a, 1024,
+                                                            (CUmemcpyAttributes *)&attributes, stream);
         break;
     }
     case SHAPE_SET:
