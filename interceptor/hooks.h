@@ -12,8 +12,9 @@
  *
  * `name` is the exported ABI symbol of libcuda.so.1 (with its _v2/_ptds/_ptsz suffix), which
  * is also the symbol libnvshare.so exports. Adding a hook is one line here (plus its
- * hand-written wrapper if it is CUSTOM). Every hook returns CUresult. Parameters that are
- * pointers to structs nvshare never reads are written as `void *` (same ABI).
+ * hand-written wrapper if it is CUSTOM). Every hook returns CUresult. Parameters are written in
+ * the driver's own types (structs nvshare never reads are opaque in cuda_types.h); `make
+ * signatures` checks every prototype against the CUDA toolkit's cuda.h where one is installed.
  *
  * NVS_FOR_EACH_REAL lists functions nvshare only calls (never exported, never wrapped).
  */
@@ -294,10 +295,11 @@
     X(CONTEXT, cuCtxCreate_v2, (CUcontext *pctx, unsigned int flags, CUdevice dev),              \
       (pctx, flags, dev))                                                                       \
     X(CONTEXT, cuCtxCreate_v3,                                                                   \
-      (CUcontext *pctx, void *affinityParams, int numParams, unsigned int flags, CUdevice dev), \
+      (CUcontext *pctx, CUexecAffinityParam *affinityParams, int numParams, unsigned int flags,    \
+       CUdevice dev),                                                                           \
       (pctx, affinityParams, numParams, flags, dev))                                            \
     X(CONTEXT, cuCtxCreate_v4,                                                                   \
-      (CUcontext *pctx, void *createParams, unsigned int flags, CUdevice dev),                  \
+      (CUcontext *pctx, CUctxCreateParams *createParams, unsigned int flags, CUdevice dev),     \
       (pctx, createParams, flags, dev))                                                         \
     X(CUSTOM, cuCtxDestroy_v2, (CUcontext ctx), (ctx))                                          \
     X(CUSTOM, cuDevicePrimaryCtxRelease_v2, (CUdevice dev), (dev))                              \
@@ -325,7 +327,7 @@
     X(cuEventQuery, (CUevent event))                                                            \
     X(cuEventSynchronize, (CUevent event))                                                      \
     X(cuEventDestroy_v2, (CUevent event))                                                       \
-    X(cuStreamIsCapturing, (CUstream stream, int *status))                                      \
+    X(cuStreamIsCapturing, (CUstream stream, CUstreamCaptureStatus *status))                    \
     X(cuPointerGetAttribute, (void *data, CUpointer_attribute attribute, CUdeviceptr ptr))      \
     X(cuMemAdvise_v2, (CUdeviceptr ptr, size_t count, CUmem_advise advice, CUmemLocation location))
 

@@ -10,9 +10,6 @@
 
 #include "nvshare.h"
 
-#define CU_EVENT_DISABLE_TIMING 0x2
-#define CU_STREAM_CAPTURE_STATUS_NONE 0
-
 enum alloc_kind {
     ALLOC_CONVERTED = 1, /* a device allocation nvshare turned into a managed one */
     ALLOC_MANAGED,       /* the application's own cuMemAllocManaged */
@@ -399,7 +396,7 @@ static CUresult free_async(CUdeviceptr dptr, CUstream s, int per_thread) {
     }
     /* The per-thread variant's stream 0 is the per-thread default stream. */
     CUstream stream = per_thread && s == NULL ? CU_STREAM_PER_THREAD : s;
-    int capture = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
     if (nvs_real.cuStreamIsCapturing != NULL && nvs_real.cuStreamIsCapturing(stream, &capture) == CUDA_SUCCESS &&
         capture != CU_STREAM_CAPTURE_STATUS_NONE) {
         nvs_warn("cuMemFreeAsync of converted (managed) memory inside stream capture is not supported; "

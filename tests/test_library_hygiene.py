@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -319,3 +320,51 @@ def test_no_cuda_call_or_io_while_nvs_mu_is_held():
 def test_the_lock_check_finds_what_it_should(body, expected):
     assert len(violations_under_nvs_mu("f", body, {"helper"})) == expected
     assert len(violations_under_nvs_mu("f_locked", "{ nvs_error(\"e\"); }", set())) == 1
+
+
+# --- hook prototypes against the CUDA toolkit's cuda.h ------------------------------------------
+
+CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+# Hooks of entry points newer than CUDA 13.0 (13.2's copies with attributes): a 13.0 toolkit
+# does not declare them, so they cannot be checked against it.
+NEWER_THAN_CUDA_13_0 = {"cuMemcpyWithAttributesAsync", "cuMemcpy3DWithAttributesAsync"}
+
+
+def make_signatures(interceptor_dir: Path, build: Path, cuda_home: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "-s", "-C", str(interceptor_dir), f"BUILD={build}", f"CUDA_HOME={cuda_home}",
+                           "signatures"], capture_output=True, text=True, timeout=300)
+
+
+def test_hook_prototypes_match_the_cuda_toolkit(tmp_path):
+    if not (CUDA_HOME / "include" / "cuda.h").exists():
+        pytest.skip(f"no CUDA toolkit headers at {CUDA_HOME}/include/cuda.h (set CUDA_HOME)")
+    result = make_signatures(INTERCEPTOR_DIR, tmp_path, CUDA_HOME)
+    assert result.returncode == 0, result.stderr
+    report = (tmp_path / "signatures.checked").read_text()
+    assert report.startswith("checked against"), report
+    unchecked = set(report.split(":", 1)[1].split()) - {"none"}
+    assert unchecked <= NEWER_THAN_CUDA_13_0, f"hooks the toolkit does not declare: {unchecked}"
+
+
+def test_the_prototype_check_fails_on_a_wrong_parameter_type(tmp_path):
+    """The check is real: one parameter of one hook declared with the wrong width fails the build,
+    naming the hook."""
+    if not (CUDA_HOME / "include" / "cuda.h").exists():
+        pytest.skip(f"no CUDA toolkit headers at {CUDA_HOME}/include/cuda.h (set CUDA_HOME)")
+    copy = tmp_path / "interceptor"
+    shutil.copytree(INTERCEPTOR_DIR, copy)
+    hooks = copy / "hooks.h"
+    text = hooks.read_text()
+    wrong = text.replace("X(GATED, cuMemsetD8_v2, (CUdeviceptr d, unsigned char v, size_t n)",
+                         "X(GATED, cuMemsetD8_v2, (CUdeviceptr d, unsigned int v, size_t n)")
+    assert wrong != text
+    hooks.write_text(wrong)
+    result = make_signatures(copy, tmp_path / "build", CUDA_HOME)
+    assert result.returncode != 0
+    assert "cuMemsetD8_v2" in result.stderr, result.stderr
+
+
+def test_without_toolkit_headers_the_prototype_check_says_it_was_skipped(tmp_path):
+    result = make_signatures(INTERCEPTOR_DIR, tmp_path / "build", tmp_path / "no-cuda")
+    assert result.returncode == 0, result.stderr
+    assert "signatures: not checked, no CUDA toolkit headers" in result.stdout
