@@ -8,7 +8,8 @@
  * a submission that passed the gate.
  *
  * The device of a call is the device of the calling thread's current context, cached per
- * thread; the context hooks below drop the cache whenever the current context may change.
+ * thread; the context hooks (hooks.c, context.c) drop the cache whenever the current context may
+ * change.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -108,7 +109,7 @@ static int note_context_locked(struct nvs_device *d, CUcontext ctx) {
     return 0;
 }
 
-static void forget_context_locked(CUcontext ctx) {
+void nvs_gate_forget_context_locked(CUcontext ctx) {
     for (int i = 0; i < nvs_n_devices; i++) {
         struct nvs_device *d = &nvs_devices[i];
         for (int j = 0; j < d->n_contexts; j++)
@@ -189,7 +190,7 @@ void nvs_gate_sync_contexts(struct nvs_device *d) {
             /* A context the application destroyed behind our back (cudaDeviceReset). */
             nvs_debug("dropping context %p of device %d: push failed (%d)", (void *)contexts[i], d->ordinal, r);
             pthread_mutex_lock(&nvs_mu);
-            forget_context_locked(contexts[i]);
+            nvs_gate_forget_context_locked(contexts[i]);
             pthread_mutex_unlock(&nvs_mu);
             continue;
         }
@@ -217,69 +218,4 @@ void nvs_gate_drain(struct nvs_device *d) {
         pause_briefly(&pause_ns);
     }
     nvs_gate_sync_contexts(d);
-}
-
-/* --- context hooks ----------------------------------------------------------------------------*/
-
-/* The context hooks that only change which context is current (cuCtxSetCurrent, Push/Pop,
- * cuCtxCreate) are generated in hooks.c (kind CONTEXT): they drop the thread's cached device. */
-
-NVS_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) {
-    NVS_REAL_OR_FAIL(cuCtxDestroy_v2);
-    /* Settle its pending frees and forget it first, and keep drains and polls away until the
-     * driver has destroyed it. */
-    pthread_mutex_lock(&nvs_ctx_mu);
-    if (ctx != NULL) nvs_memory_settle_frees(ctx, NULL);
-    pthread_mutex_lock(&nvs_mu);
-    forget_context_locked(ctx);
-    pthread_mutex_unlock(&nvs_mu);
-    CUresult r = nvs_real.cuCtxDestroy_v2(ctx);
-    pthread_mutex_unlock(&nvs_ctx_mu);
-    nvs_tls.device = NULL;
-    return r;
-}
-
-/* Releasing or resetting a primary context may destroy it: drop every recorded context of the
- * device that the driver no longer knows. The caller holds nvs_ctx_mu, which keeps drains away
- * meanwhile; the driver is asked outside nvs_mu (no CUDA call under it). */
-static void forget_dead_contexts(struct nvs_device *d) {
-    if (nvs_real.cuCtxGetApiVersion == NULL) return;
-    pthread_mutex_lock(&nvs_mu);
-    int n = d->n_contexts;
-    CUcontext *contexts = n > 0 ? malloc((size_t)n * sizeof *contexts) : NULL;
-    if (contexts != NULL) memcpy(contexts, d->contexts, (size_t)n * sizeof *contexts);
-    pthread_mutex_unlock(&nvs_mu);
-    if (contexts == NULL) return;
-    for (int i = 0; i < n; i++) {
-        unsigned int version;
-        if (nvs_real.cuCtxGetApiVersion(contexts[i], &version) == CUDA_SUCCESS) continue;
-        pthread_mutex_lock(&nvs_mu);
-        forget_context_locked(contexts[i]);
-        pthread_mutex_unlock(&nvs_mu);
-    }
-    free(contexts);
-}
-
-/* Release or reset of a primary context (`primary` is the real function): the device's pending
- * frees are settled first (the context may be gone afterwards), drains and polls are kept away
- * until the driver is done, and dead contexts are forgotten afterwards. */
-static CUresult change_primary_context(CUresult (*primary)(CUdevice), CUdevice dev) {
-    struct nvs_device *d = dev >= 0 && dev < NVS_MAX_DEVICES ? &nvs_devices[dev] : NULL;
-    pthread_mutex_lock(&nvs_ctx_mu);
-    if (d != NULL) nvs_memory_settle_frees(NULL, d);
-    CUresult r = primary(dev);
-    if (d != NULL) forget_dead_contexts(d);
-    pthread_mutex_unlock(&nvs_ctx_mu);
-    nvs_tls.device = NULL;
-    return r;
-}
-
-NVS_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
-    NVS_REAL_OR_FAIL(cuDevicePrimaryCtxRelease_v2);
-    return change_primary_context(nvs_real.cuDevicePrimaryCtxRelease_v2, dev);
-}
-
-NVS_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
-    NVS_REAL_OR_FAIL(cuDevicePrimaryCtxReset_v2);
-    return change_primary_context(nvs_real.cuDevicePrimaryCtxReset_v2, dev);
 }

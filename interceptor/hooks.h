@@ -8,7 +8,7 @@
  *              device memory.
  * kind CONTEXT: the wrapper is generated in hooks.c: call the real function, then forget the
  *              calling thread's cached device (the call may change its current context).
- * kind CUSTOM: the wrapper is hand-written (memory.c, gate.c, hooks.c).
+ * kind CUSTOM: the wrapper is hand-written (memory.c, context.c, hooks.c).
  *
  * `name` is the exported ABI symbol of libcuda.so.1 (with its _v2/_ptds/_ptsz suffix), which
  * is also the symbol libnvshare.so exports. Adding a hook is one line here (plus its
@@ -288,7 +288,7 @@
     X(CUSTOM, cuIpcGetMemHandle, (CUipcMemHandle *handle, CUdeviceptr dptr), (handle, dptr))    \
     X(CUSTOM, cuDeviceGetAttribute, (int *value, CUdevice_attribute attrib, CUdevice dev),      \
       (value, attrib, dev))                                                                     \
-    /* --- contexts (gate.c): they change the calling thread's device --- */                   \
+    /* --- contexts (hooks.c, context.c): they change the thread's device --- */                \
     X(CONTEXT, cuCtxSetCurrent, (CUcontext ctx), (ctx))                                          \
     X(CONTEXT, cuCtxPushCurrent_v2, (CUcontext ctx), (ctx))                                      \
     X(CONTEXT, cuCtxPopCurrent_v2, (CUcontext *pctx), (pctx))                                    \

@@ -127,7 +127,7 @@ extern pthread_mutex_t nvs_mu;
 extern pthread_cond_t nvs_gate_cv;
 /* Held by whoever pushes, synchronises or destroys a recorded context or queries an event in
  * one: drains (gate.c), deferred frees (memory.c: polled with a trylock, settled before their
- * context is destroyed) and the context-destroying hooks (gate.c). So nothing touches a context
+ * context is destroyed) and the context-destroying hooks (context.c). So nothing touches a context
  * while the application destroys it. Taken before nvs_mu and mem_mu, never the other way. */
 extern pthread_mutex_t nvs_ctx_mu;
 
@@ -171,6 +171,8 @@ static inline void nvs_gate_exit(struct nvs_device *d) {
     nvs_tls.depth--;
 }
 
+/* Under nvs_mu: forget a context in every device's list (drains no longer synchronise it). */
+void nvs_gate_forget_context_locked(CUcontext ctx);
 /* Under nvs_mu: open or close a device's gate. */
 void nvs_gate_set_locked(struct nvs_device *d, int open);
 /* Worker side: wait until no submission is in flight on a closed gate, then synchronise every

@@ -219,7 +219,7 @@ def test_library_override_and_clear_error(monkeypatch, tmp_path, libnvshare):
 # --- the locking rule: no CUDA call and no I/O while nvs_mu is held ----------------------------
 
 # Files whose code is checked (client.c is checked by its own tests once its shell is thin).
-LOCK_CHECKED_FILES = ["gate.c", "memory.c", "hooks.c", "loader.c", "log.c", "config.c"]
+LOCK_CHECKED_FILES = ["gate.c", "context.c", "memory.c", "hooks.c", "loader.c", "log.c", "config.c"]
 # Direct CUDA calls and I/O; a function that makes one (transitively, among the interceptor's
 # functions) counts as one.
 FORBIDDEN_UNDER_NVS_MU = re.compile(
@@ -368,3 +368,51 @@ def test_without_toolkit_headers_the_prototype_check_says_it_was_skipped(tmp_pat
     result = make_signatures(INTERCEPTOR_DIR, tmp_path / "build", tmp_path / "no-cuda")
     assert result.returncode == 0, result.stderr
     assert "signatures: not checked, no CUDA toolkit headers" in result.stdout
+
+
+# --- layering: which object uses which, from the symbols they define and need -----------------
+
+# The narrow upward interface: gate.c and memory.c tell the client shell that a waiter appeared,
+# memory changed or frees are pending, and start it; the loader registers the client's fork
+# handlers at first use. Every other dependency points down (docs/architecture.md).
+NOTIFY_SYMBOLS = {"nvs_client_wake", "nvs_client_memory_changed", "nvs_worker_kick", "nvs_runtime_start",
+                  "nvs_fork_prepare", "nvs_fork_parent", "nvs_fork_child"}
+
+
+def object_dependencies(build: Path) -> dict[tuple[str, str], set[str]]:
+    """(user, provider) -> the symbols `user`.o takes from `provider`.o, read with nm."""
+    defined: dict[str, str] = {}
+    needed: dict[str, set[str]] = {}
+    for obj in sorted(build.glob("*.o")):
+        unit = obj.stem + ".c"
+        lines = subprocess.run(["nm", str(obj)], check=True, capture_output=True, text=True).stdout.splitlines()
+        needed[unit] = {fields[1] for fields in map(str.split, lines) if len(fields) == 2 and fields[0] == "U"}
+        for fields in map(str.split, lines):
+            if len(fields) == 3 and fields[1] in "TDBRGS":
+                defined[fields[2]] = unit
+    edges: dict[tuple[str, str], set[str]] = {}
+    for unit, symbols in needed.items():
+        for symbol in symbols:
+            provider = defined.get(symbol)
+            if provider is not None and provider != unit:
+                edges.setdefault((unit, provider), set()).add(symbol)
+    return edges
+
+
+def test_objects_depend_on_each_other_without_cycles_beyond_the_notify_interface(libnvshare):
+    import graphlib
+
+    edges = object_dependencies(libnvshare.parent)
+    assert ("hooks.c", "loader.c") in edges  # nm read the objects
+    graph: dict[str, set[str]] = {}
+    for (user, provider), symbols in edges.items():
+        graph.setdefault(provider, set())
+        if not symbols <= NOTIFY_SYMBOLS:
+            graph.setdefault(user, set()).add(provider)
+    order = list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a cycle
+    # The driver loader is at the bottom with configuration and logging; the hook table on top.
+    assert {provider for (user, provider) in edges if user == "loader.c"} - {"config.c", "log.c"} <= {"client.c"}
+    assert not any(provider == "hooks.c" for (_, provider) in edges)
+    assert order.index("loader.c") < order.index("gate.c") < order.index("hooks.c")
+    # gate.c and memory.c do not know each other's internals in both directions.
+    assert ("gate.c", "memory.c") not in edges
