@@ -7,7 +7,8 @@
  * driver itself is built. With nvshare's own types switched off, hooks.h then declares each hook
  * again, in the toolkit's types: a hook whose parameters differ from NVIDIA's is a conflicting
  * declaration, an error. Hooks the toolkit does not declare (entry points newer than it) are not
- * checked; the Makefile lists them.
+ * checked; the Makefile lists them. Headers older than CUDA 13.0 lack types the hooks name
+ * (CUmemcpyAttributes, ...): the Makefile skips the check for them, saying so.
  */
 #define __CUDA_API_VERSION_INTERNAL 1
 #include <cuda.h>
