@@ -830,7 +830,8 @@ def test_simapp_copies_agree_with_a_real_driver(simcuda, tmp_path):
     ptx.write_text(simcuda.python("from nvshare_py.driver import KERNELS_PTX; import json; print(json.dumps(KERNELS_PTX))",
                                   env=env))
     run = subprocess.run([str(simcuda.simapp), f"--module={ptx}", "alloc:plain:1M", "fill:0:7", "check:0:7",
-                          *(f"copy:{symbol}" for symbol in COPY_SYMBOLS if symbol not in ARRAY_SYMBOLS)],
+                          *(f"copy:{symbol}" for symbol in COPY_SYMBOLS
+                            if symbol not in ARRAY_SYMBOLS | NEWER_THAN_DRIVER)],
                          env=env, capture_output=True, text=True, timeout=120)
     init, *steps = parse_steps(run.stdout)
     assert init["rc"] == 0, run.stderr
@@ -839,3 +840,39 @@ def test_simapp_copies_agree_with_a_real_driver(simcuda, tmp_path):
         symbol = step["step"][len("copy:"):]
         expected = CUDA_ERROR_INVALID_CONTEXT if symbol in OLD_ABI_SYMBOLS else 0
         assert step["rc"] == expected and step.get("ok", True) is True, step
+
+
+CAPTURE_STEPS = {
+    # another thread synchronises the context while a stream captures, in each mode
+    **{f"ctx-sync-{mode}": ("stream:new", f"capture-begin:{mode}", "kernel:1000", "threads:1:sync", "capture-status",
+                            "kernel:1000", "capture-end", "capture-status", "stream-sync", "sync")
+       for mode in ("global", "thread-local", "relaxed")},
+    "to-graph": ("stream:new", "capture-begin:relaxed:to-graph", "kernel:1000", "threads:1:sync", "capture-end", "sync"),
+    "stream-sync": ("stream:new", "capture-begin:thread-local", "stream-sync", "capture-end", "sync"),
+    "stream-query": ("stream:new", "capture-begin:thread-local", "stream-query", "capture-end", "sync"),
+    "recorded": ("stream:new", "capture-begin", "kernel:1000", "threads:1:kernel:1000", "capture-status", "capture-end",
+                 "graph-launch", "stream-sync"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(CAPTURE_STEPS))
+def test_simulated_capture_semantics_agree_with_a_real_driver(simcuda, tmp_path, case):
+    """The capture model of the simulated driver (a synchronisation that would wait for a
+    capturing stream answers 900 and invalidates the capture; cuStreamEndCapture then answers 901)
+    step by step against a real driver."""
+    if not simcuda.real_gpu():
+        pytest.skip("no real CUDA driver with a GPU here")
+    env = simcuda.real_env()
+    ptx = tmp_path / "kernels.ptx"
+    ptx.write_text(simcuda.python("from nvshare_py.driver import KERNELS_PTX; import json; print(json.dumps(KERNELS_PTX))",
+                                  env=env))
+
+    def outcome(run_env: dict[str, str], module: list[str]) -> list[tuple]:
+        run = subprocess.run([str(simcuda.simapp), *module, *CAPTURE_STEPS[case]], env=run_env, capture_output=True,
+                             text=True, timeout=120)
+        init, *steps = parse_steps(run.stdout)
+        assert init["rc"] == 0, run.stderr
+        return [(step["step"], step["thread"], step["rc"], step.get("status")) for step in steps]
+
+    assert outcome(env, [f"--module={ptx}"]) == outcome(simcuda.env(), [])
