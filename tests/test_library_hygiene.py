@@ -416,3 +416,41 @@ def test_objects_depend_on_each_other_without_cycles_beyond_the_notify_interface
     assert order.index("loader.c") < order.index("gate.c") < order.index("hooks.c")
     # gate.c and memory.c do not know each other's internals in both directions.
     assert ("gate.c", "memory.c") not in edges
+
+
+AARCH64_MAIN = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+int main(void) {
+    int (*next_value)(void) = (int (*)(void))dlsym(RTLD_DEFAULT, "nvs_next_value");
+    printf("%d\n", next_value ? next_value() : -1);
+    return 0;
+}
+"""
+
+
+def test_rtld_next_still_finds_the_next_definition_on_aarch64(tmp_path):
+    """The dlsym entry's aarch64 assembly, built unoptimised and run under qemu-user: the
+    interposer's RTLD_NEXT lookup finds the next definition, not its own."""
+    cross, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    sysroot = Path("/usr/aarch64-linux-gnu")
+    if cross is None or qemu is None or not sysroot.is_dir():
+        pytest.skip("needs aarch64-linux-gnu-gcc, qemu-aarch64 and /usr/aarch64-linux-gnu "
+                    "(Debian: gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user)")
+    build = subprocess.run(["make", "-s", "-C", str(INTERCEPTOR_DIR), f"BUILD={tmp_path / 'nvs'}", f"CC={cross}",
+                            "CFLAGS=-O0 -g", f"CUDA_HOME={tmp_path / 'no-cuda'}"], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    sources = {"libnextprobe.so": NEXT_PROBE_LIBRARY % {"value": 1},
+               "libnextcaller.so": NEXT_CALLER_LIBRARY % {"symver": ""}, "main": AARCH64_MAIN}
+    for name, source in sources.items():
+        (tmp_path / f"{name}.c").write_text(source)
+        shared = ["-shared", "-fPIC"] if name.endswith(".so") else []
+        subprocess.run([cross, *shared, "-O0", "-o", str(tmp_path / name), str(tmp_path / f"{name}.c"), "-ldl"],
+                       check=True, capture_output=True, text=True)
+    preload = ":".join(str(p) for p in (tmp_path / "nvs" / "libnvshare.so", tmp_path / "libnextcaller.so",
+                                        tmp_path / "libnextprobe.so"))
+    result = subprocess.run([qemu, "-L", str(sysroot), "-E", f"LD_PRELOAD={preload}", str(tmp_path / "main")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "1"
