@@ -2,8 +2,8 @@
  * The hooks that may end a context's life: cuCtxDestroy_v2, and the release and reset of a
  * primary context. Before the driver destroys a context, its pending stream-ordered frees are
  * completed (memory.c) and the gate forgets it (gate.c), all under nvs_ctx_mu so that no drain
- * or poll touches it meanwhile. This unit sits above gate.c and memory.c, which know nothing of
- * each other. The hooks that only change which context is current (cuCtxSetCurrent, Push/Pop,
+ * or poll touches it meanwhile. This unit sits above gate.c and memory.c, so that gate.c needs
+ * nothing of memory.c (memory.c uses the gate's device table). The hooks that only change which context is current (cuCtxSetCurrent, Push/Pop,
  * cuCtxCreate) are generated in hooks.c (kind CONTEXT).
  */
 #include <stdlib.h>
