@@ -676,6 +676,23 @@ def test_a_context_synchronize_from_another_thread_invalidates_a_capture(simcuda
     assert [line for line in simcuda.read_trace(trace) if line["op"] == "kernel"] == []
 
 
+def test_a_spawned_thread_runs_beside_the_main_one_and_is_joined(simcuda):
+    """simapp's spawn/join: the main thread captures, a spawned one synchronises the context;
+    join orders them without sleeps. A capture-end that failed leaves no graph to launch; a
+    thread still running at the end is joined before simapp exits."""
+    run = simcuda.run_simapp("stream:new", "capture-begin:global", "spawn:sync,kernel:10", "join", "capture-end",
+                             "graph-launch", "spawn:sleep:1")
+    lines = [(step["step"], step["thread"], step["rc"]) for step in run.steps]
+    assert sorted(lines) == sorted([
+        ("stream:new", 0, 0), ("capture-begin:global", 0, 0), ("spawn:sync,kernel:10", 0, 0),
+        ("sync", 101, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED), ("kernel:10", 101, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED),
+        ("join", 0, 0), ("capture-end", 0, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED),
+        ("graph-launch", 0, CUDA_ERROR_INVALID_VALUE), ("spawn:sleep:1", 0, 0), ("sleep:1", 102, 0)]), lines
+    # the spawned thread's steps, in its own order, all before the join
+    assert lines.index(("sync", 101, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)) < \
+        lines.index(("kernel:10", 101, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)) < lines.index(("join", 0, 0))
+
+
 @pytest.mark.parametrize("sync_step, api", [("stream-sync", "cuStreamSynchronize"), ("stream-query", "cuStreamQuery")])
 def test_synchronising_the_capturing_stream_itself_invalidates_the_capture(simcuda, tmp_path, sync_step, api):
     trace = tmp_path / "trace.jsonl"

@@ -1013,8 +1013,7 @@ static void step_graph_launch(struct outcome *out)
     pthread_mutex_lock(&state_lock);
     CUgraphExec exec = captured_graph;
     pthread_mutex_unlock(&state_lock);
-    if (!exec)
-        usage_error("graph-launch needs an earlier successful capture-end%s", "");
+    /* Without a graph (no capture-end succeeded) the driver answers for the NULL handle. */
     out->rc = CALL(STREAM_FN(cuGraphLaunch, cuGraphLaunch_ptsz), exec, current_stream);
 }
 
@@ -1093,6 +1092,47 @@ static void step_threads(char **args, int count, struct outcome *out)
     out->rc = CUDA_SUCCESS;
 }
 
+/* Threads started by spawn: and not yet joined; under state_lock. */
+#define MAX_SPAWNED 16
+#define FIRST_SPAWNED_NUMBER 101
+static struct spawned {
+    pthread_t thread;
+    struct thread_start start;
+} spawned[MAX_SPAWNED];
+static int spawned_count, spawned_total;
+
+static void step_spawn(char **args, int count, struct outcome *out)
+{
+    if (count != 2)
+        usage_error("spawn:<steps> expected, got %s", args[0]);
+    pthread_mutex_lock(&state_lock);
+    if (spawned_count == MAX_SPAWNED)
+        usage_error("more than 16 spawned threads at once (join them): %s", args[1]);
+    struct spawned *slot = &spawned[spawned_count++];
+    slot->start = (struct thread_start){strdup(args[1]), current_device, FIRST_SPAWNED_NUMBER + spawned_total++,
+                                        current_stream, strdup(current_tag)};
+    if (pthread_create(&slot->thread, NULL, thread_main, &slot->start) != 0)
+        usage_error("cannot start a thread for %s", args[1]);
+    add(&out->fields, ", \"spawned\": %d", slot->start.number);
+    pthread_mutex_unlock(&state_lock);
+}
+
+/* Waits for every thread spawn: started (simapp does so before it exits, too). */
+static void join_spawned(void)
+{
+    pthread_mutex_lock(&state_lock);
+    int n = spawned_count;
+    struct spawned joining[MAX_SPAWNED];
+    memcpy(joining, spawned, sizeof joining);
+    spawned_count = 0;
+    pthread_mutex_unlock(&state_lock);
+    for (int i = 0; i < n; i++) {
+        pthread_join(joining[i].thread, NULL);
+        free(joining[i].start.body);
+        free((char *)joining[i].start.tag);
+    }
+}
+
 static void step_fork(char **args, int count, struct outcome *out)
 {
     if (count != 2)
@@ -1150,6 +1190,12 @@ static void run_step(char *text, int *number)
         return;
     }
     int my_number = (*number)++;
+    if (is_step(text, "spawn")) {
+        step_spawn(args, split(text, args, 2), &out);
+        print_step(original, my_number, &out, start, now());
+        free(original);
+        return;
+    }
     if (is_step(text, "threads") || is_step(text, "fork")) {
         int fork_step = is_step(text, "fork");
         int count = split(text, args, fork_step ? 2 : 3);
@@ -1190,6 +1236,8 @@ static void run_step(char *text, int *number)
         out.rc = CALL(STREAM_FN(cuStreamSynchronize, cuStreamSynchronize_ptsz), current_stream);
     else if (strcmp(name, "stream") == 0)
         step_stream(args, count, &out);
+    else if (strcmp(name, "join") == 0 && count == 1)
+        join_spawned();
     else if (strcmp(name, "stream-query") == 0 && count == 1)
         out.rc = CALL(STREAM_FN(cuStreamQuery, cuStreamQuery_ptsz), current_stream);
     else if (strcmp(name, "capture-begin") == 0)
@@ -1288,5 +1336,6 @@ int main(int argc, char **argv)
     int number = 0;
     for (int i = first; i < argc; i++)
         run_step(argv[i], &number);
+    join_spawned();
     return any_failure ? 1 : 0;
 }
