@@ -355,8 +355,9 @@ void nvs_memory_poll_frees(void) {
             complete_free(p);
         }
     }
-    pthread_mutex_unlock(&nvs_ctx_mu);
+    /* Back on the list before nvs_ctx_mu goes: a context destroyed next must find them. */
     give_back_pending(keep);
+    pthread_mutex_unlock(&nvs_ctx_mu);
 }
 
 struct context_selector {

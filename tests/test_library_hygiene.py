@@ -223,7 +223,7 @@ LOCK_CHECKED_FILES = ["gate.c", "context.c", "memory.c", "hooks.c", "loader.c", 
 # Direct CUDA calls and I/O; a function that makes one (transitively, among the interceptor's
 # functions) counts as one.
 FORBIDDEN_UNDER_NVS_MU = re.compile(
-    r"\bnvs_real\.\w+\s*\(|\bnvs_real_slot\s*\(|\b(?:nvs_log|nvs_debug|nvs_info|nvs_warn|nvs_error|write|read|"
+    r"\bnvs_real\.\w+\s*\(|\b(?:nvs_log|nvs_debug|nvs_info|nvs_warn|nvs_error|write|read|"
     r"fprintf|printf|send|recv|poll|nanosleep|usleep|dlopen|dlsym)\s*\(")
 CALL = re.compile(r"\b([A-Za-z_]\w*)\s*\(")
 FUNCTION = re.compile(r"\b([A-Za-z_]\w*)\s*\([^;{}]*\)\s*\{")
