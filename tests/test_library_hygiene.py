@@ -257,11 +257,11 @@ def function_bodies(text: str) -> dict[str, str]:
     return bodies
 
 
-def violations_under_nvs_mu(name: str, body: str, blocking: set[str]) -> list[str]:
-    """Statements of `body` that make a CUDA call or I/O while nvs_mu is held. A `_locked`
-    function is called with it held. A block that ends in `return` does not change the state
+def violations_under_lock(name: str, body: str, blocking: set[str], lock: str = "nvs_mu") -> list[str]:
+    """Statements of `body` that make a CUDA call or I/O while `lock` is held. A `_locked`
+    function is called with nvs_mu held. A block that ends in `return` does not change the state
     after it (`if (...) { unlock; return; }`)."""
-    held = name.endswith("_locked")
+    held = lock == "nvs_mu" and name.endswith("_locked")
     found, saved = [], []
     for token in re.finditer(r"[{};]|[^{};]+", body):
         piece = token.group()
@@ -278,34 +278,47 @@ def violations_under_nvs_mu(name: str, body: str, blocking: set[str]) -> list[st
                 calls = {c for c in CALL.findall(piece) if c in blocking}
                 if FORBIDDEN_UNDER_NVS_MU.search(piece) or calls:
                     found.append(f"{name}: {' '.join(piece.split())}")
-            if re.search(r"pthread_mutex_lock\s*\(\s*&nvs_mu\s*\)", piece):
+            if re.search(rf"pthread_mutex_lock\s*\(\s*&{lock}\s*\)", piece):
                 held = True
-            if re.search(r"pthread_mutex_unlock\s*\(\s*&nvs_mu\s*\)", piece):
+            if re.search(rf"pthread_mutex_unlock\s*\(\s*&{lock}\s*\)", piece):
                 held = False
             if re.match(r"\s*return\b", piece) and saved:
                 saved[-1] = (saved[-1][0], True)
     return found
 
 
-def test_no_cuda_call_or_io_while_nvs_mu_is_held():
-    """nvshare.h: nvs_mu is never held across a CUDA call or I/O. A stderr pipe nobody reads, or a
-    driver call that blocks, would otherwise stall every thread that needs the lock state (the
-    client thread, every waiter at a closed gate)."""
+def blocking_functions(bodies: dict[str, tuple[str, str]]) -> set[str]:
+    """The interceptor's functions that make a CUDA call or I/O, directly or through another."""
+    blocking = {name for name, (_, body) in bodies.items() if FORBIDDEN_UNDER_NVS_MU.search(body)}
+    while True:
+        more = {name for name, (_, body) in bodies.items()
+                if name not in blocking and any(c in blocking for c in CALL.findall(body))}
+        if not more:
+            return blocking
+        blocking |= more
+
+
+def interceptor_functions() -> dict[str, tuple[str, str]]:
+    """Every function of interceptor/*.c -> (its file, its body)."""
     bodies: dict[str, tuple[str, str]] = {}
     for path in sorted(INTERCEPTOR_DIR.glob("*.c")):
         for name, body in function_bodies(strip_c(path.read_text())).items():
             bodies[name] = (path.name, body)
-    blocking = {name for name, (_, body) in bodies.items() if FORBIDDEN_UNDER_NVS_MU.search(body)}
-    while True:  # transitively: a function that calls one that blocks, blocks
-        more = {name for name, (_, body) in bodies.items()
-                if name not in blocking and any(c in blocking for c in CALL.findall(body))}
-        if not more:
-            break
-        blocking |= more
+    return bodies
+
+
+@pytest.mark.parametrize("lock, files", [("nvs_mu", LOCK_CHECKED_FILES), ("mem_mu", ["memory.c"])])
+def test_no_cuda_call_or_io_while_a_lock_is_held(lock, files):
+    """nvshare.h: nvs_mu is never held across a CUDA call or I/O. A stderr pipe nobody reads, or a
+    driver call that blocks, would otherwise stall every thread that needs the lock state (the
+    client thread, every waiter at a closed gate). mem_mu, taken by every allocation and free, is a
+    leaf lock under the same rule."""
+    bodies = interceptor_functions()
+    blocking = blocking_functions(bodies)
     assert {"nvs_device_get", "nvs_memory_poll_frees"} <= blocking  # the analysis sees through calls
-    checked = [name for name, (file, _) in bodies.items() if file in LOCK_CHECKED_FILES]
-    assert len(checked) > 40, checked
-    problems = [v for name in checked for v in violations_under_nvs_mu(name, bodies[name][1], blocking)]
+    checked = [name for name, (file, _) in bodies.items() if file in files]
+    assert len(checked) > 20, checked
+    problems = [v for name in checked for v in violations_under_lock(name, bodies[name][1], blocking, lock)]
     assert problems == []
 
 
@@ -318,8 +331,10 @@ def test_no_cuda_call_or_io_while_nvs_mu_is_held():
      "pthread_mutex_unlock(&nvs_mu); nvs_warn(\"z\"); }", 0),
 ])
 def test_the_lock_check_finds_what_it_should(body, expected):
-    assert len(violations_under_nvs_mu("f", body, {"helper"})) == expected
-    assert len(violations_under_nvs_mu("f_locked", "{ nvs_error(\"e\"); }", set())) == 1
+    assert len(violations_under_lock("f", body, {"helper"})) == expected
+    assert len(violations_under_lock("f_locked", "{ nvs_error(\"e\"); }", set())) == 1
+    assert violations_under_lock("g", body.replace("nvs_mu", "mem_mu"), {"helper"}, "mem_mu") == \
+        violations_under_lock("g", body, {"helper"})
 
 
 # --- hook prototypes against the CUDA toolkit's cuda.h ------------------------------------------
