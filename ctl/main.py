@@ -26,10 +26,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .. import timeline as timelines
-from ..paths import ENV_SOCKET_DIR, SocketPaths
-from ..protocol import CONTROL_EVENTS_MAX, MAX_INT
-from .control import EXIT_REFUSED, EXIT_USAGE, TIMEOUT_MAX, ControlConnection, ControlFailure
+from nvshare_py import timeline as timelines
+from nvshare_py.control import EXIT_REFUSED, EXIT_USAGE, TIMEOUT_MAX, ControlConnection, ControlFailure
+from nvshare_py.paths import ENV_SOCKET_DIR, SocketPaths
+from nvshare_py.protocol import CONTROL_EVENTS_MAX, MAX_INT
 
 app = typer.Typer(
     add_completion=False,

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from fixtures.scheduler import CHILD_CWD, ensure_ctl_importable, nvsharectl_command, short_socket_dir, wait_for
+from fixtures.scheduler import CHILD_CWD, nvsharectl_command, short_socket_dir, wait_for
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 
@@ -172,8 +172,7 @@ def test_no_answer_within_timeout_exits_3(scheduler):
 
 
 def test_parse_size():
-    ensure_ctl_importable()
-    from nvshare_py.ctl.main import parse_size
+    from ctl.main import parse_size
 
     assert parse_size("8G") == 8 << 30
     assert parse_size("512M") == 512 << 20

@@ -11,7 +11,7 @@ import sys
 import pytest
 import zmq
 
-from fixtures.scheduler import child_env, ensure_ctl_importable, nvsharectl_command, run_child, wait_for
+from fixtures.scheduler import child_env, nvsharectl_command, run_child, wait_for
 from nvshare_py import protocol
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
@@ -218,8 +218,7 @@ def test_the_events_ring_keeps_the_last_10000_with_sequence_numbers(scheduler_fa
 
 
 def test_control_client_library_reports_a_missing_daemon(scheduler):
-    ensure_ctl_importable()
-    from nvshare_py.ctl.control import ControlFailure
+    from nvshare_py.control import ControlFailure
 
     scheduler.stop()
     with pytest.raises(ControlFailure) as failure:

@@ -13,21 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.scheduler import CHILD_CWD, CTL_INSTALLED, REPO_ROOT, _CTL_MAPPING, child_env, ensure_ctl_importable, wait_for
+from fixtures.scheduler import CHILD_CWD, child_env, wait_for
 
-ensure_ctl_importable()
-from nvshare_py import demo  # noqa: E402 (needs nvshare_py.ctl)
+from nvshare_py import demo
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 
 
 def demo_command(*args: str) -> list[str]:
-    """argv that runs nvshare-demo with this test run's nvshare_py (see nvsharectl_command)."""
-    if CTL_INSTALLED:
-        return [sys.executable, "-m", "nvshare_py.demo", *args]
-    mapping = _CTL_MAPPING.format(ctl_dir=str(REPO_ROOT / "ctl"))
-    return [sys.executable, "-c", mapping + "sys.argv[0] = 'nvshare-demo'\nfrom nvshare_py.demo import main\nmain()\n",
-            *args]
+    """argv that runs nvshare-demo with this test run's nvshare_py (child_env's PYTHONPATH)."""
+    return [sys.executable, "-m", "nvshare_py.demo", *args]
 
 
 @pytest.fixture
@@ -118,7 +113,7 @@ def test_a_crashed_program_fails_the_demo(demo_env):
     process = start_demo(demo_env)
     try:
         children = wait_for_both_programs(process)
-        programs = [pid for pid in children if "demo_worker" in Path(f"/proc/{pid}/cmdline").read_text()]
+        programs = [pid for pid in children if "nvshare_py.demo.worker" in Path(f"/proc/{pid}/cmdline").read_text()]
         notebook = next(pid for pid in programs if "notebook" in Path(f"/proc/{pid}/cmdline").read_text())
         os.kill(notebook, signal.SIGKILL)
         out, err = process.communicate(timeout=30)

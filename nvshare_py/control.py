@@ -13,8 +13,8 @@ from typing import Any
 
 import zmq
 
-from ..paths import SocketPaths, connect_error
-from ..protocol import CONTROL_EVENTS_MAX, CONTROL_REPLY_MAX, CONTROL_REQUEST_MAX
+from .paths import SocketPaths, connect_error
+from .protocol import CONTROL_EVENTS_MAX, CONTROL_REPLY_MAX, CONTROL_REQUEST_MAX
 
 EXIT_OK = 0
 EXIT_REFUSED = 1  # the daemon refused the request

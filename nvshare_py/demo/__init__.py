@@ -4,7 +4,7 @@ and a summary checked from the scheduler's events.
     nvshare-demo [--duration 20] [--tq 3] [--simulated] [--no-live] [--json FILE] [--png FILE]
 
 It starts `nvshare-scheduler` in a fresh temporary socket directory (time quantum `--tq`, idle
-window 0.5 s) and two programs (nvshare_py.demo_worker) under libnvshare.so: a "training" job that
+window 0.5 s) and two programs (nvshare_py.demo.worker) under libnvshare.so: a "training" job that
 keeps the GPU busy and is handed off at the end of each quantum, and a "notebook" that runs a
 short cell now and then and gives the GPU back early when it idles. It polls the scheduler's
 control socket ten times a second and draws the timeline (nvshare_py.timeline), then prints a
@@ -43,18 +43,18 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from . import library, timeline as tl
-from .ctl.control import ControlConnection, ControlFailure
-from .demo_worker import die_with_parent
-from .paths import ENV_SOCKET_DIR, SocketPaths
-from .run import with_preload
+from .. import library, timeline as tl
+from ..control import ControlConnection, ControlFailure
+from ..paths import ENV_SOCKET_DIR, SocketPaths
+from ..run import with_preload
+from .worker import die_with_parent
 
 ENV_SIMULATOR = "NVSHARE_SIMCUDA_DIR"
-PACKAGED_SIMULATOR = Path(__file__).resolve().parent / "_lib" / "simcuda"
+PACKAGED_SIMULATOR = Path(__file__).resolve().parents[1] / "_lib" / "simcuda"
 SIMULATED_NAME = "nvshare simulated GPU"
 # The directory holding this nvshare_py: put first on the children's PYTHONPATH so that they
 # import the same one (a source tree or an installed copy), wherever the demo was started from.
-PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
 IDLE_RELEASE = 0.5  # seconds: the notebook's early release shows within a second
 GRACE = 2.0
@@ -133,7 +133,7 @@ def simulator_env(env: dict[str, str], simulator: Path) -> dict[str, str]:
 def _probe(env: dict[str, str]) -> tuple[dict | None, str]:
     """Device 0 as a fresh process without the interceptor sees it, or (None, why not)."""
     try:
-        result = subprocess.run([sys.executable, "-m", "nvshare_py.demo_worker", "probe"], env=env, cwd="/",
+        result = subprocess.run([sys.executable, "-m", "nvshare_py.demo.worker", "probe"], env=env, cwd="/",
                                 capture_output=True, text=True, timeout=START_TIMEOUT)
     except subprocess.TimeoutExpired:
         return None, f"the CUDA driver did not answer within {START_TIMEOUT:g} s"
@@ -169,7 +169,7 @@ def find_gpu(force_simulated: bool) -> Gpu:
 
 @dataclass
 class Program:
-    """One demo program (nvshare_py.demo_worker) and what it reported so far."""
+    """One demo program (nvshare_py.demo.worker) and what it reported so far."""
 
     role: str
     process: subprocess.Popen
@@ -273,7 +273,7 @@ class Demo:
         if self.gpu.simulated:
             env["SIMCUDA_TRACE"] = str(self.trace)
         stdout, stderr = self.workdir / f"{role}.out", self.workdir / f"{role}.err"
-        command = [sys.executable, "-m", "nvshare_py.demo_worker", role, "--until", f"{self.until:.3f}",
+        command = [sys.executable, "-m", "nvshare_py.demo.worker", role, "--until", f"{self.until:.3f}",
                    "--tq", f"{self.tq:g}", "--parent", str(os.getpid())]
         with open(stdout, "wb") as out, open(stderr, "wb") as err:
             process = subprocess.Popen(command, env=env, cwd="/", stdout=out, stderr=err, stdin=subprocess.DEVNULL,
@@ -695,6 +695,3 @@ def _exit(message: str, code: int) -> None:
 def main() -> None:
     app(prog_name="nvshare-demo")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,10 +1,10 @@
 """The two programs of `nvshare-demo`, and its GPU probe. nvshare_py.demo runs them; they are
 not meant to be run by hand.
 
-    python -m nvshare_py.demo_worker probe
+    python -m nvshare_py.demo.worker probe
         Without the interceptor: one JSON line describing CUDA device 0 (uuid, name, total and
         free memory), or exit status 1 with the reason on stderr.
-    python -m nvshare_py.demo_worker training|notebook --until UNIX_TIME --tq SECONDS [--parent PID]
+    python -m nvshare_py.demo.worker training|notebook --until UNIX_TIME --tq SECONDS [--parent PID]
         Under the interceptor: GPU work on device 0 until UNIX_TIME, with progress as JSON lines
         on stdout ({"event": "started"|"step"|"cell"|"done", ...}); exit status 1 on a driver
         error.
@@ -32,7 +32,7 @@ import signal
 import sys
 import time
 
-from .driver import Driver, DriverError, DriverNotFound
+from ..driver import Driver, DriverError, DriverNotFound
 
 BUFFER_BYTES = 4 << 20
 TRAINING_KERNELS = (4, 50_000)  # per step: 4 kernels of 50 ms
@@ -137,7 +137,7 @@ def run(role: str, until: float, tq: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nvshare_py.demo_worker")
+    parser = argparse.ArgumentParser(prog="python -m nvshare_py.demo.worker")
     parser.add_argument("role", choices=["probe", *PROGRAMS])
     parser.add_argument("--until", type=float, default=0.0, help="Unix time at which to stop")
     parser.add_argument("--tq", type=float, default=3.0, help="the scheduler's time quantum, seconds")
