@@ -7,9 +7,9 @@ Exit codes: 0 ok; 1 the scheduler refused the request (its message is shown); 2 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
-import math
 import os
 import re
 import sys
@@ -21,24 +21,29 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
 from nvshare_py import timeline as timelines
+from nvshare_py.clikit import (
+    APP_SETTINGS, TQ_MAX, TQ_MIN, VERSION_OPTION, number_between, tolerate_narrow_encoding, whole_number,
+)
 from nvshare_py.control import EXIT_REFUSED, EXIT_USAGE, TIMEOUT_MAX, ControlConnection, ControlFailure
 from nvshare_py.paths import ENV_SOCKET_DIR, SocketPaths
 from nvshare_py.protocol import CONTROL_EVENTS_MAX, MAX_INT
 
 app = typer.Typer(
-    add_completion=False,
+    **APP_SETTINGS,
     no_args_is_help=True,
     help="Steer and inspect nvshare-scheduler. Exit codes: 0 ok, 1 refused by the scheduler, "
     "2 usage error, 3 scheduler not running, 4 permission denied.",
 )
-# Piped output is not squeezed to 80 columns (device UUIDs alone take 40).
+# Piped output is not squeezed to 80 columns (`--wide` device UUIDs alone take 40).
 stdout = Console(highlight=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160)
+EXIT_INTERRUPTED = 130
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(?:i?b)?\s*\Z", re.IGNORECASE)
@@ -98,25 +103,45 @@ def options(
     socket_dir: Optional[Path] = typer.Option(
         None, envvar=ENV_SOCKET_DIR, readable=False, help="The scheduler's socket directory [default: as nvshare-scheduler]"
     ),
-    timeout: float = typer.Option(5.0, min=0.001, max=TIMEOUT_MAX, help="Seconds to wait for the scheduler's answer"),
+    timeout: float = typer.Option(5.0, parser=number_between(0.001, TIMEOUT_MAX),
+                                  help="Seconds to wait for the scheduler's answer"),
+    version: bool = VERSION_OPTION,
 ) -> None:
     ctx.obj = Settings(SocketPaths.resolve(socket_dir), timeout)
 
 
-DEVICE_OPTION = typer.Option(None, "--device", help="A device UUID; without it the default and every device change")
+DEVICE_OPTION = typer.Option(
+    None, "--device", help="A device: GPU<n> as status shows it, or its UUID; without it the default and every device change"
+)
+
+
+def resolve_device(ctx: typer.Context, device: str | None) -> str | None:
+    """The UUID of a device given as status names it (GPU0) or by UUID (passed on as given)."""
+    if device is None or not re.fullmatch(r"GPU\d+", device):
+        return device
+    labels = device_labels(_call(ctx, "status"))
+    found = [uuid for uuid, label in labels.items() if label == device]
+    if not found:
+        shown = ", ".join(sorted(labels.values())) or "none yet"
+        typer.echo(f"nvsharectl: there is no device {device} (the scheduler knows: {shown})", err=True)
+        raise typer.Exit(EXIT_REFUSED)
+    return found[0]
 
 
 @app.command("set-tq")
-def set_tq(ctx: typer.Context, seconds: float = typer.Argument(..., help="Time quantum in seconds (> 0)"), device: Optional[str] = DEVICE_OPTION) -> None:
+def set_tq(
+    ctx: typer.Context,
+    seconds: float = typer.Argument(..., parser=number_between(TQ_MIN, TQ_MAX), metavar="SECONDS",
+                                    help=f"Time quantum in seconds, from {TQ_MIN:g} to {TQ_MAX:g} (a day)"),
+    device: Optional[str] = DEVICE_OPTION,
+) -> None:
     """Set the time quantum."""
-    if not 0 < seconds < math.inf:
-        raise typer.BadParameter("must be greater than 0 and finite", param_hint="SECONDS")
-    result = _call(ctx, "set-tq", seconds=seconds, device=device)
+    result = _call(ctx, "set-tq", seconds=seconds, device=resolve_device(ctx, device))
     typer.echo(f"time quantum of {result['device'] or 'every device'}: {result['tq']:g} s")
 
 
 def _set_mode(ctx: typer.Context, mode: str, device: str | None) -> None:
-    result = _call(ctx, "set-mode", mode=mode, device=device)
+    result = _call(ctx, "set-mode", mode=mode, device=resolve_device(ctx, device))
     typer.echo(f"mode of {result['device'] or 'every device'}: {result['mode']}")
 
 
@@ -142,9 +167,9 @@ def mode_auto(ctx: typer.Context, device: Optional[str] = DEVICE_OPTION) -> None
 def set_budget(
     ctx: typer.Context,
     size: str = typer.Argument(..., metavar="BYTES|default", help="Memory budget, e.g. 60G, 512M, or 'default' for the device's total"),
-    device: str = typer.Option(..., "--device", help="The device UUID"),
+    device: str = typer.Option(..., "--device", help="The device: GPU<n> as status shows it, or its UUID"),
 ) -> None:
-    """Set the memory budget that auto mode fits holders into."""
+    """Set the memory budget that auto mode fits holders into (at most the device's memory)."""
     if size.strip().lower() == "default":
         budget = None
     else:
@@ -152,12 +177,54 @@ def set_budget(
             budget = parse_size(size)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="BYTES") from None
-    result = _call(ctx, "set-budget", device=device, bytes=budget)
+    uuid = resolve_device(ctx, device)
+    known = next((d for d in _call(ctx, "status")["devices"] if d["device"] == uuid), None)
+    if budget is not None and known is not None and known.get("total") and budget > known["total"]:
+        # A budget is a promise that the holders' memory fits the card; a larger one lets auto
+        # mode run more programs side by side than fit, and they thrash.
+        typer.echo(f"nvsharectl: {format_bytes(budget)} is more than the {format_bytes(known['total'])} of memory "
+                   f"{device} has: give at most {format_bytes(known['total'])}, or 'default' for all of it", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    result = _call(ctx, "set-budget", device=uuid, bytes=budget)
     shown = "the device's total" if result["budget"] is None else format_bytes(result["budget"])
     typer.echo(f"memory budget of {result['device']}: {shown}")
 
 
 # --- status --------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _nvml_indices() -> dict[str, int]:
+    """UUID -> NVML index of this machine's GPUs (the numbers nvidia-smi shows); empty where
+    NVML cannot be loaded (no driver, or nvsharectl runs on another machine than its GPUs)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            indices = {}
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
+                indices[uuid.decode() if isinstance(uuid, bytes) else uuid] = index
+            return indices
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # pynvml.NVMLError and its library-not-found kin: no indices, not a failure
+        return {}
+
+
+def device_labels(status: dict) -> dict[str, str]:
+    """Short names for the devices of a status document: GPU<n>, n being the GPU's NVML index
+    (as nvidia-smi numbers them) where this machine's NVML knows every device, else its place
+    among the devices sorted by UUID. `--device` accepts them; `--wide` shows the UUIDs."""
+    uuids = {d["device"] for d in status.get("devices", [])}
+    for client in status.get("clients", []):
+        uuids.update(client.get("devices") or {})
+    ordered = sorted(uuids)
+    indices = _nvml_indices()
+    if not all(uuid in indices for uuid in ordered):
+        indices = {uuid: place for place, uuid in enumerate(ordered)}
+    return {uuid: f"GPU{indices[uuid]}" for uuid in ordered}
 
 
 def _identity(client: dict) -> str:
@@ -173,66 +240,93 @@ def _identity(client: dict) -> str:
     return " ".join(parts) or "-"
 
 
-def render_status(status: dict) -> Group:
+def _table(title: str, columns: list[str], wide: bool) -> Table:
+    # Cells fold rather than end in "…": a cut client id or pid is useless.
+    table = Table(title=title, title_justify="left", expand=False, box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD,
+                  pad_edge=wide)
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    return table
+
+
+def render_status(status: dict, wide: bool = False) -> Group:
+    """The status document for a person: at most 80 columns by default (short device names,
+    fewer columns); `wide` adds UUIDs, host pids, uids, identities and grant counts."""
     scheduler = status.get("scheduler", {})
     defaults = scheduler.get("defaults", {})
+    labels = device_labels(status)
     header = Text(
-        f"nvshare-scheduler {scheduler.get('version', '?')}  pid {scheduler.get('pid', '?')}  "
-        f"{scheduler.get('socket_dir', '')}  default mode {defaults.get('mode', '?')}, TQ {defaults.get('tq', 0):g} s, "
-        f"grace {defaults.get('grace', 0):g} s"
+        f"nvshare-scheduler {scheduler.get('version', '?')}, pid {scheduler.get('pid', '?')}, "
+        f"socket directory {scheduler.get('socket_dir', '?')}\n"
+        f"defaults: mode {defaults.get('mode', '?')}, TQ {defaults.get('tq', 0):g} s, grace {defaults.get('grace', 0):g} s"
     )
-    devices = Table(title="Devices", title_justify="left", expand=False)
-    devices.add_column("device", no_wrap=True)
-    for column in ("mode", "TQ", "memory used / budget", "holders (time left, state)", "waiters (in order)"):
-        devices.add_column(column)
-    for device in status.get("devices", []):
-        holders = [
-            f"{h['client']} #{h['grant']} {h['quantum_left']:.1f}s {h['state']}" for h in device.get("holders", [])
-        ]
-        waiters = [w["client"] for w in device.get("waiters", [])]
-        name = device["device"] + (f"\n{device['name']}" if device.get("name") else "")
-        budget = format_bytes(device.get("budget"))
-        if device.get("total") and device.get("budget") != device.get("total"):
-            budget += f" (of {format_bytes(device['total'])})"
-        devices.add_row(
-            name,
-            device.get("mode", ""),
-            f"{device.get('tq', 0):g} s",
-            f"{format_bytes(device.get('used'))} / {budget}",
-            "\n".join(holders) or "-",
-            ", ".join(waiters) or "-",
-        )
-    clients = Table(title="Clients", title_justify="left", expand=False)
-    for column in ("client", "pid", "host pid", "uid", "identity", "device", "state", "memory", "waited", "held", "grants"):
-        clients.add_column(column)
-    for client in status.get("clients", []):
-        per_device = client.get("devices") or {"-": {}}
-        first = True
-        for device, usage in per_device.items():
-            identity_cells = (
-                [client["client"], str(client.get("pid", "")), str(client.get("host_pid") or "-"), str(client.get("uid", "-")), _identity(client)]
-                if first
-                else ["", "", "", "", ""]
-            )
-            clients.add_row(
-                *identity_cells,
-                device,
+    parts: list[Any] = [header]
+
+    if not status.get("devices"):
+        parts.append(Text("no devices: no program has used a GPU through this scheduler yet"))
+    else:
+        devices = _table("Devices", ["device", "mode", "TQ", "memory used / budget", "holders (time left, state)",
+                                     "waiters (in order)"], wide)
+        for device in status["devices"]:
+            holders = [" ".join([h["client"], *([f"#{h['grant']}"] if wide else []), f"{h['quantum_left']:.1f} s",
+                                 h["state"]]) for h in device.get("holders", [])]
+            name = labels[device["device"]]
+            if wide:
+                name += f"\n{device['device']}" + (f"\n{device['name']}" if device.get("name") else "")
+            budget = format_bytes(device.get("budget"))
+            if device.get("total") and device.get("budget") != device.get("total"):
+                budget += f" (of {format_bytes(device['total'])})"
+            devices.add_row(name, device.get("mode", ""), f"{device.get('tq', 0):g} s",
+                            f"{format_bytes(device.get('used'))} / {budget}", "\n".join(holders) or "-",
+                            ", ".join(w["client"] for w in device.get("waiters", [])) or "-")
+        parts.append(devices)
+
+    if not status.get("clients"):
+        parts.append(Text("no clients"))
+        return Group(*parts)
+    columns = ["client", "pid", "program", "device", "state", "memory", "waited", "held"]
+    if wide:
+        columns = ["client", "pid", "host pid", "uid", "identity", "device", "state", "memory", "waited", "held",
+                   "grants"]
+    clients = _table("Clients", columns, wide)
+    for client in status["clients"]:
+        if wide:
+            who = [client["client"], str(client.get("pid", "")), str(client.get("host_pid") or "-"),
+                   str(client.get("uid", "-")), _identity(client)]
+        else:
+            program = client.get("program") or "-"
+            if client.get("pod"):
+                program += f" ({client.get('namespace') or '?'}/{client['pod']})"
+            who = [client["client"], str(client.get("pid", "")), program]
+        for place, (device, usage) in enumerate((client.get("devices") or {"-": {}}).items()):
+            row = who if place == 0 else [""] * len(who)
+            cells = [
+                (device if wide else labels.get(device, device)),
                 usage.get("state", "-"),
                 format_bytes(usage.get("used")),
                 f"{usage.get('wait_total', 0):.1f} s" if usage else "-",
                 f"{usage.get('hold_total', 0):.1f} s" if usage else "-",
-                str(usage.get("grants", "-")),
-            )
-            first = False
-    return Group(header, devices, clients)
+            ]
+            if wide:
+                cells.append(str(usage.get("grants", "-")))
+            clients.add_row(*row, *cells)
+    parts.append(clients)
+    return Group(*parts)
+
+
+def _interrupted() -> typer.Exit:
+    """Ctrl-C ends --watch and --follow as it ends other commands: exit status 130."""
+    return typer.Exit(EXIT_INTERRUPTED)
 
 
 @app.command("status")
 def status_command(
     ctx: typer.Context,
-    as_json: bool = typer.Option(False, "--json", help="Print the status document as JSON"),
-    watch: bool = typer.Option(False, "--watch", help="Refresh until interrupted"),
-    interval: float = typer.Option(1.0, "--interval", min=0.05, help="Seconds between refreshes with --watch"),
+    as_json: bool = typer.Option(False, "--json", help="Print the status document as JSON (device UUIDs, every field)"),
+    wide: bool = typer.Option(False, "--wide", "-w", help="Also device UUIDs, host pids, uids, identities, grants"),
+    watch: bool = typer.Option(False, "--watch", help="Refresh until interrupted (Ctrl-C exits 130)"),
+    interval: float = typer.Option(1.0, "--interval", parser=number_between(0.05, 3600.0),
+                                   help="Seconds between refreshes with --watch"),
 ) -> None:
     """Show devices, lock holders, waiters and clients."""
     settings: Settings = ctx.obj
@@ -243,7 +337,7 @@ def status_command(
                 if as_json:
                     typer.echo(json.dumps(status, indent=2))
                 else:
-                    stdout.print(render_status(status))
+                    stdout.print(render_status(status, wide))
                 return
             if as_json:
                 while True:
@@ -251,16 +345,16 @@ def status_command(
                     time.sleep(interval)
             if not stdout.is_terminal:  # a log of snapshots rather than a redrawn screen
                 while True:
-                    stdout.print(render_status(connection.request("status")))
+                    stdout.print(render_status(connection.request("status"), wide))
                     time.sleep(interval)
-            with Live(render_status(connection.request("status")), console=stdout, auto_refresh=False) as live:
+            with Live(render_status(connection.request("status"), wide), console=stdout, auto_refresh=False) as live:
                 while True:
                     time.sleep(interval)
-                    live.update(render_status(connection.request("status")), refresh=True)
+                    live.update(render_status(connection.request("status"), wide), refresh=True)
     except ControlFailure as failure:
         _fail(failure)
     except KeyboardInterrupt:
-        raise typer.Exit(0) from None
+        raise _interrupted() from None
 
 
 # --- events --------------------------------------------------------------------------------
@@ -282,9 +376,10 @@ def format_event(event: dict) -> str:
 def events_command(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="JSON: the whole answer, or one event per line with --follow"),
-    since: int = typer.Option(0, "--since", min=0, help="First sequence number to show"),
+    since: int = typer.Option(0, "--since", parser=whole_number(0), help="First sequence number to show"),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new events until interrupted"),
-    interval: float = typer.Option(0.5, "--interval", min=0.05, help="Seconds between polls with --follow"),
+    interval: float = typer.Option(0.5, "--interval", parser=number_between(0.05, 3600.0),
+                                   help="Seconds between polls with --follow (Ctrl-C exits 130)"),
 ) -> None:
     """Show the scheduler's lock timeline (the last 10 000 events)."""
     settings: Settings = ctx.obj
@@ -304,7 +399,7 @@ def events_command(
     except ControlFailure as failure:
         _fail(failure)
     except KeyboardInterrupt:
-        raise typer.Exit(0) from None
+        raise _interrupted() from None
 
 
 # --- timeline ------------------------------------------------------------------------------
@@ -324,20 +419,20 @@ def _client_names(status: dict) -> dict[str, str]:
 @app.command("timeline")
 def timeline_command(
     ctx: typer.Context,
-    device: Optional[str] = typer.Option(None, "--device", help="Only this device (UUID)"),
+    device: Optional[str] = typer.Option(None, "--device", help="Only this device (GPU<n> or UUID)"),
     since: Optional[float] = typer.Option(
-        None, "--since", metavar="SECONDS_AGO", min=0.001,
+        None, "--since", metavar="SECONDS_AGO", parser=number_between(0.001, 1e9),
         help=f"Show the last SECONDS_AGO seconds [default: {DEFAULT_TIMELINE_SECONDS:g}]",
     ),
     show_all: bool = typer.Option(False, "--all", help="Show every event the scheduler keeps (the last 10 000)"),
     json_path: Optional[Path] = typer.Option(
-        None, "--json", metavar="FILE", help="Also write the holds, waits, summary and events as JSON"
+        None, "--json", metavar="FILE", help="Also write the holds, waits, summary and events as JSON ('-': only that, to stdout)"
     ),
     png_path: Optional[Path] = typer.Option(
         None, "--png", metavar="FILE", help="Also draw the timeline into a PNG (needs matplotlib)"
     ),
     width: Optional[int] = typer.Option(
-        None, "--width", min=1, help="Width of the drawing in characters [default: the terminal's]"
+        None, "--width", parser=whole_number(20, 10000), help="Width of the drawing in characters [default: the terminal's]"
     ),
 ) -> None:
     """Show who held and who waited for each GPU when, as a timeline; export it as JSON or PNG."""
@@ -346,6 +441,9 @@ def timeline_command(
     if png_path is not None and importlib.util.find_spec("matplotlib") is None:
         typer.echo(f"nvsharectl: --png needs matplotlib: {timelines.PLOT_EXTRA_HINT}", err=True)
         raise typer.Exit(EXIT_USAGE)
+    json_to_stdout = json_path is not None and str(json_path) == "-"
+    if not json_to_stdout:
+        tolerate_narrow_encoding("nvsharectl")
     settings: Settings = ctx.obj
     try:
         with settings.connect() as connection:
@@ -356,6 +454,7 @@ def timeline_command(
     now = time.time()
     whole = timelines.Timeline.from_events(events, now=now)
     whole.labels.update(_client_names(status))
+    device = resolve_device(ctx, device)
     if device is not None:
         if device not in whole.devices() and device not in {d["device"] for d in status.get("devices", [])}:
             typer.echo(f"nvsharectl: unknown-device: no client has announced device {device}", err=True)
@@ -364,17 +463,21 @@ def timeline_command(
     start = whole.start if show_all else max(whole.start, now - (since or DEFAULT_TIMELINE_SECONDS))
     shown = whole.window(start, now)
     console = stdout if width is None else Console(highlight=False, width=width)
-    console.print(timelines.render(shown, width=console.width, title="GPU lock timeline"))
-    if shown.intervals:
-        console.print(timelines.summary_table(timelines.summarise(shown)))
+    if not json_to_stdout:  # '-' makes stdout the JSON document alone, for pipes
+        console.print(timelines.render(shown, width=console.width, title="GPU lock timeline"))
+        if shown.intervals:
+            console.print(timelines.summary_table(timelines.summarise(shown)))
     try:
         if json_path is not None:
             document = timelines.to_json(shown)
             document["events"] = [
                 e for e in events if e["t"] >= start and (device is None or e.get("device") in ("", device))
             ]
-            timelines.write_json(json_path, document)
-            typer.echo(f"wrote {json_path}")
+            if json_to_stdout:
+                typer.echo(json.dumps(document, indent=2))
+            else:
+                timelines.write_json(json_path, document)
+                typer.echo(f"wrote {json_path}")
         if png_path is not None:
             timelines.write_png(png_path, shown, title="GPU lock timeline" + (f" of {device}" if device else ""))
             typer.echo(f"wrote {png_path}")
@@ -383,6 +486,28 @@ def timeline_command(
         raise typer.Exit(EXIT_USAGE) from None
 
 
+# The original nvshare's nvsharectl spelled its two settings as options.
+_ORIGINAL_SPELLINGS = {"-T": "set-tq", "--set-tq": "set-tq", "-S": None, "--anti-thrash": None}
+
+
+def translate_original_spelling(argv: list[str]) -> list[str]:
+    """`nvsharectl -T 30` and `nvsharectl -S on|off` (the original nvshare's) as this tool's
+    commands, saying on stderr how they are spelled here."""
+    if not argv or argv[0] not in _ORIGINAL_SPELLINGS:
+        return argv
+    option, rest = argv[0], argv[1:]
+    if _ORIGINAL_SPELLINGS[option] == "set-tq":
+        translated = ["set-tq", *rest]
+    elif rest and rest[0] in ("on", "off"):
+        translated = [rest[0], *rest[1:]]
+    else:
+        typer.echo(f"nvsharectl: {option} takes on or off; here that is `nvsharectl on` or `nvsharectl off`", err=True)
+        raise SystemExit(EXIT_USAGE)
+    typer.echo(f"nvsharectl: {option} is the original nvshare's spelling; here it is `nvsharectl {' '.join(translated)}`",
+               err=True)
+    return translated
+
+
 def main() -> None:
-    app(prog_name="nvsharectl")
+    app(args=translate_original_spelling(sys.argv[1:]), prog_name="nvsharectl")
 

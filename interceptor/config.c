@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "nvshare.h"
@@ -21,15 +23,34 @@ static int is_directory(const char *path) {
     return 1;
 }
 
-/* The socket directory rule of nvshare_py/paths.py: $NVSHARE_SOCKET_DIR, else
- * /var/run/nvshare for root, $XDG_RUNTIME_DIR/nvshare, /tmp/nvshare-<uid>. */
+/* Whether something listens on the Unix socket `path` (a connect, closed at once; the
+ * scheduler's ROUTER ignores a peer that never speaks). */
+static int socket_answers(const char *path) {
+    struct sockaddr_un address = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof address.sun_path) return 0;
+    memcpy(address.sun_path, path, strlen(path) + 1);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return 0;
+    int connected = connect(fd, (struct sockaddr *)&address, sizeof address) == 0;
+    close(fd);
+    return connected;
+}
+
+/* The socket directory rule of nvshare_py/paths.py (SocketPaths.resolve), so that every user's
+ * programs reach the same scheduler without configuration: $NVSHARE_SOCKET_DIR; else the system
+ * directory ($NVSHARE_SYSTEM_SOCKET_DIR, default /var/run/nvshare) for root or whenever a
+ * scheduler serves there; else this user's $XDG_RUNTIME_DIR/nvshare or /tmp/nvshare-<uid>. */
 static void socket_dir(char *out, size_t cap) {
     const char *dir = getenv("NVSHARE_SOCKET_DIR");
+    const char *system_dir = getenv("NVSHARE_SYSTEM_SOCKET_DIR");
     const char *runtime = getenv("XDG_RUNTIME_DIR");
+    if (system_dir == NULL || system_dir[0] == '\0') system_dir = "/var/run/nvshare";
+    char system_socket[256];
+    snprintf(system_socket, sizeof system_socket, "%s/client/scheduler.sock", system_dir);
     if (dir != NULL && dir[0] != '\0')
         snprintf(out, cap, "%s", dir);
-    else if (geteuid() == 0)
-        snprintf(out, cap, "/var/run/nvshare");
+    else if (geteuid() == 0 || socket_answers(system_socket))
+        snprintf(out, cap, "%s", system_dir);
     else if (runtime != NULL && runtime[0] != '\0' && is_directory(runtime))
         snprintf(out, cap, "%s/nvshare", runtime);
     else
@@ -89,6 +110,7 @@ void nvs_config_load(void) {
         nvs_error("the scheduler socket path %s is longer than the 107 bytes a Unix socket "
                   "allows; set NVSHARE_SOCKET_DIR to a shorter directory",
                   nvs_config.socket_path);
+    nvs_info("scheduler socket: %s", nvs_config.socket_path);
 
     nvs_config.fail_open = 0;
     value = getenv("NVSHARE_FAIL_MODE");

@@ -204,7 +204,7 @@ def uninstall(
     typer.echo(f"Removed kernelspec {name.lower()} from {target.parent}")
 
 
-@app.command(context_settings={"allow_interspersed_args": False})
+@app.command(context_settings={**APP_SETTINGS["context_settings"], "allow_interspersed_args": False})
 def launch(
     command: List[str] = typer.Argument(..., metavar="COMMAND [ARGS]...", show_default=False),
 ) -> None:

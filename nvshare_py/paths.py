@@ -1,5 +1,9 @@
 """Where the scheduler's sockets live. One setting, NVSHARE_SOCKET_DIR, locates both.
 
+Without it every user of a machine reaches the same scheduler: the system one (root's, in
+/var/run/nvshare, or $NVSHARE_SYSTEM_SOCKET_DIR) whenever it serves; a per-user directory only
+when it does not (a single user without root). interceptor/config.c applies the same rule.
+
     <socket-dir>/client/scheduler.sock   clients (mounted into containers)
     <socket-dir>/control/control.sock    nvsharectl (never mounted into containers)
     <socket-dir>/control/scheduler.lock  held by the running daemon
@@ -9,22 +13,51 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ENV_SOCKET_DIR = "NVSHARE_SOCKET_DIR"
+# Where root's (the machine's) scheduler serves. Settable so that a distribution can use /run,
+# and so that tests can stand up a "system" scheduler without touching the real one.
+ENV_SYSTEM_SOCKET_DIR = "NVSHARE_SYSTEM_SOCKET_DIR"
+SYSTEM_SOCKET_DIR = Path("/var/run/nvshare")
+CLIENT_SOCKET = Path("client") / "scheduler.sock"
 
 # sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
 
 
-def default_socket_dir() -> Path:
+def system_socket_dir() -> Path:
+    return Path(os.environ.get(ENV_SYSTEM_SOCKET_DIR) or SYSTEM_SOCKET_DIR)
+
+
+def user_socket_dir() -> Path:
+    """The directory a scheduler of this user serves when there is no system one: the system
+    directory for root, else $XDG_RUNTIME_DIR/nvshare, else /tmp/nvshare-<uid>."""
     if os.geteuid() == 0:
-        return Path("/var/run/nvshare")
+        return system_socket_dir()
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isdir(runtime):
         return Path(runtime) / "nvshare"
     return Path(f"/tmp/nvshare-{os.geteuid()}")
+
+
+def system_scheduler_serves() -> bool:
+    """Whether a scheduler listens on the system directory's client socket."""
+    return connect_error(system_socket_dir() / CLIENT_SOCKET) is None
+
+
+def not_a_directory(root: os.PathLike) -> str | None:
+    """The one-line complaint about a socket directory (or one of its parents) that is not a
+    directory, or None."""
+    path = Path(root)
+    for candidate in (path, *path.parents):
+        if candidate.exists() or candidate.is_symlink():
+            if candidate.is_dir():
+                return None
+            return (f"the socket directory {path} cannot be used: {candidate} is a file, not a directory; "
+                    f"remove it or choose another directory with --socket-dir or {ENV_SOCKET_DIR}")
+    return None
 
 
 def check_socket_path(path: Path) -> None:
@@ -53,12 +86,27 @@ def connect_error(path: os.PathLike, timeout: float = 2.0) -> OSError | None:
 @dataclass(frozen=True)
 class SocketPaths:
     root: Path
+    # How root was chosen, for people asking "which scheduler does this program use?"
+    origin: str = field(default="given", compare=False)
 
     @classmethod
     def resolve(cls, socket_dir: str | os.PathLike | None = None) -> "SocketPaths":
-        """`socket_dir` if given, else $NVSHARE_SOCKET_DIR, else the per-user default."""
-        chosen = socket_dir or os.environ.get(ENV_SOCKET_DIR) or default_socket_dir()
-        return cls(Path(chosen).absolute())
+        """`socket_dir` if given, else $NVSHARE_SOCKET_DIR, else the system scheduler's
+        directory when it serves, else this user's (default_socket_dir)."""
+        if socket_dir:
+            return cls(Path(socket_dir).absolute(), "given")
+        if os.environ.get(ENV_SOCKET_DIR):
+            return cls(Path(os.environ[ENV_SOCKET_DIR]).absolute(), ENV_SOCKET_DIR)
+        system = system_socket_dir()
+        if os.geteuid() == 0:
+            return cls(system.absolute(), "system directory")
+        if system_scheduler_serves():
+            return cls(system.absolute(), "system scheduler")
+        return cls(user_socket_dir().absolute(), f"per-user; no system scheduler serves {system}")
+
+    def describe(self) -> str:
+        """E.g. "/var/run/nvshare (system scheduler)"."""
+        return f"{self.root} ({self.origin})"
 
     @property
     def client_dir(self) -> Path:
@@ -70,7 +118,7 @@ class SocketPaths:
 
     @property
     def client_socket(self) -> Path:
-        return self.client_dir / "scheduler.sock"
+        return self.root / CLIENT_SOCKET
 
     @property
     def control_socket(self) -> Path:

@@ -1,10 +1,15 @@
 """`nvshare-run`: run any program under nvshare.
 
-    nvshare-run [--socket-dir D] [--fail-open] [--print-library] [--] COMMAND [ARGS...]
+    nvshare-run [--socket-dir D] [--fail-open] [--print-library] [--print-socket-dir] [--] COMMAND [ARGS...]
 
 Puts libnvshare.so in front of LD_PRELOAD, points the interceptor at the scheduler's socket
 directory, checks that the scheduler answers there, and execs COMMAND in this process (so
-signals, exit status and the pid are the program's own).
+signals, exit status and the pid are the program's own). Without --socket-dir or
+NVSHARE_SOCKET_DIR that is the system scheduler's directory when one serves, else this user's
+(nvshare_py/paths.py); --print-socket-dir shows which and why.
+
+Where no CUDA driver can be loaded (a machine without a GPU) it says so before running COMMAND,
+and names the simulated driver that nvshare_py ships for trying it out.
 
 Exit status: that of COMMAND; 2 for a usage error or a missing libnvshare.so; 3 when the
 scheduler is not reachable (unless --fail-open); 126/127 when COMMAND cannot be executed.
@@ -12,6 +17,7 @@ scheduler is not reachable (unless --fail-open); 126/127 when COMMAND cannot be 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from pathlib import Path
@@ -20,18 +26,37 @@ from typing import List, Optional
 import typer
 
 from . import library
+from .clikit import APP_SETTINGS, VERSION_OPTION
 from .paths import ENV_SOCKET_DIR, SocketPaths, connect_error
 
 EXIT_USAGE = 2
 EXIT_NO_SCHEDULER = 3
 
-app = typer.Typer(add_completion=False, context_settings={"allow_interspersed_args": False})
+# The simulated CUDA driver and NVML built into the package (setup.py), for machines without a GPU.
+SIMULATED_DRIVER_DIR = Path(__file__).resolve().parent / "_lib" / "simcuda"
+
+app = typer.Typer(**APP_SETTINGS)
 
 
 def scheduler_unreachable(paths: SocketPaths) -> str | None:
     """Why the scheduler's client socket cannot be connected to, or None when it can."""
     error = connect_error(paths.client_socket)
     return None if error is None else error.strerror or str(error)
+
+
+def driver_missing() -> str | None:
+    """Why this machine's CUDA driver (libcuda.so.1) cannot be loaded, or None when it can.
+    Loaded in this process, which has COMMAND's LD_LIBRARY_PATH; exec discards it."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as error:
+        return str(error)
+    return None
+
+
+def simulated_driver_hint() -> str:
+    return (f"on a machine without an NVIDIA GPU, try nvshare on its simulated driver: "
+            f"LD_LIBRARY_PATH={SIMULATED_DRIVER_DIR} nvshare-run COMMAND")
 
 
 def with_preload(existing: str | None, lib: Path) -> str:
@@ -59,12 +84,12 @@ def fail(message: str, code: int) -> typer.Exit:
     return typer.Exit(code)
 
 
-@app.command()
+@app.command(context_settings={**APP_SETTINGS["context_settings"], "allow_interspersed_args": False})
 def run(
     command: Optional[List[str]] = typer.Argument(None, metavar="COMMAND [ARGS]...", show_default=False),
     socket_dir: Optional[Path] = typer.Option(
         None, "--socket-dir", envvar=ENV_SOCKET_DIR,
-        help="The scheduler's socket directory (default: the per-user default of nvshare-scheduler).",
+        help="The scheduler's socket directory [default: the system scheduler's when one serves, else this user's]",
     ),
     fail_open: bool = typer.Option(
         False, "--fail-open",
@@ -72,8 +97,16 @@ def run(
              "while there is none (NVSHARE_FAIL_MODE=open).",
     ),
     print_library: bool = typer.Option(False, "--print-library", help="Print the path of libnvshare.so and exit."),
+    print_socket_dir: bool = typer.Option(
+        False, "--print-socket-dir", help="Print the scheduler's socket directory that COMMAND would use, and why; exit."
+    ),
+    version: bool = VERSION_OPTION,
 ) -> None:
     """Run COMMAND with its GPU work scheduled by nvshare."""
+    paths = SocketPaths.resolve(socket_dir)
+    if print_socket_dir:
+        typer.echo(paths.describe())
+        return
     try:
         lib = library.path()
     except library.LibraryNotFound as error:
@@ -84,7 +117,6 @@ def run(
     if not command:
         raise fail("no command given (usage: nvshare-run [OPTIONS] [--] COMMAND [ARGS]...)", EXIT_USAGE)
 
-    paths = SocketPaths.resolve(socket_dir)
     env = dict(os.environ)
     env[ENV_SOCKET_DIR] = str(paths.root)
     env["LD_PRELOAD"] = with_preload(env.get("LD_PRELOAD"), lib)
@@ -93,7 +125,7 @@ def run(
 
     reason = scheduler_unreachable(paths)
     if reason is not None:
-        where = f"no nvshare scheduler at {paths.client_socket} ({reason})"
+        where = f"no nvshare scheduler answers at {paths.client_socket} ({reason}; socket directory {paths.describe()})"
         if not fail_open:
             raise fail(
                 f"{where}. Start nvshare-scheduler, point --socket-dir or {ENV_SOCKET_DIR} at its directory, "
@@ -102,6 +134,10 @@ def run(
             )
         typer.echo(f"nvshare-run: {where}; running unscheduled until it is reachable (--fail-open)", err=True)
 
+    missing = driver_missing()
+    if missing is not None:
+        typer.echo(f"nvshare-run: warning: no CUDA driver can be loaded here ({missing}), so GPU calls will fail; "
+                   f"{simulated_driver_hint()}", err=True)
     status, why = exec_command(command, env)
     raise fail(why, status)
 

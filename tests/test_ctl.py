@@ -15,8 +15,10 @@ GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 
 
 @pytest.fixture
-def busy(scheduler):
-    """A scheduler with one holder and one waiter on GPU."""
+def busy(scheduler_factory):
+    """A scheduler with one holder and one waiter on GPU, which stay so: the quantum (10 min)
+    does not run out during a test however slow the machine."""
+    scheduler = scheduler_factory(tq=600)
     holder, waiter = scheduler.agent(), scheduler.agent()
     holder.send(f"announce {GPU} 17179869184 simulated GPU")
     holder.send(f"memory {GPU} 1073741824")
@@ -32,11 +34,92 @@ def test_status_table(busy):
     result = scheduler.ctl("status")
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert GPU in out and "simulated GPU" in out
-    assert f"{holder.client_id} #" in out and "holding" in out  # holder with grant and state
+    assert "GPU0" in out and GPU not in out  # the short name; the UUID only with --wide
+    assert holder.client_id in out and "holding" in out
     assert waiter.client_id in out
     assert "1.0 GiB / 16.0 GiB" in out
     assert str(holder.pid) in out and "scheduler.py" in out
+
+    wide = scheduler.ctl("status", "--wide")
+    assert wide.returncode == 0, wide.stderr
+    assert GPU in wide.stdout and "simulated GPU" in wide.stdout
+    assert f"{holder.client_id} #" in wide.stdout  # holder with its grant
+
+
+def test_status_fits_80_columns(busy):
+    scheduler, holder, waiter = busy
+    result = scheduler.ctl("status", env={**scheduler.env, "COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, result.stdout
+    assert "…" not in result.stdout, result.stdout  # nothing cut short
+    words = result.stdout.split()
+    for whole in (holder.client_id, waiter.client_id, str(holder.pid), str(waiter.pid), "holding", "waiting", "GPU0",
+                  str(scheduler.socket_dir)):
+        assert whole in words, (whole, result.stdout)
+
+
+def test_status_says_no_clients(scheduler):
+    result = scheduler.ctl("status")
+    assert result.returncode == 0, result.stderr
+    assert "no clients" in result.stdout and "Clients" not in result.stdout
+
+
+def test_a_device_by_its_short_name(busy):
+    scheduler, holder, waiter = busy
+    assert scheduler.ctl("set-tq", "7", "--device", "GPU0").returncode == 0
+    assert scheduler.device(GPU)["tq"] == 7
+    result = scheduler.ctl("set-tq", "7", "--device", "GPU9")
+    assert result.returncode == 1 and "no device GPU9" in result.stderr and "GPU0" in result.stderr
+
+
+def test_absurd_settings_are_refused_with_the_allowed_range(busy):
+    scheduler, holder, waiter = busy
+    for value in ("1e12", "0.001"):
+        result = scheduler.ctl("set-tq", value)
+        assert result.returncode == 2, result.stderr
+        assert "from 0.1 to 86400" in result.stderr, result.stderr
+    result = scheduler.ctl("set-tq", "soon")
+    assert result.returncode == 2 and "'soon' is not a number" in result.stderr
+    assert "Input should be" not in result.stderr  # our words, not the parsing library's
+    assert scheduler.device(GPU)["tq"] == 600  # unchanged
+
+    result = scheduler.ctl("set-budget", "1T", "--device", GPU)  # the device has 16 GiB
+    assert result.returncode == 2, result.stderr
+    assert "more than the 16.0 GiB" in result.stderr
+    assert scheduler.device(GPU)["budget"] == 16 << 30
+
+
+def test_the_original_nvshare_spelling_works_and_says_the_new_one(busy):
+    scheduler, holder, waiter = busy
+    result = scheduler.ctl("-T", "9")
+    assert result.returncode == 0, result.stderr
+    assert "nvsharectl set-tq 9" in result.stderr
+    assert scheduler.device(GPU)["tq"] == 9
+    result = scheduler.ctl("-S", "off")
+    assert result.returncode == 0, result.stderr
+    assert "nvsharectl off" in result.stderr
+    assert scheduler.device(GPU)["mode"] == "off"
+
+
+def test_timeline_json_dash_writes_stdout(busy, tmp_path):
+    scheduler, holder, waiter = busy
+    result = subprocess.run([*nvsharectl_command(), "timeline", "--json", "-"], env=scheduler.env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)  # the JSON alone
+    assert any(e["kind"] == "grant" for e in document["events"])
+    assert not (tmp_path / "-").exists()
+
+
+def test_timeline_in_an_ascii_terminal_is_one_warning_not_a_traceback(busy):
+    scheduler, holder, waiter = busy
+    result = scheduler.ctl("timeline", env={**scheduler.env, "PYTHONIOENCODING": "ascii"})
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    (warning,) = result.stderr.splitlines()
+    assert "encoding (ascii)" in warning and "PYTHONIOENCODING=utf-8" in warning
+    assert holder.client_id in result.stdout
 
 
 def test_status_json(busy):
@@ -127,7 +210,7 @@ def test_events_follow_prints_new_events(busy):
             seen.append(json.loads(line))
     finally:
         follower.send_signal(signal.SIGINT)
-        assert follower.wait(30) == 0
+        assert follower.wait(30) == 130  # interrupted, as a shell reports Ctrl-C
 
 
 def test_status_watch_refreshes_until_interrupted(busy):
@@ -146,7 +229,7 @@ def test_status_watch_refreshes_until_interrupted(busy):
     finally:
         watcher.send_signal(signal.SIGINT)
         _, err = watcher.communicate(timeout=30)
-    assert watcher.returncode == 0, err
+    assert watcher.returncode == 130, err
 
 
 def test_not_running_exits_3(scheduler):

@@ -44,13 +44,13 @@ from rich.live import Live
 from rich.text import Text
 
 from .. import library, timeline as tl
+from ..clikit import APP_SETTINGS, VERSION_OPTION, tolerate_narrow_encoding
 from ..control import ControlConnection, ControlFailure
 from ..paths import ENV_SOCKET_DIR, SocketPaths
-from ..run import with_preload
+from ..run import SIMULATED_DRIVER_DIR, with_preload
 from .worker import die_with_parent
 
 ENV_SIMULATOR = "NVSHARE_SIMCUDA_DIR"
-PACKAGED_SIMULATOR = Path(__file__).resolve().parents[1] / "_lib" / "simcuda"
 SIMULATED_NAME = "nvshare simulated GPU"
 # The directory holding this nvshare_py: put first on the children's PYTHONPATH so that they
 # import the same one (a source tree or an installed copy), wherever the demo was started from.
@@ -101,7 +101,7 @@ class Gpu:
 
 def simulator_dir() -> Path:
     """The simulated driver's directory: $NVSHARE_SIMCUDA_DIR, else the packaged build."""
-    chosen = Path(os.environ.get(ENV_SIMULATOR) or PACKAGED_SIMULATOR)
+    chosen = Path(os.environ.get(ENV_SIMULATOR) or SIMULATED_DRIVER_DIR)
     if not (chosen / "libcuda.so.1").is_file():
         where = f"{ENV_SIMULATOR}={chosen}" if os.environ.get(ENV_SIMULATOR) else str(chosen)
         raise DemoFailure(
@@ -398,7 +398,7 @@ class LiveOutput:
     def view(self, demo: Demo) -> Group:
         now = time.time()
         parts: list[Any] = [
-            _banner(demo.gpu),
+            _banner(demo.gpu, why=True),
             Text(f"scheduler: mode on, TQ {demo.tq:g} s, idle release {IDLE_RELEASE:g} s   "
                  f"{min(now, demo.until) - demo.started:4.1f} s of {demo.duration:g} s", style="dim"),
             AtConsoleWidth(demo.timeline(now)),
@@ -467,7 +467,10 @@ def _banner(gpu: Gpu, why: bool = False) -> Text:
         banner = Text(f" nvshare demo on a {gpu.label} ", style="bold black on yellow", no_wrap=True,
                       overflow="ellipsis")
         if why and gpu.real_driver_said:
-            banner.append(f"\n real driver: {gpu.real_driver_said}", style="dim")
+            # Its first sentence, what went wrong: the driver's advice on installing one or on
+            # using the simulated driver does not apply to a demo that already does.
+            said = gpu.real_driver_said.split(". ")[0].rstrip(".")
+            banner.append(f"\n real driver: {said}", style="dim")
         return banner
     return Text(f" nvshare demo on {gpu.label} ", style="bold white on green")
 
@@ -483,6 +486,11 @@ def _now_line(demo: Demo) -> Text:
     return Text(f"now: {text}; waiting: {', '.join(waiters) or 'nobody'}")
 
 
+def counted(n: int, noun: str) -> str:
+    """"1 cell", "2 cells"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _progress_line(demo: Demo) -> Text:
     parts = []
     for role in ROLES:
@@ -490,13 +498,13 @@ def _progress_line(demo: Demo) -> Text:
         if program is None:
             parts.append(f"{role}: not started yet")
             continue
-        unit = "steps" if role == "training" else "cells"
-        latest = program.last("step" if role == "training" else "cell")
+        unit = "step" if role == "training" else "cell"
+        latest = program.last(unit)
         done = program.last("done")
         if latest is None:
-            parts.append(f"{role}: 0 {unit}")
+            parts.append(f"{role}: 0 {unit}s")
         else:
-            parts.append(f"{role}: {latest['n']} {unit} ({latest['gpu_s']:.1f} s of GPU work)")
+            parts.append(f"{role}: {counted(latest['n'], unit)} ({latest['gpu_s']:.1f} s of GPU work)")
         if done is not None:
             parts[-1] += ", finished" + ("" if done["verified"] else " (WRONG RESULT)")
     return Text("   ".join(parts))
@@ -585,9 +593,8 @@ def report(demo: Demo, console: Console, live: bool, json_path: Path | None, png
     """Summary table and checks; the JSON and PNG files. Returns whether every required check
     passed."""
     timeline = demo.timeline(demo.events[-1]["t"] if demo.events else time.time())
-    if not live:
+    if not live:  # the banner was printed at the start
         console.print()
-        console.print(_banner(demo.gpu))
         console.print(AtConsoleWidth(timeline))
     console.print()
     console.print(tl.summary_table(tl.summarise(timeline), title=f"Summary — {demo.gpu.label}"))
@@ -621,7 +628,7 @@ def report(demo: Demo, console: Console, live: bool, json_path: Path | None, png
 
 # --- command line ----------------------------------------------------------------------------
 
-app = typer.Typer(add_completion=False)
+app = typer.Typer(**APP_SETTINGS)
 
 
 def _positive(value: float) -> float:
@@ -645,8 +652,10 @@ def demo(
                                              help="Write the summary, checks, intervals and events as JSON"),
     png_path: Optional[Path] = typer.Option(None, "--png", metavar="FILE",
                                             help="Draw the timeline into a PNG (needs matplotlib)"),
+    version: bool = VERSION_OPTION,
 ) -> None:
     """Run a scheduler and two programs that share one GPU, and show who holds it when."""
+    tolerate_narrow_encoding("nvshare-demo")
     console = Console(highlight=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 100)
     if png_path is not None and importlib.util.find_spec("matplotlib") is None:
         _exit(f"--png needs matplotlib: {tl.PLOT_EXTRA_HINT}", EXIT_USAGE)
@@ -660,8 +669,8 @@ def demo(
     try:
         gpu = find_gpu(simulated)
         running = Demo(gpu, duration, tq)
-        console.print(_banner(gpu, why=True))
-        if not live:
+        if not live:  # the live view shows the banner at its top
+            console.print(_banner(gpu, why=True))
             console.print(f"scheduler: mode on, TQ {tq:g} s, idle release {IDLE_RELEASE:g} s; two programs for "
                           f"{duration:g} s (training keeps the GPU busy; notebook runs a short cell now and then)")
         with LiveOutput(console) if live else LogOutput(console) as output:

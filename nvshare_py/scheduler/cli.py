@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -11,7 +13,8 @@ from typing import Optional
 import trio
 import typer
 
-from ..paths import ENV_SOCKET_DIR
+from ..clikit import APP_SETTINGS, VERSION_OPTION
+from ..paths import ENV_SOCKET_DIR, not_a_directory, system_scheduler_serves, system_socket_dir, user_socket_dir
 from .daemon import Daemon, DaemonConfig, StartupError
 
 
@@ -28,7 +31,7 @@ class LogLevel(str, enum.Enum):
     error = "error"
 
 
-app = typer.Typer(add_completion=False, help="Grant each GPU's lock to one process at a time, for a time quantum.")
+app = typer.Typer(**APP_SETTINGS, help="Grant each GPU's lock to one process at a time, for a time quantum.")
 
 
 def _positive(value: float) -> float:
@@ -43,22 +46,58 @@ def _not_negative(value: float) -> float:
     return value
 
 
+def choose_socket_dir(socket_dir: Path | None, private: bool) -> Path:
+    """The directory this scheduler serves, or typer.Exit with the reason. One scheduler per
+    machine: without --socket-dir, a user's scheduler refuses to start beside the system one
+    (its programs would run kernels at the same time as the system scheduler's), unless
+    --private says that is meant."""
+    system = system_socket_dir()
+    if socket_dir is None and not private and os.geteuid() != 0 and system_scheduler_serves():
+        typer.echo(
+            f"nvshare-scheduler: a system scheduler already serves {system}, and every user's programs "
+            f"use it by default (nvshare-run, Jupyter kernels): there is nothing to start. To run a private "
+            f"scheduler anyway (its programs are not kept apart from the system scheduler's on shared GPUs), "
+            f"pass --private.",
+            err=True,
+        )
+        raise typer.Exit(1)
+    chosen = socket_dir if socket_dir is not None else user_socket_dir()
+    if os.path.abspath(chosen) != os.path.abspath(system) and system_scheduler_serves():
+        typer.echo(
+            f"nvshare-scheduler: warning: a system scheduler serves {system}; programs of this scheduler "
+            f"({chosen}) and of that one are not kept apart on GPUs they share",
+            err=True,
+        )
+    problem = not_a_directory(chosen)
+    if problem is not None:
+        typer.echo(f"nvshare-scheduler: {problem}", err=True)
+        raise typer.Exit(1)
+    return chosen
+
+
 @app.command()
 def serve(
     socket_dir: Optional[Path] = typer.Option(
-        None, envvar=ENV_SOCKET_DIR, readable=False, help="Directory of the client and control sockets [default: /var/run/nvshare for root, else $XDG_RUNTIME_DIR/nvshare or /tmp/nvshare-<uid>]"
+        None, envvar=ENV_SOCKET_DIR, readable=False,
+        help=f"Directory of the client and control sockets [default: {system_socket_dir()} as root; for other users "
+        "$XDG_RUNTIME_DIR/nvshare or /tmp/nvshare-<uid>, refused while a system scheduler serves]",
+    ),
+    private: bool = typer.Option(
+        False, "--private", help="Start a per-user scheduler even though a system scheduler serves (see --socket-dir)"
     ),
     mode: Mode = typer.Option(Mode.on, help="on: one process per GPU at a time; off: no scheduling; auto: share while the holders' memory fits"),
     tq: float = typer.Option(30.0, callback=_positive, help="Time quantum in seconds: how long a holder keeps the lock while others wait"),
     grace: float = typer.Option(5.0, callback=_not_negative, help="Seconds a dropped holder has to drain and release before its grant is revoked"),
     heartbeat_interval: float = typer.Option(1.0, callback=_positive, help="Seconds between client heartbeats (told to clients)"),
     heartbeat_timeout: float = typer.Option(5.0, callback=_positive, help="A client silent for this many seconds is considered gone"),
-    idle_release: float = typer.Option(1.0, callback=_positive, help="Default idle window after which a holder gives the lock back (told to clients)"),
+    idle_release: float = typer.Option(
+        1.0, callback=_not_negative,
+        help="Default idle window in seconds after which a holder gives the lock back (told to clients); 0 turns early release off",
+    ),
     recovery: float = typer.Option(2.0, callback=_not_negative, help="After a restart over a previous daemon's sockets: seconds to wait for holders to reclaim their locks"),
     log_level: LogLevel = typer.Option(LogLevel.info, help="Log verbosity"),
+    version: bool = VERSION_OPTION,
 ) -> None:
-    if heartbeat_timeout <= heartbeat_interval:
-        raise typer.BadParameter("must be longer than --heartbeat-interval", param_hint="--heartbeat-timeout")
     try:
         config = DaemonConfig(
             socket_dir=socket_dir,
@@ -70,8 +109,9 @@ def serve(
             idle_release=idle_release,
             recovery=recovery,
         )
-    except ValueError as exc:  # what the callbacks let through, e.g. "inf" or 1e300 seconds
-        raise typer.BadParameter(str(exc)) from None
+    except ValueError as exc:  # what the callbacks let through, e.g. "inf", 1e300 seconds, a heartbeat timeout
+        raise typer.BadParameter(str(exc)) from None  # not longer than the interval
+    config = dataclasses.replace(config, socket_dir=choose_socket_dir(socket_dir, private))
     logging.basicConfig(
         stream=sys.stderr,
         level=log_level.value.upper(),

@@ -81,7 +81,7 @@ class CoreConfig:
     grace: float = 5.0  # seconds between DROP and REVOKE
     heartbeat_interval: float = 1.0  # sent to clients in WELCOME
     heartbeat_timeout: float = 5.0  # no message for this long -> the client is gone
-    idle_release: float = 1.0  # sent to clients in WELCOME
+    idle_release: float = 1.0  # sent to clients in WELCOME; 0: holders never release early
     recovery: float = 0.0  # > 0 only when restarting over a previous daemon's clients
 
     def __post_init__(self) -> None:
@@ -91,6 +91,8 @@ class CoreConfig:
         _check_seconds("grace", self.grace, allow_zero=True)
         _check_seconds("heartbeat_interval", self.heartbeat_interval, allow_zero=False)
         _check_seconds("heartbeat_timeout", self.heartbeat_timeout, allow_zero=False)
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
         _check_seconds("idle_release", self.idle_release, allow_zero=True)
         _check_seconds("recovery", self.recovery, allow_zero=True)
 
