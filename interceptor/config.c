@@ -1,7 +1,7 @@
 /*
  * NVSHARE_* settings, read once from the environment on first use (docs/interceptor.md lists
- * them). A malformed value is reported on stderr and its default used: the library must never
- * stop the host program.
+ * them). A malformed value is reported on stderr as a warning and its default used: the library
+ * must never stop the host program, and the program goes on working.
  */
 #include <fcntl.h>
 #include <stdio.h>
@@ -97,7 +97,7 @@ void nvs_config_load(void) {
             if (strcasecmp(value, levels[i]) == 0) level = i;
         if (strcasecmp(value, "warning") == 0) level = NVS_LOG_WARN;
         if (level < 0)
-            nvs_error("NVSHARE_LOG=%s is not one of error, warn, info, debug; using warn", value);
+            nvs_warn("NVSHARE_LOG=%s is not one of error, warn, info, debug; using warn", value);
         else
             nvs_log_level = level;
     }
@@ -118,7 +118,7 @@ void nvs_config_load(void) {
         if (strcasecmp(value, "open") == 0)
             nvs_config.fail_open = 1;
         else if (strcasecmp(value, "closed") != 0)
-            nvs_error("NVSHARE_FAIL_MODE=%s is not 'open' or 'closed'; using closed", value);
+            nvs_warn("NVSHARE_FAIL_MODE=%s is not 'open' or 'closed'; using closed", value);
     }
 
     nvs_config.idle_release_ms = -1;
@@ -127,7 +127,7 @@ void nvs_config_load(void) {
         char *end;
         long ms = strtol(value, &end, 10);
         if (*end != '\0' || ms < 0 || ms > 86400000L)
-            nvs_error("NVSHARE_IDLE_RELEASE_MS=%s is not a number of milliseconds (0 disables "
+            nvs_warn("NVSHARE_IDLE_RELEASE_MS=%s is not a number of milliseconds (0 disables "
                       "early release); using the scheduler's idle window",
                       value);
         else
@@ -139,7 +139,7 @@ void nvs_config_load(void) {
     if (value != NULL && value[0] != '\0') {
         int on = parse_switch(value);
         if (on < 0)
-            nvs_error("NVSHARE_MANAGED=%s is not 1 or 0; converting allocations (1)", value);
+            nvs_warn("NVSHARE_MANAGED=%s is not 1 or 0; converting allocations (1)", value);
         else
             nvs_config.managed = on;
     }
@@ -149,7 +149,7 @@ void nvs_config_load(void) {
     if (value != NULL && value[0] != '\0') {
         int on = parse_switch(value);
         if (on < 0)
-            nvs_error("NVSHARE_PREDRAIN=%s is not 1 or 0; draining ahead of contended quanta (1)", value);
+            nvs_warn("NVSHARE_PREDRAIN=%s is not 1 or 0; draining ahead of contended quanta (1)", value);
         else
             nvs_config.predrain = on;
     }
@@ -170,7 +170,7 @@ void nvs_config_load(void) {
         if (strcasecmp(value, "hide") == 0)
             nvs_config.vmm_hide = 1;
         else if (strcasecmp(value, "allow") != 0)
-            nvs_error("NVSHARE_VMM=%s is not 'allow' or 'hide'; using allow", value);
+            nvs_warn("NVSHARE_VMM=%s is not 'allow' or 'hide'; using allow", value);
     }
 
     copy_env("NVSHARE_POD_NAME", nvs_config.pod, sizeof nvs_config.pod);

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import zmq
 
-from .paths import SocketPaths, connect_error
+from .paths import SocketPaths, connect_error, not_a_directory
 from .protocol import CONTROL_EVENTS_MAX, CONTROL_REPLY_MAX, CONTROL_REQUEST_MAX
 
 EXIT_OK = 0
@@ -39,6 +40,8 @@ def probe(path: os.PathLike) -> None:
     error = connect_error(path)
     if error is None:
         return
+    if isinstance(error, NotADirectoryError):
+        raise ControlFailure(EXIT_USAGE, not_a_directory(Path(path).parents[1]) or f"cannot reach {path}: {error.strerror}")
     if isinstance(error, FileNotFoundError):
         raise ControlFailure(
             EXIT_NOT_RUNNING, f"no scheduler control socket at {path} (is nvshare-scheduler running? check --socket-dir)"

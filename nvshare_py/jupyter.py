@@ -26,6 +26,7 @@ repeats it in the notebook, in the first cell's output:
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -37,6 +38,7 @@ from typing import List, Optional
 import typer
 
 from . import __version__, library
+from .clikit import APP_SETTINGS, VERSION_OPTION, missing_extra
 from .paths import ENV_SOCKET_DIR, SocketPaths
 from .run import exec_command, scheduler_unreachable, with_preload
 
@@ -45,8 +47,12 @@ DEFAULT_DISPLAY_NAME = "Python 3 (nvshare)"
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Jupyter kernels that share the GPU through nvshare.")
+app = typer.Typer(**APP_SETTINGS, no_args_is_help=True, help="Jupyter kernels that share the GPU through nvshare.")
+
+
+@app.callback()
+def options(version: bool = VERSION_OPTION) -> None:
+    """Jupyter kernels that share the GPU through nvshare."""
 
 
 def echo(message: str) -> None:
@@ -61,6 +67,17 @@ def chosen_prefix(user: bool, sys_prefix: bool, prefix: Optional[Path]) -> Optio
     if sys_prefix:
         return Path(sys.prefix)
     return None if prefix is None else prefix.absolute()
+
+
+def require_jupyter() -> None:
+    """Exit with one line that names the missing part of the `jupyter` extra and the command
+    that installs it."""
+    for module in ("jupyter_core", "jupyter_client", "ipykernel"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            typer.echo(missing_extra("nvshare-jupyter", "jupyter", module), err=True)
+            raise typer.Exit(EXIT_FAILED) from None
 
 
 def kernels_dir(prefix: Optional[Path]) -> Path:
@@ -126,14 +143,12 @@ def install(
                                    help="Load the IPython extension (%nvshare) in every kernel."),
 ) -> None:
     """Install the kernelspec: ipykernel kernels running under nvshare."""
+    require_jupyter()
+    from ipykernel.kernelspec import write_kernel_spec
+    from jupyter_client.kernelspec import KernelSpecManager
+
     prefix = chosen_prefix(user, sys_prefix, prefix)
     directory = kernels_dir(prefix)
-    try:
-        from ipykernel.kernelspec import write_kernel_spec
-        from jupyter_client.kernelspec import KernelSpecManager
-    except ImportError as error:
-        echo(f"{error.name} is not installed here: pip install 'nvshare-py[jupyter]' (or ipykernel)")
-        raise typer.Exit(EXIT_FAILED) from None
     try:
         lib = library.path()
     except library.LibraryNotFound as error:
@@ -193,6 +208,7 @@ def uninstall(
     name: str = NAME,
 ) -> None:
     """Remove a kernelspec that `install` wrote."""
+    require_jupyter()
     target = kernels_dir(chosen_prefix(user, sys_prefix, prefix)) / name.lower()
     if not target.is_dir():
         echo(f"there is no kernelspec {name.lower()} in {target.parent}")

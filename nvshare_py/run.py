@@ -27,7 +27,7 @@ import typer
 
 from . import library
 from .clikit import APP_SETTINGS, VERSION_OPTION
-from .paths import ENV_SOCKET_DIR, SocketPaths, connect_error
+from .paths import ENV_SOCKET_DIR, SocketPaths, connect_error, not_a_directory
 
 EXIT_USAGE = 2
 EXIT_NO_SCHEDULER = 3
@@ -117,6 +117,9 @@ def run(
     if not command:
         raise fail("no command given (usage: nvshare-run [OPTIONS] [--] COMMAND [ARGS]...)", EXIT_USAGE)
 
+    problem = not_a_directory(paths.root)
+    if problem is not None:
+        raise fail(problem, EXIT_USAGE)
     env = dict(os.environ)
     env[ENV_SOCKET_DIR] = str(paths.root)
     env["LD_PRELOAD"] = with_preload(env.get("LD_PRELOAD"), lib)

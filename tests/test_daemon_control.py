@@ -5,17 +5,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import zmq
 
-from fixtures.scheduler import child_env, nvsharectl_command, run_child, wait_for
+from fixtures.scheduler import OTHER_UID, as_other_user, can_run, nvsharectl_command, run_child, wait_for
 from nvshare_py import protocol
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
-OTHER_UID = 1001
 
 
 def raw_request(scheduler, frames: list[bytes], socket_type: int = zmq.DEALER) -> dict:
@@ -45,20 +42,13 @@ def registered_dealer(context, scheduler, session: str) -> zmq.Socket:
 # --- who may use it --------------------------------------------------------------------------
 
 
-def _can_run(*argv: str) -> bool:
-    try:
-        return subprocess.run([*argv, "true"], capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 def test_a_peer_in_another_pid_namespace_is_refused(scheduler):
     if shutil.which("unshare") is None:
         pytest.skip("unshare (util-linux) is not installed")
     wrapper = ["unshare", "--pid", "--fork", "--mount-proc"]
     if os.geteuid() != 0:
         wrapper = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
-    if not _can_run(*wrapper):
+    if not can_run(*wrapper):
         pytest.skip(f"cannot create a pid namespace here ({' '.join(wrapper)} failed)")
     result = run_child([*wrapper, *nvsharectl_command(), "status"], scheduler.env)
     assert result.returncode == 4, result.stderr
@@ -67,26 +57,8 @@ def test_a_peer_in_another_pid_namespace_is_refused(scheduler):
     assert scheduler.ctl("status", "--json").returncode == 0
 
 
-def _as_other_user(*capabilities: str) -> list[str]:
-    if os.geteuid() != 0:
-        pytest.skip("switching to another uid needs root")
-    if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) is not installed")
-    argv = ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups"]
-    for capability in capabilities:
-        argv += [f"--inh-caps=+{capability}", f"--ambient-caps=+{capability}"]
-    if not _can_run(*argv):
-        pytest.skip(f"cannot run a process as uid {OTHER_UID} here")
-    # The other user must be able to run this test run's Python and nvshare_py (a checkout in a
-    # 0700 directory, e.g. under mktemp -d, is unreadable to it).
-    importable = run_child([*argv, sys.executable, "-c", "import nvshare_py"], child_env())
-    if importable.returncode != 0:
-        pytest.skip(f"uid {OTHER_UID} cannot run this Python installation: {importable.stderr.strip()[-200:]}")
-    return argv
-
-
 def test_another_user_cannot_reach_the_control_socket(scheduler):
-    result = run_child([*_as_other_user(), *nvsharectl_command(), "off"], scheduler.env)
+    result = run_child([*as_other_user(), *nvsharectl_command(), "off"], scheduler.env)
     assert result.returncode == 4, result.stderr
     assert "permission denied" in result.stderr
     assert scheduler.status()["scheduler"]["defaults"]["mode"] == "on"
@@ -95,7 +67,7 @@ def test_another_user_cannot_reach_the_control_socket(scheduler):
 def test_another_user_past_the_file_modes_is_still_refused(scheduler):
     # CAP_DAC_OVERRIDE gets it through the 0700/0600 modes, as a root-in-a-container process
     # with the directory mounted would; the daemon's own check must refuse it.
-    argv = _as_other_user("dac_override")
+    argv = as_other_user("dac_override")
     result = run_child([*argv, *nvsharectl_command(), "off"], scheduler.env)
     assert result.returncode == 4, result.stderr
     assert "forbidden" in result.stderr and f"uid {OTHER_UID}" in result.stderr

@@ -12,16 +12,32 @@ from typing import Annotated, Optional
 import typer
 
 from nvshare_py import library
+from nvshare_py.clikit import APP_SETTINGS, VERSION_OPTION, missing_extra
 from nvshare_py.paths import ENV_SOCKET_DIR, SocketPaths
 
 from . import config as defaults
 from .config import AllocationPolicy, ConfigError, PluginConfig, Preload, parse_container_env, parse_xids
 from .nvml import NvmlUnavailable
-from .server import PluginError, replace_file, serve
 from .v1beta1 import DEFAULT_DEVICE_PLUGIN_DIR
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(**APP_SETTINGS, no_args_is_help=True,
                   help="Kubernetes device plugin for nvshare: shares each GPU among several containers.")
+
+
+@app.callback()
+def options(version: bool = VERSION_OPTION) -> None:
+    """Kubernetes device plugin for nvshare: shares each GPU among several containers."""
+
+
+def _server():
+    """The gRPC side (.server), imported when a command needs it, so that --help works and a
+    missing `k8s` extra (grpcio, protobuf) is one line that says how to install it."""
+    try:
+        from . import server
+    except ImportError as missing:
+        typer.echo(missing_extra("nvshare-device-plugin", "k8s", missing.name or "grpcio"), err=True)
+        raise typer.Exit(1) from None
+    return server
 
 LIBRARY_NAME = "libnvshare.so"
 log = logging.getLogger("nvshare_py.deviceplugin")
@@ -71,6 +87,7 @@ def serve_command(
     log_level: Annotated[str, typer.Option(envvar="NVSHARE_DP_LOG_LEVEL", help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Advertise every GPU as REPLICAS devices and inject nvshare into the containers given one."""
+    server = _server()
     _setup_logging(log_level)
     try:
         config = PluginConfig(
@@ -80,8 +97,8 @@ def serve_command(
             allocation=allocation, container_env=parse_container_env(container_env or []),
             health_interval=health_interval, ignored_xids=parse_xids(ignored_xids),
             kubelet_watch_interval=kubelet_watch_interval)
-        asyncio.run(serve(config))
-    except (ConfigError, NvmlUnavailable, PluginError) as error:
+        asyncio.run(server.serve(config))
+    except (ConfigError, NvmlUnavailable, server.PluginError) as error:
         log.error("%s", error)
         raise typer.Exit(1) from None
 
@@ -94,6 +111,7 @@ def install_library_command(
                                                    show_default="the one in this package")] = None,
 ) -> None:
     """Copy libnvshare.so onto the node (an atomic replace: running containers keep theirs)."""
+    server = _server()
     _setup_logging("info")
     if source is None:
         try:
@@ -106,7 +124,7 @@ def install_library_command(
         raise typer.Exit(1)
     target = target_dir / LIBRARY_NAME
     try:
-        replace_file(target, source.read_bytes(), 0o755)
+        server.replace_file(target, source.read_bytes(), 0o755)
     except OSError as error:
         log.error("cannot install %s as %s: %s", source, target, error.strerror or error)
         raise typer.Exit(1) from None
@@ -114,4 +132,4 @@ def install_library_command(
 
 
 def main() -> None:
-    app()
+    app(prog_name="nvshare-device-plugin")

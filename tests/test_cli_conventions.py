@@ -1,0 +1,115 @@
+"""What every nvshare command line does alike: -h and --version, flags that read as flags, and
+one line that says what is wrong and what to do instead of a traceback."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures.scheduler import CHILD_CWD, child_env, run_child
+from nvshare_py import __version__
+from nvshare_py.run import SIMULATED_DRIVER_DIR
+
+TOOLS = {  # the tool's name -> the module that runs it
+    "nvshare-scheduler": "nvshare_py.scheduler",
+    "nvsharectl": "ctl",
+    "nvshare-run": "nvshare_py.run",
+    "nvshare-jupyter": "nvshare_py.jupyter",
+    "nvshare-demo": "nvshare_py.demo",
+    "nvshare-device-plugin": "nvshare_py.deviceplugin",
+}
+
+
+def tool(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return run_child([sys.executable, "-m", module, *args], env or child_env())
+
+
+def one_line_without_traceback(result: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in result.stderr, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    return line
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_every_tool_has_short_help_and_version(name):
+    help_text = tool(TOOLS[name], "-h")
+    assert help_text.returncode == 0, help_text.stderr
+    assert f"Usage: {name}" in help_text.stdout
+    # A flag shown as "--fail-open <bool>" reads as an option that takes a value.
+    assert "<bool>" not in help_text.stdout
+    version = tool(TOOLS[name], "--version")
+    assert version.returncode == 0, version.stderr
+    assert version.stdout.strip() == f"{name} (nvshare_py) {__version__}"
+
+
+def blocked(tmp_path: Path, *modules: str) -> dict[str, str]:
+    """An environment in which importing `modules` fails as it does where they are not installed."""
+    for module in modules:
+        package = tmp_path / "blocked" / module
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text(
+            f"raise ModuleNotFoundError({f'No module named {module!r}'!r}, name={module!r})\n")
+    env = child_env()
+    env["PYTHONPATH"] = f"{tmp_path / 'blocked'}:{env['PYTHONPATH']}"
+    return env
+
+
+def test_jupyter_install_without_the_jupyter_extra(tmp_path):
+    result = tool("nvshare_py.jupyter", "install", "--prefix", str(tmp_path / "prefix"),
+                  env=blocked(tmp_path, "jupyter_core"))
+    assert result.returncode == 1
+    line = one_line_without_traceback(result)
+    assert "jupyter_core is not installed" in line and "pip install '.[jupyter]'" in line
+    assert not (tmp_path / "prefix").exists()
+
+
+def test_device_plugin_without_the_k8s_extra(tmp_path):
+    env = blocked(tmp_path, "grpc")
+    assert tool("nvshare_py.deviceplugin", "--help", env=env).returncode == 0
+    assert tool("nvshare_py.deviceplugin", "serve", "--help", env=env).returncode == 0
+    for command in (["serve"], ["install-library", "--to", str(tmp_path)]):
+        result = tool("nvshare_py.deviceplugin", *command, env=env)
+        assert result.returncode == 1, command
+        line = one_line_without_traceback(result)
+        assert "grpc is not installed" in line and "pip install '.[k8s]'" in line
+
+
+def test_a_socket_directory_that_is_a_file(tmp_path, libnvshare):
+    a_file = tmp_path / "nvshare"
+    a_file.write_text("")
+    env = child_env(extra={"NVSHARE_LIBRARY": str(libnvshare)})
+    for module, args, status in (("nvshare_py.scheduler", ["--socket-dir", str(a_file)], 1),
+                                 ("ctl", ["--socket-dir", str(a_file), "status"], 2),
+                                 ("nvshare_py.run", ["--socket-dir", str(a_file), "--fail-open", "true"], 2)):
+        result = tool(module, *args, env=env)
+        assert result.returncode == status, (module, result.stderr)
+        line = one_line_without_traceback(result)
+        assert f"{a_file} is a file, not a directory" in line and "--socket-dir" in line, line
+
+
+def test_nvshare_run_without_a_driver_names_the_simulated_one(tmp_path, libnvshare):
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("this machine has a CUDA driver")
+    except OSError:
+        pass
+    env = child_env(extra={"NVSHARE_LIBRARY": str(libnvshare), "NVSHARE_SOCKET_DIR": str(tmp_path)})
+    result = tool("nvshare_py.run", "--fail-open", "true", env=env)
+    assert result.returncode == 0, result.stderr  # the command still runs
+    assert "Traceback" not in result.stderr
+    (warning,) = [line for line in result.stderr.splitlines() if "CUDA driver" in line]
+    assert f"LD_LIBRARY_PATH={SIMULATED_DRIVER_DIR} nvshare-run" in warning
+
+
+def test_a_malformed_interceptor_setting_is_a_warning(simcuda, libnvshare, tmp_path):
+    env = simcuda.env(NVSHARE_MANAGED="maybe", NVSHARE_SOCKET_DIR=str(tmp_path), NVSHARE_FAIL_MODE="open",
+                      LD_PRELOAD=str(libnvshare))
+    run = subprocess.run([str(simcuda.simapp), "alloc:plain:1M"], env=env, cwd=CHILD_CWD, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    (line,) = [line for line in run.stderr.splitlines() if "NVSHARE_MANAGED" in line]
+    assert ": warning: NVSHARE_MANAGED=maybe is not 1 or 0" in line

@@ -1,0 +1,79 @@
+"""Every user of a machine reaches the same scheduler by default: the system one wherever it
+serves, a per-user one only where none does (nvshare_py/paths.py and interceptor/config.c apply
+the same rule). Tested with a real second uid: the notebook-sharing case (JupyterHub gives each
+user a uid of their own)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures.scheduler import CHILD_CWD, OTHER_UID, as_other_user, child_env, run_child, short_socket_dir, wait_for
+from nvshare_py.paths import ENV_SOCKET_DIR, ENV_SYSTEM_SOCKET_DIR
+
+
+@pytest.fixture
+def system_scheduler(scheduler_factory):
+    """A scheduler of root's in a directory that stands in for /var/run/nvshare (set through
+    NVSHARE_SYSTEM_SOCKET_DIR, so that the machine's real one is never touched)."""
+    directory = short_socket_dir()
+    os.chmod(directory, 0o755)  # as /var/run/nvshare: other users reach client/ in it
+    yield scheduler_factory(socket_dir=directory)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def users_env(system_dir: Path) -> dict[str, str]:
+    """Another user's login environment on this machine: no socket directory of their own chosen."""
+    env = child_env(extra={ENV_SYSTEM_SOCKET_DIR: str(system_dir), "HOME": "/"})
+    for name in (ENV_SOCKET_DIR, "XDG_RUNTIME_DIR", "LD_PRELOAD"):
+        env.pop(name, None)
+    return env
+
+
+def test_two_users_programs_are_scheduled_by_one_scheduler(system_scheduler, libnvshare, simcuda):
+    # CAP_DAC_READ_SEARCH only lets that uid read this test run's files wherever they are (CI
+    # clones into a private temporary directory); it is still another user to the scheduler.
+    other = as_other_user("dac_read_search")
+    env = users_env(system_scheduler.socket_dir)
+
+    # nvshare-run (and the Python client library, through the same rule) picks the system scheduler.
+    chosen = run_child([*other, sys.executable, "-m", "nvshare_py.run", "--print-socket-dir"], env)
+    assert chosen.returncode == 0, chosen.stderr
+    assert chosen.stdout.strip() == f"{system_scheduler.socket_dir} (system scheduler)"
+
+    # A CUDA program of that user under libnvshare.so registers with root's scheduler.
+    program_env = {**env, "LD_PRELOAD": str(libnvshare), "LD_LIBRARY_PATH": str(simcuda.lib_dir), "NVSHARE_LOG": "info"}
+    program = subprocess.Popen([*other, str(simcuda.simapp), "kernel:1000", "sync", "sleep:60000"],
+                               env=program_env, cwd=CHILD_CWD, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        def others_client():
+            return [c for c in system_scheduler.status()["clients"] if c.get("uid") == OTHER_UID]
+
+        try:
+            wait_for(others_client, timeout=60, what=f"a client of uid {OTHER_UID} in the system scheduler")
+        except AssertionError:
+            program.kill()
+            raise AssertionError(f"the other user's program did not register:\n{program.communicate()[1]}") from None
+        granted = [e for e in system_scheduler.events() if e["kind"] == "grant"]
+        assert granted, "its kernel ran under the system scheduler's lock"
+    finally:
+        program.kill()
+        program.wait(30)
+
+    # That user starting a scheduler of their own is refused, with how to share (or --private).
+    private = run_child([*other, sys.executable, "-m", "nvshare_py.scheduler"], env)
+    assert private.returncode == 1, private.stderr
+    (message,) = private.stderr.splitlines()
+    assert f"a system scheduler already serves {system_scheduler.socket_dir}" in message and "--private" in message
+
+    # Without a system scheduler, each user falls back to a directory of their own.
+    system_scheduler.stop()
+    chosen = run_child([*other, sys.executable, "-m", "nvshare_py.run", "--print-socket-dir"], env)
+    assert chosen.returncode == 0, chosen.stderr
+    assert chosen.stdout.startswith(f"/tmp/nvshare-{OTHER_UID} (per-user; no system scheduler serves "), chosen.stdout
