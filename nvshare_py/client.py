@@ -112,23 +112,47 @@ def _disown_after_fork() -> None:
 os.register_at_fork(after_in_child=_disown_after_fork)
 
 
+# The identity a client gives in HELLO, defined once for both clients: interceptor/client.c
+# (the C library) reads the same sources with the same rules.
+_CONTAINER_ID = re.compile(r"(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")
+CGROUP_READ_MAX = 4095  # what the C library reads of /proc/self/cgroup
+
+
+def container_id(cgroup: str) -> str:
+    """The container id in the text of /proc/self/cgroup: its last run of exactly 64 lower-case
+    hex digits (docker, containerd, CRI-O and podman all name the container's cgroup after it),
+    else ""."""
+    found = _CONTAINER_ID.findall(cgroup)
+    return found[-1] if found else ""
+
+
+def program_name() -> str:
+    """$NVSHARE_PROGRAM (launchers name notebooks so), else the process's name as the kernel
+    keeps it (/proc/self/comm: at most 15 characters, "python3" for a Python program)."""
+    named = os.environ.get("NVSHARE_PROGRAM")
+    if named:
+        return named
+    try:
+        with open("/proc/self/comm") as comm:
+            return comm.read().strip()
+    except OSError:
+        return Path(sys.executable).name
+
+
 def default_identity() -> dict[str, str]:
     """The identity fields of HELLO for this process (shown in `nvsharectl status`)."""
-    identity = {
-        "host": socket.gethostname(),
-        "program": Path(sys.argv[0]).name if sys.argv and sys.argv[0] else Path(sys.executable).name,
-        "pod": os.environ.get("NVSHARE_POD_NAME", ""),
-        "namespace": os.environ.get("NVSHARE_POD_NAMESPACE", ""),
-        "container": "",
-    }
     try:
         with open("/proc/self/cgroup") as cgroup:
-            found = re.search(r"[0-9a-f]{64}", cgroup.read())
-        if found:
-            identity["container"] = found.group(0)
+            container = container_id(cgroup.read(CGROUP_READ_MAX))
     except OSError:
-        pass
-    return identity
+        container = ""
+    return {
+        "host": socket.gethostname(),
+        "program": program_name(),
+        "pod": os.environ.get("NVSHARE_POD_NAME", ""),
+        "namespace": os.environ.get("NVSHARE_POD_NAMESPACE", ""),
+        "container": container,
+    }
 
 
 def _drain_eventfd(fd: int) -> None:

@@ -6,6 +6,8 @@
 - After a cell that waited for the GPU for at least a second, a one-line note says how long
   and for whom. `%nvshare note off`, `%nvshare note on`, `%nvshare note 5` (seconds).
 - `%nvshare json` returns the scheduler's answer as a dict; `query()` does the same in code.
+- A cell that has run for 10 s while no scheduler answers says so in its own output (its GPU
+  calls wait for one; the interceptor's own warnings go to the Jupyter server's log).
 
 Where the data comes from: the kernel's connection to the scheduler belongs to libnvshare.so,
 which exports nothing but its hooks, and the scheduler's control socket is not reachable from
@@ -38,7 +40,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.display import display
 
 from . import protocol
-from .paths import SocketPaths
+from .paths import SocketPaths, connect_error
 
 __all__ = ["QueryFailed", "load_ipython_extension", "query", "unload_ipython_extension"]
 
@@ -46,6 +48,9 @@ CELL_QUERY_TIMEOUT = 0.2  # seconds a cell's end may wait for the two answers
 STATUS_TIMEOUT = 2.0  # seconds %nvshare waits for its answer
 DEFAULT_NOTE_SECONDS = 1.0
 NOTE_PAUSE = 30.0  # seconds without notes after the scheduler failed to answer a cell's query
+# Seconds a cell runs before it is checked for a missing scheduler: as the interceptor's own
+# warning, which goes to the server's log, not to the cell.
+MISSING_SCHEDULER_AFTER = 10.0
 _QUERY = protocol.Query().encode()
 _UNCLAIMED_KEPT = 16  # answers nobody asked for any more (an interrupted hook) are dropped past this
 
@@ -259,6 +264,70 @@ def _device_rows(entry: dict, own: set[str]) -> list[tuple[str, str]]:
 # --- what is displayed ---------------------------------------------------------------------
 
 
+class MissingSchedulerWatch:
+    """While a cell runs for longer than `after` seconds and no scheduler answers, says so once
+    in that cell's output (stderr written from this thread goes to the running cell). One
+    thread for the extension's life, owned by it: started with the first cell, ended by
+    `stop()`. A cell pays a lock and a notify at its start and end."""
+
+    def __init__(self, paths: SocketPaths, after: float = MISSING_SCHEDULER_AFTER) -> None:
+        self.paths = paths
+        self.after = after
+        self._changed = threading.Condition()
+        self._cell_started: float | None = None  # monotonic start of the running cell
+        self._cell = 0  # counts cells, so that a check for one cell is never shown in the next
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self.looked = 0  # cells checked for a scheduler so far
+
+    def cell_started(self) -> None:
+        with self._changed:
+            self._cell += 1
+            self._cell_started = time.monotonic()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="nvshare-missing-scheduler", daemon=True)
+                self._thread.start()
+            self._changed.notify()
+
+    def cell_ended(self) -> None:
+        with self._changed:
+            self._cell_started = None
+            self._changed.notify()
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify()
+            thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _watch(self) -> None:
+        told = 0  # the cell last told about
+        with self._changed:
+            while not self._stopped:
+                if self._cell_started is None or told == self._cell:
+                    self._changed.wait()
+                    continue
+                remaining = self._cell_started + self.after - time.monotonic()
+                if remaining > 0:
+                    self._changed.wait(remaining)
+                    continue
+                cell = told = self._cell
+                self._changed.release()  # no I/O under the lock: cells must not wait for it
+                try:
+                    error = connect_error(self.paths.client_socket)
+                finally:
+                    self._changed.acquire()
+                self.looked += 1
+                if error is not None and self._cell == cell and self._cell_started is not None:
+                    print(f"nvshare: this cell has run for {self.after:g} s and its GPU calls wait for a "
+                          f"scheduler, but none answers at {self.paths.client_socket} "
+                          f"({error.strerror or error}). Start nvshare-scheduler (or point NVSHARE_SOCKET_DIR "
+                          f"for the kernel at the directory one serves); the cell goes on once one answers.",
+                          file=sys.stderr, flush=True)
+
+
 @dataclass
 class KernelStatus:
     """The output of %nvshare: a STATUS document (or why there is none) and this kernel's
@@ -398,6 +467,9 @@ class Extension:
         self._paused_until = 0.0
         self._notice_due = True  # problems are shown once, in a cell's output
         self._hooks: list[tuple[str, Any]] = []  # (event, callback) registered with the shell
+        # Only where GPU calls wait for a missing scheduler (fail mode closed, the default).
+        self.watch = (MissingSchedulerWatch(self.paths) if os.environ.get("NVSHARE_FAIL_MODE", "closed") != "open"
+                      else None)
 
     # hooks ---------------------------------------------------------------------------------
 
@@ -415,6 +487,8 @@ class Extension:
         for name, hook in hooks:
             self.shell.events.unregister(name, hook)
         self.link.close()
+        if self.watch is not None:
+            self.watch.stop()
 
     def _first_cell_notice(self, info: Any = None) -> None:
         self.unregister()
@@ -423,6 +497,8 @@ class Extension:
     def pre_run_cell(self, info: Any = None) -> None:
         if self._notice_due:
             self.show_problems()
+        if self.watch is not None:
+            self.watch.cell_started()
         if self._pending is not None:  # a cell whose post_run_cell never came (interrupted)
             self.link.forget(self._pending)
             self._pending = None
@@ -434,6 +510,8 @@ class Extension:
             pass  # no scheduler: nothing can have waited for it
 
     def post_run_cell(self, result: Any = None) -> None:
+        if self.watch is not None:
+            self.watch.cell_ended()
         before, self._pending = self._pending, None
         if before is None:
             return
@@ -480,7 +558,7 @@ class Extension:
     # %nvshare --------------------------------------------------------------------------------
 
     def status(self) -> KernelStatus:
-        shown = KernelStatus(os.getpid(), str(self.paths.root), self.interceptor)
+        shown = KernelStatus(os.getpid(), self.paths.describe(), self.interceptor)
         try:
             shown.document = self.link.ask(STATUS_TIMEOUT)
         except QueryFailed as failure:

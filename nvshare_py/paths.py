@@ -87,14 +87,14 @@ def connect_error(path: os.PathLike, timeout: float = 2.0) -> OSError | None:
 class SocketPaths:
     root: Path
     # How root was chosen, for people asking "which scheduler does this program use?"
-    origin: str = field(default="given", compare=False)
+    origin: str = field(default="set explicitly", compare=False)
 
     @classmethod
     def resolve(cls, socket_dir: str | os.PathLike | None = None) -> "SocketPaths":
         """`socket_dir` if given, else $NVSHARE_SOCKET_DIR, else the system scheduler's
         directory when it serves, else this user's (default_socket_dir)."""
         if socket_dir:
-            return cls(Path(socket_dir).absolute(), "given")
+            return cls(Path(socket_dir).absolute(), "set explicitly")
         if os.environ.get(ENV_SOCKET_DIR):
             return cls(Path(os.environ[ENV_SOCKET_DIR]).absolute(), ENV_SOCKET_DIR)
         system = system_socket_dir()

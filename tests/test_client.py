@@ -6,11 +6,12 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from fixtures.scheduler import short_socket_dir, wait_for
-from nvshare_py.client import Client, Grant, SchedulerUnavailable
+from nvshare_py.client import Client, Grant, SchedulerUnavailable, container_id, default_identity
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 GPU2 = "GPU-5151ad00-0000-4000-8000-000000000001"
@@ -82,6 +83,21 @@ def test_connect_registers_with_identity(scheduler, clients):
     (entry,) = scheduler.status()["clients"]
     assert entry["client"] == client.client_id
     assert (entry["program"], entry["pod"], entry["namespace"], entry["host_pid"]) == ("trainer", "nb-1", "team-b", os.getpid())
+
+
+def test_identity_follows_the_interceptors_rules(monkeypatch):
+    # interceptor/client.c: the last run of exactly 64 hex digits in /proc/self/cgroup ...
+    docker = "a" * 64
+    containerd = "b" * 64
+    assert container_id(f"0::/system.slice/docker-{docker}.scope\n") == docker
+    assert container_id(f"1:cpu:/kubepods/pod1/{docker}\n0::/kubepods/pod1/cri-containerd-{containerd}.scope\n") == containerd
+    assert container_id("0::/user.slice/" + "c" * 65 + "\n") == ""  # 65 digits are not a container id
+    assert container_id("0::/\n") == ""
+    # ... and $NVSHARE_PROGRAM, else the kernel's name for the process.
+    monkeypatch.setenv("NVSHARE_PROGRAM", "analysis.ipynb")
+    assert default_identity()["program"] == "analysis.ipynb"
+    monkeypatch.delenv("NVSHARE_PROGRAM")
+    assert default_identity()["program"] == Path("/proc/self/comm").read_text().strip()
 
 
 def test_heartbeats_keep_an_idle_client_registered(scheduler, clients):

@@ -164,6 +164,39 @@ def test_a_silent_scheduler_pauses_the_notes_instead_of_slowing_every_cell(fake,
     assert fake.receive(timeout=0.3) is None  # nothing asked for the next cell
 
 
+def test_a_cell_waiting_for_a_missing_scheduler_says_so_in_its_output(capsys, tmp_path, fake):
+    extension = Extension(StubShell(), SocketPaths(tmp_path))  # nothing serves there
+    extension.interceptor = "/pretend/libnvshare.so"
+    extension._notice_due = False
+    extension.watch.after = 0.2
+    seen = []
+
+    def told() -> bool:
+        seen.append(capsys.readouterr().err)
+        return "its GPU calls wait for a scheduler, but none answers" in "".join(seen)
+
+    try:
+        extension.pre_run_cell()  # a cell that runs on (blocked in a GPU call)
+        wait_for(told, timeout=30, what="the note about the missing scheduler")
+        assert str(extension.paths.client_socket) in "".join(seen) and "Start nvshare-scheduler" in "".join(seen)
+        extension.post_run_cell()
+        assert "".join(seen).count("none answers") == 1  # once per cell
+
+        # Where a scheduler answers, a long cell is simply waiting its turn: nothing is said.
+        served = Extension(StubShell(), fake.paths)
+        served.interceptor = "/pretend/libnvshare.so"
+        served._notice_due = False
+        served.watch.after = 0.2
+        served.pre_run_cell()
+        fake.receive()
+        wait_for(lambda: served.watch.looked == 1, timeout=30, what="the watch to look for the scheduler")
+        served.watch.cell_ended()
+        served.watch.stop()
+        assert "none answers" not in capsys.readouterr().err
+    finally:
+        extension.unregister()
+
+
 def test_a_kernel_not_under_nvshare_says_so_in_its_first_cell_only(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("NVSHARE_SOCKET_DIR", str(tmp_path))
     monkeypatch.setattr(ipython, "interceptor_path", lambda: None)
