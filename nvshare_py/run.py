@@ -1,6 +1,7 @@
 """`nvshare-run`: run any program under nvshare.
 
-    nvshare-run [--socket-dir D] [--fail-open] [--print-library] [--print-socket-dir] [--] COMMAND [ARGS...]
+    nvshare-run [--socket-dir D] [--fail-open] [--] COMMAND [ARGS...]
+    nvshare-run --print-library | --print-socket-dir | --print-simulated-driver
 
 Puts libnvshare.so in front of LD_PRELOAD, points the interceptor at the scheduler's socket
 directory, checks that the scheduler answers there, and execs COMMAND in this process (so
@@ -56,7 +57,7 @@ def driver_missing() -> str | None:
 
 def simulated_driver_hint() -> str:
     return (f"on a machine without an NVIDIA GPU, try nvshare on its simulated driver: "
-            f"LD_LIBRARY_PATH={SIMULATED_DRIVER_DIR} nvshare-run COMMAND")
+            f"LD_LIBRARY_PATH={SIMULATED_DRIVER_DIR} nvshare-run COMMAND (README.md, 'Without a GPU')")
 
 
 def with_preload(existing: str | None, lib: Path) -> str:
@@ -100,9 +101,19 @@ def run(
     print_socket_dir: bool = typer.Option(
         False, "--print-socket-dir", help="Print the scheduler's socket directory that COMMAND would use, and why; exit."
     ),
+    print_simulated_driver: bool = typer.Option(
+        False, "--print-simulated-driver",
+        help="Print the directory of the simulated CUDA driver (for LD_LIBRARY_PATH on a machine without a GPU); exit.",
+    ),
     version: bool = VERSION_OPTION,
 ) -> None:
     """Run COMMAND with its GPU work scheduled by nvshare."""
+    if print_simulated_driver:
+        if not (SIMULATED_DRIVER_DIR / "libcuda.so.1").is_file():
+            raise fail(f"the simulated driver is not installed at {SIMULATED_DRIVER_DIR}: install nvshare_py with "
+                       f"pip (which builds it), or build it with `make -C tests/simcuda BUILD=<dir>`", EXIT_USAGE)
+        typer.echo(str(SIMULATED_DRIVER_DIR))
+        return
     paths = SocketPaths.resolve(socket_dir)
     if print_socket_dir:
         typer.echo(paths.describe())

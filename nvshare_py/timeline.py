@@ -39,7 +39,7 @@ ENDED_REVOKED = "revoked"  # the scheduler revoked the grant: the holder did not
 ENDED_RECONNECTED = "reconnected"  # the same process registered again; its next row goes on
 ENDED_REGRANTED = "regranted"  # a new grant replaced a hold whose end was not in the events
 
-PLOT_EXTRA_HINT = "pip install 'nvshare-py[plot]' (or pip install matplotlib)"
+PLOT_EXTRA_HINT = "pip install matplotlib (from a checkout of nvshare_py: pip install '.[plot]')"
 
 
 class MissingMatplotlib(RuntimeError):
