@@ -46,6 +46,24 @@ def test_every_tool_has_short_help_and_version(name):
     assert version.stdout.strip() == f"{name} (nvshare_py) {__version__}"
 
 
+def test_subcommands_take_short_help_too():
+    result = tool("ctl", "status", "-h")
+    assert result.returncode == 0 and "--wide" in result.stdout
+
+
+def test_idle_release_0_means_off_everywhere(scheduler_factory):
+    # The interceptor's NVSHARE_IDLE_RELEASE_MS=0 turns early release off; so does the scheduler's 0.
+    scheduler = scheduler_factory(idle_release=0)
+    assert scheduler.status()["scheduler"]["defaults"]["idle_release"] == 0
+
+
+def test_heartbeat_timeout_is_checked_by_the_shared_configuration():
+    from nvshare_py.scheduler.daemon import DaemonConfig
+
+    with pytest.raises(ValueError, match="heartbeat_timeout must be longer than heartbeat_interval"):
+        DaemonConfig(heartbeat_interval=2.0, heartbeat_timeout=1.0)
+
+
 def blocked(tmp_path: Path, *modules: str) -> dict[str, str]:
     """An environment in which importing `modules` fails as it does where they are not installed."""
     for module in modules:

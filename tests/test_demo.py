@@ -59,7 +59,7 @@ def test_demo_on_the_simulated_driver(demo_env, tmp_path):
                                       "--json", str(summary)),
                          env=demo_env, cwd=CHILD_CWD, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr}"
-    assert "SIMULATED GPU" in run.stdout
+    assert run.stdout.count("nvshare demo on a SIMULATED GPU") == 1  # the banner, once
     document = json.loads(summary.read_text())
     assert document["ok"] and document["gpu"]["simulated"] and document["gpu"]["uuid"] == GPU
     assert "SIMULATED GPU" in document["gpu"]["label"]
@@ -125,6 +125,27 @@ def test_a_crashed_program_fails_the_demo(demo_env):
     assert (log_dir / "scheduler.log").exists()  # kept for the post-mortem
     wait_for(lambda: not any(alive(pid) for pid in children), timeout=10, what="the demo's children to be gone")
     shutil.rmtree(log_dir)
+
+
+def test_without_a_gpu_in_an_ascii_terminal(demo_env, simcuda):
+    """What a newcomer without a GPU sees: the simulated driver, named once, without advice on
+    installing a driver; an output encoding that cannot draw the timeline is one warning."""
+    if simcuda.real_gpu():
+        pytest.skip("this machine has a GPU: the demo would use it")
+    env = {**simcuda.real_env(), **{k: v for k, v in demo_env.items() if k != "LD_LIBRARY_PATH"},
+           "PYTHONIOENCODING": "ascii"}
+    run = subprocess.run(demo_command("--no-live", "--duration", "4", "--tq", "1"), env=env, cwd=CHILD_CWD,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr}"
+    assert "Traceback" not in run.stderr
+    (warning,) = run.stderr.splitlines()
+    assert "encoding (ascii)" in warning and "PYTHONIOENCODING=utf-8" in warning
+    assert run.stdout.count("nvshare demo on a SIMULATED GPU (no NVIDIA GPU found)") == 1  # the banner, once
+    assert "Install the NVIDIA driver" not in run.stdout and "LD_LIBRARY_PATH" not in run.stdout
+
+
+def test_counts_read_as_english():
+    assert [demo.counted(n, "cell") for n in (0, 1, 2)] == ["0 cells", "1 cell", "2 cells"]
 
 
 def test_missing_simulator_is_a_clear_usage_error(tmp_path, libnvshare):
