@@ -194,7 +194,7 @@ def install(
     paths = SocketPaths.resolve(kernel_env.get(ENV_SOCKET_DIR))  # --socket-dir is recorded there
     reason = scheduler_unreachable(paths)
     if reason is None:
-        typer.echo(f"  the scheduler at {paths.root} answers")
+        typer.echo(f"  the scheduler in {paths.describe()} answers")
     else:
         typer.echo(f"  no scheduler answers at {paths.client_socket} yet ({reason}): start nvshare-scheduler"
                    + ("" if socket_dir else ", or reinstall with --socket-dir if it serves another directory"))
