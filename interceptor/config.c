@@ -159,7 +159,7 @@ void nvs_config_load(void) {
     if (value != NULL && value[0] != '\0') {
         int on = parse_switch(value);
         if (on < 0)
-            nvs_error("NVSHARE_ADVISE=%s is not 1 or 0; giving no advice (0)", value);
+            nvs_warn("NVSHARE_ADVISE=%s is not 1 or 0; giving no advice (0)", value);
         else
             nvs_config.advise = on;
     }
