@@ -92,7 +92,8 @@ class SocketPaths:
     @classmethod
     def resolve(cls, socket_dir: str | os.PathLike | None = None) -> "SocketPaths":
         """`socket_dir` if given, else $NVSHARE_SOCKET_DIR, else the system scheduler's
-        directory (always for root) when it serves, else this user's (user_socket_dir). `origin` says which."""
+        directory (always for root) when it serves, else this user's (user_socket_dir).
+        `origin` says which."""
         if socket_dir:
             return cls(Path(socket_dir).absolute(), "set explicitly")
         if os.environ.get(ENV_SOCKET_DIR):

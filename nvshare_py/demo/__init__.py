@@ -44,7 +44,7 @@ from rich.live import Live
 from rich.text import Text
 
 from .. import library, timeline as tl
-from ..clikit import APP_SETTINGS, VERSION_OPTION, tolerate_narrow_encoding
+from ..clikit import APP_SETTINGS, TQ_MIN, VERSION_OPTION, number_between, tolerate_narrow_encoding
 from ..control import ControlConnection, ControlFailure
 from ..paths import ENV_SOCKET_DIR, SocketPaths
 from ..run import SIMULATED_DRIVER_DIR, with_preload
@@ -631,20 +631,14 @@ def report(demo: Demo, console: Console, live: bool, json_path: Path | None, png
 app = typer.Typer(**APP_SETTINGS)
 
 
-def _positive(value: float) -> float:
-    if not value > 0:
-        raise typer.BadParameter("must be greater than 0")
-    return value
-
-
 def _interrupted(signum, frame) -> None:
     raise KeyboardInterrupt  # SIGTERM cleans up as Ctrl-C does
 
 
 @app.command()
 def demo(
-    duration: float = typer.Option(20.0, callback=_positive, help="Seconds the two programs run"),
-    tq: float = typer.Option(3.0, callback=_positive, help="The scheduler's time quantum, seconds"),
+    duration: float = typer.Option(20.0, parser=number_between(1, 3600), help="Seconds the two programs run"),
+    tq: float = typer.Option(3.0, parser=number_between(TQ_MIN, 600), help="The scheduler's time quantum, seconds"),
     simulated: bool = typer.Option(False, "--simulated", help="Use the simulated driver even where there is a GPU"),
     live: bool = typer.Option(True, "--live/--no-live", help="Redraw the timeline in place (on a terminal), or "
                               "print one line per event (for logs and CI)"),

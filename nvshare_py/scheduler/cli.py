@@ -13,7 +13,7 @@ from typing import Optional
 import trio
 import typer
 
-from ..clikit import APP_SETTINGS, VERSION_OPTION
+from ..clikit import APP_SETTINGS, TQ_MAX, TQ_MIN, VERSION_OPTION, number_between
 from ..paths import ENV_SOCKET_DIR, not_a_directory, system_scheduler_serves, system_socket_dir, user_socket_dir
 from .daemon import Daemon, DaemonConfig, StartupError
 
@@ -31,19 +31,9 @@ class LogLevel(str, enum.Enum):
     error = "error"
 
 
+HOUR, DAY = 3600.0, 86400.0
+
 app = typer.Typer(**APP_SETTINGS, help="Grant each GPU's lock to one process at a time, for a time quantum.")
-
-
-def _positive(value: float) -> float:
-    if not value > 0:
-        raise typer.BadParameter("must be greater than 0")
-    return value
-
-
-def _not_negative(value: float) -> float:
-    if value < 0:
-        raise typer.BadParameter("must not be negative")
-    return value
 
 
 def choose_socket_dir(socket_dir: Path | None, private: bool) -> Path:
@@ -86,15 +76,19 @@ def serve(
         False, "--private", help="Start a per-user scheduler even though a system scheduler serves (see --socket-dir)"
     ),
     mode: Mode = typer.Option(Mode.on, help="on: one process per GPU at a time; off: no scheduling; auto: share while the holders' memory fits"),
-    tq: float = typer.Option(30.0, callback=_positive, help="Time quantum in seconds: how long a holder keeps the lock while others wait"),
-    grace: float = typer.Option(5.0, callback=_not_negative, help="Seconds a dropped holder has to drain and release before its grant is revoked"),
-    heartbeat_interval: float = typer.Option(1.0, callback=_positive, help="Seconds between client heartbeats (told to clients)"),
-    heartbeat_timeout: float = typer.Option(5.0, callback=_positive, help="A client silent for this many seconds is considered gone"),
+    tq: float = typer.Option(30.0, parser=number_between(TQ_MIN, TQ_MAX),
+                             help=f"Time quantum in seconds ({TQ_MIN:g} to {TQ_MAX:g}): how long a holder keeps the lock while others wait"),
+    grace: float = typer.Option(5.0, parser=number_between(0, DAY),
+                                help="Seconds a dropped holder has to drain and release before its grant is revoked"),
+    heartbeat_interval: float = typer.Option(1.0, parser=number_between(0.01, HOUR),
+                                             help="Seconds between client heartbeats (told to clients)"),
+    heartbeat_timeout: float = typer.Option(5.0, parser=number_between(0.01, DAY),
+                                            help="A client silent for this many seconds is considered gone"),
     idle_release: float = typer.Option(
-        1.0, callback=_not_negative,
+        1.0, parser=number_between(0, DAY),
         help="Default idle window in seconds after which a holder gives the lock back (told to clients); 0 turns early release off",
     ),
-    recovery: float = typer.Option(2.0, callback=_not_negative, help="After a restart over a previous daemon's sockets: seconds to wait for holders to reclaim their locks"),
+    recovery: float = typer.Option(2.0, parser=number_between(0, DAY), help="After a restart over a previous daemon's sockets: seconds to wait for holders to reclaim their locks"),
     log_level: LogLevel = typer.Option(LogLevel.info, help="Log verbosity"),
     version: bool = VERSION_OPTION,
 ) -> None:
@@ -109,8 +103,8 @@ def serve(
             idle_release=idle_release,
             recovery=recovery,
         )
-    except ValueError as exc:  # what the callbacks let through, e.g. "inf", 1e300 seconds, a heartbeat timeout
-        raise typer.BadParameter(str(exc)) from None  # not longer than the interval
+    except ValueError as exc:  # what the parsers let through: e.g. a heartbeat timeout not longer than the interval
+        raise typer.BadParameter(str(exc)) from None
     config = dataclasses.replace(config, socket_dir=choose_socket_dir(socket_dir, private))
     logging.basicConfig(
         stream=sys.stderr,
