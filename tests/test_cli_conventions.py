@@ -46,6 +46,20 @@ def test_every_tool_has_short_help_and_version(name):
     assert version.stdout.strip() == f"{name} (nvshare_py) {__version__}"
 
 
+@pytest.mark.parametrize("module, option, allowed", [
+    ("nvshare_py.scheduler", "--tq", "from 0.1 to 86400"),
+    ("nvshare_py.scheduler", "--heartbeat-interval", "from 0.01 to 3600"),
+    ("nvshare_py.demo", "--duration", "from 1 to 3600"),
+    ("ctl", "--timeout", "from 0.001 to"),
+])
+def test_numbers_are_refused_in_our_words_with_the_range(module, option, allowed):
+    for value, why in (("soon", "'soon' is not a number"), ("1e12", "1e12 is out of range")):
+        result = tool(module, option, value, *(["status"] if module == "ctl" else []))
+        assert result.returncode == 2, result.stderr
+        assert why in result.stderr and allowed in result.stderr, result.stderr
+        assert "Input should be" not in result.stderr and "Traceback" not in result.stderr
+
+
 def test_subcommands_take_short_help_too():
     result = tool("ctl", "status", "-h")
     assert result.returncode == 0 and "--wide" in result.stdout
