@@ -28,7 +28,7 @@ import typer
 
 from . import library
 from .clikit import APP_SETTINGS, VERSION_OPTION
-from .paths import ENV_SOCKET_DIR, SocketPaths, connect_error, not_a_directory
+from .paths import ENV_SOCKET_DIR, SocketPaths, connect_error, not_a_directory, system_socket_dir
 
 EXIT_USAGE = 2
 EXIT_NO_SCHEDULER = 3
@@ -58,6 +58,15 @@ def driver_missing() -> str | None:
 def simulated_driver_hint() -> str:
     return (f"on a machine without an NVIDIA GPU, try nvshare on its simulated driver: "
             f"LD_LIBRARY_PATH={SIMULATED_DRIVER_DIR} nvshare-run COMMAND (README.md, 'Without a GPU')")
+
+
+def start_advice(paths: SocketPaths) -> str:
+    """What to do when no scheduler answers where `paths` points."""
+    if paths.origin in ("set explicitly", ENV_SOCKET_DIR):
+        return f"Start nvshare-scheduler --socket-dir {paths.root}, or point --socket-dir or {ENV_SOCKET_DIR} at " \
+               "the directory a scheduler serves"
+    return (f"No scheduler serves this machine: start one as root (nvshare-scheduler; it serves {system_socket_dir()} "
+            "and every user's programs use it), or as yourself for your own programs only")
 
 
 def with_preload(existing: str | None, lib: Path) -> str:
@@ -139,13 +148,10 @@ def run(
 
     reason = scheduler_unreachable(paths)
     if reason is not None:
-        where = f"no nvshare scheduler answers at {paths.client_socket} ({reason}; socket directory {paths.describe()})"
+        where = f"no nvshare scheduler at {paths.client_socket} ({reason}; socket directory {paths.describe()})"
         if not fail_open:
-            raise fail(
-                f"{where}. Start nvshare-scheduler, point --socket-dir or {ENV_SOCKET_DIR} at its directory, "
-                f"or pass --fail-open to run unscheduled until it is reachable.",
-                EXIT_NO_SCHEDULER,
-            )
+            raise fail(f"{where}. {start_advice(paths)}, or pass --fail-open to run unscheduled until it is reachable.",
+                       EXIT_NO_SCHEDULER)
         typer.echo(f"nvshare-run: {where}; running unscheduled until it is reachable (--fail-open)", err=True)
 
     missing = driver_missing()

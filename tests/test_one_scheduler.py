@@ -77,3 +77,7 @@ def test_two_users_programs_are_scheduled_by_one_scheduler(system_scheduler, lib
     chosen = run_child([*other, sys.executable, "-m", "nvshare_py.run", "--print-socket-dir"], env)
     assert chosen.returncode == 0, chosen.stderr
     assert chosen.stdout.startswith(f"/tmp/nvshare-{OTHER_UID} (per-user; no system scheduler serves "), chosen.stdout
+    # ... and nvshare-run's advice is to start the one scheduler every user shares.
+    alone = run_child([*other, sys.executable, "-m", "nvshare_py.run", "true"], {**env, "NVSHARE_LIBRARY": str(libnvshare)})
+    assert alone.returncode == 3, alone.stderr
+    assert "No scheduler serves this machine: start one as root" in alone.stderr

@@ -42,6 +42,7 @@ def test_without_a_scheduler_the_program_does_not_run(libnvshare, tmp_path):
     done = run_child([*RUN, "touch", str(marker)], env)
     assert done.returncode == 3
     assert f"no nvshare scheduler at {tmp_path / 'none'}/client/scheduler.sock" in done.stderr
+    assert f"Start nvshare-scheduler --socket-dir {tmp_path / 'none'}" in done.stderr  # the directory asked for
     assert "--fail-open" in done.stderr
     assert not marker.exists()
 
