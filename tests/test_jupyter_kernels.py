@@ -246,3 +246,20 @@ def test_first_cell_says_when_no_scheduler_runs_and_when_nvshare_is_missing(note
     assert "libnvshare.so is not loaded in this kernel" in loaded.stderr
     assert no_library.run("3 + 3").stderr == ""
     assert "libnvshare.so is not loaded" in no_library.run("%nvshare").displays[0]
+
+
+def test_a_cell_waiting_for_a_missing_scheduler_says_so_in_the_cell(notebooks, tmp_path):
+    (kernel,) = notebooks({"NVSHARE_SOCKET_DIR": str(tmp_path / "elsewhere")})
+    kernel.run("1 + 1")  # the first cell's notice about the missing scheduler, out of the way
+    waiting = kernel.submit(SETUP + "gpu.launch_sleep(1000)\ngpu.synchronize()\n")  # waits for a scheduler
+    seen = ""
+    deadline = time.monotonic() + 120  # the note comes after 10 s; generous for a loaded machine
+    while "none answers" not in seen:
+        try:
+            msg = kernel.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"the waiting cell said nothing about the missing scheduler; it printed: {seen!r}")
+        if msg["parent_header"].get("msg_id") == waiting and msg["msg_type"] == "stream":
+            seen += msg["content"]["text"]
+    assert "its GPU calls wait for a scheduler" in seen
+    assert f"{tmp_path / 'elsewhere'}/client/scheduler.sock" in seen
