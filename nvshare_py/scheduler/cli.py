@@ -90,6 +90,7 @@ def serve(
     ),
     recovery: float = typer.Option(2.0, parser=number_between(0, DAY), help="After a restart over a previous daemon's sockets: seconds to wait for holders to reclaim their locks"),
     log_level: LogLevel = typer.Option(LogLevel.info, help="Log verbosity"),
+    metrics: Optional[str] = typer.Option(None, metavar="ADDRESS", help="Serve Prometheus metrics on HOST:PORT or :PORT (every interface), e.g. 127.0.0.1:9400 (docs/metrics.md) [default: off]"),
     version: bool = VERSION_OPTION,
 ) -> None:
     try:
@@ -102,6 +103,7 @@ def serve(
             heartbeat_timeout=heartbeat_timeout,
             idle_release=idle_release,
             recovery=recovery,
+            metrics=metrics,
         )
     except ValueError as exc:  # what the parsers let through: e.g. a heartbeat timeout not longer than the interval
         raise typer.BadParameter(str(exc)) from None

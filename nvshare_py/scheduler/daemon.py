@@ -39,6 +39,7 @@ from .. import __version__, protocol
 from ..paths import SocketPaths, check_socket_path
 from . import events as ev
 from .core import CoreConfig, SchedulerCore
+from .metrics import SchedulerMetrics, bind_metrics, parse_address, serve_metrics
 from .zmqtrio import bind_router, peer_credentials, recv_nowait, wait_readable
 
 log = logging.getLogger("nvshare.scheduler")
@@ -69,11 +70,14 @@ class DaemonConfig:
     heartbeat_timeout: float = 5.0
     idle_release: float = 1.0
     recovery: float = 2.0  # only used when a previous daemon's client socket is found
+    metrics: str | None = None  # HOST:PORT or :PORT to serve Prometheus metrics on; None: off
 
     def __post_init__(self) -> None:
         # Refuse values the lock core does not accept now, before any directory or socket is
         # touched (a socket left behind would make the next daemon believe it restarted).
         self.core_config(restarted=True)
+        if self.metrics is not None:
+            parse_address(self.metrics)
 
     def core_config(self, restarted: bool) -> CoreConfig:
         """The lock core's settings; raises ValueError for a value it does not accept."""
@@ -181,6 +185,8 @@ class Daemon:
         self._bad_input_log = RateLimit()
         self._forbidden_log = RateLimit()
         self._send_fail_log = RateLimit()
+        self._metrics: SchedulerMetrics | None = None
+        self._metrics_sockets: list = []
 
     # --- setup and teardown ----------------------------------------------------------------
 
@@ -192,6 +198,11 @@ class Daemon:
             except ValueError as exc:
                 raise StartupError(f"{exc}: choose a shorter --socket-dir") from None
         _raise_descriptor_limit()
+        if self.config.metrics is not None:
+            try:
+                self._metrics_sockets = bind_metrics(self.config.metrics)
+            except OSError as exc:
+                raise StartupError(f"cannot serve metrics on {self.config.metrics}: {exc.strerror or exc}") from None
         try:
             self._prepare_directories()
             self._lock_fd = self._take_lock()
@@ -212,6 +223,9 @@ class Daemon:
             if sock is not None:
                 sock.close(linger=0)
         self._clients = self._control = None
+        for sock in self._metrics_sockets:
+            sock.close()
+        self._metrics_sockets = []
         if self._context is not None:
             self._context.term()
             self._context = None
@@ -285,6 +299,9 @@ class Daemon:
             await nursery.start(self._stop_on_signal, nursery.cancel_scope)
             nursery.start_soon(self._serve_clients)
             nursery.start_soon(self._serve_control)
+            if self._metrics_sockets:
+                self._metrics = SchedulerMetrics(restarted=self.restarted, started=self._started)
+                nursery.start_soon(serve_metrics, self._metrics_sockets, lambda: self._metrics.render(self.status()))
             emit(
                 logging.INFO,
                 "ready",
@@ -368,7 +385,7 @@ class Daemon:
             log.exception("core failed on %r", event)
             pending.error = ev.CoreError("internal", _INTERNAL_ERROR)
         else:
-            self._carry_out(actions)
+            self._carry_out(event, actions)
         pending.done.set()
 
     def _feed(self, event: ev.Event) -> None:
@@ -379,13 +396,15 @@ class Daemon:
         except Exception:
             log.exception("core failed on %r", event)
             return
-        self._carry_out(actions)
+        self._carry_out(event, actions)
 
-    def _carry_out(self, actions: list[ev.Action]) -> None:
+    def _carry_out(self, event: ev.Event, actions: list[ev.Action]) -> None:
         # Messages first: a GRANT is on the waiter's handoff path, the bookkeeping is not.
         for action in actions:
             if type(action) is ev.Send:
                 self._send(action.client, action.message)
+        if self._metrics is not None:
+            self._metrics.observe(event, actions)
         for action in actions:
             kind = type(action)
             if kind is ev.LockEvent:
@@ -477,6 +496,8 @@ class Daemon:
         self._send(key, answer)
 
     def _reject(self, key: bytes, code: str, detail: str, msg_type: str = "") -> None:
+        if self._metrics is not None:
+            self._metrics.rejected_message(code)
         suppressed = self._bad_input_log.take()
         if suppressed is not None:
             emit(logging.INFO, "rejected client message", code=code, detail=detail, type=msg_type, suppressed=suppressed)

@@ -1,0 +1,351 @@
+"""Prometheus metrics of the scheduler (`nvshare-scheduler --metrics ADDRESS`, docs/metrics.md).
+
+Two parts, both driven from the daemon's one Trio thread:
+
+- `SchedulerMetrics` is an observer. The pump hands it every event it fed the lock core together
+  with the actions the core returned; from the timeline entries (LockEvent) it keeps counters and
+  histograms (waits, holds, handoffs). Gauges (modes, quanta, memory, holders, waiters) are not
+  tracked at all: `render()` sets them from the daemon's status document when a scrape arrives.
+- `serve_metrics` answers HTTP GETs from a task in the daemon's nursery. Rendering therefore runs
+  between two steps of the pump, on the same thread, and needs no lock: a scrape can delay a
+  handoff by the time one render takes (benchmarks/bench_scheduler.py --scrape measures it) but
+  can never observe, or hold up, a half-done update. prometheus_client's own HTTP server would
+  run collection on a thread of its own, racing the pump for the core's state and for the GIL.
+
+Label cardinality is bounded: clients say who they are (pod, namespace, program) and a client
+may lie, so at most CLIENT_LABEL_SETS distinct (pod, namespace, program) sets and DEVICE_LABELS
+device ids get series of their own; anything past that is counted under OVERFLOW.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+from typing import Callable, Iterable
+
+import trio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .. import __version__
+from . import events as ev
+
+log = logging.getLogger("nvshare.scheduler")
+
+# Label value for everything past the bounds below. Kubernetes names cannot start with "_",
+# so it never collides with a real pod or namespace.
+OVERFLOW = "_other"
+CLIENT_LABEL_SETS = 256
+DEVICE_LABELS = 64
+LABEL_VALUE_MAX = 128  # characters; a client's program name can be anything it likes
+
+# Waits and holds span milliseconds (an idle GPU) to many quanta; handoffs are a drain + a message.
+WAIT_HOLD_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, math.inf)
+HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, math.inf)
+
+MODES = ("on", "off", "auto")
+CLIENT_LABELS = ("device", "pod", "namespace", "program")
+
+# HTTP: a scraper that does not finish its request in this long is dropped; at most this many
+# connections at once (Prometheus uses one per target).
+REQUEST_TIMEOUT = 10.0
+REQUEST_MAX = 8192
+CONNECTIONS_MAX = 8
+
+
+class SchedulerMetrics:
+    """Counters and histograms from the core's actions; gauges from a status document."""
+
+    def __init__(self, *, restarted: bool, started: float) -> None:
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=registry)
+        # --- per device ---
+        self.device_mode = Gauge("nvshare_device_mode", "1 for the device's current scheduling mode, 0 for the others",
+                                 ("device", "mode"), registry=registry)
+        self.device_tq = Gauge("nvshare_device_time_quantum_seconds", "Time quantum of the device",
+                               ("device",), registry=registry)
+        self.device_total = Gauge("nvshare_device_memory_total_bytes",
+                                  "Device memory as reported by its clients (0: not reported yet)",
+                                  ("device",), registry=registry)
+        self.device_budget = Gauge("nvshare_device_memory_budget_bytes",
+                                   "Memory budget of the device: what auto mode lets its holders use together "
+                                   "(0: unknown, unlimited)", ("device",), registry=registry)
+        self.device_used = Gauge("nvshare_device_memory_used_bytes",
+                                 "Device memory its clients report using, holders or not", ("device",), registry=registry)
+        self.device_resident = Gauge("nvshare_device_memory_resident_bytes",
+                                     "Device memory reported by the current lock holders: what the device should "
+                                     "keep resident while they run", ("device",), registry=registry)
+        self.device_holders = Gauge("nvshare_device_holders", "Clients holding the device's lock (revoked grants "
+                                    "not yet released included)", ("device",), registry=registry)
+        self.device_waiters = Gauge("nvshare_device_waiters", "Clients waiting for the device's lock",
+                                    ("device",), registry=registry)
+        self.handoffs = Counter("nvshare_device_handoffs_total",
+                                "Grants of the device's lock to a different client than the previous grant's",
+                                ("device",), registry=registry)
+        self.revokes = Counter("nvshare_device_revokes_total",
+                               "Grants revoked because the holder did not release within the grace period",
+                               ("device",), registry=registry)
+        self.drops = Counter("nvshare_device_drops_total", "DROP requests sent to holders, by reason",
+                             ("device", "reason"), registry=registry)
+        # Swapping (moving a holder's memory out at a handoff) does not exist yet. When it does,
+        # its per-device counters go here: nvshare_device_swap_bytes_total{device,direction} and
+        # nvshare_device_swap_seconds_total{device,direction}, fed from the same LockEvents.
+        # --- per client ---
+        self.wait_seconds = Histogram("nvshare_client_wait_seconds",
+                                      "Time from a client's ACQUIRE to its GRANT", CLIENT_LABELS,
+                                      buckets=WAIT_HOLD_BUCKETS, registry=registry)
+        self.hold_seconds = Histogram("nvshare_client_hold_seconds",
+                                      "Time from a GRANT to the end of that grant (release, revoke or the "
+                                      "client's loss)", CLIENT_LABELS, buckets=WAIT_HOLD_BUCKETS, registry=registry)
+        self.grants = Counter("nvshare_client_grants_total", "Grants given to clients", CLIENT_LABELS,
+                              registry=registry)
+        self.client_memory = Gauge("nvshare_client_memory_used_bytes",
+                                   "Device memory the connected clients report using", CLIENT_LABELS,
+                                   registry=registry)
+        self.client_holding = Gauge("nvshare_client_holding",
+                                    "Grants the connected clients hold (who holds each device)", CLIENT_LABELS,
+                                    registry=registry)
+        # --- scheduler ---
+        self.handoff_seconds = Histogram(
+            "nvshare_scheduler_handoff_seconds",
+            "Time from asking a holder to let go (DROP), or from its own RELEASE, to the GRANT of a client "
+            "that was waiting", ("device",), buckets=HANDOFF_BUCKETS, registry=registry)
+        self.clients = Gauge("nvshare_scheduler_clients", "Registered clients", registry=registry)
+        self.rejected = Counter("nvshare_scheduler_rejected_messages_total",
+                                "Client messages answered with ERROR, by code", ("code",), registry=registry)
+        self.overflowed = Counter("nvshare_scheduler_label_overflows_total",
+                                  f"Clients or devices counted under the label value {OVERFLOW} because the "
+                                  "label bounds were reached", ("label",), registry=registry)
+        Gauge("nvshare_scheduler_start_time_seconds", "When this daemon started (Unix time); restarts show as "
+              "changes", registry=registry).set(started)
+        Gauge("nvshare_scheduler_restarted", "1 when this daemon started over a previous daemon's sockets, "
+              "whose clients may reconnect", registry=registry).set(1 if restarted else 0)
+        Gauge("nvshare_scheduler_info", "The scheduler's version", ("version",), registry=registry).labels(
+            __version__).set(1)
+
+        self._client_sets: set[tuple[str, str, str]] = set()
+        self._device_ids: set[str] = set()
+        self._who: dict[str, tuple[str, str, str]] = {}  # client display id -> (pod, namespace, program)
+        self._waiting: dict[tuple[str, str], float] = {}  # (client, device) -> since
+        self._holds: dict[int, tuple[float, tuple[str, ...]]] = {}  # grant -> (since, client labels)
+        self._last_grantee: dict[str, str] = {}  # device -> client of its latest grant
+        self._handoff_from: dict[str, float] = {}  # device -> when its holder was asked or let go
+
+    # --- labels ---------------------------------------------------------------------------
+
+    def _device(self, device: str) -> str:
+        if device in self._device_ids:
+            return device
+        if len(self._device_ids) < DEVICE_LABELS:
+            self._device_ids.add(device)
+            return device
+        self.overflowed.labels("device").inc()
+        return OVERFLOW
+
+    def _client_set(self, info: ev.ClientInfo) -> tuple[str, str, str]:
+        who = (info.pod[:LABEL_VALUE_MAX], info.namespace[:LABEL_VALUE_MAX], info.program[:LABEL_VALUE_MAX])
+        if who in self._client_sets:
+            return who
+        if len(self._client_sets) < CLIENT_LABEL_SETS:
+            self._client_sets.add(who)
+            return who
+        self.overflowed.labels("client").inc()
+        return (OVERFLOW, OVERFLOW, OVERFLOW)
+
+    def _client_labels(self, device: str, client: str) -> tuple[str, ...]:
+        return (self._device(device), *self._who.get(client, (OVERFLOW, OVERFLOW, OVERFLOW)))
+
+    # --- fed by the pump ------------------------------------------------------------------
+
+    def observe(self, event: ev.Event, actions: Iterable[ev.Action]) -> None:
+        """The core handled `event` and returned `actions`."""
+        for action in actions:
+            if type(action) is ev.LockEvent:
+                self._on_lock_event(event, action)
+
+    def rejected_message(self, code: str) -> None:
+        self.rejected.labels(code).inc()
+
+    def _on_lock_event(self, event: ev.Event, entry: ev.LockEvent) -> None:
+        kind, device, client, now = entry.kind, entry.device, entry.client, entry.now
+        if kind == "register":
+            if type(event) is ev.Register:
+                self._who[client] = self._client_set(event.info)
+        elif kind == "acquire":
+            self._waiting[(client, device)] = now
+        elif kind == "grant":
+            self._on_grant(entry)
+        elif kind == "drop":
+            self.drops.labels(self._device(device), entry.detail).inc()
+            self._handoff_from.setdefault(device, now)
+        elif kind in ("release", "revoke", "lost"):
+            if kind == "revoke":
+                self.revokes.labels(self._device(device)).inc()
+            self._end_hold(entry)
+            self._waiting.pop((client, device), None)
+        elif kind == "unregister":
+            if device:  # a BYE while holding or waiting
+                self._end_hold(entry)
+                self._waiting.pop((client, device), None)
+            else:
+                self._who.pop(client, None)
+
+    def _on_grant(self, entry: ev.LockEvent) -> None:
+        device, client, now = entry.device, entry.client, entry.now
+        labels = self._client_labels(device, client)
+        self.grants.labels(*labels).inc()
+        self._holds[entry.grant] = (now, labels)
+        since = self._waiting.pop((client, device), None)
+        if since is not None:
+            self.wait_seconds.labels(*labels).observe(now - since)
+            asked = self._handoff_from.pop(device, None)
+            if asked is not None:
+                self.handoff_seconds.labels(self._device(device)).observe(now - asked)
+        previous = self._last_grantee.get(device)
+        if previous is not None and previous != client:
+            self.handoffs.labels(self._device(device)).inc()
+        self._last_grantee[device] = client
+
+    def _end_hold(self, entry: ev.LockEvent) -> None:
+        held = self._holds.pop(entry.grant, None)
+        if held is None:
+            return
+        since, labels = held
+        self.hold_seconds.labels(*labels).observe(entry.now - since)
+        device = entry.device
+        if any(waiting_device == device for _, waiting_device in self._waiting):
+            self._handoff_from.setdefault(device, entry.now)
+        else:
+            self._handoff_from.pop(device, None)
+
+    # --- a scrape -------------------------------------------------------------------------
+
+    def render(self, status: dict) -> bytes:
+        """The exposition text, gauges set from `status` (the control protocol's status
+        document, docs/protocol.md)."""
+        for gauge in (self.device_mode, self.device_tq, self.device_total, self.device_budget, self.device_used,
+                      self.device_resident, self.device_holders, self.device_waiters, self.client_memory,
+                      self.client_holding):
+            gauge.clear()  # devices and clients that are gone leave no stale series
+        used_by: dict[tuple[str, str], int] = {}
+        for client in status["clients"]:
+            who = self._who.get(client["client"], (OVERFLOW, OVERFLOW, OVERFLOW))
+            for device, pair in client["devices"].items():
+                used_by[(client["client"], device)] = pair["used"]
+                labels = (self._device(device), *who)
+                self.client_memory.labels(*labels).inc(pair["used"])
+                self.client_holding.labels(*labels).inc(1 if pair["state"] in ("holding", "draining") else 0)
+        for dev in status["devices"]:
+            device = self._device(dev["device"])
+            for mode in MODES:
+                self.device_mode.labels(device, mode).set(1 if dev["mode"] == mode else 0)
+            self.device_tq.labels(device).set(dev["tq"])
+            self.device_total.labels(device).inc(dev["total"])
+            self.device_budget.labels(device).inc(dev["budget"])
+            self.device_used.labels(device).inc(dev["used"])
+            self.device_resident.labels(device).inc(
+                sum(used_by.get((holder["client"], dev["device"]), 0) for holder in dev["holders"]))
+            self.device_holders.labels(device).inc(len(dev["holders"]))
+            self.device_waiters.labels(device).inc(len(dev["waiters"]))
+        self.clients.set(len(status["clients"]))
+        return generate_latest(self.registry)
+
+
+# --- HTTP ----------------------------------------------------------------------------------
+
+
+def parse_address(address: str) -> tuple[str | None, int]:
+    """`HOST:PORT`, `[IPV6]:PORT` or `:PORT` (every interface); port 0 picks a free one (the
+    log says which). Raises ValueError."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
+        raise ValueError(f"{address!r} is not HOST:PORT or :PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return (host or None), int(port_text)
+
+
+def bind_metrics(address: str) -> list[socket.socket]:
+    """Listening sockets for `address` (every address family the host name resolves to).
+    Synchronous, so that the daemon can refuse to start before it touches its socket directory;
+    raises ValueError for a malformed address and OSError when the port cannot be bound."""
+    host, port = parse_address(address)
+    bound: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                   flags=socket.AI_PASSIVE):
+            sock = socket.socket(family, kind, proto)
+            bound.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # ":PORT" binds IPv4 and IPv6 separately, as trio does
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(sockaddr)
+            sock.listen(CONNECTIONS_MAX)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in bound:
+            sock.close()
+        raise
+    return bound
+
+
+async def serve_metrics(sockets: list[socket.socket], render: Callable[[], bytes]) -> None:
+    """Answer `GET /metrics` (and `/`) on the sockets from bind_metrics until cancelled."""
+    limit = trio.CapacityLimiter(CONNECTIONS_MAX)
+    for sock in sockets:
+        host, port = sock.getsockname()[:2]
+        log.info("serving metrics address=%s", f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    async with trio.open_nursery() as nursery:
+        for sock in sockets:
+            listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+            nursery.start_soon(_accept, listener, render, limit, nursery)
+
+
+async def _accept(listener: trio.SocketListener, render: Callable[[], bytes], limit: trio.CapacityLimiter,
+                  nursery: trio.Nursery) -> None:
+    async with listener:
+        while True:
+            stream = await listener.accept()
+            if limit.available_tokens == 0:
+                await stream.aclose()  # a scraper storm must not pile up connections
+                continue
+            nursery.start_soon(_answer, stream, render, limit)
+
+
+async def _answer(stream: trio.SocketStream, render: Callable[[], bytes], limit: trio.CapacityLimiter) -> None:
+    async with limit, stream:
+        with trio.move_on_after(REQUEST_TIMEOUT):
+            request = b""
+            while b"\r\n\r\n" not in request and b"\n\n" not in request:
+                chunk = await stream.receive_some(REQUEST_MAX)
+                if not chunk:
+                    return
+                request += chunk
+                if len(request) > REQUEST_MAX:
+                    await _respond(stream, "431 Request Header Fields Too Large", b"request too large\n")
+                    return
+            method, _, rest = request.partition(b" ")
+            path = rest.split(b" ", 1)[0].split(b"?", 1)[0]
+            if method not in (b"GET", b"HEAD"):
+                await _respond(stream, "405 Method Not Allowed", b"GET only\n")
+            elif path not in (b"/metrics", b"/"):
+                await _respond(stream, "404 Not Found", b"metrics are at /metrics\n")
+            else:
+                try:
+                    body = render()
+                except Exception:
+                    log.exception("cannot render metrics")
+                    await _respond(stream, "500 Internal Server Error", b"see the scheduler's log\n")
+                    return
+                await _respond(stream, "200 OK", body, CONTENT_TYPE_LATEST, head=method == b"HEAD")
+
+
+async def _respond(stream: trio.SocketStream, status: str, body: bytes,
+                   content_type: str = "text/plain; charset=utf-8", head: bool = False) -> None:
+    header = (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+              "Connection: close\r\n\r\n").encode()
+    try:
+        await stream.send_all(header if head else header + body)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass  # the scraper left

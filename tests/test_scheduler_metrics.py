@@ -1,0 +1,264 @@
+"""Prometheus metrics of the scheduler (docs/metrics.md): the observer on virtual time, and a
+real daemon scraped over HTTP on loopback while client processes take turns."""
+
+from __future__ import annotations
+
+import re
+import socket
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fixtures.scheduler import wait_for
+from nvshare_py.scheduler import events as ev
+from nvshare_py.scheduler import metrics as m
+from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
+from nvshare_py.scheduler.metrics import SchedulerMetrics
+
+GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+
+
+def samples(text: str | bytes) -> dict[tuple[str, frozenset], float]:
+    if isinstance(text, bytes):
+        text = text.decode()
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return found
+
+
+def value(found: dict, name: str, **labels: str) -> float:
+    key = (name, frozenset(labels.items()))
+    assert key in found, f"{name}{labels} not among {sorted({n for n, _ in found})}"
+    return found[key]
+
+
+# --- the observer, on the core's virtual time ---------------------------------------------------
+
+
+class Driven:
+    """A SchedulerCore whose every answer goes to a SchedulerMetrics, as the daemon's pump does."""
+
+    def __init__(self) -> None:
+        self.core = SchedulerCore(CoreConfig(tq=10.0, grace=1.0, heartbeat_timeout=1e6, recovery=0.0), 0.0)
+        self.metrics = SchedulerMetrics(restarted=False, started=1.0)
+
+    def feed(self, event: ev.Event) -> list[ev.Action]:
+        actions = self.core.handle(event)
+        self.metrics.observe(event, actions)
+        return actions
+
+    def register(self, key: str, now: float, pod: str = "", namespace: str = "ns", program: str = "train") -> None:
+        info = ev.ClientInfo(pid=1, session=key, pod=pod or key, namespace=namespace, program=program)
+        self.feed(ev.Register(now, key, info))
+
+    def scrape(self, now: float) -> dict:
+        return samples(self.metrics.render(self.core.status(now, lambda t: t)))
+
+
+def test_waits_holds_and_handoffs_are_measured_on_the_cores_clock():
+    d = Driven()
+    d.register("a", 0.0)
+    d.register("b", 0.0)
+    d.feed(ev.Acquire(1.0, "a", GPU))  # granted at once: a wait of 0
+    d.feed(ev.Acquire(2.0, "b", GPU))  # waits behind a
+    d.feed(ev.Tick(11.0))  # a's quantum is over: DROP, the handoff clock starts
+    d.feed(ev.Release(11.25, "a", GPU, 1))  # b is granted at 11.25
+    found = d.scrape(12.0)
+    b = dict(device=GPU, pod="b", namespace="ns", program="train")
+    a = dict(b, pod="a")
+    assert value(found, "nvshare_client_wait_seconds_sum", **b) == pytest.approx(9.25)
+    assert value(found, "nvshare_client_wait_seconds_count", **a) == 1
+    assert value(found, "nvshare_client_wait_seconds_sum", **a) == 0
+    assert value(found, "nvshare_client_hold_seconds_sum", **a) == pytest.approx(10.25)
+    assert value(found, "nvshare_scheduler_handoff_seconds_sum", device=GPU) == pytest.approx(0.25)
+    assert value(found, "nvshare_device_handoffs_total", device=GPU) == 1
+    assert value(found, "nvshare_device_drops_total", device=GPU, reason="quantum") == 1
+    assert value(found, "nvshare_client_grants_total", **b) == 1
+    assert value(found, "nvshare_client_holding", **b) == 1
+    assert value(found, "nvshare_client_holding", **a) == 0
+    assert value(found, "nvshare_device_holders", device=GPU) == 1
+    assert value(found, "nvshare_device_waiters", device=GPU) == 0
+    assert value(found, "nvshare_device_mode", device=GPU, mode="on") == 1
+    assert value(found, "nvshare_device_mode", device=GPU, mode="auto") == 0
+    assert value(found, "nvshare_device_time_quantum_seconds", device=GPU) == 10
+    assert value(found, "nvshare_scheduler_clients") == 2
+
+
+def test_a_holder_that_misses_its_grace_is_counted_as_a_revoke():
+    d = Driven()
+    d.register("a", 0.0)
+    d.register("b", 0.0)
+    d.feed(ev.Acquire(0.0, "a", GPU))
+    d.feed(ev.Acquire(0.0, "b", GPU))
+    d.feed(ev.Tick(10.0))  # DROP with 1 s of grace
+    d.feed(ev.Tick(11.0))  # grace over: revoked, b granted
+    found = d.scrape(11.0)
+    assert value(found, "nvshare_device_revokes_total", device=GPU) == 1
+    assert value(found, "nvshare_scheduler_handoff_seconds_sum", device=GPU) == pytest.approx(1.0)
+    assert value(found, "nvshare_device_holders", device=GPU) == 2  # the revoked grant is not released yet
+
+
+def test_memory_gauges_follow_the_reports_and_forget_clients_that_left():
+    d = Driven()
+    d.register("a", 0.0)
+    d.register("b", 0.0)
+    d.feed(ev.DeviceInfo(0.0, "a", GPU, 8000))
+    d.feed(ev.MemoryReport(0.0, "a", GPU, 3000))
+    d.feed(ev.MemoryReport(0.0, "b", GPU, 500))
+    d.feed(ev.Acquire(0.0, "a", GPU))
+    found = d.scrape(1.0)
+    assert value(found, "nvshare_device_memory_total_bytes", device=GPU) == 8000
+    assert value(found, "nvshare_device_memory_budget_bytes", device=GPU) == 8000
+    assert value(found, "nvshare_device_memory_used_bytes", device=GPU) == 3500
+    assert value(found, "nvshare_device_memory_resident_bytes", device=GPU) == 3000
+    assert value(found, "nvshare_client_memory_used_bytes", device=GPU, pod="b", namespace="ns", program="train") == 500
+
+    d.feed(ev.Unregister(2.0, "b", "bye"))
+    found = d.scrape(2.0)
+    assert ("nvshare_client_memory_used_bytes",
+            frozenset(dict(device=GPU, pod="b", namespace="ns", program="train").items())) not in found
+    assert value(found, "nvshare_device_memory_used_bytes", device=GPU) == 3000
+
+
+def test_client_label_sets_are_bounded_and_the_rest_is_counted_as_overflow():
+    d = Driven()
+    extra = 5
+    for index in range(m.CLIENT_LABEL_SETS + extra):
+        key = f"k{index}"
+        d.register(key, 0.0, pod=f"pod-{index}")
+        d.feed(ev.Acquire(0.0, key, GPU))
+    found = d.scrape(0.0)
+    pods = {dict(labels).get("pod") for name, labels in found if name == "nvshare_client_memory_used_bytes"}
+    assert len(pods) == m.CLIENT_LABEL_SETS + 1
+    assert m.OVERFLOW in pods and f"pod-{m.CLIENT_LABEL_SETS}" not in pods
+    assert value(found, "nvshare_client_holding", device=GPU, pod="pod-0", namespace="ns", program="train") == 1
+    assert value(found, "nvshare_client_memory_used_bytes", device=GPU, pod=m.OVERFLOW, namespace=m.OVERFLOW,
+                 program=m.OVERFLOW) == 0
+    assert value(found, "nvshare_scheduler_label_overflows_total", label="client") == extra
+
+
+def test_device_labels_are_bounded():
+    d = Driven()
+    d.register("a", 0.0)
+    for index in range(m.DEVICE_LABELS + 3):
+        d.feed(ev.Acquire(0.0, "a", f"GPU-{index}"))
+    found = d.scrape(0.0)
+    devices = {dict(labels)["device"] for name, labels in found if name == "nvshare_device_holders"}
+    assert len(devices) == m.DEVICE_LABELS + 1 and m.OVERFLOW in devices
+    assert value(found, "nvshare_device_holders", device=m.OVERFLOW) == 3
+
+
+def test_every_metric_is_documented_and_every_documented_one_exists():
+    exposed = set()
+    for family in Driven().metrics.registry.collect():
+        if family.name.startswith("nvshare_"):
+            exposed.add(family.name + "_total" if family.type == "counter" else family.name)
+    documented = set(re.findall(r"^\| `(nvshare_[a-z_]+)`", DOCS.read_text(), re.MULTILINE))
+    assert exposed == documented
+
+
+# --- a real daemon, scraped over HTTP ------------------------------------------------------------
+
+
+def metrics_address(scheduler) -> str:
+    line = wait_for(lambda: re.search(r"serving metrics address=(\S+)", scheduler.log_text()),
+                    what="the daemon to log its metrics address")
+    return line.group(1)
+
+
+def scrape(address: str, path: str = "/metrics") -> str:
+    with urllib.request.urlopen(f"http://{address}{path}", timeout=30) as answer:
+        assert answer.headers["Content-Type"].startswith("text/plain; version=")
+        return answer.read().decode()
+
+
+def test_a_scrape_shows_clients_taking_turns(scheduler_factory):
+    scheduler = scheduler_factory(metrics="127.0.0.1:0")
+    address = metrics_address(scheduler)
+    before = samples(scrape(address))
+    assert value(before, "nvshare_scheduler_clients") == 0
+    assert value(before, "nvshare_scheduler_restarted") == 0
+
+    env = dict(scheduler.env, NVSHARE_POD_NAME="trainer", NVSHARE_POD_NAMESPACE="team-a")
+    first, second = scheduler.agent(env=env), scheduler.agent(env=dict(env, NVSHARE_POD_NAME="notebook"))
+    for _ in range(2):  # two rounds: first -> second -> first -> second
+        first.send(f"acquire {GPU}")
+        first.expect(f"granted {GPU}")
+        second.send(f"acquire {GPU}")
+        wait_for(lambda: scheduler.waiters(GPU) == [second.client_id], what="the second client to wait")
+        seen = samples(scrape(address))
+        assert value(seen, "nvshare_device_waiters", device=GPU) == 1
+        first.send(f"release {GPU}")
+        second.expect(f"granted {GPU}")
+        second.send(f"release {GPU}")
+        second.expect(f"released {GPU}")
+
+    after = samples(scrape(address))
+    notebook = {"device": GPU, "pod": "notebook", "namespace": "team-a"}
+    program = next(dict(labels)["program"] for name, labels in after
+                   if name == "nvshare_client_grants_total" and dict(labels).get("pod") == "notebook")
+    notebook["program"] = program
+    assert value(after, "nvshare_scheduler_clients") == 2
+    assert value(after, "nvshare_client_grants_total", **notebook) == 2
+    assert value(after, "nvshare_client_wait_seconds_count", **notebook) == 2
+    assert value(after, "nvshare_client_wait_seconds_sum", **notebook) > 0
+    assert value(after, "nvshare_device_handoffs_total", device=GPU) == 3  # f -> s -> f -> s
+    assert value(after, "nvshare_scheduler_handoff_seconds_count", device=GPU) == 2
+    assert value(after, "nvshare_device_holders", device=GPU) == 0
+
+    # A message that is not the protocol is answered with ERROR and counted.
+    import zmq
+
+    context = zmq.Context()
+    try:
+        raw = context.socket(zmq.DEALER)
+        raw.connect(f"ipc://{scheduler.paths.client_socket}")
+        raw.send(b"not the protocol")
+        assert raw.poll(30_000), "no answer to a malformed message"
+        raw.recv()
+        raw.close(linger=0)
+    finally:
+        context.term()
+    rejected = samples(scrape(address))
+    assert value(rejected, "nvshare_scheduler_rejected_messages_total", code="malformed") == 1
+
+
+def test_a_silent_scraper_does_not_hold_up_others_or_the_lock(scheduler_factory):
+    scheduler = scheduler_factory(metrics="127.0.0.1:0")
+    host, port = metrics_address(scheduler).rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as silent:
+        silent.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never finishes its request
+        assert "nvshare_scheduler_clients" in scrape(f"{host}:{port}")
+        agent = scheduler.agent()
+        agent.send(f"acquire {GPU}")
+        agent.expect(f"granted {GPU}")
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        scrape(f"{host}:{port}", "/elsewhere")
+    assert answer.value.code == 404
+
+
+def test_metrics_are_off_by_default(scheduler):
+    assert "serving metrics" not in scheduler.log_text()
+
+
+def test_a_taken_port_or_a_bad_address_refuses_to_start_before_touching_the_socket_dir(scheduler_factory):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        scheduler = scheduler_factory(start=False)
+        result = scheduler.run_to_exit("--metrics", f"127.0.0.1:{port}")
+        assert result.returncode == 1
+        assert f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr
+        assert not scheduler.paths.client_socket.exists()
+    finally:
+        taken.close()
+    result = scheduler.run_to_exit("--metrics", "9400")
+    assert result.returncode == 2 and "HOST:PORT" in result.stderr
