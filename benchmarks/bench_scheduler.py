@@ -1,6 +1,7 @@
 """Scheduler benchmark: lock handoff and acquire latency through the real daemon.
 
     python benchmarks/bench_scheduler.py [--quick] [--output FILE]
+    python benchmarks/bench_scheduler.py --scrape 1 [--quick]   # metrics cost, see below
 
 Each client is a separate process, of one of two kinds (`--client`): `c` is
 benchmarks/c/lock_client.c, which speaks the protocol with libnvshare.so's own transport and
@@ -16,6 +17,11 @@ ends). The daemon is `python -m nvshare_py.scheduler` with its default settings.
 - SIGKILL of a holder -> the waiting client's acquire() returns;
 - the idle daemon's CPU use over 10 s (utime + stime from /proc/<pid>/stat), with no clients
   and with 32 idle clients.
+
+With `--scrape SECONDS` it measures only what serving Prometheus metrics costs the lock path:
+handoffs (C clients, 8 clients on one device, 1 ms holds) alternately on a daemon without
+`--metrics` and on one with `--metrics` while a scraper GETs /metrics every SECONDS, several
+rounds each; writes benchmarks/results/scheduler-scrape-<date>.json.
 
 Timestamps are CLOCK_MONOTONIC (time.monotonic_ns), comparable across processes. Prints the
 results as JSON and writes benchmarks/results/scheduler-<date>.json.
@@ -58,13 +64,13 @@ def device_name(index: int) -> str:
 
 
 class Daemon:
-    def __init__(self) -> None:
+    def __init__(self, *extra_args: str) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix="nvs-bench-", dir="/tmp"))
         self.paths = SocketPaths(self.directory)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         self.log = open(self.directory / "scheduler.log", "wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "nvshare_py.scheduler", "--socket-dir", str(self.directory)],
+            [sys.executable, "-m", "nvshare_py.scheduler", "--socket-dir", str(self.directory), *extra_args],
             env=env, stdout=self.log, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 30
@@ -345,6 +351,85 @@ def measure_idle_cpu(daemon: Daemon, seconds: float) -> dict:
     return {"seconds": round(elapsed, 2), "cpu_seconds": round(used, 3), "cpu_percent": round(100 * used / elapsed, 3)}
 
 
+class Scraper:
+    """A thread that GETs the daemon's /metrics every `interval` seconds, as Prometheus would."""
+
+    def __init__(self, daemon: Daemon, interval: float) -> None:
+        import re
+        import threading
+
+        text = (daemon.directory / "scheduler.log").read_text()
+        self.url = "http://" + re.search(r"serving metrics address=(\S+)", text).group(1) + "/metrics"
+        self.interval = interval
+        self.durations: list[int] = []
+        self.bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import urllib.request
+
+        while not self._stop.wait(self.interval):
+            started = time.monotonic_ns()
+            with urllib.request.urlopen(self.url, timeout=30) as answer:
+                self.bytes = len(answer.read())
+            self.durations.append(time.monotonic_ns() - started)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(60)
+        return {"scrapes": len(self.durations), "last_bytes": self.bytes, **summary(self.durations)}
+
+
+def measure_scrape_cost(interval: float, quick: bool) -> dict:
+    """Handoff latency without metrics and with a scraper, alternating daemons round by round
+    (the machine is shared: alternating spreads its background load over both)."""
+    rounds = 2 if quick else 5
+    seconds = 2.0 if quick else 5.0
+    count, devices, hold = 8, 1, 0.001
+    collected: dict[str, list] = {"off": [], "scraped": []}
+    scrapes = []
+    lock_client = None
+    for _ in range(rounds):
+        for variant in ("off", "scraped"):
+            daemon = Daemon(*(("--metrics", "127.0.0.1:0") if variant == "scraped" else ()))
+            scraper = None
+            try:
+                lock_client = lock_client or build_lock_client(Path(tempfile.mkdtemp(prefix="nvs-bench-bin-")))
+                clients = CClients(lock_client, daemon, count, devices)
+                try:
+                    if variant == "scraped":
+                        scraper = Scraper(daemon, interval)
+                    collected[variant].append(measure_handoff(clients, devices, seconds, hold))
+                finally:
+                    clients.close()
+                    if scraper is not None:
+                        scrapes.append(scraper.stop())
+            finally:
+                daemon.stop()
+            print(variant, json.dumps(collected[variant][-1]), file=sys.stderr)
+
+    def pooled(runs: list[dict]) -> dict:
+        return {
+            "p50_us_median_of_rounds": statistics.median(run["p50_us"] for run in runs),
+            "p99_us_median_of_rounds": statistics.median(run["p99_us"] for run in runs),
+            "handoffs_per_s_median_of_rounds": statistics.median(run.get("handoffs_per_s", 0) for run in runs),
+            "rounds": runs,
+        }
+
+    off, scraped = pooled(collected["off"]), pooled(collected["scraped"])
+    return {
+        "setup": f"{count} C clients, {devices} device, {hold * 1000:g} ms holds, {seconds:g} s per round, "
+                 f"{rounds} rounds alternating; scraper every {interval:g} s",
+        "without_metrics": off,
+        "with_scraper": scraped,
+        "scrape_duration": scrapes,
+        "ratio_p50": round(scraped["p50_us_median_of_rounds"] / off["p50_us_median_of_rounds"], 3),
+        "ratio_p99": round(scraped["p99_us_median_of_rounds"] / off["p99_us_median_of_rounds"], 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
@@ -353,9 +438,23 @@ def main() -> None:
     parser.add_argument("--client", choices=("c", "python"), nargs="+", default=("c", "python"),
                         help="client implementations to measure")
     parser.add_argument("--no-extras", action="store_true", help="skip the idle-CPU and SIGKILL measurements")
+    parser.add_argument("--scrape", type=float, metavar="SECONDS",
+                        help="only measure the cost of metrics: handoffs without --metrics vs with a scraper every SECONDS")
     parser.add_argument("--output", type=Path, help="where to write the JSON (default benchmarks/results/scheduler-<date>.json)")
     args = parser.parse_args()
     handoff_seconds = 1.0 if args.quick else 3.0
+    if args.scrape is not None:
+        result = {
+            "benchmark": "scheduler-scrape",
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()},
+            **measure_scrape_cost(args.scrape, args.quick),
+        }
+        text = json.dumps(result, indent=2)
+        print(text)
+        output = args.output or REPO / "benchmarks" / "results" / f"scheduler-scrape-{datetime.date.today().isoformat()}.json"
+        output.write_text(text + "\n")
+        return
     uncontended_total = 200 if args.quick else 2000
 
     context = multiprocessing.get_context("forkserver")

@@ -301,7 +301,7 @@ class Daemon:
             nursery.start_soon(self._serve_control)
             if self._metrics_sockets:
                 self._metrics = SchedulerMetrics(restarted=self.restarted, started=self._started)
-                nursery.start_soon(serve_metrics, self._metrics_sockets, lambda: self._metrics.render(self.status()))
+                nursery.start_soon(serve_metrics, self._metrics_sockets, lambda: self._metrics.render_in_steps(self.status()))
             emit(
                 logging.INFO,
                 "ready",

@@ -7,10 +7,12 @@ Two parts, both driven from the daemon's one Trio thread:
   histograms (waits, holds, handoffs). Gauges (modes, quanta, memory, holders, waiters) are not
   tracked at all: `render()` sets them from the daemon's status document when a scrape arrives.
 - `serve_metrics` answers HTTP GETs from a task in the daemon's nursery. Rendering therefore runs
-  between two steps of the pump, on the same thread, and needs no lock: a scrape can delay a
-  handoff by the time one render takes (benchmarks/bench_scheduler.py --scrape measures it) but
-  can never observe, or hold up, a half-done update. prometheus_client's own HTTP server would
-  run collection on a thread of its own, racing the pump for the core's state and for the GIL.
+  on the pump's thread, between two of its steps, and needs no lock: it can never observe, or
+  hold up, a half-done update. It yields to the pump every RENDER_STEP samples, so a large
+  exposition delays a handoff by one step's formatting, not by the whole render
+  (benchmarks/bench_scheduler.py --scrape measures it). prometheus_client's own HTTP server
+  would run collection on a thread of its own, racing the pump for the core's state and for
+  the GIL.
 
 Label cardinality is bounded: clients say who they are (pod, namespace, program) and a client
 may lie, so at most CLIENT_LABEL_SETS distinct (pod, namespace, program) sets and DEVICE_LABELS
@@ -22,11 +24,12 @@ from __future__ import annotations
 import logging
 import math
 import socket
-from typing import Callable, Iterable
+from typing import Awaitable, Callable, Iterable, Iterator
 
 import trio
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 
 from .. import __version__
 from . import events as ev
@@ -52,14 +55,16 @@ CLIENT_LABELS = ("device", "pod", "namespace", "program")
 REQUEST_TIMEOUT = 10.0
 REQUEST_MAX = 8192
 CONNECTIONS_MAX = 8
+RENDER_STEP = 100  # samples formatted between two chances for the pump to run
 
 
 class SchedulerMetrics:
     """Counters and histograms from the core's actions; gauges from a status document."""
 
     def __init__(self, *, restarted: bool, started: float) -> None:
+        # No ProcessCollector: it reads /proc on every scrape (about 10 ms on a busy 2-core
+        # machine), and a render runs between two steps of the pump.
         self.registry = registry = CollectorRegistry(auto_describe=True)
-        ProcessCollector(registry=registry)
         # --- per device ---
         self.device_mode = Gauge("nvshare_device_mode", "1 for the device's current scheduling mode, 0 for the others",
                                  ("device", "mode"), registry=registry)
@@ -223,7 +228,22 @@ class SchedulerMetrics:
 
     def render(self, status: dict) -> bytes:
         """The exposition text, gauges set from `status` (the control protocol's status
-        document, docs/protocol.md)."""
+        document, docs/protocol.md), in one go."""
+        self._set_gauges(status)
+        return b"".join(_pieces(self.registry))
+
+    async def render_in_steps(self, status: dict) -> bytes:
+        """As render(), letting the other tasks (the pump) run after every RENDER_STEP lines:
+        formatting a few thousand series takes tens of milliseconds on a busy small machine,
+        which must not sit in front of a handoff."""
+        self._set_gauges(status)
+        pieces = []
+        for piece in _pieces(self.registry):
+            pieces.append(piece)
+            await trio.lowlevel.checkpoint()
+        return b"".join(pieces)
+
+    def _set_gauges(self, status: dict) -> None:
         for gauge in (self.device_mode, self.device_tq, self.device_total, self.device_budget, self.device_used,
                       self.device_resident, self.device_holders, self.device_waiters, self.client_memory,
                       self.client_holding):
@@ -249,7 +269,30 @@ class SchedulerMetrics:
             self.device_holders.labels(device).inc(len(dev["holders"]))
             self.device_waiters.labels(device).inc(len(dev["waiters"]))
         self.clients.set(len(status["clients"]))
-        return generate_latest(self.registry)
+
+
+class _Family:
+    """A collector of one prepared metric family, for generate_latest."""
+
+    def __init__(self, family: Metric) -> None:
+        self.family = family
+
+    def collect(self) -> list[Metric]:
+        return [self.family]
+
+
+def _pieces(registry: CollectorRegistry) -> Iterator[bytes]:
+    """The exposition text in pieces of at most RENDER_STEP samples. `_created` samples are
+    left out: they would double the output and Prometheus does not need them."""
+    for family in registry.collect():
+        samples = [sample for sample in family.samples if not sample.name.endswith("_created")]
+        for start in range(0, max(1, len(samples)), RENDER_STEP):
+            piece = Metric(family.name, family.documentation, family.type, family.unit)
+            piece.samples = samples[start:start + RENDER_STEP]
+            text = generate_latest(_Family(piece))
+            if start:  # one family: its # HELP and # TYPE lines only once
+                text = text.split(b"\n", 2)[2]
+            yield text
 
 
 # --- HTTP ----------------------------------------------------------------------------------
@@ -290,7 +333,7 @@ def bind_metrics(address: str) -> list[socket.socket]:
     return bound
 
 
-async def serve_metrics(sockets: list[socket.socket], render: Callable[[], bytes]) -> None:
+async def serve_metrics(sockets: list[socket.socket], render: Callable[[], Awaitable[bytes]]) -> None:
     """Answer `GET /metrics` (and `/`) on the sockets from bind_metrics until cancelled."""
     limit = trio.CapacityLimiter(CONNECTIONS_MAX)
     for sock in sockets:
@@ -302,7 +345,7 @@ async def serve_metrics(sockets: list[socket.socket], render: Callable[[], bytes
             nursery.start_soon(_accept, listener, render, limit, nursery)
 
 
-async def _accept(listener: trio.SocketListener, render: Callable[[], bytes], limit: trio.CapacityLimiter,
+async def _accept(listener: trio.SocketListener, render: Callable[[], Awaitable[bytes]], limit: trio.CapacityLimiter,
                   nursery: trio.Nursery) -> None:
     async with listener:
         while True:
@@ -313,7 +356,7 @@ async def _accept(listener: trio.SocketListener, render: Callable[[], bytes], li
             nursery.start_soon(_answer, stream, render, limit)
 
 
-async def _answer(stream: trio.SocketStream, render: Callable[[], bytes], limit: trio.CapacityLimiter) -> None:
+async def _answer(stream: trio.SocketStream, render: Callable[[], Awaitable[bytes]], limit: trio.CapacityLimiter) -> None:
     async with limit, stream:
         with trio.move_on_after(REQUEST_TIMEOUT):
             request = b""
@@ -333,7 +376,7 @@ async def _answer(stream: trio.SocketStream, render: Callable[[], bytes], limit:
                 await _respond(stream, "404 Not Found", b"metrics are at /metrics\n")
             else:
                 try:
-                    body = render()
+                    body = await render()
                 except Exception:
                     log.exception("cannot render metrics")
                     await _respond(stream, "500 Internal Server Error", b"see the scheduler's log\n")
