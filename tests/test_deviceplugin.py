@@ -470,3 +470,22 @@ def test_advertises_the_real_gpus_through_the_real_nvml(node, kubelet):
         process.send_signal(signal.SIGTERM)
         assert process.wait(TIMEOUT) == 0, log_path.read_text()
     print(log_path.read_text())
+
+
+def test_a_hung_nvml_call_stalls_neither_allocate_nor_list_and_watch(node, kubelet, simnvml_dir):
+    with running_plugin(node, simnvml_dir, args=["--replicas", "2"]) as plugin:
+        kubelet.wait_for_devices(RESOURCE)
+        node.set_gpu_states("0 hang\n")
+        plugin.wait_for_log("simnvml: GPU 0: nvmlDeviceGetHandleByUUID hangs")
+        # The health check is stuck inside NVML from here on; the kubelet is still served.
+        (container,) = kubelet.allocate(RESOURCE, [[device(1, 0)]]).container_responses
+        assert container.envs["NVIDIA_VISIBLE_DEVICES"] == uuid(1)
+        kubelet.restart()  # a new registration and a new ListAndWatch stream
+        kubelet.wait_until(lambda: len(kubelet.registrations) == 2, TIMEOUT, "second registration")
+        assert kubelet.wait_for_devices(RESOURCE) == all_devices(gpus=2, replicas=2)
+        plugin.wait_for_log("NVML has not answered a health check")
+
+        # Once NVML answers again, health checks go on.
+        node.set_gpu_states("1 gone\n")
+        expected = {**all_devices(1, 2), device(1, 0): UNHEALTHY, device(1, 1): UNHEALTHY}
+        kubelet.wait_for_devices(RESOURCE, lambda devices: devices == expected)

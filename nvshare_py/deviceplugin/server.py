@@ -4,7 +4,10 @@ kubelet, re-registration after a kubelet restart, and the health watch.
 Everything runs on one asyncio event loop (grpc.aio): the kubelet calls back into this process
 while `Register` is in flight, so serving and registering must not block each other. The tasks
 form one tree owned by `Plugin.run`; SIGTERM ends it, which stops the server and removes the
-plugin's socket.
+plugin's socket. The one exception is NVML: a driver call can hang (a GPU falling off the bus,
+a wedged driver), so every NVML call after start-up runs on a thread of its own (`NvmlThread`)
+and the loop only applies what it found. A hung call then stalls health checks, never
+Allocate or ListAndWatch.
 """
 
 from __future__ import annotations
@@ -12,10 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
 import signal
 import stat
+import threading
+import time
 from pathlib import Path
-from typing import Awaitable
+from typing import Awaitable, Callable, TypeVar
 
 import grpc
 
@@ -30,6 +36,13 @@ log = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 10.0
 SERVER_STOP_GRACE_S = 1.0
+# A health check that takes this many health intervals (at least NVML_SLOW_MIN_S) is logged
+# as NVML not answering.
+NVML_SLOW_INTERVALS = 5
+NVML_SLOW_MIN_S = 1.0
+NVML_STOP_WAIT_S = 2.0  # at exit, for the NVML thread to finish its call
+
+T = TypeVar("T")
 
 
 class PluginError(RuntimeError):
@@ -173,26 +186,95 @@ async def run_until_first_exits(*awaitables: Awaitable) -> None:
             raise task.exception()
 
 
+class NvmlThread:
+    """One daemon thread that makes NVML calls in order; `call` awaits the result without
+    blocking the loop. A call that never returns keeps the thread, and the calls queued behind
+    it, but nothing else; being a daemon thread it does not keep the process from exiting."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy_since: float | None = None  # monotonic start of the call in progress
+        self._thread = threading.Thread(target=self._run, name="nvml", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._calls.get()
+            if item is None:
+                return
+            function, loop, future = item
+            self.busy_since = time.monotonic()
+            try:
+                result = function()
+            except BaseException as error:  # handed to the awaiting task, which decides
+                loop.call_soon_threadsafe(_settle, future, None, error)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
+            finally:
+                self.busy_since = None
+
+    async def call(self, function: Callable[[], T]) -> T:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._calls.put((function, loop, future))
+        return await future
+
+    def stop(self, timeout: float) -> bool:
+        """Ends the thread after the calls queued before; False if it is still busy after
+        `timeout` seconds (a hung call)."""
+        self._calls.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 class Plugin:
     def __init__(self, config: PluginConfig, nvml: Nvml, inventory: Inventory):
         self.config = config
         self.nvml = nvml
         self.inventory = inventory
         self.changes = Changes()
+        self.nvml_thread = NvmlThread()
         self._socket_identity = None
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.check_health()
+        await self.check_health()
         await run_until_first_exits(self._watch_health(), self._serve_and_register(), stop.wait())
 
     # ---- health -------------------------------------------------------------------------
 
-    def check_health(self) -> bool:
+    def observe_gpus(self) -> tuple[list[tuple[str, int]], dict[str, str | None]]:
+        """The NVML half of a health check (runs on the NVML thread): pending Xids, and each
+        GPU's presence problem (None: present)."""
+        xids = self.nvml.pending_xids()
+        return xids, {gpu.uuid: self.nvml.presence_problem(gpu.uuid) for gpu in self.inventory.gpus}
+
+    async def check_health(self) -> bool:
         """Drains NVML's Xid events and checks that every GPU is present. True when the health
         of some GPU flipped (the kubelet needs a new device list)."""
+        call = asyncio.ensure_future(self.nvml_thread.call(self.observe_gpus))
+        slow = max(NVML_SLOW_MIN_S, NVML_SLOW_INTERVALS * self.config.health_interval)
+        done, _ = await asyncio.wait([call], timeout=slow)
+        if not done:
+            log.warning("NVML has not answered a health check for %.1f s; health checks wait for it, "
+                        "allocations go on", slow)
+        xids, presence = await call
+        return self.apply_health(xids, presence)
+
+    def apply_health(self, xids: list[tuple[str, int]], presence: dict[str, str | None]) -> bool:
+        """The inventory half of a health check (on the loop). True when some GPU's health
+        flipped."""
         before = {gpu.uuid: self.inventory.unhealthy_reason(gpu.uuid) for gpu in self.inventory.gpus}
         flipped = False
-        for uuid, xid in self.nvml.pending_xids():
+        for uuid, xid in xids:
             gpu = self.inventory.gpu(uuid)
             if xid in self.config.ignored_xids:
                 log.info("GPU %d (%s) reported Xid %d, an application fault: the GPU stays healthy",
@@ -201,7 +283,7 @@ class Plugin:
                 log.error("GPU %d (%s) reported critical Xid %d", gpu.index, uuid, xid)
                 flipped |= self.inventory.record_fatal_xid(uuid, xid)
         for gpu in self.inventory.gpus:
-            flipped |= self.inventory.set_presence(gpu.uuid, self.nvml.presence_problem(gpu.uuid))
+            flipped |= self.inventory.set_presence(gpu.uuid, presence[gpu.uuid])
         # The log says every change of reason, also between two that are both Unhealthy.
         for gpu in self.inventory.gpus:
             reason = self.inventory.unhealthy_reason(gpu.uuid)
@@ -219,7 +301,7 @@ class Plugin:
     async def _watch_health(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_interval)
-            if self.check_health():
+            if await self.check_health():
                 await self.changes.notify()
 
     # ---- serving and registering ----------------------------------------------------------
@@ -339,6 +421,7 @@ def _prepare_host(config: PluginConfig) -> None:
 async def serve(config: PluginConfig) -> None:
     """Runs the plugin until SIGTERM or SIGINT."""
     nvml = Nvml()
+    plugin = None
     try:
         gpus = nvml.discover()
         if not gpus:
@@ -360,7 +443,11 @@ async def serve(config: PluginConfig) -> None:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)
     finally:
-        nvml.close()
+        if plugin is None or plugin.nvml_thread.stop(NVML_STOP_WAIT_S):
+            nvml.close()
+        else:
+            # nvmlShutdown behind a hung call could hang as well; the process is about to exit.
+            log.warning("an NVML call is still running: exiting without shutting NVML down")
     log.info("stopped")
 
 

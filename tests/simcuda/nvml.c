@@ -18,6 +18,9 @@
  *   xid:<n>   the GPU works, and one critical Xid event (nvmlEventTypeXidCriticalError,
  *             eventData n) is delivered to each event set registered for it. An event set
  *             delivers the same Xid of a GPU again only after the line showed something else.
+ *   hang      a wedged driver: nvmlDeviceGetHandleByUUID for the GPU blocks (saying so once on
+ *             stderr: "simnvml: GPU <i>: nvmlDeviceGetHandleByUUID hangs") until the line
+ *             shows something else; other calls behave as for ok
  * A missing file means every GPU is ok; a line that does not parse is reported on stderr and
  * ignored.
  *
@@ -88,7 +91,7 @@ struct nvmlEventSet_st {
 };
 typedef struct nvmlEventSet_st *nvmlEventSet_t;
 
-enum gpu_state { GPU_OK, GPU_GONE, GPU_XID };
+enum gpu_state { GPU_OK, GPU_GONE, GPU_XID, GPU_HANG };
 
 struct device_state {
     enum gpu_state state;
@@ -149,6 +152,8 @@ static void read_states(struct device_state *states)
             states[index] = (struct device_state){GPU_OK, 0};
         else if (strcmp(word, "gone") == 0)
             states[index] = (struct device_state){GPU_GONE, 0};
+        else if (strcmp(word, "hang") == 0)
+            states[index] = (struct device_state){GPU_HANG, 0};
         else if (sscanf(word, "xid:%llu", &xid) == 1 && xid > 0)
             states[index] = (struct device_state){GPU_XID, xid};
         else
@@ -299,6 +304,12 @@ nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
         return NVML_ERROR_INVALID_ARGUMENT;
     for (unsigned int i = 0; i < device_count; i++) {
         if (strcmp(devices[i].uuid, uuid) == 0) {
+            if (state_of(i) == GPU_HANG) {
+                fprintf(stderr, "simnvml: GPU %u: nvmlDeviceGetHandleByUUID hangs\n", i);
+                const struct timespec poll = {0, SIMNVML_POLL_NS};
+                while (state_of(i) == GPU_HANG)
+                    nanosleep(&poll, NULL);
+            }
             if (state_of(i) == GPU_GONE)
                 return NVML_ERROR_NOT_FOUND;
             *device = &devices[i];
