@@ -68,6 +68,11 @@ class Node:
         return self.root / "lib" / "ld.so.preload"
 
     @property
+    def device_dir(self) -> Path:
+        """The node's /dev as the plugin sees it: empty unless a test puts device nodes there."""
+        return self.root / "dev"
+
+    @property
     def state_file(self) -> Path:
         return self.root / "nvml-state"
 
@@ -82,6 +87,7 @@ def make_node():
     node = Node(Path(tempfile.mkdtemp(prefix="nvs-", dir="/tmp")))
     node.library.parent.mkdir()
     node.library.write_bytes(b"\x7fELF stand-in for libnvshare.so")
+    node.device_dir.mkdir()
     try:
         yield node
     finally:
@@ -97,6 +103,7 @@ class PluginProcess:
         command = [sys.executable, "-m", "nvshare_py.deviceplugin", "serve",
                    "--device-plugin-dir", str(node.plugin_dir), "--socket-dir", str(node.socket_dir),
                    "--library", str(node.library), "--preload-file", str(node.preload_file),
+                   "--device-dir", str(node.device_dir),
                    "--health-interval", "0.1", "--kubelet-watch-interval", "0.1", *args]
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -375,6 +382,7 @@ def test_a_node_without_gpus_is_an_error(node, kubelet, simnvml_dir):
     (["--container-env", "LD_PRELOAD=/x.so"], "set by the plugin itself"),
     (["--resource-name", "gpu"], "must be <domain>/<name>"),
     (["--ignored-xids", "13,x"], "not a comma-separated list"),
+    (["--cdi", "uuid", "--cdi-kind", "gpu"], "is not vendor.com/class"),
 ])
 def test_invalid_settings_fail_before_anything_starts(node, simnvml_dir, args, message):
     with running_plugin(node, simnvml_dir, args=args) as plugin:
@@ -489,3 +497,43 @@ def test_a_hung_nvml_call_stalls_neither_allocate_nor_list_and_watch(node, kubel
         node.set_gpu_states("1 gone\n")
         expected = {**all_devices(1, 2), device(1, 0): UNHEALTHY, device(1, 1): UNHEALTHY}
         kubelet.wait_for_devices(RESOURCE, lambda devices: devices == expected)
+
+
+def test_the_plugin_waits_for_the_device_plugin_directory(node, simnvml_dir):
+    with running_plugin(node, simnvml_dir, gpus=1) as plugin:
+        plugin.wait_for_log("waiting for the device-plugin directory")
+        assert plugin.process.poll() is None
+        with running_kubelet(node) as kubelet:  # creates the directory, as a starting kubelet does
+            assert kubelet.wait_for_devices(RESOURCE) == all_devices(gpus=1, replicas=10)
+
+
+def test_device_nodes_on_the_node_are_passed_as_device_specs(node, kubelet, simnvml_dir):
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):  # no nvidia-uvm-tools here
+        (node.device_dir / name).touch()
+    with running_plugin(node, simnvml_dir, gpus=2):
+        kubelet.wait_for_devices(RESOURCE)
+        (container,) = kubelet.allocate(RESOURCE, [[device(1, 0)]]).container_responses
+        assert [(d.container_path, d.host_path, d.permissions) for d in container.devices] == [
+            ("/dev/nvidia1", str(node.device_dir / "nvidia1"), "rw"),
+            ("/dev/nvidiactl", str(node.device_dir / "nvidiactl"), "rw"),
+            ("/dev/nvidia-uvm", str(node.device_dir / "nvidia-uvm"), "rw"),
+        ]
+        assert not container.cdi_devices
+
+
+def test_no_device_specs_when_turned_off(node, kubelet, simnvml_dir):
+    (node.device_dir / "nvidia0").touch()
+    with running_plugin(node, simnvml_dir, gpus=1, args=["--no-device-specs"]):
+        kubelet.wait_for_devices(RESOURCE)
+        (container,) = kubelet.allocate(RESOURCE, [[device(0, 0)]]).container_responses
+        assert not container.devices
+
+
+@pytest.mark.parametrize("names, expected", [("uuid", [f"nvidia.com/gpu={uuid(0)}", f"nvidia.com/gpu={uuid(1)}"]),
+                                             ("index", ["nvidia.com/gpu=0", "nvidia.com/gpu=1"])])
+def test_cdi_names_the_containers_gpus(node, kubelet, simnvml_dir, names, expected):
+    with running_plugin(node, simnvml_dir, gpus=2, args=["--cdi", names]):
+        kubelet.wait_for_devices(RESOURCE)
+        (container,) = kubelet.allocate(RESOURCE, [[device(1, 0), device(0, 2)]]).container_responses
+        assert [d.name for d in container.cdi_devices] == expected
+        assert container.envs["NVIDIA_VISIBLE_DEVICES"] == f"{uuid(0)},{uuid(1)}"

@@ -16,7 +16,7 @@ from nvshare_py.clikit import APP_SETTINGS, VERSION_OPTION, missing_extra
 from nvshare_py.paths import ENV_SOCKET_DIR, SocketPaths
 
 from . import config as defaults
-from .config import AllocationPolicy, ConfigError, PluginConfig, Preload, parse_container_env, parse_xids
+from .config import AllocationPolicy, CdiNames, ConfigError, PluginConfig, Preload, parse_container_env, parse_xids
 from .nvml import NvmlUnavailable
 from .v1beta1 import DEFAULT_DEVICE_PLUGIN_DIR
 
@@ -84,6 +84,17 @@ def serve_command(
         ",".join(str(xid) for xid in sorted(defaults.DEFAULT_IGNORED_XIDS)),
     kubelet_watch_interval: Annotated[float, typer.Option(envvar="NVSHARE_DP_KUBELET_WATCH_INTERVAL",
                                                           help="Seconds between checks for a kubelet restart.")] = 1.0,
+    device_specs: Annotated[bool, typer.Option(envvar="NVSHARE_DP_DEVICE_SPECS",
+                                               help="Pass the GPUs' device nodes (and nvidiactl, nvidia-uvm) to "
+                                                    "the runtime as device specs, those present in --device-dir.")] = True,
+    device_dir: Annotated[Path, typer.Option(envvar="NVSHARE_DP_DEVICE_DIR",
+                                             help="Where the plugin finds the device nodes (the host's /dev, or the "
+                                                  "copy the NVIDIA runtime gives its container).")] = Path("/dev"),
+    cdi: Annotated[CdiNames, typer.Option(envvar="NVSHARE_DP_CDI",
+                                          help="Also name the GPUs as CDI devices in Allocate: off, uuid "
+                                               "(<kind>=GPU-...) or index (<kind>=0), matching the node's CDI spec.")] = CdiNames.OFF,
+    cdi_kind: Annotated[str, typer.Option(envvar="NVSHARE_DP_CDI_KIND",
+                                          help="CDI kind of the GPUs in the node's CDI spec.")] = defaults.DEFAULT_CDI_KIND,
     log_level: Annotated[str, typer.Option(envvar="NVSHARE_DP_LOG_LEVEL", help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Advertise every GPU as REPLICAS devices and inject nvshare into the containers given one."""
@@ -96,7 +107,8 @@ def serve_command(
             container_library=container_library, preload=preload, preload_file=preload_file,
             allocation=allocation, container_env=parse_container_env(container_env or []),
             health_interval=health_interval, ignored_xids=parse_xids(ignored_xids),
-            kubelet_watch_interval=kubelet_watch_interval)
+            kubelet_watch_interval=kubelet_watch_interval, device_specs=device_specs,
+            device_dir=device_dir, cdi=cdi, cdi_kind=cdi_kind)
         asyncio.run(server.serve(config))
     except (ConfigError, NvmlUnavailable, server.PluginError) as error:
         log.error("%s", error)

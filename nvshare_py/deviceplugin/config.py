@@ -21,6 +21,9 @@ CONTAINER_PRELOAD_PATH = Path("/etc/ld.so.preload")
 # Xids that report a fault of one application (bad address, illegal instruction, a killed
 # context, ...) rather than of the GPU: the GPU stays usable by everyone else.
 DEFAULT_IGNORED_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+DEFAULT_CDI_KIND = "nvidia.com/gpu"
+# The device nodes every CUDA container needs besides /dev/nvidia<minor>; passed on when present.
+CONTROL_DEVICE_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 
 # Variables the plugin sets itself in every container; --container-env may not override them.
 OWNED_CONTAINER_ENV = frozenset({"LD_PRELOAD", "NVIDIA_VISIBLE_DEVICES", "NVSHARE_SOCKET_DIR"})
@@ -39,6 +42,15 @@ class Preload(str, enum.Enum):
 
     ENV = "env"  # LD_PRELOAD in the container's environment
     FILE = "file"  # an /etc/ld.so.preload bind-mounted over the image's (reaches static setups too)
+
+
+class CdiNames(str, enum.Enum):
+    """Whether and how Allocate names the container's GPUs as CDI devices (`<kind>=<name>`),
+    which must match the node's CDI specification (`nvidia-ctk cdi generate`)."""
+
+    OFF = "off"
+    UUID = "uuid"  # nvidia.com/gpu=GPU-...: nvidia-ctk --device-name-strategy=uuid
+    INDEX = "index"  # nvidia.com/gpu=0: nvidia-ctk's default strategy
 
 
 class AllocationPolicy(str, enum.Enum):
@@ -100,6 +112,10 @@ class PluginConfig:
     health_interval: float = 2.0
     ignored_xids: frozenset[int] = DEFAULT_IGNORED_XIDS
     kubelet_watch_interval: float = 1.0
+    device_specs: bool = True
+    device_dir: Path = Path("/dev")
+    cdi: CdiNames = CdiNames.OFF
+    cdi_kind: str = DEFAULT_CDI_KIND
 
     def __post_init__(self) -> None:
         check_resource_name(self.resource_name)
@@ -111,6 +127,12 @@ class PluginConfig:
                             ("preload file", self.preload_file)):
             if not path.is_absolute():
                 raise ConfigError(f"{label} path {path} must be absolute")
+        if not self.device_dir.is_absolute():
+            raise ConfigError(f"device directory {self.device_dir} must be absolute")
+        if self.cdi is not CdiNames.OFF:
+            vendor, _, kind_class = self.cdi_kind.partition("/")
+            if not _DNS_SUBDOMAIN.match(vendor) or not _NAME_PART.match(kind_class or "-"):
+                raise ConfigError(f"CDI kind {self.cdi_kind!r} is not vendor.com/class")
         if self.health_interval <= 0 or self.kubelet_watch_interval <= 0:
             raise ConfigError("intervals must be positive")
         try:

@@ -21,6 +21,7 @@ class Gpu:
     index: int
     name: str
     memory: int
+    minor: int | None = None  # /dev/nvidia<minor>; None when NVML does not say
 
 
 class InvalidRequest(ValueError):

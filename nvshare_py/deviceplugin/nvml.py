@@ -21,6 +21,14 @@ def _describe(error: pynvml.NVMLError) -> str:
     return f"NVML: {error}"
 
 
+def _minor_number(handle) -> int | None:
+    try:
+        return int(pynvml.nvmlDeviceGetMinorNumber(handle))
+    except pynvml.NVMLError as error:  # e.g. NOT_SUPPORTED: no /dev/nvidia<n> to pass on
+        log.warning("no minor number (device node) for a GPU: %s", _describe(error))
+        return None
+
+
 class Nvml:
     """An initialised NVML session. Every method runs on the caller's thread and returns fast:
     event waits use a zero timeout, so no thread is needed to watch for Xids."""
@@ -47,7 +55,8 @@ class Nvml:
                 handle = pynvml.nvmlDeviceGetHandleByIndex(index)
                 gpus.append(Gpu(uuid=pynvml.nvmlDeviceGetUUID(handle), index=index,
                                 name=pynvml.nvmlDeviceGetName(handle),
-                                memory=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)))
+                                memory=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+                                minor=_minor_number(handle)))
             except pynvml.NVMLError as error:
                 log.warning("GPU %d does not answer and is not advertised: %s", index, _describe(error))
         return gpus

@@ -25,7 +25,7 @@ from typing import Awaitable, Callable, TypeVar
 
 import grpc
 
-from .config import CONTAINER_PRELOAD_PATH, PluginConfig, Preload
+from .config import CONTAINER_PRELOAD_PATH, CONTROL_DEVICE_NODES, CdiNames, PluginConfig, Preload
 from .inventory import Gpu, GpuUnavailable, InvalidRequest, Inventory
 from .nvml import Nvml
 from .v1beta1 import API_VERSION, HEALTHY
@@ -102,7 +102,33 @@ def container_response(config: PluginConfig, gpus: list[Gpu]) -> api.ContainerAl
     else:
         mounts.append(api.Mount(container_path=str(CONTAINER_PRELOAD_PATH),
                                 host_path=str(config.preload_file), read_only=True))
-    return api.ContainerAllocateResponse(envs=envs, mounts=mounts)
+    return api.ContainerAllocateResponse(envs=envs, mounts=mounts, devices=device_specs(config, gpus),
+                                         cdi_devices=cdi_devices(config, gpus))
+
+
+def device_specs(config: PluginConfig, gpus: list[Gpu]) -> list[api.DeviceSpec]:
+    """The GPUs' device nodes and the control nodes, those present under --device-dir: every
+    CRI runtime creates them in the container and allows them in its device cgroup, so the
+    container reaches its GPUs (and only those) even where no NVIDIA hook runs, and keeps them
+    when the kubelet updates its cgroup (the CPU manager does)."""
+    if not config.device_specs:
+        return []
+    names = [f"nvidia{gpu.minor}" for gpu in gpus if gpu.minor is not None] + list(CONTROL_DEVICE_NODES)
+    specs = []
+    for name in names:
+        host_path = config.device_dir / name
+        if host_path.exists():
+            specs.append(api.DeviceSpec(container_path=f"/dev/{name}", host_path=str(host_path), permissions="rw"))
+    return specs
+
+
+def cdi_devices(config: PluginConfig, gpus: list[Gpu]) -> list[api.CDIDevice]:
+    """The GPUs as fully qualified CDI device names, for runtimes that resolve them (see
+    docs/kubernetes.md)."""
+    if config.cdi is CdiNames.OFF:
+        return []
+    return [api.CDIDevice(name=f"{config.cdi_kind}={gpu.uuid if config.cdi is CdiNames.UUID else gpu.index}")
+            for gpu in gpus]
 
 
 class DevicePluginService(api_grpc.DevicePluginServicer):
@@ -319,6 +345,11 @@ class Plugin:
 
     async def _start_server(self) -> grpc.aio.Server:
         path = self.config.plugin_socket
+        if not path.parent.is_dir():
+            # The kubelet creates it when it starts; a plugin that came up first waits for it.
+            log.info("waiting for the device-plugin directory %s (the kubelet creates it)", path.parent)
+            while not path.parent.is_dir():
+                await asyncio.sleep(self.config.kubelet_watch_interval)
         self._remove_stale_socket(path)
         server = grpc.aio.server()
         api_grpc.add_DevicePluginServicer_to_server(
