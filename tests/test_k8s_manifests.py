@@ -10,6 +10,7 @@ import pytest
 import typer.main
 import yaml
 
+from fixtures.scheduler import nvsharectl_command, run_child
 from nvshare_py.deviceplugin import cli, config
 from nvshare_py.paths import SocketPaths
 
@@ -58,7 +59,7 @@ def test_manifest_is_valid_kubernetes(path, document, version):
 
 def test_kustomization_installs_the_node_components():
     (kustomization,) = load(K8S / "kustomization.yaml")
-    assert kustomization["resources"] == ["namespace.yaml", "scheduler.yaml", "device-plugin.yaml"]
+    assert kustomization["resources"] == ["namespace.yaml", "priorityclass.yaml", "scheduler.yaml", "device-plugin.yaml"]
     images = {image["name"] for image in kustomization["images"]}
     used = {container["image"].rsplit(":", 1)[0]
             for path in ("scheduler.yaml", "device-plugin.yaml") for doc in load(K8S / path)
@@ -77,7 +78,7 @@ def test_scheduler_sees_host_pids_and_owns_the_host_socket_directory():
     assert spec["hostPID"] is True
     (container,) = spec["containers"]
     socket_dir = str(SocketPaths.resolve("/var/run/nvshare").root)
-    assert container["command"] == ["nvshare-scheduler", "--socket-dir", socket_dir]
+    assert container["command"][:3] == ["nvshare-scheduler", "--socket-dir", socket_dir]
     assert host_mounts(spec, container) == {socket_dir: socket_dir}
 
 
@@ -119,3 +120,63 @@ def test_examples_ask_for_nvshare_gpus(kind, name):
     spec = workload["spec"] if kind == "Pod" else pod_spec(workload)
     for container in spec["containers"]:
         assert container["resources"]["limits"][config.DEFAULT_RESOURCE_NAME] == 1
+
+
+def all_pod_specs() -> list[tuple[str, dict]]:
+    specs = []
+    for _, doc in RESOURCES:
+        if doc["kind"] in ("DaemonSet", "Deployment", "Job"):
+            specs.append((doc["metadata"]["name"], pod_spec(doc)))
+        elif doc["kind"] == "Pod":
+            specs.append((doc["metadata"]["name"], doc["spec"]))
+    return specs
+
+
+def test_every_image_names_its_registry():
+    # An unqualified name is Docker Hub to containerd, and CRI-O refuses it in enforcing mode.
+    for name, spec in all_pod_specs():
+        for container in spec["containers"] + spec.get("initContainers", []):
+            first = container["image"].split("/", 1)[0]
+            assert "/" in container["image"] and ("." in first or ":" in first or first == "localhost"), \
+                f"{name}: image {container['image']} has no registry"
+
+
+def test_node_components_have_no_service_account_token_and_a_priority_that_needs_no_quota():
+    quotas = [doc for _, doc in RESOURCES if doc["kind"] == "ResourceQuota"]
+    classes = {doc["metadata"]["name"]: doc for _, doc in RESOURCES if doc["kind"] == "PriorityClass"}
+    for name in ("nvshare-scheduler", "nvshare-device-plugin"):
+        spec = pod_spec(find("DaemonSet", name))
+        assert spec["automountServiceAccountToken"] is False
+        priority = spec["priorityClassName"]
+        if priority.startswith("system-"):
+            # Outside kube-system the API server admits these classes only under a matching quota.
+            assert any(priority in str(quota["spec"].get("scopeSelector")) for quota in quotas)
+        else:
+            assert priority in classes and classes[priority]["value"] <= 1_000_000_000
+
+
+def test_scheduler_serves_metrics_where_the_pod_says():
+    workload = find("DaemonSet", "nvshare-scheduler")
+    (container,) = pod_spec(workload)["containers"]
+    address = container["command"][container["command"].index("--metrics") + 1]
+    port = int(address.rsplit(":", 1)[1])
+    assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in container["ports"]
+    annotations = workload["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(port)
+
+
+def readiness_command(socket_dir: Path) -> list[str]:
+    (container,) = pod_spec(find("DaemonSet", "nvshare-scheduler"))["containers"]
+    command = list(container["readinessProbe"]["exec"]["command"])
+    assert command[0] == "nvsharectl"
+    command[command.index("--socket-dir") + 1] = str(socket_dir)
+    return [*nvsharectl_command(), *command[1:]]
+
+
+def test_readiness_probe_asks_the_daemon_and_fails_once_it_is_gone(scheduler):
+    probe = readiness_command(scheduler.socket_dir)
+    assert run_child(probe, scheduler.env).returncode == 0
+    scheduler.stop()
+    assert scheduler.paths.client_socket.exists()  # the socket files stay, on purpose
+    result = run_child(probe, scheduler.env)
+    assert result.returncode != 0, result.stdout
