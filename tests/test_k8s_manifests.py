@@ -17,7 +17,7 @@ from nvshare_py.paths import SocketPaths
 K8S = Path(__file__).resolve().parents[1] / "k8s"
 # The oldest Kubernetes these manifests promise to work with, and the newest the schemas know.
 VERSIONS = ["1.27.0", kubernetes_validate.utils.latest_version()]
-NOT_KUBERNETES_KINDS = {"Kustomization"}
+NOT_KUBERNETES_KINDS = {"Kustomization", "ServiceMonitor"}  # CRDs: not in the schemas
 
 
 def load(path: Path) -> list[dict]:
@@ -47,7 +47,8 @@ def host_mounts(spec: dict, container: dict) -> dict[str, str]:
 def test_there_are_manifests():
     names = {path.relative_to(K8S).as_posix() for path in MANIFESTS}
     assert {"namespace.yaml", "scheduler.yaml", "device-plugin.yaml", "kustomization.yaml",
-            "examples/notebook.yaml", "examples/training-job.yaml"} <= names
+            "examples/notebook.yaml", "examples/training-job.yaml", "priorityclass.yaml",
+            "monitoring/service-monitor.yaml", "monitoring/kustomization.yaml"} <= names
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -180,3 +181,17 @@ def test_readiness_probe_asks_the_daemon_and_fails_once_it_is_gone(scheduler):
     assert scheduler.paths.client_socket.exists()  # the socket files stay, on purpose
     result = run_child(probe, scheduler.env)
     assert result.returncode != 0, result.stdout
+
+
+def test_the_service_monitor_finds_the_scheduler_pods_metrics_port():
+    service = find("Service", "nvshare-scheduler-metrics")
+    monitor = find("ServiceMonitor", "nvshare-scheduler")
+    scheduler = find("DaemonSet", "nvshare-scheduler")
+    labels = scheduler["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (container,) = pod_spec(scheduler)["containers"]
+    assert service["spec"]["ports"][0]["targetPort"] in [port["name"] for port in container["ports"]]
+    assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+    (kustomization,) = load(K8S / "monitoring" / "kustomization.yaml")
+    assert (K8S / "monitoring" / kustomization["configMapGenerator"][0]["files"][0]).is_file()
