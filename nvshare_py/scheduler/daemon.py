@@ -12,6 +12,8 @@ One nursery holds every task:
 - one pid watcher per registered client whose process is visible: it sleeps on a pidfd and
   tells the pump when that process exits, so a crashed holder's lock moves on at once;
 - the signal task turns SIGTERM/SIGINT into a clean shutdown.
+- with --metrics, the metrics task answers Prometheus scrapes (metrics.py); the pump hands the
+  metrics observer every event and its actions.
 
 Nothing here blocks and there are no threads (libzmq's own I/O thread aside).
 """
