@@ -198,6 +198,9 @@ def test_a_scrape_shows_clients_taking_turns(scheduler_factory):
         second.expect(f"granted {GPU}")
         second.send(f"release {GPU}")
         second.expect(f"released {GPU}")
+        # release() returns before the daemon has seen the RELEASE: without this wait the next
+        # round's ACQUIRE could arrive first and make that release a handoff too.
+        wait_for(lambda: scheduler.holders(GPU) == [], what="the device to be free")
 
     after = samples(scrape(address))
     notebook = {"device": GPU, "pod": "notebook", "namespace": "team-a"}
