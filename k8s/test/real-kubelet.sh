@@ -41,7 +41,8 @@ say() { printf '%s real-kubelet: %s\n' "$(date -u +%H:%M:%S)" "$*" | tee -a "$LO
 KUBELET=$W/build/kubelet
 if [ ! -x "$KUBELET" ]; then
     mkdir -p "$W/build/apt/lists/partial" "$W/build/src"
-    echo "deb-src http://deb.debian.org/debian $SUITE main" > "$W/build/apt/sources.list"
+    echo "deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian $SUITE main" \
+        > "$W/build/apt/sources.list"
     APT=(-o "Dir::Etc::SourceList=$W/build/apt/sources.list" -o "Dir::Etc::SourceParts=$W/build/apt/none"
          -o "Dir::State::Lists=$W/build/apt/lists")
     say "fetching the kubernetes source package ($SUITE)"
