@@ -16,7 +16,9 @@
 # (1.20.2) through a private APT source list, so the system's APT configuration is not touched.
 # Everything lives under $NVK_WORK (default /var/tmp/nvk; kept short: socket paths are limited),
 # the kubelet build is kept there between runs, and nothing is written into the repository but
-# the result. Container images come from a tarball (busybox-static as the root file system), as
+# the result. Outside it: /var/lib/kubelet/device-plugins (a 1.20 kubelet serves plugins there
+# whatever its --root-dir; removed afterwards if the script created it) and the pods' logs in
+# /var/log/pods and /var/log/containers (removed afterwards). Container images come from a tarball (busybox-static as the root file system), as
 # no registry is needed. Ports used on loopback: 10248, 10250, 10255.
 set -euo pipefail
 
@@ -67,6 +69,11 @@ KUBELET_VERSION=$("$KUBELET" --version)
 # ---- 2. the node: nvshare parts, device nodes, image, containerd --------------------------------
 PIDS=()
 KUBELET_PID=
+# A 1.20 kubelet serves device plugins in /var/lib/kubelet/device-plugins whatever its --root-dir.
+PLUGIN_DIR=/var/lib/kubelet/device-plugins
+[ -d /var/lib/kubelet ] && CREATED_VAR_LIB_KUBELET= || CREATED_VAR_LIB_KUBELET=1
+[ -S "$PLUGIN_DIR/kubelet.sock" ] && pgrep -x kubelet >/dev/null && {
+    echo "real-kubelet.sh: a kubelet already runs here; this test needs $PLUGIN_DIR to itself" >&2; exit 2; }
 cleanup() {
     set +e
     if [ -n "$KUBELET_PID" ]; then kill "$KUBELET_PID"; wait "$KUBELET_PID"; fi 2>/dev/null
@@ -78,11 +85,15 @@ cleanup() {
     fi
     for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
     for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null; done
-    grep " $W/" /proc/mounts | awk '{print $2}' | sort -r | xargs -r -n1 umount -l
+    grep -E " $W(/| )" /proc/mounts | awk '{print $2}' | sort -r | xargs -r -n1 umount -l
     rm -rf /var/log/pods/default_*-nvshare-test_*
+    rm -f /var/log/containers/*-nvshare-test_default_*.log
+    rm -f "$PLUGIN_DIR/kubelet.sock" "$PLUGIN_DIR/nvshare.sock" "$PLUGIN_DIR/kubelet_internal_checkpoint" "$PLUGIN_DIR/DEPRECATION"
+    [ -n "$CREATED_VAR_LIB_KUBELET" ] && rm -rf /var/lib/kubelet
 }
 CTR=(ctr --address "$W/containerd/containerd.sock" -n k8s.io)
 trap cleanup EXIT
+trap 'exit 143' TERM INT
 rm -rf "$W/containerd" "$W/kubelet" "$W/manifests" "$W/nvshare" "$W/dev" "$W/lib" "$W/simnvml" "$W/cni"
 mkdir -p "$W/containerd" "$W/kubelet" "$W/manifests" "$W/dev" "$W/lib" "$W/simnvml" "$W/cni/bin" "$W/cni/conf"
 
@@ -92,6 +103,27 @@ make -s -C "$REPO/tests/simcuda" BUILD="$W/simnvml" "$W/simnvml/libnvidia-ml.so.
 # creates real device nodes in the containers that are given them.
 for name in nvidia0 nvidia1 nvidiactl nvidia-uvm; do mknod -m 666 "$W/dev/$name" c 1 3; done
 
+# runc with --debug; when it fails, its log and the container's OCI spec are kept in $LOG (the
+# bundle is deleted at once), because containerd's own message rarely says why.
+cat > "$W/runc-debug" <<EOF
+#!/bin/sh
+log= bundle= previous=
+for argument in "\$@"; do
+    [ "\$previous" = --log ] && log=\$argument
+    [ "\$previous" = --bundle ] && bundle=\$argument
+    previous=\$argument
+done
+runc --debug "\$@"
+status=\$?
+if [ \$status -ne 0 ]; then
+    [ -n "\$log" ] && cp "\$log" "$LOG/runc-failed-\$\$.log"
+    [ -n "\$bundle" ] && cp "\$bundle/config.json" "$LOG/runc-failed-\$\$-config.json"
+fi
+exit \$status
+EOF
+chmod +x "$W/runc-debug"
+RESTRICT_OOM=false
+(echo -1 > /proc/self/oom_score_adj) 2>/dev/null || RESTRICT_OOM=true
 cat > "$W/containerd/config.toml" <<EOF
 version = 2
 root = "$W/containerd/root"
@@ -100,8 +132,15 @@ state = "$W/containerd/state"
   address = "$W/containerd/containerd.sock"
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "$IMAGE"
+  # Without CAP_SYS_RESOURCE (a container, or a VM that withholds it) lowering oom_score_adj
+  # fails, and the kubelet asks -998 for every pod sandbox: keep scores at containerd's or above.
+  restrict_oom_score_adj = $RESTRICT_OOM
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "native"
+  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+    BinaryName = "$W/runc-debug"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "$W/cni/bin"
     conf_dir = "$W/cni/conf"
@@ -117,7 +156,7 @@ export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 PIDS+=($!)
 : > "$W/nvml-state"
 LD_LIBRARY_PATH=$W/simnvml SIMCUDA_DEVICES=2 SIMNVML_STATE=$W/nvml-state \
-    "$PYTHON" -m nvshare_py.deviceplugin serve --replicas 2 --device-plugin-dir "$W/kubelet/device-plugins" \
+    "$PYTHON" -m nvshare_py.deviceplugin serve --replicas 2 --device-plugin-dir "$PLUGIN_DIR" \
     --socket-dir "$W/nvshare" --library "$W/lib/libnvshare.so" --device-dir "$W/dev" \
     --health-interval 0.5 >"$LOG/plugin.log" 2>&1 &
 PIDS+=($!)
@@ -127,7 +166,7 @@ start_kubelet() {
         --container-runtime=remote --container-runtime-endpoint="unix://$W/containerd/containerd.sock" \
         --cgroup-driver=cgroupfs --cgroups-per-qos=false --enforce-node-allocatable= --fail-swap-on=false \
         --address=127.0.0.1 --read-only-port=10255 --hostname-override=nvshare-test --cert-dir="$W/kubelet/pki" \
-        --image-gc-high-threshold=100 --image-gc-low-threshold=99 --eviction-hard= --v=2 \
+        --image-gc-high-threshold=100 --image-gc-low-threshold=99 --eviction-hard= --oom-score-adj=0 --v=2 \
         >>"$LOG/kubelet.log" 2>&1 &
     KUBELET_PID=$!
 }
@@ -200,17 +239,21 @@ check pod-a-device-nodes "the pod has /dev/nvidia$A_GPU, nvidiactl and nvidia-uv
            echo \"\$log\" | grep -q ' c.* nvidia$A_GPU\$' && echo \"\$log\" | grep -q ' nvidiactl\$' \
            && echo \"\$log\" | grep -q ' nvidia-uvm\$' && ! echo \"\$log\" | grep -q ' nvidia$OTHER\$'"
 
-static_pod gpu-b
-check pod-b-spread "a second pod gets the other GPU (spread policy)" \
-    sh -c "cat /var/log/pods/default_gpu-b-nvshare-test_*/gpu/0.log 2>/dev/null | grep -q 'NVIDIA_VISIBLE_DEVICES=$(gpu $OTHER)'"
-
+# GPU $OTHER has both devices free, so the spread policy would suggest it next: once it is gone,
+# the next pod must get GPU $A_GPU all the same.
 echo "$OTHER gone" > "$W/nvml-state.new" && mv "$W/nvml-state.new" "$W/nvml-state"
-check health-unhealthy "the plugin reports GPU $OTHER gone" grep -q "GPU $OTHER ($(gpu $OTHER)) is gone" "$LOG/plugin.log"
-static_pod gpu-c
-check health-respected "a pod started while GPU $OTHER is gone gets GPU $A_GPU" \
-    sh -c "cat /var/log/pods/default_gpu-c-nvshare-test_*/gpu/0.log 2>/dev/null | grep -q 'NVIDIA_VISIBLE_DEVICES=$(gpu "$A_GPU")'"
+check health-unhealthy "the plugin reports GPU $OTHER gone and sends the kubelet 2 of 4 devices healthy" \
+    sh -c "grep -q 'GPU $OTHER ($(gpu $OTHER)) is gone' '$LOG/plugin.log' && grep -q '2 of 4 devices healthy' '$LOG/plugin.log'"
+static_pod gpu-b
+check health-respected "a pod started while GPU $OTHER is gone gets GPU $A_GPU, though spread prefers GPU $OTHER" \
+    sh -c "cat /var/log/pods/default_gpu-b-nvshare-test_*/gpu/0.log 2>/dev/null | grep -q 'NVIDIA_VISIBLE_DEVICES=$(gpu "$A_GPU")'"
 : > "$W/nvml-state.new" && mv "$W/nvml-state.new" "$W/nvml-state"
-check health-recovered "the plugin reports GPU $OTHER back" grep -q "GPU $OTHER ($(gpu $OTHER)) answers again" "$LOG/plugin.log"
+check health-recovered "the plugin reports GPU $OTHER back and sends 4 of 4 devices healthy again" \
+    sh -c "grep -q 'GPU $OTHER ($(gpu $OTHER)) answers again' '$LOG/plugin.log' \
+           && [ \$(grep -c '4 of 4 devices healthy' '$LOG/plugin.log') -ge 2 ]"
+static_pod gpu-c
+check pod-c-spread "the next pod gets GPU $OTHER again (healthy, and the least shared)" \
+    sh -c "cat /var/log/pods/default_gpu-c-nvshare-test_*/gpu/0.log 2>/dev/null | grep -q 'NVIDIA_VISIBLE_DEVICES=$(gpu $OTHER)'"
 
 say "restarting the kubelet"
 kill "$KUBELET_PID"; wait "$KUBELET_PID" 2>/dev/null || true
@@ -223,17 +266,19 @@ check allocate-after-restart "a pod started after the restart is given a GPU" \
     sh -c "cat /var/log/pods/default_gpu-d-nvshare-test_*/gpu/0.log 2>/dev/null | grep -q 'NVIDIA_VISIBLE_DEVICES=GPU-'"
 
 # ---- 4. stop the pods, then everything else; record ---------------------------------------------
+# What pod A saw, for the record: its nvshare variables, mounts, device nodes and sockets.
+pod_log gpu-a | sed 's/^[^ ]* std[a-z]* [FP] //' | grep -E 'NVIDIA|LD_PRELOAD|NVSHARE|nvshare|nvidia|\.sock' > "$W/pod-a.txt" || true
 rm -f "$W"/manifests/*.yaml
-check pods-removed "the kubelet stopped the static pods" sh -c "! curl -sf http://127.0.0.1:10255/pods | jq -e '.items[]' >/dev/null"
+check pods-removed "the kubelet dropped the static pods whose manifests were removed" sh -c "! curl -sf http://127.0.0.1:10255/pods | jq -e '.items[]' >/dev/null"
 
 mkdir -p "$(dirname "$RESULT")"
-jq -n --slurpfile checks "$CHECKS" --arg kubelet "$KUBELET_VERSION" --arg go "$(go version)" \
+jq -n --slurpfile checks "$CHECKS" --rawfile pod_a "$W/pod-a.txt" --arg kubelet "$KUBELET_VERSION" --arg go "$(go version)" \
     --arg containerd "$(containerd --version)" --arg runc "$(runc --version | head -n1)" \
     --arg kernel "$(uname -r)" --arg date "$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
     --arg build_seconds "$(cat "$W/build/seconds" 2>/dev/null || echo unknown)" \
     '{test: "real-kubelet", date: $date, kubelet: $kubelet, go: $go, containerd: $containerd, runc: $runc,
       kernel: $kernel, kubelet_build_seconds: $build_seconds,
       passed: ([$checks[] | select(.passed)] | length), failed: ([$checks[] | select(.passed | not)] | length),
-      checks: $checks}' > "$RESULT"
+      checks: $checks, pod_a_saw: ($pod_a | rtrimstr("\n") | split("\n"))}' > "$RESULT"
 say "result: $RESULT ($(jq -r '"\(.passed) passed, \(.failed) failed"' "$RESULT"))"
 exit $FAILED
