@@ -7,7 +7,7 @@ import math
 import pytest
 
 from nvshare_py import protocol
-from nvshare_py.scheduler.core import CoreConfig, CoreError, SchedulerCore
+from nvshare_py.scheduler.core import CoreConfig, ControlError, SchedulerCore
 from nvshare_py.scheduler.events import (
     Acquire,
     ClientInfo,
@@ -531,7 +531,7 @@ def test_control_requests_that_are_refused_change_nothing(event, code):
     h.acquire("a")
     h.acquire("b")
     before = h.status()
-    with pytest.raises(CoreError) as caught:
+    with pytest.raises(ControlError) as caught:
         h.feed(event)
     assert caught.value.code == code
     assert h.status() == before

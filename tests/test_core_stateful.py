@@ -53,7 +53,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nvshare_py import protocol
-from nvshare_py.scheduler.core import CoreConfig, CoreError, SchedulerCore
+from nvshare_py.scheduler.core import CoreConfig, ControlError, SchedulerCore
 from nvshare_py.scheduler.events import (
     Acquire,
     ClientInfo,
@@ -517,7 +517,7 @@ class LockCoreMachine(RuleBasedStateMachine):
         """Apply a control request to the model (`change(dev)` says whether it changed the
         device) and check the core's MODE notices went to exactly the devices' clients."""
         if device is not None and device not in self.devices:
-            with pytest.raises(CoreError) as caught:
+            with pytest.raises(ControlError) as caught:
                 self.core.handle(event)
             assert caught.value.code == "unknown-device"
             return

@@ -34,7 +34,7 @@ from .events import (
     Action,
     ClientInfo,
     ClientKey,
-    CoreError,
+    ControlError,
     DeviceInfo,
     Event,
     Forget,
@@ -53,7 +53,7 @@ from .events import (
     Unregister,
 )
 
-__all__ = ["CoreConfig", "CoreError", "SchedulerCore"]
+__all__ = ["CoreConfig", "ControlError", "SchedulerCore"]
 
 # QUERY answers (docs/protocol.md) must fit one message: they name at most this many clients
 # per list, and cut the texts that clients chose themselves.
@@ -229,7 +229,7 @@ class SchedulerCore:
     # --- public API ----------------------------------------------------------------------
 
     def handle(self, event: Event) -> list[Action]:
-        """Apply one event. Raises CoreError only for control requests (SetMode, SetQuantum,
+        """Apply one event. Raises ControlError only for control requests (SetMode, SetQuantum,
         SetBudget) it refuses, before changing anything."""
         out: list[Action] = []
         handler = self._client_handlers.get(type(event))
@@ -576,12 +576,12 @@ class SchedulerCore:
             return list(self._devices.values())
         dev = self._devices.get(device_id)
         if dev is None:
-            raise CoreError("unknown-device", f"no client has announced device {device_id}")
+            raise ControlError("unknown-device", f"no client has announced device {device_id}")
         return [dev]
 
     def _set_mode(self, ev: SetMode, out: list[Action]) -> None:
         if ev.mode not in protocol.MODES:
-            raise CoreError("bad-request", f"mode must be one of {', '.join(protocol.MODES)}, not {ev.mode!r}")
+            raise ControlError("bad-request", f"mode must be one of {', '.join(protocol.MODES)}, not {ev.mode!r}")
         targets = self._targets(ev.device)
         if ev.device is None:
             self._default_mode = ev.mode
@@ -598,7 +598,7 @@ class SchedulerCore:
         try:
             _check_seconds("tq", ev.seconds, allow_zero=False)
         except ValueError as exc:
-            raise CoreError("bad-request", str(exc)) from None
+            raise ControlError("bad-request", str(exc)) from None
         targets = self._targets(ev.device)
         if ev.device is None:
             self._default_tq = ev.seconds
@@ -617,7 +617,7 @@ class SchedulerCore:
     def _set_budget(self, ev: SetBudget, out: list[Action]) -> None:
         budget = ev.budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
-            raise CoreError("bad-request", f"budget must be a positive number of bytes or null, not {budget!r}")
+            raise ControlError("bad-request", f"budget must be a positive number of bytes or null, not {budget!r}")
         (dev,) = self._targets(ev.device)
         dev.budget_override = budget
         detail = "total" if budget is None else str(budget)
