@@ -698,10 +698,48 @@ def test_conflicting_claims_drop_all_but_the_first_and_revoke_after_grace():
 
 
 def test_claims_run_side_by_side_where_the_mode_allows():
-    h = Harness(mode="off")
+    h = Harness(mode="off", recovery=2.0)
     h.register("first", held=[GPU0])
     h.register("second", held=[GPU0])
     assert h.grants("second") and h.sent(protocol.Drop) == []
+
+
+def test_a_restart_during_a_drain_keeps_the_drainer_alone_until_it_releases():
+    # Issue 12: the holder was draining when the daemon restarted; it reconnects saying it
+    # still holds the device (its queue is not empty yet). Nobody may be granted beside it.
+    h = Harness(recovery=2.0, tq=1.0, grace=5.0, heartbeat_timeout=1000.0)
+    h.register("drainer", held=[GPU0])
+    (grant,) = h.grants("drainer")
+    h.at(0.1).register("waiter", wanted=[GPU0])
+    for t in (1.0, 2.0, 2.5):
+        h.tick(t)
+        assert h.grants("waiter") == [], f"granted beside a draining holder at {t}"
+    h.at(2.6).release("drainer", grant.grant, reason="drop")
+    assert h.grants("waiter")
+
+
+def test_a_claim_outside_recovery_is_revoked_at_once_and_blocks_nobody():
+    # Issue 12: a client that reconnects every second with held=DEV made each claim a
+    # draining holder that blocked the next grant; the waiter was starved.
+    h = Harness(tq=10.0, grace=2.0, heartbeat_timeout=1000.0)
+    h.register("holder")
+    h.acquire("holder")
+    (grant,) = h.grants("holder")
+    h.register("waiter")
+    h.acquire("waiter")
+    for n, t in enumerate((0.5, 1.0, 1.5)):
+        h.at(t).register(f"hostile{n}", held=[GPU0])
+        ((to, drop),) = h.sent(protocol.Drop)
+        assert (to, drop.reason, drop.grace_ms) == (f"hostile{n}", "conflict", 0)
+        ((to, revoke),) = h.sent(protocol.Revoke)
+        assert (to, revoke.grant) == (f"hostile{n}", drop.grant)
+        assert h.grants() == []
+        assert [state for _, state in h.holders()].count("holding") == 1
+    h.at(1.6).release("holder", grant.grant)
+    assert h.grants("waiter"), "a refused claim must not block the next grant"
+    h.at(1.7).register("hostile3", held=[GPU0])
+    assert h.sent(protocol.Revoke)
+    assert [holder for holder in h.holders() if holder[1] != "overdue"] == [("c2", "holding")]
 
 
 # --- status ----------------------------------------------------------------------------------

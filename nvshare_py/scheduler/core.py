@@ -462,22 +462,31 @@ class SchedulerCore:
                        {"client": old.cid, "successor": new.cid}))
 
     def _claim(self, pair: _Pair, now: float, out: list[Action]) -> None:
-        """A (re)registering client says its gate is open on this device. If nobody holds it the
-        claim is simply granted; where the rules do not let it run beside the holders, it gets a
-        grant that is dropped at once, so its work drains within the grace period."""
+        """A registering client says its gate is open on this device, and it is not the same
+        process taking over its own registration's hold (that is _take_over).
+
+        Inside the recovery window after a restart nobody holds anything yet, so the claim is
+        believed: the first claimant keeps the lock (no grant is made to others until it
+        releases, dies or is revoked), and a claim that may not run beside it is dropped at once
+        with the usual grace, because both processes may really be running.
+
+        Outside the window the daemon knows every hold, and this is none of them: the claim is
+        refused by a grant that is dropped and revoked at once (DROP conflict with grace 0, then
+        REVOKE), which closes the claimant's gate without making anyone wait. A client that
+        reconnects again and again with `held=` thus never blocks a grant (issue 12)."""
         dev = pair.device
-        if dev.holders and self._serialised_against(dev, pair):
-            self._grant_numbers += 1
-            hold = _Hold(self._grant_numbers, now)
-            pair.hold = hold
-            pair.grants += 1
-            dev.holders[hold.grant] = pair
+        conflict = bool(dev.holders) and self._serialised_against(dev, pair)
+        hold = self._new_hold(pair, now)
+        if self._recovering(now) and not conflict:
+            out.append(Send(pair.client.key, self._grant_message(dev, hold.grant)))
             out.append(LockEvent(now, "grant", dev.id, pair.client.cid, hold.grant, "claimed"))
-            out.append(Log("warning", f"{pair.client.cid} claims {dev.id}, which others hold: dropping its claim",
+            out.append(Log("info", f"{pair.client.cid} keeps {dev.id} (grant {hold.grant}) after the restart",
                            {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
-            self._drop(pair, now, "conflict", out)
-        else:
-            self._grant(pair, now, out, detail="claimed")
+            return
+        out.append(LockEvent(now, "grant", dev.id, pair.client.cid, hold.grant, "claimed"))
+        out.append(Log("warning", f"{pair.client.cid} claims {dev.id}, which it does not hold: dropping its claim",
+                       {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
+        self._drop(pair, now, "conflict", out, grace=self.config.grace if self._recovering(now) else 0.0)
 
     # --- client events -------------------------------------------------------------------
 
@@ -640,15 +649,31 @@ class SchedulerCore:
             dropped = self._enforce_exclusion(dev, now, out)
             self._grant_waiters(dev, now, out)
             dropped |= self._drop_expired(dev, now, out)
-            # With grace 0 a DROP is due at once: go round again so it is revoked (and the
+            # A DROP with grace 0 is due at once: go round again so it is revoked (and the
             # lock passed on) now, not at a tick that next_deadline() would put at `now`.
-            if not dropped or self.config.grace > 0:
+            if not dropped or not self._revocations_due(dev, now):
                 break
         self._notify_contention(dev, now, out)
         self._refresh_deadline(dev)
 
+    def _timers(self, dev: _Device):
+        """(when, pair, what) for each holder's timer that matters now: a DROP'd grant is
+        revoked when its grace ends; while others wait (outside mode off), a holding grant is
+        dropped when its quantum ends. The one source of what a Tick does and of
+        next_deadline()."""
+        contended = self._contended(dev)
+        for pair in dev.holders.values():
+            hold = pair.hold
+            if hold.state == "draining":
+                yield hold.deadline, pair, "revoke"
+            elif contended:
+                yield hold.since + dev.tq, pair, "drop"
+
+    def _revocations_due(self, dev: _Device, now: float) -> list[_Pair]:
+        return [pair for when, pair, what in self._timers(dev) if what == "revoke" and now >= when]
+
     def _revoke_due(self, dev: _Device, now: float, out: list[Action]) -> None:
-        for pair in [p for p in dev.holders.values() if p.hold.state == "draining" and now >= p.hold.deadline]:
+        for pair in self._revocations_due(dev, now):
             hold = pair.hold
             cid = pair.client.cid
             del dev.holders[hold.grant]
@@ -680,8 +705,11 @@ class SchedulerCore:
             self._drop(pair, now, reason, out)
         return bool(later)
 
+    def _recovering(self, now: float) -> bool:
+        return self._recovery_end is not None and now < self._recovery_end
+
     def _grant_waiters(self, dev: _Device, now: float, out: list[Action]) -> None:
-        if self._recovery_end is not None and now < self._recovery_end:
+        if self._recovering(now):
             return  # only claims of reconnecting holders are granted until recovery ends
         queue = dev.queue
         while queue:
@@ -698,28 +726,13 @@ class SchedulerCore:
         return bool(dev.queue) and dev.mode != "off"
 
     def _drop_expired(self, dev: _Device, now: float, out: list[Action]) -> bool:
-        if not self._contended(dev):
-            return False
-        tq = dev.tq
-        expired = [p for p in dev.holders.values() if p.hold.state == "holding" and now >= p.hold.since + tq]
+        expired = [pair for when, pair, what in self._timers(dev) if what == "drop" and now >= when]
         for pair in expired:
             self._drop(pair, now, "quantum", out)
         return bool(expired)
 
     def _refresh_deadline(self, dev: _Device) -> None:
-        # Must mirror _revoke_due and _drop_expired exactly, or ticks would come too early or late.
-        best = None
-        quantum_matters = self._contended(dev)
-        for pair in dev.holders.values():
-            hold = pair.hold
-            if hold.state == "draining":
-                deadline = hold.deadline
-            elif quantum_matters:
-                deadline = hold.since + dev.tq
-            else:
-                continue
-            if best is None or deadline < best:
-                best = deadline
+        best = min((when for when, _, _ in self._timers(dev)), default=None)
         if best is None:
             self._deadlines.pop(dev, None)
         else:
@@ -754,18 +767,23 @@ class SchedulerCore:
 
     # --- state changes -------------------------------------------------------------------
 
-    def _grant(self, pair: _Pair, now: float, out: list[Action], detail: str = "") -> None:
-        dev = pair.device
+    def _new_hold(self, pair: _Pair, now: float) -> _Hold:
+        """Every grant is made here: a fresh id, the pair's hold, the device's holders."""
         self._grant_numbers += 1
         hold = _Hold(self._grant_numbers, now)
-        if pair.waiting_since is not None:
-            self._leave_queue(pair, now)
         pair.hold = hold
         pair.grants += 1
-        dev.holders[hold.grant] = pair
+        pair.device.holders[hold.grant] = pair
+        return hold
+
+    def _grant(self, pair: _Pair, now: float, out: list[Action]) -> None:
+        dev = pair.device
+        if pair.waiting_since is not None:
+            self._leave_queue(pair, now)
+        hold = self._new_hold(pair, now)
         cid = pair.client.cid
         out.append(Send(pair.client.key, self._grant_message(dev, hold.grant)))
-        out.append(LockEvent(now, "grant", dev.id, cid, hold.grant, detail))
+        out.append(LockEvent(now, "grant", dev.id, cid, hold.grant))
         out.append(Log("debug", f"grant {hold.grant} on {dev.id} to {cid}", {"client": cid, "device": dev.id,
                                                                            "grant": hold.grant}))
 
@@ -773,15 +791,16 @@ class SchedulerCore:
         return protocol.Grant(device=dev.id, grant=grant, mode=dev.mode, exclusive=dev.mode == "on",
                               quantum_ms=_ms(dev.tq))
 
-    def _drop(self, pair: _Pair, now: float, reason: str, out: list[Action]) -> None:
+    def _drop(self, pair: _Pair, now: float, reason: str, out: list[Action], grace: float | None = None) -> None:
         dev = pair.device
         hold = pair.hold
+        grace = self.config.grace if grace is None else grace
         hold.state = "draining"
-        hold.deadline = now + self.config.grace
+        hold.deadline = now + grace
         hold.reason = reason
         cid = pair.client.cid
         out.append(Send(pair.client.key, protocol.Drop(device=dev.id, grant=hold.grant,
-                                                       grace_ms=_ms(self.config.grace), reason=reason)))
+                                                       grace_ms=_ms(grace), reason=reason)))
         out.append(LockEvent(now, "drop", dev.id, cid, hold.grant, reason))
         out.append(Log("info", f"drop grant {hold.grant} of {cid} on {dev.id} ({reason})",
                        {"client": cid, "device": dev.id, "grant": hold.grant}))
