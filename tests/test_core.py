@@ -443,14 +443,38 @@ def test_auto_memory_growth_drops_all_but_the_earliest_holder_and_shrinking_gran
     assert [to for to, _ in h.sent(protocol.Grant)] == ["b", "c"]
 
 
-def test_auto_with_unknown_total_is_unlimited():
+def test_auto_with_unknown_total_serialises():
+    # Unknown used to mean unlimited, so a client reporting total=0 let everyone run together.
     h = Harness(mode="auto")
     for key in ("a", "b"):
         h.register(key)
-        h.memory(key, 1 << 50)
+        h.device(key, total=0)  # the interceptor sends 0 when it cannot measure
+        h.memory(key, 1)
         h.acquire(key)
-    assert len(h.holders()) == 2
+    assert h.holders() == [("c1", "holding")] and h.waiters() == ["c2"]
     assert h.status()["devices"][0]["total"] == 0
+
+
+def test_a_client_cannot_change_the_budget_for_everyone():
+    # Issue 10: DEVICE overwrote the device's total (the auto budget) with whatever a client said.
+    h = with_clients("a", "b", mode="auto")  # both measured 16 GiB
+    h.memory("a", 6 * GiB)
+    h.memory("b", 6 * GiB)
+    h.acquire("a")
+    h.acquire("b")
+    assert len(h.holders()) == 2
+    h.register("liar")
+    h.device("liar", total=1 << 60)
+    # The clients disagree: the size is not known, and auto serialises (never the reverse:
+    # the huge figure lets nobody more run together).
+    assert h.status()["devices"][0]["total"] == 0
+    assert [(to, m.reason) for to, m in h.sent(protocol.Drop)] == [("b", "memory")]
+    h.bye("liar")
+    assert h.status()["devices"][0]["total"] == 16 * GiB  # agreed again
+    h.feed(SetBudget(h.now, GPU0, 64 * GiB))  # only the operator sets budgets
+    h.register("liar2")
+    h.device("liar2", total=1)
+    assert h.status()["devices"][0]["budget"] == 64 * GiB
 
 
 def test_budget_overrides_total_and_null_restores_it():
@@ -585,7 +609,9 @@ def test_unregister_releases_everything_and_records_lost_locks():
     assert h.events("lost") == []
     assert [(e.kind, e.device) for e in h.events("unregister")] == [("unregister", GPU0), ("unregister", "")]
     assert [to for to, _ in h.sent(protocol.Grant)] == ["c"]
-    assert h.holders(GPU1) == [] and [c["client"] for c in h.status()["clients"]] == ["c3"]
+    assert [c["client"] for c in h.status()["clients"]] == ["c3"]
+    # GPU1 was used by nobody else and has no settings: forgotten.
+    assert [d["device"] for d in h.status()["devices"]] == [GPU0]
 
 
 def test_dead_waiter_leaves_the_queue():
@@ -760,13 +786,14 @@ def test_status_document_lists_devices_holders_waiters_and_client_statistics():
     assert status["devices"] == [{
         "device": GPU0, "name": "NVIDIA H200", "total": 16 * GiB, "budget": 16 * GiB, "mode": "on",
         "tq": 10.0, "used": 4 * GiB,
-        "holders": [{"client": "c1", "grant": grant, "since": wall(1), "quantum_left": 7.0, "state": "holding"}],
+        "holders": [{"client": "c1", "grant": grant, "since": wall(1), "quantum_left": 7.0, "state": "holding",
+                     "silent": 3.0}],
         "waiters": [{"client": "c2", "since": wall(3)}],
     }]
     a, b = status["clients"]
     assert a["client"] == "c1" and a["connected"] == wall(0) and a["program"] == "python"
     assert set(a) == {"client", "pid", "host_pid", "uid", "host", "container", "pod", "namespace", "program",
-                      "connected", "devices"}
+                      "connected", "last_seen", "silent", "devices"}
     assert a["devices"] == {GPU0: {"used": 3 * GiB, "state": "holding", "wait_total": 0.0, "hold_total": 3.0,
                                    "grants": 1}}
     assert b["devices"][GPU0] == {"used": 1 * GiB, "state": "waiting", "wait_total": 1.0, "hold_total": 0.0,
@@ -776,7 +803,7 @@ def test_status_document_lists_devices_holders_waiters_and_client_statistics():
     h.at(20)
     status = h.status()
     assert status["devices"][0]["holders"][0] == {"client": "c2", "grant": grant + 1, "since": wall(12),
-                                                   "quantum_left": 2.0, "state": "holding"}
+                                                   "quantum_left": 2.0, "state": "holding", "silent": 17.0}
     a, b = status["clients"]
     assert a["devices"][GPU0]["state"] == "idle" and a["devices"][GPU0]["hold_total"] == 11.0
     assert b["devices"][GPU0]["wait_total"] == 9.0 and b["devices"][GPU0]["hold_total"] == 8.0

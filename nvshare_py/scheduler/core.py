@@ -22,6 +22,7 @@ announced, so after `handle(Tick(now))` the next deadline always lies after `now
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 from collections import OrderedDict
@@ -59,6 +60,10 @@ __all__ = ["CoreConfig", "ControlError", "SchedulerCore"]
 # per list, and cut the texts that clients chose themselves.
 QUERY_NAMES_SHOWN = 4
 QUERY_TEXT_MAX = 48
+
+
+# The client message behind each event that may name a new device (for ERROR's `type`).
+_MESSAGE_TYPES = {Register: "HELLO", DeviceInfo: "DEVICE", MemoryReport: "MEMORY", Acquire: "ACQUIRE"}
 
 
 def _ms(seconds: float) -> int:
@@ -129,12 +134,16 @@ class _Client:
 
 
 class _Device:
-    __slots__ = ("id", "name", "total", "budget_override", "mode", "tq", "holders", "overdue", "queue", "pairs", "used")
+    __slots__ = ("id", "name", "total", "reports", "budget_override", "mode", "tq", "holders", "overdue", "queue",
+                 "pairs", "used")
 
     def __init__(self, device_id: str, mode: Mode, tq: float) -> None:
         self.id = device_id
         self.name = ""
-        self.total = 0  # 0: not announced by any DEVICE message yet
+        # The device's size as its clients measured it (DEVICE): 0 until one did, and while
+        # they disagree. `reports` counts the clients' figures.
+        self.total = 0
+        self.reports: collections.Counter[int] = collections.Counter()
         self.budget_override: int | None = None
         self.mode: Mode = mode
         self.tq = tq
@@ -146,21 +155,32 @@ class _Device:
 
     @property
     def budget(self) -> int:
-        """0 means unknown, which auto mode treats as unlimited."""
+        """0 means unknown, which auto mode treats as "nothing fits beside a holder"."""
         return self.total if self.budget_override is None else self.budget_override
+
+    def count_report(self, old: int, new: int) -> None:
+        """A client's measured size changed from `old` to `new` (0: none)."""
+        if old:
+            self.reports[old] -= 1
+            if not self.reports[old]:
+                del self.reports[old]
+        if new:
+            self.reports[new] += 1
+        self.total = next(iter(self.reports)) if len(self.reports) == 1 else 0
 
     def held_used(self) -> int:
         return sum(pair.used for pair in self.holders.values())
 
 
 class _Pair:
-    __slots__ = ("client", "device", "used", "hold", "overdue", "waiting_since", "wait_total", "hold_total", "grants",
-                 "blocked_by", "last_wait")
+    __slots__ = ("client", "device", "used", "total", "hold", "overdue", "waiting_since", "wait_total", "hold_total",
+                 "grants", "blocked_by", "last_wait")
 
     def __init__(self, client: _Client, device: _Device) -> None:
         self.client = client  # changes when a reconnecting process takes its pairs over
         self.device = device
         self.used = 0
+        self.total = 0  # the device's size as this client measured it (DEVICE), 0 before
         self.hold: _Hold | None = None  # the current grant, holding or draining
         self.overdue: dict[int, _Hold] = {}
         self.waiting_since: float | None = None
@@ -302,6 +322,8 @@ class SchedulerCore:
                         "since": wall(hold.since),
                         "quantum_left": max(0.0, hold.since + dev.tq - now),
                         "state": hold.state,
+                        # A stopped or hung holder shows here long before its heartbeat timeout.
+                        "silent": round(now - pair.client.last_seen, 3),
                     }
                     for grant, pair, hold in holds
                 ],
@@ -321,6 +343,8 @@ class SchedulerCore:
                 "namespace": info.namespace,
                 "program": info.program,
                 "connected": wall(client.connected),
+                "last_seen": wall(client.last_seen),
+                "silent": round(now - client.last_seen, 3),
                 "devices": {device_id: self._pair_status(pair, now) for device_id, pair in client.pairs.items()},
             })
         return {"devices": devices, "clients": clients}
@@ -394,6 +418,10 @@ class SchedulerCore:
                            {"client": self._clients[ev.client].cid}))
             return
         now = ev.now
+        if len(set(ev.held) | set(ev.wanted)) > protocol.MAX_DEVICES:
+            out.append(Send(ev.client, protocol.Error(code="bad-field", type="HELLO",
+                                                      detail=f"a client may use at most {protocol.MAX_DEVICES} devices")))
+            return
         self._client_numbers += 1
         client = _Client(ev.client, f"c{self._client_numbers}", ev.info, now)
         predecessors = [old for old in self._sessions.get(ev.info.session, ()) if _same_process(old.info, ev.info)]
@@ -416,12 +444,16 @@ class SchedulerCore:
         for old in predecessors:
             self._take_over(old, client, held, wanted, now, out, touched)
         for device_id in held:
-            pair = self._pair(client, device_id)
+            pair = self._pair(client, device_id, ev, out)
+            if pair is None:
+                continue
             touched[pair.device] = None
             if pair.hold is None:
                 self._claim(pair, now, out)
         for device_id in wanted:
-            pair = self._pair(client, device_id)
+            pair = self._pair(client, device_id, ev, out)
+            if pair is None:
+                continue
             touched[pair.device] = None
             self._enqueue(pair, now, out)
         for dev in touched:
@@ -491,16 +523,32 @@ class SchedulerCore:
     # --- client events -------------------------------------------------------------------
 
     def _device_info(self, client: _Client, ev: DeviceInfo, out: list[Action]) -> None:
-        pair = self._pair(client, ev.device)
+        """A client's measurement of the device. It never sets the budget for everyone (only
+        the control socket does): it is the device's size only while every client that
+        measured it agrees; 0 (the client could not measure) counts as no measurement."""
+        pair = self._pair(client, ev.device, ev, out)
+        if pair is None:
+            return
         dev = pair.device
-        dev.total = ev.total
         if ev.name:
             dev.name = ev.name
-        if dev.mode == "auto" and dev.budget_override is None:
-            self._settle(dev, ev.now, out)
+        if ev.total == pair.total:
+            return
+        before = dev.total
+        dev.count_report(pair.total, ev.total)
+        pair.total = ev.total
+        if dev.total != before:
+            if not dev.total and dev.reports:
+                out.append(Log("warning", f"clients disagree on the size of {dev.id}: its total is unknown "
+                                          "(mode auto serialises it) until they agree or a budget is set",
+                               {"device": dev.id, "client": client.cid}))
+            if dev.mode == "auto" and dev.budget_override is None:
+                self._settle(dev, ev.now, out)
 
     def _memory(self, client: _Client, ev: MemoryReport, out: list[Action]) -> None:
-        pair = self._pair(client, ev.device)
+        pair = self._pair(client, ev.device, ev, out)
+        if pair is None:
+            return
         dev = pair.device
         dev.used += ev.used - pair.used
         pair.used = ev.used
@@ -508,7 +556,9 @@ class SchedulerCore:
             self._settle(dev, ev.now, out)
 
     def _acquire(self, client: _Client, ev: Acquire, out: list[Action]) -> None:
-        pair = self._pair(client, ev.device)
+        pair = self._pair(client, ev.device, ev, out)
+        if pair is None:
+            return
         if self._enqueue(pair, ev.now, out):
             self._settle(pair.device, ev.now, out)
 
@@ -538,6 +588,7 @@ class SchedulerCore:
     def _remove_client(self, client: _Client, reason: str, now: float, out: list[Action]) -> None:
         per_device_kind = "unregister" if reason == "bye" else "lost"
         touched = []
+        devices = [pair.device for pair in client.pairs.values()]
         for pair in client.pairs.values():
             dev = pair.device
             if pair.hold is not None or pair.waiting_since is not None or pair.overdue:
@@ -556,6 +607,8 @@ class SchedulerCore:
             out.append(Log("info", f"client {client.cid} unregistered ({reason})", {"client": client.cid}))
         for dev in touched:
             self._settle(dev, now, out)
+        for dev in devices:
+            self._forget_if_unused(dev)
 
     # --- time ----------------------------------------------------------------------------
 
@@ -695,7 +748,7 @@ class SchedulerCore:
             return False
         if dev.mode == "auto":
             budget = dev.budget
-            if budget <= 0 or dev.held_used() <= budget:
+            if budget > 0 and dev.held_used() <= budget:
                 return False
             reason = "memory"
         else:
@@ -763,7 +816,7 @@ class SchedulerCore:
         if dev.mode == "off":
             return False
         budget = dev.budget
-        return budget > 0 and dev.held_used() + pair.used > budget
+        return budget <= 0 or dev.held_used() + pair.used > budget
 
     # --- state changes -------------------------------------------------------------------
 
@@ -846,7 +899,16 @@ class SchedulerCore:
             self._leave_queue(pair, now)
         self._forget_overdue(pair)
         dev.used -= pair.used
+        dev.count_report(pair.total, 0)
         del dev.pairs[pair]
+
+    def _forget_if_unused(self, dev: _Device) -> None:
+        """A device nobody uses and nobody configured is forgotten: clients cannot grow the
+        table by naming devices and leaving (issue 12). It comes back when named again."""
+        if (not dev.pairs and not dev.holders and not dev.overdue and not dev.queue and dev.budget_override is None
+                and dev.mode == self._default_mode and dev.tq == self._default_tq):
+            del self._devices[dev.id]
+            self._deadlines.pop(dev, None)
 
     def _unlink_client(self, client: _Client) -> None:
         del self._clients[client.key]
@@ -862,9 +924,16 @@ class SchedulerCore:
             dev = self._devices[device_id] = _Device(device_id, self._default_mode, self._default_tq)
         return dev
 
-    def _pair(self, client: _Client, device_id: str) -> _Pair:
+    def _pair(self, client: _Client, device_id: str, ev: Event, out: list[Action]) -> _Pair | None:
+        """The client's pair of the device, made on first use; None (and ERROR to the client)
+        when the client already uses protocol.MAX_DEVICES devices."""
         pair = client.pairs.get(device_id)
         if pair is None:
+            if len(client.pairs) >= protocol.MAX_DEVICES:
+                out.append(Send(client.key, protocol.Error(
+                    code="bad-field", type=_MESSAGE_TYPES[type(ev)],
+                    detail=f"a client may use at most {protocol.MAX_DEVICES} devices")))
+                return None
             dev = self._device(device_id)
             pair = client.pairs[device_id] = _Pair(client, dev)
             dev.pairs[pair] = None
