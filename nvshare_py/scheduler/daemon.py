@@ -267,11 +267,20 @@ class Daemon:
         paths.root.mkdir(mode=0o755, parents=True, exist_ok=True)
         # Whoever owns the directory can rename the socket directories in it and put its own
         # in their place (e.g. by creating the /tmp default of another user first).
-        owner = paths.root.stat().st_uid
+        info = paths.root.stat()
+        owner = info.st_uid
         if owner not in (0, self._uid):
             raise StartupError(
                 f"{paths.root} belongs to uid {owner}, neither this daemon's uid {self._uid} nor root, "
                 "so that user could replace the sockets in it: choose another --socket-dir"
+            )
+        # The same holds for anyone who may write to it, unless the sticky bit stops them
+        # renaming what they do not own (as in /tmp).
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+            raise StartupError(
+                f"{paths.root} is writable by {'others' if info.st_mode & stat.S_IWOTH else 'its group'} "
+                f"(mode {stat.S_IMODE(info.st_mode):o}) without the sticky bit, so they could replace the "
+                "sockets in it: remove that permission (chmod go-w) or choose another --socket-dir"
             )
         for directory, mode in ((paths.client_dir, 0o755), (paths.control_dir, 0o700)):
             try:
@@ -416,10 +425,13 @@ class Daemon:
                 self._record(action)
             elif kind is ev.Log:
                 # Nearly every line the core writes is caused by some client: rate-limited.
+                level = _LOG_LEVELS.get(action.level, logging.INFO)
+                if not log.isEnabledFor(level):
+                    continue
                 suppressed = self._core_log.take()
                 if suppressed is not None:
                     fields = dict(action.fields, suppressed=suppressed) if suppressed else action.fields
-                    emit(_LOG_LEVELS.get(action.level, logging.INFO), action.text, **fields)
+                    emit(level, action.text, **fields)
             elif kind is ev.Forget:
                 self._forget(action.client)
 
@@ -708,9 +720,7 @@ class Daemon:
             while (frames := recv_nowait(sock)) is not None:
                 envelope, body = _split_envelope(frames)
                 reply = await self._answer(body)
-                data = json.dumps(reply, separators=(",", ":")).encode()
-                if len(data) > protocol.CONTROL_REPLY_MAX:
-                    data = json.dumps(_failure("too-large", f"reply of {len(data)} bytes")).encode()
+                data = _fitted(reply)
                 try:
                     sock.send_multipart([*envelope, data], flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
@@ -852,6 +862,30 @@ def _first(group: BaseException) -> BaseException:
     while isinstance(group, BaseExceptionGroup):
         group = group.exceptions[0]
     return group
+
+
+def _fitted(reply: dict) -> bytes:
+    """The reply as JSON within CONTROL_REPLY_MAX. A status too large for it (many clients)
+    keeps the first devices and clients and says in "truncated" how many it left out, so that
+    status always answers; anything else too large is answered too-large."""
+    data = json.dumps(reply, separators=(",", ":")).encode()
+    if len(data) <= protocol.CONTROL_REPLY_MAX:
+        return data
+    result = reply.get("result")
+    if isinstance(result, dict) and "devices" in result and "clients" in result:
+        devices, clients = result["devices"], result["clients"]
+        shown = len(devices) + len(clients)
+        while shown > 0:
+            shown = shown * 3 // 4
+            kept_devices = devices[:shown]
+            kept_clients = clients[:shown]
+            cut = dict(result, devices=kept_devices, clients=kept_clients,
+                       truncated={"devices": len(devices) - len(kept_devices),
+                                  "clients": len(clients) - len(kept_clients)})
+            data = json.dumps(dict(reply, result=cut), separators=(",", ":")).encode()
+            if len(data) <= protocol.CONTROL_REPLY_MAX:
+                return data
+    return json.dumps(_failure("too-large", f"reply of {len(data)} bytes")).encode()
 
 
 def _failure(code: str, message: str) -> dict:
