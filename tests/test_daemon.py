@@ -317,6 +317,24 @@ def test_a_socket_directory_of_another_user_is_refused():
         os.rmdir(directory)
 
 
+def test_a_world_writable_socket_directory_without_sticky_bit_is_refused():
+    # Issue 12: a root-owned 0777 directory was accepted; another user renamed client/ and
+    # control/ and put their own sockets there.
+    directory = short_socket_dir()
+    try:
+        os.chmod(directory, 0o777)
+        result = SchedulerProcess(directory, {}).run_to_exit()
+        assert result.returncode == 1
+        assert "writable by others (mode 777) without the sticky bit" in result.stderr
+        assert os.listdir(directory) == []
+        os.chmod(directory, 0o1777)  # sticky, as /tmp: nobody may rename what is not theirs
+        process = SchedulerProcess(directory, {})
+        process.start()
+        assert process.stop() == 0
+    finally:
+        shutil.rmtree(directory)
+
+
 def test_auto_mode_shares_while_memory_fits(scheduler_factory):
     scheduler = scheduler_factory(mode="auto", tq=30)
     gib = 1 << 30

@@ -587,14 +587,14 @@ class SchedulerCore:
 
     def _remove_client(self, client: _Client, reason: str, now: float, out: list[Action]) -> None:
         per_device_kind = "unregister" if reason == "bye" else "lost"
-        touched = []
+        # Every device of the client is settled again: even without a hold or a place in the
+        # queue, its leaving may change the device's agreed size (auto mode's budget).
         devices = [pair.device for pair in client.pairs.values()]
         for pair in client.pairs.values():
             dev = pair.device
             if pair.hold is not None or pair.waiting_since is not None or pair.overdue:
                 grant = pair.hold.grant if pair.hold is not None else 0
                 out.append(LockEvent(now, per_device_kind, dev.id, client.cid, grant, reason))
-                touched.append(dev)
             self._discard_pair(pair, now)
         client.pairs = {}
         self._unlink_client(client)
@@ -605,9 +605,8 @@ class SchedulerCore:
                            {"client": client.cid, "pid": client.info.pid}))
         else:
             out.append(Log("info", f"client {client.cid} unregistered ({reason})", {"client": client.cid}))
-        for dev in touched:
-            self._settle(dev, now, out)
         for dev in devices:
+            self._settle(dev, now, out)
             self._forget_if_unused(dev)
 
     # --- time ----------------------------------------------------------------------------
