@@ -7,6 +7,7 @@ import math
 import pytest
 
 from nvshare_py import protocol
+from nvshare_py.scheduler import views
 from nvshare_py.scheduler.core import CoreConfig, ControlError, SchedulerCore
 from nvshare_py.scheduler.events import (
     Acquire,
@@ -86,7 +87,7 @@ class Harness:
         return self.feed(Tick(self.now))
 
     def status(self) -> dict:
-        return self.core.status(self.now, wall)
+        return views.status(self.core, self.now, wall)
 
     # --- reading actions -----------------------------------------------------------------
 

@@ -55,6 +55,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nvshare_py import protocol
+from nvshare_py.scheduler import views
 from nvshare_py.scheduler.core import CoreConfig, ControlError, SchedulerCore
 from nvshare_py.scheduler.events import (
     Acquire,
@@ -586,7 +587,7 @@ class LockCoreMachine(RuleBasedStateMachine):
     def status_matches_the_model(self):
         if self.core is None:
             return
-        status = self.core.status(self.now, lambda t: t)
+        status = views.status(self.core, self.now, lambda t: t)
         assert sorted(c["client"] for c in status["clients"]) == sorted(p.cid for p in self.live.values())
         assert [d["device"] for d in status["devices"]] == sorted(self.devices)
         for doc in status["devices"]:

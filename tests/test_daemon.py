@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -371,3 +372,21 @@ def test_auto_mode_shares_while_memory_fits(scheduler_factory):
     assert scheduler.device(GPU)["budget"] == 4 * gib
     scheduler.request("set-budget", device=GPU, bytes=None)
     assert scheduler.device(GPU)["budget"] == 16 * gib
+
+
+def test_a_status_too_large_for_one_reply_is_cut_and_says_so():
+    # Issue 12: `nvsharectl status` failed ("too-large: reply of 21107997 bytes") once clients
+    # had made the device table large; status must always answer.
+    from nvshare_py import protocol
+    from nvshare_py.scheduler.daemon import _fitted
+
+    devices = [{"device": f"GPU-{n:08d}", "name": "x" * 100, "holders": [], "waiters": []} for n in range(40_000)]
+    clients = [{"client": f"c{n}", "program": "y" * 100, "devices": {}} for n in range(40_000)]
+    reply = {"v": 1, "ok": True, "result": {"scheduler": {}, "devices": devices, "clients": clients}}
+    data = _fitted(reply)
+    assert len(data) <= protocol.CONTROL_REPLY_MAX
+    result = json.loads(data)["result"]
+    shown_devices, shown_clients = len(result["devices"]), len(result["clients"])
+    assert shown_devices > 0 and shown_clients > 0
+    assert result["truncated"] == {"devices": 40_000 - shown_devices, "clients": 40_000 - shown_clients}
+    assert result["devices"] == devices[:shown_devices]

@@ -27,7 +27,6 @@ import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
 
 from .. import protocol
 from .events import (
@@ -56,10 +55,9 @@ from .events import (
 
 __all__ = ["CoreConfig", "ControlError", "SchedulerCore"]
 
-# QUERY answers (docs/protocol.md) must fit one message: they name at most this many clients
-# per list, and cut the texts that clients chose themselves.
-QUERY_NAMES_SHOWN = 4
-QUERY_TEXT_MAX = 48
+# How many of those ahead of a waiter, when its wait began, a pair remembers (for QUERY's
+# `last_wait`, nvshare_py/scheduler/views.py): a bound, so that a long queue costs no more.
+AHEAD_REMEMBERED = 4
 
 
 # The client message behind each event that may name a new device (for ERROR's `type`).
@@ -203,12 +201,6 @@ def _same_process(old: ClientInfo, new: ClientInfo) -> bool:
     )
 
 
-def _named(client: _Client) -> dict:
-    """How QUERY names another client: its display id and what it says it is."""
-    info = client.info
-    return {"client": client.cid, "program": info.program[:QUERY_TEXT_MAX], "pod": info.pod[:QUERY_TEXT_MAX]}
-
-
 # --- the core ------------------------------------------------------------------------------
 
 
@@ -299,116 +291,13 @@ class SchedulerCore:
         client = self._clients.get(key)
         return None if client is None else client.cid
 
-    def status(self, now: float, wall: Callable[[float], float]) -> dict:
-        """The "devices" and "clients" parts of the status document (docs/protocol.md)."""
-        devices = []
-        for device_id in sorted(self._devices):
-            dev = self._devices[device_id]
-            holds = [(grant, pair, pair.hold) for grant, pair in dev.holders.items()]
-            holds += [(grant, pair, pair.overdue[grant]) for grant, pair in dev.overdue.items()]
-            holds.sort(key=lambda item: item[0])
-            devices.append({
-                "device": dev.id,
-                "name": dev.name,
-                "total": dev.total,
-                "budget": dev.budget,
-                "mode": dev.mode,
-                "tq": dev.tq,
-                "used": dev.used,
-                "holders": [
-                    {
-                        "client": pair.client.cid,
-                        "grant": grant,
-                        "since": wall(hold.since),
-                        "quantum_left": max(0.0, hold.since + dev.tq - now),
-                        "state": hold.state,
-                        # A stopped or hung holder shows here long before its heartbeat timeout.
-                        "silent": round(now - pair.client.last_seen, 3),
-                    }
-                    for grant, pair, hold in holds
-                ],
-                "waiters": [{"client": pair.client.cid, "since": wall(pair.waiting_since)} for pair in dev.queue],
-            })
-        clients = []
-        for client in self._clients.values():  # registration order: c1, c2, ...
-            info = client.info
-            clients.append({
-                "client": client.cid,
-                "pid": info.pid,
-                "host_pid": info.host_pid,
-                "uid": info.uid,
-                "host": info.host,
-                "container": info.container,
-                "pod": info.pod,
-                "namespace": info.namespace,
-                "program": info.program,
-                "connected": wall(client.connected),
-                "last_seen": wall(client.last_seen),
-                "silent": round(now - client.last_seen, 3),
-                "devices": {device_id: self._pair_status(pair, now) for device_id, pair in client.pairs.items()},
-            })
-        return {"devices": devices, "clients": clients}
+    def devices(self) -> list[_Device]:
+        """The devices by id, for views.py to read (never to change)."""
+        return [self._devices[device_id] for device_id in sorted(self._devices)]
 
-    def query(self, host_pid: int, now: float) -> dict:
-        """The answer to QUERY (docs/protocol.md): the devices of every registration whose
-        kernel-verified host pid is `host_pid` (0: not visible, nothing to match), those the
-        process holds or waits for first."""
-        if not host_pid:
-            return {"pid": 0, "clients": [], "devices": []}
-        clients = [client for client in self._clients.values() if client.info.host_pid == host_pid]
-        pairs = [pair for client in clients for pair in client.pairs.values()]
-        pairs.sort(key=lambda pair: (pair.hold is None and pair.waiting_since is None, pair.device.id))
-        return {
-            "pid": host_pid,
-            "clients": [client.cid for client in clients],
-            "devices": [self._pair_query(pair, now) for pair in pairs],
-        }
-
-    def _pair_query(self, pair: _Pair, now: float) -> dict:
-        dev = pair.device
-        status = self._pair_status(pair, now)
-        waiting = pair.waiting_since is not None
-        last_wait = None
-        if pair.last_wait is not None:
-            seconds, ahead = pair.last_wait
-            last_wait = {"seconds": round(seconds, 3), "held_by": [_named(client) for client in ahead]}
-        return {
-            "device": dev.id,
-            "name": dev.name[:QUERY_TEXT_MAX],
-            "client": pair.client.cid,
-            "mode": dev.mode,
-            "tq": dev.tq,
-            "state": status["state"],
-            "position": next(i for i, waiter in enumerate(dev.queue, 1) if waiter is pair) if waiting else 0,
-            "waiters": len(dev.queue),
-            "waiting_for": round(now - pair.waiting_since, 3) if waiting else 0.0,
-            "wait_total": round(status["wait_total"], 3),
-            "hold_total": round(status["hold_total"], 3),
-            "grants": status["grants"],
-            "used": status["used"],
-            "quantum_left": round(max(0.0, pair.hold.since + dev.tq - now), 3) if pair.hold is not None else None,
-            "holders": [_named(holder.client) for holder in itertools.islice(dev.holders.values(), QUERY_NAMES_SHOWN)],
-            "last_wait": last_wait,
-        }
-
-    @staticmethod
-    def _pair_status(pair: _Pair, now: float) -> dict:
-        waiting = pair.waiting_since is not None
-        if pair.hold is not None:
-            state = pair.hold.state
-        elif waiting:
-            state = "waiting"
-        elif pair.overdue:
-            state = "overdue"
-        else:
-            state = "idle"
-        return {
-            "used": pair.used,
-            "state": state,
-            "wait_total": pair.wait_total + (now - pair.waiting_since if waiting else 0.0),
-            "hold_total": pair.hold_total + (now - pair.hold.since if pair.hold is not None else 0.0),
-            "grants": pair.grants,
-        }
+    def clients(self) -> list[_Client]:
+        """The registrations in registration order (c1, c2, ...), for views.py to read."""
+        return list(self._clients.values())
 
     # --- registration --------------------------------------------------------------------
 
@@ -864,7 +753,7 @@ class SchedulerCore:
             return False
         dev = pair.device
         ahead = (other.client for other in itertools.chain(dev.holders.values(), dev.queue) if other is not pair)
-        pair.blocked_by = tuple(itertools.islice(ahead, QUERY_NAMES_SHOWN))
+        pair.blocked_by = tuple(itertools.islice(ahead, AHEAD_REMEMBERED))
         pair.waiting_since = now
         dev.queue[pair] = None
         out.append(LockEvent(now, "acquire", dev.id, pair.client.cid))

@@ -43,7 +43,7 @@ import zmq
 from .. import __version__, protocol
 from ..paths import SocketPaths, check_socket_path
 from . import events as ev
-from . import zmtp
+from . import views, zmtp
 from .core import CoreConfig, SchedulerCore
 from .zmqtrio import PeerCredentials, bind_router, listen_unix, peer_credentials, recv_nowait, wait_readable
 
@@ -646,7 +646,7 @@ class Daemon:
         # Matched by the kernel-verified pid, never by anything the peer says. A read: a
         # failure is logged (rate-limited) and the daemon serves on.
         try:
-            answer = protocol.Status.of(self.core.query(connection.credentials.pid, now))
+            answer = protocol.Status.of(views.query(self.core, connection.credentials.pid, now))
         except Exception:
             if self._query_fail_log.take() is not None:
                 log.exception("cannot answer a QUERY")
@@ -820,7 +820,7 @@ class Daemon:
                 "restarted": self.restarted,
             }
         }
-        document.update(self.core.status(trio.current_time(), self._wall))
+        document.update(views.status(self.core, trio.current_time(), self._wall))
         return document
 
     def events(self, since: int, limit: int) -> dict:
