@@ -248,8 +248,7 @@ class SchedulerCore:
         if handler is not None:
             client = self._clients.get(event.client)
             if client is None:
-                out.append(Log("debug", f"{type(event).__name__} from an unregistered client ignored",
-                               {"client": repr(event.client)}))
+                out.append(Log("debug", "from-unregistered", {"client": repr(event.client), "type": type(event).__name__}))
                 return out
             client.last_seen = event.now
             self._silence.move_to_end(client.key)
@@ -303,8 +302,7 @@ class SchedulerCore:
 
     def _register(self, ev: Register, out: list[Action]) -> None:
         if ev.client in self._clients:
-            out.append(Log("debug", "second registration on one connection ignored",
-                           {"client": self._clients[ev.client].cid}))
+            out.append(Log("debug", "second-registration", {"client": self._clients[ev.client].cid}))
             return
         now = ev.now
         if len(set(ev.held) | set(ev.wanted)) > protocol.MAX_DEVICES:
@@ -324,8 +322,8 @@ class SchedulerCore:
             idle_release_ms=_ms(config.idle_release),
         )))
         out.append(LockEvent(now, "register", client=client.cid, detail=f"pid={ev.info.pid}"))
-        out.append(Log("info", f"client {client.cid} registered (pid {ev.info.pid}, {ev.info.program or '?'})",
-                       {"client": client.cid, "pid": ev.info.pid, "host_pid": ev.info.host_pid}))
+        out.append(Log("info", "registered", {"client": client.cid, "pid": ev.info.pid, "host_pid": ev.info.host_pid,
+                                           "program": ev.info.program}))
 
         held = dict.fromkeys(ev.held)
         wanted = dict.fromkeys(ev.wanted)
@@ -373,14 +371,13 @@ class SchedulerCore:
                     out.append(Send(new.key, protocol.Drop(device=dev.id, grant=hold.grant, reason=hold.reason,
                                                            grace_ms=max(0, _ms(hold.deadline - now)))))
                 hold.contended = False  # a CONTENDED may have been lost too: _settle tells it again
-                out.append(Log("info", f"grant {hold.grant} on {dev.id} passes from {old.cid} to {new.cid}",
-                               {"client": new.cid, "device": dev.id, "grant": hold.grant}))
+                out.append(Log("info", "grant-passes", {"client": new.cid, "device": dev.id, "grant": hold.grant,
+                                                   "predecessor": old.cid}))
         old.pairs = {}
         self._unlink_client(old)
         out.append(Forget(old.key, "replaced"))
         out.append(LockEvent(now, "unregister", client=old.cid, detail="replaced"))
-        out.append(Log("info", f"client {old.cid} replaced by {new.cid} (same process reconnected)",
-                       {"client": old.cid, "successor": new.cid}))
+        out.append(Log("info", "replaced", {"client": old.cid, "successor": new.cid}))
 
     def _claim(self, pair: _Pair, now: float, out: list[Action]) -> None:
         """A registering client says its gate is open on this device, and it is not the same
@@ -401,12 +398,10 @@ class SchedulerCore:
         if self._recovering(now) and not conflict:
             out.append(Send(pair.client.key, self._grant_message(dev, hold.grant)))
             out.append(LockEvent(now, "grant", dev.id, pair.client.cid, hold.grant, "claimed"))
-            out.append(Log("info", f"{pair.client.cid} keeps {dev.id} (grant {hold.grant}) after the restart",
-                           {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
+            out.append(Log("info", "claim-kept", {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
             return
         out.append(LockEvent(now, "grant", dev.id, pair.client.cid, hold.grant, "claimed"))
-        out.append(Log("warning", f"{pair.client.cid} claims {dev.id}, which it does not hold: dropping its claim",
-                       {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
+        out.append(Log("warning", "claim-refused", {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
         self._drop(pair, now, "conflict", out, grace=self.config.grace if self._recovering(now) else 0.0)
 
     # --- client events -------------------------------------------------------------------
@@ -428,9 +423,7 @@ class SchedulerCore:
         pair.total = ev.total
         if dev.total != before:
             if not dev.total and dev.reports:
-                out.append(Log("warning", f"clients disagree on the size of {dev.id}: its total is unknown "
-                                          "(mode auto serialises it) until they agree or a budget is set",
-                               {"device": dev.id, "client": client.cid}))
+                out.append(Log("warning", "sizes-disagree", {"device": dev.id, "client": client.cid}))
             if dev.mode == "auto" and dev.budget_override is None:
                 self._settle(dev, ev.now, out)
 
@@ -457,16 +450,15 @@ class SchedulerCore:
         if pair is not None and pair.hold is not None and pair.hold.grant == ev.grant:
             dev = pair.device
             out.append(LockEvent(ev.now, "release", dev.id, client.cid, ev.grant, ev.reason))
-            out.append(Log("debug", f"{client.cid} released grant {ev.grant} on {dev.id} ({ev.reason})", fields))
+            out.append(Log("debug", "released", dict(fields, reason=ev.reason)))
             self._end_hold(pair, ev.now)
             self._settle(dev, ev.now, out)
         elif pair is not None and ev.grant in pair.overdue:
             del pair.overdue[ev.grant]
             del pair.device.overdue[ev.grant]
-            out.append(Log("debug", f"{client.cid} released revoked grant {ev.grant} on {ev.device}", fields))
+            out.append(Log("debug", "released-revoked", fields))
         else:
-            out.append(Log("debug", f"{client.cid} released grant {ev.grant} on {ev.device}, which is not current",
-                           fields))
+            out.append(Log("debug", "released-stale", fields))
 
     def _heartbeat(self, client: _Client, ev: Heartbeat, out: list[Action]) -> None:
         pass  # liveness was refreshed in handle()
@@ -490,10 +482,10 @@ class SchedulerCore:
         out.append(Forget(client.key, reason))
         out.append(LockEvent(now, "unregister", client=client.cid, detail=reason))
         if reason == "heartbeat-timeout":
-            out.append(Log("warning", f"client {client.cid} silent for {self.config.heartbeat_timeout:g} s: removed",
-                           {"client": client.cid, "pid": client.info.pid}))
+            out.append(Log("warning", "silent-removed", {"client": client.cid, "pid": client.info.pid,
+                                               "timeout": self.config.heartbeat_timeout}))
         else:
-            out.append(Log("info", f"client {client.cid} unregistered ({reason})", {"client": client.cid}))
+            out.append(Log("info", "unregistered", {"client": client.cid, "reason": reason}))
         for dev in devices:
             self._settle(dev, now, out)
             self._forget_if_unused(dev)
@@ -505,7 +497,7 @@ class SchedulerCore:
         recovered = self._recovery_end is not None and now >= self._recovery_end
         if recovered:
             self._recovery_end = None
-            out.append(Log("info", "recovery window over: granting locks normally"))
+            out.append(Log("info", "recovered"))
         timeout = self.config.heartbeat_timeout
         while self._silence:
             client = next(iter(self._silence.values()))
@@ -535,7 +527,7 @@ class SchedulerCore:
         targets = self._targets(ev.device)
         if ev.device is None:
             self._default_mode = ev.mode
-        out.append(Log("info", f"mode {ev.mode} on {ev.device or 'every device'}", {"device": ev.device or ""}))
+        out.append(Log("info", "mode-set", {"device": ev.device or "", "mode": ev.mode}))
         for dev in targets:
             if dev.mode == ev.mode:
                 continue
@@ -552,8 +544,7 @@ class SchedulerCore:
         targets = self._targets(ev.device)
         if ev.device is None:
             self._default_tq = ev.seconds
-        out.append(Log("info", f"time quantum {ev.seconds:g} s on {ev.device or 'every device'}",
-                       {"device": ev.device or ""}))
+        out.append(Log("info", "tq-set", {"device": ev.device or "", "seconds": ev.seconds}))
         for dev in targets:
             if dev.tq == ev.seconds:
                 continue
@@ -572,7 +563,7 @@ class SchedulerCore:
         dev.budget_override = budget
         detail = "total" if budget is None else str(budget)
         out.append(LockEvent(ev.now, "budget", dev.id, detail=detail))
-        out.append(Log("info", f"memory budget of {dev.id}: {detail}", {"device": dev.id}))
+        out.append(Log("info", "budget-set", {"device": dev.id, "budget": detail}))
         self._settle(dev, ev.now, out)
 
     def _notify_settings(self, dev: _Device, out: list[Action]) -> None:
@@ -625,9 +616,8 @@ class SchedulerCore:
             dev.overdue[hold.grant] = pair
             out.append(Send(pair.client.key, protocol.Revoke(device=dev.id, grant=hold.grant, reason="grace-expired")))
             out.append(LockEvent(now, "revoke", dev.id, cid, hold.grant, "grace-expired"))
-            out.append(Log("warning", f"{cid} did not release grant {hold.grant} on {dev.id} within "
-                                      f"{self.config.grace:g} s: revoked",
-                           {"client": cid, "device": dev.id, "grant": hold.grant, "pid": pair.client.info.pid}))
+            out.append(Log("warning", "revoked", {"client": cid, "device": dev.id, "grant": hold.grant,
+                                        "pid": pair.client.info.pid, "reason": hold.reason}))
 
     def _enforce_exclusion(self, dev: _Device, now: float, out: list[Action]) -> bool:
         """Mode on allows one active holder; auto allows several while their memory fits the
@@ -693,9 +683,8 @@ class SchedulerCore:
                 left = _ms(hold.since + dev.tq - now)
                 out.append(Send(pair.client.key, protocol.Contended(device=dev.id, grant=hold.grant,
                                                                     quantum_left_ms=left)))
-                out.append(Log("debug", f"{pair.client.cid} told that others wait for {dev.id} "
-                                        f"({left} ms of its quantum left)",
-                               {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
+                out.append(Log("debug", "contended", {"client": pair.client.cid, "device": dev.id, "grant": hold.grant,
+                                            "quantum_left_ms": left}))
 
     def _serialised_against(self, dev: _Device, pair: _Pair) -> bool:
         """Whether `pair` may not run beside the device's current (non-empty) holders."""
@@ -725,8 +714,7 @@ class SchedulerCore:
         cid = pair.client.cid
         out.append(Send(pair.client.key, self._grant_message(dev, hold.grant)))
         out.append(LockEvent(now, "grant", dev.id, cid, hold.grant))
-        out.append(Log("debug", f"grant {hold.grant} on {dev.id} to {cid}", {"client": cid, "device": dev.id,
-                                                                           "grant": hold.grant}))
+        out.append(Log("debug", "granted", {"client": cid, "device": dev.id, "grant": hold.grant}))
 
     def _grant_message(self, dev: _Device, grant: int) -> protocol.Grant:
         return protocol.Grant(device=dev.id, grant=grant, mode=dev.mode, exclusive=dev.mode == "on",
@@ -743,8 +731,7 @@ class SchedulerCore:
         out.append(Send(pair.client.key, protocol.Drop(device=dev.id, grant=hold.grant,
                                                        grace_ms=_ms(grace), reason=reason)))
         out.append(LockEvent(now, "drop", dev.id, cid, hold.grant, reason))
-        out.append(Log("info", f"drop grant {hold.grant} of {cid} on {dev.id} ({reason})",
-                       {"client": cid, "device": dev.id, "grant": hold.grant}))
+        out.append(Log("info", "dropped", {"client": cid, "device": dev.id, "grant": hold.grant, "reason": reason}))
 
     def _enqueue(self, pair: _Pair, now: float, out: list[Action]) -> bool:
         """ACQUIRE: idempotent while waiting or holding; a draining holder is queued behind

@@ -431,7 +431,7 @@ class Daemon:
                 suppressed = self._core_log.take()
                 if suppressed is not None:
                     fields = dict(action.fields, suppressed=suppressed) if suppressed else action.fields
-                    emit(level, action.text, **fields)
+                    emit(level, views.describe(action), **fields)
             elif kind is ev.Forget:
                 self._forget(action.client)
 

@@ -148,8 +148,11 @@ class Forget:
 
 @dataclass(frozen=True)
 class Log:
+    """Something worth a log line: `what` names it (views.WORDING words it), `fields` are its
+    facts."""
+
     level: Literal["debug", "info", "warning"]
-    text: str
+    what: str
     fields: dict = field(default_factory=dict)
 
 

@@ -1,7 +1,8 @@
-"""What the daemon shows of the lock core's state: the status document of `nvsharectl status`
-and the answer to QUERY (docs/protocol.md). Presentation lives here, not in the core: the core
-keeps the lock state, this module reads it (never changes it) and decides what is shown, how it
-is rounded and what a QUERY may reveal of other clients.
+"""What the daemon shows of the lock core: the status document of `nvsharectl status`, the
+answer to QUERY (docs/protocol.md) and the words of its log lines. Presentation lives here, not
+in the core: the core keeps the lock state and names what happened (`Log.what` with its
+fields), this module reads the state (never changes it) and decides what is shown, how it is
+rounded and worded, and what a QUERY may reveal of other clients.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import itertools
 from typing import Callable
 
 from .core import AHEAD_REMEMBERED, SchedulerCore
+from .events import Log
 
 # QUERY answers must fit one message: they name at most this many clients per list, and cut
 # the texts that clients chose themselves.
@@ -131,3 +133,40 @@ def _named(client) -> dict:
     """How QUERY names another client: its display id and what it says it is."""
     info = client.info
     return {"client": client.cid, "program": info.program[:QUERY_TEXT_MAX], "pod": info.pod[:QUERY_TEXT_MAX]}
+
+
+def _target(fields: dict) -> str:
+    return fields["device"] or "every device"
+
+
+# One sentence per `Log.what` of the core; the fields follow each line as key=value.
+WORDING: dict[str, Callable[[dict], str]] = {
+    "from-unregistered": lambda f: f"{f['type']} from an unregistered client ignored",
+    "second-registration": lambda f: "second registration on one connection ignored",
+    "registered": lambda f: f"client {f['client']} registered (pid {f['pid']}, {f['program'] or '?'})",
+    "grant-passes": lambda f: f"grant {f['grant']} on {f['device']} passes from {f['predecessor']} to {f['client']}",
+    "replaced": lambda f: f"client {f['client']} replaced by {f['successor']} (same process reconnected)",
+    "claim-kept": lambda f: f"{f['client']} keeps {f['device']} (grant {f['grant']}) after the restart",
+    "claim-refused": lambda f: f"{f['client']} claims {f['device']}, which it does not hold: dropping its claim",
+    "sizes-disagree": lambda f: (f"clients disagree on the size of {f['device']}: its total is unknown "
+                                 "(mode auto serialises it) until they agree or a budget is set"),
+    "released": lambda f: f"{f['client']} released grant {f['grant']} on {f['device']} ({f['reason']})",
+    "released-revoked": lambda f: f"{f['client']} released revoked grant {f['grant']} on {f['device']}",
+    "released-stale": lambda f: f"{f['client']} released grant {f['grant']} on {f['device']}, which is not current",
+    "silent-removed": lambda f: f"client {f['client']} silent for {f['timeout']:g} s: removed",
+    "unregistered": lambda f: f"client {f['client']} unregistered ({f['reason']})",
+    "recovered": lambda f: "recovery window over: granting locks normally",
+    "mode-set": lambda f: f"mode {f['mode']} on {_target(f)}",
+    "tq-set": lambda f: f"time quantum {f['seconds']:g} s on {_target(f)}",
+    "budget-set": lambda f: f"memory budget of {f['device']}: {f['budget']}",
+    "revoked": lambda f: f"{f['client']} did not release grant {f['grant']} on {f['device']} in time: revoked",
+    "contended": lambda f: (f"{f['client']} told that others wait for {f['device']} "
+                            f"({f['quantum_left_ms']} ms of its quantum left)"),
+    "granted": lambda f: f"grant {f['grant']} on {f['device']} to {f['client']}",
+    "dropped": lambda f: f"drop grant {f['grant']} of {f['client']} on {f['device']} ({f['reason']})",
+}
+
+
+def describe(log: Log) -> str:
+    """The log line's sentence (its fields are written after it)."""
+    return WORDING[log.what](log.fields)
