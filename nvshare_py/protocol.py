@@ -29,11 +29,14 @@ CONTROL_EVENTS_MAX = 10_000
 MAX_FIELDS = 32
 MAX_VALUE = 1024
 MAX_INT = 2**63 - 1
+# Devices one registration may name (HELLO's held and wanted, DEVICE, MEMORY, ACQUIRE): bounds
+# what one client makes the scheduler keep and work on (issue 12).
+MAX_DEVICES = 64
 
 MODES = ("on", "off", "auto")
-RELEASE_REASONS = ("idle", "drop", "quantum", "revoke", "exit", "user")
+RELEASE_REASONS = ("idle", "drop", "quantum", "revoke", "user")
 DROP_REASONS = ("quantum", "mode", "memory", "conflict")
-REVOKE_REASONS = ("grace-expired", "conflict")
+REVOKE_REASONS = ("grace-expired",)
 ERROR_CODES = (
     "malformed",
     "too-large",
@@ -91,7 +94,10 @@ def _session(value: str) -> str:
 def _devices(value: str) -> tuple[str, ...]:
     if value == "":
         return ()
-    return tuple(_device(item) for item in value.split(","))
+    items = value.split(",")
+    if len(items) > MAX_DEVICES:
+        raise ValueError(f"more than {MAX_DEVICES} devices")
+    return tuple(_device(item) for item in items)
 
 
 def _choice(options: tuple[str, ...]):

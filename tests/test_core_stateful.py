@@ -30,7 +30,9 @@ Bound on waiting (property 3). Let waiter W start waiting at t0 with H grants ou
 Q waiters ahead of it in the queue. Let TQ be the largest quantum the device had since t0, G
 the grace. Nobody can be granted ahead of W except those Q (FCFS; the simulated clients only
 claim `held` devices that the core already knows they hold, so no claim creates a new grant).
-While W waits the device has a waiter, so every holder is DROP'd at the latest when its quantum
+Claims (`held=` in HELLO) are made only by the process that holds the grant, except by the
+adversary (`hostile_claim`), whose claims outside the recovery window must be refused at once:
+they are in no term of the bound. While W waits the device has a waiter, so every holder is DROP'd at the latest when its quantum
 ends and revoked G later: a grant made at time g ends by g + TQ + G. The H grants were made
 before t0, so they end by t0 + TQ + G. From then on the holders are queue entries that were
 ahead of W; whenever there is no holder, the queue head is granted at once (in every mode), so
@@ -53,7 +55,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nvshare_py import protocol
-from nvshare_py.scheduler.core import CoreConfig, CoreError, SchedulerCore
+from nvshare_py.scheduler import views
+from nvshare_py.scheduler.core import CoreConfig, ControlError, SchedulerCore
 from nvshare_py.scheduler.events import (
     Acquire,
     ClientInfo,
@@ -105,7 +108,8 @@ class Outstanding:
     proc: Proc
     granted_at: float
     dropped_at: float | None = None
-    told: bool = False  # CONTENDED received in the device's current contention episode
+    told: bool = False
+    grace: float | None = None  # None: the configured grace; 0 for a refused claim  # CONTENDED received in the device's current contention episode
 
 
 @dataclass
@@ -121,16 +125,30 @@ class DeviceModel:
     id: str
     mode: str
     tq: float
-    total: int = 0
     budget_override: int | None = None
+    announcers: set = field(default_factory=set)  # live procs that sent DEVICE (all say TOTAL)
     outstanding: dict = field(default_factory=dict)  # grant -> Outstanding
     overdue: dict = field(default_factory=dict)  # revoked grant -> Proc, until its RELEASE
     queue: list = field(default_factory=list)  # Waiter, in ACQUIRE order
     knowers: set = field(default_factory=set)  # procs that told the core about this device
 
     @property
+    def total(self) -> int:
+        """What the clients measured, while one that did is still registered."""
+        return TOTAL if self.announcers else 0
+
+    @property
     def budget(self) -> int:
         return self.total if self.budget_override is None else self.budget_override
+
+    def over_budget(self, used: int) -> bool:
+        """Auto mode: an unknown budget (0) fits nothing beside a holder."""
+        return self.budget <= 0 or used > self.budget
+
+    def unused(self, default_mode: str, default_tq: float) -> bool:
+        """The core forgets such a device (issue 12: the table grew without limit)."""
+        return (not self.knowers and not self.outstanding and not self.overdue and not self.queue
+                and self.budget_override is None and self.mode == default_mode and self.tq == default_tq)
 
     @property
     def contended(self) -> bool:
@@ -170,6 +188,7 @@ class LockCoreMachine(RuleBasedStateMachine):
         self.numbers = itertools.count(1)
         self.issued: set[int] = set()  # every grant id ever sent
         self.reconnecting: Proc | None = None
+        self.claiming: Proc | None = None  # the adversary registering with a false held=
         self.confirmed: set[tuple[str, int]] = set()
         for _ in range(clients):
             self.register_one()
@@ -184,8 +203,10 @@ class LockCoreMachine(RuleBasedStateMachine):
                 self.on_send(action.client, action.message)
             elif isinstance(action, Forget):
                 self.forgets.append((action.client, action.reason))
+            elif isinstance(action, Log):
+                assert views.describe(action), action  # every line the core names has its words
             else:
-                assert isinstance(action, (Log, LockEvent)), action
+                assert isinstance(action, LockEvent), action
         assert sorted(self.forgets) == sorted(expect_forgets)
         for dev in self.devices.values():
             if not dev.contended:  # the episode is over: the next waiter starts a new one
@@ -213,7 +234,9 @@ class LockCoreMachine(RuleBasedStateMachine):
             self.device(device_id).knowers.add(proc)
 
     def bury(self, proc: Proc) -> None:
-        """The model's side of a client's removal: everything it had is gone."""
+        """The model's side of a client's removal: everything it had is gone, and so are the
+        devices it used that nobody else uses or configured."""
+        used = [dev for dev in self.devices.values() if proc in dev.knowers]
         for dev in self.devices.values():
             for grant in [g for g, o in dev.outstanding.items() if o.proc is proc]:
                 del dev.outstanding[grant]
@@ -221,6 +244,10 @@ class LockCoreMachine(RuleBasedStateMachine):
                 del dev.overdue[grant]
             dev.queue = [w for w in dev.queue if w.proc is not proc]
             dev.knowers.discard(proc)
+            dev.announcers.discard(proc)
+        for dev in used:
+            if dev.unused(self.default_mode, self.default_tq):
+                del self.devices[dev.id]
         del self.live[proc.key]
         self.dead_keys.append(proc.key)
 
@@ -269,14 +296,21 @@ class LockCoreMachine(RuleBasedStateMachine):
         assert dev.id not in proc.grants, "a process never holds two grants of one device"
         if dev.outstanding:
             assert dev.mode != "on", "second grant on a device in mode on"
-            if dev.mode == "auto" and dev.budget > 0:
-                assert dev.held_used() + proc.used.get(dev.id, 0) <= dev.budget, "auto grant beyond the budget"
+            if dev.mode == "auto":
+                assert not dev.over_budget(dev.held_used() + proc.used.get(dev.id, 0)), "auto grant beyond the budget"
         dev.queue.pop(0)
         dev.outstanding[msg.grant] = Outstanding(proc, self.now)
         proc.grants[dev.id] = msg.grant
 
     def on_drop(self, proc: Proc, msg: protocol.Drop) -> None:
         dev = self.devices[msg.device]
+        if msg.reason == "conflict":  # a claim refused: dropped and revoked at once
+            assert proc is self.claiming, "DROP conflict to a process that claimed nothing"
+            assert msg.grace_ms == 0 and msg.grant not in self.issued
+            self.issued.add(msg.grant)
+            dev.outstanding[msg.grant] = Outstanding(proc, self.now, dropped_at=self.now, grace=0.0)
+            proc.grants[dev.id] = msg.grant
+            return
         held = dev.outstanding.get(msg.grant)
         assert held is not None and held.proc is proc, "DROP of a grant that is not outstanding"
         if held.dropped_at is not None:  # re-sent after a reconnection, with the time that is left
@@ -291,7 +325,7 @@ class LockCoreMachine(RuleBasedStateMachine):
             if msg.reason == "mode":
                 assert dev.mode == "on"
             else:
-                assert dev.mode == "auto" and 0 < dev.budget < dev.held_used()
+                assert dev.mode == "auto" and dev.over_budget(dev.held_used())
             assert msg.grant != min(dev.outstanding), "the holder granted first keeps the lock"
         else:
             raise AssertionError(f"unexpected DROP reason {msg.reason}")
@@ -314,7 +348,8 @@ class LockCoreMachine(RuleBasedStateMachine):
         held = dev.outstanding.pop(msg.grant, None)
         assert held is not None and held.proc is proc, "REVOKE of a grant that is not outstanding"
         assert msg.reason == "grace-expired"
-        assert held.dropped_at is not None and self.now >= held.dropped_at + self.config.grace, "revoked early"
+        grace = self.config.grace if held.grace is None else held.grace
+        assert held.dropped_at is not None and self.now >= held.dropped_at + grace, "revoked early"
         del proc.grants[dev.id]
         proc.revoked.setdefault(dev.id, set()).add(msg.grant)
         dev.overdue[msg.grant] = proc
@@ -342,7 +377,7 @@ class LockCoreMachine(RuleBasedStateMachine):
         proc = self.choose(index)
         self.sent_by(proc, device)
         if announce:
-            self.device(device).total = TOTAL
+            self.device(device).announcers.add(proc)
             self.feed(DeviceInfo(self.now, proc.key, device, TOTAL, "simulated"))
         proc.used[device] = gib * GiB
         self.feed(MemoryReport(self.now, proc.key, device, gib * GiB))
@@ -435,6 +470,25 @@ class LockCoreMachine(RuleBasedStateMachine):
         self.reconnecting = None
         assert self.confirmed == {(d, proc.grants[d]) for d in held}, "every held lock is confirmed"
 
+    @precondition(lambda self: len(self.live) < MAX_PROCS and self.now >= self.recovery_end)
+    @rule(device=device_choice, victim=pick, borrow=st.booleans())
+    def hostile_claim(self, device, victim, borrow):
+        """The adversary: a new connection of a process that holds nothing says it holds
+        `device` (issue 12: one doing this every second starved the waiters), possibly under a
+        live process's session (it cannot borrow that process's kernel-verified pid). The claim
+        must be refused at once: the wait bound (property 3) has no room for it."""
+        number = next(self.numbers)
+        session = self.choose(victim).session if borrow and self.live else f"{number:016x}"
+        proc = Proc(session=session, host_pid=1000 + number, key=f"k{number}")
+        self.live[proc.key] = proc
+        self.sent_by(proc, device)
+        self.claiming = proc
+        self.feed(Register(self.now, proc.key, ClientInfo(pid=number, session=session, host_pid=proc.host_pid,
+                                                          uid=1000), (device,), ()))
+        self.claiming = None
+        assert proc.cid and device not in proc.grants, "a false claim is never honoured"
+        assert proc.revoked.get(device), "a false claim is revoked at once"
+
     def removed_client_speaks(self, index: int) -> None:
         if not self.dead_keys:
             return
@@ -517,7 +571,7 @@ class LockCoreMachine(RuleBasedStateMachine):
         """Apply a control request to the model (`change(dev)` says whether it changed the
         device) and check the core's MODE notices went to exactly the devices' clients."""
         if device is not None and device not in self.devices:
-            with pytest.raises(CoreError) as caught:
+            with pytest.raises(ControlError) as caught:
                 self.core.handle(event)
             assert caught.value.code == "unknown-device"
             return
@@ -535,7 +589,7 @@ class LockCoreMachine(RuleBasedStateMachine):
     def status_matches_the_model(self):
         if self.core is None:
             return
-        status = self.core.status(self.now, lambda t: t)
+        status = views.status(self.core, self.now, lambda t: t)
         assert sorted(c["client"] for c in status["clients"]) == sorted(p.cid for p in self.live.values())
         assert [d["device"] for d in status["devices"]] == sorted(self.devices)
         for doc in status["devices"]:
@@ -556,7 +610,7 @@ class LockCoreMachine(RuleBasedStateMachine):
             live = [o for o in dev.outstanding.values() if o.dropped_at is None]
             if dev.mode == "on":
                 assert len(live) <= 1, f"{len(live)} undropped grants on {dev.id} in mode on"
-            if dev.mode == "auto" and 0 < dev.budget < dev.held_used():
+            if dev.mode == "auto" and dev.over_budget(dev.held_used()):
                 assert len(live) <= 1, f"{len(live)} undropped grants on {dev.id} beyond its budget"
             for held in dev.outstanding.values():
                 if held.dropped_at is not None:
@@ -573,7 +627,7 @@ class LockCoreMachine(RuleBasedStateMachine):
             blocked_by_itself = dev.id in head.grants
             blocked_by_rules = bool(dev.outstanding) and (
                 dev.mode == "on"
-                or (dev.mode == "auto" and 0 < dev.budget < dev.held_used() + head.used.get(dev.id, 0))
+                or (dev.mode == "auto" and dev.over_budget(dev.held_used() + head.used.get(dev.id, 0)))
             )
             assert blocked_by_itself or blocked_by_rules, f"{head.cid} waits for {dev.id} though it could run"
             if dev.mode != "off":

@@ -167,26 +167,26 @@ def test_the_events_ring_keeps_the_last_10000_with_sequence_numbers(scheduler_fa
         # Answered only after everything sent before it on this connection: the last release is in.
         dealer.send(protocol.Query().encode())
         assert isinstance(protocol.decode(dealer.recv(), protocol.QUERY_REPLIES), protocol.Status)
+        # Still connected: closing first would add the unregistration to the ring.
+        kept = scheduler.request("events", since=0, limit=10_000)
+        sequence = [e["seq"] for e in kept["events"]]
+        assert sequence[0] > 1  # the oldest were dropped ...
+        assert sequence == list(range(sequence[0], sequence[0] + 10_000))  # ... and the last 10 000 kept
+        total = kept["next"]
+        assert total == sequence[-1] + 1
+        page = scheduler.request("events", since=total - 3, limit=10)
+        assert [e["seq"] for e in page["events"]] == [total - 3, total - 2, total - 1]
+        assert page["next"] == total
+        assert page["events"][-1]["kind"] == "release" and page["events"][-1]["grant"] == last_grant
+        assert scheduler.request("events", since=total)["events"] == []
+        entry = page["events"][-1]
+        assert set(entry) == {"seq", "t", "device", "client", "kind", "grant", "detail"}
+        assert entry["detail"] == "user" and entry["device"] == GPU
+        # Timelines rely on it: the wall-clock times never run backwards along the sequence.
+        times = [e["t"] for e in scheduler.request("events", since=0, limit=10_000)["events"]]
+        assert times == sorted(times)
     finally:
         context.destroy(linger=0)
-
-    kept = scheduler.request("events", since=0, limit=10_000)
-    sequence = [e["seq"] for e in kept["events"]]
-    assert sequence[0] > 1  # the oldest were dropped ...
-    assert sequence == list(range(sequence[0], sequence[0] + 10_000))  # ... and the last 10 000 kept
-    total = kept["next"]
-    assert total == sequence[-1] + 1
-    page = scheduler.request("events", since=total - 3, limit=10)
-    assert [e["seq"] for e in page["events"]] == [total - 3, total - 2, total - 1]
-    assert page["next"] == total
-    assert page["events"][-1]["kind"] == "release" and page["events"][-1]["grant"] == last_grant
-    assert scheduler.request("events", since=total)["events"] == []
-    entry = page["events"][-1]
-    assert set(entry) == {"seq", "t", "device", "client", "kind", "grant", "detail"}
-    assert entry["detail"] == "user" and entry["device"] == GPU
-    # Timelines rely on it: the wall-clock times never run backwards along the sequence.
-    times = [e["t"] for e in scheduler.request("events", since=0, limit=10_000)["events"]]
-    assert times == sorted(times)
 
 
 def test_control_client_library_reports_a_missing_daemon(scheduler):

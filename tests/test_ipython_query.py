@@ -15,6 +15,7 @@ import zmq
 from fixtures.scheduler import run_child, wait_for
 from nvshare_py import protocol
 from nvshare_py.client import Client
+from nvshare_py.scheduler import views
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
 from nvshare_py.scheduler.events import Acquire, ClientInfo, DeviceInfo, MemoryReport, Register, Release, Send
 
@@ -98,7 +99,7 @@ def test_core_answers_about_the_asking_process_only():
     core.now = 2.0
     core.feed(Acquire(2.0, "b", GPU0))
 
-    mine = core.core.query(600, now=5.0)
+    mine = views.query(core.core, 600, now=5.0)
     assert mine["pid"] == 600 and mine["clients"] == ["c2"]
     (entry,) = mine["devices"]
     assert entry["state"] == "waiting" and entry["position"] == 1 and entry["waiters"] == 1
@@ -107,12 +108,12 @@ def test_core_answers_about_the_asking_process_only():
     assert entry["used"] == 0 and entry["quantum_left"] is None and entry["last_wait"] is None
     assert entry["mode"] == "on" and entry["tq"] == 30.0 and entry["name"] == "sim GPU"
 
-    holder = core.core.query(500, now=5.0)["devices"][0]
+    holder = views.query(core.core, 500, now=5.0)["devices"][0]
     assert holder["state"] == "holding" and holder["used"] == 1000
     assert holder["quantum_left"] == pytest.approx(25.0) and holder["hold_total"] == pytest.approx(5.0)
 
-    assert core.core.query(700, now=5.0) == {"pid": 700, "clients": [], "devices": []}
-    assert core.core.query(0, now=5.0) == {"pid": 0, "clients": [], "devices": []}
+    assert views.query(core.core, 700, now=5.0) == {"pid": 700, "clients": [], "devices": []}
+    assert views.query(core.core, 0, now=5.0) == {"pid": 0, "clients": [], "devices": []}
 
 
 def test_core_remembers_the_last_wait_and_who_was_ahead():
@@ -123,15 +124,15 @@ def test_core_remembers_the_last_wait_and_who_was_ahead():
     grant = core.grant_of(core.feed(Acquire(0.0, "a", GPU0)))
     core.feed(Acquire(1.0, "b", GPU0))
     core.feed(Acquire(2.0, "c", GPU0))
-    assert by_device(core.core.query(700, now=3.0))[GPU0]["position"] == 2
+    assert by_device(views.query(core.core, 700, now=3.0))[GPU0]["position"] == 2
     grant_b = core.grant_of(core.feed(Release(4.0, "a", GPU0, grant, "idle")))
     core.feed(Release(6.5, "b", GPU0, grant_b, "idle"))
 
-    third = core.core.query(700, now=7.0)["devices"][0]
+    third = views.query(core.core, 700, now=7.0)["devices"][0]
     assert third["state"] == "holding" and third["grants"] == 1
     assert third["last_wait"]["seconds"] == pytest.approx(4.5)
     assert [who["program"] for who in third["last_wait"]["held_by"]] == ["first", "second"]
-    second = core.core.query(600, now=7.0)["devices"][0]
+    second = views.query(core.core, 600, now=7.0)["devices"][0]
     assert second["last_wait"]["seconds"] == pytest.approx(3.0)
     assert [who["client"] for who in second["last_wait"]["held_by"]] == ["c1"]
 
@@ -141,7 +142,7 @@ def test_core_lists_held_and_awaited_devices_first():
     core.register("a", host_pid=500)
     core.feed(DeviceInfo(0.0, "a", GPU1, 1 << 30, "other"))
     core.feed(Acquire(0.0, "a", GPU1))
-    answer = core.core.query(500, now=1.0)
+    answer = views.query(core.core, 500, now=1.0)
     assert [(d["device"], d["state"]) for d in answer["devices"]] == [(GPU1, "holding"), (GPU0, "idle")]
 
 

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fixtures.scheduler import wait_for
 from nvshare_py.scheduler import events as ev
 from nvshare_py.scheduler import metrics as m
+from nvshare_py.scheduler import views
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
 from nvshare_py.scheduler.metrics import SchedulerMetrics
 
@@ -58,7 +59,7 @@ class Driven:
         self.feed(ev.Register(now, key, info))
 
     def scrape(self, now: float) -> dict:
-        return samples(self.metrics.render(self.core.status(now, lambda t: t)))
+        return samples(self.metrics.render(views.status(self.core, now, lambda t: t)))
 
 
 def test_waits_holds_and_handoffs_are_measured_on_the_cores_clock():
@@ -145,9 +146,11 @@ def test_client_label_sets_are_bounded_and_the_rest_is_counted_as_overflow():
 
 def test_device_labels_are_bounded():
     d = Driven()
+    # One registration may use at most protocol.MAX_DEVICES devices: spread them over two.
     d.register("a", 0.0)
+    d.register("b", 0.0)
     for index in range(m.DEVICE_LABELS + 3):
-        d.feed(ev.Acquire(0.0, "a", f"GPU-{index}"))
+        d.feed(ev.Acquire(0.0, "a" if index % 2 else "b", f"GPU-{index}"))
     found = d.scrape(0.0)
     devices = {dict(labels)["device"] for name, labels in found if name == "nvshare_device_holders"}
     assert len(devices) == m.DEVICE_LABELS + 1 and m.OVERFLOW in devices

@@ -824,7 +824,7 @@ def test_every_scheduler_message_reaches_the_client(harness, sockdir, zctx):
         protocol.Welcome(client="c3", heartbeat_ms=500, idle_release_ms=1000),
         protocol.Grant(device=DEVICE, grant=1, mode="on", exclusive=True, quantum_ms=30000),
         protocol.Drop(device=DEVICE, grant=1, grace_ms=5000, reason="memory"),
-        protocol.Revoke(device=DEVICE, grant=1, reason="conflict"),
+        protocol.Revoke(device=DEVICE, grant=1, reason="grace-expired"),
         protocol.Contended(device=DEVICE, grant=1, quantum_left_ms=12345),
         protocol.ModeNotice(device=DEVICE, mode="auto", quantum_ms=10000),
         protocol.Error(code="too-large", detail="4097 bytes, limit 4096", type=""),

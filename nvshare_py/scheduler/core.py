@@ -22,11 +22,11 @@ announced, so after `handle(Tick(now))` the next deadline always lies after `now
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
 
 from .. import protocol
 from .events import (
@@ -34,7 +34,7 @@ from .events import (
     Action,
     ClientInfo,
     ClientKey,
-    CoreError,
+    ControlError,
     DeviceInfo,
     Event,
     Forget,
@@ -53,12 +53,15 @@ from .events import (
     Unregister,
 )
 
-__all__ = ["CoreConfig", "CoreError", "SchedulerCore"]
+__all__ = ["CoreConfig", "ControlError", "SchedulerCore"]
 
-# QUERY answers (docs/protocol.md) must fit one message: they name at most this many clients
-# per list, and cut the texts that clients chose themselves.
-QUERY_NAMES_SHOWN = 4
-QUERY_TEXT_MAX = 48
+# How many of those ahead of a waiter, when its wait began, a pair remembers (for QUERY's
+# `last_wait`, nvshare_py/scheduler/views.py): a bound, so that a long queue costs no more.
+AHEAD_REMEMBERED = 4
+
+
+# The client message behind each event that may name a new device (for ERROR's `type`).
+_MESSAGE_TYPES = {Register: "HELLO", DeviceInfo: "DEVICE", MemoryReport: "MEMORY", Acquire: "ACQUIRE"}
 
 
 def _ms(seconds: float) -> int:
@@ -129,12 +132,16 @@ class _Client:
 
 
 class _Device:
-    __slots__ = ("id", "name", "total", "budget_override", "mode", "tq", "holders", "overdue", "queue", "pairs", "used")
+    __slots__ = ("id", "name", "total", "reports", "budget_override", "mode", "tq", "holders", "overdue", "queue",
+                 "pairs", "used")
 
     def __init__(self, device_id: str, mode: Mode, tq: float) -> None:
         self.id = device_id
         self.name = ""
-        self.total = 0  # 0: not announced by any DEVICE message yet
+        # The device's size as its clients measured it (DEVICE): 0 until one did, and while
+        # they disagree. `reports` counts the clients' figures.
+        self.total = 0
+        self.reports: collections.Counter[int] = collections.Counter()
         self.budget_override: int | None = None
         self.mode: Mode = mode
         self.tq = tq
@@ -146,21 +153,32 @@ class _Device:
 
     @property
     def budget(self) -> int:
-        """0 means unknown, which auto mode treats as unlimited."""
+        """0 means unknown, which auto mode treats as "nothing fits beside a holder"."""
         return self.total if self.budget_override is None else self.budget_override
+
+    def count_report(self, old: int, new: int) -> None:
+        """A client's measured size changed from `old` to `new` (0: none)."""
+        if old:
+            self.reports[old] -= 1
+            if not self.reports[old]:
+                del self.reports[old]
+        if new:
+            self.reports[new] += 1
+        self.total = next(iter(self.reports)) if len(self.reports) == 1 else 0
 
     def held_used(self) -> int:
         return sum(pair.used for pair in self.holders.values())
 
 
 class _Pair:
-    __slots__ = ("client", "device", "used", "hold", "overdue", "waiting_since", "wait_total", "hold_total", "grants",
-                 "blocked_by", "last_wait")
+    __slots__ = ("client", "device", "used", "total", "hold", "overdue", "waiting_since", "wait_total", "hold_total",
+                 "grants", "blocked_by", "last_wait")
 
     def __init__(self, client: _Client, device: _Device) -> None:
         self.client = client  # changes when a reconnecting process takes its pairs over
         self.device = device
         self.used = 0
+        self.total = 0  # the device's size as this client measured it (DEVICE), 0 before
         self.hold: _Hold | None = None  # the current grant, holding or draining
         self.overdue: dict[int, _Hold] = {}
         self.waiting_since: float | None = None
@@ -181,12 +199,6 @@ def _same_process(old: ClientInfo, new: ClientInfo) -> bool:
         and (old.host_pid == new.host_pid or old.host_pid == 0 or new.host_pid == 0)
         and (old.uid == new.uid or old.uid is None or new.uid is None)
     )
-
-
-def _named(client: _Client) -> dict:
-    """How QUERY names another client: its display id and what it says it is."""
-    info = client.info
-    return {"client": client.cid, "program": info.program[:QUERY_TEXT_MAX], "pod": info.pod[:QUERY_TEXT_MAX]}
 
 
 # --- the core ------------------------------------------------------------------------------
@@ -229,15 +241,14 @@ class SchedulerCore:
     # --- public API ----------------------------------------------------------------------
 
     def handle(self, event: Event) -> list[Action]:
-        """Apply one event. Raises CoreError only for control requests (SetMode, SetQuantum,
+        """Apply one event. Raises ControlError only for control requests (SetMode, SetQuantum,
         SetBudget) it refuses, before changing anything."""
         out: list[Action] = []
         handler = self._client_handlers.get(type(event))
         if handler is not None:
             client = self._clients.get(event.client)
             if client is None:
-                out.append(Log("debug", f"{type(event).__name__} from an unregistered client ignored",
-                               {"client": repr(event.client)}))
+                out.append(Log("debug", "from-unregistered", {"client": repr(event.client), "type": type(event).__name__}))
                 return out
             client.last_seen = event.now
             self._silence.move_to_end(client.key)
@@ -279,121 +290,25 @@ class SchedulerCore:
         client = self._clients.get(key)
         return None if client is None else client.cid
 
-    def status(self, now: float, wall: Callable[[float], float]) -> dict:
-        """The "devices" and "clients" parts of the status document (docs/protocol.md)."""
-        devices = []
-        for device_id in sorted(self._devices):
-            dev = self._devices[device_id]
-            holds = [(grant, pair, pair.hold) for grant, pair in dev.holders.items()]
-            holds += [(grant, pair, pair.overdue[grant]) for grant, pair in dev.overdue.items()]
-            holds.sort(key=lambda item: item[0])
-            devices.append({
-                "device": dev.id,
-                "name": dev.name,
-                "total": dev.total,
-                "budget": dev.budget,
-                "mode": dev.mode,
-                "tq": dev.tq,
-                "used": dev.used,
-                "holders": [
-                    {
-                        "client": pair.client.cid,
-                        "grant": grant,
-                        "since": wall(hold.since),
-                        "quantum_left": max(0.0, hold.since + dev.tq - now),
-                        "state": hold.state,
-                    }
-                    for grant, pair, hold in holds
-                ],
-                "waiters": [{"client": pair.client.cid, "since": wall(pair.waiting_since)} for pair in dev.queue],
-            })
-        clients = []
-        for client in self._clients.values():  # registration order: c1, c2, ...
-            info = client.info
-            clients.append({
-                "client": client.cid,
-                "pid": info.pid,
-                "host_pid": info.host_pid,
-                "uid": info.uid,
-                "host": info.host,
-                "container": info.container,
-                "pod": info.pod,
-                "namespace": info.namespace,
-                "program": info.program,
-                "connected": wall(client.connected),
-                "devices": {device_id: self._pair_status(pair, now) for device_id, pair in client.pairs.items()},
-            })
-        return {"devices": devices, "clients": clients}
+    def devices(self) -> list[_Device]:
+        """The devices by id, for views.py to read (never to change)."""
+        return [self._devices[device_id] for device_id in sorted(self._devices)]
 
-    def query(self, host_pid: int, now: float) -> dict:
-        """The answer to QUERY (docs/protocol.md): the devices of every registration whose
-        kernel-verified host pid is `host_pid` (0: not visible, nothing to match), those the
-        process holds or waits for first."""
-        if not host_pid:
-            return {"pid": 0, "clients": [], "devices": []}
-        clients = [client for client in self._clients.values() if client.info.host_pid == host_pid]
-        pairs = [pair for client in clients for pair in client.pairs.values()]
-        pairs.sort(key=lambda pair: (pair.hold is None and pair.waiting_since is None, pair.device.id))
-        return {
-            "pid": host_pid,
-            "clients": [client.cid for client in clients],
-            "devices": [self._pair_query(pair, now) for pair in pairs],
-        }
-
-    def _pair_query(self, pair: _Pair, now: float) -> dict:
-        dev = pair.device
-        status = self._pair_status(pair, now)
-        waiting = pair.waiting_since is not None
-        last_wait = None
-        if pair.last_wait is not None:
-            seconds, ahead = pair.last_wait
-            last_wait = {"seconds": round(seconds, 3), "held_by": [_named(client) for client in ahead]}
-        return {
-            "device": dev.id,
-            "name": dev.name[:QUERY_TEXT_MAX],
-            "client": pair.client.cid,
-            "mode": dev.mode,
-            "tq": dev.tq,
-            "state": status["state"],
-            "position": next(i for i, waiter in enumerate(dev.queue, 1) if waiter is pair) if waiting else 0,
-            "waiters": len(dev.queue),
-            "waiting_for": round(now - pair.waiting_since, 3) if waiting else 0.0,
-            "wait_total": round(status["wait_total"], 3),
-            "hold_total": round(status["hold_total"], 3),
-            "grants": status["grants"],
-            "used": status["used"],
-            "quantum_left": round(max(0.0, pair.hold.since + dev.tq - now), 3) if pair.hold is not None else None,
-            "holders": [_named(holder.client) for holder in itertools.islice(dev.holders.values(), QUERY_NAMES_SHOWN)],
-            "last_wait": last_wait,
-        }
-
-    @staticmethod
-    def _pair_status(pair: _Pair, now: float) -> dict:
-        waiting = pair.waiting_since is not None
-        if pair.hold is not None:
-            state = pair.hold.state
-        elif waiting:
-            state = "waiting"
-        elif pair.overdue:
-            state = "overdue"
-        else:
-            state = "idle"
-        return {
-            "used": pair.used,
-            "state": state,
-            "wait_total": pair.wait_total + (now - pair.waiting_since if waiting else 0.0),
-            "hold_total": pair.hold_total + (now - pair.hold.since if pair.hold is not None else 0.0),
-            "grants": pair.grants,
-        }
+    def clients(self) -> list[_Client]:
+        """The registrations in registration order (c1, c2, ...), for views.py to read."""
+        return list(self._clients.values())
 
     # --- registration --------------------------------------------------------------------
 
     def _register(self, ev: Register, out: list[Action]) -> None:
         if ev.client in self._clients:
-            out.append(Log("debug", "second registration on one connection ignored",
-                           {"client": self._clients[ev.client].cid}))
+            out.append(Log("debug", "second-registration", {"client": self._clients[ev.client].cid}))
             return
         now = ev.now
+        if len(set(ev.held) | set(ev.wanted)) > protocol.MAX_DEVICES:
+            out.append(Send(ev.client, protocol.Error(code="bad-field", type="HELLO",
+                                                      detail=f"a client may use at most {protocol.MAX_DEVICES} devices")))
+            return
         self._client_numbers += 1
         client = _Client(ev.client, f"c{self._client_numbers}", ev.info, now)
         predecessors = [old for old in self._sessions.get(ev.info.session, ()) if _same_process(old.info, ev.info)]
@@ -407,8 +322,8 @@ class SchedulerCore:
             idle_release_ms=_ms(config.idle_release),
         )))
         out.append(LockEvent(now, "register", client=client.cid, detail=f"pid={ev.info.pid}"))
-        out.append(Log("info", f"client {client.cid} registered (pid {ev.info.pid}, {ev.info.program or '?'})",
-                       {"client": client.cid, "pid": ev.info.pid, "host_pid": ev.info.host_pid}))
+        out.append(Log("info", "registered", {"client": client.cid, "pid": ev.info.pid, "host_pid": ev.info.host_pid,
+                                           "program": ev.info.program}))
 
         held = dict.fromkeys(ev.held)
         wanted = dict.fromkeys(ev.wanted)
@@ -416,12 +331,16 @@ class SchedulerCore:
         for old in predecessors:
             self._take_over(old, client, held, wanted, now, out, touched)
         for device_id in held:
-            pair = self._pair(client, device_id)
+            pair = self._pair(client, device_id, ev, out)
+            if pair is None:
+                continue
             touched[pair.device] = None
             if pair.hold is None:
                 self._claim(pair, now, out)
         for device_id in wanted:
-            pair = self._pair(client, device_id)
+            pair = self._pair(client, device_id, ev, out)
+            if pair is None:
+                continue
             touched[pair.device] = None
             self._enqueue(pair, now, out)
         for dev in touched:
@@ -452,46 +371,66 @@ class SchedulerCore:
                     out.append(Send(new.key, protocol.Drop(device=dev.id, grant=hold.grant, reason=hold.reason,
                                                            grace_ms=max(0, _ms(hold.deadline - now)))))
                 hold.contended = False  # a CONTENDED may have been lost too: _settle tells it again
-                out.append(Log("info", f"grant {hold.grant} on {dev.id} passes from {old.cid} to {new.cid}",
-                               {"client": new.cid, "device": dev.id, "grant": hold.grant}))
+                out.append(Log("info", "grant-passes", {"client": new.cid, "device": dev.id, "grant": hold.grant,
+                                                   "predecessor": old.cid}))
         old.pairs = {}
         self._unlink_client(old)
         out.append(Forget(old.key, "replaced"))
         out.append(LockEvent(now, "unregister", client=old.cid, detail="replaced"))
-        out.append(Log("info", f"client {old.cid} replaced by {new.cid} (same process reconnected)",
-                       {"client": old.cid, "successor": new.cid}))
+        out.append(Log("info", "replaced", {"client": old.cid, "successor": new.cid}))
 
     def _claim(self, pair: _Pair, now: float, out: list[Action]) -> None:
-        """A (re)registering client says its gate is open on this device. If nobody holds it the
-        claim is simply granted; where the rules do not let it run beside the holders, it gets a
-        grant that is dropped at once, so its work drains within the grace period."""
+        """A registering client says its gate is open on this device, and it is not the same
+        process taking over its own registration's hold (that is _take_over).
+
+        Inside the recovery window after a restart nobody holds anything yet, so the claim is
+        believed: the first claimant keeps the lock (no grant is made to others until it
+        releases, dies or is revoked), and a claim that may not run beside it is dropped at once
+        with the usual grace, because both processes may really be running.
+
+        Outside the window the daemon knows every hold, and this is none of them: the claim is
+        refused by a grant that is dropped and revoked at once (DROP conflict with grace 0, then
+        REVOKE), which closes the claimant's gate without making anyone wait. A client that
+        reconnects again and again with `held=` thus never blocks a grant (issue 12)."""
         dev = pair.device
-        if dev.holders and self._serialised_against(dev, pair):
-            self._grant_numbers += 1
-            hold = _Hold(self._grant_numbers, now)
-            pair.hold = hold
-            pair.grants += 1
-            dev.holders[hold.grant] = pair
+        conflict = bool(dev.holders) and self._serialised_against(dev, pair)
+        hold = self._new_hold(pair, now)
+        if self._recovering(now) and not conflict:
+            out.append(Send(pair.client.key, self._grant_message(dev, hold.grant)))
             out.append(LockEvent(now, "grant", dev.id, pair.client.cid, hold.grant, "claimed"))
-            out.append(Log("warning", f"{pair.client.cid} claims {dev.id}, which others hold: dropping its claim",
-                           {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
-            self._drop(pair, now, "conflict", out)
-        else:
-            self._grant(pair, now, out, detail="claimed")
+            out.append(Log("info", "claim-kept", {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
+            return
+        out.append(LockEvent(now, "grant", dev.id, pair.client.cid, hold.grant, "claimed"))
+        out.append(Log("warning", "claim-refused", {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
+        self._drop(pair, now, "conflict", out, grace=self.config.grace if self._recovering(now) else 0.0)
 
     # --- client events -------------------------------------------------------------------
 
     def _device_info(self, client: _Client, ev: DeviceInfo, out: list[Action]) -> None:
-        pair = self._pair(client, ev.device)
+        """A client's measurement of the device. It never sets the budget for everyone (only
+        the control socket does): it is the device's size only while every client that
+        measured it agrees; 0 (the client could not measure) counts as no measurement."""
+        pair = self._pair(client, ev.device, ev, out)
+        if pair is None:
+            return
         dev = pair.device
-        dev.total = ev.total
         if ev.name:
             dev.name = ev.name
-        if dev.mode == "auto" and dev.budget_override is None:
-            self._settle(dev, ev.now, out)
+        if ev.total == pair.total:
+            return
+        before = dev.total
+        dev.count_report(pair.total, ev.total)
+        pair.total = ev.total
+        if dev.total != before:
+            if not dev.total and dev.reports:
+                out.append(Log("warning", "sizes-disagree", {"device": dev.id, "client": client.cid}))
+            if dev.mode == "auto" and dev.budget_override is None:
+                self._settle(dev, ev.now, out)
 
     def _memory(self, client: _Client, ev: MemoryReport, out: list[Action]) -> None:
-        pair = self._pair(client, ev.device)
+        pair = self._pair(client, ev.device, ev, out)
+        if pair is None:
+            return
         dev = pair.device
         dev.used += ev.used - pair.used
         pair.used = ev.used
@@ -499,7 +438,9 @@ class SchedulerCore:
             self._settle(dev, ev.now, out)
 
     def _acquire(self, client: _Client, ev: Acquire, out: list[Action]) -> None:
-        pair = self._pair(client, ev.device)
+        pair = self._pair(client, ev.device, ev, out)
+        if pair is None:
+            return
         if self._enqueue(pair, ev.now, out):
             self._settle(pair.device, ev.now, out)
 
@@ -509,16 +450,15 @@ class SchedulerCore:
         if pair is not None and pair.hold is not None and pair.hold.grant == ev.grant:
             dev = pair.device
             out.append(LockEvent(ev.now, "release", dev.id, client.cid, ev.grant, ev.reason))
-            out.append(Log("debug", f"{client.cid} released grant {ev.grant} on {dev.id} ({ev.reason})", fields))
+            out.append(Log("debug", "released", dict(fields, reason=ev.reason)))
             self._end_hold(pair, ev.now)
             self._settle(dev, ev.now, out)
         elif pair is not None and ev.grant in pair.overdue:
             del pair.overdue[ev.grant]
             del pair.device.overdue[ev.grant]
-            out.append(Log("debug", f"{client.cid} released revoked grant {ev.grant} on {ev.device}", fields))
+            out.append(Log("debug", "released-revoked", fields))
         else:
-            out.append(Log("debug", f"{client.cid} released grant {ev.grant} on {ev.device}, which is not current",
-                           fields))
+            out.append(Log("debug", "released-stale", fields))
 
     def _heartbeat(self, client: _Client, ev: Heartbeat, out: list[Action]) -> None:
         pass  # liveness was refreshed in handle()
@@ -528,25 +468,27 @@ class SchedulerCore:
 
     def _remove_client(self, client: _Client, reason: str, now: float, out: list[Action]) -> None:
         per_device_kind = "unregister" if reason == "bye" else "lost"
-        touched = []
+        # Every device of the client is settled again: even without a hold or a place in the
+        # queue, its leaving may change the device's agreed size (auto mode's budget).
+        devices = [pair.device for pair in client.pairs.values()]
         for pair in client.pairs.values():
             dev = pair.device
             if pair.hold is not None or pair.waiting_since is not None or pair.overdue:
                 grant = pair.hold.grant if pair.hold is not None else 0
                 out.append(LockEvent(now, per_device_kind, dev.id, client.cid, grant, reason))
-                touched.append(dev)
             self._discard_pair(pair, now)
         client.pairs = {}
         self._unlink_client(client)
         out.append(Forget(client.key, reason))
         out.append(LockEvent(now, "unregister", client=client.cid, detail=reason))
         if reason == "heartbeat-timeout":
-            out.append(Log("warning", f"client {client.cid} silent for {self.config.heartbeat_timeout:g} s: removed",
-                           {"client": client.cid, "pid": client.info.pid}))
+            out.append(Log("warning", "silent-removed", {"client": client.cid, "pid": client.info.pid,
+                                               "timeout": self.config.heartbeat_timeout}))
         else:
-            out.append(Log("info", f"client {client.cid} unregistered ({reason})", {"client": client.cid}))
-        for dev in touched:
+            out.append(Log("info", "unregistered", {"client": client.cid, "reason": reason}))
+        for dev in devices:
             self._settle(dev, now, out)
+            self._forget_if_unused(dev)
 
     # --- time ----------------------------------------------------------------------------
 
@@ -555,7 +497,7 @@ class SchedulerCore:
         recovered = self._recovery_end is not None and now >= self._recovery_end
         if recovered:
             self._recovery_end = None
-            out.append(Log("info", "recovery window over: granting locks normally"))
+            out.append(Log("info", "recovered"))
         timeout = self.config.heartbeat_timeout
         while self._silence:
             client = next(iter(self._silence.values()))
@@ -576,16 +518,16 @@ class SchedulerCore:
             return list(self._devices.values())
         dev = self._devices.get(device_id)
         if dev is None:
-            raise CoreError("unknown-device", f"no client has announced device {device_id}")
+            raise ControlError("unknown-device", f"no client has announced device {device_id}")
         return [dev]
 
     def _set_mode(self, ev: SetMode, out: list[Action]) -> None:
         if ev.mode not in protocol.MODES:
-            raise CoreError("bad-request", f"mode must be one of {', '.join(protocol.MODES)}, not {ev.mode!r}")
+            raise ControlError("bad-request", f"mode must be one of {', '.join(protocol.MODES)}, not {ev.mode!r}")
         targets = self._targets(ev.device)
         if ev.device is None:
             self._default_mode = ev.mode
-        out.append(Log("info", f"mode {ev.mode} on {ev.device or 'every device'}", {"device": ev.device or ""}))
+        out.append(Log("info", "mode-set", {"device": ev.device or "", "mode": ev.mode}))
         for dev in targets:
             if dev.mode == ev.mode:
                 continue
@@ -598,12 +540,11 @@ class SchedulerCore:
         try:
             _check_seconds("tq", ev.seconds, allow_zero=False)
         except ValueError as exc:
-            raise CoreError("bad-request", str(exc)) from None
+            raise ControlError("bad-request", str(exc)) from None
         targets = self._targets(ev.device)
         if ev.device is None:
             self._default_tq = ev.seconds
-        out.append(Log("info", f"time quantum {ev.seconds:g} s on {ev.device or 'every device'}",
-                       {"device": ev.device or ""}))
+        out.append(Log("info", "tq-set", {"device": ev.device or "", "seconds": ev.seconds}))
         for dev in targets:
             if dev.tq == ev.seconds:
                 continue
@@ -617,12 +558,12 @@ class SchedulerCore:
     def _set_budget(self, ev: SetBudget, out: list[Action]) -> None:
         budget = ev.budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
-            raise CoreError("bad-request", f"budget must be a positive number of bytes or null, not {budget!r}")
+            raise ControlError("bad-request", f"budget must be a positive number of bytes or null, not {budget!r}")
         (dev,) = self._targets(ev.device)
         dev.budget_override = budget
         detail = "total" if budget is None else str(budget)
         out.append(LockEvent(ev.now, "budget", dev.id, detail=detail))
-        out.append(Log("info", f"memory budget of {dev.id}: {detail}", {"device": dev.id}))
+        out.append(Log("info", "budget-set", {"device": dev.id, "budget": detail}))
         self._settle(dev, ev.now, out)
 
     def _notify_settings(self, dev: _Device, out: list[Action]) -> None:
@@ -640,15 +581,31 @@ class SchedulerCore:
             dropped = self._enforce_exclusion(dev, now, out)
             self._grant_waiters(dev, now, out)
             dropped |= self._drop_expired(dev, now, out)
-            # With grace 0 a DROP is due at once: go round again so it is revoked (and the
+            # A DROP with grace 0 is due at once: go round again so it is revoked (and the
             # lock passed on) now, not at a tick that next_deadline() would put at `now`.
-            if not dropped or self.config.grace > 0:
+            if not dropped or not self._revocations_due(dev, now):
                 break
         self._notify_contention(dev, now, out)
         self._refresh_deadline(dev)
 
+    def _timers(self, dev: _Device):
+        """(when, pair, what) for each holder's timer that matters now: a DROP'd grant is
+        revoked when its grace ends; while others wait (outside mode off), a holding grant is
+        dropped when its quantum ends. The one source of what a Tick does and of
+        next_deadline()."""
+        contended = self._contended(dev)
+        for pair in dev.holders.values():
+            hold = pair.hold
+            if hold.state == "draining":
+                yield hold.deadline, pair, "revoke"
+            elif contended:
+                yield hold.since + dev.tq, pair, "drop"
+
+    def _revocations_due(self, dev: _Device, now: float) -> list[_Pair]:
+        return [pair for when, pair, what in self._timers(dev) if what == "revoke" and now >= when]
+
     def _revoke_due(self, dev: _Device, now: float, out: list[Action]) -> None:
-        for pair in [p for p in dev.holders.values() if p.hold.state == "draining" and now >= p.hold.deadline]:
+        for pair in self._revocations_due(dev, now):
             hold = pair.hold
             cid = pair.client.cid
             del dev.holders[hold.grant]
@@ -659,9 +616,8 @@ class SchedulerCore:
             dev.overdue[hold.grant] = pair
             out.append(Send(pair.client.key, protocol.Revoke(device=dev.id, grant=hold.grant, reason="grace-expired")))
             out.append(LockEvent(now, "revoke", dev.id, cid, hold.grant, "grace-expired"))
-            out.append(Log("warning", f"{cid} did not release grant {hold.grant} on {dev.id} within "
-                                      f"{self.config.grace:g} s: revoked",
-                           {"client": cid, "device": dev.id, "grant": hold.grant, "pid": pair.client.info.pid}))
+            out.append(Log("warning", "revoked", {"client": cid, "device": dev.id, "grant": hold.grant,
+                                        "pid": pair.client.info.pid, "reason": hold.reason}))
 
     def _enforce_exclusion(self, dev: _Device, now: float, out: list[Action]) -> bool:
         """Mode on allows one active holder; auto allows several while their memory fits the
@@ -670,7 +626,7 @@ class SchedulerCore:
             return False
         if dev.mode == "auto":
             budget = dev.budget
-            if budget <= 0 or dev.held_used() <= budget:
+            if budget > 0 and dev.held_used() <= budget:
                 return False
             reason = "memory"
         else:
@@ -680,8 +636,11 @@ class SchedulerCore:
             self._drop(pair, now, reason, out)
         return bool(later)
 
+    def _recovering(self, now: float) -> bool:
+        return self._recovery_end is not None and now < self._recovery_end
+
     def _grant_waiters(self, dev: _Device, now: float, out: list[Action]) -> None:
-        if self._recovery_end is not None and now < self._recovery_end:
+        if self._recovering(now):
             return  # only claims of reconnecting holders are granted until recovery ends
         queue = dev.queue
         while queue:
@@ -698,28 +657,13 @@ class SchedulerCore:
         return bool(dev.queue) and dev.mode != "off"
 
     def _drop_expired(self, dev: _Device, now: float, out: list[Action]) -> bool:
-        if not self._contended(dev):
-            return False
-        tq = dev.tq
-        expired = [p for p in dev.holders.values() if p.hold.state == "holding" and now >= p.hold.since + tq]
+        expired = [pair for when, pair, what in self._timers(dev) if what == "drop" and now >= when]
         for pair in expired:
             self._drop(pair, now, "quantum", out)
         return bool(expired)
 
     def _refresh_deadline(self, dev: _Device) -> None:
-        # Must mirror _revoke_due and _drop_expired exactly, or ticks would come too early or late.
-        best = None
-        quantum_matters = self._contended(dev)
-        for pair in dev.holders.values():
-            hold = pair.hold
-            if hold.state == "draining":
-                deadline = hold.deadline
-            elif quantum_matters:
-                deadline = hold.since + dev.tq
-            else:
-                continue
-            if best is None or deadline < best:
-                best = deadline
+        best = min((when for when, _, _ in self._timers(dev)), default=None)
         if best is None:
             self._deadlines.pop(dev, None)
         else:
@@ -739,9 +683,8 @@ class SchedulerCore:
                 left = _ms(hold.since + dev.tq - now)
                 out.append(Send(pair.client.key, protocol.Contended(device=dev.id, grant=hold.grant,
                                                                     quantum_left_ms=left)))
-                out.append(Log("debug", f"{pair.client.cid} told that others wait for {dev.id} "
-                                        f"({left} ms of its quantum left)",
-                               {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
+                out.append(Log("debug", "contended", {"client": pair.client.cid, "device": dev.id, "grant": hold.grant,
+                                            "quantum_left_ms": left}))
 
     def _serialised_against(self, dev: _Device, pair: _Pair) -> bool:
         """Whether `pair` may not run beside the device's current (non-empty) holders."""
@@ -750,41 +693,45 @@ class SchedulerCore:
         if dev.mode == "off":
             return False
         budget = dev.budget
-        return budget > 0 and dev.held_used() + pair.used > budget
+        return budget <= 0 or dev.held_used() + pair.used > budget
 
     # --- state changes -------------------------------------------------------------------
 
-    def _grant(self, pair: _Pair, now: float, out: list[Action], detail: str = "") -> None:
-        dev = pair.device
+    def _new_hold(self, pair: _Pair, now: float) -> _Hold:
+        """Every grant is made here: a fresh id, the pair's hold, the device's holders."""
         self._grant_numbers += 1
         hold = _Hold(self._grant_numbers, now)
-        if pair.waiting_since is not None:
-            self._leave_queue(pair, now)
         pair.hold = hold
         pair.grants += 1
-        dev.holders[hold.grant] = pair
+        pair.device.holders[hold.grant] = pair
+        return hold
+
+    def _grant(self, pair: _Pair, now: float, out: list[Action]) -> None:
+        dev = pair.device
+        if pair.waiting_since is not None:
+            self._leave_queue(pair, now)
+        hold = self._new_hold(pair, now)
         cid = pair.client.cid
         out.append(Send(pair.client.key, self._grant_message(dev, hold.grant)))
-        out.append(LockEvent(now, "grant", dev.id, cid, hold.grant, detail))
-        out.append(Log("debug", f"grant {hold.grant} on {dev.id} to {cid}", {"client": cid, "device": dev.id,
-                                                                           "grant": hold.grant}))
+        out.append(LockEvent(now, "grant", dev.id, cid, hold.grant))
+        out.append(Log("debug", "granted", {"client": cid, "device": dev.id, "grant": hold.grant}))
 
     def _grant_message(self, dev: _Device, grant: int) -> protocol.Grant:
         return protocol.Grant(device=dev.id, grant=grant, mode=dev.mode, exclusive=dev.mode == "on",
                               quantum_ms=_ms(dev.tq))
 
-    def _drop(self, pair: _Pair, now: float, reason: str, out: list[Action]) -> None:
+    def _drop(self, pair: _Pair, now: float, reason: str, out: list[Action], grace: float | None = None) -> None:
         dev = pair.device
         hold = pair.hold
+        grace = self.config.grace if grace is None else grace
         hold.state = "draining"
-        hold.deadline = now + self.config.grace
+        hold.deadline = now + grace
         hold.reason = reason
         cid = pair.client.cid
         out.append(Send(pair.client.key, protocol.Drop(device=dev.id, grant=hold.grant,
-                                                       grace_ms=_ms(self.config.grace), reason=reason)))
+                                                       grace_ms=_ms(grace), reason=reason)))
         out.append(LockEvent(now, "drop", dev.id, cid, hold.grant, reason))
-        out.append(Log("info", f"drop grant {hold.grant} of {cid} on {dev.id} ({reason})",
-                       {"client": cid, "device": dev.id, "grant": hold.grant}))
+        out.append(Log("info", "dropped", {"client": cid, "device": dev.id, "grant": hold.grant, "reason": reason}))
 
     def _enqueue(self, pair: _Pair, now: float, out: list[Action]) -> bool:
         """ACQUIRE: idempotent while waiting or holding; a draining holder is queued behind
@@ -793,7 +740,7 @@ class SchedulerCore:
             return False
         dev = pair.device
         ahead = (other.client for other in itertools.chain(dev.holders.values(), dev.queue) if other is not pair)
-        pair.blocked_by = tuple(itertools.islice(ahead, QUERY_NAMES_SHOWN))
+        pair.blocked_by = tuple(itertools.islice(ahead, AHEAD_REMEMBERED))
         pair.waiting_since = now
         dev.queue[pair] = None
         out.append(LockEvent(now, "acquire", dev.id, pair.client.cid))
@@ -827,7 +774,16 @@ class SchedulerCore:
             self._leave_queue(pair, now)
         self._forget_overdue(pair)
         dev.used -= pair.used
+        dev.count_report(pair.total, 0)
         del dev.pairs[pair]
+
+    def _forget_if_unused(self, dev: _Device) -> None:
+        """A device nobody uses and nobody configured is forgotten: clients cannot grow the
+        table by naming devices and leaving (issue 12). It comes back when named again."""
+        if (not dev.pairs and not dev.holders and not dev.overdue and not dev.queue and dev.budget_override is None
+                and dev.mode == self._default_mode and dev.tq == self._default_tq):
+            del self._devices[dev.id]
+            self._deadlines.pop(dev, None)
 
     def _unlink_client(self, client: _Client) -> None:
         del self._clients[client.key]
@@ -843,9 +799,16 @@ class SchedulerCore:
             dev = self._devices[device_id] = _Device(device_id, self._default_mode, self._default_tq)
         return dev
 
-    def _pair(self, client: _Client, device_id: str) -> _Pair:
+    def _pair(self, client: _Client, device_id: str, ev: Event, out: list[Action]) -> _Pair | None:
+        """The client's pair of the device, made on first use; None (and ERROR to the client)
+        when the client already uses protocol.MAX_DEVICES devices."""
         pair = client.pairs.get(device_id)
         if pair is None:
+            if len(client.pairs) >= protocol.MAX_DEVICES:
+                out.append(Send(client.key, protocol.Error(
+                    code="bad-field", type=_MESSAGE_TYPES[type(ev)],
+                    detail=f"a client may use at most {protocol.MAX_DEVICES} devices")))
+                return None
             dev = self._device(device_id)
             pair = client.pairs[device_id] = _Pair(client, dev)
             dev.pairs[pair] = None

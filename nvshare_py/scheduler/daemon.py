@@ -1,26 +1,29 @@
-"""nvshare-scheduler: the Trio + pyzmq shell around the sans-I/O lock core (core.py).
+"""nvshare-scheduler: the Trio shell around the sans-I/O lock core (core.py).
 
 One nursery holds every task:
 
-- the client pump owns the client ROUTER. It is the only place where events are fed to the
-  core: it reads every waiting message, turns each into a core event, carries out the
-  actions the core returns (sends, timeline entries, logs, forgetting clients) and sleeps until
-  the next message or `core.next_deadline()`, whichever comes first;
-- the control task owns the control ROUTER and answers nvsharectl. Requests that change the
-  scheduler are handed to the pump through `_inbox` and the pump is woken by cancelling its
-  wait; reads (status, events) need no hand-off because everything runs on one thread;
+- the acceptor takes connections on the client socket (after checking that there is room for
+  them, docs/scheduler.md) and starts one task per connection, which speaks ZMTP (zmtp.py)
+  and turns each message into a core event;
+- the timer sends the core `Tick` when its next deadline comes;
+- the control task owns the control ROUTER (libzmq: only root and the daemon's user reach it)
+  and answers nvsharectl;
 - one pid watcher per registered client whose process is visible: it sleeps on a pidfd and
-  tells the pump when that process exits, so a crashed holder's lock moves on at once;
-- the signal task turns SIGTERM/SIGINT into a clean shutdown.
-- with --metrics, the metrics task answers Prometheus scrapes (metrics.py); the pump hands the
-  metrics observer every event and its actions.
+  reports the process's exit, so a crashed holder's lock moves on at once;
+- the signal task turns SIGTERM/SIGINT into a clean shutdown;
+- with --metrics, the metrics task answers Prometheus scrapes (metrics.py); `_carry_out` hands
+  the metrics observer every event and its actions.
 
-Nothing here blocks and there are no threads (libzmq's own I/O thread aside).
+All of them feed the core through one function, `_feed`, which carries out the actions the
+core returns (sends, timeline entries, logs, forgetting clients) and moves the timer: the one
+place to observe what the scheduler does. It never awaits, so events are applied one at a
+time. Nothing here blocks and there are no threads (libzmq's own I/O thread aside).
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import fcntl
 import itertools
 import json
@@ -29,10 +32,12 @@ import math
 import os
 import resource
 import signal
+import socket
 import stat
+import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import trio
 import zmq
@@ -40,22 +45,32 @@ import zmq
 from .. import __version__, protocol
 from ..paths import SocketPaths, check_socket_path
 from . import events as ev
+from . import views, zmtp
 from .core import CoreConfig, SchedulerCore
 from .metrics import SchedulerMetrics, bind_metrics, parse_address, serve_metrics
-from .zmqtrio import bind_router, peer_credentials, recv_nowait, wait_readable
+from .zmqtrio import PeerCredentials, bind_router, listen_unix, peer_credentials, recv_nowait, wait_readable
 
 log = logging.getLogger("nvshare.scheduler")
 
 EVENTS_DEFAULT_LIMIT = 1000
-# libzmq drops the connection of a peer whose single message is larger than these. Between
-# the protocol's limit and these, a message is answered (ERROR too-large / "too-large").
+# A client connection is closed when one message (all its frames) is larger than this; between
+# the protocol's limit and this, a message is answered (ERROR too-large). libzmq drops control
+# connections the same way above CONTROL_WIRE_MAX.
 CLIENT_WIRE_MAX = 64 * 1024
 CONTROL_WIRE_MAX = 1024 * 1024
-# Messages handled before the pump lets the other tasks run (fairness under a flood).
+# Messages handled before a connection's task lets the others run (fairness under a flood).
 PUMP_BATCH = 64
-# Seconds before a Tick is given again for a deadline that the last one should have handled
-# (the core failed on it): often enough to recover, rarely enough not to spin or flood the log.
-FAILED_TICK_RETRY = 1.0
+READ_SIZE = 64 * 1024
+# A peer that has not finished the ZMTP handshake after this many seconds is disconnected.
+HANDSHAKE_TIMEOUT = 10.0
+# Bytes of messages a client has not read yet before it is disconnected as one that does not read.
+OUTGOING_MAX = 1024 * 1024
+# Seconds to wait before accepting again after running out of descriptors (or memory).
+ACCEPT_RETRY = 0.1
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+# Descriptors kept back from clients: the control socket and its connections, the lock file,
+# libzmq's and Trio's own, the log.
+RESERVED_DESCRIPTORS = 64
 
 
 class StartupError(Exception):
@@ -139,25 +154,43 @@ class RateLimit:
         return suppressed
 
 
-class ControlError(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+class CoreFailure(Exception):
+    """The lock core raised on an event: the daemon stops (see Daemon._feed)."""
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """How many client connections the daemon serves at once, in all and per uid. Each
+    costs a descriptor, and a registered one a pidfd too."""
+
+    total: int
+    per_uid: int
+
+    @classmethod
+    def for_descriptors(cls, nofile: int) -> "ConnectionLimits":
+        total = max(8, (nofile - RESERVED_DESCRIPTORS) // 2)
+        # One user cannot take every place: three quarters at most.
+        return cls(total, max(4, total * 3 // 4))
+
+
+class _Connection:
+    """One client connection. `key` is the daemon's own number for it (the core's ClientKey):
+    nothing the peer sends chooses or changes it."""
+
+    __slots__ = ("key", "sock", "credentials", "outgoing", "writable", "scope", "closing")
+
+    def __init__(self, key: int, sock: socket.socket, credentials: PeerCredentials) -> None:
+        self.key = key
+        self.sock = sock
+        self.credentials = credentials
+        self.outgoing = bytearray()
+        self.writable = trio.Event()
+        self.scope: trio.CancelScope | None = None
+        self.closing = False
 
 
 _LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 _INTERNAL_ERROR = "the scheduler failed on this request; see its log"
-
-
-class _Pending:
-    """A control request's event waiting for the pump: the core's answer comes back here."""
-
-    __slots__ = ("make_event", "done", "error")
-
-    def __init__(self, make_event: Callable[[float], ev.Event]) -> None:
-        self.make_event = make_event
-        self.done = trio.Event()
-        self.error: ev.CoreError | None = None
 
 
 class Daemon:
@@ -171,11 +204,15 @@ class Daemon:
         self.core: SchedulerCore | None = None
         self._lock_fd: int | None = None
         self._context: zmq.Context | None = None
-        self._clients: zmq.Socket | None = None
+        self._listener: socket.socket | None = None
         self._control: zmq.Socket | None = None
         self._nursery: trio.Nursery | None = None
-        self._inbox: collections.deque[_Pending] = collections.deque()
-        self._pump_wait: trio.CancelScope | None = None
+        self._timer: trio.CancelScope | None = None
+        self._stopping = False
+        self.limits = ConnectionLimits.for_descriptors(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        self._connections: dict[int, _Connection] = {}
+        self._connection_numbers = itertools.count(1)
+        self._per_uid: collections.Counter[int | None] = collections.Counter()
         self._watchers: dict[ev.ClientKey, trio.CancelScope] = {}
         self._events: collections.deque[dict] = collections.deque(maxlen=protocol.CONTROL_EVENTS_MAX)
         self._next_seq = 1
@@ -186,9 +223,12 @@ class Daemon:
         self._pid_namespace = (own_ns.st_dev, own_ns.st_ino)
         self._bad_input_log = RateLimit()
         self._forbidden_log = RateLimit()
-        self._send_fail_log = RateLimit()
+        self._resource_log = RateLimit()
+        self._query_fail_log = RateLimit()
         self._metrics: SchedulerMetrics | None = None
         self._metrics_sockets: list = []
+        # The core's lines: most are caused by clients (registrations, drops, ...).
+        self._core_log = RateLimit(rate=20.0, burst=200.0)
 
     # --- setup and teardown ----------------------------------------------------------------
 
@@ -199,7 +239,7 @@ class Daemon:
                 check_socket_path(path)
             except ValueError as exc:
                 raise StartupError(f"{exc}: choose a shorter --socket-dir") from None
-        _raise_descriptor_limit()
+        self.limits = ConnectionLimits.for_descriptors(_raise_descriptor_limit())
         if self.config.metrics is not None:
             try:
                 self._metrics_sockets = bind_metrics(self.config.metrics)
@@ -210,7 +250,8 @@ class Daemon:
             self._lock_fd = self._take_lock()
             self.restarted = self._previous_daemon_left_clients()
             self._context = zmq.Context()
-            self._clients = bind_router(self._context, paths.client_socket, 0o666, max_message=CLIENT_WIRE_MAX)
+            self._listener = socket.socket(fileno=listen_unix(paths.client_socket, 0o666))
+            self._listener.setblocking(False)
             self._control = bind_router(self._context, paths.control_socket, 0o600, max_message=CONTROL_WIRE_MAX)
         except OSError as exc:
             self.close()
@@ -221,10 +262,12 @@ class Daemon:
 
     def close(self) -> None:
         """Close the sockets (their files stay, see zmqtrio) and release the lock file."""
-        for sock in (self._clients, self._control):
-            if sock is not None:
-                sock.close(linger=0)
-        self._clients = self._control = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._control is not None:
+            self._control.close(linger=0)
+            self._control = None
         for sock in self._metrics_sockets:
             sock.close()
         self._metrics_sockets = []
@@ -240,11 +283,20 @@ class Daemon:
         paths.root.mkdir(mode=0o755, parents=True, exist_ok=True)
         # Whoever owns the directory can rename the socket directories in it and put its own
         # in their place (e.g. by creating the /tmp default of another user first).
-        owner = paths.root.stat().st_uid
+        info = paths.root.stat()
+        owner = info.st_uid
         if owner not in (0, self._uid):
             raise StartupError(
                 f"{paths.root} belongs to uid {owner}, neither this daemon's uid {self._uid} nor root, "
                 "so that user could replace the sockets in it: choose another --socket-dir"
+            )
+        # The same holds for anyone who may write to it, unless the sticky bit stops them
+        # renaming what they do not own (as in /tmp).
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+            raise StartupError(
+                f"{paths.root} is writable by {'others' if info.st_mode & stat.S_IWOTH else 'its group'} "
+                f"(mode {stat.S_IMODE(info.st_mode):o}) without the sticky bit, so they could replace the "
+                "sockets in it: remove that permission (chmod go-w) or choose another --socket-dir"
             )
         for directory, mode in ((paths.client_dir, 0o755), (paths.control_dir, 0o700)):
             try:
@@ -290,32 +342,48 @@ class Daemon:
     # --- the Trio part ---------------------------------------------------------------------
 
     async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until SIGTERM/SIGINT. Raises CoreFailure when the lock core failed on an
+        event (see `_feed`)."""
         config = self.config
         self.core = SchedulerCore(config.core_config(self.restarted), trio.current_time())
         self._started = time.time()
         # One offset for the daemon's life: converting each time with a fresh time.time() would
         # let two events of one instant come out in the wrong order.
         self._wall_offset = self._started - trio.current_time()
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            await nursery.start(self._stop_on_signal, nursery.cancel_scope)
-            nursery.start_soon(self._serve_clients)
-            nursery.start_soon(self._serve_control)
-            if self._metrics_sockets:
-                self._metrics = SchedulerMetrics(restarted=self.restarted, started=self._started)
-                nursery.start_soon(serve_metrics, self._metrics_sockets, lambda: self._metrics.render_in_steps(self.status()))
-            emit(
-                logging.INFO,
-                "ready",
-                socket_dir=self.paths.root,
-                pid=os.getpid(),
-                mode=config.mode,
-                tq=config.tq,
-                grace=config.grace,
-                heartbeat_timeout=config.heartbeat_timeout,
-                recovery=self.core.config.recovery,
-            )
-            task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(self._stop_on_signal, nursery.cancel_scope)
+                nursery.start_soon(self._run_timer)
+                nursery.start_soon(self._accept_clients)
+                nursery.start_soon(self._serve_control)
+                if self._metrics_sockets:
+                    self._metrics = SchedulerMetrics(restarted=self.restarted, started=self._started)
+                    nursery.start_soon(serve_metrics, self._metrics_sockets,
+                                       lambda: self._metrics.render_in_steps(self.status()))
+                emit(
+                    logging.INFO,
+                    "ready",
+                    socket_dir=self.paths.root,
+                    pid=os.getpid(),
+                    mode=config.mode,
+                    tq=config.tq,
+                    grace=config.grace,
+                    heartbeat_timeout=config.heartbeat_timeout,
+                    recovery=self.core.config.recovery,
+                    max_connections=self.limits.total,
+                    max_connections_per_uid=self.limits.per_uid,
+                )
+                task_status.started()
+        except BaseExceptionGroup as group:
+            failure, rest = group.split(CoreFailure)
+            if failure is None:
+                raise
+            if rest is not None:
+                raise rest from None
+            raise _first(failure) from None
+        finally:
+            self._stopping = True
         emit(logging.INFO, "stopped")
 
     async def _stop_on_signal(self, scope: trio.CancelScope, *, task_status: trio.TaskStatus) -> None:
@@ -323,82 +391,48 @@ class Daemon:
             task_status.started()
             async for signum in signals:
                 emit(logging.INFO, "stopping", signal=signal.Signals(signum).name)
+                self._stopping = True
                 scope.cancel()
                 return
 
     def _wall(self, monotonic: float) -> float:
         return monotonic + self._wall_offset
 
-    # --- the client pump -------------------------------------------------------------------
-
-    async def _serve_clients(self) -> None:
-        sock = self._clients
-        core = self.core
-        last_tick = -math.inf
-        while True:
-            handled = 0
-            while handled < PUMP_BATCH:
-                frames = recv_nowait(sock)
-                if frames is None:
-                    break
-                self._on_client_message(frames)
-                handled += 1
-            while self._inbox:
-                self._run_pending(self._inbox.popleft())
-            now = trio.current_time()
-            deadline = core.next_deadline()
-            if deadline is not None and deadline <= now:
-                # After Tick(t) the core's deadlines lie after t; one at or before t means it
-                # failed on that Tick (logged by _feed).
-                if deadline > last_tick or now >= last_tick + FAILED_TICK_RETRY:
-                    last_tick = now
-                    self._feed(ev.Tick(now))
-                    continue
-                deadline = last_tick + FAILED_TICK_RETRY
-            if handled == PUMP_BATCH:
-                await trio.lowlevel.checkpoint()
-                continue
-            # wait_readable looks at EVENTS before sleeping: a send may have consumed the
-            # descriptor's edge.
-            with trio.move_on_at(math.inf if deadline is None else deadline) as wait:
-                self._pump_wait = wait
-                await wait_readable(sock)
-            self._pump_wait = None
-
-    def _wake_pump(self) -> None:
-        if self._pump_wait is not None:
-            self._pump_wait.cancel()
-
-    def _post(self, make_event: Callable[[float], ev.Event]) -> _Pending:
-        """Hand an event to the pump (from another task); it is stamped when fed."""
-        pending = _Pending(make_event)
-        self._inbox.append(pending)
-        self._wake_pump()
-        return pending
-
-    def _run_pending(self, pending: _Pending) -> None:
-        """Feed a handed-over event; the core's refusal (or failure) goes back to the poster."""
-        event = pending.make_event(trio.current_time())
-        try:
-            actions = self.core.handle(event)
-        except ev.CoreError as exc:
-            pending.error = exc
-        except Exception:
-            log.exception("core failed on %r", event)
-            pending.error = ev.CoreError("internal", _INTERNAL_ERROR)
-        else:
-            self._carry_out(event, actions)
-        pending.done.set()
+    # --- the pump: the one place where the core is fed and its actions carried out ---------
 
     def _feed(self, event: ev.Event) -> None:
-        """Give the core one event and carry out its actions. A failing core is logged, not
-        fatal: one bad event must not take every client's scheduler down."""
+        """Give the core one event and carry out its actions (every task calls this; it never
+        awaits, so events are applied one at a time).
+
+        A core that raised may have left its lock table half-updated; serving on could grant
+        one device twice. So the daemon stops (CoreFailure, exit status 70) and leaves its
+        socket files in place: the next daemon (systemd or the DaemonSet restarts it) runs
+        restart recovery and rebuilds the table from the clients' re-HELLOs. A control
+        request the core refuses (ControlError) changes nothing and is not a failure."""
         try:
             actions = self.core.handle(event)
-        except Exception:
-            log.exception("core failed on %r", event)
-            return
+        except ev.ControlError:
+            raise
+        except Exception as exc:
+            log.critical("the lock core failed on %r; exiting so that restart recovery rebuilds the "
+                         "lock table", event, exc_info=True)
+            raise CoreFailure(f"the lock core failed on {type(event).__name__}") from exc
         self._carry_out(event, actions)
+        if self._timer is not None:
+            self._timer.deadline = self._next_tick()
+
+    def _next_tick(self) -> float:
+        deadline = self.core.next_deadline()
+        return math.inf if deadline is None else deadline
+
+    async def _run_timer(self) -> None:
+        """Sends Tick when the core's next deadline comes (`_feed` moves the deadline)."""
+        while True:
+            with trio.CancelScope(deadline=self._next_tick()) as scope:
+                self._timer = scope
+                await trio.sleep_forever()
+            self._timer = None
+            self._feed(ev.Tick(trio.current_time()))
 
     def _carry_out(self, event: ev.Event, actions: list[ev.Action]) -> None:
         # Messages first: a GRANT is on the waiter's handoff path, the bookkeeping is not.
@@ -412,24 +446,27 @@ class Daemon:
             if kind is ev.LockEvent:
                 self._record(action)
             elif kind is ev.Log:
-                emit(_LOG_LEVELS.get(action.level, logging.INFO), action.text, **action.fields)
+                # Nearly every line the core writes is caused by some client: rate-limited.
+                level = _LOG_LEVELS.get(action.level, logging.INFO)
+                if not log.isEnabledFor(level):
+                    continue
+                suppressed = self._core_log.take()
+                if suppressed is not None:
+                    fields = dict(action.fields, suppressed=suppressed) if suppressed else action.fields
+                    emit(level, views.describe(action), **fields)
             elif kind is ev.Forget:
                 self._forget(action.client)
 
     def _send(self, key: ev.ClientKey, message: protocol.Message) -> None:
+        connection = self._connections.get(key)
+        if connection is None:
+            return  # gone; its Unregister is on its way or done
         try:
             data = message.encode()
         except ValueError as exc:
             log.error("cannot encode %s for a client: %s", message.TYPE, exc)
             return
-        try:
-            self._clients.send_multipart((key, data), flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            # EHOSTUNREACH: the connection is gone (its owner's exit or timeout will follow);
-            # EAGAIN: the peer does not read and its queue is full.
-            suppressed = self._send_fail_log.take()
-            if suppressed is not None:
-                emit(logging.INFO, "send failed", type=message.TYPE, error=exc.strerror, suppressed=suppressed)
+        self._write(connection, zmtp.frame(data))
 
     def _record(self, event: ev.LockEvent) -> None:
         """Timeline entry for `nvsharectl events`. Not logged: the core's Log actions already
@@ -445,28 +482,168 @@ class Daemon:
         })
         self._next_seq += 1
 
-    def _on_client_message(self, frames: list[zmq.Frame]) -> None:
-        key = frames[0].bytes
-        if len(frames) != 2:
-            self._reject(key, "malformed", f"{len(frames) - 1} frames; a message is one frame")
-            return
-        frame = frames[1]
+    # --- client connections ----------------------------------------------------------------
+
+    async def _accept_clients(self) -> None:
+        """Accept connections on the client socket, each served by its own task. Running out
+        of descriptors is not fatal: the connections wait in the listen backlog meanwhile."""
+        listener = self._listener
+        async with trio.open_nursery() as connections:
+            while True:
+                await trio.lowlevel.wait_readable(listener)
+                try:
+                    sock, _ = listener.accept()
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    if exc.errno not in _OUT_OF_RESOURCES:
+                        raise
+                    self._note("cannot accept a client connection", self._resource_log, error=exc.strerror)
+                    await trio.sleep(ACCEPT_RETRY)
+                    continue
+                sock.setblocking(False)
+                credentials = _peer_credentials(sock)
+                refusal = self._admission_refusal(credentials)
+                if refusal is not None:
+                    sock.close()
+                    self._note("client connection refused", self._resource_log, reason=refusal,
+                               uid=credentials.uid, pid=credentials.pid)
+                    continue
+                key = next(self._connection_numbers)
+                connection = _Connection(key, sock, credentials)
+                self._connections[key] = connection
+                self._per_uid[credentials.uid] += 1
+                connections.start_soon(self._serve_connection, connection)
+
+    def _admission_refusal(self, credentials: PeerCredentials) -> str | None:
+        if len(self._connections) >= self.limits.total:
+            return f"{self.limits.total} connections open, the most this daemon serves"
+        if self._per_uid[credentials.uid] >= self.limits.per_uid:
+            return f"uid {credentials.uid} has {self.limits.per_uid} connections open, the most one uid may"
+        return None
+
+    async def _serve_connection(self, connection: _Connection) -> None:
+        parser = zmtp.Parser(CLIENT_WIRE_MAX)
+        sock = connection.sock
         try:
-            message = protocol.decode(frame.bytes)
+            with trio.CancelScope() as scope:
+                connection.scope = scope
+                # A peer must finish its handshake in time: it holds a descriptor meanwhile.
+                scope.deadline = trio.current_time() + HANDSHAKE_TIMEOUT
+                self._write(connection, zmtp.HANDSHAKE)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._flush, connection)
+                    await self._read(connection, parser, scope)
+                    nursery.cancel_scope.cancel()
+        finally:
+            del self._connections[connection.key]
+            self._per_uid[connection.credentials.uid] -= 1
+            if not self._per_uid[connection.credentials.uid]:
+                del self._per_uid[connection.credentials.uid]
+            trio.lowlevel.notify_closing(sock)
+            sock.close()
+            if not self._stopping and self.core.client_id(connection.key) is not None:
+                self._feed(ev.Unregister(trio.current_time(), connection.key, "disconnected"))
+
+    async def _read(self, connection: _Connection, parser: zmtp.Parser, scope: trio.CancelScope) -> None:
+        sock = connection.sock
+        while True:
+            await trio.lowlevel.wait_readable(sock)
+            try:
+                data = sock.recv(READ_SIZE)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return  # reset by the peer
+            if not data:
+                return
+            try:
+                items = parser.feed(data)
+            except zmtp.Violation as exc:
+                self._note("client connection closed", self._bad_input_log, reason=str(exc))
+                return
+            for handled, item in enumerate(items, 1):
+                if type(item) is zmtp.Message:
+                    self._on_client_message(connection, item.frames)
+                elif type(item) is zmtp.Ping:
+                    self._write(connection, zmtp.pong(item.context))
+                else:  # Ready
+                    scope.deadline = math.inf
+                if connection.closing:
+                    return
+                if handled % PUMP_BATCH == 0:
+                    await trio.lowlevel.checkpoint()  # fairness under a flood
+
+    def _write(self, connection: _Connection, data: bytes) -> None:
+        """Queue `data` and send what the socket takes now. A peer that lets more than
+        OUTGOING_MAX bytes pile up does not read: it is disconnected."""
+        if connection.closing:
+            return
+        out = connection.outgoing
+        out += data
+        if len(out) > OUTGOING_MAX:
+            self._note("client connection closed", self._resource_log, reason="it does not read its messages")
+            self._close(connection)
+            return
+        try:
+            sent = connection.sock.send(out)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._close(connection)
+            return
+        del out[:sent]
+        if out:
+            connection.writable.set()
+
+    async def _flush(self, connection: _Connection) -> None:
+        while True:
+            await connection.writable.wait()
+            connection.writable = trio.Event()
+            while connection.outgoing:
+                await trio.lowlevel.wait_writable(connection.sock)
+                try:
+                    sent = connection.sock.send(connection.outgoing)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    self._close(connection)
+                    return
+                del connection.outgoing[:sent]
+
+    def _close(self, connection: _Connection) -> None:
+        connection.closing = True
+        connection.outgoing.clear()
+        if connection.scope is not None:
+            connection.scope.cancel()
+
+    def _note(self, text: str, limit: RateLimit, **fields: Any) -> None:
+        """A log line that a peer can provoke at will: rate-limited."""
+        suppressed = limit.take()
+        if suppressed is not None:
+            emit(logging.INFO, text, **fields, suppressed=suppressed)
+
+    def _on_client_message(self, connection: _Connection, frames: tuple[bytes, ...]) -> None:
+        key = connection.key
+        if len(frames) != 1:
+            self._reject(key, "malformed", f"{len(frames)} frames; a message is one frame")
+            return
+        try:
+            message = protocol.decode(frames[0])
         except protocol.ProtocolError as exc:
             self._reject(key, exc.code, exc.detail, exc.msg_type)
             return
         now = trio.current_time()
         kind = type(message)
         if kind is protocol.Query:
-            self._answer_query(key, frame, now)
+            self._answer_query(connection, now)
             return
         registered = self.core.client_id(key) is not None
         if kind is protocol.Hello:
             if registered:
                 self._reject(key, "already-registered", "this connection is registered already", "HELLO")
             else:
-                self._register(now, key, message, frame)
+                self._register(now, connection, message)
             return
         if not registered:
             self._reject(key, "not-registered", "send HELLO first", message.TYPE)
@@ -487,29 +664,28 @@ class Daemon:
             raise AssertionError(f"unexpected message {kind.__name__}")
         self._feed(event)
 
-    def _answer_query(self, key: bytes, frame: zmq.Frame, now: float) -> None:
-        # Matched by the kernel-verified pid, never by anything the peer says. Any local user
-        # may ask: a failure is logged, not fatal, as for events (see _feed).
+    def _answer_query(self, connection: _Connection, now: float) -> None:
+        # Matched by the kernel-verified pid, never by anything the peer says. A read: a
+        # failure is logged (rate-limited) and the daemon serves on.
         try:
-            answer = protocol.Status.of(self.core.query(peer_credentials(frame).pid, now))
+            answer = protocol.Status.of(views.query(self.core, connection.credentials.pid, now))
         except Exception:
-            log.exception("cannot answer a QUERY")
+            if self._query_fail_log.take() is not None:
+                log.exception("cannot answer a QUERY")
             return
-        self._send(key, answer)
+        self._send(connection.key, answer)
 
-    def _reject(self, key: bytes, code: str, detail: str, msg_type: str = "") -> None:
+    def _reject(self, key: ev.ClientKey, code: str, detail: str, msg_type: str = "") -> None:
         if self._metrics is not None:
             self._metrics.rejected_message(code)
-        suppressed = self._bad_input_log.take()
-        if suppressed is not None:
-            emit(logging.INFO, "rejected client message", code=code, detail=detail, type=msg_type, suppressed=suppressed)
+        self._note("rejected client message", self._bad_input_log, code=code, detail=detail, type=msg_type)
         # Keep the answer encodable whatever the peer sent (no control characters).
         detail = "".join(c if c.isprintable() else "?" for c in detail)[:200]
         msg_type = msg_type if msg_type.isalpha() else ""
         self._send(key, protocol.Error(code=code, detail=detail, type=msg_type))
 
-    def _register(self, now: float, key: bytes, hello: protocol.Hello, frame: zmq.Frame) -> None:
-        peer = peer_credentials(frame)
+    def _register(self, now: float, connection: _Connection, hello: protocol.Hello) -> None:
+        peer = connection.credentials
         info = ev.ClientInfo(
             pid=hello.pid,
             session=hello.session,
@@ -521,6 +697,7 @@ class Daemon:
             namespace=hello.namespace,
             program=hello.program,
         )
+        key = connection.key
         self._feed(ev.Register(now, key, info, hello.held, hello.wanted))
         if peer.pid and self.core.client_id(key) is not None:
             self._watch_process(key, peer.pid)
@@ -528,6 +705,8 @@ class Daemon:
     # --- process exit through pidfds --------------------------------------------------------
 
     def _watch_process(self, key: ev.ClientKey, pid: int) -> None:
+        """One pidfd per registration, closed when the registration ends (Forget), which at
+        the latest is when its connection closes: a descriptor per open connection."""
         try:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
@@ -535,7 +714,8 @@ class Daemon:
             self._feed(ev.Unregister(trio.current_time(), key, "exited"))
             return
         except OSError as exc:
-            emit(logging.WARNING, "cannot watch client process; relying on heartbeats", pid=pid, error=exc.strerror)
+            self._note("cannot watch client process; relying on heartbeats", self._resource_log,
+                       pid=pid, error=exc.strerror)
             return
         scope = trio.CancelScope()
         self._watchers[key] = scope
@@ -546,7 +726,7 @@ class Daemon:
             with scope:
                 await trio.lowlevel.wait_readable(pidfd)
                 self._watchers.pop(key, None)
-                self._post(lambda now: ev.Unregister(now, key, "exited"))
+                self._feed(ev.Unregister(trio.current_time(), key, "exited"))
         finally:
             os.close(pidfd)
 
@@ -564,9 +744,7 @@ class Daemon:
             while (frames := recv_nowait(sock)) is not None:
                 envelope, body = _split_envelope(frames)
                 reply = await self._answer(body)
-                data = json.dumps(reply, separators=(",", ":")).encode()
-                if len(data) > protocol.CONTROL_REPLY_MAX:
-                    data = json.dumps(_failure("too-large", f"reply of {len(data)} bytes")).encode()
+                data = _fitted(reply)
                 try:
                     sock.send_multipart([*envelope, data], flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
@@ -590,9 +768,9 @@ class Daemon:
             return _failure("bad-request", "not JSON")
         try:
             if not isinstance(request, dict) or request.get("v") != 1:
-                raise ControlError("bad-request", 'a request is a JSON object with "v": 1')
+                raise ev.ControlError("bad-request", 'a request is a JSON object with "v": 1')
             result = await self._control_op(request)
-        except (ControlError, ev.CoreError) as exc:
+        except ev.ControlError as exc:
             return _failure(exc.code, str(exc))
         except Exception:
             # E.g. the core failing on `status`: answered, and the daemon serves on.
@@ -624,33 +802,30 @@ class Daemon:
             since = _integer(request, "since", 0, minimum=0)
             limit = _integer(request, "limit", EVENTS_DEFAULT_LIMIT, minimum=1, maximum=protocol.CONTROL_EVENTS_MAX)
             return self.events(since, limit)
-        # The core judges the values of settings (CoreError bad-request) before changing anything.
+        # The core judges the values of settings (ControlError bad-request) before changing anything.
         if op == "set-tq":
             seconds = _number(request, "seconds")
             device = _device(request, required=False)
-            await self._apply(lambda now: ev.SetQuantum(now, seconds, device))
+            self._apply(lambda now: ev.SetQuantum(now, seconds, device))
             return {"device": device, "tq": seconds}
         if op == "set-mode":
             mode = request.get("mode")
             device = _device(request, required=False)
-            await self._apply(lambda now: ev.SetMode(now, mode, device))
+            self._apply(lambda now: ev.SetMode(now, mode, device))
             return {"device": device, "mode": mode}
         if op == "set-budget":
             budget = request.get("bytes")
             if budget is not None and (
                 isinstance(budget, bool) or not isinstance(budget, int) or not 0 < budget <= protocol.MAX_INT
             ):
-                raise ControlError("bad-request", "bytes must be an integer > 0, or null for the device's total")
+                raise ev.ControlError("bad-request", "bytes must be an integer > 0, or null for the device's total")
             device = _device(request, required=True)
-            await self._apply(lambda now: ev.SetBudget(now, device, budget))
+            self._apply(lambda now: ev.SetBudget(now, device, budget))
             return {"device": device, "budget": budget}
-        raise ControlError("unknown-op", f"unknown op {op!r}")
+        raise ev.ControlError("unknown-op", f"unknown op {op!r}")
 
-    async def _apply(self, make_event: Callable[[float], ev.Event]) -> None:
-        pending = self._post(make_event)
-        await pending.done.wait()
-        if pending.error is not None:
-            raise pending.error
+    def _apply(self, make_event) -> None:
+        self._feed(make_event(trio.current_time()))
 
     def status(self) -> dict:
         document = {
@@ -669,7 +844,7 @@ class Daemon:
                 "restarted": self.restarted,
             }
         }
-        document.update(self.core.status(trio.current_time(), self._wall))
+        document.update(views.status(self.core, trio.current_time(), self._wall))
         return document
 
     def events(self, since: int, limit: int) -> dict:
@@ -680,12 +855,61 @@ class Daemon:
         return {"events": chosen, "next": following}
 
 
-def _raise_descriptor_limit() -> None:
+def _raise_descriptor_limit() -> int:
     """Each client costs a connection and a pidfd: lift the soft limit on open files (often
-    1024) to the hard limit the administrator allows."""
+    1024) to the hard limit the administrator allows. Returns the limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # e.g. an unlimited hard limit above the kernel's nr_open
+            pass
+    return soft
+
+
+_PEER_CREDENTIALS = struct.Struct("3i")
+
+
+def _peer_credentials(sock: socket.socket) -> PeerCredentials:
+    """The kernel's word on who connected (SO_PEERCRED): pid (0 when the peer's process is not
+    visible in our pid namespace), uid, gid."""
+    try:
+        pid, uid, gid = _PEER_CREDENTIALS.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER_CREDENTIALS.size))
+    except OSError:
+        return PeerCredentials(None, None, 0)
+    return PeerCredentials(uid, gid, pid)
+
+
+def _first(group: BaseException) -> BaseException:
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group
+
+
+def _fitted(reply: dict) -> bytes:
+    """The reply as JSON within CONTROL_REPLY_MAX. A status too large for it (many clients)
+    keeps the first devices and clients and says in "truncated" how many it left out, so that
+    status always answers; anything else too large is answered too-large."""
+    data = json.dumps(reply, separators=(",", ":")).encode()
+    if len(data) <= protocol.CONTROL_REPLY_MAX:
+        return data
+    result = reply.get("result")
+    if isinstance(result, dict) and "devices" in result and "clients" in result:
+        devices, clients = result["devices"], result["clients"]
+        shown = len(devices) + len(clients)
+        while shown > 0:
+            shown = shown * 3 // 4
+            kept_devices = devices[:shown]
+            kept_clients = clients[:shown]
+            cut = dict(result, devices=kept_devices, clients=kept_clients,
+                       truncated={"devices": len(devices) - len(kept_devices),
+                                  "clients": len(clients) - len(kept_clients)})
+            data = json.dumps(dict(reply, result=cut), separators=(",", ":")).encode()
+            if len(data) <= protocol.CONTROL_REPLY_MAX:
+                return data
+    return json.dumps(_failure("too-large", f"reply of {len(data)} bytes")).encode()
 
 
 def _failure(code: str, message: str) -> dict:
@@ -705,17 +929,17 @@ def _split_envelope(frames: list[zmq.Frame]) -> tuple[list[bytes], list[zmq.Fram
 def _number(request: dict, key: str) -> float:
     value = request.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ControlError("bad-request", f"{key} must be a number")
+        raise ev.ControlError("bad-request", f"{key} must be a number")
     try:
         return float(value)
     except OverflowError:  # an integer of hundreds of digits
-        raise ControlError("bad-request", f"{key} is too large") from None
+        raise ev.ControlError("bad-request", f"{key} is too large") from None
 
 
 def _integer(request: dict, key: str, default: int, *, minimum: int, maximum: int = protocol.MAX_INT) -> int:
     value = request.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        raise ControlError("bad-request", f"{key} must be an integer from {minimum} to {maximum}")
+        raise ev.ControlError("bad-request", f"{key} must be an integer from {minimum} to {maximum}")
     return value
 
 
@@ -724,5 +948,5 @@ def _device(request: dict, *, required: bool) -> str | None:
     if device is None and not required:
         return None
     if not isinstance(device, str) or not device:
-        raise ControlError("bad-request", "device must be a device id")
+        raise ev.ControlError("bad-request", "device must be a device id")
     return device

@@ -11,7 +11,7 @@ from typing import Hashable, Literal
 
 from .. import protocol
 
-ClientKey = Hashable  # opaque to the core: the daemon uses the ZeroMQ routing id
+ClientKey = Hashable  # opaque to the core: the daemon's own number for the connection
 Mode = Literal["on", "off", "auto"]
 
 
@@ -148,8 +148,11 @@ class Forget:
 
 @dataclass(frozen=True)
 class Log:
+    """Something worth a log line: `what` names it (views.WORDING words it), `fields` are its
+    facts."""
+
     level: Literal["debug", "info", "warning"]
-    text: str
+    what: str
     fields: dict = field(default_factory=dict)
 
 
@@ -169,9 +172,9 @@ class LockEvent:
 Action = Send | Forget | Log | LockEvent
 
 
-class CoreError(ValueError):
-    """A control request the core refuses (unknown device, bad value); `code` is the
-    control-protocol error code."""
+class ControlError(ValueError):
+    """A control request refused, by the daemon (malformed request) or the core (unknown
+    device, bad value), before anything changed; `code` is the control-protocol error code."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)

@@ -1,0 +1,172 @@
+"""What the daemon shows of the lock core: the status document of `nvsharectl status`, the
+answer to QUERY (docs/protocol.md) and the words of its log lines. Presentation lives here, not
+in the core: the core keeps the lock state and names what happened (`Log.what` with its
+fields), this module reads the state (never changes it) and decides what is shown, how it is
+rounded and worded, and what a QUERY may reveal of other clients.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+from .core import AHEAD_REMEMBERED, SchedulerCore
+from .events import Log
+
+# QUERY answers must fit one message: they name at most this many clients per list, and cut
+# the texts that clients chose themselves.
+QUERY_NAMES_SHOWN = AHEAD_REMEMBERED
+QUERY_TEXT_MAX = 48
+
+
+def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> dict:
+    """The "devices" and "clients" parts of the status document (docs/protocol.md)."""
+    devices = []
+    for dev in core.devices():
+        holds = [(grant, pair, pair.hold) for grant, pair in dev.holders.items()]
+        holds += [(grant, pair, pair.overdue[grant]) for grant, pair in dev.overdue.items()]
+        holds.sort(key=lambda item: item[0])
+        devices.append({
+            "device": dev.id,
+            "name": dev.name,
+            "total": dev.total,
+            "budget": dev.budget,
+            "mode": dev.mode,
+            "tq": dev.tq,
+            "used": dev.used,
+            "holders": [
+                {
+                    "client": pair.client.cid,
+                    "grant": grant,
+                    "since": wall(hold.since),
+                    "quantum_left": max(0.0, hold.since + dev.tq - now),
+                    "state": hold.state,
+                    # A stopped or hung holder shows here long before its heartbeat timeout.
+                    "silent": round(now - pair.client.last_seen, 3),
+                }
+                for grant, pair, hold in holds
+            ],
+            "waiters": [{"client": pair.client.cid, "since": wall(pair.waiting_since)} for pair in dev.queue],
+        })
+    clients = []
+    for client in core.clients():  # registration order: c1, c2, ...
+        info = client.info
+        clients.append({
+            "client": client.cid,
+            "pid": info.pid,
+            "host_pid": info.host_pid,
+            "uid": info.uid,
+            "host": info.host,
+            "container": info.container,
+            "pod": info.pod,
+            "namespace": info.namespace,
+            "program": info.program,
+            "connected": wall(client.connected),
+            "last_seen": wall(client.last_seen),
+            "silent": round(now - client.last_seen, 3),
+            "devices": {device_id: _pair_status(pair, now) for device_id, pair in client.pairs.items()},
+        })
+    return {"devices": devices, "clients": clients}
+
+def query(core: SchedulerCore, host_pid: int, now: float) -> dict:
+    """The answer to QUERY (docs/protocol.md): the devices of every registration whose
+    kernel-verified host pid is `host_pid` (0: not visible, nothing to match), those the
+    process holds or waits for first."""
+    if not host_pid:
+        return {"pid": 0, "clients": [], "devices": []}
+    clients = [client for client in core.clients() if client.info.host_pid == host_pid]
+    pairs = [pair for client in clients for pair in client.pairs.values()]
+    pairs.sort(key=lambda pair: (pair.hold is None and pair.waiting_since is None, pair.device.id))
+    return {
+        "pid": host_pid,
+        "clients": [client.cid for client in clients],
+        "devices": [_pair_query(pair, now) for pair in pairs],
+    }
+
+def _pair_query(pair, now: float) -> dict:
+    dev = pair.device
+    status = _pair_status(pair, now)
+    waiting = pair.waiting_since is not None
+    last_wait = None
+    if pair.last_wait is not None:
+        seconds, ahead = pair.last_wait
+        last_wait = {"seconds": round(seconds, 3), "held_by": [_named(client) for client in ahead]}
+    return {
+        "device": dev.id,
+        "name": dev.name[:QUERY_TEXT_MAX],
+        "client": pair.client.cid,
+        "mode": dev.mode,
+        "tq": dev.tq,
+        "state": status["state"],
+        "position": next(i for i, waiter in enumerate(dev.queue, 1) if waiter is pair) if waiting else 0,
+        "waiters": len(dev.queue),
+        "waiting_for": round(now - pair.waiting_since, 3) if waiting else 0.0,
+        "wait_total": round(status["wait_total"], 3),
+        "hold_total": round(status["hold_total"], 3),
+        "grants": status["grants"],
+        "used": status["used"],
+        "quantum_left": round(max(0.0, pair.hold.since + dev.tq - now), 3) if pair.hold is not None else None,
+        "holders": [_named(holder.client) for holder in itertools.islice(dev.holders.values(), QUERY_NAMES_SHOWN)],
+        "last_wait": last_wait,
+    }
+
+def _pair_status(pair, now: float) -> dict:
+    waiting = pair.waiting_since is not None
+    if pair.hold is not None:
+        state = pair.hold.state
+    elif waiting:
+        state = "waiting"
+    elif pair.overdue:
+        state = "overdue"
+    else:
+        state = "idle"
+    return {
+        "used": pair.used,
+        "state": state,
+        "wait_total": pair.wait_total + (now - pair.waiting_since if waiting else 0.0),
+        "hold_total": pair.hold_total + (now - pair.hold.since if pair.hold is not None else 0.0),
+        "grants": pair.grants,
+    }
+
+
+def _named(client) -> dict:
+    """How QUERY names another client: its display id and what it says it is."""
+    info = client.info
+    return {"client": client.cid, "program": info.program[:QUERY_TEXT_MAX], "pod": info.pod[:QUERY_TEXT_MAX]}
+
+
+def _target(fields: dict) -> str:
+    return fields["device"] or "every device"
+
+
+# One sentence per `Log.what` of the core; the fields follow each line as key=value.
+WORDING: dict[str, Callable[[dict], str]] = {
+    "from-unregistered": lambda f: f"{f['type']} from an unregistered client ignored",
+    "second-registration": lambda f: "second registration on one connection ignored",
+    "registered": lambda f: f"client {f['client']} registered (pid {f['pid']}, {f['program'] or '?'})",
+    "grant-passes": lambda f: f"grant {f['grant']} on {f['device']} passes from {f['predecessor']} to {f['client']}",
+    "replaced": lambda f: f"client {f['client']} replaced by {f['successor']} (same process reconnected)",
+    "claim-kept": lambda f: f"{f['client']} keeps {f['device']} (grant {f['grant']}) after the restart",
+    "claim-refused": lambda f: f"{f['client']} claims {f['device']}, which it does not hold: dropping its claim",
+    "sizes-disagree": lambda f: (f"clients disagree on the size of {f['device']}: its total is unknown "
+                                 "(mode auto serialises it) until they agree or a budget is set"),
+    "released": lambda f: f"{f['client']} released grant {f['grant']} on {f['device']} ({f['reason']})",
+    "released-revoked": lambda f: f"{f['client']} released revoked grant {f['grant']} on {f['device']}",
+    "released-stale": lambda f: f"{f['client']} released grant {f['grant']} on {f['device']}, which is not current",
+    "silent-removed": lambda f: f"client {f['client']} silent for {f['timeout']:g} s: removed",
+    "unregistered": lambda f: f"client {f['client']} unregistered ({f['reason']})",
+    "recovered": lambda f: "recovery window over: granting locks normally",
+    "mode-set": lambda f: f"mode {f['mode']} on {_target(f)}",
+    "tq-set": lambda f: f"time quantum {f['seconds']:g} s on {_target(f)}",
+    "budget-set": lambda f: f"memory budget of {f['device']}: {f['budget']}",
+    "revoked": lambda f: f"{f['client']} did not release grant {f['grant']} on {f['device']} in time: revoked",
+    "contended": lambda f: (f"{f['client']} told that others wait for {f['device']} "
+                            f"({f['quantum_left_ms']} ms of its quantum left)"),
+    "granted": lambda f: f"grant {f['grant']} on {f['device']} to {f['client']}",
+    "dropped": lambda f: f"drop grant {f['grant']} of {f['client']} on {f['device']} ({f['reason']})",
+}
+
+
+def describe(log: Log) -> str:
+    """The log line's sentence (its fields are written after it)."""
+    return WORDING[log.what](log.fields)
