@@ -249,6 +249,13 @@ def _table(title: str, columns: list[str], wide: bool) -> Table:
     return table
 
 
+def silence_note(entry: dict, defaults: dict) -> str:
+    """" silent N s" for a client that has missed at least two heartbeats (stopped, hung, or cut
+    off): the scheduler still counts it as holding or waiting until its heartbeat timeout."""
+    silent = entry.get("silent", 0.0)
+    return f" silent {silent:.1f} s" if silent > 2 * defaults.get("heartbeat_interval", 1.0) else ""
+
+
 def render_status(status: dict, wide: bool = False) -> Group:
     """The status document for a person: at most 80 columns by default (short device names,
     fewer columns); `wide` adds UUIDs, host pids, uids, identities and grant counts."""
@@ -269,7 +276,7 @@ def render_status(status: dict, wide: bool = False) -> Group:
                                      "waiters (in order)"], wide)
         for device in status["devices"]:
             holders = [" ".join([h["client"], *([f"#{h['grant']}"] if wide else []), f"{h['quantum_left']:.1f} s",
-                                 h["state"]]) for h in device.get("holders", [])]
+                                 h["state"]]) + silence_note(h, defaults) for h in device.get("holders", [])]
             name = labels[device["device"]]
             if wide:
                 name += f"\n{device['device']}" + (f"\n{device['name']}" if device.get("name") else "")
@@ -302,7 +309,7 @@ def render_status(status: dict, wide: bool = False) -> Group:
             row = who if place == 0 else [""] * len(who)
             cells = [
                 (device if wide else labels.get(device, device)),
-                usage.get("state", "-"),
+                usage.get("state", "-") + silence_note(client, defaults),
                 format_bytes(usage.get("used")),
                 f"{usage.get('wait_total', 0):.1f} s" if usage else "-",
                 f"{usage.get('hold_total', 0):.1f} s" if usage else "-",

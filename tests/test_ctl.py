@@ -267,3 +267,27 @@ def test_parse_size():
     for bad in ("", "G", "-1G", "0", "8X", "1e9", "8192P", "9" * 400):
         with pytest.raises(ValueError):
             parse_size(bad)
+
+
+def test_a_stopped_holder_shows_as_silent(scheduler_factory):
+    """A SIGSTOPped holder sends no heartbeats but keeps its lock until the heartbeat timeout
+    (here far away): status must say it has gone silent, so an operator sees why others wait."""
+    scheduler = scheduler_factory(tq=600, heartbeat_interval=0.2, heartbeat_timeout=600)
+    holder = scheduler.agent()
+    holder.send(f"acquire {GPU}")
+    holder.expect(f"granted {GPU}")
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        def silent_holder():
+            holders = [h for d in scheduler.status()["devices"] for h in d["holders"]]
+            return holders and holders[0]["silent"] > 1.0
+        wait_for(silent_holder, what="the stopped holder to be seen as silent")
+        result = scheduler.ctl("status")
+        assert result.returncode == 0, result.stderr
+        holder_lines = [line for line in result.stdout.splitlines() if "holding" in line]
+        assert holder_lines and all("silent" in line for line in holder_lines), result.stdout
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+    # Once it runs again its heartbeats resume and the note goes away.
+    wait_for(lambda: all(h["silent"] < 1.0 for d in scheduler.status()["devices"] for h in d["holders"]),
+             what="the resumed holder's heartbeats")

@@ -838,6 +838,7 @@ class Daemon:
                     "mode": self.core.default_mode,
                     "tq": self.core.default_tq,
                     "grace": self.config.grace,
+                    "heartbeat_interval": self.config.heartbeat_interval,
                     "heartbeat_timeout": self.config.heartbeat_timeout,
                     "idle_release": self.config.idle_release,
                 },
