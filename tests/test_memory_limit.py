@@ -153,8 +153,9 @@ def test_threads_allocating_together_never_pass_the_limit(run):
     assert refusals(stderr), stderr  # each thread's refusal, at most a line a second
 
 
-def test_the_limited_process_sees_a_device_of_the_limits_size(run):
-    results, _ = run("meminfo", f"alloc:plain:{GiB}", "meminfo", "total", "nvml", limit="4G")
+@pytest.mark.parametrize("via", ["dlsym", "gpa"])  # ctypes/PyTorch, and the CUDA runtime's way
+def test_the_limited_process_sees_a_device_of_the_limits_size(run, via):
+    results, _ = run("meminfo", f"alloc:plain:{GiB}", "meminfo", "total", "nvml", limit="4G", NVS_APP_VIA=via)
     assert results[0] == {"free": 4 * GiB, "total": 4 * GiB}
     assert results[2] == {"free": 3 * GiB, "total": 4 * GiB}
     assert results[3] == {"totals": [4 * GiB]}
@@ -227,3 +228,52 @@ def test_sizes_mean_what_they_mean_to_nvsharectl(run, text):
         expected = None
     results, _ = run("meminfo", limit=text, SIMCUDA_MEMORY="2097152000G")
     assert results[0]["total"] == (0 if expected is None else min(expected, 2000 << 50))
+
+
+# The run-time entry point the control path will call (nvs_limit_set), on its own: limits.c with
+# the configuration and logging it needs, driven from two threads.
+RUNTIME_SET = r"""
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include "nvshare.h"
+
+static struct nvs_device devices[3];
+
+static void *set_from_another_thread(void *unused) {
+    nvs_limit_set(&devices[1], 1 << 20);          /* before anyone read device 1's limit */
+    nvs_limit_set(&devices[2], NVS_NO_LIMIT);     /* lifted */
+    return NULL;
+}
+
+int main(void) {
+    nvs_config_load();
+    for (int i = 0; i < 3; i++) devices[i].ordinal = i, snprintf(devices[i].uuid, 64, "GPU-%d", i);
+    printf("configured %llu %d\n", (unsigned long long)nvs_limit_of(&devices[0]), nvs_limits_in_force());
+    pthread_t other;
+    pthread_create(&other, NULL, set_from_another_thread, NULL);
+    pthread_join(other, NULL);
+    printf("set %llu %llu %d\n", (unsigned long long)nvs_limit_of(&devices[1]),
+           (unsigned long long)(nvs_limit_of(&devices[2]) == NVS_NO_LIMIT), nvs_limits_in_force());
+    nvs_limit_set(&devices[0], 3 << 20);
+    printf("changed %llu\n", (unsigned long long)nvs_limit_of(&devices[0]));
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("setting", [None, "8G"])
+def test_a_limit_set_at_run_time_wins_over_the_configured_one(compile_c, setting):
+    from fixtures.interceptor import INTERCEPTOR_DIR
+
+    sources = [str(INTERCEPTOR_DIR / name) for name in ("limits.c", "config.c", "log.c")]
+    program = compile_c(RUNTIME_SET, "limits_runtime_set",
+                        flags=[*sources, f"-I{INTERCEPTOR_DIR}", "-std=gnu11", "-include", "glibc_compat.h"])
+    env = {"PATH": "/usr/bin:/bin", "NVSHARE_LOG": "info"}
+    if setting is not None:
+        env["NVSHARE_MEMORY_LIMIT"] = setting
+    done = subprocess.run([str(program)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    configured = f"{8 * GiB} 1" if setting else f"{(1 << 64) - 1} 0"  # NVS_NO_LIMIT, nothing in force
+    assert done.stdout.splitlines() == [f"configured {configured}", f"set {MiB} 1 1", f"changed {3 * MiB}"]
+    assert "device 0 (GPU-0): memory limit 3145728 bytes" in done.stderr
