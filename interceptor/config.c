@@ -1,7 +1,8 @@
 /*
  * NVSHARE_* settings, read once from the environment on first use (docs/interceptor.md lists
  * them). A malformed value is reported on stderr as a warning and its default used: the library
- * must never stop the host program, and the program goes on working.
+ * must never stop the host program, and the program goes on working. NVSHARE_MEMORY_LIMIT is
+ * the exception (load_memory_limits says why).
  */
 #include <fcntl.h>
 #include <stdio.h>
@@ -76,7 +77,7 @@ static void copy_env(const char *name, char *out, size_t cap) {
 /* --- NVSHARE_MEMORY_LIMIT ----------------------------------------------------------------- */
 
 /* Bytes from '8G', '512M', '1.5GiB', '1048576': the grammar of nvsharectl's sizes (ctl/main.py
- * parse_size, binary units, a fraction rounded down to whole bytes, more than 0 and at most
+ * parse_size; the interceptor cannot call Python, hence this C twin), binary units, a fraction rounded down to whole bytes, more than 0 and at most
  * 2^63-1), so one spelling works on both sides; tests/test_memory_limit.py holds them to the
  * same answers. Returns -1 for anything else. */
 static int parse_size(const char *text, size_t len, uint64_t *out) {
