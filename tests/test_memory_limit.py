@@ -220,7 +220,7 @@ def test_a_malformed_limit_refuses_every_allocation_and_says_why(run, setting):
                                   "9223372036854775807", "9223372036854775808", "8X", "1.", ".5G", "0", "G", "1gi"])
 def test_sizes_mean_what_they_mean_to_nvsharectl(run, text):
     """One spelling of a size on both sides: the interceptor reads it as nvsharectl does."""
-    from nvshare_py.ctl.main import parse_size
+    from ctl.main import parse_size
 
     try:
         expected = parse_size(text)
