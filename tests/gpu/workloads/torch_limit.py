@@ -8,7 +8,6 @@ import os
 import pynvml
 import torch
 
-GiB = 1 << 30
 limit = int(os.environ["NVS_TEST_LIMIT_BYTES"])
 result = {}
 free, total = torch.cuda.mem_get_info()
