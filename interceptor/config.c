@@ -123,6 +123,7 @@ static int parse_size(const char *text, size_t len, uint64_t *out) {
 
 /* One entry of NVSHARE_MEMORY_LIMIT: SIZE (every device), ORDINAL=SIZE or UUID=SIZE. */
 static int parse_limit_rule(const char *text, size_t len, struct nvs_memory_limit_rule *rule) {
+    while (len > 0 && *text == ' ') text++, len--; /* "8G, 1=4G" reads as written */
     const char *equals = memchr(text, '=', len);
     rule->ordinal = -1;
     rule->uuid[0] = '\0';

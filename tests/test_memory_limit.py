@@ -175,7 +175,7 @@ def test_limits_per_device_by_ordinal_and_by_uuid(run):
     assert by_ordinal[2] == {"error": OUT_OF_MEMORY}
     assert by_ordinal[3] == {"totals": [GiB, 2 * GiB]}
     # a UUID entry wins over the entry for every device
-    by_uuid, _ = run(*steps, limit=f"8G,{DEVICE1}=2G", devices=2)
+    by_uuid, _ = run(*steps, limit=f"8G, {DEVICE1}=2G", devices=2)
     assert [r["total"] for r in by_uuid if "total" in r] == [8 * GiB, 2 * GiB]
     assert by_uuid[3] == {"totals": [8 * GiB, 2 * GiB]}
 
