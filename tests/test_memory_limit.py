@@ -119,10 +119,12 @@ def refusals(stderr: str) -> list[str]:
     ("managed", "1"), ("vmm", "1")])
 def test_an_allocation_past_the_limit_fails_and_the_program_goes_on(run, family, managed):
     results, stderr = run(f"alloc:{family}:{48 * MiB}", f"alloc:{family}:{32 * MiB}", f"alloc:{family}:{16 * MiB}",
-                          "meminfo", limit="64M", NVSHARE_MANAGED=managed)
+                          "meminfo", limit="64M", NVSHARE_MANAGED=managed, SIMCUDA_MEMORY="80M")
     assert results[0] == {"ok": True}
     assert results[1] == {"error": OUT_OF_MEMORY}  # 48 + 32 > 64: refused, at once
-    assert results[2] == {"ok": True}  # a smaller one still fits: nothing of the refused one stayed
+    # A smaller one still fits. On an 80 MiB device this also shows that nothing of the refused
+    # one stayed in the driver (48 + 32 + 16 > 80 would fail there, for physical memory).
+    assert results[2] == {"ok": True}
     assert results[3] == {"free": 0, "total": 64 * MiB}
     (line,) = refusals(stderr)
     assert f"of {32 * MiB} bytes on device 0" in line and f"uses {48 * MiB} of its {64 * MiB}-byte" in line
