@@ -1,7 +1,8 @@
 /*
  * NVSHARE_* settings, read once from the environment on first use (docs/interceptor.md lists
  * them). A malformed value is reported on stderr as a warning and its default used: the library
- * must never stop the host program, and the program goes on working.
+ * must never stop the host program, and the program goes on working. NVSHARE_MEMORY_LIMIT is
+ * the exception (load_memory_limits says why).
  */
 #include <fcntl.h>
 #include <stdio.h>
@@ -13,7 +14,7 @@
 
 #include "nvshare.h"
 
-/* Written once by nvs_config_load (see nvshare.h). */
+/* Written once by nvs_config_load, inside its pthread_once (see nvshare.h). */
 struct nvs_config nvs_config;
 
 static int is_directory(const char *path) {
@@ -73,6 +74,105 @@ static void copy_env(const char *name, char *out, size_t cap) {
     snprintf(out, cap, "%s", value != NULL ? value : "");
 }
 
+/* --- NVSHARE_MEMORY_LIMIT ----------------------------------------------------------------- */
+
+/* Bytes from '8G', '512M', '1.5GiB', '1048576': the grammar of nvsharectl's sizes (ctl/main.py
+ * parse_size; the interceptor cannot call Python, hence this C twin), binary units, a fraction rounded down to whole bytes, more than 0 and at most
+ * 2^63-1), so one spelling works on both sides; tests/test_memory_limit.py holds them to the
+ * same answers. Returns -1 for anything else. */
+static int parse_size(const char *text, size_t len, uint64_t *out) {
+    static const char units[] = "kmgtp";
+    size_t i = 0;
+    while (i < len && text[i] == ' ') i++;
+    unsigned __int128 whole = 0, fraction = 0, scale = 1;
+    size_t digits = 0;
+    for (; i < len && text[i] >= '0' && text[i] <= '9'; i++, digits++) {
+        whole = whole * 10 + (unsigned)(text[i] - '0');
+        if (whole > INT64_MAX) return -1;
+    }
+    if (digits == 0) return -1;
+    if (i < len && text[i] == '.') {
+        size_t fraction_digits = 0;
+        for (i++; i < len && text[i] >= '0' && text[i] <= '9'; i++, fraction_digits++) {
+            if (fraction_digits == 18) return -1; /* finer than any unit can tell apart */
+            fraction = fraction * 10 + (unsigned)(text[i] - '0');
+            scale *= 10;
+        }
+        if (fraction_digits == 0) return -1;
+    }
+    while (i < len && text[i] == ' ') i++;
+    unsigned __int128 unit = 1;
+    if (i < len) {
+        const char *u = strchr(units, text[i] | 0x20);
+        if (u != NULL && text[i] != '\0') {
+            unit = (unsigned __int128)1 << (10 * (u - units + 1));
+            i++;
+        }
+    }
+    /* an optional "B" or "iB" */
+    if (i < len && (text[i] | 0x20) == 'i') i++;
+    if (i < len && (text[i] | 0x20) == 'b') i++;
+    else if (i > 0 && (text[i - 1] | 0x20) == 'i') return -1;
+    while (i < len && text[i] == ' ') i++;
+    if (i != len) return -1;
+    unsigned __int128 bytes = whole * unit + fraction * unit / scale;
+    if (bytes == 0 || bytes > INT64_MAX) return -1;
+    *out = (uint64_t)bytes;
+    return 0;
+}
+
+/* One entry of NVSHARE_MEMORY_LIMIT: SIZE (every device), ORDINAL=SIZE or UUID=SIZE. */
+static int parse_limit_rule(const char *text, size_t len, struct nvs_memory_limit_rule *rule) {
+    while (len > 0 && *text == ' ') text++, len--; /* "8G, 1=4G" reads as written */
+    const char *equals = memchr(text, '=', len);
+    rule->ordinal = -1;
+    rule->uuid[0] = '\0';
+    if (equals == NULL) return parse_size(text, len, &rule->bytes);
+    size_t key_len = (size_t)(equals - text);
+    if (key_len == 0) return -1;
+    if (strncmp(text, "GPU-", 4) == 0 || strncmp(text, "MIG-", 4) == 0) {
+        if (key_len <= 4 || key_len > NVS_DEVICE_ID_MAX) return -1;
+        memcpy(rule->uuid, text, key_len);
+        rule->uuid[key_len] = '\0';
+    } else {
+        int ordinal = 0;
+        for (size_t i = 0; i < key_len; i++) {
+            if (text[i] < '0' || text[i] > '9' || ordinal >= NVS_MAX_DEVICES) return -1;
+            ordinal = ordinal * 10 + (text[i] - '0');
+        }
+        if (ordinal >= NVS_MAX_DEVICES) return -1;
+        rule->ordinal = ordinal;
+    }
+    return parse_size(equals + 1, len - key_len - 1, &rule->bytes);
+}
+
+/* A malformed limit is not ignored: an operator who set a limit must not get an unlimited
+ * process. It becomes a limit of 0 bytes on every device, so every allocation is refused, each
+ * refusal naming the setting (limits.c), and the program runs on to report the error its own way. */
+static void load_memory_limits(void) {
+    nvs_config.n_memory_limits = 0;
+    nvs_config.memory_limit_invalid = 0;
+    const char *value = getenv("NVSHARE_MEMORY_LIMIT");
+    if (value == NULL || value[0] == '\0') return;
+    for (const char *entry = value;;) {
+        const char *comma = strchr(entry, ',');
+        size_t len = comma != NULL ? (size_t)(comma - entry) : strlen(entry);
+        struct nvs_memory_limit_rule *rule = &nvs_config.memory_limits[nvs_config.n_memory_limits];
+        if (nvs_config.n_memory_limits == NVS_MAX_LIMIT_RULES || parse_limit_rule(entry, len, rule) != 0) {
+            nvs_error("NVSHARE_MEMORY_LIMIT=%s: '%.*s' is not SIZE, ORDINAL=SIZE or GPU-UUID=SIZE (sizes "
+                      "like 8G, 512M, 1.5GiB or bytes; entries separated by commas); every allocation is "
+                      "refused until it is corrected",
+                      value, (int)len, entry);
+            nvs_config.memory_limit_invalid = 1;
+            nvs_config.n_memory_limits = 0;
+            return;
+        }
+        nvs_config.n_memory_limits++;
+        if (comma == NULL) break;
+        entry = comma + 1;
+    }
+}
+
 /*
  * The only work done at load time, before main(): JAX reads XLA_PYTHON_CLIENT_ALLOCATOR from the
  * environment that Python copies at start-up, so later is too late. XLA's default allocator
@@ -86,7 +186,7 @@ __attribute__((constructor)) static void prefer_convertible_allocators(void) {
     setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async", 0);
 }
 
-void nvs_config_load(void) {
+static void read_environment(void) {
     const char *value;
 
     value = getenv("NVSHARE_LOG");
@@ -173,7 +273,13 @@ void nvs_config_load(void) {
             nvs_warn("NVSHARE_VMM=%s is not 'allow' or 'hide'; using allow", value);
     }
 
+    load_memory_limits();
+
     copy_env("NVSHARE_POD_NAME", nvs_config.pod, sizeof nvs_config.pod);
     copy_env("NVSHARE_POD_NAMESPACE", nvs_config.pod_namespace, sizeof nvs_config.pod_namespace);
     copy_env("NVSHARE_PROGRAM", nvs_config.program, sizeof nvs_config.program);
 }
+
+static pthread_once_t config_once = PTHREAD_ONCE_INIT;
+
+void nvs_config_load(void) { pthread_once(&config_once, read_environment); }

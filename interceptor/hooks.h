@@ -280,6 +280,7 @@
     X(CUSTOM, cuMemFreeAsync_ptsz, (CUdeviceptr dptr, CUstream s), (dptr, s))                   \
     X(CUSTOM, cuMemGetInfo_v2, (size_t *free_bytes, size_t *total_bytes),                       \
       (free_bytes, total_bytes))                                                                \
+    X(CUSTOM, cuDeviceTotalMem_v2, (size_t *bytes, CUdevice dev), (bytes, dev))                  \
     X(CUSTOM, cuMemCreate,                                                                      \
       (CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,      \
        unsigned long long flags),                                                               \
@@ -321,7 +322,6 @@
     X(cuDeviceGetUuid_v2, (CUuuid * uuid, CUdevice dev))                                        \
     X(cuDeviceGetUuid, (CUuuid * uuid, CUdevice dev))                                           \
     X(cuDeviceGetName, (char *name, int len, CUdevice dev))                                     \
-    X(cuDeviceTotalMem_v2, (size_t * bytes, CUdevice dev))                                      \
     X(cuEventCreate, (CUevent * event, unsigned int flags))                                     \
     X(cuEventRecord, (CUevent event, CUstream stream))                                          \
     X(cuEventQuery, (CUevent event))                                                            \
@@ -330,6 +330,38 @@
     X(cuStreamIsCapturing, (CUstream stream, CUstreamCaptureStatus *status))                    \
     X(cuPointerGetAttribute, (void *data, CUpointer_attribute attribute, CUdeviceptr ptr))      \
     X(cuMemAdvise_v2, (CUdeviceptr ptr, size_t count, CUmem_advise advice, CUmemLocation location))
+
+/*
+ * NVML (nvml.c): the memory queries of libnvidia-ml.so.1, so that nvidia-smi and pynvml inside a
+ * process with a memory limit report the limit. Kept apart from the driver's hooks: they are not
+ * exported and reached only through dlsym (nvidia-smi and pynvml dlopen NVML and look each
+ * function up), and only in a process with a limit; without one, dlsym hands out NVML's own
+ * functions and nothing of NVML is touched.
+ *
+ *   N(name, (parameters), (arguments))   the wrapper is nvs_nvml_<name>, hand-written in nvml.c
+ *
+ * NVS_FOR_EACH_NVML_REAL lists NVML functions nvshare only calls.
+ */
+typedef int nvmlReturn_t;
+typedef struct nvmlDevice_st *nvmlDevice_t;
+typedef struct {
+    unsigned long long total, free, used;
+} nvmlMemory_t;
+typedef struct {
+    unsigned int version;
+    unsigned long long total, reserved, free, used;
+} nvmlMemory_v2_t;
+
+#define NVS_FOR_EACH_NVML_HOOK(N)                                                               \
+    N(nvmlDeviceGetMemoryInfo, (nvmlDevice_t device, nvmlMemory_t *memory), (device, memory))   \
+    N(nvmlDeviceGetMemoryInfo_v2, (nvmlDevice_t device, nvmlMemory_v2_t *memory), (device, memory))
+
+#define NVS_FOR_EACH_NVML_REAL(N)                                                               \
+    N(nvmlDeviceGetUUID, (nvmlDevice_t device, char *uuid, unsigned int length))
+
+#define NVS_DECLARE_NVML_HOOK(name, params, args) nvmlReturn_t nvs_nvml_##name params;
+NVS_FOR_EACH_NVML_HOOK(NVS_DECLARE_NVML_HOOK)
+#undef NVS_DECLARE_NVML_HOOK
 
 /* `make` lists the exported names for the version script with this. */
 #ifdef NVS_LIST_HOOK_NAMES

@@ -8,8 +8,9 @@
 
 #include "nvshare.h"
 
-/* Written once by nvs_config_load, inside the loader's pthread_once and before the driver table
- * is published (release): every thread that reached a wrapper reads the final value. */
+/* Written once by nvs_config_load, inside its pthread_once, which the loader runs before the
+ * driver table is published (release): every thread that reached a wrapper reads the final value
+ * (NVML wrappers are handed out only after nvs_config_load returned, nvml.c). */
 int nvs_log_level = NVS_LOG_WARN;
 
 void nvs_log(int level, const char *fmt, ...) {

@@ -3,6 +3,11 @@
  * the driver pages to host memory when the sum exceeds it. A table remembers what each
  * pointer is, for frees, for the per-device byte counts that feed MEMORY reports and
  * cuMemGetInfo, and for the IPC explanation. Allocations are not the hot path: one mutex.
+ *
+ * Every allocation is charged to its device's byte count before it is made, against the
+ * device's memory limit (limits.c): one that would pass it is refused with
+ * CUDA_ERROR_OUT_OF_MEMORY without reaching the driver. A failed allocation gives its charge
+ * back; a free (a deferred one when it completes) uncharges it.
  */
 #define _GNU_SOURCE
 #include <stdlib.h>
@@ -90,15 +95,54 @@ static void table_remove(struct alloc_table *t, struct alloc *a) {
     t->tombstones++;
 }
 
-static void count_bytes(struct nvs_device *d, size_t size, int add) {
-    if (d == NULL) return;
-    if (add)
+/* --- charging allocations to their device ----------------------------------------------------*/
+
+/* Add `size` bytes to d's use if that keeps it within d's limit (always, without one): 0, or
+ * -1 with nothing charged and the use and limit it saw. Lock-free; concurrent allocations on a
+ * device cannot pass its limit together: each compare-and-swap sees the others' charges. */
+static int charge(struct nvs_device *d, size_t size, uint64_t *used_seen, uint64_t *limit_seen) {
+    if (d == NULL) return 0; /* no device (no current context): the driver will refuse it */
+    uint64_t limit = nvs_limit_of(d);
+    if (NVS_LIKELY(limit == NVS_NO_LIMIT)) {
         atomic_fetch_add(&d->bytes, size);
-    else
-        atomic_fetch_sub(&d->bytes, size);
+        return 0;
+    }
+    uint64_t used = atomic_load(&d->bytes);
+    do {
+        if (size > limit || used > limit - size) {
+            *used_seen = used;
+            *limit_seen = limit;
+            return -1;
+        }
+    } while (!atomic_compare_exchange_weak(&d->bytes, &used, used + size));
+    return 0;
+}
+
+/* Give back a charge: a free, or an allocation the driver refused after it was charged. */
+static void uncharge(struct nvs_device *d, size_t size) {
+    if (d == NULL) return;
+    atomic_fetch_sub(&d->bytes, size);
     nvs_client_memory_changed();
 }
 
+static void settle_device_frees(struct nvs_device *d);
+
+/* Charge `call`'s allocation of `size` bytes on d before it is made, or refuse it. Before a
+ * refusal the device's pending stream-ordered frees are completed (waiting for the work queued
+ * before them): their memory is the program's to reuse, as with the driver's own stream-ordered
+ * allocator. No lock is held here (the wait and the log line need none). */
+static CUresult charge_or_refuse(struct nvs_device *d, size_t size, const char *call) {
+    uint64_t used = 0, limit = 0;
+    if (NVS_LIKELY(charge(d, size, &used, &limit) == 0)) return CUDA_SUCCESS;
+    if (nvs_memory_frees_pending()) {
+        settle_device_frees(d);
+        if (charge(d, size, &used, &limit) == 0) return CUDA_SUCCESS;
+    }
+    nvs_limit_refused(d, call, size, used, limit);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+/* A charged allocation succeeded: record it (the MEMORY report follows). */
 static void remember(struct alloc_table *t, uint64_t key, size_t size, struct nvs_device *d, enum alloc_kind kind) {
     struct alloc a = {key, size, d, kind};
     pthread_mutex_lock(&mem_mu);
@@ -106,9 +150,20 @@ static void remember(struct alloc_table *t, uint64_t key, size_t size, struct nv
     pthread_mutex_unlock(&mem_mu);
     if (failed) {
         nvs_error("out of memory recording an allocation of %zu bytes; it is not counted", size);
+        uncharge(d, size); /* a free of it will find nothing to uncharge */
         return;
     }
-    count_bytes(d, size, 1);
+    if (d != NULL) nvs_client_memory_changed();
+}
+
+/* The end of a charged allocation: record it if the driver made it, else give the charge back. */
+static CUresult settle_charge(CUresult result, struct alloc_table *t, uint64_t key, size_t size, struct nvs_device *d,
+                              enum alloc_kind kind) {
+    if (result == CUDA_SUCCESS)
+        remember(t, key, size, d, kind);
+    else
+        uncharge(d, size);
+    return result;
 }
 
 /* Remove `key` from `t`; returns 1 and fills `out` if it was there. */
@@ -137,12 +192,6 @@ static void allocation_prologue(void) {
     nvs_memory_poll_frees();
 }
 
-/* With conversion off (NVSHARE_MANAGED=0): account for the device memory the driver's own
- * allocation call returned `result` for. */
-static CUresult track_unconverted(CUdeviceptr *dptr, size_t size, CUresult result) {
-    if (result == CUDA_SUCCESS) remember(&pointers, *dptr, size, nvs_current_device(), ALLOC_DEVICE);
-    return result;
-}
 
 /*
  * NVSHARE_ADVISE=1 (an experiment until measured, benchmarks/gpu/bench_managed_advice.py): a
@@ -162,22 +211,27 @@ static void advise_onto_device(CUdeviceptr ptr, size_t size, struct nvs_device *
                                     (unsigned long long)ptr, r);
 }
 
-/* The managed replacement of a device allocation of `size` bytes. */
-static CUresult allocate_converted(CUdeviceptr *dptr, size_t size) {
+/* The managed replacement of `call`'s device allocation of `size` bytes. */
+static CUresult allocate_converted(CUdeviceptr *dptr, size_t size, const char *call) {
     if (nvs_real.cuMemAllocManaged == NULL) return CUDA_ERROR_NOT_FOUND;
-    CUresult r = nvs_real.cuMemAllocManaged(dptr, size, CU_MEM_ATTACH_GLOBAL);
-    if (r != CUDA_SUCCESS) return r;
     struct nvs_device *d = nvs_current_device();
-    remember(&pointers, *dptr, size, d, ALLOC_CONVERTED);
-    advise_onto_device(*dptr, size, d);
+    CUresult r = charge_or_refuse(d, size, call);
+    if (r != CUDA_SUCCESS) return r;
+    r = nvs_real.cuMemAllocManaged(dptr, size, CU_MEM_ATTACH_GLOBAL);
+    if (settle_charge(r, &pointers, r == CUDA_SUCCESS ? *dptr : 0, size, d, ALLOC_CONVERTED) == CUDA_SUCCESS)
+        advise_onto_device(*dptr, size, d);
     return r;
 }
 
 NVS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
     NVS_REAL_OR_FAIL(cuMemAlloc_v2);
     allocation_prologue();
-    if (nvs_config.managed) return allocate_converted(dptr, size);
-    return track_unconverted(dptr, size, nvs_real.cuMemAlloc_v2(dptr, size));
+    if (nvs_config.managed) return allocate_converted(dptr, size, "cuMemAlloc_v2");
+    struct nvs_device *d = nvs_current_device();
+    CUresult r = charge_or_refuse(d, size, "cuMemAlloc_v2");
+    if (r != CUDA_SUCCESS) return r;
+    r = nvs_real.cuMemAlloc_v2(dptr, size);
+    return settle_charge(r, &pointers, r == CUDA_SUCCESS ? *dptr : 0, size, d, ALLOC_DEVICE);
 }
 
 NVS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
@@ -185,8 +239,19 @@ NVS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t 
     NVS_REAL_OR_FAIL(cuMemAllocPitch_v2);
     allocation_prologue();
     if (!nvs_config.managed) {
+        /* The driver picks the pitch, so the size is known only afterwards: charge it then, and
+         * free what the limit does not allow. */
         CUresult r = nvs_real.cuMemAllocPitch_v2(dptr, pitch, width, height, elemSize);
-        if (r == CUDA_SUCCESS) remember(&pointers, *dptr, *pitch * height, nvs_current_device(), ALLOC_DEVICE);
+        if (r != CUDA_SUCCESS) return r;
+        struct nvs_device *d = nvs_current_device();
+        r = charge_or_refuse(d, *pitch * height, "cuMemAllocPitch_v2");
+        if (r == CUDA_SUCCESS) {
+            remember(&pointers, *dptr, *pitch * height, d, ALLOC_DEVICE);
+        } else {
+            CUresult freed = nvs_real.cuMemFree_v2(*dptr);
+            if (freed != CUDA_SUCCESS)
+                nvs_warn("freeing a pitched allocation over the memory limit failed (%d)", freed);
+        }
         return r;
     }
     if (dptr == NULL || pitch == NULL || width == 0 || height == 0 ||
@@ -206,16 +271,20 @@ NVS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t 
     if (width > SIZE_MAX - alignment) return CUDA_ERROR_INVALID_VALUE;
     size_t row = (width + alignment - 1) / alignment * alignment;
     if (height > SIZE_MAX / row) return CUDA_ERROR_OUT_OF_MEMORY;
-    CUresult r = allocate_converted(dptr, row * height);
+    CUresult r = allocate_converted(dptr, row * height, "cuMemAllocPitch_v2");
     if (r == CUDA_SUCCESS) *pitch = row;
     return r;
 }
 
 static CUresult alloc_async(CUdeviceptr *dptr, size_t size, CUstream s, int per_thread) {
+    const char *call = per_thread ? "cuMemAllocAsync_ptsz" : "cuMemAllocAsync";
     allocation_prologue();
-    if (nvs_config.managed) return allocate_converted(dptr, size);
-    return track_unconverted(dptr, size,
-                             per_thread ? nvs_real.cuMemAllocAsync_ptsz(dptr, size, s) : nvs_real.cuMemAllocAsync(dptr, size, s));
+    if (nvs_config.managed) return allocate_converted(dptr, size, call);
+    struct nvs_device *d = nvs_current_device();
+    CUresult r = charge_or_refuse(d, size, call);
+    if (r != CUDA_SUCCESS) return r;
+    r = per_thread ? nvs_real.cuMemAllocAsync_ptsz(dptr, size, s) : nvs_real.cuMemAllocAsync(dptr, size, s);
+    return settle_charge(r, &pointers, r == CUDA_SUCCESS ? *dptr : 0, size, d, ALLOC_DEVICE);
 }
 
 NVS_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream s) {
@@ -229,10 +298,16 @@ NVS_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, CUstrea
 }
 
 static CUresult alloc_from_pool(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s, int per_thread) {
+    const char *call = per_thread ? "cuMemAllocFromPoolAsync_ptsz" : "cuMemAllocFromPoolAsync";
     allocation_prologue();
-    if (nvs_config.managed) return allocate_converted(dptr, size);
-    return track_unconverted(dptr, size, per_thread ? nvs_real.cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, s)
-                                                    : nvs_real.cuMemAllocFromPoolAsync(dptr, size, pool, s));
+    if (nvs_config.managed) return allocate_converted(dptr, size, call);
+    /* Charged to the current device, not the pool's: nvshare does not ask the pool where it lives. */
+    struct nvs_device *d = nvs_current_device();
+    CUresult r = charge_or_refuse(d, size, call);
+    if (r != CUDA_SUCCESS) return r;
+    r = per_thread ? nvs_real.cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, s)
+                   : nvs_real.cuMemAllocFromPoolAsync(dptr, size, pool, s);
+    return settle_charge(r, &pointers, r == CUDA_SUCCESS ? *dptr : 0, size, d, ALLOC_DEVICE);
 }
 
 NVS_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s) {
@@ -248,9 +323,11 @@ NVS_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t size,
 NVS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned int flags) {
     NVS_REAL_OR_FAIL(cuMemAllocManaged);
     allocation_prologue();
-    CUresult r = nvs_real.cuMemAllocManaged(dptr, size, flags);
-    if (r == CUDA_SUCCESS) remember(&pointers, *dptr, size, nvs_current_device(), ALLOC_MANAGED);
-    return r;
+    struct nvs_device *d = nvs_current_device();
+    CUresult r = charge_or_refuse(d, size, "cuMemAllocManaged");
+    if (r != CUDA_SUCCESS) return r;
+    r = nvs_real.cuMemAllocManaged(dptr, size, flags);
+    return settle_charge(r, &pointers, r == CUDA_SUCCESS ? *dptr : 0, size, d, ALLOC_MANAGED);
 }
 
 NVS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
@@ -259,7 +336,7 @@ NVS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     struct alloc a;
     int known = forget(&pointers, dptr, &a);
     CUresult r = nvs_real.cuMemFree_v2(dptr);
-    if (known && r == CUDA_SUCCESS) count_bytes(a.device, a.size, 0);
+    if (known && r == CUDA_SUCCESS) uncharge(a.device, a.size);
     if (known && r != CUDA_SUCCESS) { /* still allocated: keep it */
         pthread_mutex_lock(&mem_mu);
         table_put(&pointers, &a);
@@ -332,7 +409,7 @@ static void complete_free(struct pending_free *p) {
         nvs_real.cuCtxPopCurrent_v2(&popped);
     }
     if (r != CUDA_SUCCESS) nvs_warn("deferred free of %#llx failed (%d)", (unsigned long long)p->ptr, r);
-    count_bytes(p->device, p->size, 0);
+    uncharge(p->device, p->size);
     atomic_fetch_sub(&n_pending, 1);
     free(p);
 }
@@ -386,13 +463,20 @@ void nvs_memory_settle_frees(CUcontext ctx, struct nvs_device *device) {
     }
 }
 
+/* A refusal's last chance (charge_or_refuse): complete d's pending frees, waiting for them. */
+static void settle_device_frees(struct nvs_device *d) {
+    pthread_mutex_lock(&nvs_ctx_mu);
+    nvs_memory_settle_frees(NULL, d);
+    pthread_mutex_unlock(&nvs_ctx_mu);
+}
+
 static CUresult free_async(CUdeviceptr dptr, CUstream s, int per_thread) {
     nvs_memory_poll_frees();
     int kind = lookup_kind(dptr);
     if (kind != ALLOC_CONVERTED) {
         CUresult r = per_thread ? nvs_real.cuMemFreeAsync_ptsz(dptr, s) : nvs_real.cuMemFreeAsync(dptr, s);
         struct alloc a;
-        if (r == CUDA_SUCCESS && kind != 0 && forget(&pointers, dptr, &a)) count_bytes(a.device, a.size, 0);
+        if (r == CUDA_SUCCESS && kind != 0 && forget(&pointers, dptr, &a)) uncharge(a.device, a.size);
         return r;
     }
     /* The per-thread variant's stream 0 is the per-thread default stream. */
@@ -445,18 +529,33 @@ NVS_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes) {
     size_t real_free, real_total;
     CUresult r = nvs_real.cuMemGetInfo_v2(&real_free, &real_total);
     if (r != CUDA_SUCCESS) return r;
-    struct nvs_device *d = nvs_config.managed ? nvs_current_device() : NULL;
-    if (d == NULL) {
-        *free_bytes = real_free;
-        *total_bytes = real_total;
-        return CUDA_SUCCESS;
-    }
+    *free_bytes = real_free;
+    *total_bytes = real_total;
+    struct nvs_device *d = nvs_current_device();
+    if (d == NULL) return CUDA_SUCCESS;
+    uint64_t used = atomic_load(&d->bytes);
     /* Each process sees the GPU as if it were alone: managed memory may be oversubscribed,
      * so other processes' memory does not reduce what this one may use. */
-    uint64_t used = atomic_load(&d->bytes);
-    *total_bytes = real_total;
-    *free_bytes = used >= real_total ? 0 : real_total - used;
+    if (nvs_config.managed) *free_bytes = used >= real_total ? 0 : real_total - used;
+    uint64_t limit = nvs_limit_of(d);
+    if (limit != NVS_NO_LIMIT) {
+        /* A limited process sees a GPU of its limit's size, so frameworks size themselves to it. */
+        uint64_t total, free;
+        nvs_limit_figures(limit, real_total, used, *free_bytes, &total, &free);
+        *total_bytes = total;
+        *free_bytes = free;
+    }
     return CUDA_SUCCESS;
+}
+
+NVS_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    NVS_REAL_OR_FAIL(cuDeviceTotalMem_v2);
+    CUresult r = nvs_real.cuDeviceTotalMem_v2(bytes, dev);
+    if (r != CUDA_SUCCESS || !nvs_limits_in_force()) return r;
+    struct nvs_device *d = nvs_device_get(dev);
+    uint64_t limit = d != NULL ? nvs_limit_of(d) : NVS_NO_LIMIT;
+    if (limit < *bytes) *bytes = limit;
+    return r;
 }
 
 NVS_EXPORT CUresult cuDeviceGetAttribute(int *value, CUdevice_attribute attrib, CUdevice dev) {
@@ -473,17 +572,18 @@ NVS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
                                 unsigned long long flags) {
     NVS_REAL_OR_FAIL(cuMemCreate);
     allocation_prologue();
-    CUresult r = nvs_real.cuMemCreate(handle, size, prop, flags);
+    struct nvs_device *d = NULL;
+    if (prop != NULL && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE) d = nvs_device_get(prop->location.id);
+    CUresult r = charge_or_refuse(d, size, "cuMemCreate");
     if (r != CUDA_SUCCESS) return r;
+    r = nvs_real.cuMemCreate(handle, size, prop, flags);
+    if (settle_charge(r, &vmm_handles, r == CUDA_SUCCESS ? *handle : 0, size, d, ALLOC_VMM) != CUDA_SUCCESS) return r;
     static _Atomic int explained; /* any thread; the first to set it explains, once */
     if (!atomic_exchange(&explained, 1))
         nvs_warn("cuMemCreate (virtual memory management) allocations are passed through unconverted: they "
                  "are physical device memory and cannot be oversubscribed (NVSHARE_VMM=%s; 'hide' makes "
                  "NCCL and PyTorch fall back to cuMemAlloc, which is converted)",
                  nvs_config.vmm_hide ? "hide" : "allow");
-    struct nvs_device *d = NULL;
-    if (prop != NULL && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE) d = nvs_device_get(prop->location.id);
-    remember(&vmm_handles, *handle, size, d, ALLOC_VMM);
     return r;
 }
 
@@ -491,7 +591,7 @@ NVS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     NVS_REAL_OR_FAIL(cuMemRelease);
     CUresult r = nvs_real.cuMemRelease(handle);
     struct alloc a;
-    if (r == CUDA_SUCCESS && forget(&vmm_handles, handle, &a)) count_bytes(a.device, a.size, 0);
+    if (r == CUDA_SUCCESS && forget(&vmm_handles, handle, &a)) uncharge(a.device, a.size);
     return r;
 }
 

@@ -22,6 +22,14 @@
 
 enum nvs_log_level { NVS_LOG_ERROR = 0, NVS_LOG_WARN = 1, NVS_LOG_INFO = 2, NVS_LOG_DEBUG = 3 };
 
+/* One entry of NVSHARE_MEMORY_LIMIT (limits.c applies them). */
+#define NVS_MAX_LIMIT_RULES 64
+struct nvs_memory_limit_rule {
+    int ordinal;                         /* CUDA device ordinal, -1: by uuid or every device */
+    char uuid[NVS_DEVICE_ID_MAX + 1];    /* "GPU-…"/"MIG-…", "": by ordinal or every device */
+    uint64_t bytes;
+};
+
 /* Read once from the environment by nvs_config_load() (first use, in an application thread,
  * before any nvshare thread exists) and never written afterwards. */
 struct nvs_config {
@@ -35,9 +43,16 @@ struct nvs_config {
     char pod[256];             /* NVSHARE_POD_NAME */
     char pod_namespace[256];   /* NVSHARE_POD_NAMESPACE */
     char program[128];         /* NVSHARE_PROGRAM, "" = /proc/self/comm */
+    /* NVSHARE_MEMORY_LIMIT: the limits the process starts with; memory_limit_invalid: the
+     * setting did not parse (every device is limited to 0 bytes, limits.c says why). */
+    struct nvs_memory_limit_rule memory_limits[NVS_MAX_LIMIT_RULES];
+    int n_memory_limits;
+    int memory_limit_invalid;
 };
 
 extern struct nvs_config nvs_config;
+/* Load the configuration once (pthread_once; any thread, cheap afterwards). The driver loader
+ * calls it first; NVML lookups (nvml.c) call it in processes that never load the CUDA driver. */
 void nvs_config_load(void);
 
 /* ---------------------------------------------------------------- log.c */
@@ -193,6 +208,39 @@ void nvs_memory_settle_frees(CUcontext ctx, struct nvs_device *device);
 void nvs_memory_reset_after_fork(void);
 void nvs_memory_fork_prepare(void);
 void nvs_memory_fork_parent(void);
+
+/* ---------------------------------------------------------------- limits.c */
+
+#define NVS_NO_LIMIT UINT64_MAX
+
+/* The memory limit of device `d` in bytes (NVS_NO_LIMIT: none). Any thread, no lock: one atomic
+ * load once decided (from NVSHARE_MEMORY_LIMIT, on first use). */
+uint64_t nvs_limit_of(const struct nvs_device *d);
+/* Change d's limit at run time (NVS_NO_LIMIT lifts it); any thread, takes no lock, makes no
+ * CUDA call. Allocations from then on are charged against the new limit; memory already
+ * allocated stays (a limit below the current use refuses every allocation until frees bring the
+ * use under it). */
+void nvs_limit_set(struct nvs_device *d, uint64_t bytes);
+/* Whether any device may have a limit (NVSHARE_MEMORY_LIMIT is set, or one was set at run
+ * time): lets paths that would otherwise look a device up skip the work. */
+int nvs_limits_in_force(void);
+/* The configured limit of a device this process has not used through CUDA, by UUID (NVML). */
+uint64_t nvs_limit_of_unopened(const char *uuid);
+/* What a limited process is told: total = min(limit, real_total); free = total - used, but no
+ * more than `available` (what it would be told without a limit). */
+void nvs_limit_figures(uint64_t limit, uint64_t real_total, uint64_t used, uint64_t available,
+                       uint64_t *total_out, uint64_t *free_out);
+/* Log (at most once a second) that `call` of `size` bytes was refused by d's limit. Call it
+ * with no lock held (it writes to stderr). */
+void nvs_limit_refused(const struct nvs_device *d, const char *call, size_t size, uint64_t used, uint64_t limit);
+
+/* ---------------------------------------------------------------- nvml.c */
+
+/* Whether dlsym should send NVML lookups through nvs_nvml_substitute (a limit is in force). */
+int nvs_nvml_wanted(void);
+/* dlsym's answer for an NVML symbol: the wrapper standing for `address` if it is the address of
+ * a hooked NVML function of libnvidia-ml.so.1, else `address`. */
+void *nvs_nvml_substitute(void *address);
 
 /* ---------------------------------------------------------------- client.c */
 

@@ -5,6 +5,8 @@
  * same code (sim_devices.c):
  *   SIMCUDA_DEVICES  number of GPUs (default 1, at most SIM_MAX_DEVICES)
  *   SIMCUDA_MEMORY   memory per GPU in bytes, K/M/G suffixes are powers of 1024 (default 16G)
+ *   SIMNVML_USED     memory every GPU reports as used (default 0: as if no process used it;
+ *                    for tests of what a reader that did not allocate it is shown)
  * Device i has UUID GPU-5151ad00-0000-4000-8000-%012x (i), name "nvshare simulated GPU",
  * compute capability 9.0, minor number i. Both variables are read once, by the first init; a
  * value that does not parse makes it fail with NVML_ERROR_UNKNOWN (and cuInit as well).
@@ -26,7 +28,7 @@
  *
  * Implemented: init/shutdown (reference counted, as the real library), error strings, driver,
  * NVML and CUDA versions, device count, handles by index and UUID, UUID, name, index, minor
- * number, memory info (v1 and v2: nothing is ever used), compute capability, and the event API
+ * number, memory info (v1 and v2: SIMNVML_USED is used, nothing else), compute capability, and the event API
  * (create, supported types, register, wait, free). Process queries are not implemented: this
  * library shares no state with the simulated driver, so it could not list real clients.
  */
@@ -102,6 +104,7 @@ struct device_state {
 static struct nvmlDevice_st devices[SIM_MAX_DEVICES];
 static unsigned int device_count;
 static unsigned long long device_memory;
+static unsigned long long device_used; /* SIMNVML_USED */
 static int configured;
 
 /* init_refcount: written under state_lock by init/shutdown; read under it by every call. */
@@ -120,8 +123,15 @@ static nvmlReturn_t configure_locked(void)
         devices[i].index = (unsigned int)i;
         snprintf(devices[i].uuid, sizeof devices[i].uuid, SIM_UUID_FORMAT, i);
     }
+    const char *used_text = getenv("SIMNVML_USED");
+    size_t used = 0;
+    if (used_text && (sim_parse_size(used_text, &used) != 0 || used > memory)) {
+        fprintf(stderr, "simnvml: SIMNVML_USED=%s is not a byte count within SIMCUDA_MEMORY\n", used_text);
+        return NVML_ERROR_UNKNOWN;
+    }
     device_count = (unsigned int)count;
     device_memory = memory;
+    device_used = used;
     configured = 1;
     return NVML_SUCCESS;
 }
@@ -366,7 +376,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
         return result;
     if (!memory)
         return NVML_ERROR_INVALID_ARGUMENT;
-    *memory = (nvmlMemory_t){.total = device_memory, .free = device_memory, .used = 0};
+    *memory = (nvmlMemory_t){.total = device_memory, .free = device_memory - device_used, .used = device_used};
     return NVML_SUCCESS;
 }
 
@@ -381,8 +391,8 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     memory->total = device_memory;
     memory->reserved = 0;
-    memory->free = device_memory;
-    memory->used = 0;
+    memory->free = device_memory - device_used;
+    memory->used = device_used;
     return NVML_SUCCESS;
 }
 
