@@ -140,7 +140,8 @@ def test_status_shows_who_the_clients_are(scheduler):
                       what="the memory report")
     scheduler_block = status["scheduler"]
     assert scheduler_block["socket_dir"] == str(scheduler.socket_dir)
-    assert scheduler_block["defaults"] == {"mode": "on", "tq": 2.0, "grace": 1.0, "heartbeat_timeout": 1.0, "idle_release": 0.3}
+    assert scheduler_block["defaults"] == {"mode": "on", "tq": 2.0, "grace": 1.0, "heartbeat_interval": 0.2,
+                                          "heartbeat_timeout": 1.0, "idle_release": 0.3}
     (client,) = status["clients"]
     assert client["client"] == agent.client_id
     assert client["pid"] == agent.pid and client["host_pid"] == agent.pid and client["uid"] == os.geteuid()
