@@ -149,6 +149,8 @@ static void observe_locked(double now) {
     }
 }
 
+static void publish_lease_locked(void);
+
 /* Carry out the core's actions in order. Called and returns with nvs_mu held; releases it
  * around I/O (sending, connecting, logging). */
 static void carry_out_locked(void) {
@@ -199,6 +201,17 @@ static void carry_out_locked(void) {
             break;
         }
     }
+    publish_lease_locked();
+}
+
+#define LEASE_MARGIN_S 0.01 /* the coarse clock lags by up to a tick */
+
+/* Hand the core's registration lease to the gate's fast path; waiters go on when it grows. */
+static void publish_lease_locked(void) {
+    double until = nvs_core_lease_until(&core);
+    int64_t ms = until > 0 ? (int64_t)((until - LEASE_MARGIN_S) * 1000.0) : INT64_MAX;
+    int64_t old = atomic_exchange(&nvs_lease_ms, ms);
+    if (ms > old) pthread_cond_broadcast(&nvs_gate_cv);
 }
 
 /* --- the client thread -----------------------------------------------------------------------*/
@@ -376,6 +389,7 @@ static void fork_child(void) {
         d->job_result = NVS_RESULT_NONE;
         d->n_contexts = 0;
     }
+    atomic_store(&nvs_lease_ms, INT64_MAX);
     nvs_tls.device = NULL;
 }
 

@@ -57,6 +57,15 @@ __attribute__((format(printf, 3, 4))) static void core_log(struct nvs_core *c, i
     va_end(ap);
 }
 
+static double lease_seconds(const struct nvs_core *c) { return c->heartbeat_ms / 1000.0; }
+
+/* A message goes out while the lease holds: the scheduler will not forget this client for
+ * another heartbeat timeout (longer than the interval) after it arrives. */
+static void note_sent(struct nvs_core *c, double now) {
+    c->last_sent = now;
+    if (c->registered && c->ping_sent == 0 && now < c->lease_until) c->lease_until = now + lease_seconds(c);
+}
+
 static void send_message(struct nvs_core *c, enum nvs_msg_type_out message, int device, uint64_t number,
                          const char *reason, double now) {
     struct nvs_core_queued *q = push(c, NVS_ACT_SEND, device, 0);
@@ -64,7 +73,7 @@ static void send_message(struct nvs_core *c, enum nvs_msg_type_out message, int 
     q->message = message;
     q->number = number;
     q->reason = reason;
-    c->last_sent = now;
+    note_sent(c, now);
 }
 
 static void set_gate(struct nvs_core_device *d, struct nvs_core *c, int open) {
@@ -166,6 +175,8 @@ static void forget_connection(struct nvs_core *c, const char *why, double now) {
                  c->config.socket_path, why, c->config.fail_open ? "open" : "closed");
     c->connected = 0;
     c->registered = 0;
+    c->lease_until = 0;
+    c->ping_sent = 0;
     schedule_reconnect(c, now);
     for (int i = 0; i < c->n_devices; i++) {
         struct nvs_core_device *d = &c->devices[i];
@@ -197,6 +208,7 @@ static void send_hello(struct nvs_core *c, double now) {
     q->held = held;
     q->wanted = wanted;
     c->last_sent = now;
+    c->ping_sent = 0;
 }
 
 /* The scheduler answered `not-registered` although it had welcomed us: it dropped this client
@@ -209,6 +221,8 @@ static void lose_registration(struct nvs_core *c, double now) {
              "the scheduler dropped this process's registration (silent past its heartbeat timeout); "
              "registering again, GPU work waits for the lock");
     c->registered = 0;
+    c->lease_until = 0;
+    c->ping_sent = 0;
     c->connected_at = now; /* the WELCOME timeout counts from the new HELLO */
     for (int i = 0; i < c->n_devices; i++) {
         struct nvs_core_device *d = &c->devices[i];
@@ -298,6 +312,19 @@ void nvs_core_connect_failed(struct nvs_core *c, int err, int path_too_long, dou
 
 void nvs_core_disconnected(struct nvs_core *c, const char *why, double now) {
     c->connecting = 0;
+    if (c->connected && c->registered && c->lease_until > 0 && now >= c->lease_until) {
+        /* Silent past the lease before the connection went: the scheduler may have dropped
+         * this process and granted its locks to others. Holders keep running through an outage
+         * only while they were known to be registered. */
+        core_log(c, LOG_WARN, "lost the scheduler after a silence: GPU work waits for the lock again");
+        for (int i = 0; i < c->n_devices; i++) {
+            struct nvs_core_device *d = &c->devices[i];
+            if (d->state == NVS_HOLDING || d->state == NVS_DRAINING) {
+                d->release_unanswerable = 1;
+                begin_release(c, d, "revoke", now);
+            }
+        }
+    }
     if (c->connected) forget_connection(c, why, now);
     run_due(c, now);
 }
@@ -306,6 +333,8 @@ static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double n
     c->registered = 1;
     c->was_registered = 1;
     c->heartbeat_ms = m->heartbeat_ms > 0 ? (long)m->heartbeat_ms : DEFAULT_HEARTBEAT_MS;
+    c->lease_until = c->connected_at + lease_seconds(c); /* counted from the HELLO */
+    c->ping_sent = 0;
     c->scheduler_idle_ms = (long)m->idle_release_ms;
     snprintf(c->client_id, sizeof c->client_id, "%s", m->client);
     if (c->lost_warned || c->fail_open_warned) core_log(c, LOG_WARN, "connected to the scheduler at %s again", c->config.socket_path);
@@ -395,6 +424,14 @@ void nvs_core_receive(struct nvs_core *c, const char *buf, size_t len, double no
         core_log(c, LOG_DEBUG, "unparseable scheduler message ignored");
     } else if (m.type == NVS_MSG_WELCOME) {
         handle_welcome(c, &m, now);
+    } else if (m.type == NVS_MSG_STATUS) {
+        if (c->registered && c->ping_sent > 0) {
+            /* No not-registered answer came before it: the HEARTBEAT found the registration. */
+            core_log(c, LOG_INFO, "the scheduler still knows this process after %.3f s of silence; carrying on",
+                     now - c->ping_sent);
+            c->lease_until = c->ping_sent + lease_seconds(c);
+            c->ping_sent = 0;
+        }
     } else if (m.type == NVS_MSG_ERROR) {
         if (strcmp(m.code, "not-registered") != 0)
             core_log(c, LOG_WARN, "the scheduler rejected a message: %s (%s)", m.code, m.detail);
@@ -524,8 +561,17 @@ static void run_due(struct nvs_core *c, double now) {
             d->idle_next_check = now + window / 4000.0;
         }
     }
-    if (c->registered && now >= c->last_sent + c->heartbeat_ms / 1000.0)
+    /* Heartbeats at half the interval keep the lease (one interval) from lapsing while this
+     * thread runs; when it has lapsed anyway (the process was stopped or starved), ask. */
+    if (c->registered && c->ping_sent == 0 && now >= c->lease_until) {
+        core_log(c, LOG_INFO, "silent for %.3f s: checking that the scheduler still knows this process",
+                 now - c->last_sent);
+        c->ping_sent = now;
         send_message(c, NVS_OUT_HEARTBEAT, -1, 0, NULL, now);
+        send_message(c, NVS_OUT_QUERY, -1, 0, NULL, now);
+    } else if (c->registered && now >= c->last_sent + c->heartbeat_ms / 2000.0) {
+        send_message(c, NVS_OUT_HEARTBEAT, -1, 0, NULL, now);
+    }
 
     /* an outage: say so, once in fail-open mode, every WAIT_WARNING_PERIOD_S to waiters otherwise */
     if (!c->registered && c->outage_since != 0) {
@@ -552,8 +598,9 @@ double nvs_core_next_deadline(const struct nvs_core *c, double now) {
     if (c->connected && !c->registered && c->connected_at + WELCOME_TIMEOUT_S < due)
         due = c->connected_at + WELCOME_TIMEOUT_S;
     if (c->registered) {
-        double heartbeat = c->last_sent + c->heartbeat_ms / 1000.0;
+        double heartbeat = c->last_sent + c->heartbeat_ms / 2000.0;
         if (heartbeat < due) due = heartbeat;
+        if (c->ping_sent == 0 && c->lease_until < due) due = c->lease_until;
         double memory = c->last_memory_report + MEMORY_REPORT_PERIOD_S;
         for (int i = 0; i < c->n_devices; i++) {
             const struct nvs_core_device *d = &c->devices[i];
@@ -606,6 +653,8 @@ static size_t encode(const struct nvs_core *c, const struct nvs_core_queued *q, 
         return nvs_msg_heartbeat(buf, cap);
     case NVS_OUT_BYE:
         return nvs_msg_bye(buf, cap);
+    case NVS_OUT_QUERY:
+        return nvs_msg_query(buf, cap);
     default:
         return 0;
     }
@@ -657,6 +706,8 @@ int nvs_core_gate(const struct nvs_core *c, int device) {
 }
 
 int nvs_core_registered(const struct nvs_core *c) { return c->registered; }
+
+double nvs_core_lease_until(const struct nvs_core *c) { return c->registered ? c->lease_until : 0; }
 
 int nvs_core_any_waiters(const struct nvs_core *c) {
     for (int i = 0; i < c->n_devices; i++)

@@ -113,7 +113,7 @@ struct nvs_core_queued {
     struct nvs_action action;
     enum nvs_msg_type_out {
         NVS_OUT_NONE = 0, NVS_OUT_HELLO, NVS_OUT_DEVICE, NVS_OUT_MEMORY, NVS_OUT_ACQUIRE,
-        NVS_OUT_RELEASE, NVS_OUT_HEARTBEAT, NVS_OUT_BYE
+        NVS_OUT_RELEASE, NVS_OUT_HEARTBEAT, NVS_OUT_BYE, NVS_OUT_QUERY
     } message;
     uint64_t number;      /* RELEASE grant, MEMORY bytes */
     const char *reason;   /* RELEASE */
@@ -136,6 +136,10 @@ struct nvs_core {
     int fail_open_warned, lost_warned;
     double last_sent, last_memory_report;
     long heartbeat_ms, scheduler_idle_ms;
+    /* The registration lease (see nvs_core_lease_until): 0 while there is none to keep. */
+    double lease_until;
+    double ping_sent; /* > 0: the lease lapsed, HEARTBEAT + QUERY went out at this time and
+                       * the STATUS answer (or a not-registered ERROR before it) decides */
     char client_id[64];
 
     struct nvs_core_queued queue[NVS_CORE_MAX_ACTIONS];
@@ -176,6 +180,15 @@ double nvs_core_next_deadline(const struct nvs_core *c, double now);
  * none is left. A SEND whose message cannot be encoded comes out as a LOG (error) followed by
  * DISCONNECT: a bug, never a silent drop. */
 int nvs_core_pop(struct nvs_core *c, struct nvs_action *out, char *buf, size_t cap);
+
+/* Until when the open gates may be used without hearing from the scheduler (seconds, same
+ * clock as `now`; 0: no limit, the gates alone decide). The scheduler forgets a client that is
+ * silent past its heartbeat timeout, which is longer than the heartbeat interval: so while this
+ * process sends something at least every interval it is registered, and a process that was
+ * stopped or starved for longer must not submit before it knows. When the lease has lapsed the
+ * core sends HEARTBEAT and QUERY: the STATUS answer renews it, a `not-registered` ERROR before it
+ * means the registration was lost (gates stay closed, the work drains, it registers again). */
+double nvs_core_lease_until(const struct nvs_core *c);
 
 /* Read-only views for the shell and the tests. */
 enum nvs_lock_state nvs_core_state(const struct nvs_core *c, int device);

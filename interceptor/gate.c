@@ -25,6 +25,8 @@ pthread_mutex_t nvs_mu = PTHREAD_MUTEX_INITIALIZER;
 pthread_cond_t nvs_gate_cv = PTHREAD_COND_INITIALIZER;
 pthread_mutex_t nvs_ctx_mu = PTHREAD_MUTEX_INITIALIZER;
 
+_Atomic int64_t nvs_lease_ms = INT64_MAX;
+
 struct nvs_device nvs_devices[NVS_MAX_DEVICES];
 int nvs_n_devices;
 
@@ -143,7 +145,7 @@ struct nvs_device *nvs_gate_resolve(void) {
 void nvs_gate_wait(struct nvs_device *d) {
     nvs_runtime_start();
     pthread_mutex_lock(&nvs_mu);
-    if (atomic_load(&d->gate_open)) {
+    if (nvs_gate_passable(d)) {
         pthread_mutex_unlock(&nvs_mu);
         return;
     }
@@ -156,7 +158,9 @@ void nvs_gate_wait(struct nvs_device *d) {
         nvs_client_wake();
         pthread_mutex_lock(&nvs_mu);
     }
-    while (!atomic_load(&d->gate_open)) pthread_cond_wait(&nvs_gate_cv, &nvs_mu);
+    /* A closed gate, or a lapsed registration lease: the client thread opens the one and
+     * checks the other (it broadcasts when either changes). */
+    while (!nvs_gate_passable(d)) pthread_cond_wait(&nvs_gate_cv, &nvs_mu);
     d->waiters--;
     pthread_mutex_unlock(&nvs_mu);
 }
@@ -289,11 +293,11 @@ BEGIN_CAPTURE(cuStreamBeginCapture_ptsz, (CUstream hStream), (hStream), hStream)
 BEGIN_CAPTURE(cuStreamBeginCapture_v2, (CUstream hStream, CUstreamCaptureMode mode), (hStream, mode), hStream)
 BEGIN_CAPTURE(cuStreamBeginCapture_v2_ptsz, (CUstream hStream, CUstreamCaptureMode mode), (hStream, mode), hStream)
 BEGIN_CAPTURE(cuStreamBeginCaptureToGraph,
-              (CUstream hStream, CUgraph hGraph, const void *dependencies, const void *dependencyData,
+              (CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies, const CUgraphEdgeData *dependencyData,
                size_t numDependencies, CUstreamCaptureMode mode),
               (hStream, hGraph, dependencies, dependencyData, numDependencies, mode), hStream)
 BEGIN_CAPTURE(cuStreamBeginCaptureToGraph_ptsz,
-              (CUstream hStream, CUgraph hGraph, const void *dependencies, const void *dependencyData,
+              (CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies, const CUgraphEdgeData *dependencyData,
                size_t numDependencies, CUstreamCaptureMode mode),
               (hStream, hGraph, dependencies, dependencyData, numDependencies, mode), hStream)
 

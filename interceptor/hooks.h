@@ -309,11 +309,11 @@
     X(CUSTOM, cuStreamBeginCapture_v2_ptsz, (CUstream hStream, CUstreamCaptureMode mode),       \
       (hStream, mode))                                                                          \
     X(CUSTOM, cuStreamBeginCaptureToGraph,                                                      \
-      (CUstream hStream, CUgraph hGraph, const void *dependencies, const void *dependencyData,   \
+      (CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies, const CUgraphEdgeData *dependencyData,   \
        size_t numDependencies, CUstreamCaptureMode mode),                                       \
       (hStream, hGraph, dependencies, dependencyData, numDependencies, mode))                   \
     X(CUSTOM, cuStreamBeginCaptureToGraph_ptsz,                                                 \
-      (CUstream hStream, CUgraph hGraph, const void *dependencies, const void *dependencyData,   \
+      (CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies, const CUgraphEdgeData *dependencyData,   \
        size_t numDependencies, CUstreamCaptureMode mode),                                       \
       (hStream, hGraph, dependencies, dependencyData, numDependencies, mode))                   \
     X(CUSTOM, cuStreamEndCapture, (CUstream hStream, CUgraph *phGraph), (hStream, phGraph))     \

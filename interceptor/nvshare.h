@@ -111,6 +111,25 @@ struct nvs_device {
     int n_contexts, cap_contexts;
 };
 
+/* The registration lease (client_core.h, nvs_core_lease_until) in CLOCK_MONOTONIC_COARSE
+ * milliseconds: an open gate may be passed only before it; INT64_MAX: no limit. Written by the
+ * client thread under nvs_mu (which broadcasts nvs_gate_cv when it grows), read by the gate's
+ * fast path without a lock (a stale value only sends a thread to the slow path, or lets it
+ * pass a lease the client thread has just renewed). */
+extern _Atomic int64_t nvs_lease_ms;
+
+static inline int64_t nvs_coarse_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts); /* vDSO: no system call */
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* An open gate whose lease holds. */
+static inline int nvs_gate_passable(struct nvs_device *d) {
+    return atomic_load(&d->gate_open) &&
+           nvs_coarse_ms() < atomic_load_explicit(&nvs_lease_ms, memory_order_relaxed);
+}
+
 /* Guards all lock state above and the device table; never held across a CUDA call or I/O
  * (tests/test_library_hygiene.py checks the code for it). */
 extern pthread_mutex_t nvs_mu;
@@ -152,7 +171,7 @@ static inline struct nvs_device *nvs_gate_enter(void) {
     }
     for (;;) {
         atomic_fetch_add(&d->entered, 1);
-        if (NVS_LIKELY(atomic_load(&d->gate_open))) return d;
+        if (NVS_LIKELY(nvs_gate_passable(d))) return d;
         /* A thread capturing a CUDA graph passes: its launches go into the graph and submit
          * nothing, and its capture must end before the drain may synchronise (gate.c). */
         if (t->capturing > 0) return d;

@@ -78,7 +78,9 @@ static void *worker_main(void *unused) {
             d->job_running = 0;
             d->job = NVS_JOB_NONE;
             d->job_result = result;
-            nvs_client_wake();
+            pthread_mutex_unlock(&nvs_mu);
+            nvs_client_wake(); /* a pipe write: not under nvs_mu */
+            pthread_mutex_lock(&nvs_mu);
             continue;
         }
         /* Event queries of deferred frees are unsafe API calls during a global-mode capture. */

@@ -234,3 +234,15 @@ def test_the_world_catches_two_open_gates(world):
     b.devices[0].gate = True
     with pytest.raises(SafetyViolation):
         world.check_exclusive()
+
+
+def test_a_short_stop_keeps_the_lock_once_the_scheduler_confirms_the_registration(world):
+    a, b = world.spawn("a"), world.spawn("b")
+    world.want(a)
+    world.stop(a)
+    world.advance(0.5)  # longer than the lease (one heartbeat interval), shorter than the timeout
+    world.resume(a)     # the lease has lapsed: the next launch waits for the scheduler's answer
+    world.want(a)
+    assert a.devices[0].in_flight == 2 and a.devices[0].gate  # STATUS came back: carry on
+    assert world.holders() == ["a"]
+    assert any("still knows this process" in text for _, text in a.logs)
