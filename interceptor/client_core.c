@@ -488,7 +488,18 @@ void nvs_core_tick(struct nvs_core *c, double now) { run_due(c, now); }
 void nvs_core_exit(struct nvs_core *c, double now) {
     if (c->exiting) return;
     c->exiting = 1;
-    if (c->registered) send_message(c, NVS_OUT_BYE, -1, 0, NULL, now);
+    if (!c->registered) return;
+    /* A holder's last kernels may still run while atexit handlers do (nothing here may call
+     * CUDA any more to drain them): its lock passes when the scheduler sees the process end,
+     * after the driver has torn its contexts down. Everyone else leaves the queues at once. */
+    for (int i = 0; i < c->n_devices; i++) {
+        enum nvs_lock_state state = c->devices[i].state;
+        if (state == NVS_HOLDING || state == NVS_DRAINING) {
+            core_log(c, LOG_DEBUG, "exiting while holding %s: no BYE, the scheduler sees the exit", c->devices[i].uuid);
+            return;
+        }
+    }
+    send_message(c, NVS_OUT_BYE, -1, 0, NULL, now);
 }
 
 /* Everything due at `now`, in the order the protocol needs it. Each timed rule compares `now`

@@ -205,12 +205,26 @@ def test_no_idle_probe_during_a_capture(idle_world):
     assert a.releases[0][2] == "idle"
 
 
-def test_a_clean_exit_says_bye_and_the_lock_passes_at_once(world):
+def test_a_clean_exit_says_bye_and_leaves_the_queue_at_once(world):
+    a, b, c = world.spawn("a"), world.spawn("b"), world.spawn("c")
+    world.want(a)
+    world.want(b)
+    world.want(c)
+    world.exit_cleanly(b)  # BYE: b leaves the queue, c is next
+    world.finish_work(a)
+    world.advance(1.5)
+    assert c.devices[0].gate and world.holders() == ["c"]
+
+
+def test_a_holder_that_exits_sends_no_bye_while_its_kernels_may_run(world):
     a, b = world.spawn("a"), world.spawn("b")
     world.want(a)
-    world.finish_work(a)
     world.want(b)
-    world.exit_cleanly(a)
+    a.core.exit(world.now)  # the atexit handler, while a's kernel still runs
+    world.run(a)
+    assert not b.devices[0].gate and world.holders() == ["a"]
+    assert any("no BYE" in text for _, text in a.logs)
+    world.kill(a)  # the process and its contexts are gone: the scheduler passes the lock
     assert b.devices[0].gate
 
 

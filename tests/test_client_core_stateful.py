@@ -44,66 +44,70 @@ class Sharing(RuleBasedStateMachine):
     def spawn(self):
         self.world.spawn(next(self.names))
 
-    @rule(data=st.data(), device=st.integers(0, DEVICES - 1))
-    def want(self, data, device):
+    @rule(pick=st.integers(0, 7), device=st.integers(0, DEVICES - 1))
+    def want(self, pick, device):
         live = self.world.live()
         if live:
-            self.world.want(data.draw(st.sampled_from(live)), device)
+            self.world.want(live[pick % len(live)], device)
 
-    @rule(data=st.data(), device=st.integers(0, DEVICES - 1))
-    def finish_work(self, data, device):
+    @rule(pick=st.integers(0, 7), device=st.integers(0, DEVICES - 1))
+    def finish_work(self, pick, device):
         live = self.world.live()
         if live:
-            self.world.finish_work(data.draw(st.sampled_from(live)), device)
+            self.world.finish_work(live[pick % len(live)], device)
 
-    @rule(data=st.data(), device=st.integers(0, DEVICES - 1))
-    def begin_capture(self, data, device):
+    @rule(pick=st.integers(0, 7), device=st.integers(0, DEVICES - 1))
+    def begin_capture(self, pick, device):
         live = [p for p in self.world.live() if p.devices[device].captures == 0]
         if live:
-            self.world.begin_capture(data.draw(st.sampled_from(live)), device)
+            self.world.begin_capture(live[pick % len(live)], device)
 
-    @rule(data=st.data(), device=st.integers(0, DEVICES - 1))
-    def end_capture(self, data, device):
+    @rule(pick=st.integers(0, 7), device=st.integers(0, DEVICES - 1))
+    def end_capture(self, pick, device):
         live = [p for p in self.world.live() if p.devices[device].captures > 0]
         if live:
-            self.world.end_capture(data.draw(st.sampled_from(live)), device)
+            self.world.end_capture(live[pick % len(live)], device)
 
     @rule(seconds=st.sampled_from([0.05, 0.15, 0.4, 0.8, 1.6]))
     def advance(self, seconds):
         self.world.advance(seconds)
 
+    # Out of the model: a process stopped across a scheduler restart. A holder keeps running
+    # through an outage (docs/interceptor.md) and cannot reclaim while stopped, so the new
+    # daemon may grant its lock once its recovery window ends (a known limit, documented).
+    @precondition(lambda self: not any(p.stopped for p in self.running()))
     @rule()
     def restart_scheduler(self):
         self.world.restart_scheduler()
 
-    @rule(data=st.data())
-    def stop(self, data):
-        live = self.world.live()
+    @rule(pick=st.integers(0, 7))
+    def stop(self, pick):
+        live = [p for p in self.world.live() if p.conn is not None and p.core.registered]
         if len(live) > 1:
-            self.world.stop(data.draw(st.sampled_from(live)))
+            self.world.stop(live[pick % len(live)])
 
-    @rule(data=st.data())
-    def resume(self, data):
+    @rule(pick=st.integers(0, 7))
+    def resume(self, pick):
         stopped = [p for p in self.running() if p.stopped]
         if stopped:
-            self.world.resume(data.draw(st.sampled_from(stopped)))
+            self.world.resume(stopped[pick % len(stopped)])
 
-    @rule(data=st.data(), clean=st.booleans())
-    def end_process(self, data, clean):
+    @rule(pick=st.integers(0, 7), clean=st.booleans())
+    def end_process(self, pick, clean):
         live = self.world.live()
         if len(live) > 1:
-            process = data.draw(st.sampled_from(live))
+            process = live[pick % len(live)]
             if clean:
                 self.world.exit_cleanly(process)
             else:
                 self.world.kill(process)
 
     @precondition(lambda self: len(self.running()) < MAX_PROCESSES)
-    @rule(data=st.data())
-    def fork(self, data):
+    @rule(pick=st.integers(0, 7))
+    def fork(self, pick):
         live = self.world.live()
         if live:
-            self.world.fork(data.draw(st.sampled_from(live)), next(self.names))
+            self.world.fork(live[pick % len(live)], next(self.names))
 
     @invariant()
     def the_cores_agree_on_holders(self):
