@@ -25,7 +25,7 @@ enum {
 
 static const char *const release_reasons[] = {"idle", "drop", "quantum", "revoke", "user", NULL};
 static const char *const drop_reasons[] = {"quantum", "mode", "memory", "conflict", NULL};
-static const char *const revoke_reasons[] = {"grace-expired", "conflict", NULL};
+static const char *const revoke_reasons[] = {"grace-expired", NULL};
 static const char *const error_codes[] = {
     "malformed",  "too-large",      "unsupported-version", "unknown-type",
     "bad-field",  "not-registered", "already-registered",  NULL,
