@@ -7,8 +7,9 @@
  * nvs_mu is released. It never calls CUDA and never blocks on the GPU, so it keeps
  * heart-beating while work drains.
  *
- * Only this thread feeds the core (fork and exit hand it over explicitly); the core itself
- * and struct nvs_device's mailboxes are under nvs_mu.
+ * Only this thread feeds the core; the core itself and struct nvs_device's mailboxes are
+ * under nvs_mu, which is never held across I/O (carry_out releases it for each send, connect
+ * and log line).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -35,7 +36,7 @@ static int starting;               /* under nvs_mu: threads created (or being cr
 static int wake_fds[2] = {-1, -1}; /* pipe: any thread writes a byte to wake the client thread;
                                     * created under nvs_mu before `started` is set */
 static _Atomic int memory_dirty;   /* an allocation changed a byte count since the last look */
-static _Atomic int exiting;        /* set by the atexit handler: send BYE, stop */
+static _Atomic int exiting;        /* set by the atexit handler: the client thread says BYE */
 static pthread_cond_t bye_cv = PTHREAD_COND_INITIALIZER; /* with nvs_mu: BYE went out */
 static int bye_done;               /* under nvs_mu */
 
@@ -149,61 +150,6 @@ static void observe_locked(double now) {
     }
 }
 
-static void publish_lease_locked(void);
-
-/* Carry out the core's actions in order. Called and returns with nvs_mu held; releases it
- * around I/O (sending, connecting, logging). */
-static void carry_out_locked(void) {
-    char buf[NVS_TRANSPORT_MAX_MESSAGE];
-    struct nvs_action a;
-    while (nvs_core_pop(&core, &a, buf, sizeof buf)) {
-        switch (a.kind) {
-        case NVS_ACT_GATE:
-            nvs_gate_set_locked(&nvs_devices[a.device], a.value);
-            break;
-        case NVS_ACT_JOB:
-            nvs_worker_assign_locked(&nvs_devices[a.device], (enum nvs_job)a.value);
-            break;
-        case NVS_ACT_LOG:
-            pthread_mutex_unlock(&nvs_mu);
-            nvs_log(a.value, "%.*s", (int)a.len, buf);
-            pthread_mutex_lock(&nvs_mu);
-            break;
-        case NVS_ACT_SEND: {
-            pthread_mutex_unlock(&nvs_mu);
-            if (nvs_log_level >= NVS_LOG_DEBUG) {
-                const char *eol = memchr(buf, '\n', a.len);
-                nvs_debug("sent %.*s", (int)(eol ? eol - buf : (long)a.len), buf);
-            }
-            int r = nvs_transport_send(&transport, buf, a.len, SEND_TIMEOUT_MS);
-            if (r < 0) {
-                nvs_transport_close(&transport);
-                nvs_debug("send failed: %s", strerror(-r));
-            }
-            pthread_mutex_lock(&nvs_mu);
-            if (r < 0) nvs_core_disconnected(&core, "send failed", nvs_now());
-            break;
-        }
-        case NVS_ACT_CONNECT: {
-            pthread_mutex_unlock(&nvs_mu);
-            int r = nvs_transport_connect(&transport, nvs_config.socket_path, CONNECT_TIMEOUT_MS);
-            pthread_mutex_lock(&nvs_mu);
-            if (r < 0)
-                nvs_core_connect_failed(&core, -r, r == -ENAMETOOLONG, nvs_now());
-            else
-                nvs_core_connected(&core, nvs_now());
-            break;
-        }
-        case NVS_ACT_DISCONNECT:
-            pthread_mutex_unlock(&nvs_mu);
-            nvs_transport_close(&transport);
-            pthread_mutex_lock(&nvs_mu);
-            break;
-        }
-    }
-    publish_lease_locked();
-}
-
 #define LEASE_MARGIN_S 0.01 /* the coarse clock lags by up to a tick */
 
 /* Hand the core's registration lease to the gate's fast path; waiters go on when it grows. */
@@ -214,6 +160,74 @@ static void publish_lease_locked(void) {
     if (ms > old) pthread_cond_broadcast(&nvs_gate_cv);
 }
 
+/* Carry out the core's gate and job actions (under nvs_mu: an atomic store and a broadcast, a
+ * mailbox) up to the first one that needs I/O, which is returned (0: none left). */
+static int next_io_action_locked(struct nvs_action *a, char *buf, size_t cap) {
+    while (nvs_core_pop(&core, a, buf, cap)) {
+        if (a->kind == NVS_ACT_GATE)
+            nvs_gate_set_locked(&nvs_devices[a->device], a->value);
+        else if (a->kind == NVS_ACT_JOB)
+            nvs_worker_assign_locked(&nvs_devices[a->device], (enum nvs_job)a->value);
+        else
+            return 1;
+    }
+    publish_lease_locked();
+    return 0;
+}
+
+/* Sending, connecting, logging: without nvs_mu. Returns what to tell the core: 0 nothing,
+ * or the failed call's -errno (SEND, CONNECT); CONNECT's success is 1. */
+static int perform_io(const struct nvs_action *a, const char *buf) {
+    switch (a->kind) {
+    case NVS_ACT_LOG:
+        nvs_log(a->value, "%.*s", (int)a->len, buf);
+        return 0;
+    case NVS_ACT_SEND: {
+        if (nvs_log_level >= NVS_LOG_DEBUG) {
+            const char *eol = memchr(buf, '\n', a->len);
+            nvs_debug("sent %.*s", (int)(eol ? eol - buf : (long)a->len), buf);
+        }
+        int r = nvs_transport_send(&transport, buf, a->len, SEND_TIMEOUT_MS);
+        if (r < 0) {
+            nvs_debug("send failed: %s", strerror(-r));
+            nvs_transport_close(&transport);
+        }
+        return r < 0 ? r : 0;
+    }
+    case NVS_ACT_CONNECT: {
+        int r = nvs_transport_connect(&transport, nvs_config.socket_path, CONNECT_TIMEOUT_MS);
+        return r < 0 ? r : 1;
+    }
+    case NVS_ACT_DISCONNECT:
+        nvs_transport_close(&transport);
+        return 0;
+    default:
+        return 0;
+    }
+}
+
+/* Carry out the core's actions in order; called without nvs_mu. */
+static void carry_out(void) {
+    char buf[NVS_TRANSPORT_MAX_MESSAGE];
+    struct nvs_action a;
+    for (;;) {
+        pthread_mutex_lock(&nvs_mu);
+        int more = next_io_action_locked(&a, buf, sizeof buf);
+        pthread_mutex_unlock(&nvs_mu);
+        if (!more) return;
+        int outcome = perform_io(&a, buf);
+        if (outcome == 0) continue;
+        pthread_mutex_lock(&nvs_mu);
+        if (a.kind == NVS_ACT_SEND)
+            nvs_core_disconnected(&core, "send failed", nvs_now());
+        else if (outcome > 0)
+            nvs_core_connected(&core, nvs_now());
+        else
+            nvs_core_connect_failed(&core, -outcome, outcome == -ENAMETOOLONG, nvs_now());
+        pthread_mutex_unlock(&nvs_mu);
+    }
+}
+
 /* --- the client thread -----------------------------------------------------------------------*/
 
 static void receive_all(void) {
@@ -222,19 +236,16 @@ static void receive_all(void) {
         size_t len = 0;
         int r = nvs_transport_recv(&transport, buf, sizeof buf - 1, &len);
         if (r == 0) return;
+        if (r < 0) nvs_transport_close(&transport);
         pthread_mutex_lock(&nvs_mu);
         double now = nvs_now();
         observe_locked(now);
-        if (r < 0) {
-            pthread_mutex_unlock(&nvs_mu);
-            nvs_transport_close(&transport);
-            pthread_mutex_lock(&nvs_mu);
+        if (r < 0)
             nvs_core_disconnected(&core, r == -EPIPE ? "the scheduler closed the connection" : "receive failed", now);
-        } else {
+        else
             nvs_core_receive(&core, buf, len, now);
-        }
-        carry_out_locked();
         pthread_mutex_unlock(&nvs_mu);
+        carry_out();
         if (r < 0) return;
     }
 }
@@ -246,16 +257,18 @@ static void *client_main(void *unused) {
         double now = nvs_now();
         atomic_store(&memory_dirty, 0);
         observe_locked(now);
-        if (atomic_load(&exiting)) {
-            nvs_core_exit(&core, now);
-            carry_out_locked();
+        int say_bye = atomic_load(&exiting) && !bye_done;
+        /* The thread keeps serving after the exit: a holder's exit changes nothing until the
+         * process is gone, and a late call of another's must find its gate open. */
+        if (say_bye) nvs_core_exit(&core, now);
+        nvs_core_tick(&core, now);
+        pthread_mutex_unlock(&nvs_mu);
+        carry_out();
+        pthread_mutex_lock(&nvs_mu);
+        if (say_bye) {
             bye_done = 1;
             pthread_cond_broadcast(&bye_cv);
-            pthread_mutex_unlock(&nvs_mu);
-            return NULL;
         }
-        nvs_core_tick(&core, now);
-        carry_out_locked();
         double due = nvs_core_next_deadline(&core, nvs_now());
         pthread_mutex_unlock(&nvs_mu);
 

@@ -486,12 +486,10 @@ void nvs_core_job_done(struct nvs_core *c, int device, enum nvs_job_result resul
 void nvs_core_tick(struct nvs_core *c, double now) { run_due(c, now); }
 
 void nvs_core_exit(struct nvs_core *c, double now) {
-    if (c->exiting) return;
-    c->exiting = 1;
-    if (!c->registered) return;
+    if (c->exiting || !c->registered) return;
     /* A holder's last kernels may still run while atexit handlers do (nothing here may call
      * CUDA any more to drain them): its lock passes when the scheduler sees the process end,
-     * after the driver has torn its contexts down. Everyone else leaves the queues at once. */
+     * after the driver has torn its contexts down. It goes on as before until then. */
     for (int i = 0; i < c->n_devices; i++) {
         enum nvs_lock_state state = c->devices[i].state;
         if (state == NVS_HOLDING || state == NVS_DRAINING) {
@@ -499,7 +497,16 @@ void nvs_core_exit(struct nvs_core *c, double now) {
             return;
         }
     }
+    /* Everyone else leaves the queues at once. A GPU call made later in the exit (another
+     * library's destructor) must not wait for a lock nobody will grant: it runs unscheduled. */
+    c->exiting = 1;
     send_message(c, NVS_OUT_BYE, -1, 0, NULL, now);
+    for (int i = 0; i < c->n_devices; i++) {
+        struct nvs_core_device *d = &c->devices[i];
+        if (!d->known) continue;
+        d->state = NVS_UNSCHEDULED;
+        set_gate(d, c, 1);
+    }
 }
 
 /* Everything due at `now`, in the order the protocol needs it. Each timed rule compares `now`

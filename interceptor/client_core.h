@@ -171,9 +171,10 @@ void nvs_core_receive(struct nvs_core *c, const char *buf, size_t len, double no
 void nvs_core_job_done(struct nvs_core *c, int device, enum nvs_job_result result, double now);
 /* Time passed: whatever is due (reconnection, heartbeat, reports, idle checks, pre-drain). */
 void nvs_core_tick(struct nvs_core *c, double now);
-/* Clean exit: BYE, so that the scheduler takes this process out of its queues at once; not
- * while it holds a lock (its last kernels may still run: the scheduler's process-exit watch
- * passes that lock on once the process, and its contexts, are gone). */
+/* Clean exit: BYE, so that the scheduler takes this process out of its queues at once, and
+ * the gates open (a late call from a destructor must not wait forever). Not while it holds a
+ * lock (its last kernels may still run: the scheduler's process-exit watch passes that lock on
+ * once the process, and its contexts, are gone); then nothing changes. */
 void nvs_core_exit(struct nvs_core *c, double now);
 
 /* When nvs_core_tick is due next (at most 1 s ahead). */
