@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from fixtures.client_core import DRAINING, HOLDING, WAITING, World, load, build_client_core
+from fixtures.client_core import DRAINING, HOLDING, WAITING, World, build_client_core, load
+from nvshare_py.scheduler import views
 
 DEVICES = 2
 MAX_PROCESSES = 4
@@ -126,7 +127,7 @@ class Sharing(RuleBasedStateMachine):
         world = self.world
         if world.scheduler is None:
             return
-        status = world.scheduler.status(world.now, lambda t: t)
+        status = views.status(world.scheduler, world.now, lambda t: t)
         queued = {}
         for device in status["devices"]:
             queued[device["device"]] = {w["client"] for w in device["waiters"]} | {h["client"] for h in device["holders"]}
