@@ -25,6 +25,8 @@ pthread_mutex_t nvs_mu = PTHREAD_MUTEX_INITIALIZER;
 pthread_cond_t nvs_gate_cv = PTHREAD_COND_INITIALIZER;
 pthread_mutex_t nvs_ctx_mu = PTHREAD_MUTEX_INITIALIZER;
 
+_Atomic int64_t nvs_lease_ms = INT64_MAX;
+
 struct nvs_device nvs_devices[NVS_MAX_DEVICES];
 int nvs_n_devices;
 
@@ -143,7 +145,7 @@ struct nvs_device *nvs_gate_resolve(void) {
 void nvs_gate_wait(struct nvs_device *d) {
     nvs_runtime_start();
     pthread_mutex_lock(&nvs_mu);
-    if (atomic_load(&d->gate_open)) {
+    if (nvs_gate_passable(d)) {
         pthread_mutex_unlock(&nvs_mu);
         return;
     }
@@ -156,7 +158,9 @@ void nvs_gate_wait(struct nvs_device *d) {
         nvs_client_wake();
         pthread_mutex_lock(&nvs_mu);
     }
-    while (!atomic_load(&d->gate_open)) pthread_cond_wait(&nvs_gate_cv, &nvs_mu);
+    /* A closed gate, or a lapsed registration lease: the client thread opens the one and
+     * checks the other (it broadcasts when either changes). */
+    while (!nvs_gate_passable(d)) pthread_cond_wait(&nvs_gate_cv, &nvs_mu);
     d->waiters--;
     pthread_mutex_unlock(&nvs_mu);
 }
@@ -172,11 +176,16 @@ static void pause_briefly(long *ns) {
     if (*ns < 1000000) *ns *= 2;
 }
 
-void nvs_gate_sync_contexts(struct nvs_device *d) {
+int nvs_gate_sync_contexts(struct nvs_device *d) {
     if (nvs_real.cuCtxPushCurrent_v2 == NULL || nvs_real.cuCtxSynchronize == NULL || nvs_real.cuCtxPopCurrent_v2 == NULL)
-        return; /* no driver worth the name: nothing can be in flight */
+        return 0; /* no driver worth the name: nothing can be in flight */
     pthread_mutex_lock(&nvs_ctx_mu);
     pthread_mutex_lock(&nvs_mu);
+    if (d->captures > 0) {
+        pthread_mutex_unlock(&nvs_mu);
+        pthread_mutex_unlock(&nvs_ctx_mu);
+        return -1;
+    }
     int n = d->n_contexts;
     CUcontext stack_copy[16];
     CUcontext *contexts = n <= 16 ? stack_copy : malloc((size_t)n * sizeof *contexts);
@@ -202,12 +211,10 @@ void nvs_gate_sync_contexts(struct nvs_device *d) {
     }
     if (contexts != stack_copy) free(contexts);
     pthread_mutex_unlock(&nvs_ctx_mu);
+    return 0;
 }
 
-void nvs_gate_drain(struct nvs_device *d) {
-    pthread_mutex_lock(&nvs_mu);
-    nvs_gate_set_locked(d, 0);
-    pthread_mutex_unlock(&nvs_mu);
+void nvs_gate_wait_quiet(struct nvs_device *d) {
     /* exited first, then entered: equal values mean nothing was in flight at the first read,
      * and everything entering after the gate closed backs out without submitting. */
     long pause_ns = 20000;
@@ -217,5 +224,94 @@ void nvs_gate_drain(struct nvs_device *d) {
         if (x == e) break;
         pause_briefly(&pause_ns);
     }
-    nvs_gate_sync_contexts(d);
+}
+
+/* --- stream capture ---------------------------------------------------------------------------
+ * Measured on an H200: a cuCtxSynchronize from another thread while a stream is captured fails
+ * with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates the capture, in every capture mode.
+ * So the device's capture count tells the client core to hold drains and idle probes until the
+ * capture ends, the capturing thread passes a closed gate (its launches only build the graph),
+ * and a capture never begins in the middle of a drain's synchronise (nvs_ctx_mu). */
+
+#define MAX_CAPTURES 64
+static struct {
+    CUstream stream;
+    struct nvs_device *device;
+} captures[MAX_CAPTURES]; /* under nvs_mu */
+
+static void capture_begun(CUstream stream) {
+    struct nvs_device *d = nvs_current_device();
+    if (d == NULL) return;
+    pthread_mutex_lock(&nvs_mu);
+    int slot = -1;
+    for (int i = 0; i < MAX_CAPTURES && slot < 0; i++)
+        if (captures[i].device == NULL) slot = i;
+    if (slot >= 0) {
+        captures[slot].stream = stream;
+        captures[slot].device = d;
+        d->captures++;
+        nvs_tls.capturing++;
+    }
+    pthread_mutex_unlock(&nvs_mu);
+    if (slot < 0) nvs_warn("more than %d stream captures at once: a drain may invalidate one", MAX_CAPTURES);
+}
+
+static void capture_ended(CUstream stream) {
+    int found = 0;
+    pthread_mutex_lock(&nvs_mu);
+    for (int i = 0; i < MAX_CAPTURES && !found; i++) {
+        if (captures[i].device != NULL && captures[i].stream == stream) {
+            captures[i].device->captures--;
+            captures[i].device = NULL;
+            found = 1;
+        }
+    }
+    pthread_mutex_unlock(&nvs_mu);
+    if (!found) return;
+    if (nvs_tls.capturing > 0) nvs_tls.capturing--;
+    nvs_client_wake(); /* a drain may have waited for this */
+    nvs_worker_kick();
+}
+
+void nvs_gate_reset_after_fork(void) {
+    memset(captures, 0, sizeof captures);
+    nvs_tls.capturing = 0;
+}
+
+#define BEGIN_CAPTURE(name, params, args, stream)                                               \
+    NVS_EXPORT CUresult name params {                                                           \
+        NVS_REAL_OR_FAIL(name);                                                                 \
+        pthread_mutex_lock(&nvs_ctx_mu);                                                        \
+        CUresult r = nvs_real.name args;                                                        \
+        pthread_mutex_unlock(&nvs_ctx_mu);                                                      \
+        if (r == CUDA_SUCCESS) capture_begun(stream);                                           \
+        return r;                                                                               \
+    }
+
+BEGIN_CAPTURE(cuStreamBeginCapture, (CUstream hStream), (hStream), hStream)
+BEGIN_CAPTURE(cuStreamBeginCapture_ptsz, (CUstream hStream), (hStream), hStream)
+BEGIN_CAPTURE(cuStreamBeginCapture_v2, (CUstream hStream, CUstreamCaptureMode mode), (hStream, mode), hStream)
+BEGIN_CAPTURE(cuStreamBeginCapture_v2_ptsz, (CUstream hStream, CUstreamCaptureMode mode), (hStream, mode), hStream)
+BEGIN_CAPTURE(cuStreamBeginCaptureToGraph,
+              (CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies, const CUgraphEdgeData *dependencyData,
+               size_t numDependencies, CUstreamCaptureMode mode),
+              (hStream, hGraph, dependencies, dependencyData, numDependencies, mode), hStream)
+BEGIN_CAPTURE(cuStreamBeginCaptureToGraph_ptsz,
+              (CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies, const CUgraphEdgeData *dependencyData,
+               size_t numDependencies, CUstreamCaptureMode mode),
+              (hStream, hGraph, dependencies, dependencyData, numDependencies, mode), hStream)
+
+/* The capture ends whatever the result (an invalidated capture ends with an error). */
+NVS_EXPORT CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph) {
+    NVS_REAL_OR_FAIL(cuStreamEndCapture);
+    CUresult r = nvs_real.cuStreamEndCapture(hStream, phGraph);
+    capture_ended(hStream);
+    return r;
+}
+
+NVS_EXPORT CUresult cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph) {
+    NVS_REAL_OR_FAIL(cuStreamEndCapture_ptsz);
+    CUresult r = nvs_real.cuStreamEndCapture_ptsz(hStream, phGraph);
+    capture_ended(hStream);
+    return r;
 }

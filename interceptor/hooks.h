@@ -302,6 +302,22 @@
     X(CONTEXT, cuCtxCreate_v4,                                                                   \
       (CUcontext *pctx, CUctxCreateParams *createParams, unsigned int flags, CUdevice dev),     \
       (pctx, createParams, flags, dev))                                                         \
+    /* --- stream capture (gate.c): a drain must not synchronise during a capture --- */       \
+    X(CUSTOM, cuStreamBeginCapture, (CUstream hStream), (hStream))                              \
+    X(CUSTOM, cuStreamBeginCapture_ptsz, (CUstream hStream), (hStream))                         \
+    X(CUSTOM, cuStreamBeginCapture_v2, (CUstream hStream, CUstreamCaptureMode mode), (hStream, mode)) \
+    X(CUSTOM, cuStreamBeginCapture_v2_ptsz, (CUstream hStream, CUstreamCaptureMode mode),       \
+      (hStream, mode))                                                                          \
+    X(CUSTOM, cuStreamBeginCaptureToGraph,                                                      \
+      (CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies, const CUgraphEdgeData *dependencyData,   \
+       size_t numDependencies, CUstreamCaptureMode mode),                                       \
+      (hStream, hGraph, dependencies, dependencyData, numDependencies, mode))                   \
+    X(CUSTOM, cuStreamBeginCaptureToGraph_ptsz,                                                 \
+      (CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies, const CUgraphEdgeData *dependencyData,   \
+       size_t numDependencies, CUstreamCaptureMode mode),                                       \
+      (hStream, hGraph, dependencies, dependencyData, numDependencies, mode))                   \
+    X(CUSTOM, cuStreamEndCapture, (CUstream hStream, CUgraph *phGraph), (hStream, phGraph))     \
+    X(CUSTOM, cuStreamEndCapture_ptsz, (CUstream hStream, CUgraph *phGraph), (hStream, phGraph)) \
     X(CUSTOM, cuCtxDestroy_v2, (CUcontext ctx), (ctx))                                          \
     X(CUSTOM, cuDevicePrimaryCtxRelease_v2, (CUdevice dev), (dev))                              \
     X(CUSTOM, cuDevicePrimaryCtxReset_v2, (CUdevice dev), (dev))                                \

@@ -23,14 +23,13 @@ enum {
 #define HEADER_PREFIX "NVSHARE/1 " /* what builders write: this side speaks version 1 */
 #define UINT_LIMIT ((uint64_t)INT64_MAX) /* integers are below 2^63 */
 
-static const char *const release_reasons[] = {"idle", "drop", "quantum", "revoke", "exit", "user", NULL};
+static const char *const release_reasons[] = {"idle", "drop", "quantum", "revoke", "user", NULL};
 static const char *const drop_reasons[] = {"quantum", "mode", "memory", "conflict", NULL};
-static const char *const revoke_reasons[] = {"grace-expired", "conflict", NULL};
+static const char *const revoke_reasons[] = {"grace-expired", NULL};
 static const char *const error_codes[] = {
     "malformed",  "too-large",      "unsupported-version", "unknown-type",
     "bad-field",  "not-registered", "already-registered",  NULL,
 };
-/* Indexed by enum nvs_mode. */
 static const char *const modes[] = {"on", "off", "auto", NULL};
 
 /* ---- character classes ------------------------------------------------------------------ */
@@ -171,7 +170,7 @@ enum field_kind {
     FIELD_UINT,   /* into a uint64_t */
     FIELD_TEXT,   /* any value, into a char array (cut at a character boundary) */
     FIELD_CHOICE, /* one of `choices`, into a char array */
-    FIELD_MODE,   /* on/off/auto, into an enum nvs_mode */
+    FIELD_MODE,   /* on/off/auto (never stored) */
     FIELD_FLAG,   /* 0 or 1, into an int */
 };
 
@@ -207,14 +206,14 @@ static const struct field_spec welcome_fields[] = {
 static const struct field_spec grant_fields[] = {
     STORED("device", FIELD_DEVICE, device, NULL),
     STORED("grant", FIELD_UINT, grant, NULL),
-    STORED("mode", FIELD_MODE, mode, NULL),
-    STORED("exclusive", FIELD_FLAG, exclusive, NULL),
+    {"mode", FIELD_MODE, NOT_STORED, 0, NULL},
+    {"exclusive", FIELD_FLAG, NOT_STORED, 0, NULL},
     STORED("quantum_ms", FIELD_UINT, quantum_ms, NULL),
 };
 static const struct field_spec drop_fields[] = {
     STORED("device", FIELD_DEVICE, device, NULL),
     STORED("grant", FIELD_UINT, grant, NULL),
-    STORED("grace_ms", FIELD_UINT, grace_ms, NULL),
+    {"grace_ms", FIELD_UINT, NOT_STORED, 0, NULL},
     STORED("reason", FIELD_CHOICE, reason, drop_reasons),
 };
 static const struct field_spec contended_fields[] = {
@@ -229,7 +228,7 @@ static const struct field_spec revoke_fields[] = {
 };
 static const struct field_spec mode_fields[] = {
     STORED("device", FIELD_DEVICE, device, NULL),
-    STORED("mode", FIELD_MODE, mode, NULL),
+    {"mode", FIELD_MODE, NOT_STORED, 0, NULL},
     STORED("quantum_ms", FIELD_UINT, quantum_ms, NULL),
 };
 static const struct field_spec error_required[] = {
@@ -304,7 +303,7 @@ static int store_field(const struct field_spec *f, struct span value, struct nvs
 {
     char *dst = f->offset == NOT_STORED ? NULL : (char *)out + f->offset;
     uint64_t number;
-    int index, flag;
+    int flag;
 
     switch (f->kind) {
     case FIELD_DEVICE:
@@ -329,16 +328,8 @@ static int store_field(const struct field_spec *f, struct span value, struct nvs
         if (dst)
             copy_text(dst, f->size, value);
         return 0;
-    case FIELD_MODE: {
-        enum nvs_mode mode;
-        index = choice_index(value, modes);
-        if (index < 0)
-            return -1;
-        mode = (enum nvs_mode)index;
-        if (dst)
-            memcpy(dst, &mode, sizeof mode);
-        return 0;
-    }
+    case FIELD_MODE: /* validated only: the client does not act on the mode */
+        return choice_index(value, modes) < 0 ? -1 : 0;
     case FIELD_FLAG:
         if (!span_equals(value, "0") && !span_equals(value, "1"))
             return -1;
@@ -392,6 +383,12 @@ int nvs_msg_parse(const char *buf, size_t len, struct nvs_msg *out)
                     spec = &scheduler_messages[i];
                     break;
                 }
+            if (!spec && span_equals(type, "STATUS")) {
+                /* The answer to this client's QUERY (a liveness check, client_core.c): only its
+                 * arrival matters, so the document (longer than other values) is not read. */
+                out->type = NVS_MSG_STATUS;
+                return 0;
+            }
             if (!spec)
                 return -1;
         } else {
@@ -629,6 +626,13 @@ size_t nvs_msg_release(char *buf, size_t cap, const char *device, uint64_t grant
 size_t nvs_msg_heartbeat(char *buf, size_t cap)
 {
     struct writer w = writer_start(buf, cap, "HEARTBEAT");
+
+    return writer_finish(&w);
+}
+
+size_t nvs_msg_query(char *buf, size_t cap)
+{
+    struct writer w = writer_start(buf, cap, "QUERY");
 
     return writer_finish(&w);
 }

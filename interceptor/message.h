@@ -18,20 +18,16 @@ enum nvs_msg_type {
     NVS_MSG_MODE,
     NVS_MSG_ERROR,
     NVS_MSG_CONTENDED,
+    NVS_MSG_STATUS, /* the answer to QUERY; only its arrival is reported, not its document */
 };
-
-enum nvs_mode { NVS_MODE_ON = 0, NVS_MODE_OFF = 1, NVS_MODE_AUTO = 2 };
 
 /* A parsed scheduler message; only the fields of its type are meaningful. */
 struct nvs_msg {
     enum nvs_msg_type type;
     char device[NVS_DEVICE_ID_MAX + 1];
     uint64_t grant;
-    enum nvs_mode mode;
-    int exclusive;
-    uint64_t quantum_ms;
+    uint64_t quantum_ms;      /* GRANT, MODE */
     uint64_t quantum_left_ms; /* CONTENDED */
-    uint64_t grace_ms;
     uint64_t heartbeat_ms;
     uint64_t idle_release_ms;
     char client[64];     /* WELCOME client id, cut at a character boundary if longer */
@@ -43,7 +39,9 @@ struct nvs_msg {
 
 /* Parse one scheduler message. 0 on success, -1 if malformed or of a type a client does not
  * accept (the caller logs and ignores it). Accepts exactly what nvshare_py.protocol.decode
- * accepts for scheduler messages; unknown keys are ignored, as the protocol says. `out` is
+ * accepts for scheduler messages (plus STATUS, the answer to QUERY, whose document it does
+ * not read); unknown keys are ignored, as the protocol says. Fields the client does not use
+ * (GRANT mode/exclusive, DROP grace_ms, MODE mode) are validated but not stored. `out` is
  * zeroed first, also on failure. */
 int nvs_msg_parse(const char *buf, size_t len, struct nvs_msg *out);
 
@@ -62,7 +60,7 @@ struct nvs_hello {
  * or 0 if it does not fit (in cap, or in the protocol's 4096 bytes) or an argument is invalid:
  * a device id that is not [A-Za-z0-9-]{1,96} (NULL included), a number above 2^63-1, a negative
  * pid, a session that is not 16 lowercase hex digits, a device list longer than 1024 bytes once
- * joined, a RELEASE reason other than idle/drop/quantum/revoke/exit/user (NULL included).
+ * joined, a RELEASE reason other than idle/drop/quantum/revoke/user (NULL included).
  * Free texts (host ... program, DEVICE name; NULL or "" = omitted) are made acceptable to the
  * scheduler: bytes that are not UTF-8 and control characters become '?', and the text is cut
  * at a character boundary to 1024 bytes. The output is what nvshare_py.protocol encodes. */
@@ -73,5 +71,6 @@ size_t nvs_msg_acquire(char *buf, size_t cap, const char *device);
 size_t nvs_msg_release(char *buf, size_t cap, const char *device, uint64_t grant, const char *reason);
 size_t nvs_msg_heartbeat(char *buf, size_t cap);
 size_t nvs_msg_bye(char *buf, size_t cap);
+size_t nvs_msg_query(char *buf, size_t cap);
 
 #endif

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "cuda_types.h"
+#include "client_core.h"
 #include "hooks.h"
 #include "message.h"
 
@@ -73,20 +74,7 @@ double nvs_now(void);
 
 /* ---------------------------------------------------------------- gate.c */
 
-#define NVS_MAX_DEVICES 64
-#define NVS_DRAIN_HISTORY 4 /* drains remembered per device to foresee the next one's length */
-
-/* Lock state of one device as this process sees it. */
-enum nvs_lock_state {
-    NVS_IDLE = 0,      /* gate closed, lock not asked for */
-    NVS_WAITING,       /* ACQUIRE sent, gate closed */
-    NVS_HOLDING,       /* gate open (a GRANT, or a claim re-registered after a reconnection) */
-    NVS_DRAINING,      /* gate closed, the worker drains before RELEASE */
-    NVS_UNSCHEDULED,   /* fail-open without a scheduler: gate open, no lock */
-};
-
-enum nvs_job { NVS_JOB_NONE = 0, NVS_JOB_DRAIN, NVS_JOB_PROBE };
-enum nvs_job_result { NVS_RESULT_NONE = 0, NVS_RESULT_DRAINED, NVS_RESULT_ACTIVE };
+#define NVS_MAX_DEVICES NVS_CORE_MAX_DEVICES
 
 struct nvs_device {
     /* The gate (fast path). Every application thread that submits work on this device
@@ -106,34 +94,41 @@ struct nvs_device {
     char name[128];
     uint64_t total;
 
-    /* Lock state, all under nvs_mu. state/grant/announced/... belong to the client thread;
-     * waiters to application threads in the slow path; job/job_result to the worker. */
-    enum nvs_lock_state state;
-    uint64_t grant;
-    int grant_known;          /* 0 after a reconnection until the scheduler names the grant */
-    int waiters;              /* application threads blocked at the closed gate */
-    int drop_pending;         /* DROP/REVOKE seen: the current job must end in a release */
-    const char *release_reason;
+    /* Mailboxes between the threads, all under nvs_mu. The lock state itself lives in the
+     * client core (client_core.h), which only the client thread feeds.
+     *   waiters:   application threads blocked at the closed gate (they write it);
+     *   captures:  stream captures in progress on the device (gate.c capture hooks);
+     *   job:       work the client thread handed to the worker; job_running while it runs;
+     *   job_result: what the worker found, for the client thread to feed to the core. */
+    int waiters;
+    int captures;
     enum nvs_job job;
     int job_running;
     enum nvs_job_result job_result;
-    int announced;            /* DEVICE sent on the current connection */
-    uint64_t reported_bytes;  /* last MEMORY sent on the current connection */
-    uint64_t idle_entered;    /* idle detection: `entered` at the last check */
-    double idle_since;
-    double idle_next_check;
-    /* Pre-drain (client thread): after CONTENDED the drain starts at predrain_at (0: none due),
-     * so that the lock changes hands when the quantum ends rather than a long drain later. */
-    double predrain_at;
-    uint64_t quantum_ms;      /* of the current grant (GRANT, MODE) */
-    double drain_started;     /* start of the drain that ends in a RELEASE, 0: none running */
-    double drain_seconds[NVS_DRAIN_HISTORY]; /* the last drains' durations, a ring */
-    int drains_known, drain_next;
 
     /* Contexts this process used on the device (drains synchronise each), under nvs_mu. */
     CUcontext *contexts;
     int n_contexts, cap_contexts;
 };
+
+/* The registration lease (client_core.h, nvs_core_lease_until) in CLOCK_MONOTONIC_COARSE
+ * milliseconds: an open gate may be passed only before it; INT64_MAX: no limit. Written by the
+ * client thread under nvs_mu (which broadcasts nvs_gate_cv when it grows), read by the gate's
+ * fast path without a lock (a stale value only sends a thread to the slow path, or lets it
+ * pass a lease the client thread has just renewed). */
+extern _Atomic int64_t nvs_lease_ms;
+
+static inline int64_t nvs_coarse_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts); /* vDSO: no system call */
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* An open gate whose lease holds. */
+static inline int nvs_gate_passable(struct nvs_device *d) {
+    return atomic_load(&d->gate_open) &&
+           nvs_coarse_ms() < atomic_load_explicit(&nvs_lease_ms, memory_order_relaxed);
+}
 
 /* Guards all lock state above and the device table; never held across a CUDA call or I/O
  * (tests/test_library_hygiene.py checks the code for it). */
@@ -152,6 +147,7 @@ extern int nvs_n_devices; /* highest ordinal seen + 1, under nvs_mu */
 struct nvs_thread_state {
     struct nvs_device *device; /* device of the current context, NULL: look it up */
     unsigned int depth;        /* > 0 while inside a gated call (nested calls pass through) */
+    unsigned int capturing;    /* stream captures this thread began and has not ended */
 };
 extern __thread struct nvs_thread_state nvs_tls __attribute__((tls_model("initial-exec")));
 
@@ -175,7 +171,10 @@ static inline struct nvs_device *nvs_gate_enter(void) {
     }
     for (;;) {
         atomic_fetch_add(&d->entered, 1);
-        if (NVS_LIKELY(atomic_load(&d->gate_open))) return d;
+        if (NVS_LIKELY(nvs_gate_passable(d))) return d;
+        /* A thread capturing a CUDA graph passes: its launches go into the graph and submit
+         * nothing, and its capture must end before the drain may synchronise (gate.c). */
+        if (t->capturing > 0) return d;
         atomic_fetch_add(&d->exited, 1);
         nvs_gate_wait(d);
     }
@@ -190,11 +189,14 @@ static inline void nvs_gate_exit(struct nvs_device *d) {
 void nvs_gate_forget_context_locked(CUcontext ctx);
 /* Under nvs_mu: open or close a device's gate. */
 void nvs_gate_set_locked(struct nvs_device *d, int open);
-/* Worker side: wait until no submission is in flight on a closed gate, then synchronise every
- * context the process used on the device. */
-void nvs_gate_drain(struct nvs_device *d);
-/* Synchronise every recorded context of the device (gate left as it is). */
-void nvs_gate_sync_contexts(struct nvs_device *d);
+/* Worker side: wait until no submission is in flight on the (closed) gate. */
+void nvs_gate_wait_quiet(struct nvs_device *d);
+/* Synchronise every recorded context of the device (gate left as it is). -1, synchronising
+ * nothing, while a stream capture is in progress on the device: a synchronise from another
+ * thread would invalidate it. Capture begin waits while this runs (nvs_ctx_mu). */
+int nvs_gate_sync_contexts(struct nvs_device *d);
+/* Fork child: no capture is in progress. */
+void nvs_gate_reset_after_fork(void);
 
 /* ---------------------------------------------------------------- memory.c */
 
@@ -242,7 +244,20 @@ int nvs_nvml_wanted(void);
  * a hooked NVML function of libnvidia-ml.so.1, else `address`. */
 void *nvs_nvml_substitute(void *address);
 
-/* ---------------------------------------------------------------- client.c */
+/* ---------------------------------------------------------------- notify.c */
+
+/* What the lower units may ask of the runtime (client.c and worker.c), through pointers that
+ * client.c registers: no link dependency upward. */
+struct nvs_runtime_ops {
+    void (*start)(void);
+    void (*wake_client)(void);
+    void (*memory_changed)(void);
+    void (*kick_worker)(void);
+    void (*fork_prepare)(void);
+    void (*fork_parent)(void);
+    void (*fork_child)(void);
+};
+void nvs_notify_register(const struct nvs_runtime_ops *ops);
 
 /* Start the client and worker threads once per process (again in a forked child). */
 void nvs_runtime_start(void);
@@ -252,9 +267,22 @@ void nvs_client_wake(void);
 void nvs_client_memory_changed(void);
 /* Tell the worker thread that stream-ordered frees are pending. */
 void nvs_worker_kick(void);
-/* Fork handlers (hooks.c registers them). */
+/* Fork handlers (hooks.c registers them with pthread_atfork). */
 void nvs_fork_prepare(void);
 void nvs_fork_parent(void);
 void nvs_fork_child(void);
+
+/* ---------------------------------------------------------------- worker.c */
+
+/* The worker thread does what needs the GPU for the client core: drains and idle probes
+ * (jobs, handed over in struct nvs_device under nvs_mu), and deferred stream-ordered frees. */
+int nvs_worker_spawn(void);
+/* Under nvs_mu: hand the worker a job for the device. */
+void nvs_worker_assign_locked(struct nvs_device *d, enum nvs_job job);
+void nvs_worker_signal(void);
+/* Set at process exit: the worker stops calling CUDA (the driver may be torn down). */
+void nvs_worker_stop_for_exit(void);
+/* Fork child: no worker thread, no job. */
+void nvs_worker_reset_after_fork(void);
 
 #endif

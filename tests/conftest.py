@@ -11,4 +11,5 @@ pytest_plugins = [
     "fixtures.simcuda",
     "fixtures.scheduler",
     "fixtures.interceptor",
+    "fixtures.client_core",
 ]

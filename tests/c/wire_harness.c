@@ -125,7 +125,7 @@ static void print_json_hex(const char *key, const char *value)
 static void command_parse(const char *hex)
 {
     static const char *const type_names[] = {"", "WELCOME", "GRANT", "DROP", "REVOKE", "MODE", "ERROR",
-                                             "CONTENDED"};
+                                             "CONTENDED", "STATUS"};
     size_t len;
     char *data = from_hex(hex, &len);
     /* An exact-size copy, so that a read past the end is caught by AddressSanitizer. */
@@ -140,10 +140,8 @@ static void command_parse(const char *hex)
     } else {
         printf("parsed {\"type\": \"%s\"", type_names[m.type]);
         print_json_hex("device", m.device);
-        printf(", \"grant\": %" PRIu64 ", \"mode\": %d, \"exclusive\": %d", m.grant, (int)m.mode,
-               m.exclusive);
-        printf(", \"quantum_ms\": %" PRIu64 ", \"quantum_left_ms\": %" PRIu64 ", \"grace_ms\": %" PRIu64,
-               m.quantum_ms, m.quantum_left_ms, m.grace_ms);
+        printf(", \"grant\": %" PRIu64, m.grant);
+        printf(", \"quantum_ms\": %" PRIu64 ", \"quantum_left_ms\": %" PRIu64, m.quantum_ms, m.quantum_left_ms);
         printf(", \"heartbeat_ms\": %" PRIu64 ", \"idle_release_ms\": %" PRIu64, m.heartbeat_ms,
                m.idle_release_ms);
         print_json_hex("client", m.client);

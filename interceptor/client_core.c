@@ -1,0 +1,734 @@
+/*
+ * The client's lock logic (client_core.h): no locks, no clock, no I/O, no CUDA. The rules are
+ * those of docs/protocol.md ("Client behaviour") and docs/interceptor.md ("The client");
+ * the comments say why each one is there.
+ */
+#include "client_core.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#define WELCOME_TIMEOUT_S 5.0
+#define FAST_RETRY_PERIOD_S 3.0 /* reconnect every 100 ms for this long, then back off to 1 s */
+#define WAIT_WARNING_PERIOD_S 10.0
+#define MEMORY_REPORT_PERIOD_S 0.1
+#define DEFAULT_HEARTBEAT_MS 1000
+#define DEFAULT_IDLE_RELEASE_MS 1000
+/* Pre-drain lead: the longest recent drain of the device times PREDRAIN_LEAD_FACTOR (a margin
+ * for drains that grow), at least PREDRAIN_LEAD_MIN_S, at most half the quantum. */
+#define PREDRAIN_LEAD_FACTOR 1.5
+#define PREDRAIN_LEAD_MIN_S 0.02
+
+enum { LOG_ERROR = 0, LOG_WARN = 1, LOG_INFO = 2, LOG_DEBUG = 3 };
+
+/* --- actions --------------------------------------------------------------------------------*/
+
+static struct nvs_core_queued *push(struct nvs_core *c, enum nvs_action_kind kind, int device, int value) {
+    if (c->count == NVS_CORE_MAX_ACTIONS) {
+        c->dropped_actions++; /* bounded by construction; reported by nvs_core_pop */
+        return NULL;
+    }
+    struct nvs_core_queued *q = &c->queue[(c->head + c->count++) % NVS_CORE_MAX_ACTIONS];
+    memset(q, 0, sizeof *q);
+    q->action.kind = kind;
+    q->action.device = device;
+    q->action.value = value;
+    return q;
+}
+
+static unsigned logs_queued(const struct nvs_core *c) {
+    unsigned n = 0;
+    for (unsigned i = 0; i < c->count; i++)
+        if (c->queue[(c->head + i) % NVS_CORE_MAX_ACTIONS].action.kind == NVS_ACT_LOG) n++;
+    return n;
+}
+
+__attribute__((format(printf, 3, 4))) static void core_log(struct nvs_core *c, int level, const char *fmt, ...) {
+    if (level > c->config.log_level) return;
+    /* A record names its text by slot: never more records waiting than slots. */
+    if (logs_queued(c) >= NVS_CORE_MAX_LOGS) return;
+    struct nvs_core_queued *q = push(c, NVS_ACT_LOG, -1, level);
+    if (q == NULL) return;
+    q->log = (int)(c->log_next++ % NVS_CORE_MAX_LOGS);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->logs[q->log], NVS_CORE_LOG_MAX, fmt, ap);
+    va_end(ap);
+}
+
+static double lease_seconds(const struct nvs_core *c) { return c->heartbeat_ms / 1000.0; }
+
+/* A message goes out while the lease holds: the scheduler will not forget this client for
+ * another heartbeat timeout (longer than the interval) after it arrives. */
+static void note_sent(struct nvs_core *c, double now) {
+    c->last_sent = now;
+    if (c->registered && c->ping_sent == 0 && now < c->lease_until) c->lease_until = now + lease_seconds(c);
+}
+
+static void send_message(struct nvs_core *c, enum nvs_msg_type_out message, int device, uint64_t number,
+                         const char *reason, double now) {
+    struct nvs_core_queued *q = push(c, NVS_ACT_SEND, device, 0);
+    if (q == NULL) return;
+    q->message = message;
+    q->number = number;
+    q->reason = reason;
+    note_sent(c, now);
+}
+
+static void set_gate(struct nvs_core_device *d, struct nvs_core *c, int open) {
+    d->gate_open = open;
+    push(c, NVS_ACT_GATE, (int)(d - c->devices), open);
+}
+
+static void start_job(struct nvs_core *c, struct nvs_core_device *d, enum nvs_job job) {
+    d->job = job;
+    push(c, NVS_ACT_JOB, (int)(d - c->devices), job);
+}
+
+/* --- small rules ------------------------------------------------------------------------------*/
+
+static long idle_window_ms(const struct nvs_core *c) {
+    return c->config.idle_release_ms >= 0 ? c->config.idle_release_ms : c->scheduler_idle_ms;
+}
+
+/* An idle check may run: a holder whose grant is known, no job out, no capture (a capture's
+ * process is not idle, and the probe's synchronise would invalidate it). */
+static int idle_check_possible(const struct nvs_core *c, const struct nvs_core_device *d) {
+    return d->state == NVS_HOLDING && d->grant_known && d->job == NVS_JOB_NONE && !d->drain_wanted &&
+           d->captures == 0 && idle_window_ms(c) > 0;
+}
+
+static void reset_idle_tracking(struct nvs_core *c, struct nvs_core_device *d, double now) {
+    d->idle_entered = d->entered;
+    d->idle_since = now;
+    long window = idle_window_ms(c);
+    d->idle_next_check = now + (window > 0 ? window / 4000.0 : 1.0);
+}
+
+static int grant_matches(const struct nvs_core_device *d, uint64_t grant) {
+    /* After a reconnection the client does not know the new daemon's grant id of a lock it
+     * claimed: the first message naming one tells it. */
+    return !d->grant_known || d->grant == grant;
+}
+
+/* How long before the quantum's end a contended device's drain should start (see
+ * PREDRAIN_LEAD_FACTOR); with no drain seen yet, the minimum. */
+static double predrain_lead(const struct nvs_core_device *d) {
+    double longest = 0;
+    for (int i = 0; i < d->drains_known; i++)
+        if (d->drain_seconds[i] > longest) longest = d->drain_seconds[i];
+    double lead = longest * PREDRAIN_LEAD_FACTOR;
+    if (lead < PREDRAIN_LEAD_MIN_S) lead = PREDRAIN_LEAD_MIN_S;
+    double half_quantum = d->quantum_ms / 2000.0; /* a process never gives more of it to its queue */
+    return lead < half_quantum ? lead : half_quantum;
+}
+
+/* The drain that began at drain_started ends with this RELEASE: remember how long it took. */
+static void note_drain(struct nvs_core_device *d, double now) {
+    if (d->drain_started <= 0) return;
+    d->drain_seconds[d->drain_next] = now - d->drain_started;
+    d->drain_next = (d->drain_next + 1) % NVS_DRAIN_HISTORY;
+    if (d->drains_known < NVS_DRAIN_HISTORY) d->drains_known++;
+    d->drain_started = 0;
+}
+
+/* Start the drain unless the worker is busy with the device (its result decides) or a stream
+ * capture runs on it: a context synchronise from another thread invalidates a capture
+ * (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED), so the drain waits for the capture's end. */
+static void request_drain(struct nvs_core *c, struct nvs_core_device *d) {
+    if (d->job != NVS_JOB_NONE || d->captures > 0) {
+        d->drain_wanted = 1;
+        return;
+    }
+    d->drain_wanted = 0;
+    start_job(c, d, NVS_JOB_DRAIN);
+}
+
+/* DROP, REVOKE, a due pre-drain or a lost registration: stop submitting, drain, then RELEASE.
+ * A second cause joins the running drain (a REVOKE changes the reason it gives). */
+static void begin_release(struct nvs_core *c, struct nvs_core_device *d, const char *reason, double now) {
+    set_gate(d, c, 0);
+    if (!d->release_due) d->drain_started = now;
+    d->release_due = 1;
+    d->release_reason = reason;
+    d->predrain_at = 0;
+    if (d->state == NVS_HOLDING) d->state = NVS_DRAINING;
+    if (d->job == NVS_JOB_DRAIN || d->drain_wanted) return; /* already on its way */
+    request_drain(c, d);
+}
+
+static void schedule_reconnect(struct nvs_core *c, double now) {
+    if (c->outage_since == 0) c->outage_since = now;
+    if (now - c->outage_since < FAST_RETRY_PERIOD_S)
+        c->backoff_s = 0.1;
+    else
+        c->backoff_s = c->backoff_s * 2 > 1.0 ? 1.0 : c->backoff_s * 2;
+    c->next_attempt = now + c->backoff_s;
+}
+
+static void forget_connection(struct nvs_core *c, const char *why, double now) {
+    if (c->registered)
+        core_log(c, LOG_WARN,
+                 "lost the scheduler at %s (%s); reconnecting. Processes holding a GPU lock keep running, the "
+                 "others wait (NVSHARE_FAIL_MODE=%s)",
+                 c->config.socket_path, why, c->config.fail_open ? "open" : "closed");
+    c->connected = 0;
+    c->registered = 0;
+    c->lease_until = 0;
+    c->ping_sent = 0;
+    schedule_reconnect(c, now);
+    for (int i = 0; i < c->n_devices; i++) {
+        struct nvs_core_device *d = &c->devices[i];
+        d->announced = 0;
+        d->grant_known = 0; /* grant ids are per connection: a new one names them again */
+        d->predrain_at = 0; /* so is contention: the scheduler tells a re-registered holder again */
+        if (d->state == NVS_WAITING) d->state = NVS_IDLE; /* asked again after re-registration */
+    }
+}
+
+static void send_hello(struct nvs_core *c, double now) {
+    uint64_t held = 0, wanted = 0;
+    for (int i = 0; i < c->n_devices; i++) {
+        struct nvs_core_device *d = &c->devices[i];
+        if (!d->known) continue;
+        /* A draining device is still ours until its RELEASE: a restarted daemon must not grant
+         * it to anyone before the drain ends (it names the grant; the RELEASE follows the drain).
+         * A grant that died with a lost registration is not claimed: it may be someone else's. */
+        if (d->state == NVS_HOLDING || d->state == NVS_UNSCHEDULED ||
+            (d->state == NVS_DRAINING && !d->release_unanswerable))
+            held |= 1ULL << i;
+        else if (c->was_registered && (d->state == NVS_WAITING || (d->state == NVS_IDLE && d->waiters > 0)))
+            wanted |= 1ULL << i; /* keeps its place in the queue of the same daemon; a first
+                                  * registration asks with DEVICE, MEMORY, ACQUIRE */
+    }
+    struct nvs_core_queued *q = push(c, NVS_ACT_SEND, -1, 0);
+    if (q == NULL) return;
+    q->message = NVS_OUT_HELLO;
+    q->held = held;
+    q->wanted = wanted;
+    c->last_sent = now;
+    c->ping_sent = 0;
+}
+
+/* The scheduler answered `not-registered` although it had welcomed us: it dropped this client
+ * while the connection stayed up (silent past its heartbeat timeout: the process was stopped,
+ * or starved). Every grant is void and its lock may be someone else's by now: close the gates,
+ * drain what already passed them (nothing to release: the scheduler forgot those grants), and
+ * register again, asking for the devices waited for. */
+static void lose_registration(struct nvs_core *c, double now) {
+    core_log(c, LOG_WARN,
+             "the scheduler dropped this process's registration (silent past its heartbeat timeout); "
+             "registering again, GPU work waits for the lock");
+    c->registered = 0;
+    c->lease_until = 0;
+    c->ping_sent = 0;
+    c->connected_at = now; /* the WELCOME timeout counts from the new HELLO */
+    for (int i = 0; i < c->n_devices; i++) {
+        struct nvs_core_device *d = &c->devices[i];
+        d->announced = 0; /* the scheduler forgot its DEVICE and MEMORY reports too */
+        if (d->state == NVS_HOLDING || d->state == NVS_DRAINING) {
+            d->grant_known = 0;
+            d->release_unanswerable = 1;
+            begin_release(c, d, "revoke", now);
+        }
+    }
+    send_hello(c, now);
+}
+
+/* --- events ---------------------------------------------------------------------------------*/
+
+size_t nvs_core_size(void) { return sizeof(struct nvs_core); }
+
+void nvs_core_init(struct nvs_core *c, const struct nvs_core_config *config) {
+    memset(c, 0, sizeof *c);
+    c->config = *config;
+    c->heartbeat_ms = DEFAULT_HEARTBEAT_MS;
+    c->scheduler_idle_ms = DEFAULT_IDLE_RELEASE_MS;
+}
+
+void nvs_core_forked(struct nvs_core *c, long pid, const char *session) {
+    struct nvs_core_config config = c->config;
+    config.pid = pid;
+    snprintf(config.session, sizeof config.session, "%s", session);
+    struct nvs_core_device identity[NVS_CORE_MAX_DEVICES];
+    int n = c->n_devices;
+    memcpy(identity, c->devices, sizeof identity);
+    nvs_core_init(c, &config);
+    c->n_devices = n;
+    for (int i = 0; i < n; i++) {
+        struct nvs_core_device *d = &c->devices[i];
+        d->known = identity[i].known;
+        memcpy(d->uuid, identity[i].uuid, sizeof d->uuid);
+        memcpy(d->name, identity[i].name, sizeof d->name);
+        d->total = identity[i].total;
+    }
+}
+
+static int valid_device(const struct nvs_core *c, int device) {
+    return device >= 0 && device < NVS_CORE_MAX_DEVICES && c->devices[device].known;
+}
+
+int nvs_core_add_device(struct nvs_core *c, int device, const char *uuid, const char *name, uint64_t total) {
+    if (device < 0 || device >= NVS_CORE_MAX_DEVICES || uuid == NULL || strlen(uuid) > NVS_DEVICE_ID_MAX) return -1;
+    struct nvs_core_device *d = &c->devices[device];
+    if (d->known) return 0;
+    snprintf(d->uuid, sizeof d->uuid, "%s", uuid);
+    snprintf(d->name, sizeof d->name, "%s", name ? name : "");
+    d->total = total;
+    d->known = 1;
+    if (device >= c->n_devices) c->n_devices = device + 1;
+    return 0;
+}
+
+void nvs_core_observe(struct nvs_core *c, int device, int waiters, int captures, uint64_t entered, uint64_t bytes) {
+    if (!valid_device(c, device)) return;
+    struct nvs_core_device *d = &c->devices[device];
+    d->waiters = waiters;
+    d->captures = captures;
+    d->entered = entered;
+    d->bytes = bytes;
+}
+
+static void run_due(struct nvs_core *c, double now);
+
+void nvs_core_connected(struct nvs_core *c, double now) {
+    c->connecting = 0;
+    c->connected = 1;
+    c->registered = 0;
+    c->connected_at = now;
+    send_hello(c, now);
+    run_due(c, now);
+}
+
+void nvs_core_connect_failed(struct nvs_core *c, int err, int path_too_long, double now) {
+    c->connecting = 0;
+    core_log(c, LOG_DEBUG, "cannot connect to %s: %s", c->config.socket_path, strerror(err));
+    if (path_too_long && c->outage_since == 0)
+        core_log(c, LOG_ERROR, "the scheduler socket path %s is too long for a Unix socket", c->config.socket_path);
+    schedule_reconnect(c, now);
+    run_due(c, now);
+}
+
+void nvs_core_disconnected(struct nvs_core *c, const char *why, double now) {
+    c->connecting = 0;
+    if (c->connected && c->registered && c->lease_until > 0 && now >= c->lease_until) {
+        /* Silent past the lease before the connection went: the scheduler may have dropped
+         * this process and granted its locks to others. Holders keep running through an outage
+         * only while they were known to be registered. */
+        core_log(c, LOG_WARN, "lost the scheduler after a silence: GPU work waits for the lock again");
+        for (int i = 0; i < c->n_devices; i++) {
+            struct nvs_core_device *d = &c->devices[i];
+            if (d->state == NVS_HOLDING || d->state == NVS_DRAINING) {
+                d->release_unanswerable = 1;
+                begin_release(c, d, "revoke", now);
+            }
+        }
+    }
+    if (c->connected) forget_connection(c, why, now);
+    run_due(c, now);
+}
+
+static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double now) {
+    c->registered = 1;
+    c->was_registered = 1;
+    c->heartbeat_ms = m->heartbeat_ms > 0 ? (long)m->heartbeat_ms : DEFAULT_HEARTBEAT_MS;
+    c->lease_until = c->connected_at + lease_seconds(c); /* counted from the HELLO */
+    c->ping_sent = 0;
+    c->scheduler_idle_ms = (long)m->idle_release_ms;
+    snprintf(c->client_id, sizeof c->client_id, "%s", m->client);
+    if (c->lost_warned || c->fail_open_warned) core_log(c, LOG_WARN, "connected to the scheduler at %s again", c->config.socket_path);
+    core_log(c, LOG_INFO, "registered with the scheduler as %s", c->client_id);
+    c->outage_since = 0;
+    c->lost_warned = 0;
+    c->fail_open_warned = 0;
+    for (int i = 0; i < c->n_devices; i++) {
+        struct nvs_core_device *d = &c->devices[i];
+        if (d->state == NVS_UNSCHEDULED || d->state == NVS_HOLDING) {
+            /* claimed in HELLO (held=): keep the gate open until the scheduler decides */
+            d->state = NVS_HOLDING;
+            d->grant_known = 0;
+            reset_idle_tracking(c, d, now);
+        }
+    }
+}
+
+static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d, const struct nvs_msg *m, double now) {
+    switch (m->type) {
+    case NVS_MSG_GRANT:
+        if (d->state == NVS_DRAINING) {
+            /* A draining device claimed in HELLO: the restarted daemon names its grant. The
+             * gate stays closed; the RELEASE with this id follows the drain. */
+            if (!d->grant_known && !d->release_unanswerable) {
+                d->grant = m->grant;
+                d->grant_known = 1;
+            }
+            break;
+        }
+        d->state = NVS_HOLDING;
+        d->grant = m->grant;
+        d->grant_known = 1;
+        d->release_due = 0;
+        d->release_unanswerable = 0;
+        d->quantum_ms = m->quantum_ms;
+        d->predrain_at = 0; /* a CONTENDED follows when others wait */
+        reset_idle_tracking(c, d, now);
+        set_gate(d, c, 1);
+        core_log(c, LOG_DEBUG, "granted %s (grant %llu)", d->uuid, (unsigned long long)m->grant);
+        break;
+    case NVS_MSG_CONTENDED:
+        if (d->state != NVS_HOLDING || !grant_matches(d, m->grant)) {
+            core_log(c, LOG_DEBUG, "stale CONTENDED for grant %llu ignored", (unsigned long long)m->grant);
+        } else if (!c->config.predrain) {
+            core_log(c, LOG_DEBUG, "others wait for %s; no pre-drain (NVSHARE_PREDRAIN=0)", d->uuid);
+        } else {
+            d->grant = m->grant;
+            d->grant_known = 1;
+            double left = m->quantum_left_ms / 1000.0, lead = predrain_lead(d);
+            d->predrain_at = now + (left > lead ? left - lead : 0); /* due now at the latest */
+            core_log(c, LOG_DEBUG, "others wait for %s: draining in %.3f s, %.3f s before the quantum ends", d->uuid,
+                     d->predrain_at - now, lead);
+        }
+        break;
+    case NVS_MSG_DROP:
+    case NVS_MSG_REVOKE:
+        if ((d->state == NVS_HOLDING || d->state == NVS_DRAINING) && !d->release_unanswerable &&
+            grant_matches(d, m->grant)) {
+            d->grant = m->grant;
+            d->grant_known = 1;
+            if (m->type == NVS_MSG_REVOKE) {
+                core_log(c, LOG_WARN, "the scheduler revoked the lock of %s (%s): its work did not drain in time",
+                         d->uuid, m->reason);
+                begin_release(c, d, "revoke", now);
+            } else if (!d->release_due) {
+                begin_release(c, d, "drop", now);
+            }
+        } else {
+            core_log(c, LOG_DEBUG, "stale %s for grant %llu ignored", m->type == NVS_MSG_DROP ? "DROP" : "REVOKE",
+                     (unsigned long long)m->grant);
+        }
+        break;
+    case NVS_MSG_MODE:
+        d->quantum_ms = m->quantum_ms;
+        core_log(c, LOG_DEBUG, "%s: quantum %llu ms", d->uuid, (unsigned long long)m->quantum_ms);
+        break;
+    default:
+        break;
+    }
+}
+
+void nvs_core_receive(struct nvs_core *c, const char *buf, size_t len, double now) {
+    struct nvs_msg m;
+    if (!c->connected) return; /* left over from a connection already given up */
+    if (nvs_msg_parse(buf, len, &m) != 0) {
+        core_log(c, LOG_DEBUG, "unparseable scheduler message ignored");
+    } else if (m.type == NVS_MSG_WELCOME) {
+        handle_welcome(c, &m, now);
+    } else if (m.type == NVS_MSG_STATUS) {
+        if (c->registered && c->ping_sent > 0) {
+            /* No not-registered answer came before it: the HEARTBEAT found the registration. */
+            core_log(c, LOG_INFO, "the scheduler still knows this process after %.3f s of silence; carrying on",
+                     now - c->ping_sent);
+            c->lease_until = c->ping_sent + lease_seconds(c);
+            c->ping_sent = 0;
+        }
+    } else if (m.type == NVS_MSG_ERROR) {
+        if (strcmp(m.code, "not-registered") != 0)
+            core_log(c, LOG_WARN, "the scheduler rejected a message: %s (%s)", m.code, m.detail);
+        else if (c->registered)
+            lose_registration(c, now);
+        else /* an answer to what was sent before our HELLO; WELCOME follows */
+            core_log(c, LOG_DEBUG, "not-registered answer to %s ignored: registering", m.error_type);
+    } else {
+        struct nvs_core_device *d = NULL;
+        for (int i = 0; i < c->n_devices && d == NULL; i++)
+            if (c->devices[i].known && strcmp(c->devices[i].uuid, m.device) == 0) d = &c->devices[i];
+        if (d == NULL)
+            core_log(c, LOG_DEBUG, "scheduler message for unknown device %s ignored", m.device);
+        else
+            handle_device_message(c, d, &m, now);
+    }
+    run_due(c, now);
+}
+
+void nvs_core_job_done(struct nvs_core *c, int device, enum nvs_job_result result, double now) {
+    if (!valid_device(c, device)) return;
+    struct nvs_core_device *d = &c->devices[device];
+    d->job = NVS_JOB_NONE;
+    if (result == NVS_RESULT_ACTIVE) {
+        if (d->release_due) {
+            request_drain(c, d); /* an idle probe met a DROP: drain now */
+        } else {
+            reset_idle_tracking(c, d, now);
+            if (d->state == NVS_HOLDING) set_gate(d, c, 1); /* the probe may have closed it */
+        }
+    } else if (result == NVS_RESULT_DEFERRED) {
+        d->drain_wanted = 1; /* a capture began before the drain could synchronise */
+    } else if (result == NVS_RESULT_DRAINED) {
+        d->drain_wanted = 0; /* the drain it waited for has happened */
+        const char *reason = d->release_due ? d->release_reason : "idle";
+        int answerable = d->grant_known && !d->release_unanswerable;
+        if (d->release_due) note_drain(d, now);
+        if (d->state == NVS_HOLDING || d->state == NVS_DRAINING) {
+            d->state = NVS_IDLE;
+            set_gate(d, c, 0);
+            if (c->registered && answerable) {
+                core_log(c, LOG_DEBUG, "releasing %s (grant %llu, %s)", d->uuid, (unsigned long long)d->grant, reason);
+                send_message(c, NVS_OUT_RELEASE, device, d->grant, reason, now);
+            }
+        }
+        d->release_due = 0;
+        d->release_unanswerable = 0;
+    }
+    run_due(c, now);
+}
+
+void nvs_core_tick(struct nvs_core *c, double now) { run_due(c, now); }
+
+void nvs_core_exit(struct nvs_core *c, double now) {
+    if (c->exiting || !c->registered) return;
+    /* A holder's last kernels may still run while atexit handlers do (nothing here may call
+     * CUDA any more to drain them): its lock passes when the scheduler sees the process end,
+     * after the driver has torn its contexts down. It goes on as before until then. */
+    for (int i = 0; i < c->n_devices; i++) {
+        enum nvs_lock_state state = c->devices[i].state;
+        if (state == NVS_HOLDING || state == NVS_DRAINING) {
+            core_log(c, LOG_DEBUG, "exiting while holding %s: no BYE, the scheduler sees the exit", c->devices[i].uuid);
+            return;
+        }
+    }
+    /* Everyone else leaves the queues at once. A GPU call made later in the exit (another
+     * library's destructor) must not wait for a lock nobody will grant: it runs unscheduled. */
+    c->exiting = 1;
+    send_message(c, NVS_OUT_BYE, -1, 0, NULL, now);
+    for (int i = 0; i < c->n_devices; i++) {
+        struct nvs_core_device *d = &c->devices[i];
+        if (!d->known) continue;
+        d->state = NVS_UNSCHEDULED;
+        set_gate(d, c, 1);
+    }
+}
+
+/* Everything due at `now`, in the order the protocol needs it. Each timed rule compares `now`
+ * with the very sum nvs_core_next_deadline returns, so a deadline reached is always acted on
+ * (a rounding difference would make the shell spin). */
+static void run_due(struct nvs_core *c, double now) {
+    if (c->exiting) return;
+    if (!c->connected && !c->connecting && now >= c->next_attempt) {
+        c->connecting = 1;
+        push(c, NVS_ACT_CONNECT, -1, 0);
+        return; /* the rest follows the connection's outcome */
+    }
+    if (c->connected && !c->registered && now >= c->connected_at + WELCOME_TIMEOUT_S) {
+        forget_connection(c, "no WELCOME from the scheduler", now);
+        push(c, NVS_ACT_DISCONNECT, -1, 0);
+    }
+    long window = idle_window_ms(c);
+    for (int i = 0; i < c->n_devices; i++) {
+        struct nvs_core_device *d = &c->devices[i];
+        if (!d->known) continue;
+
+        /* a drain that waited for the worker or for a capture's end */
+        if (d->drain_wanted && d->job == NVS_JOB_NONE && d->captures == 0) request_drain(c, d);
+
+        /* others wait and the quantum is nearly over: drain now, so the handoff is on time */
+        if (d->predrain_at > 0 && now >= d->predrain_at) {
+            d->predrain_at = 0;
+            if (d->state == NVS_HOLDING && d->grant_known && c->registered) {
+                core_log(c, LOG_DEBUG, "draining %s ahead of its quantum's end (grant %llu)", d->uuid,
+                         (unsigned long long)d->grant);
+                begin_release(c, d, "quantum", now);
+            }
+        }
+
+        if (!c->registered) {
+            /* fail-open: with no scheduler, nothing is scheduled */
+            if (c->config.fail_open && c->outage_since != 0 && d->state == NVS_IDLE) {
+                d->state = NVS_UNSCHEDULED;
+                set_gate(d, c, 1);
+            }
+            continue;
+        }
+
+        int wants = d->state == NVS_IDLE && d->waiters > 0;
+        if (!d->announced && (wants || d->state != NVS_IDLE || d->bytes > 0)) {
+            d->announced = 1;
+            d->reported_bytes = UINT64_MAX;
+            send_message(c, NVS_OUT_DEVICE, i, 0, NULL, now);
+        }
+        if (d->announced && d->bytes != d->reported_bytes &&
+            (wants || now >= c->last_memory_report + MEMORY_REPORT_PERIOD_S)) {
+            d->reported_bytes = d->bytes;
+            c->last_memory_report = now;
+            send_message(c, NVS_OUT_MEMORY, i, d->bytes, NULL, now);
+        }
+        if (wants) {
+            d->state = NVS_WAITING;
+            send_message(c, NVS_OUT_ACQUIRE, i, 0, NULL, now);
+        }
+
+        /* early release of an idle holder; the worker does the GPU part (never during a
+         * capture: its synchronise would invalidate it, and a capturing process is not idle) */
+        if (idle_check_possible(c, d) && now >= d->idle_next_check) {
+            if (d->entered != d->idle_entered) {
+                d->idle_entered = d->entered;
+                d->idle_since = now;
+            } else if (now - d->idle_since >= window / 1000.0) {
+                start_job(c, d, NVS_JOB_PROBE);
+            }
+            d->idle_next_check = now + window / 4000.0;
+        }
+    }
+    /* Heartbeats at half the interval keep the lease (one interval) from lapsing while this
+     * thread runs; when it has lapsed anyway (the process was stopped or starved), ask. */
+    if (c->registered && c->ping_sent == 0 && now >= c->lease_until) {
+        core_log(c, LOG_INFO, "silent for %.3f s: checking that the scheduler still knows this process",
+                 now - c->last_sent);
+        c->ping_sent = now;
+        send_message(c, NVS_OUT_HEARTBEAT, -1, 0, NULL, now);
+        send_message(c, NVS_OUT_QUERY, -1, 0, NULL, now);
+    } else if (c->registered && now >= c->last_sent + c->heartbeat_ms / 2000.0) {
+        send_message(c, NVS_OUT_HEARTBEAT, -1, 0, NULL, now);
+    }
+
+    /* an outage: say so, once in fail-open mode, every WAIT_WARNING_PERIOD_S to waiters otherwise */
+    if (!c->registered && c->outage_since != 0) {
+        if (c->config.fail_open) {
+            if (!c->fail_open_warned)
+                core_log(c, LOG_WARN, "no scheduler at %s: running unscheduled (NVSHARE_FAIL_MODE=open) until it is reachable",
+                         c->config.socket_path);
+            c->fail_open_warned = 1;
+        } else if (nvs_core_any_waiters(c) && now - c->last_wait_warning >= WAIT_WARNING_PERIOD_S) {
+            core_log(c, LOG_WARN,
+                     "waiting for the scheduler at %s: GPU work is held until it is reachable "
+                     "(NVSHARE_FAIL_MODE=closed; set NVSHARE_FAIL_MODE=open to run unscheduled meanwhile)",
+                     c->config.socket_path);
+            c->last_wait_warning = now;
+            c->lost_warned = 1;
+        }
+    }
+}
+
+double nvs_core_next_deadline(const struct nvs_core *c, double now) {
+    double due = now + 1.0;
+    if (c->exiting) return due;
+    if (!c->connected && !c->connecting && c->next_attempt < due) due = c->next_attempt;
+    if (c->connected && !c->registered && c->connected_at + WELCOME_TIMEOUT_S < due)
+        due = c->connected_at + WELCOME_TIMEOUT_S;
+    if (c->registered) {
+        double heartbeat = c->last_sent + c->heartbeat_ms / 2000.0;
+        if (heartbeat < due) due = heartbeat;
+        if (c->ping_sent == 0 && c->lease_until < due) due = c->lease_until;
+        double memory = c->last_memory_report + MEMORY_REPORT_PERIOD_S;
+        for (int i = 0; i < c->n_devices; i++) {
+            const struct nvs_core_device *d = &c->devices[i];
+            if (!d->known) continue;
+            if (d->announced && d->bytes != d->reported_bytes && memory < due) due = memory;
+            if (idle_check_possible(c, d) && d->idle_next_check < due) due = d->idle_next_check;
+            if (d->predrain_at > 0 && d->predrain_at < due) due = d->predrain_at;
+        }
+    }
+    return due;
+}
+
+/* --- output ---------------------------------------------------------------------------------*/
+
+static size_t encode(const struct nvs_core *c, const struct nvs_core_queued *q, char *buf, size_t cap) {
+    const struct nvs_core_device *d = q->action.device >= 0 ? &c->devices[q->action.device] : NULL;
+    switch (q->message) {
+    case NVS_OUT_HELLO: {
+        const char *held[NVS_CORE_MAX_DEVICES], *wanted[NVS_CORE_MAX_DEVICES];
+        size_t n_held = 0, n_wanted = 0;
+        for (int i = 0; i < NVS_CORE_MAX_DEVICES; i++) {
+            if (q->held & (1ULL << i)) held[n_held++] = c->devices[i].uuid;
+            if (q->wanted & (1ULL << i)) wanted[n_wanted++] = c->devices[i].uuid;
+        }
+        const struct nvs_core_config *k = &c->config;
+        struct nvs_hello hello = {
+            .pid = k->pid,
+            .host = k->host,
+            .container = k->container,
+            .pod = k->pod,
+            .namespace_ = k->pod_namespace,
+            .program = k->program,
+            .held = held,
+            .n_held = n_held,
+            .wanted = wanted,
+            .n_wanted = n_wanted,
+        };
+        memcpy(hello.session, k->session, sizeof hello.session);
+        return nvs_msg_hello(buf, cap, &hello);
+    }
+    case NVS_OUT_DEVICE:
+        return nvs_msg_device(buf, cap, d->uuid, d->total, d->name);
+    case NVS_OUT_MEMORY:
+        return nvs_msg_memory(buf, cap, d->uuid, q->number);
+    case NVS_OUT_ACQUIRE:
+        return nvs_msg_acquire(buf, cap, d->uuid);
+    case NVS_OUT_RELEASE:
+        return nvs_msg_release(buf, cap, d->uuid, q->number, q->reason);
+    case NVS_OUT_HEARTBEAT:
+        return nvs_msg_heartbeat(buf, cap);
+    case NVS_OUT_BYE:
+        return nvs_msg_bye(buf, cap);
+    case NVS_OUT_QUERY:
+        return nvs_msg_query(buf, cap);
+    default:
+        return 0;
+    }
+}
+
+int nvs_core_pop(struct nvs_core *c, struct nvs_action *out, char *buf, size_t cap) {
+    if (c->dropped_actions > 0) {
+        /* Never expected (every event queues a bounded number of actions); say so loudly. */
+        snprintf(buf, cap, "internal error: %u client actions lost; reconnecting", c->dropped_actions);
+        c->dropped_actions = 0;
+        *out = (struct nvs_action){NVS_ACT_LOG, -1, LOG_ERROR, strlen(buf)};
+        if (c->connected) {
+            forget_connection(c, "internal error", 0);
+            push(c, NVS_ACT_DISCONNECT, -1, 0);
+        }
+        return 1;
+    }
+    if (c->count == 0) return 0;
+    struct nvs_core_queued *q = &c->queue[c->head];
+    c->head = (c->head + 1) % NVS_CORE_MAX_ACTIONS;
+    c->count--;
+    *out = q->action;
+    out->len = 0;
+    if (q->action.kind == NVS_ACT_LOG) {
+        snprintf(buf, cap, "%s", c->logs[q->log]);
+        out->len = strlen(buf);
+    } else if (q->action.kind == NVS_ACT_SEND) {
+        out->len = encode(c, q, buf, cap);
+        if (out->len == 0) {
+            snprintf(buf, cap, "could not encode a protocol message (a bug); dropping the connection");
+            *out = (struct nvs_action){NVS_ACT_LOG, -1, LOG_ERROR, strlen(buf)};
+            if (c->connected) {
+                forget_connection(c, "encoding failed", c->last_sent);
+                push(c, NVS_ACT_DISCONNECT, -1, 0);
+            }
+        }
+    }
+    return 1;
+}
+
+/* --- views ----------------------------------------------------------------------------------*/
+
+enum nvs_lock_state nvs_core_state(const struct nvs_core *c, int device) {
+    return valid_device(c, device) ? c->devices[device].state : NVS_IDLE;
+}
+
+int nvs_core_gate(const struct nvs_core *c, int device) {
+    return valid_device(c, device) ? c->devices[device].gate_open : 0;
+}
+
+int nvs_core_registered(const struct nvs_core *c) { return c->registered; }
+
+double nvs_core_lease_until(const struct nvs_core *c) { return c->registered ? c->lease_until : 0; }
+
+int nvs_core_any_waiters(const struct nvs_core *c) {
+    for (int i = 0; i < c->n_devices; i++)
+        if (c->devices[i].waiters > 0) return 1;
+    return 0;
+}

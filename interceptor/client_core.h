@@ -1,0 +1,202 @@
+/*
+ * The client's lock logic as a pure state machine (sans-I/O), the C counterpart of
+ * nvshare_py/scheduler/core.py: the protocol state of every device (docs/protocol.md),
+ * registration and reconnection, heartbeats, memory reports, idle release, pre-drain, and the
+ * rules that keep a release after the drain and a drain out of a CUDA-graph capture.
+ *
+ * Events in, actions out. Nothing in client_core.c takes a lock, reads a clock, touches a file
+ * descriptor or calls CUDA: every event carries `now` (seconds, monotonic), and the caller
+ * carries out the actions popped with nvs_core_pop() in order. In libnvshare.so the caller is
+ * client.c (under nvs_mu, see there); in the tests it is tests/client_core_harness.py through
+ * ctypes, paired with the scheduler's SchedulerCore on virtual time.
+ *
+ * Devices are numbered by the caller (the CUDA ordinal in libnvshare.so), 0..NVS_CORE_MAX_DEVICES-1.
+ */
+#ifndef NVSHARE_CLIENT_CORE_H
+#define NVSHARE_CLIENT_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "message.h"
+
+#define NVS_CORE_MAX_DEVICES 64
+#define NVS_CORE_MAX_ACTIONS 512
+#define NVS_CORE_LOG_MAX 384
+#define NVS_CORE_MAX_LOGS 32
+
+/* Lock state of one device as this process sees it. */
+enum nvs_lock_state {
+    NVS_IDLE = 0,    /* gate closed, lock not asked for */
+    NVS_WAITING,     /* ACQUIRE sent, gate closed */
+    NVS_HOLDING,     /* gate open (a GRANT, or a claim re-registered after a reconnection) */
+    NVS_DRAINING,    /* gate closed, the worker drains (or will, once no capture runs) before RELEASE */
+    NVS_UNSCHEDULED, /* fail-open without a scheduler: gate open, no lock */
+};
+
+/* Work for the worker thread (it needs the GPU). */
+enum nvs_job { NVS_JOB_NONE = 0, NVS_JOB_DRAIN, NVS_JOB_PROBE };
+/* What a job found: DRAINED = nothing in flight and every context synchronised (the gate is
+ * closed); ACTIVE = an idle probe saw submissions (the gate may have been closed by the probe:
+ * the core says whether to reopen it); DEFERRED = a drain found a stream capture begun on the
+ * device and synchronised nothing (it runs again once the capture ends). */
+enum nvs_job_result { NVS_RESULT_NONE = 0, NVS_RESULT_DRAINED, NVS_RESULT_ACTIVE, NVS_RESULT_DEFERRED };
+
+enum nvs_action_kind {
+    NVS_ACT_SEND = 1,   /* send the encoded message (buf/len of nvs_core_pop) */
+    NVS_ACT_GATE,       /* open (value 1) or close (value 0) the device's gate */
+    NVS_ACT_JOB,        /* hand the worker job `value` (enum nvs_job) for the device */
+    NVS_ACT_LOG,        /* a log line: level `value` (0 error .. 3 debug), text in buf */
+    NVS_ACT_CONNECT,    /* open a connection; report with nvs_core_connected / _connect_failed */
+    NVS_ACT_DISCONNECT, /* close the connection (the core already counts it as closed) */
+};
+
+struct nvs_action {
+    enum nvs_action_kind kind;
+    int device; /* -1 when the action is not about one device */
+    int value;
+    size_t len; /* SEND, LOG: bytes written to buf */
+};
+
+/* Read once at nvs_core_init. */
+struct nvs_core_config {
+    int fail_open;         /* run unscheduled while no scheduler is reachable */
+    long idle_release_ms;  /* -1: take the scheduler's (WELCOME); 0: never */
+    int predrain;          /* drain ahead of a contended quantum's end */
+    int log_level;         /* records above it are not produced */
+    /* HELLO identity; texts may be empty. Copied. */
+    long pid;
+    char session[17];
+    char host[256];
+    char container[80];
+    char pod[256];
+    char pod_namespace[256];
+    char program[128];
+    char socket_path[256]; /* named in log records */
+};
+
+#define NVS_DRAIN_HISTORY 4 /* drains remembered per device to foresee the next one's length */
+
+struct nvs_core_device {
+    int known;
+    char uuid[NVS_DEVICE_ID_MAX + 1];
+    char name[128];
+    uint64_t total;
+
+    /* What the shell observed (nvs_core_observe). */
+    int waiters;       /* application threads blocked at the closed gate */
+    int captures;      /* stream captures in progress on the device */
+    uint64_t entered;  /* the gate's submission counter */
+    uint64_t bytes;    /* bytes allocated by the process */
+
+    enum nvs_lock_state state;
+    int gate_open;            /* as last told to the shell */
+    uint64_t grant;
+    int grant_known;          /* 0 after a reconnection until the scheduler names the grant */
+    int release_due;          /* DROP/REVOKE/pre-drain/lost registration: the drain ends in a release */
+    const char *release_reason;
+    int release_unanswerable; /* the grant died with the registration: nothing to RELEASE */
+    enum nvs_job job;         /* handed to the worker, result not in yet */
+    int drain_wanted;         /* a drain is due but waits for captures to end (or the job) */
+    int announced;            /* DEVICE sent on the current connection */
+    uint64_t reported_bytes;  /* last MEMORY sent on the current connection */
+    uint64_t idle_entered;    /* idle detection: `entered` at the last check */
+    double idle_since, idle_next_check;
+    double predrain_at;       /* after CONTENDED: when the drain starts (0: none due) */
+    uint64_t quantum_ms;      /* of the current grant */
+    double drain_started;     /* start of the drain that ends in a RELEASE, 0: none */
+    double drain_seconds[NVS_DRAIN_HISTORY];
+    int drains_known, drain_next;
+};
+
+struct nvs_core_queued {
+    struct nvs_action action;
+    enum nvs_msg_type_out {
+        NVS_OUT_NONE = 0, NVS_OUT_HELLO, NVS_OUT_DEVICE, NVS_OUT_MEMORY, NVS_OUT_ACQUIRE,
+        NVS_OUT_RELEASE, NVS_OUT_HEARTBEAT, NVS_OUT_BYE, NVS_OUT_QUERY
+    } message;
+    uint64_t number;      /* RELEASE grant, MEMORY bytes */
+    const char *reason;   /* RELEASE */
+    uint64_t held, wanted; /* HELLO: device bit sets */
+    int log;              /* LOG: slot in logs[] */
+};
+
+struct nvs_core {
+    struct nvs_core_config config;
+    struct nvs_core_device devices[NVS_CORE_MAX_DEVICES];
+    int n_devices; /* highest known index + 1 */
+
+    int connecting;      /* CONNECT handed out, no answer yet */
+    int connected;       /* connection up, HELLO sent */
+    int registered;      /* WELCOME received */
+    int was_registered;  /* registered at least once: a HELLO is a re-registration */
+    int exiting;         /* BYE sent: nothing more */
+    double connected_at, next_attempt, outage_since, backoff_s;
+    double last_wait_warning;
+    int fail_open_warned, lost_warned;
+    double last_sent, last_memory_report;
+    long heartbeat_ms, scheduler_idle_ms;
+    /* The registration lease (see nvs_core_lease_until): 0 while there is none to keep. */
+    double lease_until;
+    double ping_sent; /* > 0: the lease lapsed, HEARTBEAT + QUERY went out at this time and
+                       * the STATUS answer (or a not-registered ERROR before it) decides */
+    char client_id[64];
+
+    struct nvs_core_queued queue[NVS_CORE_MAX_ACTIONS];
+    unsigned head, count;
+    char logs[NVS_CORE_MAX_LOGS][NVS_CORE_LOG_MAX];
+    unsigned log_next;
+    unsigned dropped_actions; /* a bug if ever > 0: reported in a log record */
+};
+
+/* Size of struct nvs_core, for callers that allocate it without the header (ctypes). */
+size_t nvs_core_size(void);
+void nvs_core_init(struct nvs_core *c, const struct nvs_core_config *config);
+/* A forked child: the parent's connection, grants and counters are not the child's. A fresh
+ * state with the child's pid and a new session; the devices stay known. */
+void nvs_core_forked(struct nvs_core *c, long pid, const char *session);
+
+/* A device's identity (once, before other events name it). 0, or -1 for a bad index/id. */
+int nvs_core_add_device(struct nvs_core *c, int device, const char *uuid, const char *name, uint64_t total);
+/* What the gate and the allocator counted. Level-triggered: report the current values before
+ * every other event (cheap; nothing happens until the next event or tick). */
+void nvs_core_observe(struct nvs_core *c, int device, int waiters, int captures, uint64_t entered, uint64_t bytes);
+
+void nvs_core_connected(struct nvs_core *c, double now);
+void nvs_core_connect_failed(struct nvs_core *c, int err, int path_too_long, double now);
+void nvs_core_disconnected(struct nvs_core *c, const char *why, double now);
+/* One message from the scheduler (undecoded bytes). */
+void nvs_core_receive(struct nvs_core *c, const char *buf, size_t len, double now);
+/* The worker finished the device's job. */
+void nvs_core_job_done(struct nvs_core *c, int device, enum nvs_job_result result, double now);
+/* Time passed: whatever is due (reconnection, heartbeat, reports, idle checks, pre-drain). */
+void nvs_core_tick(struct nvs_core *c, double now);
+/* Clean exit: BYE, so that the scheduler takes this process out of its queues at once, and
+ * the gates open (a late call from a destructor must not wait forever). Not while it holds a
+ * lock (its last kernels may still run: the scheduler's process-exit watch passes that lock on
+ * once the process, and its contexts, are gone); then nothing changes. */
+void nvs_core_exit(struct nvs_core *c, double now);
+
+/* When nvs_core_tick is due next (at most 1 s ahead). */
+double nvs_core_next_deadline(const struct nvs_core *c, double now);
+/* Take the oldest action: 1 and *out filled (SEND: the message in buf, LOG: the text), 0 when
+ * none is left. A SEND whose message cannot be encoded comes out as a LOG (error) followed by
+ * DISCONNECT: a bug, never a silent drop. */
+int nvs_core_pop(struct nvs_core *c, struct nvs_action *out, char *buf, size_t cap);
+
+/* Until when the open gates may be used without hearing from the scheduler (seconds, same
+ * clock as `now`; 0: no limit, the gates alone decide). The scheduler forgets a client that is
+ * silent past its heartbeat timeout, which is longer than the heartbeat interval: so while this
+ * process sends something at least every interval it is registered, and a process that was
+ * stopped or starved for longer must not submit before it knows. When the lease has lapsed the
+ * core sends HEARTBEAT and QUERY: the STATUS answer renews it, a `not-registered` ERROR before it
+ * means the registration was lost (gates stay closed, the work drains, it registers again). */
+double nvs_core_lease_until(const struct nvs_core *c);
+
+/* Read-only views for the shell and the tests. */
+enum nvs_lock_state nvs_core_state(const struct nvs_core *c, int device);
+int nvs_core_gate(const struct nvs_core *c, int device);
+int nvs_core_registered(const struct nvs_core *c);
+int nvs_core_any_waiters(const struct nvs_core *c);
+
+#endif

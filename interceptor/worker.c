@@ -1,0 +1,118 @@
+/*
+ * The worker thread: what the client core needs done on the GPU, off the client thread (which
+ * keeps heart-beating while work drains) and outside nvs_mu (a drain can take seconds).
+ *
+ * - DRAIN: the gate is closed; wait until no submission is in flight, synchronise every
+ *   context the process used on the device. Ends in a RELEASE (the core decides).
+ * - PROBE: an idle check of a holder: release early only if nothing was submitted since the
+ *   last look, everything submitted before has finished, and nothing entered while the gate
+ *   was being closed.
+ * - deferred stream-ordered frees (memory.c), polled while any are pending.
+ *
+ * Jobs come in struct nvs_device (job, under nvs_mu); results go back there (job_result) and
+ * the client thread is woken to feed them to the core. Nothing here decides lock state.
+ */
+#include <time.h>
+
+#include "nvshare.h"
+
+static pthread_cond_t worker_cv = PTHREAD_COND_INITIALIZER; /* with nvs_mu */
+static int worker_kicked;                                    /* under nvs_mu */
+static _Atomic int exiting;
+
+void nvs_worker_assign_locked(struct nvs_device *d, enum nvs_job job) {
+    d->job = job;
+    d->job_result = NVS_RESULT_NONE;
+    worker_kicked = 1;
+    pthread_cond_signal(&worker_cv);
+}
+
+void nvs_worker_signal(void) {
+    pthread_mutex_lock(&nvs_mu);
+    worker_kicked = 1;
+    pthread_cond_signal(&worker_cv);
+    pthread_mutex_unlock(&nvs_mu);
+}
+
+void nvs_worker_stop_for_exit(void) { atomic_store(&exiting, 1); }
+
+static enum nvs_job_result run_drain(struct nvs_device *d) {
+    nvs_gate_wait_quiet(d);
+    return nvs_gate_sync_contexts(d) == 0 ? NVS_RESULT_DRAINED : NVS_RESULT_DEFERRED;
+}
+
+static enum nvs_job_result run_probe(struct nvs_device *d) {
+    uint64_t x0 = atomic_load(&d->exited);
+    uint64_t e0 = atomic_load(&d->entered);
+    if (e0 != x0) return NVS_RESULT_ACTIVE;
+    /* gate still open: the application may go on meanwhile; a capture means "not idle" */
+    if (nvs_gate_sync_contexts(d) != 0) return NVS_RESULT_ACTIVE;
+    pthread_mutex_lock(&nvs_mu);
+    nvs_gate_set_locked(d, 0);
+    /* Seen with the gate closed: a thread that entered after this load backs out. If one
+     * entered in between, the core reopens the gate (or drains, after a DROP). */
+    int quiet = atomic_load(&d->entered) == e0;
+    pthread_mutex_unlock(&nvs_mu);
+    return quiet ? NVS_RESULT_DRAINED : NVS_RESULT_ACTIVE;
+}
+
+static int any_capture_locked(void) {
+    for (int i = 0; i < nvs_n_devices; i++)
+        if (nvs_devices[i].captures > 0) return 1;
+    return 0;
+}
+
+static void *worker_main(void *unused) {
+    (void)unused;
+    pthread_mutex_lock(&nvs_mu);
+    for (;;) {
+        struct nvs_device *d = NULL;
+        for (int i = 0; i < nvs_n_devices && d == NULL; i++)
+            if (nvs_devices[i].job != NVS_JOB_NONE && !nvs_devices[i].job_running) d = &nvs_devices[i];
+        if (d != NULL && !atomic_load(&exiting)) {
+            enum nvs_job job = d->job;
+            d->job_running = 1;
+            pthread_mutex_unlock(&nvs_mu);
+            enum nvs_job_result result = job == NVS_JOB_PROBE ? run_probe(d) : run_drain(d);
+            pthread_mutex_lock(&nvs_mu);
+            d->job_running = 0;
+            d->job = NVS_JOB_NONE;
+            d->job_result = result;
+            pthread_mutex_unlock(&nvs_mu);
+            nvs_client_wake(); /* a pipe write: not under nvs_mu */
+            pthread_mutex_lock(&nvs_mu);
+            continue;
+        }
+        /* Event queries of deferred frees are unsafe API calls during a global-mode capture. */
+        if (nvs_memory_frees_pending() && !atomic_load(&exiting) && !any_capture_locked()) {
+            pthread_mutex_unlock(&nvs_mu);
+            nvs_memory_poll_frees();
+            pthread_mutex_lock(&nvs_mu);
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_nsec += 5 * 1000 * 1000;
+            if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+            if (!worker_kicked) pthread_cond_timedwait(&worker_cv, &nvs_mu, &until);
+        } else if (!worker_kicked) {
+            pthread_cond_wait(&worker_cv, &nvs_mu);
+        }
+        worker_kicked = 0;
+    }
+    return NULL;
+}
+
+int nvs_worker_spawn(void) {
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 256 * 1024);
+    pthread_t thread;
+    int r = pthread_create(&thread, &attr, worker_main, NULL);
+    pthread_attr_destroy(&attr);
+    return r;
+}
+
+void nvs_worker_reset_after_fork(void) {
+    pthread_cond_init(&worker_cv, NULL);
+    worker_kicked = 0;
+}

@@ -1,0 +1,262 @@
+"""The interceptor's client core (interceptor/client_core.c), one rule per test, paired with
+the scheduler's core on virtual time (tests/fixtures/client_core.py): every step checks that no
+two processes run on one device, that a RELEASE follows a closed gate and a finished drain,
+and that a REVOKE only hits work that was still running."""
+
+from __future__ import annotations
+
+import pytest
+
+from fixtures.client_core import (
+    DRAINING,
+    HOLDING,
+    IDLE,
+    JOB_DRAIN,
+    JOB_NONE,
+    JOB_PROBE,
+    WAITING,
+    SafetyViolation,
+    World,
+)
+
+@pytest.fixture
+def world(client_core_lib):
+    return World(client_core_lib, tq=1.0, grace=0.5, heartbeat=0.2, heartbeat_timeout=1.0, idle_release=10.0)
+
+
+@pytest.fixture
+def idle_world(client_core_lib):
+    return World(client_core_lib, tq=1.0, grace=0.5, heartbeat=0.2, heartbeat_timeout=1.0, idle_release=0.3)
+
+
+def test_a_waiting_thread_gets_the_lock(world):
+    a = world.spawn("a")
+    world.want(a)
+    assert a.core.state(0) == HOLDING and a.devices[0].gate
+    assert world.holders() == ["a"]
+    assert a.devices[0].in_flight == 1  # the waiting thread went through once the gate opened
+
+
+def test_handoff_drains_before_release_and_the_next_holder_waits_for_it(world):
+    a, b = world.spawn("a"), world.spawn("b")
+    world.want(a)
+    world.want(b)
+    assert b.core.state(0) == WAITING and not b.devices[0].gate
+    world.advance(1.0)  # a's quantum is over (a pre-drain or a DROP): its gate closes
+    assert not a.devices[0].gate and a.core.state(0) == DRAINING
+    assert a.devices[0].job == JOB_DRAIN
+    assert not b.devices[0].gate and a.releases == []  # a's kernel still runs: nothing released
+    world.finish_work(a)
+    world.settle()
+    assert [r[2] for r in a.releases] in (["quantum"], ["drop"])
+    assert b.devices[0].gate and world.holders() == ["b"]
+
+
+def test_predrain_starts_before_the_quantum_ends(world):
+    a, b = world.spawn("a"), world.spawn("b")
+    world.want(a)
+    granted = world.now
+    world.finish_work(a)
+    world.want(b)
+    world.advance(0.999)
+    world.settle()
+    assert a.releases and a.releases[0][2] == "quantum"  # drained ahead of the DROP
+    assert world.now < granted + 1.0 and b.devices[0].gate
+
+
+def test_no_predrain_when_turned_off(client_core_lib):
+    world = World(client_core_lib, tq=1.0, idle_release=10.0, predrain=False)
+    a, b = world.spawn("a"), world.spawn("b")
+    world.want(a)
+    world.finish_work(a)
+    world.want(b)
+    world.advance(0.9)
+    assert a.core.state(0) == HOLDING and a.devices[0].gate
+    world.advance(0.2)
+    world.settle()
+    assert a.releases[0][2] == "drop" and b.devices[0].gate
+
+
+def test_work_still_running_at_the_grace_end_is_revoked_and_released_after_its_drain(world):
+    a, b = world.spawn("a"), world.spawn("b")
+    world.want(a)
+    world.want(b)
+    world.advance(3.0)  # quantum, grace: REVOKE; a's work still runs
+    assert world.revokes == [("a", 0, a.releases[0][1] if a.releases else world.revokes[0][2])]
+    assert b.devices[0].gate and not a.devices[0].gate
+    world.finish_work(a)
+    world.settle()
+    assert a.releases[-1][2] == "revoke" and a.core.state(0) == IDLE
+
+
+def test_an_idle_holder_releases_early(idle_world):
+    world = idle_world
+    a = world.spawn("a")
+    world.want(a)
+    world.finish_work(a)
+    world.advance(0.5)  # past the idle window (0.3 s): the worker probes, finds nothing running
+    assert a.releases[0][2] == "idle" and a.core.state(0) == IDLE and not a.devices[0].gate
+
+
+def test_an_idle_probe_that_meets_a_drop_ends_in_a_drain(idle_world):
+    world = idle_world
+    world.auto_worker = False
+    a, b = world.spawn("a"), world.spawn("b")
+    world.want(a)
+    world.advance(0.5)  # a's kernel still runs, but nothing new entered: probe
+    assert a.devices[0].job == JOB_PROBE
+    world.want(b)
+    world.advance(0.6)  # the quantum ends while the probe is out: DROP
+    world.worker(a)     # the probe finds work: ACTIVE, and the DROP turns it into a drain
+    assert a.devices[0].job == JOB_DRAIN and not a.devices[0].gate
+    world.finish_work(a)
+    world.settle()
+    assert a.releases[-1][2] in ("drop", "quantum") and b.devices[0].gate
+
+
+def test_a_holder_keeps_its_lock_across_a_scheduler_restart(world):
+    a, b = world.spawn("a"), world.spawn("b")
+    world.want(a)
+    world.restart_scheduler()
+    assert a.devices[0].gate  # processes holding a lock keep running
+    world.advance(0.2)  # both reconnect
+    world.want(b)
+    assert world.holders() == ["a"] and not b.devices[0].gate
+    world.finish_work(a)
+    world.advance(3.0)
+    world.settle()
+    assert b.devices[0].gate
+
+
+def test_a_restart_during_a_drain_grants_nothing_until_the_drain_ends(world):
+    """Issue 12: a draining device was announced as neither held nor wanted, and the restarted
+    daemon granted it to a waiter while the drain still ran."""
+    a, b = world.spawn("a"), world.spawn("b")
+    world.want(a)
+    world.want(b)
+    world.advance(1.2)  # a drains a long queue
+    assert a.core.state(0) == DRAINING and a.devices[0].in_flight
+    world.restart_scheduler()  # b re-registers wanting the device, a claims it as held
+    world.advance(2.0)  # past the recovery window; the claim's grace may run out: REVOKE
+    assert world.holders() == ["a"] or world.revokes, "granted to b while a still drained"
+    assert not b.devices[0].gate or world.revokes
+    world.finish_work(a)
+    world.settle()
+    world.advance(0.1)
+    assert b.devices[0].gate and a.core.state(0) == IDLE
+
+
+def test_a_stopped_holder_that_lost_its_registration_does_not_submit_on_resume(world):
+    """Issue 12: a SIGSTOPped holder resumed with its gate still open and ran beside the
+    holder the scheduler had chosen meanwhile."""
+    a, b = world.spawn("a"), world.spawn("b")
+    world.want(a)
+    world.finish_work(a)
+    world.want(b)
+    world.stop(a)
+    world.advance(2.0)  # past the heartbeat timeout: the scheduler forgets a, grants b
+    assert b.devices[0].gate
+    world.resume(a)  # its application threads run before its client thread
+    world.want(a)
+    assert not a.devices[0].gate
+
+
+def test_a_capture_defers_the_drain_and_its_launches_pass(world):
+    a, b = world.spawn("a"), world.spawn("b")
+    world.want(a)
+    world.finish_work(a)
+    world.begin_capture(a)
+    world.want(b)
+    world.advance(1.2)  # quantum over: the gate closes, but no drain while the graph is captured
+    assert not a.devices[0].gate and a.core.state(0) == DRAINING
+    assert a.devices[0].job == JOB_NONE
+    world.want(a)  # a launch into the capture passes the closed gate, submitting nothing
+    assert a.devices[0].in_flight == 0 and a.devices[0].entered == 2
+    world.end_capture(a)  # the drain runs at once
+    assert b.devices[0].gate and a.releases
+
+
+def test_a_capture_that_begins_during_a_drain_defers_it(world):
+    a, b = world.spawn("a"), world.spawn("b")
+    world.want(a)
+    world.finish_work(a)
+    world.want(b)
+    world.auto_worker = False
+    world.advance(1.2)
+    assert a.devices[0].job == JOB_DRAIN
+    world.begin_capture(a)  # between the drain's start and its synchronise
+    world.worker(a)         # the synchronise is skipped: DEFERRED
+    assert a.releases == [] and a.devices[0].job == JOB_NONE
+    world.end_capture(a)
+    world.settle()
+    assert a.releases and b.devices[0].gate and a.devices[0].captures == 0
+
+
+def test_no_idle_probe_during_a_capture(idle_world):
+    world = idle_world
+    a = world.spawn("a")
+    world.want(a)
+    world.finish_work(a)
+    world.begin_capture(a)
+    world.advance(2.0)
+    assert a.devices[0].job == JOB_NONE and a.core.state(0) == HOLDING
+    world.end_capture(a)
+    world.advance(0.5)
+    assert a.releases[0][2] == "idle"
+
+
+def test_a_clean_exit_says_bye_and_leaves_the_queue_at_once(world):
+    a, b, c = world.spawn("a"), world.spawn("b"), world.spawn("c")
+    world.want(a)
+    world.want(b)
+    world.want(c)
+    world.exit_cleanly(b)  # BYE: b leaves the queue, c is next
+    world.finish_work(a)
+    world.advance(1.5)
+    assert c.devices[0].gate and world.holders() == ["c"]
+
+
+def test_a_holder_that_exits_sends_no_bye_while_its_kernels_may_run(world):
+    a, b = world.spawn("a"), world.spawn("b")
+    world.want(a)
+    world.want(b)
+    a.core.exit(world.now)  # the atexit handler, while a's kernel still runs
+    world.run(a)
+    assert not b.devices[0].gate and world.holders() == ["a"]
+    assert any("no BYE" in text for _, text in a.logs)
+    world.kill(a)  # the process and its contexts are gone: the scheduler passes the lock
+    assert b.devices[0].gate
+
+
+def test_a_forked_child_starts_with_closed_gates_and_its_own_registration(world):
+    a, b = world.spawn("a"), world.spawn("b")
+    world.want(a)
+    child = world.fork(a, "child")
+    assert not child.devices[0].gate and child.core.state(0) == IDLE
+    world.want(child)
+    assert child.core.state(0) == WAITING and world.holders() == ["a"]
+    assert child.session != a.session
+    world.finish_work(a)
+    world.advance(1.5)  # a's quantum ends: the lock goes to the child, a process of its own
+    assert child.devices[0].gate and world.holders() == ["child"]
+
+
+def test_the_world_catches_two_open_gates(world):
+    """The harness's exclusivity check itself can fail."""
+    a, b = world.spawn("a"), world.spawn("b")
+    world.want(a)
+    b.devices[0].gate = True
+    with pytest.raises(SafetyViolation):
+        world.check_exclusive()
+
+
+def test_a_short_stop_keeps_the_lock_once_the_scheduler_confirms_the_registration(world):
+    a, b = world.spawn("a"), world.spawn("b")
+    world.want(a)
+    world.stop(a)
+    world.advance(0.5)  # longer than the lease (one heartbeat interval), shorter than the timeout
+    world.resume(a)     # the lease has lapsed: the next launch waits for the scheduler's answer
+    world.want(a)
+    assert a.devices[0].in_flight == 2 and a.devices[0].gate  # STATUS came back: carry on
+    assert world.holders() == ["a"]
+    assert any("still knows this process" in text for _, text in a.logs)
