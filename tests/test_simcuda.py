@@ -63,8 +63,16 @@ def gate():
     opened = threading.Event()
     @HostFn
     def wait(_):
-        opened.wait(30)
+        opened.wait(60)
     return wait, opened
+def wait_until(condition, seconds=60):
+    '''Polls `condition` until it holds (True) or `seconds` pass (False).'''
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 result = {}
 """
 
@@ -84,7 +92,7 @@ def test_every_exported_entry_point_is_in_the_table_and_nothing_else(simcuda):
     nm = subprocess.run(["nm", "-D", "--defined-only", str(simcuda.lib_dir / "libcuda.so.1")], capture_output=True,
                         text=True, check=True)
     exported = {line.split()[-1] for line in nm.stdout.splitlines()}
-    assert exported == {symbol for symbol, *_ in ENTRIES} | {"simcudaSetTag"}
+    assert exported == {symbol for symbol, *_ in ENTRIES} | {"simcudaSetTag", "simcudaBlockedThreads"}
     # One ABI per (base name, version, stream flavour): lookups are unambiguous.
     keys = [(base, version, per_thread) for _, base, version, per_thread in ENTRIES]
     assert len(keys) == len(set(keys))
@@ -444,7 +452,7 @@ def test_a_free_that_races_a_stream_ordered_free_of_the_same_memory_fails(simcud
             blocking["rc"] = cuda.cuMemFree_v2(dptr)   # waits for hold_first
         thread = threading.Thread(target=free_synchronously)
         thread.start()
-        time.sleep(0.3)  # most likely waiting by now; if not, it sees the queued free at once
+        assert wait_until(lambda: cuda.simcudaBlockedThreads() == 1), "cuMemFree_v2 never waited"
         assert cuda.cuLaunchHostFunc(stream, hold_second, None) == 0
         result["async free"] = cuda.cuMemFreeAsync(dptr, stream)   # queued behind hold_second
         open_first.set()
@@ -529,14 +537,22 @@ SYNC_PROBE = """
     assert cuda.cuMemAllocHost_v2(byref(pinned), 1 << 20) == 0
     host = ctypes.create_string_buffer(b"A" * 4096, 4096)
     def returns_while_blocked(call):
-        '''Whether `call` returns while an earlier host function holds the stream.'''
+        '''Whether `call` returns while an earlier host function holds the stream. A watcher
+        lets the host function go only once it sees the call waiting inside the driver, so a
+        call that returns at once is never mistaken for one that waits, however slow the machine.'''
         hold, opened = gate()
         assert cuda.cuLaunchHostFunc(None, hold, None) == 0
-        timer = threading.Timer(0.5, opened.set)   # if the call waits, this frees it
-        timer.start()
+        returned = threading.Event()
+        def open_once_blocked():
+            seen = wait_until(lambda: returned.is_set() or cuda.simcudaBlockedThreads() > 0)
+            if not seen:
+                result.setdefault("stuck", []).append("the call neither returned nor blocked within 60 s")
+            opened.set()
+        watcher = threading.Thread(target=open_once_blocked)
+        watcher.start()
         assert call() == 0
         returned_early = not opened.is_set()
-        timer.cancel(); opened.set()
+        returned.set(); watcher.join()
         assert cuda.cuCtxSynchronize() == 0
         return returned_early
     result["memset device"] = returns_while_blocked(lambda: cuda.cuMemsetD8_v2(device, 1, c_size_t(4096)))

@@ -26,6 +26,14 @@ SIM_EXPORT void simcudaSetTag(const char *tag)
     snprintf(thread_tag, sizeof thread_tag, "%s", tag ? tag : "");
 }
 
+/* Threads waiting inside the driver for queued work to finish (wait_locked); see simcuda.h. */
+static atomic_int blocked_threads;
+
+SIM_EXPORT int simcudaBlockedThreads(void)
+{
+    return atomic_load(&blocked_threads);
+}
+
 CUresult sim_trace_open(void)
 {
     const char *path = getenv("SIMCUDA_TRACE");
@@ -156,8 +164,12 @@ CUresult sim_submit(struct sim_ctx *ctx, struct sim_stream *stream, struct sim_o
 /* With ctx->lock held. */
 static void wait_locked(struct sim_ctx *ctx, uint64_t seq)
 {
+    if (ctx->completed >= seq)
+        return;
+    atomic_fetch_add(&blocked_threads, 1);
     while (ctx->completed < seq)
         pthread_cond_wait(&ctx->done_cv, &ctx->lock);
+    atomic_fetch_sub(&blocked_threads, 1);
 }
 
 void sim_wait(struct sim_ctx *ctx, uint64_t seq)

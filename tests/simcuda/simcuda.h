@@ -25,6 +25,9 @@
 
 /* Not a CUDA entry point: simapp (through dlsym) labels the trace lines of the calling thread. */
 SIM_EXPORT void simcudaSetTag(const char *tag);
+/* Not a CUDA entry point either: how many threads wait inside the driver for queued work right
+ * now, so that a test can tell a blocking call from a slow one without a timer. */
+SIM_EXPORT int simcudaBlockedThreads(void);
 
 #define SIM_DRIVER_VERSION 13000
 #define SIM_TAG_MAX 128
