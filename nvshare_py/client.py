@@ -107,6 +107,12 @@ _live_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
 def _disown_after_fork() -> None:
     for client in list(_live_clients):
         client._inherited = True
+        # A lock that another of the parent's threads (the I/O thread, many times a second)
+        # held at the fork stays held for ever in the child: fresh ones let every method reach
+        # its RuntimeError instead of hanging.
+        client._cond = threading.Condition()
+        client._io_lock = threading.Lock()
+        client._reader = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_disown_after_fork)

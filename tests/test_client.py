@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.scheduler import short_socket_dir, wait_for
+from fixtures.scheduler import PATIENCE, short_socket_dir, wait_for
 from nvshare_py.client import Client, Grant, SchedulerUnavailable, container_id, default_identity
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
@@ -100,10 +100,15 @@ def test_identity_follows_the_interceptors_rules(monkeypatch):
     assert default_identity()["program"] == Path("/proc/self/comm").read_text().strip()
 
 
+@pytest.mark.scheduler_options(heartbeat_interval=0.2, heartbeat_timeout=2.5)
 def test_heartbeats_keep_an_idle_client_registered(scheduler, clients):
     client = clients()
-    time.sleep(2.5)  # over twice the heartbeat timeout of 1 s
+    # Over twice the heartbeat timeout without a word from the program: only the client's own
+    # heartbeats (every 0.2 s, twelve to a timeout, so a busy machine can delay several of
+    # them) keep it registered.
+    time.sleep(5.5)
     assert scheduler.clients() == [client.client_id]
+    assert not [e for e in scheduler.events() if e["kind"] == "unregister"]
 
 
 def test_close_says_bye_and_disables_the_client(scheduler, clients):
@@ -125,14 +130,14 @@ def test_acquire_release_and_hold(scheduler, clients):
     first, second = clients(), clients()
     grant = first.acquire(GPU)
     assert isinstance(grant, Grant)
-    assert (grant.device, grant.mode, grant.exclusive, grant.quantum) == (GPU, "on", True, 2.0)
+    assert (grant.device, grant.mode, grant.exclusive, grant.quantum) == (GPU, "on", True, scheduler.options["tq"])
     assert first.acquire(GPU) == grant  # idempotent while holding
     assert first.grant(GPU) == grant
     waiting = acquire_in_thread(second, GPU)
     wait_for(lambda: scheduler.waiters(GPU) == [second.client_id], what="the second client to queue")
     assert first.release(GPU) is True
     assert first.release(GPU) is False  # nothing left to release
-    waiting["thread"].join(20)
+    waiting["thread"].join(PATIENCE)
     assert waiting["grant"].id > grant.id
     second.release(GPU)
     with first.hold(GPU) as held:
@@ -162,17 +167,18 @@ def test_a_timed_out_acquire_gives_a_late_grant_back(scheduler, clients):
     wait_for(lambda: scheduler.waiters(GPU) == [impatient.client_id, third.client_id], what="both waiters")
     holder.release(GPU)
     # The impatient client's turn comes first; nobody wants it any more, so it passes on.
-    waiting["thread"].join(20)
+    waiting["thread"].join(PATIENCE)
     assert "grant" in waiting
     assert impatient.grant(GPU) is None
 
 
+@pytest.mark.scheduler_options(tq=2)
 def test_a_drop_is_answered_by_releasing(scheduler, clients):
     holder, waiter = clients(), clients()
     holder.acquire(GPU)
     waiting = acquire_in_thread(waiter, GPU)
     # The quantum (2 s) runs out while someone waits: DROP, and the default on_drop releases.
-    waiting["thread"].join(30)
+    waiting["thread"].join(PATIENCE)
     assert "grant" in waiting
     assert holder.grant(GPU) is None
     releases = [e for e in scheduler.events() if e["kind"] == "release" and e["client"] == holder.client_id]
@@ -189,15 +195,16 @@ def test_a_contention_notice_lets_the_holder_hand_over_before_its_quantum_ends(s
     holder, waiter = clients(on_contended=on_contended), clients()
     grant = holder.acquire(GPU)
     waiting = acquire_in_thread(waiter, GPU)
-    waiting["thread"].join(30)
+    waiting["thread"].join(PATIENCE)
     assert "grant" in waiting
     ((device, told, quantum_left),) = notices
-    assert (device, told) == (GPU, grant) and 0 < quantum_left <= 2.0  # the test scheduler's tq
+    assert (device, told) == (GPU, grant) and 0 < quantum_left <= scheduler.options["tq"]
     # Handed over in answer to the notice: the quantum never ran out, so no DROP was needed.
     history = [(e["kind"], e["detail"]) for e in scheduler.events() if e["grant"] == grant.id]
     assert history == [("grant", ""), ("release", "quantum")]
 
 
+@pytest.mark.scheduler_options(tq=2, grace=1)
 def test_an_ignored_drop_ends_in_a_revoke(scheduler, clients):
     drops, revokes = [], []
     holder = clients(on_drop=lambda device, grant: drops.append(grant),
@@ -205,7 +212,7 @@ def test_an_ignored_drop_ends_in_a_revoke(scheduler, clients):
     waiter = clients()
     grant = holder.acquire(GPU)
     waiting = acquire_in_thread(waiter, GPU)
-    waiting["thread"].join(30)  # after TQ (2 s) + grace (1 s)
+    waiting["thread"].join(PATIENCE)  # after TQ (2 s) + grace (1 s)
     assert "grant" in waiting
     # The REVOKE reaches the holder's process independently of the waiter's GRANT.
     wait_for(lambda: revokes, what="the holder hears of the revoke")
@@ -221,7 +228,7 @@ def test_mode_changes_are_reported(scheduler, clients):
     wait_for(lambda: scheduler.device(GPU), what="the device")
     scheduler.request("set-mode", mode="off", device=GPU)
     wait_for(lambda: modes, what="the MODE notice")
-    assert modes == [(GPU, "off", 2.0)]
+    assert modes == [(GPU, "off", scheduler.options["tq"])]
     grant = client.acquire(GPU)
     assert (grant.mode, grant.exclusive) == ("off", False)
 
@@ -251,9 +258,47 @@ def test_clients_survive_a_scheduler_restart(scheduler, clients):
     assert holder.grant(GPU) is not None  # still holding
     assert scheduler.device(GPU)["total"] == 8 << 30
     holder.release(GPU)
-    waiting["thread"].join(20)
+    waiting["thread"].join(PATIENCE)
     assert "grant" in waiting
     assert scheduler.holders(GPU) == [waiter.client_id]
+
+
+def wait_for_exit(pid: int, what: str) -> int:
+    """The exit status of child `pid`; after PATIENCE it is killed and the test fails."""
+    try:
+        return wait_for(lambda: (done := os.waitpid(pid, os.WNOHANG))[0] == pid and os.waitstatus_to_exitcode(done[1]) + 1,
+                        what=what) - 1
+    except AssertionError:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+
+
+def test_a_child_forked_while_another_thread_holds_the_clients_lock_is_refused_not_stuck(scheduler, clients):
+    """The client's I/O thread takes the client's lock many times a second; a fork in that
+    moment leaves the lock held for ever in the child, where no I/O thread exists."""
+    client = clients()
+    locked, unlock = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with client._cond:  # what the I/O thread does for every message and heartbeat
+            locked.set()
+            unlock.wait(PATIENCE)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    assert locked.wait(PATIENCE)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            client.acquire(GPU, timeout=1)
+        except RuntimeError:
+            code = 0
+        os._exit(code)
+    unlock.set()
+    holder.join()
+    assert wait_for_exit(pid, "the forked child to give up on the parent's client") == 0
 
 
 def test_a_forked_child_cannot_use_or_close_the_parents_client(scheduler, clients):
@@ -268,8 +313,8 @@ def test_a_forked_child_cannot_use_or_close_the_parents_client(scheduler, client
             code = 0
         client.close()
         os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.WEXITSTATUS(status) == 0
-    time.sleep(0.3)
+    assert wait_for_exit(pid, "the forked child") == 0
+    # A round trip on the same connection: a BYE the child had sent would have come before it.
+    client.acquire(GPU2, timeout=PATIENCE)
     assert scheduler.clients() == [client.client_id]
     assert scheduler.holders(GPU) == [client.client_id]

@@ -148,13 +148,13 @@ class Harness:
         assert kind == "rc", answer
         return int(value)
 
-    def connect(self, path: str, timeout_ms: int = 5000) -> int:
+    def connect(self, path: str, timeout_ms: int = 20_000) -> int:
         return self._rc(self.cmd(f"connect {path} {timeout_ms}"))
 
     def send(self, data: bytes) -> int:
         return self._rc(self.cmd(f"send {data.hex()}"))
 
-    def recv(self, timeout_ms: int = 5000, cap: int | None = None) -> bytes | None | int:
+    def recv(self, timeout_ms: int = 20_000, cap: int | None = None) -> bytes | None | int:
         """The message, None when nothing came in time, or the negative errno."""
         answer = self.cmd(f"recv {timeout_ms}" + (f" {cap}" if cap is not None else ""))
         kind, _, value = answer.partition(" ")
@@ -926,7 +926,9 @@ def _wait_for_event(monitor: zmq.Socket, event: int, seconds: float) -> bool:
 
 def test_heartbeats_keep_an_idle_client_connected(harness, wire_build, sockdir, zctx):
     path = os.path.join(sockdir, "scheduler.sock")
-    router = bind_router(zctx, path, HEARTBEAT_IVL=50, HEARTBEAT_TIMEOUT=300)
+    # A PING every 100 ms, and 2 s to answer it: far more than a busy machine takes to schedule
+    # the harness between two of its commands, so only a client that never answers is dropped.
+    router = bind_router(zctx, path, HEARTBEAT_IVL=100, HEARTBEAT_TIMEOUT=2000)
     monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     # A client that reads nothing (so answers no PING) is dropped by the ROUTER. (The harness
@@ -945,7 +947,7 @@ def test_heartbeats_keep_an_idle_client_connected(harness, wire_build, sockdir, 
     assert harness.connect(path) == 0
     assert harness.send(b"before") == 0
     rid_before = router_recv(router)[0].bytes
-    assert harness.cmd("serve 1000") == "served 0"  # 20 heartbeat intervals of silence
+    assert harness.cmd("serve 4000") == "served 0"  # 40 PINGs, twice the timeout, no message
     assert harness.send(b"after") == 0
     rid_after, body = router_recv(router)
     assert (rid_after.bytes, body.bytes) == (rid_before, b"after")
