@@ -42,7 +42,7 @@ def test_without_conversion_allocations_stay_device_memory(scheduler, cuda_app):
 def test_stream_ordered_free_waits_for_the_work_queued_before_it(scheduler, cuda_app):
     """cuMemFreeAsync of converted memory behind a slow kernel and a kernel writing into it: the
     memory must still exist when that kernel runs (simcuda fails the context otherwise)."""
-    app = cuda_app(scheduler.env, "init", "free-async-after:200000", "sync", "sleep:0.5", "meminfo")
+    app = cuda_app(scheduler.env, "init", "free-async-after:200000", "sync", f"meminfo-free:{SIM_TOTAL}")
     assert app.wait() == 0, app.stderr  # the sync saw no error from the fill kernel
     meminfo = next(line for line in app.lines if line.startswith("meminfo"))
     assert f"free={SIM_TOTAL} " in meminfo  # the deferred free happened and was uncounted

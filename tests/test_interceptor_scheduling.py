@@ -27,8 +27,26 @@ def client_state(scheduler, pid: int, device: str = DEVICE0) -> str | None:
     return None
 
 
+def exited(pid: int) -> bool:
+    """Whether the process has exited (a zombie its parent has not reaped yet counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def has_waiter(scheduler, device: str = DEVICE0) -> bool:
     return any(d["waiters"] for d in scheduler.status()["devices"] if d["device"] == device)
+
+
+def start_together(apps) -> None:
+    """Let apps that stopped at a `wait` step go on at the same moment: however long a busy
+    machine took to start each of them, their work then overlaps in time."""
+    for app in apps:
+        app.expect("waiting")
+    for app in apps:
+        app.continue_()
 
 
 def handoffs(*apps) -> int:
@@ -40,7 +58,8 @@ def handoffs(*apps) -> int:
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_gpu_work_never_overlaps_when_scheduled_and_does_when_not(scheduler_factory, cuda_app, mode):
     scheduler = scheduler_factory(tq=0.4, mode=mode)
-    apps = [cuda_app(scheduler.env, "init", "loop:2.5:30000") for _ in range(2)]
+    apps = [cuda_app(scheduler.env, "init", "wait", "loop:2.5:30000") for _ in range(2)]
+    start_together(apps)
     for app in apps:
         assert app.wait() == 0, app.stderr
     a, b = (app.kernels() for app in apps)
@@ -113,7 +132,8 @@ def test_a_holder_stopped_past_the_heartbeat_timeout_waits_for_the_lock_again(sc
     """SIGSTOP silences the holder: the scheduler drops it and passes its lock on. After SIGCONT
     the scheduler answers it `not-registered`; it must register again and wait for the lock
     before its next kernel, without crashing."""
-    scheduler = scheduler_factory(tq=600, grace=600)  # only the lost registration moves the lock
+    # Only the lost registration moves the lock; the others' heartbeats have 3 s, fifteen intervals.
+    scheduler = scheduler_factory(tq=600, grace=600, heartbeat_timeout=3)
     holder = cuda_app(scheduler.env, "init", "kernel:1000", "sync", "wait", "mark:resumed", "kernel:1000", "sync",
                       env=NO_IDLE_RELEASE)
     holder.expect("waiting")
@@ -145,12 +165,15 @@ def test_a_holder_stopped_past_the_heartbeat_timeout_waits_for_the_lock_again(sc
 
 def test_scheduler_restart_mid_run(scheduler_factory, cuda_app):
     scheduler = scheduler_factory(tq=0.3)
-    apps = [cuda_app(scheduler.env, "init", "loop:4:20000") for _ in range(2)]
+    apps = [cuda_app(scheduler.env, "init", "loop:4:20000", "wait", "kernel:1000", "sync") for _ in range(2)]
     for app in apps:
         app.expect("ready")
     wait_for(lambda: all(app.kernels() for app in apps), what="both processes running kernels")
     scheduler.restart()
     restarted = time.monotonic()
+    # Whether or not a busy machine let the loops run past the restart, each process goes on
+    # with a kernel that only the restarted scheduler can let through.
+    start_together(apps)
     for app in apps:
         assert app.wait() == 0, app.stderr  # nobody died
     for app in apps:
@@ -185,10 +208,10 @@ def test_fail_open_runs_without_a_scheduler(cuda_app):
 
 def test_forked_child_neither_registers_nor_releases_the_parents_lock(scheduler_factory, cuda_app):
     scheduler = scheduler_factory(tq=600, grace=600)
-    parent = cuda_app(scheduler.env, "init", "kernel:1000", "sync", "fork:0.2", "sleep:0.8", "mark:child-gone",
-                      "wait", env=NO_IDLE_RELEASE)
+    parent = cuda_app(scheduler.env, "init", "kernel:1000", "sync", "fork:0.2", "wait", env=NO_IDLE_RELEASE)
     child = int(parent.expect("child ").split()[1])
-    parent.expect("mark child-gone")
+    parent.expect("waiting")
+    wait_for(lambda: exited(child), what=f"the child {child} to exit")
     assert client_state(scheduler, parent.pid) == "holding"
     assert all(client["pid"] != child for client in scheduler.status()["clients"])
     parent.continue_()
@@ -197,7 +220,7 @@ def test_forked_child_neither_registers_nor_releases_the_parents_lock(scheduler_
 
 def test_parent_death_releases_although_its_child_lives(scheduler_factory, cuda_app):
     scheduler = scheduler_factory(tq=600, grace=600)
-    parent = cuda_app(scheduler.env, "init", "kernel:1000", "sync", "fork:60", "wait", env=NO_IDLE_RELEASE)
+    parent = cuda_app(scheduler.env, "init", "kernel:1000", "sync", "fork:600", "wait", env=NO_IDLE_RELEASE)
     child = int(parent.expect("child ").split()[1])
     parent.expect("waiting")
     try:
@@ -232,7 +255,9 @@ def test_two_devices_two_locks(scheduler_factory, cuda_app):
 def test_auto_mode_serialises_only_when_memory_does_not_fit(scheduler_factory, cuda_app, each_gib, expect_overlap):
     scheduler = scheduler_factory(mode="auto", tq=0.3)
     env = {"SIMCUDA_MEMORY": "4G"}
-    apps = [cuda_app(scheduler.env, "init", f"alloc:plain:{each_gib << 30}", "loop:2:30000", env=env) for _ in range(2)]
+    apps = [cuda_app(scheduler.env, "init", f"alloc:plain:{each_gib << 30}", "wait", "loop:2:30000", env=env)
+            for _ in range(2)]
+    start_together(apps)
     for app in apps:
         assert app.wait() == 0, app.stderr
     a, b = (app.kernels() for app in apps)
