@@ -27,7 +27,8 @@ from nvshare_py.deviceplugin.v1beta1 import API_VERSION, KUBELET_SOCKET
 from nvshare_py.deviceplugin.v1beta1 import api_pb2 as api
 from nvshare_py.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
 
-DIAL_TIMEOUT_S = 10.0
+DIAL_TIMEOUT_S = 30.0  # upper guards only, generous for a busy machine
+WAIT_TIMEOUT_S = 60.0
 _QUALIFIED_NAME_PART = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
@@ -166,7 +167,7 @@ class KubeletStandin:
 
     # ---- what tests use -------------------------------------------------------------------
 
-    def wait_until(self, predicate, timeout: float = 30.0, what: str = "condition"):
+    def wait_until(self, predicate, timeout: float = WAIT_TIMEOUT_S, what: str = "condition"):
         """Waits for `predicate()` to return something true, re-checked on every change."""
         deadline = time.monotonic() + timeout
         with self._changed:
@@ -176,15 +177,20 @@ class KubeletStandin:
                     return result
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"kubelet stand-in: no {what} within {timeout} s")
+                    raise TimeoutError(f"kubelet stand-in: no {what} within {timeout} s; last saw {result!r}, "
+                                       f"device lists {self._device_lists()}")
                 self._changed.wait(min(left, 0.5))
+
+    def _device_lists(self) -> dict[str, dict[str, str]]:
+        """What each registered plugin advertised last (for messages); under `_changed`."""
+        return {resource: dict(plugin.devices) for resource, plugin in self._plugins.items()}
 
     def plugin(self, resource: str) -> PluginConnection | None:
         with self._changed:
             return self._plugins.get(resource)
 
     def wait_for_devices(self, resource: str, predicate=lambda devices: bool(devices),
-                         timeout: float = 30.0) -> dict[str, str]:
+                         timeout: float = WAIT_TIMEOUT_S) -> dict[str, str]:
         """The latest device list of `resource` once it satisfies `predicate`."""
         def check():
             plugin = self._plugins.get(resource)

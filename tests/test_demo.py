@@ -106,7 +106,7 @@ def test_ctrl_c_stops_every_process(demo_env):
         process.kill()
     assert process.returncode == 130, err
     assert "interrupted" in err
-    wait_for(lambda: not any(alive(pid) for pid in children), timeout=10, what="the demo's children to be gone")
+    wait_for(lambda: not any(alive(pid) for pid in children), what="the demo's children to be gone")
 
 
 def test_a_crashed_program_fails_the_demo(demo_env):
@@ -123,7 +123,7 @@ def test_a_crashed_program_fails_the_demo(demo_env):
     assert "the notebook program failed" in err
     log_dir = Path(err.split("logs kept in ")[1].split(")")[0])
     assert (log_dir / "scheduler.log").exists()  # kept for the post-mortem
-    wait_for(lambda: not any(alive(pid) for pid in children), timeout=10, what="the demo's children to be gone")
+    wait_for(lambda: not any(alive(pid) for pid in children), what="the demo's children to be gone")
     shutil.rmtree(log_dir)
 
 

@@ -25,7 +25,7 @@ from nvshare_py.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
 REPO = Path(__file__).resolve().parents[1]
 RESOURCE = "nvshare.com/gpu"
 CONTAINER_LIBRARY = "/usr/lib/nvshare/libnvshare.so"
-TIMEOUT = 30.0
+TIMEOUT = 60.0  # an upper guard only: what the tests wait for comes sooner unless it is broken
 
 
 def uuid(index: int) -> str:

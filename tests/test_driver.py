@@ -224,10 +224,20 @@ def test_each_allocation_family_holds_data_and_is_accounted(simcuda):
 def test_launch_sleep_is_asynchronous_and_synchronize_waits_for_it(simcuda, tmp_path):
     trace = tmp_path / "trace.jsonl"
     result = run(simcuda, """
+        import ctypes
         with Driver() as driver:
             driver.context(0)
+            # A host function (through the simulated driver itself) holds the queue, so the
+            # kernel cannot even start until the launch has returned, however slow the machine.
+            cuda = ctypes.CDLL("libcuda.so.1")
+            opened = threading.Event()
+            @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+            def hold(_):
+                opened.wait(60)
+            assert cuda.cuLaunchHostFunc(None, hold, None) == 0
             driver.launch_sleep(200000)
             result["returned"] = time.clock_gettime(time.CLOCK_MONOTONIC)
+            opened.set()
             driver.synchronize()
             result["synchronized"] = time.clock_gettime(time.CLOCK_MONOTONIC)
             stream = driver.create_stream()
@@ -235,10 +245,10 @@ def test_launch_sleep_is_asynchronous_and_synchronize_waits_for_it(simcuda, tmp_
             driver.stream_synchronize(stream)
             driver.destroy_stream(stream)
     """, env=simcuda.env(trace=trace))
-    first, second = simcuda.read_trace(trace)
+    first, second = [line for line in simcuda.read_trace(trace) if line["op"] == "kernel"]
     assert first["name"] == "nvshare_sleep" and first["api"] == "cuLaunchKernel"
     assert first["end"] - first["start"] >= 0.2
-    assert result["returned"] < first["end"] <= result["synchronized"]
+    assert result["returned"] < first["start"] and first["end"] <= result["synchronized"]
     assert second["api"] == "cuLaunchKernel" and second["start"] >= first["end"]  # one context, one queue
     assert second["end"] - second["start"] >= 0.001
 

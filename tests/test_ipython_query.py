@@ -151,7 +151,7 @@ def test_core_lists_held_and_awaited_devices_first():
 
 def ask(dealer: zmq.Socket) -> dict:
     dealer.send(protocol.Query().encode())
-    assert dealer.poll(10_000), "no answer to QUERY"
+    assert dealer.poll(PATIENCE * 1000), "no answer to QUERY"
     message = protocol.decode(dealer.recv(), protocol.QUERY_REPLIES)
     assert isinstance(message, protocol.Status), message
     return message.document()

@@ -323,11 +323,22 @@ def test_created_contexts_are_pushed_and_run_beside_the_primary_one(simcuda, tmp
         assert cuda.cuCtxCreate_v4(byref(created), None, 0, 0) == 0
         cuda.cuCtxGetCurrent(byref(current))
         result["created is current"] = current.value == created.value
+        # Side by side, shown by cause rather than by overlapping times (which a busy machine
+        # can pull apart): the created context's work cannot finish before the primary's has run.
+        ran_on_primary = threading.Event()
+        @HostFn
+        def wait_for_the_primary(_):
+            result["created saw the primary's work"] = ran_on_primary.wait(60)
+        @HostFn
+        def work_on_the_primary(_):
+            ran_on_primary.set()
+        assert cuda.cuLaunchHostFunc(None, wait_for_the_primary, None) == 0
         launch(300000)                      # on the created context
         popped = c_void_p()
         assert cuda.cuCtxPopCurrent_v2(byref(popped)) == 0
         cuda.cuCtxGetCurrent(byref(current))
         result["primary current again"] = current.value == primary.value
+        assert cuda.cuLaunchHostFunc(None, work_on_the_primary, None) == 0
         launch(300000)                      # on the primary context
         assert cuda.cuCtxSynchronize() == 0
         assert cuda.cuCtxPushCurrent_v2(created) == 0 and cuda.cuCtxSynchronize() == 0
@@ -342,10 +353,9 @@ def test_created_contexts_are_pushed_and_run_beside_the_primary_one(simcuda, tmp
     """, env=simcuda.env(trace=trace))
     assert result == {"created is current": True, "primary current again": True, "destroy": 0,
                       "popped by destroy": True, "use after destroy": CUDA_ERROR_INVALID_CONTEXT, "primary active": 1,
-                      "destroy primary": CUDA_ERROR_INVALID_CONTEXT}
-    first, second = sorted(simcuda.read_trace(trace), key=lambda line: line["start"])
+                      "destroy primary": CUDA_ERROR_INVALID_CONTEXT, "created saw the primary's work": True}
+    first, second = [line for line in simcuda.read_trace(trace) if line["op"] == "kernel"]
     assert first["ctx"] != second["ctx"]
-    assert second["start"] < first["end"]  # separate contexts run side by side
 
 
 def test_releasing_the_primary_context_frees_its_memory(simcuda):
@@ -522,10 +532,29 @@ def test_devices_run_concurrently_and_threads_share_a_context(simcuda, tmp_path)
     lines = simcuda.read_trace(trace)
     devices, threaded = lines[:2], lines[2:]
     assert sorted(line["dev"][-1] for line in devices) == ["0", "1"]
-    assert max(line["start"] for line in devices) < min(line["end"] for line in devices)
     assert len(threaded) == 4 and all(line["dev"][-1] == "0" for line in threaded)
     for earlier, later in zip(threaded, threaded[1:]):
         assert earlier["end"] <= later["start"]
+    # Concurrent, shown by cause rather than by overlapping times (which a busy machine can
+    # pull apart): device 0's work cannot finish until device 1's work has run.
+    result = probe(simcuda, """
+        device_0, device_1 = init_context(0), c_void_p()
+        assert cuda.cuDevicePrimaryCtxRetain(byref(device_1), 1) == 0
+        ran_on_device_1 = threading.Event()
+        @HostFn
+        def wait_for_device_1(_):
+            result["device 0 saw device 1's work"] = ran_on_device_1.wait(60)
+        @HostFn
+        def work_on_device_1(_):
+            ran_on_device_1.set()
+        assert cuda.cuLaunchHostFunc(None, wait_for_device_1, None) == 0
+        assert cuda.cuCtxSetCurrent(device_1) == 0
+        assert cuda.cuLaunchHostFunc(None, work_on_device_1, None) == 0
+        synced_1 = cuda.cuCtxSynchronize()
+        assert cuda.cuCtxSetCurrent(device_0) == 0
+        result["sync"] = [synced_1, cuda.cuCtxSynchronize()]
+    """, env=simcuda.env(devices=2))
+    assert result == {"device 0 saw device 1's work": True, "sync": [0, 0]}
 
 
 SYNC_PROBE = """
