@@ -11,7 +11,7 @@ import zmq.utils.monitor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fixtures.scheduler import DEFAULT_OPTIONS, SchedulerProcess, short_socket_dir
+from fixtures.scheduler import DEFAULT_OPTIONS, PATIENCE, SchedulerProcess, short_socket_dir
 from nvshare_py import protocol
 from nvshare_py.client import Client
 
@@ -93,7 +93,7 @@ def fuzz_target():
 def assert_good_client_works(scheduler, client) -> None:
     assert scheduler.running, scheduler.log_text()[-3000:]
     assert "Traceback" not in scheduler.log_text()  # nothing went wrong inside the daemon either
-    with client.hold(GOOD_GPU, timeout=20) as grant:
+    with client.hold(GOOD_GPU, timeout=PATIENCE) as grant:
         assert grant.device == GOOD_GPU
 
 
