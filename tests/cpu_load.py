@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.processes < 1 or args.seconds <= 0 or args.repeat < 1:
         parser.error("--processes, --seconds and --repeat must be positive")
 
+    # Started in the background of a shell, this script would pass SIGINT on ignored to the
+    # command (and to the programs its tests start); handled here, it is back to normal there.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     busy = [subprocess.Popen([sys.executable, "-c", BUSY, str(os.getpid()), str(args.seconds)])
             for _ in range(args.processes)]
     print(f"cpu_load: {len(busy)} busy processes for at most {args.seconds:g} s", file=sys.stderr, flush=True)
