@@ -22,9 +22,12 @@
 #include "cuda_types.h"
 #include "sim_devices.h"
 
-/* Prototypes (for --entry=direct) and function-pointer types of every entry point. */
+/* Prototypes (for --entry=direct) and function-pointer types of every entry point. Weak, so
+ * that simapp also starts on a real driver older than the simulated one (driver 580 lacks the
+ * CUDA 13.2 entry points): a symbol that driver does not export binds to NULL, and the step
+ * that needs it reports the lookup as failed instead of the loader refusing to start. */
 #define CU_ENTRY(symbol, base, version, per_thread, params) \
-    CUresult symbol params;                                  \
+    CUresult symbol params __attribute__((weak));             \
     typedef CUresult(*symbol##_fn) params;
 #include "cuda_entry_points.h"
 #undef CU_ENTRY
