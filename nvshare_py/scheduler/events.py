@@ -18,7 +18,10 @@ Mode = Literal["on", "off", "auto"]
 @dataclass(frozen=True)
 class ClientInfo:
     """Who a client is. `pid` is what the client reports (its own pid namespace);
-    `host_pid`/`uid` come from the kernel (SO_PEERCRED) and are 0/None when not visible."""
+    `host_pid`/`uid` come from the kernel (SO_PEERCRED) and are 0/None when not visible.
+    `pod_uid` is the Kubernetes pod the daemon found the process in (its cgroup, read through
+    the kernel-verified host pid), "" outside a pod: unlike `pod`/`namespace`, which the client
+    says about itself, a client cannot choose it, so settings given per pod are matched on it."""
 
     pid: int
     session: str
@@ -29,6 +32,7 @@ class ClientInfo:
     pod: str = ""
     namespace: str = ""
     program: str = ""
+    pod_uid: str = ""
 
 
 # --- events --------------------------------------------------------------------------------
