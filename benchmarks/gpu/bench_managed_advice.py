@@ -15,7 +15,10 @@ order rotates from round to round, so drifts of the machine hit every variant al
 Each process trains GPT-2 124M (transformers' GPT2Config(), random weights, nothing downloaded;
 a torch.nn model of the same shape when transformers is missing, and the JSON says so) with bf16
 autocast, batch 8 x 512 tokens and AdamW: 8 warm-up steps, then 30 timed ones; its result is the
-median step time. Only one process uses the GPU at a time and each needs a few GiB.
+median step time, that of the same number of steps after `--late-warmup` steps (a transient
+cost fades, a steady one stays), and the GPU's own time per step summed by the profiler over 5
+more steps (host noise does not reach it). Every measured process is pinned to the same CPUs
+(`--cpus`). Only one process uses the GPU at a time and each needs a few GiB.
 
 Prints one JSON document: per variant the median step of every run, and the overhead against
 `native` (paired by round: run / native run of the same round - 1) as median and 90th percentile;
@@ -43,7 +46,7 @@ VARIANTS = {
 }
 
 
-def train(warmup: int, steps: int, batch: int, tokens: int) -> dict:
+def train(warmup: int, steps: int, late_warmup: int, batch: int, tokens: int) -> dict:
     """One process's measurement (run with --child)."""
     import torch
 
@@ -66,21 +69,42 @@ def train(warmup: int, steps: int, batch: int, tokens: int) -> dict:
     optimiser = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 50257, (batch, tokens), device="cuda")
     times = []
-    for step in range(warmup + steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+    late_times = []  # the same count of steps after `late_warmup` steps: a transient cost fades
+
+    def one_step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = loss_of(ids)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
+
+    for step in range(max(warmup, late_warmup) + steps):
         torch.cuda.synchronize()
-        if step >= warmup:
+        start = time.perf_counter()
+        one_step()
+        torch.cuda.synchronize()
+        if warmup <= step < warmup + steps:
             times.append(time.perf_counter() - start)
+        if step >= late_warmup:
+            late_times.append(time.perf_counter() - start)
+    # The GPU's own time per step (kernels and copies, summed by the profiler): the host's
+    # scheduling noise, which moves wall-clock steps by several per cent from process to
+    # process on a shared machine, does not reach it, while page faults and TLB misses of
+    # managed memory do.
+    from torch.profiler import ProfilerActivity, profile
+
+    profiled_steps = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        for _ in range(profiled_steps):
+            one_step()
+        torch.cuda.synchronize()
+    gpu_us = sum(event.self_device_time_total for event in profiler.key_averages())
     # Spread within a run tells a uniform slowdown (every step pays) from spikes (the driver
     # migrating pages now and then).
     return {"step_ms_median": statistics.median(times) * 1e3, "step_ms_min": min(times) * 1e3,
             "step_ms_p90": percentile(times, 0.9) * 1e3, "step_ms_max": max(times) * 1e3,
+            "late_step_ms_median": statistics.median(late_times) * 1e3,
+            "gpu_ms_per_step": gpu_us / profiled_steps / 1e3,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "model": model_name,
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
 
@@ -115,6 +139,15 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
 
 
+def parse_cpus(text: str) -> set[int]:
+    """'2-5' or '2,3' or '' (no pinning)."""
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def library(work: Path) -> Path:
     if os.environ.get("NVSHARE_LIBRARY"):
         return Path(os.environ["NVSHARE_LIBRARY"])
@@ -127,14 +160,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10, help="processes per variant")
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--late-warmup", type=int, default=40,
+                        help="the same number of steps is timed again after this many")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--cpus", default="2-5",
+                        help="CPUs every measured process is pinned to (the same for every variant), '' for none")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(train(args.warmup, args.steps, args.batch, args.tokens)))
+        print(json.dumps(train(args.warmup, args.steps, args.late_warmup, args.batch, args.tokens)))
         return
     if "native" not in args.variants:
         raise SystemExit("overheads are measured against `native`: keep it among --variants")
@@ -147,7 +184,14 @@ def main() -> None:
     envs = {name: base if extra is None else dict(base, LD_PRELOAD=str(preload), **extra)
             for name, extra in VARIANTS.items() if name in args.variants}
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--warmup", str(args.warmup),
+            "--late-warmup", str(args.late_warmup),
             "--steps", str(args.steps), "--batch", str(args.batch), "--tokens", str(args.tokens)]
+    cpus = parse_cpus(args.cpus)
+
+    def pin() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
     log = open(work / "scheduler.log", "wb")
     scheduler = subprocess.Popen([sys.executable, "-m", "nvshare_py.scheduler", "--socket-dir", str(socket_dir)],
                                  env=base, stdout=log, stderr=subprocess.STDOUT)
@@ -162,7 +206,7 @@ def main() -> None:
         for round_number in range(args.rounds):
             shift = round_number % len(names)
             for name in names[shift:] + names[:shift]:
-                out = subprocess.run(argv, env=envs[name], capture_output=True, text=True)
+                out = subprocess.run(argv, env=envs[name], capture_output=True, text=True, preexec_fn=pin)
                 if out.returncode != 0:
                     raise SystemExit(f"{name} failed ({out.returncode}):\n{out.stderr[-3000:]}")
                 runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -175,13 +219,20 @@ def main() -> None:
     document = {
         "benchmark": "managed-advice",
         "model": runs["native"][0]["model"], "gpu": runs["native"][0]["gpu"], "torch": runs["native"][0]["torch"],
-        "settings": {"rounds": args.rounds, "warmup": args.warmup, "steps": args.steps, "batch": args.batch,
+        "settings": {"rounds": args.rounds, "warmup": args.warmup, "late_warmup": args.late_warmup, "cpus": args.cpus,
+                     "steps": args.steps, "batch": args.batch,
                      "tokens": args.tokens},
         "variants": {},
     }
     for name, results in runs.items():
         steps = [run["step_ms_median"] for run in results]
         paired = [(step / base_step - 1) * 100 for step, base_step in zip(steps, native)]
+        late = [run["late_step_ms_median"] for run in results]
+        gpu = [run["gpu_ms_per_step"] for run in results]
+        gpu_paired = [(step / base_step - 1) * 100
+                      for step, base_step in zip(gpu, (run["gpu_ms_per_step"] for run in runs["native"]))]
+        late_paired = [(step / base_step - 1) * 100
+                       for step, base_step in zip(late, (run["late_step_ms_median"] for run in runs["native"]))]
         document["variants"][name] = {
             "step_ms": [round(step, 3) for step in steps],
             "step_ms_median": round(statistics.median(steps), 3),
@@ -191,11 +242,20 @@ def main() -> None:
             "within_run_max_ms": [round(run["step_ms_max"], 3) for run in results],
             "overhead_pct_median": round(statistics.median(paired), 3),
             "overhead_pct_p90": round(percentile(paired, 0.9), 3),
+            "late_step_ms": [round(step, 3) for step in late],
+            "late_overhead_pct_median": round(statistics.median(late_paired), 3),
+            "late_overhead_pct_p90": round(percentile(late_paired, 0.9), 3),
+            "gpu_ms_per_step": [round(step, 3) for step in gpu],
+            "gpu_overhead_pct_median": round(statistics.median(gpu_paired), 3),
+            "gpu_overhead_pct_p90": round(percentile(gpu_paired, 0.9), 3),
         }
-    print(f"{'variant':20} {'median ms':>10} {'overhead median':>16} {'p90':>8}", file=sys.stderr)
+    print(f"{'variant':20} {'median ms':>10} {'overhead median':>16} {'p90':>8} {'late median':>12} {'late p90':>9}"
+          f" {'GPU median':>11} {'GPU p90':>8}", file=sys.stderr)
     for name, row in document["variants"].items():
         print(f"{name:20} {row['step_ms_median']:10.2f} {row['overhead_pct_median']:15.2f}% "
-              f"{row['overhead_pct_p90']:7.2f}%", file=sys.stderr)
+              f"{row['overhead_pct_p90']:7.2f}% {row['late_overhead_pct_median']:11.2f}% "
+              f"{row['late_overhead_pct_p90']:8.2f}% {row['gpu_overhead_pct_median']:10.2f}% "
+              f"{row['gpu_overhead_pct_p90']:7.2f}%", file=sys.stderr)
     text = json.dumps(document, indent=1)
     if args.out:
         args.out.write_text(text + "\n")
