@@ -24,6 +24,7 @@
 #include <stddef.h>
 
 #include "cuda_types.h"
+#include "nvml_types.h"
 
 #define NVS_LAUNCH_PARAMS                                                                       \
     CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,          \
@@ -359,14 +360,6 @@
  * NVS_FOR_EACH_NVML_REAL lists NVML functions nvshare only calls.
  */
 typedef int nvmlReturn_t;
-typedef struct nvmlDevice_st *nvmlDevice_t;
-typedef struct {
-    unsigned long long total, free, used;
-} nvmlMemory_t;
-typedef struct {
-    unsigned int version;
-    unsigned long long total, reserved, free, used;
-} nvmlMemory_v2_t;
 
 #define NVS_FOR_EACH_NVML_HOOK(N)                                                               \
     N(nvmlDeviceGetMemoryInfo, (nvmlDevice_t device, nvmlMemory_t *memory), (device, memory))   \

@@ -40,6 +40,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "nvml_types.h"
 #include "sim_devices.h"
 
 typedef enum {
@@ -64,20 +65,10 @@ typedef enum {
 #define SIMNVML_CUDA_VERSION 13000
 #define SIMNVML_POLL_NS 10000000L /* how often a waiting event set re-reads the state file */
 
-typedef struct {
-    unsigned long long total, free, used;
-} nvmlMemory_t;
-
-typedef struct {
-    unsigned int version;
-    unsigned long long total, reserved, free, used;
-} nvmlMemory_v2_t;
-
 struct nvmlDevice_st {
     unsigned int index;
     char uuid[48];
 };
-typedef struct nvmlDevice_st *nvmlDevice_t;
 
 typedef struct {
     nvmlDevice_t device;
