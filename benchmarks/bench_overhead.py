@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from fixtures.scheduler import SchedulerProcess  # noqa: E402
 
 
 def run_json(argv: list[str], env: dict[str, str]) -> dict:
@@ -49,9 +50,9 @@ def main() -> None:
         subprocess.run(["nvcc", "-O2", "-o", str(work / "launch_bench"), str(ROOT / "benchmarks/gpu/launch_bench.cu")],
                        check=True)
     subprocess.run(["make", "-s", "-C", str(ROOT / "interceptor"), f"BUILD={work}"], check=True)
-    socket_dir = work / "s"
-    python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, PYTHONPATH=python_path, NVSHARE_SOCKET_DIR=str(socket_dir))
+    (work / "s").mkdir()
+    scheduler = SchedulerProcess(work / "s", {"log_level": "info"})
+    env = scheduler.env
     variants = {"native": env, "nvshare": dict(env, LD_PRELOAD=str(work / "libnvshare.so"))}
     if args.gate_only:
         variants["nvshare-gate-only"] = dict(variants["nvshare"], NVSHARE_MANAGED="0")
@@ -59,16 +60,9 @@ def main() -> None:
                                                                        "free_1MiB_ns", "alloc_256MiB_ns", "free_256MiB_ns")),
                 "train": ([sys.executable, str(ROOT / "benchmarks/gpu/train_bench.py")], args.train_rounds,
                           ("step_ms_median",))}
-    scheduler_log = open(work / "scheduler.log", "wb")
-    scheduler = subprocess.Popen([sys.executable, "-m", "nvshare_py.scheduler", "--socket-dir", str(socket_dir)],
-                                 env=env, stdout=scheduler_log, stderr=subprocess.STDOUT)
     raw: dict[str, dict[str, list[dict]]] = {}
+    scheduler.start()
     try:
-        deadline = time.monotonic() + 30
-        while not (socket_dir / "client" / "scheduler.sock").exists():
-            if time.monotonic() > deadline or scheduler.poll() is not None:
-                raise SystemExit("the scheduler did not start:\n" + (work / "scheduler.log").read_text())
-            time.sleep(0.1)
         for part in args.parts:
             argv, rounds, _ = commands[part]
             raw[part] = {name: [] for name in variants}
@@ -76,8 +70,7 @@ def main() -> None:
                 for name, variant_env in variants.items():
                     raw[part][name].append(run_json(argv, variant_env))
     finally:
-        scheduler.terminate()
-        scheduler.wait(timeout=30)
+        scheduler.stop()
 
     result = {"gpu": subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                                     capture_output=True, text=True).stdout.strip(), "raw": raw}

@@ -38,6 +38,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from fixtures.scheduler import SchedulerProcess  # noqa: E402
 VARIANTS = {
     "native": None,
     "nvshare": {},
@@ -177,9 +180,8 @@ def main() -> None:
         raise SystemExit("overheads are measured against `native`: keep it among --variants")
     work = Path(tempfile.mkdtemp(prefix="nvs-advice-", dir="/tmp"))
     preload = library(work)
-    socket_dir = work / "s"
-    python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    base = dict(os.environ, PYTHONPATH=python_path, NVSHARE_SOCKET_DIR=str(socket_dir))
+    scheduler = SchedulerProcess(work / "s", {"log_level": "info"})
+    base = dict(scheduler.env)
     base.pop("LD_PRELOAD", None)
     envs = {name: base if extra is None else dict(base, LD_PRELOAD=str(preload), **extra)
             for name, extra in VARIANTS.items() if name in args.variants}
@@ -192,16 +194,10 @@ def main() -> None:
         if cpus:
             os.sched_setaffinity(0, cpus)
 
-    log = open(work / "scheduler.log", "wb")
-    scheduler = subprocess.Popen([sys.executable, "-m", "nvshare_py.scheduler", "--socket-dir", str(socket_dir)],
-                                 env=base, stdout=log, stderr=subprocess.STDOUT)
     runs: dict[str, list[dict]] = {name: [] for name in envs}
+    (work / "s").mkdir()
+    scheduler.start()
     try:
-        deadline = time.monotonic() + 30
-        while not (socket_dir / "client" / "scheduler.sock").exists():
-            if time.monotonic() > deadline or scheduler.poll() is not None:
-                raise SystemExit("the scheduler did not start:\n" + (work / "scheduler.log").read_text())
-            time.sleep(0.1)
         names = list(envs)
         for round_number in range(args.rounds):
             shift = round_number % len(names)
@@ -213,8 +209,7 @@ def main() -> None:
                 print(f"round {round_number + 1} {name}: {runs[name][-1]['step_ms_median']:.2f} ms", file=sys.stderr,
                       flush=True)
     finally:
-        scheduler.terminate()
-        scheduler.wait(timeout=30)
+        scheduler.stop()
     native = [run["step_ms_median"] for run in runs["native"]]
     document = {
         "benchmark": "managed-advice",
