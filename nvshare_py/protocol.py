@@ -133,15 +133,19 @@ def _json_object(value: str) -> str:
     return value
 
 
-def _meta(parse, required: bool = True, max_bytes: int = MAX_VALUE) -> dict:
-    return {"parse": parse, "required": required, "max_bytes": max_bytes}
+def _meta(parse, required: bool = True, max_bytes: int = MAX_VALUE, omit: object = "") -> dict:
+    """`omit`: an optional field holding this value is left out of the encoded message (the
+    residency fields are written only when they say something, so a handoff whose memory fits
+    reads exactly as before they existed)."""
+    return {"parse": parse, "required": required, "max_bytes": max_bytes, "omit": omit}
 
 
 @functools.cache
-def _schema(cls: type) -> tuple[tuple[str, Callable[[str], object], bool], ...]:
-    """(name, parser, required) of each field; computed once per message type because the codec
-    is on the lock-handoff path."""
-    return tuple((f.name, f.metadata["parse"], f.metadata["required"]) for f in dataclasses.fields(cls))
+def _schema(cls: type) -> tuple[tuple[str, Callable[[str], object], bool, object], ...]:
+    """(name, parser, required, omitted value) of each field; computed once per message type
+    because the codec is on the lock-handoff path."""
+    return tuple((f.name, f.metadata["parse"], f.metadata["required"], f.metadata["omit"])
+                 for f in dataclasses.fields(cls))
 
 
 @functools.cache
@@ -157,9 +161,9 @@ class Message:
     def encode(self) -> bytes:
         lines = [f"NVSHARE/{VERSION} {self.TYPE}"]
         longer = _longer_values(type(self))
-        for name, _, required in _schema(type(self)):
+        for name, _, required, omit in _schema(type(self)):
             value = getattr(self, name)
-            if not required and value in ("", ()):
+            if not required and (value == () or value == omit):
                 continue
             text = _format(value)
             if _CONTROL_CHARS.search(text):
@@ -201,9 +205,13 @@ class Device(Message):
 
 @dataclass(frozen=True)
 class Memory(Message):
+    """`resident` (optional): the client's converted bytes it believes are on the device; None
+    (absent) from a client that does not take part in residency (docs/protocol.md, Residency)."""
+
     TYPE: ClassVar[str] = "MEMORY"
     device: str = field(metadata=_meta(_device))
     used: int = field(metadata=_meta(_uint))
+    resident: int | None = field(default=None, metadata=_meta(_uint, False, omit=None))
 
 
 @dataclass(frozen=True)
@@ -218,6 +226,17 @@ class Release(Message):
     device: str = field(metadata=_meta(_device))
     grant: int = field(metadata=_meta(_uint))
     reason: str = field(default="user", metadata=_meta(_choice(RELEASE_REASONS), False))
+    # After the eviction a DROP asked for: what stays on the device (as MEMORY.resident).
+    resident: int | None = field(default=None, metadata=_meta(_uint, False, omit=None))
+
+
+@dataclass(frozen=True)
+class Evicted(Message):
+    """The answer to EVICT: the client's converted bytes still on the device."""
+
+    TYPE: ClassVar[str] = "EVICTED"
+    device: str = field(metadata=_meta(_device))
+    resident: int = field(metadata=_meta(_uint))
 
 
 @dataclass(frozen=True)
@@ -258,6 +277,8 @@ class Grant(Message):
     mode: str = field(metadata=_meta(_choice(MODES)))
     exclusive: bool = field(metadata=_meta(_flag))
     quantum_ms: int = field(metadata=_meta(_uint))
+    # Bytes of the grantee's evicted memory it may bring back in bulk as the gate opens.
+    prefetch: int = field(default=0, metadata=_meta(_uint, False, omit=0))
 
 
 @dataclass(frozen=True)
@@ -267,6 +288,18 @@ class Drop(Message):
     grant: int = field(metadata=_meta(_uint))
     grace_ms: int = field(metadata=_meta(_uint))
     reason: str = field(metadata=_meta(_choice(DROP_REASONS)))
+    # Bytes of converted memory the holder moves to the host in bulk before its RELEASE.
+    evict: int = field(default=0, metadata=_meta(_uint, False, omit=0))
+
+
+@dataclass(frozen=True)
+class Evict(Message):
+    """To a client that does not hold the lock: move `bytes` of its converted memory to the
+    host now, to make room for a grant, and answer EVICTED."""
+
+    TYPE: ClassVar[str] = "EVICT"
+    device: str = field(metadata=_meta(_device))
+    bytes: int = field(metadata=_meta(_uint))
 
 
 @dataclass(frozen=True)
@@ -336,10 +369,10 @@ class Status(Message):
         return json.loads(self.json)
 
 
-CLIENT_MESSAGES = {m.TYPE: m for m in (Hello, Device, Memory, Acquire, Release, Heartbeat, Bye, Query)}
+CLIENT_MESSAGES = {m.TYPE: m for m in (Hello, Device, Memory, Acquire, Release, Evicted, Heartbeat, Bye, Query)}
 # What a registered client may receive. STATUS is not among them: only a connection that sent
 # QUERY receives it, and it reads replies with QUERY_REPLIES.
-SCHEDULER_MESSAGES = {m.TYPE: m for m in (Welcome, Grant, Drop, Contended, Revoke, ModeNotice, Error)}
+SCHEDULER_MESSAGES = {m.TYPE: m for m in (Welcome, Grant, Drop, Evict, Contended, Revoke, ModeNotice, Error)}
 QUERY_REPLIES = {m.TYPE: m for m in (Status, Error)}
 
 
@@ -379,7 +412,7 @@ def decode(data: bytes, catalogue: dict[str, type[Message]] = CLIENT_MESSAGES) -
             raise ProtocolError("bad-field", f"field {key} too long or has control characters", msg_type)
         raw[key] = value
     kwargs = {}
-    for name, parse, required in _schema(cls):
+    for name, parse, required, _ in _schema(cls):
         if name not in raw:
             if required:
                 raise ProtocolError("bad-field", f"missing field {name}", msg_type)

@@ -21,6 +21,8 @@ FIELD_STRATEGIES = {
     "held": st.lists(devices, max_size=3).map(tuple), "wanted": st.lists(devices, max_size=3).map(tuple),
     "exclusive": st.booleans(), "mode": st.sampled_from(protocol.MODES),
     "code": st.sampled_from(protocol.ERROR_CODES),
+    # Residency: `resident` is absent (None) from clients that do not report it, except in EVICTED.
+    "resident": st.none() | uints, "evict": uints, "prefetch": uints, "bytes": uints,
 }
 REASONS = {"Release": protocol.RELEASE_REASONS, "Drop": protocol.DROP_REASONS,
            "Revoke": protocol.REVOKE_REASONS}
@@ -31,6 +33,8 @@ def message_strategy(cls):
     for f in dataclasses.fields(cls):
         if f.name == "reason":
             fields[f.name] = st.sampled_from(REASONS[cls.__name__])
+        elif cls is protocol.Evicted and f.name == "resident":
+            fields[f.name] = uints
         else:
             fields[f.name] = FIELD_STRATEGIES.get(f.name, texts)
     return st.builds(cls, **fields)

@@ -29,6 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from .. import protocol
+from . import residency
 from .events import (
     Acquire,
     Action,
@@ -37,6 +38,7 @@ from .events import (
     ControlError,
     DeviceInfo,
     Event,
+    Evicted,
     Forget,
     Heartbeat,
     LockEvent,
@@ -133,7 +135,7 @@ class _Client:
 
 class _Device:
     __slots__ = ("id", "name", "total", "reports", "budget_override", "mode", "tq", "holders", "overdue", "queue",
-                 "pairs", "used")
+                 "pairs", "used", "evict_asked", "evict_awaited", "evict_deadline")
 
     def __init__(self, device_id: str, mode: Mode, tq: float) -> None:
         self.id = device_id
@@ -150,6 +152,11 @@ class _Device:
         self.queue: OrderedDict[_Pair, None] = OrderedDict()  # FCFS; O(1) pop at the head
         self.pairs: dict[_Pair, None] = {}  # every client that knows the device (MODE notices)
         self.used = 0  # sum of the pairs' used bytes
+        # The current wait for room (residency.py): who was sent EVICT in it and for how many
+        # bytes, whose EVICTED is still awaited, and when the head is granted regardless.
+        self.evict_asked: dict[_Pair, int] = {}
+        self.evict_awaited: dict[_Pair, None] = {}
+        self.evict_deadline: float | None = None
 
     @property
     def budget(self) -> int:
@@ -172,7 +179,7 @@ class _Device:
 
 class _Pair:
     __slots__ = ("client", "device", "used", "total", "hold", "overdue", "waiting_since", "wait_total", "hold_total",
-                 "grants", "blocked_by", "last_wait")
+                 "grants", "blocked_by", "last_wait", "resident", "swapped", "last_held")
 
     def __init__(self, client: _Client, device: _Device) -> None:
         self.client = client  # changes when a reconnecting process takes its pairs over
@@ -189,6 +196,12 @@ class _Pair:
         # the last finished wait: (seconds, who was ahead).
         self.blocked_by: tuple[_Client, ...] = ()
         self.last_wait: tuple[float, tuple[_Client, ...]] | None = None
+        # Residency (residency.py): the converted bytes the client last said are on the device
+        # (None: it does not report residency), the bytes seen moved to the host, and when its
+        # last grant ended (-inf: never held), which orders EVICTs.
+        self.resident: int | None = None
+        self.swapped = 0
+        self.last_held = -math.inf
 
 
 def _same_process(old: ClientInfo, new: ClientInfo) -> bool:
@@ -227,6 +240,7 @@ class SchedulerCore:
             MemoryReport: self._memory,
             Acquire: self._acquire,
             Release: self._release,
+            Evicted: self._evicted,
             Heartbeat: self._heartbeat,
             Unregister: self._unregister,
         }
@@ -432,9 +446,12 @@ class SchedulerCore:
         if pair is None:
             return
         dev = pair.device
+        freed = max(0, pair.used - ev.used)
         dev.used += ev.used - pair.used
         pair.used = ev.used
-        if dev.mode == "auto":
+        if ev.resident is not None:
+            residency.report(pair, ev.resident, freed)
+        if dev.mode == "auto" or dev.evict_awaited:
             self._settle(dev, ev.now, out)
 
     def _acquire(self, client: _Client, ev: Acquire, out: list[Action]) -> None:
@@ -447,6 +464,8 @@ class SchedulerCore:
     def _release(self, client: _Client, ev: Release, out: list[Action]) -> None:
         pair = client.pairs.get(ev.device)
         fields = {"client": client.cid, "device": ev.device, "grant": ev.grant}
+        if pair is not None and ev.resident is not None:
+            residency.report(pair, ev.resident)
         if pair is not None and pair.hold is not None and pair.hold.grant == ev.grant:
             dev = pair.device
             out.append(LockEvent(ev.now, "release", dev.id, client.cid, ev.grant, ev.reason))
@@ -459,6 +478,18 @@ class SchedulerCore:
             out.append(Log("debug", "released-revoked", fields))
         else:
             out.append(Log("debug", "released-stale", fields))
+
+    def _evicted(self, client: _Client, ev: Evicted, out: list[Action]) -> None:
+        pair = client.pairs.get(ev.device)
+        if pair is None:
+            out.append(Log("debug", "evicted-stale", {"client": client.cid, "device": ev.device}))
+            return
+        dev = pair.device
+        residency.report(pair, ev.resident)
+        out.append(LockEvent(ev.now, "evicted", dev.id, client.cid, detail=f"resident={ev.resident}"))
+        if pair in dev.evict_awaited:
+            del dev.evict_awaited[pair]
+            self._settle(dev, ev.now, out)
 
     def _heartbeat(self, client: _Client, ev: Heartbeat, out: list[Action]) -> None:
         pass  # liveness was refreshed in handle()
@@ -585,6 +616,8 @@ class SchedulerCore:
             # lock passed on) now, not at a tick that next_deadline() would put at `now`.
             if not dropped or not self._revocations_due(dev, now):
                 break
+        if dev.evict_deadline is not None and (not dev.queue or now >= dev.evict_deadline):
+            self._end_eviction_wait(dev)  # nobody waits for the room any more, or not longer
         self._notify_contention(dev, now, out)
         self._refresh_deadline(dev)
 
@@ -611,6 +644,7 @@ class SchedulerCore:
             del dev.holders[hold.grant]
             pair.hold_total += now - hold.since
             pair.hold = None
+            pair.last_held = now
             hold.state = "overdue"
             pair.overdue[hold.grant] = hold
             dev.overdue[hold.grant] = pair
@@ -649,6 +683,8 @@ class SchedulerCore:
                 break  # a draining holder that asked again waits for its own release
             if dev.holders and self._serialised_against(dev, pair):
                 break  # FCFS: nobody overtakes the head
+            if not self._room_made(dev, pair, now, out):
+                break  # the head waits for EVICTED answers; FCFS again
             self._grant(pair, now, out)
 
     @staticmethod
@@ -663,7 +699,10 @@ class SchedulerCore:
         return bool(expired)
 
     def _refresh_deadline(self, dev: _Device) -> None:
-        best = min((when for when, _, _ in self._timers(dev)), default=None)
+        whens = [when for when, _, _ in self._timers(dev)]
+        if dev.evict_deadline is not None:
+            whens.append(dev.evict_deadline)
+        best = min(whens, default=None)
         if best is None:
             self._deadlines.pop(dev, None)
         else:
@@ -712,13 +751,47 @@ class SchedulerCore:
             self._leave_queue(pair, now)
         hold = self._new_hold(pair, now)
         cid = pair.client.cid
-        out.append(Send(pair.client.key, self._grant_message(dev, hold.grant)))
-        out.append(LockEvent(now, "grant", dev.id, cid, hold.grant))
-        out.append(Log("debug", "granted", {"client": cid, "device": dev.id, "grant": hold.grant}))
+        prefetch = residency.prefetch_on_grant(dev, pair)
+        out.append(Send(pair.client.key, self._grant_message(dev, hold.grant, prefetch)))
+        out.append(LockEvent(now, "grant", dev.id, cid, hold.grant, f"prefetch={prefetch}" if prefetch else ""))
+        out.append(Log("debug", "granted", {"client": cid, "device": dev.id, "grant": hold.grant, "prefetch": prefetch}))
 
-    def _grant_message(self, dev: _Device, grant: int) -> protocol.Grant:
+    def _grant_message(self, dev: _Device, grant: int, prefetch: int = 0) -> protocol.Grant:
         return protocol.Grant(device=dev.id, grant=grant, mode=dev.mode, exclusive=dev.mode == "on",
-                              quantum_ms=_ms(dev.tq))
+                              quantum_ms=_ms(dev.tq), prefetch=prefetch)
+
+    def _room_made(self, dev: _Device, pair: _Pair, now: float, out: list[Action]) -> bool:
+        """Whether `pair`, the head of the queue, may be granted now as far as residency goes.
+        While its memory would not fit beside what the others keep resident, idle clients are
+        asked to EVICT (residency.eviction_plan) and the grant waits for their EVICTED answers,
+        at most the grace: then it proceeds with a warning, as it does at once when nothing
+        that could move is left to ask (the driver's faults then share the device)."""
+        if dev.mode != "off" and residency.excess(dev, pair) > 0:
+            if dev.evict_deadline is not None and now >= dev.evict_deadline:
+                out.append(Log("warning", "evict-timeout", {
+                    "device": dev.id, "client": pair.client.cid,
+                    "silent": ",".join(other.client.cid for other in dev.evict_awaited)}))
+            else:
+                for other, amount in residency.eviction_plan(dev, pair, dev.evict_asked):
+                    dev.evict_asked[other] = amount
+                    dev.evict_awaited[other] = None
+                    out.append(Send(other.client.key, protocol.Evict(device=dev.id, bytes=amount)))
+                    out.append(LockEvent(now, "evict", dev.id, other.client.cid, detail=f"bytes={amount}"))
+                    out.append(Log("debug", "evict-asked", {"client": other.client.cid, "device": dev.id,
+                                                            "bytes": amount, "for": pair.client.cid}))
+                if dev.evict_awaited:
+                    if dev.evict_deadline is None:
+                        dev.evict_deadline = now + self.config.grace
+                    return False
+        self._end_eviction_wait(dev)
+        return True
+
+    @staticmethod
+    def _end_eviction_wait(dev: _Device) -> None:
+        """EVICTED answers that come later only update what the clients keep resident."""
+        dev.evict_asked.clear()
+        dev.evict_awaited.clear()
+        dev.evict_deadline = None
 
     def _drop(self, pair: _Pair, now: float, reason: str, out: list[Action], grace: float | None = None) -> None:
         dev = pair.device
@@ -728,8 +801,12 @@ class SchedulerCore:
         hold.deadline = now + grace
         hold.reason = reason
         cid = pair.client.cid
+        evict = 0
+        if reason != "conflict":  # a refused claim holds nothing worth moving
+            grantee = next((waiter for waiter in dev.queue if waiter is not pair), None)
+            evict = residency.evict_on_drop(dev, pair, grantee)
         out.append(Send(pair.client.key, protocol.Drop(device=dev.id, grant=hold.grant,
-                                                       grace_ms=_ms(grace), reason=reason)))
+                                                       grace_ms=_ms(grace), reason=reason, evict=evict)))
         out.append(LockEvent(now, "drop", dev.id, cid, hold.grant, reason))
         out.append(Log("info", "dropped", {"client": cid, "device": dev.id, "grant": hold.grant, "reason": reason}))
 
@@ -759,6 +836,7 @@ class SchedulerCore:
         del pair.device.holders[hold.grant]
         pair.hold_total += now - hold.since
         pair.hold = None
+        pair.last_held = now
 
     def _forget_overdue(self, pair: _Pair) -> None:
         for grant in pair.overdue:
@@ -773,6 +851,8 @@ class SchedulerCore:
         if pair.waiting_since is not None:
             self._leave_queue(pair, now)
         self._forget_overdue(pair)
+        dev.evict_asked.pop(pair, None)
+        dev.evict_awaited.pop(pair, None)
         dev.used -= pair.used
         dev.count_report(pair.total, 0)
         del dev.pairs[pair]

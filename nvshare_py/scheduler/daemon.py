@@ -651,11 +651,13 @@ class Daemon:
         if kind is protocol.Acquire:
             event = ev.Acquire(now, key, message.device)
         elif kind is protocol.Release:
-            event = ev.Release(now, key, message.device, message.grant, message.reason)
+            event = ev.Release(now, key, message.device, message.grant, message.reason, message.resident)
         elif kind is protocol.Heartbeat:
             event = ev.Heartbeat(now, key)
         elif kind is protocol.Memory:
-            event = ev.MemoryReport(now, key, message.device, message.used)
+            event = ev.MemoryReport(now, key, message.device, message.used, message.resident)
+        elif kind is protocol.Evicted:
+            event = ev.Evicted(now, key, message.device, message.resident)
         elif kind is protocol.Device:
             event = ev.DeviceInfo(now, key, message.device, message.total, message.name)
         elif kind is protocol.Bye:

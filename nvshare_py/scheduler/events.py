@@ -62,6 +62,7 @@ class MemoryReport:
     client: ClientKey
     device: str
     used: int
+    resident: int | None = None  # None: the client does not report residency
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,17 @@ class Release:
     device: str
     grant: int
     reason: str = "user"
+    resident: int | None = None
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """EVICTED: the client's answer to EVICT, with its converted bytes still on the device."""
+
+    now: float
+    client: ClientKey
+    device: str
+    resident: int
 
 
 @dataclass(frozen=True)
@@ -127,7 +139,7 @@ class SetBudget:
 
 
 Event = (
-    Register | DeviceInfo | MemoryReport | Acquire | Release | Heartbeat | Unregister | Tick
+    Register | DeviceInfo | MemoryReport | Acquire | Release | Evicted | Heartbeat | Unregister | Tick
     | SetMode | SetQuantum | SetBudget
 )
 
