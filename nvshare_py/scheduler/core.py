@@ -808,7 +808,8 @@ class SchedulerCore:
         out.append(Send(pair.client.key, protocol.Drop(device=dev.id, grant=hold.grant,
                                                        grace_ms=_ms(grace), reason=reason, evict=evict)))
         out.append(LockEvent(now, "drop", dev.id, cid, hold.grant, reason))
-        out.append(Log("info", "dropped", {"client": cid, "device": dev.id, "grant": hold.grant, "reason": reason}))
+        out.append(Log("info", "dropped", {"client": cid, "device": dev.id, "grant": hold.grant, "reason": reason,
+                                           "evict": evict}))
 
     def _enqueue(self, pair: _Pair, now: float, out: list[Action]) -> bool:
         """ACQUIRE: idempotent while waiting or holding; a draining holder is queued behind

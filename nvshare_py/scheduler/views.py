@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable
 
+from . import residency
 from .core import AHEAD_REMEMBERED, SchedulerCore
 from .events import Log
 
@@ -34,6 +35,9 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
             "mode": dev.mode,
             "tq": dev.tq,
             "used": dev.used,
+            # What the budget holds now (docs/scheduler.md, "Budgets and swapping").
+            "resident": sum(residency.footprint(pair) for pair in dev.pairs),
+            "swapped": sum(pair.swapped for pair in dev.pairs),
             "holders": [
                 {
                     "client": pair.client.cid,
@@ -122,6 +126,8 @@ def _pair_status(pair, now: float) -> dict:
         state = "idle"
     return {
         "used": pair.used,
+        "resident": residency.footprint(pair),
+        "swapped": pair.swapped,
         "state": state,
         "wait_total": pair.wait_total + (now - pair.waiting_since if waiting else 0.0),
         "hold_total": pair.hold_total + (now - pair.hold.since if pair.hold is not None else 0.0),
@@ -159,6 +165,11 @@ WORDING: dict[str, Callable[[dict], str]] = {
     "mode-set": lambda f: f"mode {f['mode']} on {_target(f)}",
     "tq-set": lambda f: f"time quantum {f['seconds']:g} s on {_target(f)}",
     "budget-set": lambda f: f"memory budget of {f['device']}: {f['budget']}",
+    "evict-asked": lambda f: f"{f['client']} asked to evict {f['bytes']} bytes of {f['device']} to make room for {f['for']}",
+    "evict-timeout": lambda f: (f"{f['device']}: no room for {f['client']} after the grace "
+                                f"(EVICTED not received from {f['silent'] or 'nobody'}, or what moved was not enough): "
+                                "granting anyway, the driver's faults share the memory"),
+    "evicted-stale": lambda f: f"{f['client']} answered EVICT for {f['device']}, which it does not use",
     "revoked": lambda f: f"{f['client']} did not release grant {f['grant']} on {f['device']} in time: revoked",
     "contended": lambda f: (f"{f['client']} told that others wait for {f['device']} "
                             f"({f['quantum_left_ms']} ms of its quantum left)"),
