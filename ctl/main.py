@@ -310,7 +310,7 @@ def render_status(status: dict, wide: bool = False) -> Group:
             cells = [
                 (device if wide else labels.get(device, device)),
                 usage.get("state", "-") + silence_note(client, defaults),
-                format_bytes(usage.get("used")),
+                _memory_cell(usage),
                 f"{usage.get('wait_total', 0):.1f} s" if usage else "-",
                 f"{usage.get('hold_total', 0):.1f} s" if usage else "-",
             ]
@@ -319,6 +319,15 @@ def render_status(status: dict, wide: bool = False) -> Group:
             clients.add_row(*row, *cells)
     parts.append(clients)
     return Group(*parts)
+
+
+def _memory_cell(usage: dict) -> str:
+    """A client's memory on a device: what it allocated, and how much of it is swapped out to
+    the host (docs/scheduler.md, "Budgets and swapping") when any is."""
+    text = format_bytes(usage.get("used"))
+    if usage.get("swapped"):
+        text += f" ({format_bytes(usage['swapped'])} swapped out)"
+    return text
 
 
 def _interrupted() -> typer.Exit:

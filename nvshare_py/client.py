@@ -99,6 +99,8 @@ class _DeviceState:
     used: int | None = None
     used_dirty: bool = False
     used_sent_at: float = 0.0
+    # The current grant's DROP asked for an eviction: the RELEASE says what stays resident.
+    evict_asked: bool = False
 
 
 _live_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
@@ -401,7 +403,11 @@ class Client:
             if state is None or state.grant is None or self._closed:
                 return False
             grant, state.grant = state.grant, None
-            self._transmit(protocol.Release(device=device, grant=grant.id, reason=reason))
+            # This client converts no memory (docs/protocol.md, Residency): nothing of it is
+            # ever resident in the scheduler's sense, so it has nothing to move and says so.
+            resident = 0 if state.evict_asked else None
+            state.evict_asked = False
+            self._transmit(protocol.Release(device=device, grant=grant.id, reason=reason, resident=resident))
             return True
 
     @contextlib.contextmanager
@@ -643,12 +649,20 @@ class Client:
         with self._cond:
             state = self._devices.get(message.device)
             grant = state.grant if state is not None else None
+            if grant is not None and grant.id == message.grant and message.evict:
+                state.evict_asked = True
         if grant is None or grant.id != message.grant:
             return
         if self.on_drop is None:
             self.release(message.device, reason="drop")
         else:
             self._callback(self.on_drop, message.device, grant)
+
+    def _on_evict(self, message: protocol.Evict) -> None:
+        """Answered at once: with no converted memory there is nothing to move, and a grant
+        to another client waits for this answer."""
+        with self._cond:
+            self._transmit(protocol.Evicted(device=message.device, resident=0))
 
     def _on_contended(self, message: protocol.Contended) -> None:
         if self.on_contended is None:
@@ -718,6 +732,7 @@ class Client:
         protocol.Welcome: _on_welcome,
         protocol.Grant: _on_grant,
         protocol.Drop: _on_drop,
+        protocol.Evict: _on_evict,
         protocol.Contended: _on_contended,
         protocol.Revoke: _on_revoke,
         protocol.ModeNotice: _on_mode,
