@@ -127,6 +127,31 @@ def test_memory_gauges_follow_the_reports_and_forget_clients_that_left():
     assert value(found, "nvshare_device_memory_used_bytes", device=GPU) == 3000
 
 
+def test_swaps_asked_at_a_handoff_over_budget_are_counted_in_both_directions():
+    d = Driven()
+    d.register("a", 0.0)
+    d.register("b", 0.0)
+    for key in ("a", "b"):
+        d.feed(ev.DeviceInfo(0.0, key, GPU, 16000))
+        d.feed(ev.MemoryReport(0.0, key, GPU, 12000, 0))
+    d.feed(ev.Acquire(0.0, "a", GPU))
+    d.feed(ev.MemoryReport(0.0, "a", GPU, 12000, 12000))
+    d.feed(ev.Acquire(0.0, "b", GPU))
+    d.feed(ev.Tick(10.0))  # DROP evict=8000 to a
+    d.feed(ev.Release(10.0, "a", GPU, 1, "drop", 4000))
+    d.feed(ev.MemoryReport(10.0, "b", GPU, 12000, 12000))
+    d.feed(ev.Acquire(10.0, "a", GPU))
+    d.feed(ev.Tick(20.0))  # DROP evict=8000 to b
+    d.feed(ev.Release(20.0, "b", GPU, 2, "drop", 4000))  # a is granted with prefetch=8000
+    found = d.scrape(20.0)
+    assert value(found, "nvshare_device_swap_requested_bytes_total", device=GPU, direction="out") == 16000
+    assert value(found, "nvshare_device_swap_requested_bytes_total", device=GPU, direction="in") == 8000
+    # a has not reported bringing its 8000 back yet: both halves are out until it does.
+    assert value(found, "nvshare_device_memory_swapped_bytes", device=GPU) == 16000
+    d.feed(ev.MemoryReport(20.0, "a", GPU, 12000, 12000))
+    assert value(d.scrape(20.0), "nvshare_device_memory_swapped_bytes", device=GPU) == 8000
+
+
 def test_client_label_sets_are_bounded_and_the_rest_is_counted_as_overflow():
     d = Driven()
     extra = 5

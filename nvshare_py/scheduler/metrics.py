@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
-from .. import __version__
+from .. import __version__, protocol
 from . import events as ev
 
 log = logging.getLogger("nvshare.scheduler")
@@ -93,9 +93,14 @@ class SchedulerMetrics:
                                ("device",), registry=registry)
         self.drops = Counter("nvshare_device_drops_total", "DROP requests sent to holders, by reason",
                              ("device", "reason"), registry=registry)
-        # Swapping (moving a holder's memory out at a handoff) does not exist yet. When it does,
-        # its per-device counters go here: nvshare_device_swap_bytes_total{device,direction} and
-        # nvshare_device_swap_seconds_total{device,direction}, fed from the same LockEvents.
+        # Swapping (docs/scheduler.md, "Budgets and swapping"): what the scheduler asked to move.
+        # How long the moves took is the clients' to measure (the interceptor's trace).
+        self.swap_requested = Counter("nvshare_device_swap_requested_bytes_total",
+                                      "Bytes the scheduler asked clients to move: out = DROP evict= and EVICT, "
+                                      "in = GRANT prefetch=", ("device", "direction"), registry=registry)
+        self.device_swapped = Gauge("nvshare_device_memory_swapped_bytes",
+                                    "Memory of the device's clients seen moved to the host and not brought back",
+                                    ("device",), registry=registry)
         # --- per client ---
         self.wait_seconds = Histogram("nvshare_client_wait_seconds",
                                       "Time from a client's ACQUIRE to its GRANT", CLIENT_LABELS,
@@ -168,6 +173,17 @@ class SchedulerMetrics:
         for action in actions:
             if type(action) is ev.LockEvent:
                 self._on_lock_event(event, action)
+            elif type(action) is ev.Send:
+                self._on_message(action.message)
+
+    def _on_message(self, message) -> None:
+        kind = type(message)
+        if kind is protocol.Drop and message.evict:
+            self.swap_requested.labels(self._device(message.device), "out").inc(message.evict)
+        elif kind is protocol.Evict:
+            self.swap_requested.labels(self._device(message.device), "out").inc(message.bytes)
+        elif kind is protocol.Grant and message.prefetch:
+            self.swap_requested.labels(self._device(message.device), "in").inc(message.prefetch)
 
     def rejected_message(self, code: str) -> None:
         self.rejected.labels(code).inc()
@@ -245,7 +261,8 @@ class SchedulerMetrics:
 
     def _set_gauges(self, status: dict) -> None:
         for gauge in (self.device_mode, self.device_tq, self.device_total, self.device_budget, self.device_used,
-                      self.device_resident, self.device_holders, self.device_waiters, self.client_memory,
+                      self.device_resident, self.device_swapped, self.device_holders, self.device_waiters,
+                      self.client_memory,
                       self.client_holding):
             gauge.clear()  # devices and clients that are gone leave no stale series
         used_by: dict[tuple[str, str], int] = {}
@@ -266,6 +283,7 @@ class SchedulerMetrics:
             self.device_used.labels(device).inc(dev["used"])
             self.device_resident.labels(device).inc(
                 sum(used_by.get((holder["client"], dev["device"]), 0) for holder in dev["holders"]))
+            self.device_swapped.labels(device).inc(dev["swapped"])
             self.device_holders.labels(device).inc(len(dev["holders"]))
             self.device_waiters.labels(device).inc(len(dev["waiters"]))
         self.clients.set(len(status["clients"]))
