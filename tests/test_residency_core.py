@@ -348,3 +348,19 @@ class ResidencyMachine(RuleBasedStateMachine):
 TestResidency = ResidencyMachine.TestCase
 TestResidency.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_with_swapping_off_a_handoff_over_budget_moves_nothing():
+    c = Cluster(budget=16 * GiB)
+    c.core = SchedulerCore(CoreConfig(tq=1.0, grace=2.0, heartbeat_timeout=1e6, heartbeat_interval=1e5,
+                                      swapping=False), c.now)
+    c.join("a", 12 * GiB, 0)
+    c.feed(Acquire(c.now, "a", DEV))
+    grant = c.grant_of("a")
+    c.feed(MemoryReport(c.now, "a", DEV, 12 * GiB, 12 * GiB))
+    c.join("b", 12 * GiB, 0)
+    c.feed(Acquire(c.now, "b", DEV))
+    c.advance(1.0)
+    assert c.sent(protocol.Drop, "a")[0].evict == 0
+    c.feed(Release(c.now, "a", DEV, grant.grant, "drop", 12 * GiB))
+    assert c.grant_of("b").prefetch == 0 and not c.sent(protocol.Evict)

@@ -24,6 +24,11 @@ class Mode(str, enum.Enum):
     auto = "auto"
 
 
+class Swapping(str, enum.Enum):
+    on = "on"
+    off = "off"
+
+
 class LogLevel(str, enum.Enum):
     debug = "debug"
     info = "info"
@@ -89,6 +94,9 @@ def serve(
         help="Default idle window in seconds after which a holder gives the lock back (told to clients); 0 turns early release off",
     ),
     recovery: float = typer.Option(2.0, parser=number_between(0, DAY), help="After a restart over a previous daemon's sockets: seconds to wait for holders to reclaim their locks"),
+    swapping: Swapping = typer.Option(
+        Swapping.on, help="on: a handoff over a device's memory budget moves memory in bulk (DROP evict=, EVICT, "
+        "GRANT prefetch=); off: nothing is asked to move, the driver's page faults do it (docs/scheduler.md)"),
     log_level: LogLevel = typer.Option(LogLevel.info, help="Log verbosity"),
     metrics: Optional[str] = typer.Option(None, metavar="ADDRESS", help="Serve Prometheus metrics on HOST:PORT or :PORT (every interface), e.g. 127.0.0.1:9400 (docs/metrics.md) [default: off]"),
     version: bool = VERSION_OPTION,
@@ -103,6 +111,7 @@ def serve(
             heartbeat_timeout=heartbeat_timeout,
             idle_release=idle_release,
             recovery=recovery,
+            swapping=swapping is Swapping.on,
             metrics=metrics,
         )
     except ValueError as exc:  # what the parsers let through: e.g. a heartbeat timeout not longer than the interval

@@ -88,6 +88,9 @@ class CoreConfig:
     heartbeat_timeout: float = 5.0  # no message for this long -> the client is gone
     idle_release: float = 1.0  # sent to clients in WELCOME; 0: holders never release early
     recovery: float = 0.0  # > 0 only when restarting over a previous daemon's clients
+    # Budgets move memory at handoffs (residency.py). False: nothing is ever asked to move, as
+    # before issue 8 (the fault-driven baseline of benchmarks/bench_colocation.py).
+    swapping: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in protocol.MODES:
@@ -751,7 +754,7 @@ class SchedulerCore:
             self._leave_queue(pair, now)
         hold = self._new_hold(pair, now)
         cid = pair.client.cid
-        prefetch = residency.prefetch_on_grant(dev, pair)
+        prefetch = residency.prefetch_on_grant(dev, pair) if self.config.swapping else 0
         out.append(Send(pair.client.key, self._grant_message(dev, hold.grant, prefetch)))
         out.append(LockEvent(now, "grant", dev.id, cid, hold.grant, f"prefetch={prefetch}" if prefetch else ""))
         out.append(Log("debug", "granted", {"client": cid, "device": dev.id, "grant": hold.grant, "prefetch": prefetch}))
@@ -766,7 +769,7 @@ class SchedulerCore:
         asked to EVICT (residency.eviction_plan) and the grant waits for their EVICTED answers,
         at most the grace: then it proceeds with a warning, as it does at once when nothing
         that could move is left to ask (the driver's faults then share the device)."""
-        if dev.mode != "off" and residency.excess(dev, pair) > 0:
+        if self.config.swapping and dev.mode != "off" and residency.excess(dev, pair) > 0:
             if dev.evict_deadline is not None and now >= dev.evict_deadline:
                 out.append(Log("warning", "evict-timeout", {
                     "device": dev.id, "client": pair.client.cid,
@@ -802,7 +805,7 @@ class SchedulerCore:
         hold.reason = reason
         cid = pair.client.cid
         evict = 0
-        if reason != "conflict":  # a refused claim holds nothing worth moving
+        if reason != "conflict" and self.config.swapping:  # a refused claim holds nothing worth moving
             grantee = next((waiter for waiter in dev.queue if waiter is not pair), None)
             evict = residency.evict_on_drop(dev, pair, grantee)
         out.append(Send(pair.client.key, protocol.Drop(device=dev.id, grant=hold.grant,

@@ -87,6 +87,7 @@ class DaemonConfig:
     heartbeat_timeout: float = 5.0
     idle_release: float = 1.0
     recovery: float = 2.0  # only used when a previous daemon's client socket is found
+    swapping: bool = True  # budgets move memory at handoffs (docs/scheduler.md, "Budgets and swapping")
     metrics: str | None = None  # HOST:PORT or :PORT to serve Prometheus metrics on; None: off
 
     def __post_init__(self) -> None:
@@ -106,6 +107,7 @@ class DaemonConfig:
             heartbeat_timeout=self.heartbeat_timeout,
             idle_release=self.idle_release,
             recovery=self.recovery if restarted else 0.0,
+            swapping=self.swapping,
         )
 
 
@@ -843,6 +845,7 @@ class Daemon:
                     "heartbeat_interval": self.config.heartbeat_interval,
                     "heartbeat_timeout": self.config.heartbeat_timeout,
                     "idle_release": self.config.idle_release,
+                    "swapping": self.config.swapping,
                 },
                 "restarted": self.restarted,
             }
