@@ -17,16 +17,19 @@ Regimes:
 - `oversubscribed`: each job uses 65 % of the device, so any two exceed it.
   On the simulated driver the device is SIMCUDA_MEMORY with residency modelled
   (tests/simcuda/README.md, "Residency": 2 MiB chunks, LRU eviction across processes, fault and
-  prefetch costs of an H200). On a real GPU the card is never physically oversubscribed (safety
-  rule): the regime is a scheduler memory budget (`nvsharectl set-budget`) below the jobs' sum.
-  Today a budget only decides which holders mode `auto` lets run together; it does not yet move
-  memory (evict on release / prefetch on grant are issue 8's scheduler work), so on a real GPU
-  the oversubscribed numbers show the scheduling, not the swapping. The JSON says which
-  mechanism each regime used.
+  prefetch costs of an H200), and the scheduler's budget is the device's size. On a real GPU the
+  card is never physically oversubscribed (safety rule): the regime is a scheduler memory budget
+  (`nvsharectl set-budget`) below the jobs' sum, which swapping enforces (docs/scheduler.md,
+  "Budgets and swapping"). The JSON says which mechanism each regime used.
 
 Modes: `sequential` (the baseline: the jobs one after the other, without nvshare), and the
-scheduler's `off`, `on` and `auto`, all jobs at once under libnvshare.so. A TQ sweep repeats
-`on` oversubscribed for several time quanta (the paper's Figure 3).
+scheduler's `off`, `on` (fault-driven: `--swapping off`, the behaviour before issue 8 and the
+original nvshare's), `swap` (mode on with `--swapping on`: over budget a handoff evicts the
+holder's memory and prefetches the grantee's in bulk) and `auto` (swapping on), all jobs at
+once under libnvshare.so. A TQ sweep repeats `on` and `swap` oversubscribed for several time
+quanta (the paper's Figure 3). Swapping needs the interceptor's side (it reports `resident=`,
+evicts on DROP/EVICT and prefetches on GRANT); with an interceptor that does not, `swap` runs
+exactly as `on`, and the simulated runs show it: their `prefetched_mib` stays 0.
 
 Makespan: from the first job's first step to the last job's end (simulated driver: simapp's
 CLOCK_MONOTONIC step times; real GPU: the jobs' own monotonic stamps). The simulated driver also
@@ -63,7 +66,10 @@ from fixtures.scheduler import DEFAULT_OPTIONS, SchedulerProcess, child_env, sho
 from fixtures.simcuda import build_simcuda, parse_steps  # noqa: E402
 
 MIB = 1 << 20
-MODES = ("sequential", "off", "on", "auto")
+MODES = ("sequential", "off", "on", "swap", "auto")
+# The scheduler's options behind each mode (sequential runs without nvshare).
+SCHEDULER_MODES = {"off": ("off", "off"), "on": ("on", "off"), "swap": ("on", "on"), "auto": ("auto", "on")}
+SWEEP_MODES = ("on", "swap")
 REGIMES = ("fits", "oversubscribed")
 FITS_SHARE = 0.8           # of the device, split between the jobs
 SYNC_EVERY = 5             # kernels of a simulated burst between synchronisations
@@ -150,6 +156,9 @@ class Simulated:
         lines = self.simcuda.read_trace(trace)
         outcome["migrated_to_device_mib"] = round(moved(lines, direction="to_device") / MIB, 1)
         outcome["evicted_mib"] = round(moved(lines, cause="evict") / MIB, 1)
+        # Bulk moves (cuMemPrefetchAsync): what swapping did, both ways.
+        outcome["prefetched_mib"] = round(moved(lines, cause="prefetch", direction="to_device") / MIB, 1)
+        outcome["swapped_out_mib"] = round(moved(lines, cause="prefetch", direction="to_host") / MIB, 1)
         if outcome["finished"]:  # a killed job's last kernel has no trace line to count turns by
             outcome["handoffs"] = handoffs(lines)
         shutil.rmtree(state, ignore_errors=True)
@@ -163,8 +172,11 @@ class Schedulers:
         self.running: dict[tuple[str, float], SchedulerProcess] = {}
 
     def get(self, mode: str, tq: float, idle_release: float) -> SchedulerProcess:
+        """`mode`: one of MODES but sequential."""
         if (mode, tq) not in self.running:
-            options = {**DEFAULT_OPTIONS, "log_level": "warning", "mode": mode, "tq": tq, "idle_release": idle_release}
+            scheduling, swapping = SCHEDULER_MODES[mode]
+            options = {**DEFAULT_OPTIONS, "log_level": "warning", "mode": scheduling, "swapping": swapping, "tq": tq,
+                       "idle_release": idle_release}
             self.running[mode, tq] = SchedulerProcess(short_socket_dir(), options).start()
         return self.running[mode, tq]
 
@@ -223,8 +235,9 @@ class RealGpu:
 
     mechanism = {"fits": "real GPU, memory fits the budget",
                  "oversubscribed": "real GPU under a scheduler memory budget (nvsharectl set-budget) below the "
-                                   "jobs' sum; no swapping yet (evict-on-release / prefetch-on-grant not built): "
-                                   "pages stay on the card, only the scheduling reacts to the budget"}
+                                   "jobs' sum: mode swap moves memory in bulk at handoffs to keep within it; "
+                                   "on/auto without swapping leave the pages on the card (only the scheduling "
+                                   "reacts to the budget)"}
 
     def __init__(self, work: Path, capacity: int, steps: int, burst_s: float, library: Path) -> None:
         self.work = work
@@ -314,11 +327,13 @@ def experiments(args: argparse.Namespace, backend) -> dict[str, Any]:
     sweep["sequential_s"] = baseline["modes"]["sequential"]["makespan_s"]
     for tq in args.tq_sweep:
         extra = {"budget": int(sum(sweep_sizes) / 1.5)} if isinstance(backend, RealGpu) else {}
-        outcome = backend.run(sweep_sizes, args.cpu_share, "on", tq, args.timeout, **extra)
-        outcome["tq_s"] = tq
-        outcome["ratio_to_sequential"] = round(outcome["makespan_s"] / sweep["sequential_s"], 3)
-        sweep["points"].append(outcome)
-        print(f"  TQ {tq}: {outcome}", file=sys.stderr, flush=True)
+        for mode in SWEEP_MODES:
+            outcome = backend.run(sweep_sizes, args.cpu_share, mode, tq, args.timeout, **extra)
+            outcome["tq_s"] = tq
+            outcome["mode"] = mode
+            outcome["ratio_to_sequential"] = round(outcome["makespan_s"] / sweep["sequential_s"], 3)
+            sweep["points"].append(outcome)
+            print(f"  TQ {tq} {mode}: {outcome}", file=sys.stderr, flush=True)
     return {"results": results, "tq_sweep": sweep}
 
 
@@ -334,20 +349,21 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(document: dict[str, Any]) -> str:
     paper = document["paper"]["ratio_to_sequential"]
-    lines = [f"{'jobs':>4} {'kind':9} {'regime':15} " + " ".join(f"{m:>11}" for m in MODES)
+    lines = [f"{'jobs':>4} {'kind':9} {'regime':15} " + " ".join(f"{m:>10}" for m in MODES)
              + "   paper (variant: off / on TQ 1000 / on TQ 30)"]
     for row in document["results"]:
         cells = []
         for mode in MODES:
             outcome = row["modes"][mode]
-            cells.append(f"{('>' if not outcome['finished'] else '') + format(outcome['ratio_to_sequential'], '.2f'):>11}")
+            cells.append(f"{('>' if not outcome['finished'] else '') + format(outcome['ratio_to_sequential'], '.2f'):>10}")
         variant = row["paper_variant"]
         lines.append(f"{row['jobs']:>4} {row['kind']:9} {row['regime']:15} " + " ".join(cells)
                      + f"   {variant}: {paper['off'][variant]:.2f} / {paper['on (TQ 1000 s)'][variant]:.2f}"
                        f" / {paper['on (TQ 30 s)'][variant]:.2f}")
     sweep = document["tq_sweep"]
-    lines.append(f"TQ sweep ({sweep['jobs']} training jobs, oversubscribed, on): " + ", ".join(
-        f"TQ {p['tq_s']:g}s: {p['ratio_to_sequential']:.2f}" for p in sweep["points"])
+    lines.append(f"TQ sweep ({sweep['jobs']} training jobs, oversubscribed, on / swap): " + ", ".join(
+        f"TQ {tq:g}s: " + " / ".join(f"{p['ratio_to_sequential']:.2f}" for p in sweep["points"] if p["tq_s"] == tq)
+        for tq in dict.fromkeys(p["tq_s"] for p in sweep["points"]))
         + "; paper heavy_balanced: " + ", ".join(
         f"TQ {tq}s: {tct / PAPER_SEQUENTIAL['heavy_balanced']:.2f}" for tq, tct in PAPER_TQ_SWEEP.items()))
     return "\n".join(lines)
@@ -365,15 +381,15 @@ def plot(document: dict[str, Any], path: Path) -> None:
     paper = document["paper"]["ratio_to_sequential"]
     labels = [f"{r['jobs']}x {r['kind']}\n{r['regime']}" for r in rows] + ["paper\nlight_balanced",
                                                                             "paper\nheavy_balanced"]
-    width = 0.2
+    width = 0.8 / len(MODES)
     for index, mode in enumerate(MODES):
         values = [r["modes"][mode]["ratio_to_sequential"] for r in rows]
-        paper_mode = {"sequential": None, "off": "off", "on": "on (TQ 1000 s)", "auto": None}[mode]
+        paper_mode = {"off": "off", "on": "on (TQ 1000 s)"}.get(mode)
         values += [paper[paper_mode]["light_balanced"] if paper_mode else 0,
                    paper[paper_mode]["heavy_balanced"] if paper_mode else 0]
         if mode == "sequential":
             values[-2:] = [1.0, 1.0]
-        positions = [i + (index - 1.5) * width for i in range(len(labels))]
+        positions = [i + (index - (len(MODES) - 1) / 2) * width for i in range(len(labels))]
         bars.bar(positions, values, width, label=mode)
         for position, row in zip(positions, rows):
             if not row["modes"][mode]["finished"]:  # killed at the timeout: a lower bound
@@ -386,8 +402,10 @@ def plot(document: dict[str, Any], path: Path) -> None:
     bars.set_title(f"co-located jobs ({document['backend']})")
     bars.legend()
     sweep = document["tq_sweep"]
-    sweep_axes.plot([p["tq_s"] for p in sweep["points"]], [p["makespan_s"] for p in sweep["points"]], "o-",
-                    label="nvshare on")
+    for mode in SWEEP_MODES:
+        points = [p for p in sweep["points"] if p["mode"] == mode]
+        sweep_axes.plot([p["tq_s"] for p in points], [p["makespan_s"] for p in points], "o-",
+                        label=f"nvshare {mode}")
     sweep_axes.axhline(sweep["sequential_s"], color="grey", linestyle="--", label="sequential")
     sweep_axes.set_xscale("log")
     sweep_axes.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
@@ -465,7 +483,10 @@ def main() -> None:
         stem += "-jobs" + "-".join(map(str, args.jobs))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(document, indent=1) + "\n")
-    plot(document, args.out / f"{stem}.png")
+    try:
+        plot(document, args.out / f"{stem}.png")
+    except ImportError:
+        print("matplotlib is not installed: no plot written", file=sys.stderr)
     print(table(document), file=sys.stderr)
     print(json.dumps(document, indent=1))
 
