@@ -169,7 +169,8 @@ def set_budget(
     size: str = typer.Argument(..., metavar="BYTES|default", help="Memory budget, e.g. 60G, 512M, or 'default' for the device's total"),
     device: str = typer.Option(..., "--device", help="The device: GPU<n> as status shows it, or its UUID"),
 ) -> None:
-    """Set the memory budget that auto mode fits holders into (at most the device's memory)."""
+    """Set the memory the device's clients may keep resident at once (at most the device's memory):
+    handoffs over it swap in bulk, and auto mode fits holders into it."""
     if size.strip().lower() == "default":
         budget = None
     else:

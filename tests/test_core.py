@@ -786,7 +786,7 @@ def test_status_document_lists_devices_holders_waiters_and_client_statistics():
     status = h.status()
     assert status["devices"] == [{
         "device": GPU0, "name": "NVIDIA H200", "total": 16 * GiB, "budget": 16 * GiB, "mode": "on",
-        "tq": 10.0, "used": 4 * GiB,
+        "tq": 10.0, "used": 4 * GiB, "resident": 4 * GiB, "swapped": 0,
         "holders": [{"client": "c1", "grant": grant, "since": wall(1), "quantum_left": 7.0, "state": "holding",
                      "silent": 3.0}],
         "waiters": [{"client": "c2", "since": wall(3)}],
@@ -795,10 +795,10 @@ def test_status_document_lists_devices_holders_waiters_and_client_statistics():
     assert a["client"] == "c1" and a["connected"] == wall(0) and a["program"] == "python"
     assert set(a) == {"client", "pid", "host_pid", "uid", "host", "container", "pod", "namespace", "program",
                       "connected", "last_seen", "silent", "devices"}
-    assert a["devices"] == {GPU0: {"used": 3 * GiB, "state": "holding", "wait_total": 0.0, "hold_total": 3.0,
-                                   "grants": 1}}
-    assert b["devices"][GPU0] == {"used": 1 * GiB, "state": "waiting", "wait_total": 1.0, "hold_total": 0.0,
-                                  "grants": 0}
+    assert a["devices"] == {GPU0: {"used": 3 * GiB, "resident": 3 * GiB, "swapped": 0, "state": "holding",
+                                   "wait_total": 0.0, "hold_total": 3.0, "grants": 1}}
+    assert b["devices"][GPU0] == {"used": 1 * GiB, "resident": 1 * GiB, "swapped": 0, "state": "waiting",
+                                  "wait_total": 1.0, "hold_total": 0.0, "grants": 0}
     h.at(11).tick()  # a's quantum is over and b waits
     h.at(12).release("a", grant, reason="drop")
     h.at(20)

@@ -67,6 +67,8 @@ def test_a_handoff_over_budget_evicts_in_bulk_and_prefetches_back(scheduler_fact
 
         (client_a,) = [c for c in scheduler.status()["clients"] if c["client"] == "c1"]
         assert (client_a["devices"][GPU]["resident"], client_a["devices"][GPU]["swapped"]) == (4 * GiB, 8 * GiB)
+        shown = scheduler.ctl("status", env={**scheduler.env, "COLUMNS": "200"})
+        assert "12.0 GiB (8.0 GiB swapped out)" in shown.stdout, shown.stdout
 
         # b leaves without evicting: a's turn needs room, so EVICT goes to b, now idle.
         a.send(protocol.Acquire(device=GPU))
