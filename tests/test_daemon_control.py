@@ -140,8 +140,11 @@ def test_status_shows_who_the_clients_are(scheduler):
                       what="the memory report")
     scheduler_block = status["scheduler"]
     assert scheduler_block["socket_dir"] == str(scheduler.socket_dir)
-    assert scheduler_block["defaults"] == {option: scheduler.options[option] for option in
-                                           ("mode", "tq", "grace", "heartbeat_interval", "heartbeat_timeout", "idle_release")}
+    assert scheduler_block["defaults"] == {
+        **{option: scheduler.options[option] for option in
+           ("mode", "tq", "grace", "heartbeat_interval", "heartbeat_timeout", "idle_release")},
+        "swapping": True,  # the daemon's default (--swapping on)
+    }
     (client,) = status["clients"]
     assert client["client"] == agent.client_id
     assert client["pid"] == agent.pid and client["host_pid"] == agent.pid and client["uid"] == os.geteuid()
