@@ -36,6 +36,7 @@ import ctypes
 import datetime
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -44,7 +45,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from fixtures.interceptor import build_interceptor  # noqa: E402
+from fixtures.scheduler import SchedulerProcess, child_env  # noqa: E402
 
 GiB = 1 << 30
 CU_MEM_ATTACH_GLOBAL = 1
@@ -194,42 +198,7 @@ torch.cuda.synchronize(); print((time.monotonic() - t) / 50)
 def library(work: Path) -> Path:
     if os.environ.get("NVSHARE_LIBRARY"):
         return Path(os.environ["NVSHARE_LIBRARY"])
-    subprocess.run(["make", "-s", "-C", str(ROOT / "interceptor"), f"BUILD={work}"], check=True)
-    return work / "libnvshare.so"
-
-
-class Scheduler:
-    def __init__(self, work: Path, env: dict, mode: str, swapping: str, tq: float) -> None:
-        from nvshare_py.paths import SocketPaths
-
-        self.dir = work / f"s-{mode}-{swapping}"
-        self.env = dict(env, NVSHARE_SOCKET_DIR=str(self.dir))
-        self.log = open(work / f"scheduler-{mode}-{swapping}.log", "wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "nvshare_py.scheduler", "--socket-dir", str(self.dir), "--mode", mode,
-             "--swapping", swapping, "--tq", str(tq), "--log-level", "info"],
-            env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.paths = SocketPaths.resolve(self.dir)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                self.request("status", timeout=1.0)
-                break
-            except Exception:
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    raise SystemExit("the scheduler did not start:\n" + (work / f"scheduler-{mode}-{swapping}.log")
-                                     .read_text())
-                time.sleep(0.1)
-
-    def request(self, op: str, timeout: float = 10.0, **fields):
-        from nvshare_py.control import request
-
-        return request(self.paths, op, timeout=timeout, **fields)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
-        self.log.close()
+    return build_interceptor(work / "lib")
 
 
 def run_jobs(argvs: list[list[str]], env: dict, timeout: float) -> float:
@@ -254,7 +223,10 @@ def colocation(work: Path, base_env: dict, preload: Path, budget: int, job_bytes
     result["modes"]["sequential"] = {"makespan_s": round(sum(run_jobs([argv], base_env, timeout) for _ in range(2)), 3)}
     print(f"  sequential: {result['modes']['sequential']}", file=sys.stderr, flush=True)
     for name, mode, swapping in (("off", "off", "off"), ("on", "on", "off"), ("swap", "on", "on")):
-        scheduler = Scheduler(work, base_env, mode, swapping, tq)
+        socket_dir = work / f"s-{name}"
+        socket_dir.mkdir()
+        scheduler = SchedulerProcess(socket_dir, {"mode": mode, "swapping": swapping, "tq": tq, "log_level": "info"})
+        scheduler.start()
         try:
             env = dict(scheduler.env, LD_PRELOAD=str(preload), NVSHARE_LOG="error")
             # A budget needs a device some client announced: a tiny CUDA program announces it.
@@ -272,6 +244,9 @@ def colocation(work: Path, base_env: dict, preload: Path, budget: int, job_bytes
                 "evicted_answers": sum(1 for e in events if e["kind"] == "evicted"),
                 "prefetch_granted_gib": round(sum(int(e["detail"].split("=")[1]) for e in grants
                                                   if e["detail"].startswith("prefetch=")) / GiB, 2),
+                # What DROPs asked holders to evict: the daemon's info log ("drop grant ... evict=N").
+                "evict_on_drop_gib": round(sum(int(n) for n in re.findall(r" drop grant .* evict=(\d+)",
+                                                                          scheduler.log_text())) / GiB, 2),
             }
         finally:
             scheduler.stop()
@@ -281,6 +256,29 @@ def colocation(work: Path, base_env: dict, preload: Path, budget: int, job_bytes
         print(f"  {name}: {outcome}", file=sys.stderr, flush=True)
     result["modes"]["sequential"].update(ratio_to_sequential=1.0, speedup_over_sequential=1.0)
     return result
+
+
+def table(document: dict) -> str:
+    """The text summary of a result document."""
+    settings = document["settings"]
+    seconds = document["bandwidth"]["seconds_median"]
+    rate = document["bandwidth"]["gb_per_s"]
+    lines = [
+        f"{document['gpu']}, {settings['buffer_gib']:g} GiB managed buffer (medians):",
+        f"  to host, bulk prefetch      {seconds['to_host_prefetch']:.3f} s  ({rate['to_host_prefetch']} GB/s)",
+        f"  to device, bulk prefetch    {seconds['prefetch_in_alone']:.3f} s  ({rate['to_device_prefetch']} GB/s)",
+        f"  to device by faults+kernel  {seconds['fault_in_with_kernel']:.3f} s",
+        f"  prefetch + kernel           {seconds['prefetch_in_with_kernel']:.3f} s  "
+        f"(bulk {document['bandwidth']['bulk_speedup_over_faults']}x faster; kernel alone {seconds['kernel_resident']:.3f} s)",
+        f"two {settings['job_gib']:g} GiB jobs under a {settings['budget_gib']:g} GiB budget, 1 s GPU / 1 s CPU steps:",
+        f"  {'mode':11} {'makespan':>9} {'vs seq':>7} {'grants':>6} {'evicted':>9} {'EVICTs':>6} {'prefetch':>9}",
+    ]
+    for name, outcome in document["colocation"]["modes"].items():
+        lines.append(f"  {name:11} {outcome['makespan_s']:>8.2f}s {outcome['speedup_over_sequential']:>6.2f}x "
+                     f"{outcome.get('grants', '-'):>6} {str(outcome.get('evict_on_drop_gib', '-')) + ' GiB':>9} "
+                     f"{outcome.get('evict_requests', '-'):>6} "
+                     f"{str(outcome.get('prefetch_granted_gib', '-')) + ' GiB':>9}")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -310,8 +308,7 @@ def main() -> None:
         raise SystemExit(f"refusing: {free / GiB:.1f} GiB free is less than 3x the memory asked for "
                          f"(jobs {2 * args.job_gib:g} GiB, buffer {args.buffer_gib:g} GiB)")
     work = Path(tempfile.mkdtemp(prefix="nvs-swap-", dir="/tmp"))
-    python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    base_env = dict(os.environ, PYTHONPATH=python_path)
+    base_env = child_env()
     base_env.pop("LD_PRELOAD", None)
     preload = library(work)
     started = time.monotonic()
@@ -348,23 +345,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"swap-{datetime.date.today().isoformat()}.json"
     path.write_text(json.dumps(document, indent=1) + "\n")
-    seconds = part_a["seconds_median"]
-    rate = part_a["gb_per_s"]
-    lines = [
-        f"{gpu}, {args.buffer_gib:g} GiB managed buffer (medians):",
-        f"  to host, bulk prefetch      {seconds['to_host_prefetch']:.3f} s  ({rate['to_host_prefetch']} GB/s)",
-        f"  to device, bulk prefetch    {seconds['prefetch_in_alone']:.3f} s  ({rate['to_device_prefetch']} GB/s)",
-        f"  to device by faults+kernel  {seconds['fault_in_with_kernel']:.3f} s",
-        f"  prefetch + kernel           {seconds['prefetch_in_with_kernel']:.3f} s  "
-        f"(bulk {part_a['bulk_speedup_over_faults']}x faster; kernel alone {seconds['kernel_resident']:.3f} s)",
-        f"two {args.job_gib:g} GiB jobs under a {args.budget_gib:g} GiB budget, 1 s GPU / 1 s CPU steps:",
-        f"  {'mode':11} {'makespan':>9} {'vs seq':>7} {'grants':>6} {'EVICTs':>6} {'prefetch':>9}",
-    ]
-    for name, outcome in part_b["modes"].items():
-        lines.append(f"  {name:11} {outcome['makespan_s']:>8.2f}s {outcome['speedup_over_sequential']:>6.2f}x "
-                     f"{outcome.get('grants', '-'):>6} {outcome.get('evict_requests', '-'):>6} "
-                     f"{str(outcome.get('prefetch_granted_gib', '-')) + ' GiB':>9}")
-    print("\n".join(lines), file=sys.stderr)
+    print(table(document), file=sys.stderr)
     print(json.dumps(document, indent=1))
     print(f"written: {path}", file=sys.stderr)
 
