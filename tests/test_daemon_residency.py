@@ -42,7 +42,8 @@ class Wire:
 
 def test_a_handoff_over_budget_evicts_in_bulk_and_prefetches_back(scheduler_factory):
     # A 16 GiB budget on an 80 GiB card: two 12 GiB jobs do not fit together.
-    scheduler = scheduler_factory(tq=0.2, grace=60)
+    # Raw sockets send no heartbeats: a long timeout keeps them registered on a slow machine.
+    scheduler = scheduler_factory(tq=0.2, grace=60, heartbeat_timeout=600)
     context = zmq.Context()
     try:
         a = Wire(context, scheduler.paths.client_endpoint, "00000000000000a1")
