@@ -79,8 +79,8 @@ class SchedulerMetrics:
         self.device_used = Gauge("nvshare_device_memory_used_bytes",
                                  "Device memory its clients report using, holders or not", ("device",), registry=registry)
         self.device_resident = Gauge("nvshare_device_memory_resident_bytes",
-                                     "Device memory reported by the current lock holders: what the device should "
-                                     "keep resident while they run", ("device",), registry=registry)
+                                     "Device memory its clients keep resident, holders or not: what the budget "
+                                     "holds (used less what was seen swapped out)", ("device",), registry=registry)
         self.device_holders = Gauge("nvshare_device_holders", "Clients holding the device's lock (revoked grants "
                                     "not yet released included)", ("device",), registry=registry)
         self.device_waiters = Gauge("nvshare_device_waiters", "Clients waiting for the device's lock",
@@ -262,14 +262,11 @@ class SchedulerMetrics:
     def _set_gauges(self, status: dict) -> None:
         for gauge in (self.device_mode, self.device_tq, self.device_total, self.device_budget, self.device_used,
                       self.device_resident, self.device_swapped, self.device_holders, self.device_waiters,
-                      self.client_memory,
-                      self.client_holding):
+                      self.client_memory, self.client_holding):
             gauge.clear()  # devices and clients that are gone leave no stale series
-        used_by: dict[tuple[str, str], int] = {}
         for client in status["clients"]:
             who = self._who.get(client["client"], (OVERFLOW, OVERFLOW, OVERFLOW))
             for device, pair in client["devices"].items():
-                used_by[(client["client"], device)] = pair["used"]
                 labels = (self._device(device), *who)
                 self.client_memory.labels(*labels).inc(pair["used"])
                 self.client_holding.labels(*labels).inc(1 if pair["state"] in ("holding", "draining") else 0)
@@ -281,8 +278,7 @@ class SchedulerMetrics:
             self.device_total.labels(device).inc(dev["total"])
             self.device_budget.labels(device).inc(dev["budget"])
             self.device_used.labels(device).inc(dev["used"])
-            self.device_resident.labels(device).inc(
-                sum(used_by.get((holder["client"], dev["device"]), 0) for holder in dev["holders"]))
+            self.device_resident.labels(device).inc(dev["resident"])
             self.device_swapped.labels(device).inc(dev["swapped"])
             self.device_holders.labels(device).inc(len(dev["holders"]))
             self.device_waiters.labels(device).inc(len(dev["waiters"]))
