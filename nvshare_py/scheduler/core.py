@@ -386,7 +386,8 @@ class SchedulerCore:
                 out.append(Send(new.key, self._grant_message(dev, hold.grant)))
                 if hold.state == "draining":  # the DROP may have been lost with the old connection
                     out.append(Send(new.key, protocol.Drop(device=dev.id, grant=hold.grant, reason=hold.reason,
-                                                           grace_ms=max(0, _ms(hold.deadline - now)))))
+                                                           grace_ms=max(0, _ms(hold.deadline - now)),
+                                                           evict=self._evict_on_drop(pair))))
                 hold.contended = False  # a CONTENDED may have been lost too: _settle tells it again
                 out.append(Log("info", "grant-passes", {"client": new.cid, "device": dev.id, "grant": hold.grant,
                                                    "predecessor": old.cid}))
@@ -804,15 +805,20 @@ class SchedulerCore:
         hold.deadline = now + grace
         hold.reason = reason
         cid = pair.client.cid
-        evict = 0
-        if reason != "conflict" and self.config.swapping:  # a refused claim holds nothing worth moving
-            grantee = next((waiter for waiter in dev.queue if waiter is not pair), None)
-            evict = residency.evict_on_drop(dev, pair, grantee)
+        evict = self._evict_on_drop(pair)
         out.append(Send(pair.client.key, protocol.Drop(device=dev.id, grant=hold.grant,
                                                        grace_ms=_ms(grace), reason=reason, evict=evict)))
         out.append(LockEvent(now, "drop", dev.id, cid, hold.grant, reason))
         out.append(Log("info", "dropped", {"client": cid, "device": dev.id, "grant": hold.grant, "reason": reason,
                                            "evict": evict}))
+
+    def _evict_on_drop(self, pair: _Pair) -> int:
+        """DROP's `evict=` for the holder `pair`: room for the queue's head (residency.py)."""
+        if not self.config.swapping or pair.hold.reason == "conflict":  # a refused claim holds nothing
+            return 0
+        dev = pair.device
+        grantee = next((waiter for waiter in dev.queue if waiter is not pair), None)
+        return residency.evict_on_drop(dev, pair, grantee)
 
     def _enqueue(self, pair: _Pair, now: float, out: list[Action]) -> bool:
         """ACQUIRE: idempotent while waiting or holding; a draining holder is queued behind

@@ -39,8 +39,14 @@ def excess(dev, grantee) -> int:
     budget = dev.budget
     if budget <= 0:
         return 0
+    wanted = min(grantee.used, budget)
+    # Every footprint is at most its `used`, whose sum the device keeps: when even that fits,
+    # the answer needs no walk over the clients (every handoff asks, most of them fit).
+    bound = dev.used - footprint(grantee) + wanted - budget
+    if bound <= 0:
+        return bound
     others = sum(footprint(pair) for pair in dev.pairs if pair is not grantee)
-    return others + min(grantee.used, budget) - budget
+    return others + wanted - budget
 
 
 def evict_on_drop(dev, holder, grantee) -> int:
