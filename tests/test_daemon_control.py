@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import zmq
 
 from fixtures.scheduler import OTHER_UID, as_other_user, can_run, nvsharectl_command, run_child, wait_for
 from nvshare_py import protocol
+from nvshare_py.scheduler.podcgroup import pod_uid_from_cgroup
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 
@@ -149,6 +151,9 @@ def test_status_shows_who_the_clients_are(scheduler):
     assert client["client"] == agent.client_id
     assert client["pid"] == agent.pid and client["host_pid"] == agent.pid and client["uid"] == os.geteuid()
     assert (client["pod"], client["namespace"], client["program"]) == ("nb-0", "team-a", "scheduler.py")
+    # The pod UID comes from the process's cgroup, whatever pod it names itself ("" here,
+    # unless the suite itself runs in a pod).
+    assert client["pod_uid"] == pod_uid_from_cgroup(Path(f"/proc/{agent.pid}/cgroup").read_text())
     assert client["devices"][GPU]["state"] == "holding" and client["devices"][GPU]["grants"] == 1
     (holder,) = status["devices"][0]["holders"]
     assert holder["client"] == agent.client_id and holder["state"] == "holding"

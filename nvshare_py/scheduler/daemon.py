@@ -48,6 +48,7 @@ from . import events as ev
 from . import views, zmtp
 from .core import CoreConfig, SchedulerCore
 from .metrics import SchedulerMetrics, bind_metrics, parse_address, serve_metrics
+from .podcgroup import pod_uid_of_process
 from .zmqtrio import PeerCredentials, bind_router, listen_unix, peer_credentials, recv_nowait, wait_readable
 
 log = logging.getLogger("nvshare.scheduler")
@@ -700,6 +701,8 @@ class Daemon:
             pod=hello.pod,
             namespace=hello.namespace,
             program=hello.program,
+            # The kernel's pid, never the pod the client names: per-pod settings match on this.
+            pod_uid=pod_uid_of_process(peer.pid),
         )
         key = connection.key
         self._feed(ev.Register(now, key, info, hello.held, hello.wanted))

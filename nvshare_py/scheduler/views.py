@@ -64,6 +64,7 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
             "container": info.container,
             "pod": info.pod,
             "namespace": info.namespace,
+            "pod_uid": info.pod_uid,
             "program": info.program,
             "connected": wall(client.connected),
             "last_seen": wall(client.last_seen),
