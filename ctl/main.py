@@ -16,7 +16,6 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from fractions import Fraction
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,7 +32,8 @@ from nvshare_py.clikit import (
 )
 from nvshare_py.control import EXIT_REFUSED, EXIT_USAGE, TIMEOUT_MAX, ControlConnection, ControlFailure
 from nvshare_py.paths import ENV_SOCKET_DIR, SocketPaths
-from nvshare_py.protocol import CONTROL_EVENTS_MAX, MAX_INT
+from nvshare_py.protocol import CONTROL_EVENTS_MAX
+from nvshare_py.sizes import parse_size
 
 app = typer.Typer(
     **APP_SETTINGS,
@@ -45,21 +45,7 @@ app = typer.Typer(
 stdout = Console(highlight=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160)
 EXIT_INTERRUPTED = 130
 
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(?:i?b)?\s*\Z", re.IGNORECASE)
 # The scheduler's ring holds the last 10 000 events, and that is also its largest page.
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '8G', '512M', '1.5GiB', '1048576' (binary units: 1K = 1024 bytes)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise ValueError(f"{text!r} is not a size (examples: 8G, 512M, 1.5GiB, 1048576)")
-    # Exact arithmetic: a float would round large byte counts and overflow on absurd ones.
-    size = int(Fraction(match.group(1)) * _UNITS[match.group(2).lower()])
-    if not 0 < size <= MAX_INT:
-        raise ValueError(f"the size must be greater than 0 and at most {MAX_INT} bytes")
-    return size
 
 
 def format_bytes(size: int | None) -> str:

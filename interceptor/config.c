@@ -76,7 +76,7 @@ static void copy_env(const char *name, char *out, size_t cap) {
 
 /* --- NVSHARE_MEMORY_LIMIT ----------------------------------------------------------------- */
 
-/* Bytes from '8G', '512M', '1.5GiB', '1048576': the grammar of nvsharectl's sizes (ctl/main.py
+/* Bytes from '8G', '512M', '1.5GiB', '1048576': the grammar of nvsharectl's sizes (nvshare_py/sizes.py
  * parse_size; the interceptor cannot call Python, hence this C twin), binary units, a fraction rounded down to whole bytes, more than 0 and at most
  * 2^63-1), so one spelling works on both sides; tests/test_memory_limit.py holds them to the
  * same answers. Returns -1 for anything else. */

@@ -95,6 +95,12 @@ def serve_command(
                                                "(<kind>=GPU-...) or index (<kind>=0), matching the node's CDI spec.")] = CdiNames.OFF,
     cdi_kind: Annotated[str, typer.Option(envvar="NVSHARE_DP_CDI_KIND",
                                           help="CDI kind of the GPUs in the node's CDI spec.")] = defaults.DEFAULT_CDI_KIND,
+    pod_settings: Annotated[bool, typer.Option(envvar="NVSHARE_DP_POD_SETTINGS",
+                                               help="Apply the nvshare.com/weight, /priority and /memory-limit "
+                                                    "annotations of this node's pods through the scheduler's "
+                                                    "control socket (needs the API server and NODE_NAME).")] = True,
+    node_name: Annotated[str, typer.Option(envvar="NODE_NAME",
+                                           help="This node's name (the downward API's spec.nodeName).")] = "",
     log_level: Annotated[str, typer.Option(envvar="NVSHARE_DP_LOG_LEVEL", help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Advertise every GPU as REPLICAS devices and inject nvshare into the containers given one."""
@@ -108,7 +114,7 @@ def serve_command(
             allocation=allocation, container_env=parse_container_env(container_env or []),
             health_interval=health_interval, ignored_xids=parse_xids(ignored_xids),
             kubelet_watch_interval=kubelet_watch_interval, device_specs=device_specs,
-            device_dir=device_dir, cdi=cdi, cdi_kind=cdi_kind)
+            device_dir=device_dir, cdi=cdi, cdi_kind=cdi_kind, pod_settings=pod_settings, node_name=node_name)
         asyncio.run(server.serve(config))
     except (ConfigError, NvmlUnavailable, server.PluginError) as error:
         log.error("%s", error)

@@ -116,6 +116,8 @@ class PluginConfig:
     device_dir: Path = Path("/dev")
     cdi: CdiNames = CdiNames.OFF
     cdi_kind: str = DEFAULT_CDI_KIND
+    pod_settings: bool = True  # apply the nvshare.com/* annotations of the node's pods
+    node_name: str = ""
 
     def __post_init__(self) -> None:
         check_resource_name(self.resource_name)

@@ -21,13 +21,16 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Awaitable, Callable, TypeVar
+from typing import Callable, TypeVar
 
 import grpc
 
 from .config import CONTAINER_PRELOAD_PATH, CONTROL_DEVICE_NODES, CdiNames, PluginConfig, Preload
 from .inventory import Gpu, GpuUnavailable, InvalidRequest, Inventory
+from .kubeapi import ApiServer
 from .nvml import Nvml
+from .podwatch import PodSettingsSync
+from .tasks import run_until_first_exits
 from .v1beta1 import API_VERSION, HEALTHY
 from .v1beta1 import api_pb2 as api
 from .v1beta1 import api_pb2_grpc as api_grpc
@@ -197,21 +200,6 @@ def _identity(path: Path) -> tuple[int, int, int] | None:
     return (info.st_dev, info.st_ino, info.st_ctime_ns)
 
 
-async def run_until_first_exits(*awaitables: Awaitable) -> None:
-    """Runs the awaitables as sibling tasks; when one ends, cancels the others and waits for
-    them, then re-raises the first failure (asyncio.TaskGroup, which Python 3.10 lacks)."""
-    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    for task in done:
-        if not task.cancelled() and task.exception() is not None:
-            raise task.exception()
-
-
 class NvmlThread:
     """One daemon thread that makes NVML calls in order; `call` awaits the result without
     blocking the loop. A call that never returns keeps the thread, and the calls queued behind
@@ -263,17 +251,20 @@ def _settle(future: asyncio.Future, result, error: BaseException | None) -> None
 
 
 class Plugin:
-    def __init__(self, config: PluginConfig, nvml: Nvml, inventory: Inventory):
+    def __init__(self, config: PluginConfig, nvml: Nvml, inventory: Inventory,
+                 pod_settings: PodSettingsSync | None = None):
         self.config = config
         self.nvml = nvml
         self.inventory = inventory
         self.changes = Changes()
         self.nvml_thread = NvmlThread()
+        self.pod_settings = pod_settings
         self._socket_identity = None
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.check_health()
-        await run_until_first_exits(self._watch_health(), self._serve_and_register(), stop.wait())
+        optional = [self.pod_settings.run()] if self.pod_settings is not None else []
+        await run_until_first_exits(self._watch_health(), self._serve_and_register(), stop.wait(), *optional)
 
     # ---- health -------------------------------------------------------------------------
 
@@ -463,7 +454,7 @@ async def serve(config: PluginConfig) -> None:
             log.info("  GPU %d: %s (%s, %.1f GiB)", gpu.index, gpu.uuid, gpu.name, gpu.memory / 2**30)
         _prepare_host(config)
         nvml.watch_xids(gpus)
-        plugin = Plugin(config, nvml, Inventory(gpus, config.replicas))
+        plugin = Plugin(config, nvml, Inventory(gpus, config.replicas), pod_settings_sync(config))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -480,6 +471,23 @@ async def serve(config: PluginConfig) -> None:
             # nvmlShutdown behind a hung call could hang as well; the process is about to exit.
             log.warning("an NVML call is still running: exiting without shutting NVML down")
     log.info("stopped")
+
+
+def pod_settings_sync(config: PluginConfig) -> PodSettingsSync | None:
+    """The pod watcher (nvshare.com/* annotations to the scheduler), where it can run; each
+    reason it cannot is said once at start. Devices are served either way."""
+    if not config.pod_settings:
+        log.info("pod annotations are not applied (--no-pod-settings)")
+        return None
+    api = ApiServer.in_cluster()
+    if api is None:
+        log.info("pod annotations are not applied: not in a Kubernetes cluster (no KUBERNETES_SERVICE_HOST)")
+        return None
+    if not config.node_name:
+        log.warning("pod annotations are not applied: the node's name is not set (NODE_NAME, from the "
+                    "downward API's spec.nodeName)")
+        return None
+    return PodSettingsSync(api, config.node_name, config.socket_paths)
 
 
 def _request_stop(stop: asyncio.Event, signum: int) -> None:

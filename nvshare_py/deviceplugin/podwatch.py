@@ -1,0 +1,146 @@
+"""The pod watcher: nvshare.com/* annotations of the pods on this node become the scheduler's
+per-pod settings (podsettings.py says which and how), over the scheduler's control socket.
+
+Two tasks under one owner (`PodSettingsSync.run`, a branch of the plugin's task tree):
+- `_follow_pods` lists the node's pods, then watches them, listing again whenever the watch
+  cannot resume; every change goes into `PodSettings` and wakes the other task;
+- `_tell_scheduler` sends what `PodSettings` says is pending. Before each round it asks the
+  scheduler who it is (pid and start time in `status`): a scheduler that restarted has
+  forgotten everything, and gets every setting again. It also wakes every `resync_interval`
+  without a change, so a restart is noticed even on a quiet node.
+Both are idempotent from the pods alone: a plugin that restarts lists the pods and sends their
+settings again, which changes nothing in a scheduler that has them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from nvshare_py import control
+from nvshare_py.paths import SocketPaths
+
+from .kubeapi import ApiError, ApiServer, WatchExpired, list_pods, watch_pods
+from .podsettings import PodSettings, Problem, Request, read_pod
+from .tasks import run_until_first_exits
+
+log = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT_S = 5.0
+
+
+class PodSettingsSync:
+    def __init__(self, api: ApiServer, node: str, paths: SocketPaths, *, retry_interval: float = 5.0,
+                 resync_interval: float = 30.0) -> None:
+        self.api = api
+        self.node = node
+        self.paths = paths
+        self.retry_interval = retry_interval
+        self.resync_interval = resync_interval
+        self.settings = PodSettings()
+        self._changed = asyncio.Event()
+
+    async def run(self) -> None:
+        log.info("applying nvshare.com/ annotations of the pods on node %s through %s", self.node,
+                 self.paths.control_socket)
+        await run_until_first_exits(self._follow_pods(), self._tell_scheduler())
+
+    # ---- the API server -------------------------------------------------------------------
+
+    async def _follow_pods(self) -> None:
+        failing = False
+        while True:
+            try:
+                async with self.api.client() as client:
+                    await self._list_and_watch(client)
+            except WatchExpired as expired:
+                log.info("listing the pods again: %s", expired)
+                continue
+            except (ApiError, httpx.HTTPError) as error:
+                if not failing:
+                    log.warning("cannot follow the pods of node %s (retrying every %g s): %s", self.node,
+                                self.retry_interval, _describe(error))
+                failing = True
+            else:
+                failing = False
+            await asyncio.sleep(self.retry_interval)
+
+    async def _list_and_watch(self, client: httpx.AsyncClient) -> None:
+        documents, version = await list_pods(client, self.node)
+        pods = [pod for pod in map(read_pod, documents) if pod is not None]
+        self._report(self.settings.replace_all(pods))
+        self._changed.set()
+        log.info("following the %d pods on node %s", len(pods), self.node)
+        while True:  # the server ends each watch after a while; the next resumes where it ended
+            async for kind, document in watch_pods(client, self.node, version):
+                version = (document.get("metadata") or {}).get("resourceVersion") or version
+                pod = read_pod(document) if kind != "BOOKMARK" else None
+                if pod is None:
+                    continue
+                if kind == "DELETED":
+                    self.settings.remove(pod.uid)
+                else:
+                    self._report(self.settings.update(pod))
+                self._changed.set()
+
+    @staticmethod
+    def _report(problems: list[Problem]) -> None:
+        for problem in problems:
+            log.warning("%s", problem)
+
+    # ---- the scheduler --------------------------------------------------------------------
+
+    async def _tell_scheduler(self) -> None:
+        told = None  # (pid, start time) of the scheduler that has the settings
+        failing = False
+        while True:
+            try:
+                await asyncio.wait_for(self._changed.wait(), self.resync_interval)
+            except asyncio.TimeoutError:
+                pass
+            self._changed.clear()
+            try:
+                identity = await self._scheduler_identity()
+                if identity != told:
+                    if told is not None:
+                        log.info("the scheduler restarted: sending the pods' settings again")
+                    self.settings.scheduler_restarted()
+                    told = identity
+                for request in self.settings.pending():
+                    await self._send(request)
+                if failing:
+                    log.info("the scheduler answers again")
+                failing = False
+            except control.ControlFailure as failure:
+                if not failing:
+                    log.warning("cannot reach the scheduler (retrying every %g s): %s", self.retry_interval, failure)
+                failing = True
+                told = None
+                await asyncio.sleep(self.retry_interval)
+                self._changed.set()
+
+    async def _scheduler_identity(self) -> tuple:
+        scheduler = (await self._request("status"))["scheduler"]
+        return scheduler["pid"], scheduler["started"]
+
+    async def _send(self, request: Request) -> None:
+        what = f"{request.annotation}={request.value}" if request.value is not None else f"no {request.annotation}"
+        try:
+            await self._request(request.op, **request.fields)
+        except control.ControlFailure as failure:
+            if failure.exit_code != control.EXIT_REFUSED:
+                raise
+            log.warning("pod %s (%s): the scheduler refused %s: %s", request.pod, request.pod_uid, what, failure)
+        else:
+            log.info("pod %s (%s): %s", request.pod, request.pod_uid, what)
+        self.settings.told(request)
+
+    async def _request(self, op: str, **fields) -> dict:
+        # The control client is blocking (zmq REQ); its own timeout bounds the thread.
+        return await asyncio.to_thread(control.request, self.paths, op, timeout=CONTROL_TIMEOUT_S, **fields)
+
+
+def _describe(error: Exception) -> str:
+    return str(error) or type(error).__name__
