@@ -9,7 +9,8 @@ It does what the API server does for `GET /api/v1/pods`, as far as a node's pod 
   (ADDED / MODIFIED / DELETED with the whole object, each with its own resourceVersion), then
   waits for more until `timeoutSeconds` or `end_watches()`; a version older than the history it
   keeps is answered as the real server does: HTTP 200 and one ERROR event with a 410 Status;
-- `forget_history()` is etcd's compaction: every watch must list again;
+- compaction (`annotate(..., compact=True)` compacts right after the change): a watch that
+  has not delivered everything ends, and resuming from any version before it gets 410;
 - `allowWatchBookmarks=true` gets a BOOKMARK when a watch is ended by `end_watches()`.
 It is a test double for what the pod watcher relies on, not for the rest of the API.
 """
@@ -87,8 +88,10 @@ class ApiServerStandin:
         self._change("ADDED", pod)
         return pod["metadata"]["uid"]
 
-    def annotate(self, name: str, annotations: dict[str, str | None], namespace: str = "default") -> None:
-        """`kubectl annotate`: None removes an annotation."""
+    def annotate(self, name: str, annotations: dict[str, str | None], namespace: str = "default",
+                 compact: bool = False) -> None:
+        """`kubectl annotate`: None removes an annotation. `compact`: etcd compacts the history
+        at once, so the change is only seen by listing again."""
         with self._changed:
             pod = copy.deepcopy(self._pods[namespace, name])
         for key, value in annotations.items():
@@ -96,7 +99,7 @@ class ApiServerStandin:
                 pod["metadata"]["annotations"].pop(key, None)
             else:
                 pod["metadata"]["annotations"][key] = value
-        self._change("MODIFIED", pod)
+        self._change("MODIFIED", pod, compact)
 
     def set_phase(self, name: str, phase: str, namespace: str = "default") -> None:
         with self._changed:
@@ -109,21 +112,13 @@ class ApiServerStandin:
             pod = copy.deepcopy(self._pods[namespace, name])
         self._change("DELETED", pod)
 
-    def forget_history(self) -> None:
-        """Compaction: a watch resuming from any version seen so far gets 410 Gone."""
-        with self._changed:
-            self._version += 1
-            self._oldest = self._version
-            self._history.clear()
-            self._changed.notify_all()
-
     def end_watches(self) -> None:
         """The server ends every open watch (as its timeout does), with a bookmark first."""
         with self._changed:
             self._watch_generation += 1
             self._changed.notify_all()
 
-    def _change(self, kind: str, pod: dict) -> None:
+    def _change(self, kind: str, pod: dict, compact: bool = False) -> None:
         with self._changed:
             self._version += 1
             pod["metadata"]["resourceVersion"] = str(self._version)
@@ -133,6 +128,10 @@ class ApiServerStandin:
             else:
                 self._pods[key] = pod
             self._history.append((self._version, kind, copy.deepcopy(pod)))
+            if compact:
+                self._version += 1
+                self._oldest = self._version
+                self._history.clear()
             self._changed.notify_all()
 
     # ---- what tests use -------------------------------------------------------------------
@@ -171,7 +170,7 @@ class ApiServerStandin:
         deadline = time.monotonic() + seconds
         with self._changed:
             generation = self._watch_generation
-            expired = since < self._oldest - 1 or since > self._version
+            expired = since < self._oldest or since > self._version
             oldest = self._oldest
         if expired:
             send({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status": "Failure",
@@ -183,6 +182,8 @@ class ApiServerStandin:
             with self._changed:
                 events = [{"type": kind, "object": pod} for version, kind, pod in self._history
                           if version > sent and pod["spec"]["nodeName"] == node]
+                if sent < self._oldest:
+                    return  # compacted past what this watch delivered: it ends, and cannot resume
                 sent = self._version
                 ended = self._watch_generation != generation
                 if not events and not ended and time.monotonic() < deadline:
