@@ -46,7 +46,7 @@ def host_mounts(spec: dict, container: dict) -> dict[str, str]:
 
 def test_there_are_manifests():
     names = {path.relative_to(K8S).as_posix() for path in MANIFESTS}
-    assert {"namespace.yaml", "scheduler.yaml", "device-plugin.yaml", "kustomization.yaml",
+    assert {"namespace.yaml", "scheduler.yaml", "device-plugin.yaml", "kustomization.yaml", "rbac.yaml",
             "examples/notebook.yaml", "examples/training-job.yaml", "priorityclass.yaml",
             "monitoring/service-monitor.yaml", "monitoring/kustomization.yaml"} <= names
 
@@ -60,7 +60,8 @@ def test_manifest_is_valid_kubernetes(path, document, version):
 
 def test_kustomization_installs_the_node_components():
     (kustomization,) = load(K8S / "kustomization.yaml")
-    assert kustomization["resources"] == ["namespace.yaml", "priorityclass.yaml", "scheduler.yaml", "device-plugin.yaml"]
+    assert kustomization["resources"] == ["namespace.yaml", "priorityclass.yaml", "scheduler.yaml", "rbac.yaml",
+                                          "device-plugin.yaml"]
     images = {image["name"] for image in kustomization["images"]}
     used = {container["image"].rsplit(":", 1)[0]
             for path in ("scheduler.yaml", "device-plugin.yaml") for doc in load(K8S / path)
@@ -85,16 +86,20 @@ def test_scheduler_sees_host_pids_and_owns_the_host_socket_directory():
 
 def test_device_plugin_mounts_what_it_serves_and_injects():
     spec = pod_spec(find("DaemonSet", "nvshare-device-plugin"))
-    assert "hostPID" not in spec
+    # The scheduler answers control requests only from its own pid namespace, the host's.
+    assert spec["hostPID"] is True
     (install,) = spec["initContainers"]
     (plugin,) = spec["containers"]
-    env = {item["name"]: item["value"] for item in plugin["env"]}
+    env = {item["name"]: item["value"] for item in plugin["env"] if "value" in item}
     socket_paths = SocketPaths.resolve(env["NVSHARE_SOCKET_DIR"])
     mounts = host_mounts(spec, plugin)
     # Same paths inside as on the host: the plugin hands host paths to the kubelet.
     assert all(inside == host for inside, host in mounts.items())
     assert "/var/lib/kubelet/device-plugins" in mounts
-    assert str(socket_paths.client_dir) in mounts and str(socket_paths.control_dir) not in mounts
+    # The plugin itself reaches the control socket (per-pod settings); the containers it
+    # serves get only the client directory (container_response, tests/test_deviceplugin.py).
+    assert str(socket_paths.client_dir) in mounts and str(socket_paths.control_dir) in mounts
+    assert str(socket_paths.root) not in mounts
     library = config.DEFAULT_LIBRARY
     assert any(library.is_relative_to(path) for path in mounts)
     # The init container puts the library where the plugin looks for it.
@@ -110,7 +115,7 @@ def test_device_plugin_settings_are_ones_the_plugin_reads():
     known = {envvar for param in commands["serve"].params for envvar in ([param.envvar] if isinstance(param.envvar, str) else param.envvar or [])}
     (plugin,) = pod_spec(find("DaemonSet", "nvshare-device-plugin"))["containers"]
     for item in plugin["env"]:
-        if item["name"].startswith("NVSHARE_"):
+        if item["name"].startswith("NVSHARE_") or item["name"] == "NODE_NAME":
             assert item["name"] in known, f"{item['name']} is not read by nvshare-device-plugin serve"
     assert {"serve", "install-library"} <= set(commands)
 
@@ -121,6 +126,36 @@ def test_examples_ask_for_nvshare_gpus(kind, name):
     spec = workload["spec"] if kind == "Pod" else pod_spec(workload)
     for container in spec["containers"]:
         assert container["resources"]["limits"][config.DEFAULT_RESOURCE_NAME] == 1
+
+
+def test_the_device_plugin_may_read_pods_and_nothing_else():
+    spec = pod_spec(find("DaemonSet", "nvshare-device-plugin"))
+    account = find("ServiceAccount", spec["serviceAccountName"])
+    assert account["metadata"]["namespace"] == find("DaemonSet", "nvshare-device-plugin")["metadata"]["namespace"]
+    bindings = [doc for _, doc in RESOURCES if doc["kind"] in ("ClusterRoleBinding", "RoleBinding")
+                and {"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                     "namespace": account["metadata"]["namespace"]} in doc["subjects"]]
+    rules = [rule for binding in bindings for rule in find(binding["roleRef"]["kind"], binding["roleRef"]["name"])["rules"]]
+    assert rules == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    # It asks only for the pods of its own node, whose name the downward API gives it.
+    (plugin,) = spec["containers"]
+    (node_name,) = [item for item in plugin["env"] if item["name"] == "NODE_NAME"]
+    assert node_name["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+
+def test_example_annotations_are_settings_the_plugin_applies():
+    from nvshare_py.deviceplugin.podsettings import ANNOTATIONS, read_pod
+
+    annotated = 0
+    for name, spec_holder in [("notebook", find("Pod", "notebook")),
+                              ("nvshare-training", find("Job", "nvshare-training")["spec"]["template"])]:
+        metadata = dict(spec_holder["metadata"], uid="example", namespace="nvshare-examples", name=name)
+        pod = read_pod({"metadata": metadata})
+        assert pod.problems == ()
+        ours = {key for key in metadata.get("annotations", {}) if key.startswith("nvshare.com/")}
+        assert ours == set(pod.values) and ours <= set(ANNOTATIONS)
+        annotated += len(ours)
+    assert annotated >= len(ANNOTATIONS)
 
 
 def all_pod_specs() -> list[tuple[str, dict]]:
@@ -142,12 +177,13 @@ def test_every_image_names_its_registry():
                 f"{name}: image {container['image']} has no registry"
 
 
-def test_node_components_have_no_service_account_token_and_a_priority_that_needs_no_quota():
+def test_node_components_have_a_priority_that_needs_no_quota_and_only_the_plugin_a_token():
     quotas = [doc for _, doc in RESOURCES if doc["kind"] == "ResourceQuota"]
     classes = {doc["metadata"]["name"]: doc for _, doc in RESOURCES if doc["kind"] == "PriorityClass"}
+    assert pod_spec(find("DaemonSet", "nvshare-scheduler"))["automountServiceAccountToken"] is False
+    assert pod_spec(find("DaemonSet", "nvshare-device-plugin"))["automountServiceAccountToken"] is True
     for name in ("nvshare-scheduler", "nvshare-device-plugin"):
         spec = pod_spec(find("DaemonSet", name))
-        assert spec["automountServiceAccountToken"] is False
         priority = spec["priorityClassName"]
         if priority.startswith("system-"):
             # Outside kube-system the API server admits these classes only under a matching quota.
