@@ -298,6 +298,24 @@ def test_the_api_server_refusing_the_token_is_reported(apiserver, control_standi
         control_standin.wait_for_settings({("set-weight", uid): 7})
 
 
+def test_the_plugin_runs_the_watcher_only_where_it_can(monkeypatch, caplog):
+    from nvshare_py.deviceplugin.config import PluginConfig
+    from nvshare_py.deviceplugin.server import pod_settings_sync
+
+    paths = SocketPaths(Path("/tmp/nvs-nowhere"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    caplog.set_level(logging.INFO, "nvshare_py.deviceplugin")
+    assert pod_settings_sync(PluginConfig(socket_paths=paths, node_name=NODE)) is None
+    assert "not in a Kubernetes cluster" in caplog.text
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    assert pod_settings_sync(PluginConfig(socket_paths=paths)) is None
+    assert "the node's name is not set (NODE_NAME" in caplog.text
+    assert pod_settings_sync(PluginConfig(socket_paths=paths, node_name=NODE, pod_settings=False)) is None
+    sync = pod_settings_sync(PluginConfig(socket_paths=paths, node_name=NODE))
+    assert (sync.node, sync.api.url, sync.paths) == (NODE, "https://10.96.0.1:443", paths)
+
+
 def test_in_cluster_configuration_comes_from_the_service_account(tmp_path):
     api = ApiServer.in_cluster({"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}, tmp_path)
     assert api == ApiServer("https://10.96.0.1:443", tmp_path / "token", tmp_path / "ca.crt")
@@ -340,3 +358,65 @@ def test_the_real_scheduler_takes_the_pods_settings(apiserver, scheduler):
                  what="the settings again after the scheduler restarted")
         apiserver.delete_pod("nb-0")
         wait_for(lambda: pod_settings(scheduler.status()) == {}, what="the settings removed")
+
+
+@contextmanager
+def fake_pod_cgroup(pod_uid: str):
+    """A cgroup where the kubelet's cgroupfs driver would put a container of pod `pod_uid`;
+    yields a function that moves a process into it. Skips where cgroups cannot be made."""
+    v1 = Path("/sys/fs/cgroup/pids")
+    root = v1 if (v1 / "cgroup.procs").exists() else Path("/sys/fs/cgroup")
+    levels = [root / "kubepods", root / "kubepods" / "burstable", root / "kubepods" / "burstable" / f"pod{pod_uid}"]
+    container = levels[-1] / "c0ffee"
+    made = []
+    try:
+        for directory in [*levels, container]:
+            if not directory.exists():
+                directory.mkdir()
+                made.append(directory)
+    except OSError as error:
+        for directory in reversed(made):
+            directory.rmdir()
+        pytest.skip(f"cannot make cgroups here ({error.strerror})")
+    moved = []
+
+    def move(pid: int) -> None:
+        (container / "cgroup.procs").write_text(str(pid))
+        moved.append(pid)
+
+    try:
+        yield move
+    finally:
+        for pid in moved:
+            try:
+                (root / "cgroup.procs").write_text(str(pid))
+            except OSError:
+                pass  # gone
+        for directory in reversed(made):
+            try:
+                directory.rmdir()
+            except OSError:
+                pass  # a shared level another run still uses
+
+
+def test_a_client_in_an_annotated_pod_gets_the_pods_settings(apiserver, scheduler):
+    try:
+        scheduler.request("set-weight", pod_uid="probe", weight=None)
+    except ControlFailure as failure:
+        if failure.code == "unknown-op":
+            pytest.skip("this scheduler has no per-pod settings yet (set-weight)")
+        raise
+    notebook = apiserver.add_pod("nb-0", NODE, {WEIGHT: "7", PRIORITY: "3"})
+    with fake_pod_cgroup(notebook) as move, running_sync(apiserver, scheduler.paths):
+        # The client says it is another pod; the scheduler believes its cgroup.
+        agent = scheduler.agent(env={"NVSHARE_POD_NAME": "someone-else", "NVSHARE_POD_NAMESPACE": "x"})
+        move(agent.pid)
+        # Its registration is read again when it reconnects to a restarted scheduler.
+        scheduler.restart()
+
+        def mine():
+            clients = scheduler.status()["clients"]
+            return clients and clients[0]["pod_uid"] == notebook and clients[0]
+        client = wait_for(lambda: (c := mine()) and c["weight"] == 7 and c, what="the pod's weight on its client")
+        assert client["priority"] == 3 and client["pod"] == "someone-else"
+        agent.kill()
