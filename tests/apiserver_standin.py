@@ -60,7 +60,10 @@ class ApiServerStandin:
         self._server.daemon_threads = True
         tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         tls.load_cert_chain(self.ca_file, key)
-        self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
+        # The handshake happens in the handler's thread, under its timeout: a client that goes
+        # away mid-handshake (a cancelled watcher) must not hold up the accepting thread, which
+        # stop() waits for.
+        self._server.socket = tls.wrap_socket(self._server.socket, server_side=True, do_handshake_on_connect=False)
         self._thread = threading.Thread(target=self._server.serve_forever, name="apiserver", daemon=True)
 
     @property
@@ -203,6 +206,7 @@ class ApiServerStandin:
 class _Handler(BaseHTTPRequestHandler):
     standin: ApiServerStandin
     protocol_version = "HTTP/1.1"
+    timeout = WAIT_TIMEOUT_S  # on the connection's socket: no handler waits forever for a peer
 
     def log_message(self, format, *args) -> None:  # the tests' output stays readable
         pass
