@@ -29,7 +29,7 @@ def test_valid_annotation_values(annotation, text, value):
 
 
 @pytest.mark.parametrize("annotation, text", [
-    (WEIGHT, "0"), (WEIGHT, "1001"), (WEIGHT, "-3"), (WEIGHT, "2.5"), (WEIGHT, "heavy"), (WEIGHT, ""),
+    (WEIGHT, "0"), (WEIGHT, "1001"), (WEIGHT, "-3"), (WEIGHT, "2.5"), (WEIGHT, "heavy"), (WEIGHT, ""), (WEIGHT, "\u0663"),
     (PRIORITY, "8"), (PRIORITY, "-1"), (PRIORITY, "high"),
     (MEMORY_LIMIT, "0"), (MEMORY_LIMIT, "lots"), (MEMORY_LIMIT, "8Gx"), (MEMORY_LIMIT, "-1Gi"), (MEMORY_LIMIT, ""),
 ])

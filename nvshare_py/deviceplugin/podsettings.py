@@ -16,6 +16,7 @@ requests out.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -35,7 +36,7 @@ FINISHED_PHASES = frozenset({"Succeeded", "Failed"})  # no container of the pod 
 def _integer_in(low: int, high: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         stripped = text.strip()
-        if not stripped.isdigit() or not low <= int(stripped) <= high:
+        if not re.fullmatch(r"[0-9]{1,9}", stripped) or not low <= int(stripped) <= high:
             raise ValueError(f"not an integer from {low} to {high}")
         return int(stripped)
     return parse
