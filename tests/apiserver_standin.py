@@ -11,7 +11,9 @@ It does what the API server does for `GET /api/v1/pods`, as far as a node's pod 
   keeps is answered as the real server does: HTTP 200 and one ERROR event with a 410 Status;
 - compaction (`annotate(..., compact=True)` compacts right after the change): a watch that
   has not delivered everything ends, and resuming from any version before it gets 410;
-- `allowWatchBookmarks=true` gets a BOOKMARK when a watch is ended by `end_watches()`.
+- `allowWatchBookmarks=true` gets a BOOKMARK when a watch is ended by `end_watches()`;
+- `POST /api/v1/namespaces/<ns>/events` records an Event (201), kept in `events`; with
+  `events_forbidden` it answers 403 as the API server does without RBAC for it.
 It is a test double for what the pod watcher relies on, not for the rest of the API.
 """
 
@@ -55,6 +57,8 @@ class ApiServerStandin:
         self._changed = threading.Condition()
         self.requests: list[dict] = []  # method, path, query, authorized
         self.lists = 0  # answered pod lists
+        self.events: list[dict] = []
+        self.events_forbidden = False
         handler = type("Handler", (_Handler,), {"standin": self})
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
@@ -244,6 +248,29 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             pass  # the watcher went away
         self.close_connection = True
+
+    def do_POST(self) -> None:
+        url = urlsplit(self.path)
+        authorized = self.headers.get("Authorization") == f"Bearer {TOKEN}"
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.standin._note({"method": "POST", "path": url.path, "query": {}, "authorized": authorized})
+        if not authorized:
+            return self._status(401, "Unauthorized")
+        parts = url.path.split("/")
+        if len(parts) != 6 or parts[:4] != ["", "api", "v1", "namespaces"] or parts[5] != "events":
+            return self._status(404, "NotFound")
+        if self.standin.events_forbidden:
+            return self._status(403, "Forbidden")
+        try:
+            event = json.loads(body)
+        except ValueError:
+            return self._status(400, "BadRequest")
+        if event.get("kind") != "Event" or event["involvedObject"]["namespace"] != parts[4]:
+            return self._status(400, "BadRequest")
+        with self.standin._changed:
+            self.standin.events.append(event)
+            self.standin._changed.notify_all()
+        self._json(event, 201)
 
     def _json(self, document: dict, code: int = 200) -> None:
         data = json.dumps(document).encode()

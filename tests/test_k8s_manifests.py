@@ -128,7 +128,7 @@ def test_examples_ask_for_nvshare_gpus(kind, name):
         assert container["resources"]["limits"][config.DEFAULT_RESOURCE_NAME] == 1
 
 
-def test_the_device_plugin_may_read_pods_and_nothing_else():
+def test_the_device_plugin_may_read_pods_and_record_events_and_nothing_else():
     spec = pod_spec(find("DaemonSet", "nvshare-device-plugin"))
     account = find("ServiceAccount", spec["serviceAccountName"])
     assert account["metadata"]["namespace"] == find("DaemonSet", "nvshare-device-plugin")["metadata"]["namespace"]
@@ -136,7 +136,8 @@ def test_the_device_plugin_may_read_pods_and_nothing_else():
                 and {"kind": "ServiceAccount", "name": account["metadata"]["name"],
                      "namespace": account["metadata"]["namespace"]} in doc["subjects"]]
     rules = [rule for binding in bindings for rule in find(binding["roleRef"]["kind"], binding["roleRef"]["name"])["rules"]]
-    assert rules == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert rules == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+                     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
     # It asks only for the pods of its own node, whose name the downward API gives it.
     (plugin,) = spec["containers"]
     (node_name,) = [item for item in plugin["env"] if item["name"] == "NODE_NAME"]

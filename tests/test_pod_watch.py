@@ -227,12 +227,31 @@ def test_bad_values_are_reported_and_not_applied(apiserver, control_standin):
         wait_for(lambda: running.log_has(f"WARNING pod default/nb-0: {WEIGHT}='heavy' ignored: not an integer from 1 to 1000")
                  and running.log_has(f"WARNING pod default/nb-0: {PRIORITY}='9' ignored: not an integer from 0 to 7"),
                  what="warnings about the bad values")
+        # Also as Warning events of the pod, which `kubectl describe pod` shows its owner.
+        events = apiserver.wait_until(lambda: len(apiserver.events) >= 2 and list(apiserver.events), what="2 events")
+        assert {event["message"] for event in events} == {
+            f"pod default/nb-0: {WEIGHT}='heavy' ignored: not an integer from 1 to 1000",
+            f"pod default/nb-0: {PRIORITY}='9' ignored: not an integer from 0 to 7"}
+        assert all(event["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "namespace": "default",
+                                               "name": "nb-0", "uid": uid}
+                   and event["type"] == "Warning" and event["reason"] == "InvalidNvshareAnnotation" for event in events)
         # Fixed: applied. A value that turns bad removes the setting (the pod no longer asks for one).
         apiserver.annotate("nb-0", {WEIGHT: "3", PRIORITY: None, MEMORY_LIMIT: "a lot"})
         control_standin.wait_for_settings({("set-weight", uid): 3}, "after the fix")
         wait_for(lambda: running.log_has(f"{MEMORY_LIMIT}='a lot' ignored"), what="the warning about the limit")
+        apiserver.wait_until(lambda: len(apiserver.events) == 3, what="the event about the limit")
     sent = [r for r in control_standin.requests if r["op"] != "status"]
     assert all(r.get("weight") not in ("heavy",) and r.get("priority") != 9 for r in sent)
+    assert len(apiserver.events) == 3  # each bad value once, however often the pod changed
+
+
+def test_without_rights_to_record_events_the_warnings_stay_in_the_log(apiserver, control_standin):
+    apiserver.events_forbidden = True
+    uid = apiserver.add_pod("nb-0", NODE, {WEIGHT: "0", PRIORITY: "1"})
+    with running_sync(apiserver, control_standin.paths) as running:
+        control_standin.wait_for_settings({("set-priority", uid): 1})
+        wait_for(lambda: running.log_has(f"{WEIGHT}='0' ignored") and running.log_has("cannot record events about pods"),
+                 what="the warning and why it is not an event")
 
 
 def test_a_restarted_scheduler_or_plugin_gets_the_settings_again(apiserver, control_standin):

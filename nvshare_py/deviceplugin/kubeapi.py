@@ -97,6 +97,14 @@ async def list_pods(client: httpx.AsyncClient, node: str) -> tuple[list[dict], s
         raise ApiError("the pod list is not a PodList") from None
 
 
+async def post_event(client: httpx.AsyncClient, event: dict) -> None:
+    """Creates an Event (core/v1) in the namespace of its object."""
+    namespace = event["involvedObject"]["namespace"]
+    response = await client.post(f"/api/v1/namespaces/{namespace}/events", json=event)
+    if response.status_code not in (200, 201):
+        raise ApiError(f"creating an event in {namespace}: HTTP {response.status_code} {response.text[:300]}".rstrip())
+
+
 async def watch_pods(client: httpx.AsyncClient, node: str, version: str) -> AsyncIterator[tuple[str, dict]]:
     """Changes to the pods on `node` after `version`, as (type, object): ADDED, MODIFIED,
     DELETED with the pod; BOOKMARK with a newer version only. Ends when the server ends the

@@ -81,6 +81,7 @@ class Problem:
     annotation: str
     value: str
     reason: str
+    pod_uid: str = ""  # as the API server knows the pod (for an Event about it)
 
     def __str__(self) -> str:
         return f"pod {self.pod}: {self.annotation}={self.value!r} ignored: {self.reason}"
@@ -100,7 +101,8 @@ def read_pod(document: dict) -> Pod | None:
     """A Pod object of the Kubernetes API as settings; None without a UID."""
     metadata = document.get("metadata") or {}
     annotations = metadata.get("annotations") or {}
-    uid = annotations.get(MIRROR_ANNOTATION) or metadata.get("uid")
+    api_uid = metadata.get("uid")
+    uid = annotations.get(MIRROR_ANNOTATION) or api_uid
     if not isinstance(uid, str) or not uid:
         return None
     name = f"{metadata.get('namespace', '')}/{metadata.get('name', '')}"
@@ -115,7 +117,7 @@ def read_pod(document: dict) -> Pod | None:
         try:
             values[annotation.name] = annotation.parse(str(text))
         except ValueError as error:
-            problems.append(Problem(name, annotation.name, str(text), str(error)))
+            problems.append(Problem(name, annotation.name, str(text), str(error), str(api_uid or "")))
     return Pod(uid, name, values, tuple(problems))
 
 

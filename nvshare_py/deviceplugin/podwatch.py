@@ -15,6 +15,7 @@ settings again, which changes nothing in a scheduler that has them.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 
 import httpx
@@ -22,13 +23,15 @@ import httpx
 from nvshare_py import control
 from nvshare_py.paths import SocketPaths
 
-from .kubeapi import ApiError, ApiServer, WatchExpired, list_pods, watch_pods
+from .kubeapi import ApiError, ApiServer, WatchExpired, list_pods, post_event, watch_pods
 from .podsettings import PodSettings, Problem, Request, read_pod
 from .tasks import run_until_first_exits
 
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 5.0
+EVENT_REASON = "InvalidNvshareAnnotation"
+EVENT_COMPONENT = "nvshare-device-plugin"
 
 
 class PodSettingsSync:
@@ -41,6 +44,7 @@ class PodSettingsSync:
         self.resync_interval = resync_interval
         self.settings = PodSettings()
         self._changed = asyncio.Event()
+        self._event_failure_said = False
 
     async def run(self) -> None:
         log.info("applying nvshare.com/ annotations of the pods on node %s through %s", self.node,
@@ -70,7 +74,7 @@ class PodSettingsSync:
     async def _list_and_watch(self, client: httpx.AsyncClient) -> None:
         documents, version = await list_pods(client, self.node)
         pods = [pod for pod in map(read_pod, documents) if pod is not None]
-        self._report(self.settings.replace_all(pods))
+        await self._report(client, self.settings.replace_all(pods))
         self._changed.set()
         log.info("following the %d pods on node %s", len(pods), self.node)
         while True:  # the server ends each watch after a while; the next resumes where it ended
@@ -82,13 +86,33 @@ class PodSettingsSync:
                 if kind == "DELETED":
                     self.settings.remove(pod.uid)
                 else:
-                    self._report(self.settings.update(pod))
+                    await self._report(client, self.settings.update(pod))
                 self._changed.set()
 
-    @staticmethod
-    def _report(problems: list[Problem]) -> None:
+    async def _report(self, client: httpx.AsyncClient, problems: list[Problem]) -> None:
+        """In the plugin's log, and as a Warning event of the pod (`kubectl describe pod`)."""
         for problem in problems:
             log.warning("%s", problem)
+            try:
+                await post_event(client, self._event(problem))
+            except (ApiError, httpx.HTTPError) as error:
+                if not self._event_failure_said:
+                    log.warning("cannot record events about pods (the warnings stay in this log only): %s",
+                                _describe(error))
+                    self._event_failure_said = True
+
+    def _event(self, problem: Problem) -> dict:
+        namespace, _, name = problem.pod.partition("/")
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{name}.", "namespace": namespace},
+            "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": name,
+                               "uid": problem.pod_uid},
+            "type": "Warning", "reason": EVENT_REASON, "message": str(problem),
+            "source": {"component": EVENT_COMPONENT, "host": self.node},
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
 
     # ---- the scheduler --------------------------------------------------------------------
 
