@@ -315,6 +315,11 @@ def test_the_api_server_refusing_the_token_is_reported(apiserver, control_standi
         uid = apiserver.add_pod("nb-0", NODE, {WEIGHT: "7"})
         apiserver.token_file.write_text("standin-service-account-token\n")
         control_standin.wait_for_settings({("set-weight", uid): 7})
+        # A failure after a success is said again.
+        apiserver.token_file.write_text("revoked\n")
+        apiserver.end_watches()
+        wait_for(lambda: sum("cannot follow the pods" in line for line in running.lines) == 2,
+                 what="the second failure logged")
 
 
 def test_the_plugin_runs_the_watcher_only_where_it_can(monkeypatch, caplog):

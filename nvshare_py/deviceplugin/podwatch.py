@@ -45,6 +45,7 @@ class PodSettingsSync:
         self.settings = PodSettings()
         self._changed = asyncio.Event()
         self._event_failure_said = False
+        self._api_failing = False
 
     async def run(self) -> None:
         log.info("applying nvshare.com/ annotations of the pods on node %s through %s", self.node,
@@ -54,7 +55,7 @@ class PodSettingsSync:
     # ---- the API server -------------------------------------------------------------------
 
     async def _follow_pods(self) -> None:
-        failing = False
+        """Never returns: every failure is retried (said once until a list succeeds again)."""
         while True:
             try:
                 async with self.api.client() as client:
@@ -63,16 +64,15 @@ class PodSettingsSync:
                 log.info("listing the pods again: %s", expired)
                 continue
             except (ApiError, httpx.HTTPError) as error:
-                if not failing:
+                if not self._api_failing:
                     log.warning("cannot follow the pods of node %s (retrying every %g s): %s", self.node,
                                 self.retry_interval, _describe(error))
-                failing = True
-            else:
-                failing = False
+                self._api_failing = True
             await asyncio.sleep(self.retry_interval)
 
     async def _list_and_watch(self, client: httpx.AsyncClient) -> None:
         documents, version = await list_pods(client, self.node)
+        self._api_failing = False
         pods = [pod for pod in map(read_pod, documents) if pod is not None]
         await self._report(client, self.settings.replace_all(pods))
         self._changed.set()
