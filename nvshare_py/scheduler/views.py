@@ -64,11 +64,11 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
             "container": info.container,
             "pod": info.pod,
             "namespace": info.namespace,
-            "pod_uid": info.pod_uid,
             "program": info.program,
             "connected": wall(client.connected),
             "last_seen": wall(client.last_seen),
             "silent": round(now - client.last_seen, 3),
+            "pod_uid": info.pod_uid,
             "devices": {device_id: _pair_status(pair, now) for device_id, pair in client.pairs.items()},
         })
     return {"devices": devices, "clients": clients}
