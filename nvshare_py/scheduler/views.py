@@ -68,9 +68,34 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
             "connected": wall(client.connected),
             "last_seen": wall(client.last_seen),
             "silent": round(now - client.last_seen, 3),
-            "devices": {device_id: _pair_status(pair, now) for device_id, pair in client.pairs.items()},
+            "devices": {device_id: _pair_status(core, pair, now) for device_id, pair in client.pairs.items()},
         })
-    return {"devices": devices, "clients": clients}
+    return {"devices": devices, "clients": clients, "admission": admission_status(core, now, wall)}
+
+
+def admission_status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> dict:
+    """The "admission" part of the status document: the node's capacity, what is reserved of
+    it, and who waits for how much (in the order they asked)."""
+    config = core.admission
+    return {
+        "enabled": config.enabled,
+        "policy": config.policy,
+        "timeout": config.timeout,
+        "spill": config.spill,
+        "capacity": core.admission_capacity() if config.enabled else None,
+        "reserved": core.admission_reserved(),
+        "waiters": [
+            {
+                "client": waiter.pair.client.cid,
+                "device": waiter.pair.device.id,
+                "bytes": waiter.bytes,
+                "more": max(0, waiter.bytes - max(core.admission_of(waiter.pair)[0], waiter.pair.used)),
+                "since": wall(waiter.since),
+                "waiting_for": round(now - waiter.since, 3),
+            }
+            for waiter in core.admission_waiters()
+        ],
+    }
 
 def query(core: SchedulerCore, host_pid: int, now: float) -> dict:
     """The answer to QUERY (docs/protocol.md): the devices of every registration whose
@@ -84,12 +109,12 @@ def query(core: SchedulerCore, host_pid: int, now: float) -> dict:
     return {
         "pid": host_pid,
         "clients": [client.cid for client in clients],
-        "devices": [_pair_query(pair, now) for pair in pairs],
+        "devices": [_pair_query(core, pair, now) for pair in pairs],
     }
 
-def _pair_query(pair, now: float) -> dict:
+def _pair_query(core: SchedulerCore, pair, now: float) -> dict:
     dev = pair.device
-    status = _pair_status(pair, now)
+    status = _pair_status(core, pair, now)
     waiting = pair.waiting_since is not None
     last_wait = None
     if pair.last_wait is not None:
@@ -114,8 +139,9 @@ def _pair_query(pair, now: float) -> dict:
         "last_wait": last_wait,
     }
 
-def _pair_status(pair, now: float) -> dict:
+def _pair_status(core: SchedulerCore, pair, now: float) -> dict:
     waiting = pair.waiting_since is not None
+    admitted, waiter = core.admission_of(pair)
     if pair.hold is not None:
         state = pair.hold.state
     elif waiting:
@@ -132,6 +158,8 @@ def _pair_status(pair, now: float) -> dict:
         "wait_total": pair.wait_total + (now - pair.waiting_since if waiting else 0.0),
         "hold_total": pair.hold_total + (now - pair.hold.since if pair.hold is not None else 0.0),
         "grants": pair.grants,
+        "admitted": admitted,
+        "admission_wait": None if waiter is None else waiter.bytes,
     }
 
 
@@ -174,6 +202,11 @@ WORDING: dict[str, Callable[[dict], str]] = {
     "contended": lambda f: (f"{f['client']} told that others wait for {f['device']} "
                             f"({f['quantum_left_ms']} ms of its quantum left)"),
     "granted": lambda f: f"grant {f['grant']} on {f['device']} to {f['client']}",
+    "admission-waits": lambda f: (f"{f['client']} waits for admission of {f['bytes']} bytes on {f['device']} "
+                                  f"(node capacity {f['capacity']})"),
+    "admission-refused": lambda f: (f"{f['client']} refused admission of {f['bytes']} bytes on {f['device']} "
+                                    f"({f['reason']}; node capacity {f['capacity']})"),
+    "admission-set": lambda f: f"admission: spill {f['spill']}, policy {f['policy']}, timeout {f['timeout']:g} s",
     "dropped": lambda f: f"drop grant {f['grant']} of {f['client']} on {f['device']} ({f['reason']})",
 }
 
