@@ -282,8 +282,8 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.used[client] = now
         self._take(self.node.memory(client, now))
         admitted = self.admitted.get(client, 0)
-        if admitted > now + 2 * headroom(now) and client not in self.pending:
-            self.admitted[client] = now + headroom(now)  # the client's give-back rule
+        if admitted > now + headroom(now) and client not in self.pending:
+            self.admitted[client] = now + headroom(now) // 2  # the client's give-back rule
             self._take(self.node.admit(client, self.admitted[client], request=0))
 
     @rule(client=st.sampled_from(CLIENTS))

@@ -40,9 +40,10 @@ DEFAULT_TIMEOUT = 300.0
 
 
 def headroom(total: int) -> int:
-    """Extra bytes granted above an asked `total` while nobody else waits; the client gives
-    admission back once its use falls more than twice this below its admitted total (so a
-    program that frees and allocates again does not ask each time)."""
+    """Extra bytes granted above an asked `total` while nobody else waits. The client gives
+    admission back once its admitted total is more than this above its use, down to half of
+    this above it: a use that then moves by less than half a chunk either way neither asks nor
+    gives back again (interceptor/client_core.c, run_admission)."""
     return max(CHUNK_MIN, total // CHUNK_FRACTION)
 
 
