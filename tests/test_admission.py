@@ -105,7 +105,7 @@ def test_an_admit_past_the_capacity_waits_until_another_client_frees():
     actions = node.admit(2, 300 * MiB)
     assert answers(actions) == []
     assert any(isinstance(a, LockEvent) and a.kind == "admit-wait" for a in actions)
-    waiting = views.status(node.core, node.now, lambda t: t)["admission"]["waiters"]
+    waiting = views.admission_status(node.core, node.now, lambda t: t)["waiters"]
     assert [(w["client"], w["bytes"]) for w in waiting] == [("c2", 300 * MiB)]
     # Client 1 frees, and gives its admission back: client 2 goes on.
     node.memory(1, 100 * MiB)
@@ -162,7 +162,7 @@ def test_turning_admission_off_admits_every_waiter():
     node.admit(2, 512 * MiB)
     ((client, _),) = answers(node.feed(SetAdmission(node.now, spill=None, keep_spill=False)))
     assert client == 2
-    assert views.status(node.core, node.now, lambda t: t)["admission"]["enabled"] is False
+    assert views.admission_status(node.core, node.now, lambda t: t)["enabled"] is False
 
 
 def test_bad_admission_settings_are_refused_before_anything_changes():

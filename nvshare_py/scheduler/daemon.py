@@ -897,7 +897,9 @@ class Daemon:
                 "restarted": self.restarted,
             }
         }
-        document.update(views.status(self.core, trio.current_time(), self._wall))
+        now = trio.current_time()
+        document.update(views.status(self.core, now, self._wall))
+        document["admission"] = views.admission_status(self.core, now, self._wall)
         return document
 
     def events(self, since: int, limit: int) -> dict:

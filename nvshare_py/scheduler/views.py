@@ -68,9 +68,9 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
             "connected": wall(client.connected),
             "last_seen": wall(client.last_seen),
             "silent": round(now - client.last_seen, 3),
-            "devices": {device_id: _pair_status(core, pair, now) for device_id, pair in client.pairs.items()},
+            "devices": {device_id: _pair_status(pair, now) for device_id, pair in client.pairs.items()},
         })
-    return {"devices": devices, "clients": clients, "admission": admission_status(core, now, wall)}
+    return {"devices": devices, "clients": clients}
 
 
 def admission_status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> dict:
@@ -109,12 +109,12 @@ def query(core: SchedulerCore, host_pid: int, now: float) -> dict:
     return {
         "pid": host_pid,
         "clients": [client.cid for client in clients],
-        "devices": [_pair_query(core, pair, now) for pair in pairs],
+        "devices": [_pair_query(pair, now) for pair in pairs],
     }
 
-def _pair_query(core: SchedulerCore, pair, now: float) -> dict:
+def _pair_query(pair, now: float) -> dict:
     dev = pair.device
-    status = _pair_status(core, pair, now)
+    status = _pair_status(pair, now)
     waiting = pair.waiting_since is not None
     last_wait = None
     if pair.last_wait is not None:
@@ -139,9 +139,8 @@ def _pair_query(core: SchedulerCore, pair, now: float) -> dict:
         "last_wait": last_wait,
     }
 
-def _pair_status(core: SchedulerCore, pair, now: float) -> dict:
+def _pair_status(pair, now: float) -> dict:
     waiting = pair.waiting_since is not None
-    admitted, waiter = core.admission_of(pair)
     if pair.hold is not None:
         state = pair.hold.state
     elif waiting:
@@ -158,8 +157,6 @@ def _pair_status(core: SchedulerCore, pair, now: float) -> dict:
         "wait_total": pair.wait_total + (now - pair.waiting_since if waiting else 0.0),
         "hold_total": pair.hold_total + (now - pair.hold.since if pair.hold is not None else 0.0),
         "grants": pair.grants,
-        "admitted": admitted,
-        "admission_wait": None if waiter is None else waiter.bytes,
     }
 
 
