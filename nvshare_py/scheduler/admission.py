@@ -184,9 +184,10 @@ class AdmissionBook:
             need = waiter.bytes - max(self.admitted(waiter.pair), used.get(waiter.pair, 0))
             if need > 0 and need > free:
                 break  # the chosen one holds the line: nobody overtakes it
-            # Generous only when nobody else waits: a chunk taken from a waiter would make it
-            # wait for memory that nobody uses.
-            extra = 0 if len(self.waiters) > 1 else min(headroom(waiter.bytes), max(0, free - need))
+            # Generous only when nobody else waits (a chunk taken from a waiter would make it
+            # wait for memory that nobody uses), and with at most half of what stays free: the
+            # last of the capacity is never all promised to one client ahead of its use.
+            extra = 0 if len(self.waiters) > 1 else min(headroom(waiter.bytes), max(0, free - need) // 2)
             out.append(self._admit(waiter, waiter.bytes + extra))
         return out
 
