@@ -158,3 +158,19 @@ def test_without_admission_nothing_waits(scheduler, programs):
     second.ask(f"alloc {900 * MiB}")
     assert first.answer() == {"ok": True} and second.answer() == {"ok": True}
     assert scheduler.status()["admission"]["enabled"] is False
+
+
+@pytest.mark.scheduler_options(admission_spill=0)
+def test_set_admission_changes_the_settings_and_nvsharectl_shows_them(scheduler):
+    done = scheduler.ctl("set-admission", "--spill", "2G", "--policy", "best-fit", "--timeout", "30")
+    assert done.returncode == 0, done.stderr
+    assert "spill 2.0 GiB, policy best-fit, timeout 30 s" in done.stdout
+    admission = scheduler.status()["admission"]
+    assert (admission["enabled"], admission["spill"], admission["policy"], admission["timeout"]) == \
+        (True, 2 * GiB, "best-fit", 30.0)
+    refused = scheduler.ctl("set-admission", "--policy", "lifo")
+    assert refused.returncode != 0 and "policy must be one of" in refused.stderr
+    assert scheduler.ctl("set-admission", "--spill", "off").returncode == 0
+    assert scheduler.status()["admission"]["enabled"] is False
+    shown = scheduler.ctl("status")
+    assert "admission: off" in shown.stdout
