@@ -1,7 +1,11 @@
 /*
  * alloc_loop: the cost of one cuMemAlloc_v2 + cuMemFree_v2 pair, timed pair by pair.
  *
- *   alloc_loop ITERATIONS BYTES   ->  {"median_ns": ..., "p90_ns": ..., "iterations": ...}
+ *   alloc_loop ITERATIONS BYTES [SETTLE_MS]  ->  {"median_ns": ..., "p90_ns": ..., "iterations": ...}
+ *
+ * SETTLE_MS: one untimed pair first, then a pause of that many milliseconds, so that a
+ * preloaded interceptor has registered with its scheduler before the timing starts
+ * (benchmarks/bench_admission.py).
  *
  * Links against libcuda.so.1 (the simulated driver in benchmarks/bench_memory_limit.py) and is
  * run with or without libnvshare.so preloaded.
@@ -34,8 +38,8 @@ static int by_value(const void *a, const void *b) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 3) {
-        fprintf(stderr, "usage: alloc_loop ITERATIONS BYTES\n");
+    if (argc != 3 && argc != 4) {
+        fprintf(stderr, "usage: alloc_loop ITERATIONS BYTES [SETTLE_MS]\n");
         return 2;
     }
     long iterations = atol(argv[1]);
@@ -45,6 +49,13 @@ int main(int argc, char **argv) {
     if (cuInit(0) || cuDeviceGet(&device, 0) || cuDevicePrimaryCtxRetain(&ctx, device) || cuCtxSetCurrent(ctx)) {
         fprintf(stderr, "alloc_loop: no CUDA device\n");
         return 1;
+    }
+    if (argc == 4) {
+        long settle_ms = atol(argv[3]);
+        CUdeviceptr p;
+        if (cuMemAlloc_v2(&p, bytes) == 0) cuMemFree_v2(p);
+        struct timespec pause = {settle_ms / 1000, (settle_ms % 1000) * 1000000L};
+        nanosleep(&pause, NULL);
     }
     uint64_t *samples = malloc(sizeof *samples * (size_t)iterations);
     for (long i = 0; i < iterations; i++) {
