@@ -9,9 +9,10 @@ cuMemAlloc_v2 + cuMemFree_v2 pairs under the interceptor:
 - 4 KiB pairs: without a scheduler (admission not in force: the old path), with admission on
   (every pair stays within the admitted chunk: no message, one compare-and-swap more), and with
   admission off at the scheduler (the same path: the client still asks once per chunk);
-- 1 GiB pairs: without a scheduler, and with admission on, where every allocation crosses the
-  admitted total (the free before it gave the chunk back) and so waits for an ADMIT/ADMITTED
-  round trip to the daemon: the price of asking, paid once per chunk in real programs.
+- 1 GiB pairs with a 20 ms untimed pause after each: without a scheduler, and with admission
+  on, where every allocation crosses the admitted total (during the pause the free before it
+  gave the chunk back) and so waits for an ADMIT/ADMITTED round trip to the daemon: the price
+  of asking, paid once per chunk in real programs.
 
 Prints one JSON document: per variant the median over rounds of each round's median and p90
 (ns per pair). The simulated driver's own allocation is an mmap: the figures are the
@@ -38,6 +39,7 @@ from nvshare_py.paths import CLIENT_SOCKET  # noqa: E402
 
 SMALL, LARGE = 4096, 1 << 30
 SETTLE_MS = "300"  # time to register before the timing starts (alloc_loop's third argument)
+GIVE_BACK_PAUSE_US = "20000"  # after each 1 GiB pair: the give-back goes out (fourth argument)
 
 
 def start_scheduler(socket_dir: Path, spill: str) -> subprocess.Popen:
@@ -58,7 +60,7 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=20000)
-    parser.add_argument("--round-trips", type=int, default=2000, help="iterations of the 1 GiB variants")
+    parser.add_argument("--round-trips", type=int, default=200, help="iterations of the 1 GiB variants")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nvs-admission-bench-", dir="/tmp"))
     sim, library, loop = build(work)
@@ -68,18 +70,18 @@ def main() -> None:
     on, off, none = work / "on", work / "off", work / "none"
     daemons = [start_scheduler(on, str(1 << 40)), start_scheduler(off, "off")]
     variants = {
-        "4 KiB, no scheduler": (none, SMALL, args.iterations),
-        "4 KiB, admission on (within the chunk)": (on, SMALL, args.iterations),
-        "4 KiB, admission off at the scheduler": (off, SMALL, args.iterations),
-        "1 GiB, no scheduler": (none, LARGE, args.round_trips),
-        "1 GiB, admission on (a round trip each)": (on, LARGE, args.round_trips),
+        "4 KiB, no scheduler": (none, SMALL, args.iterations, "0"),
+        "4 KiB, admission on (within the chunk)": (on, SMALL, args.iterations, "0"),
+        "4 KiB, admission off at the scheduler": (off, SMALL, args.iterations, "0"),
+        "1 GiB, no scheduler": (none, LARGE, args.round_trips, GIVE_BACK_PAUSE_US),
+        "1 GiB, admission on (a round trip each)": (on, LARGE, args.round_trips, GIVE_BACK_PAUSE_US),
     }
     rounds: dict[str, list[dict]] = {name: [] for name in variants}
     try:
         for _ in range(args.rounds):
-            for name, (socket_dir, size, iterations) in variants.items():  # alternated: drifts hit all
+            for name, (socket_dir, size, iterations, pause) in variants.items():  # alternated: drifts hit all
                 env = {**base, "NVSHARE_SOCKET_DIR": str(socket_dir)}
-                out = subprocess.run([str(loop), str(iterations), str(size), SETTLE_MS], env=env,
+                out = subprocess.run([str(loop), str(iterations), str(size), SETTLE_MS, pause], env=env,
                                      capture_output=True, text=True, check=True)
                 rounds[name].append(json.loads(out.stdout))
     finally:

@@ -328,3 +328,18 @@ class AdmissionMachine(RuleBasedStateMachine):
 
 AdmissionMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 test_admission_never_exceeds_capacity_and_answers_every_question = AdmissionMachine.TestCase
+
+
+def test_a_reconnected_client_starts_admission_afresh():
+    """The same process registering again (same session) takes its pairs over: what the old
+    connection was admitted, and its unanswered question, are not the new connection's."""
+    node = Node(spill=0, budget=1 * GiB)
+    node.register(1)
+    node.register(2)
+    node.admit(1, 900 * MiB)
+    node.admit(2, 500 * MiB)  # waits
+    info = ClientInfo(pid=102, session=f"{2:016x}", host_pid=102, uid=1000)
+    node.feed(Register(node.now, 3, info))  # client 2's process, reconnected
+    assert views.admission_status(node.core, node.now, lambda t: t)["waiters"] == []
+    node.feed(Unregister(node.now, 1, "exited"))
+    assert node.core.admission_reserved() == 0

@@ -157,8 +157,10 @@ class AdmissionBook:
 
     def reset(self, pair: Hashable) -> None:
         """A new registration took the pair over: the client starts again from nothing
-        admitted (its use still counts)."""
+        admitted (its use still counts) and asks its question again if it still waits; an
+        answer to the old connection's question would admit what the new one never learns."""
         self._admitted.pop(pair, None)
+        self.waiters.pop(pair, None)
 
     def settle(self, capacity: int, used: dict[Hashable, int], now: float) -> list[Decision]:
         """Answer what can be answered: timeouts, waiters that can never fit, and waiters that
