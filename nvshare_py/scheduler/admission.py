@@ -28,9 +28,12 @@ from typing import Hashable
 from ..protocol import ADMISSION_POLICIES as POLICIES
 
 # Chunks (see headroom): an allocation-heavy program pays one round trip per chunk, not per
-# allocation. 64 MiB is PyTorch's largest rounding of a cached block and a small part of any
-# host; a quarter of the total makes the number of round trips grow with log(total) once
-# totals are past 256 MiB (each grant is 1.25 times the last), as a doubling vector would.
+# allocation (a round trip cost 2.6 ms median on a loaded 2-core machine, an allocation within
+# the chunk nothing measurable: benchmarks/results/admission-2026-11-23.json). 64 MiB is a
+# small part of any host and covers PyTorch's cached blocks (2 MiB small, 20 MiB large
+# segments); a quarter of the total makes the number of round trips grow with log(total) once
+# totals are past 256 MiB (each grant is 1.25 times the last): 10 GiB in 1 MiB pieces asks
+# 21 times.
 CHUNK_MIN = 64 << 20
 CHUNK_FRACTION = 4
 # The daemon's default spill: this fraction of the host's MemAvailable at start (the rest is
