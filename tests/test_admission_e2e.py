@@ -118,6 +118,8 @@ def test_a_blocked_allocation_resumes_when_another_program_frees(scheduler, prog
     seen = wait_for(lambda: waiters(scheduler), what="the second program waiting for admission")
     assert [bytes_ for _, bytes_ in seen] == [300 * MiB]
     assert not second.pending()  # its thread is blocked, not failed
+    shown = scheduler.ctl("status").stdout
+    assert f"{seen[0][0]} waits" in shown and "(a total of 300.0 MiB)" in shown, shown
     first.ask("free")
     assert first.answer() == {"freed": True}
     assert second.answer() == {"ok": True}
