@@ -177,6 +177,31 @@ def set_budget(
     typer.echo(f"memory budget of {result['device']}: {shown}")
 
 
+@app.command("set-admission")
+def set_admission(
+    ctx: typer.Context,
+    spill: Optional[str] = typer.Option(None, metavar="BYTES|off",
+                                        help="Host memory allowed beyond the devices' budgets, e.g. 64G; off: no admission"),
+    policy: Optional[str] = typer.Option(None, help="fifo, best-fit, recent or random: who of the waiting allocations goes first"),
+    timeout: Optional[float] = typer.Option(None, help="Seconds an allocation waits for admission before it fails"),
+) -> None:
+    """Change admission: what the node's clients may hold (the devices' budgets plus a host
+    spill), and how allocations past it wait (docs/scheduler.md, Admission)."""
+    request: dict[str, Any] = {}
+    if spill is not None:
+        try:
+            request["spill"] = None if spill.strip().lower() == "off" else parse_size(spill)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--spill") from None
+    if policy is not None:
+        request["policy"] = policy
+    if timeout is not None:
+        request["timeout"] = timeout
+    result = _call(ctx, "set-admission", **request)
+    spill_shown = "off" if result["spill"] is None else format_bytes(result["spill"])
+    typer.echo(f"admission: spill {spill_shown}, policy {result['policy']}, timeout {result['timeout']:g} s")
+
+
 # --- status --------------------------------------------------------------------------------
 
 
@@ -275,6 +300,10 @@ def render_status(status: dict, wide: bool = False) -> Group:
                             ", ".join(w["client"] for w in device.get("waiters", [])) or "-")
         parts.append(devices)
 
+    admission = status.get("admission")
+    if admission:
+        parts.append(_admission_text(admission, labels))
+
     if not status.get("clients"):
         parts.append(Text("no clients"))
         return Group(*parts)
@@ -315,6 +344,20 @@ def _memory_cell(usage: dict) -> str:
     if usage.get("swapped"):
         text += f" ({format_bytes(usage['swapped'])} swapped out)"
     return text
+
+
+def _admission_text(admission: dict, labels: dict) -> Text:
+    """One line of admission figures, then who waits for how much, in the order they asked."""
+    if not admission.get("enabled"):
+        return Text("admission: off (allocations never wait)")
+    lines = [f"admission: {format_bytes(admission.get('reserved'))} of {format_bytes(admission.get('capacity'))} "
+             f"reserved (spill {format_bytes(admission.get('spill'))}), policy {admission.get('policy')}, "
+             f"timeout {admission.get('timeout', 0):g} s"]
+    for waiter in admission.get("waiters", []):
+        lines.append(f"  {waiter['client']} waits {waiter['waiting_for']:.1f} s on "
+                     f"{labels.get(waiter['device'], waiter['device'])} for {format_bytes(waiter['more'])} more "
+                     f"(a total of {format_bytes(waiter['bytes'])})")
+    return Text("\n".join(lines))
 
 
 def _interrupted() -> typer.Exit:

@@ -142,6 +142,7 @@ static void observe_locked(double now) {
         struct nvs_device *d = &nvs_devices[i];
         if (!d->known) continue;
         nvs_core_observe(&core, i, d->waiters, d->captures, atomic_load(&d->entered), atomic_load(&d->bytes));
+        nvs_core_observe_admission(&core, i, d->admit_wanted);
         if (d->job_result != NVS_RESULT_NONE) {
             enum nvs_job_result result = d->job_result;
             d->job_result = NVS_RESULT_NONE;
@@ -168,6 +169,8 @@ static int next_io_action_locked(struct nvs_action *a, char *buf, size_t cap) {
             nvs_gate_set_locked(&nvs_devices[a->device], a->value);
         else if (a->kind == NVS_ACT_JOB)
             nvs_worker_assign_locked(&nvs_devices[a->device], (enum nvs_job)a->value);
+        else if (a->kind == NVS_ACT_ADMISSION)
+            nvs_admission_answer_locked(&nvs_devices[a->device], nvs_core_admitted(&core, a->device), a->value);
         else
             return 1;
     }
@@ -380,6 +383,7 @@ static void fork_child(void) {
     pthread_cond_init(&bye_cv, NULL);
     nvs_worker_reset_after_fork();
     nvs_gate_reset_after_fork();
+    nvs_admission_reset_after_fork();
     nvs_transport_close(&transport);
     if (wake_fds[0] >= 0) close(wake_fds[0]);
     if (wake_fds[1] >= 0) close(wake_fds[1]);

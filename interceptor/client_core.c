@@ -19,6 +19,9 @@
  * for drains that grow), at least PREDRAIN_LEAD_MIN_S, at most half the quantum. */
 #define PREDRAIN_LEAD_FACTOR 1.5
 #define PREDRAIN_LEAD_MIN_S 0.02
+/* Admission chunks: CHUNK_MIN and CHUNK_FRACTION of nvshare_py/scheduler/admission.py. */
+#define ADMISSION_CHUNK_MIN (64ULL << 20)
+#define ADMISSION_CHUNK_FRACTION 4
 
 enum { LOG_ERROR = 0, LOG_WARN = 1, LOG_INFO = 2, LOG_DEBUG = 3 };
 
@@ -84,6 +87,75 @@ static void set_gate(struct nvs_core_device *d, struct nvs_core *c, int open) {
 static void start_job(struct nvs_core *c, struct nvs_core_device *d, enum nvs_job job) {
     d->job = job;
     push(c, NVS_ACT_JOB, (int)(d - c->devices), job);
+}
+
+/* --- admission ------------------------------------------------------------------------------*/
+
+uint64_t nvs_core_headroom(uint64_t total) {
+    uint64_t part = total / ADMISSION_CHUNK_FRACTION;
+    return part > ADMISSION_CHUNK_MIN ? part : ADMISSION_CHUNK_MIN;
+}
+
+/* The shell learns every change of the admitted total: blocked allocations may go on. */
+static void set_admitted(struct nvs_core *c, struct nvs_core_device *d, uint64_t total) {
+    if (d->admitted == total) return;
+    d->admitted = total;
+    push(c, NVS_ACT_ADMISSION, (int)(d - c->devices), 1);
+}
+
+/* No scheduler answers ADMIT any more (connection or registration lost, exit): nothing waits,
+ * and the question in flight is void. A new registration starts admission again. */
+static void end_admission(struct nvs_core *c) {
+    for (int i = 0; i < c->n_devices; i++) {
+        struct nvs_core_device *d = &c->devices[i];
+        d->admit_asked = 0;
+        set_admitted(c, d, NVS_CORE_UNADMITTED);
+    }
+}
+
+static void handle_admission_answer(struct nvs_core *c, struct nvs_core_device *d, const struct nvs_msg *m) {
+    if (d->admit_asked == 0 || m->request != d->admit_request) {
+        core_log(c, LOG_DEBUG, "stale admission answer %llu ignored", (unsigned long long)m->request);
+        return;
+    }
+    d->admit_asked = 0;
+    if (m->type == NVS_MSG_ADMITTED) {
+        core_log(c, LOG_DEBUG, "%s: admitted %llu bytes", d->uuid, (unsigned long long)m->bytes);
+        set_admitted(c, d, m->bytes);
+        return;
+    }
+    core_log(c, LOG_ERROR,
+             "the scheduler refused %llu bytes on %s (%s): the waiting allocation fails with "
+             "CUDA_ERROR_OUT_OF_MEMORY",
+             (unsigned long long)d->admit_wanted, d->uuid, m->reason);
+    d->admit_wanted = 0; /* the shell fails its waiters; asking again is theirs to decide */
+    push(c, NVS_ACT_ADMISSION, (int)(d - c->devices), 0);
+}
+
+/* Ask for what blocked allocations wait for; give back what a fallen use no longer needs. */
+static void run_admission(struct nvs_core *c, struct nvs_core_device *d, double now) {
+    int device = (int)(d - c->devices);
+    if (d->admit_asked != 0 || d->admitted == NVS_CORE_UNADMITTED) return;
+    if (d->admit_wanted > d->admitted) {
+        d->admit_asked = d->admit_wanted;
+        d->admit_request = ++c->admit_numbers;
+        struct nvs_core_queued *q = push(c, NVS_ACT_SEND, device, 0);
+        if (q == NULL) return;
+        q->message = NVS_OUT_ADMIT;
+        q->number = d->admit_wanted;
+        q->request = d->admit_request;
+        note_sent(c, now);
+    } else if (d->admit_wanted == 0 && d->admitted > d->bytes + nvs_core_headroom(d->bytes)) {
+        /* Half a chunk stays: a use that moves by less than that either way neither asks nor
+         * gives back again. */
+        set_admitted(c, d, d->bytes + nvs_core_headroom(d->bytes) / 2);
+        struct nvs_core_queued *q = push(c, NVS_ACT_SEND, device, 0);
+        if (q == NULL) return;
+        q->message = NVS_OUT_ADMIT;
+        q->number = d->admitted;
+        q->request = 0; /* a give-back: no answer */
+        note_sent(c, now);
+    }
 }
 
 /* --- small rules ------------------------------------------------------------------------------*/
@@ -177,6 +249,7 @@ static void forget_connection(struct nvs_core *c, const char *why, double now) {
     c->registered = 0;
     c->lease_until = 0;
     c->ping_sent = 0;
+    end_admission(c);
     schedule_reconnect(c, now);
     for (int i = 0; i < c->n_devices; i++) {
         struct nvs_core_device *d = &c->devices[i];
@@ -223,6 +296,7 @@ static void lose_registration(struct nvs_core *c, double now) {
     c->registered = 0;
     c->lease_until = 0;
     c->ping_sent = 0;
+    end_admission(c);
     c->connected_at = now; /* the WELCOME timeout counts from the new HELLO */
     for (int i = 0; i < c->n_devices; i++) {
         struct nvs_core_device *d = &c->devices[i];
@@ -242,6 +316,7 @@ size_t nvs_core_size(void) { return sizeof(struct nvs_core); }
 
 void nvs_core_init(struct nvs_core *c, const struct nvs_core_config *config) {
     memset(c, 0, sizeof *c);
+    for (int i = 0; i < NVS_CORE_MAX_DEVICES; i++) c->devices[i].admitted = NVS_CORE_UNADMITTED;
     c->config = *config;
     c->heartbeat_ms = DEFAULT_HEARTBEAT_MS;
     c->scheduler_idle_ms = DEFAULT_IDLE_RELEASE_MS;
@@ -288,6 +363,10 @@ void nvs_core_observe(struct nvs_core *c, int device, int waiters, int captures,
     d->captures = captures;
     d->entered = entered;
     d->bytes = bytes;
+}
+
+void nvs_core_observe_admission(struct nvs_core *c, int device, uint64_t wanted) {
+    if (valid_device(c, device)) c->devices[device].admit_wanted = wanted;
 }
 
 static void run_due(struct nvs_core *c, double now);
@@ -342,8 +421,13 @@ static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double n
     c->outage_since = 0;
     c->lost_warned = 0;
     c->fail_open_warned = 0;
+    c->admission = m->admission;
     for (int i = 0; i < c->n_devices; i++) {
         struct nvs_core_device *d = &c->devices[i];
+        /* What was allocated before is admitted (the scheduler counts the reported use anyway);
+         * what comes next is asked for. */
+        d->admit_asked = 0;
+        set_admitted(c, d, c->admission ? d->bytes : NVS_CORE_UNADMITTED);
         if (d->state == NVS_UNSCHEDULED || d->state == NVS_HOLDING) {
             /* claimed in HELLO (held=): keep the gate open until the scheduler decides */
             d->state = NVS_HOLDING;
@@ -407,6 +491,10 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
             core_log(c, LOG_DEBUG, "stale %s for grant %llu ignored", m->type == NVS_MSG_DROP ? "DROP" : "REVOKE",
                      (unsigned long long)m->grant);
         }
+        break;
+    case NVS_MSG_ADMITTED:
+    case NVS_MSG_REFUSED:
+        handle_admission_answer(c, d, m);
         break;
     case NVS_MSG_MODE:
         d->quantum_ms = m->quantum_ms;
@@ -501,6 +589,7 @@ void nvs_core_exit(struct nvs_core *c, double now) {
      * library's destructor) must not wait for a lock nobody will grant: it runs unscheduled. */
     c->exiting = 1;
     send_message(c, NVS_OUT_BYE, -1, 0, NULL, now);
+    end_admission(c);
     for (int i = 0; i < c->n_devices; i++) {
         struct nvs_core_device *d = &c->devices[i];
         if (!d->known) continue;
@@ -551,7 +640,7 @@ static void run_due(struct nvs_core *c, double now) {
         }
 
         int wants = d->state == NVS_IDLE && d->waiters > 0;
-        if (!d->announced && (wants || d->state != NVS_IDLE || d->bytes > 0)) {
+        if (!d->announced && (wants || d->state != NVS_IDLE || d->bytes > 0 || d->admit_wanted > 0)) {
             d->announced = 1;
             d->reported_bytes = UINT64_MAX;
             send_message(c, NVS_OUT_DEVICE, i, 0, NULL, now);
@@ -566,6 +655,7 @@ static void run_due(struct nvs_core *c, double now) {
             d->state = NVS_WAITING;
             send_message(c, NVS_OUT_ACQUIRE, i, 0, NULL, now);
         }
+        run_admission(c, d, now);
 
         /* early release of an idle holder; the worker does the GPU part (never during a
          * capture: its synchronise would invalidate it, and a capturing process is not idle) */
@@ -673,6 +763,8 @@ static size_t encode(const struct nvs_core *c, const struct nvs_core_queued *q, 
         return nvs_msg_bye(buf, cap);
     case NVS_OUT_QUERY:
         return nvs_msg_query(buf, cap);
+    case NVS_OUT_ADMIT:
+        return nvs_msg_admit(buf, cap, d->uuid, q->request, q->number);
     default:
         return 0;
     }
@@ -726,6 +818,10 @@ int nvs_core_gate(const struct nvs_core *c, int device) {
 int nvs_core_registered(const struct nvs_core *c) { return c->registered; }
 
 double nvs_core_lease_until(const struct nvs_core *c) { return c->registered ? c->lease_until : 0; }
+
+uint64_t nvs_core_admitted(const struct nvs_core *c, int device) {
+    return valid_device(c, device) ? c->devices[device].admitted : NVS_CORE_UNADMITTED;
+}
 
 int nvs_core_any_waiters(const struct nvs_core *c) {
     for (int i = 0; i < c->n_devices; i++)

@@ -49,6 +49,8 @@ enum nvs_action_kind {
     NVS_ACT_LOG,        /* a log line: level `value` (0 error .. 3 debug), text in buf */
     NVS_ACT_CONNECT,    /* open a connection; report with nvs_core_connected / _connect_failed */
     NVS_ACT_DISCONNECT, /* close the connection (the core already counts it as closed) */
+    NVS_ACT_ADMISSION,  /* the device's admitted total changed (value 1: read nvs_core_admitted),
+                         * or (value 0) the scheduler refused what the waiting allocations asked */
 };
 
 struct nvs_action {
@@ -107,15 +109,29 @@ struct nvs_core_device {
     double drain_started;     /* start of the drain that ends in a RELEASE, 0: none */
     double drain_seconds[NVS_DRAIN_HISTORY];
     int drains_known, drain_next;
+
+    /* Admission (docs/interceptor.md, "Admission"). */
+    uint64_t admit_wanted;  /* observed: the total blocked allocations wait for, 0: none */
+    uint64_t admitted;      /* what this process may hold; NVS_CORE_UNADMITTED: nothing waits */
+    uint64_t admit_asked;   /* the unanswered ADMIT's total, 0: none */
+    uint64_t admit_request; /* its number */
 };
+
+/* The admitted total while admission is not in force (no scheduler, or one without it). */
+#define NVS_CORE_UNADMITTED UINT64_MAX
+/* Admission chunks, as nvshare_py/scheduler/admission.py grants them above an asked total. Once
+ * the admitted total is more than one of them above the use, the client gives admission back
+ * down to half of one above it. */
+uint64_t nvs_core_headroom(uint64_t total);
 
 struct nvs_core_queued {
     struct nvs_action action;
     enum nvs_msg_type_out {
         NVS_OUT_NONE = 0, NVS_OUT_HELLO, NVS_OUT_DEVICE, NVS_OUT_MEMORY, NVS_OUT_ACQUIRE,
-        NVS_OUT_RELEASE, NVS_OUT_HEARTBEAT, NVS_OUT_BYE, NVS_OUT_QUERY
+        NVS_OUT_RELEASE, NVS_OUT_HEARTBEAT, NVS_OUT_BYE, NVS_OUT_QUERY, NVS_OUT_ADMIT
     } message;
-    uint64_t number;      /* RELEASE grant, MEMORY bytes */
+    uint64_t number;      /* RELEASE grant, MEMORY bytes, ADMIT bytes */
+    uint64_t request;     /* ADMIT */
     const char *reason;   /* RELEASE */
     uint64_t held, wanted; /* HELLO: device bit sets */
     int log;              /* LOG: slot in logs[] */
@@ -131,6 +147,8 @@ struct nvs_core {
     int registered;      /* WELCOME received */
     int was_registered;  /* registered at least once: a HELLO is a re-registration */
     int exiting;         /* BYE sent: nothing more */
+    int admission;       /* the scheduler answers ADMIT (WELCOME admission=1) */
+    uint64_t admit_numbers;
     double connected_at, next_attempt, outage_since, backoff_s;
     double last_wait_warning;
     int fail_open_warned, lost_warned;
@@ -167,6 +185,9 @@ void nvs_core_connect_failed(struct nvs_core *c, int err, int path_too_long, dou
 void nvs_core_disconnected(struct nvs_core *c, const char *why, double now);
 /* One message from the scheduler (undecoded bytes). */
 void nvs_core_receive(struct nvs_core *c, const char *buf, size_t len, double now);
+/* What the allocator's blocked threads wait for on the device (0: none); level-triggered like
+ * nvs_core_observe. Past the admitted total, the core asks the scheduler (ADMIT). */
+void nvs_core_observe_admission(struct nvs_core *c, int device, uint64_t wanted);
 /* The worker finished the device's job. */
 void nvs_core_job_done(struct nvs_core *c, int device, enum nvs_job_result result, double now);
 /* Time passed: whatever is due (reconnection, heartbeat, reports, idle checks, pre-drain). */
@@ -198,5 +219,6 @@ enum nvs_lock_state nvs_core_state(const struct nvs_core *c, int device);
 int nvs_core_gate(const struct nvs_core *c, int device);
 int nvs_core_registered(const struct nvs_core *c);
 int nvs_core_any_waiters(const struct nvs_core *c);
+uint64_t nvs_core_admitted(const struct nvs_core *c, int device);
 
 #endif

@@ -97,25 +97,29 @@ static void table_remove(struct alloc_table *t, struct alloc *a) {
 
 /* --- charging allocations to their device ----------------------------------------------------*/
 
-/* Add `size` bytes to d's use if that keeps it within d's limit (always, without one): 0, or
- * -1 with nothing charged and the use and limit it saw. Lock-free; concurrent allocations on a
- * device cannot pass its limit together: each compare-and-swap sees the others' charges. */
-static int charge(struct nvs_device *d, size_t size, uint64_t *used_seen, uint64_t *limit_seen) {
-    if (d == NULL) return 0; /* no device (no current context): the driver will refuse it */
-    uint64_t limit = nvs_limit_of(d);
-    if (NVS_LIKELY(limit == NVS_NO_LIMIT)) {
+enum charge_outcome { CHARGED = 0, OVER_LIMIT, NOT_ADMITTED };
+
+/* Add `size` bytes to d's use if that keeps it within d's limit and what the scheduler admitted
+ * (always, without either): CHARGED, or what stopped it, with nothing charged and the use and
+ * limit it saw. Lock-free; concurrent allocations on a device cannot pass a bound together:
+ * each compare-and-swap sees the others' charges. */
+static enum charge_outcome charge(struct nvs_device *d, size_t size, uint64_t *used_seen, uint64_t *limit_seen) {
+    if (d == NULL) return CHARGED; /* no device (no current context): the driver will refuse it */
+    uint64_t limit = nvs_limit_of(d), admitted = nvs_admitted(d);
+    if (NVS_LIKELY(limit == NVS_NO_LIMIT && admitted == NVS_NO_LIMIT)) {
         atomic_fetch_add(&d->bytes, size);
-        return 0;
+        return CHARGED;
     }
+    uint64_t bound = limit < admitted ? limit : admitted;
     uint64_t used = atomic_load(&d->bytes);
     do {
-        if (size > limit || used > limit - size) {
+        if (size > bound || used > bound - size) {
             *used_seen = used;
             *limit_seen = limit;
-            return -1;
+            return size > limit || used > limit - size ? OVER_LIMIT : NOT_ADMITTED;
         }
     } while (!atomic_compare_exchange_weak(&d->bytes, &used, used + size));
-    return 0;
+    return CHARGED;
 }
 
 /* Give back a charge: a free, or an allocation the driver refused after it was charged. */
@@ -128,18 +132,29 @@ static void uncharge(struct nvs_device *d, size_t size) {
 static void settle_device_frees(struct nvs_device *d);
 
 /* Charge `call`'s allocation of `size` bytes on d before it is made, or refuse it. Before a
- * refusal the device's pending stream-ordered frees are completed (waiting for the work queued
- * before them): their memory is the program's to reuse, as with the driver's own stream-ordered
- * allocator. No lock is held here (the wait and the log line need none). */
+ * refusal or a wait the device's pending stream-ordered frees are completed (waiting for the
+ * work queued before them): their memory is the program's to reuse, as with the driver's own
+ * stream-ordered allocator. Past the admitted total the thread waits for the scheduler
+ * (admission.c) and tries again; a refusal is CUDA_ERROR_OUT_OF_MEMORY. No lock is held here
+ * (the waits and the log lines need none). */
 static CUresult charge_or_refuse(struct nvs_device *d, size_t size, const char *call) {
     uint64_t used = 0, limit = 0;
-    if (NVS_LIKELY(charge(d, size, &used, &limit) == 0)) return CUDA_SUCCESS;
-    if (nvs_memory_frees_pending()) {
-        settle_device_frees(d);
-        if (charge(d, size, &used, &limit) == 0) return CUDA_SUCCESS;
+    int settled = 0;
+    for (;;) {
+        enum charge_outcome outcome = charge(d, size, &used, &limit);
+        if (NVS_LIKELY(outcome == CHARGED)) return CUDA_SUCCESS;
+        if (!settled && nvs_memory_frees_pending()) {
+            settled = 1;
+            settle_device_frees(d);
+            continue;
+        }
+        if (outcome == OVER_LIMIT) {
+            nvs_limit_refused(d, call, size, used, limit);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        /* NOT_ADMITTED: used + size <= limit, so the sum cannot overflow. */
+        if (nvs_admission_wait(d, used + size, call, size) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    nvs_limit_refused(d, call, size, used, limit);
-    return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
 /* A charged allocation succeeded: record it (the MEMORY report follows). */

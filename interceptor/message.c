@@ -26,6 +26,7 @@ enum {
 static const char *const release_reasons[] = {"idle", "drop", "quantum", "revoke", "user", NULL};
 static const char *const drop_reasons[] = {"quantum", "mode", "memory", "conflict", NULL};
 static const char *const revoke_reasons[] = {"grace-expired", NULL};
+static const char *const refuse_reasons[] = {"timeout", "too-large", "limit", NULL};
 static const char *const error_codes[] = {
     "malformed",  "too-large",      "unsupported-version", "unknown-type",
     "bad-field",  "not-registered", "already-registered",  NULL,
@@ -203,6 +204,19 @@ static const struct field_spec welcome_fields[] = {
     STORED("idle_release_ms", FIELD_UINT, idle_release_ms, NULL),
     {"version", FIELD_UINT, NOT_STORED, 0, NULL},
 };
+static const struct field_spec welcome_optional[] = {
+    STORED("admission", FIELD_FLAG, admission, NULL),
+};
+static const struct field_spec admitted_fields[] = {
+    STORED("device", FIELD_DEVICE, device, NULL),
+    STORED("request", FIELD_UINT, request, NULL),
+    STORED("bytes", FIELD_UINT, bytes, NULL),
+};
+static const struct field_spec refused_fields[] = {
+    STORED("device", FIELD_DEVICE, device, NULL),
+    STORED("request", FIELD_UINT, request, NULL),
+    STORED("reason", FIELD_CHOICE, reason, refuse_reasons),
+};
 static const struct field_spec grant_fields[] = {
     STORED("device", FIELD_DEVICE, device, NULL),
     STORED("grant", FIELD_UINT, grant, NULL),
@@ -242,12 +256,14 @@ static const struct field_spec error_optional[] = {
 #define FIELDS(array) array, sizeof(array) / sizeof(array[0])
 
 static const struct message_spec scheduler_messages[] = {
-    {"WELCOME", NVS_MSG_WELCOME, FIELDS(welcome_fields), NULL, 0},
+    {"WELCOME", NVS_MSG_WELCOME, FIELDS(welcome_fields), FIELDS(welcome_optional)},
     {"GRANT", NVS_MSG_GRANT, FIELDS(grant_fields), NULL, 0},
     {"DROP", NVS_MSG_DROP, FIELDS(drop_fields), NULL, 0},
     {"CONTENDED", NVS_MSG_CONTENDED, FIELDS(contended_fields), NULL, 0},
     {"REVOKE", NVS_MSG_REVOKE, FIELDS(revoke_fields), NULL, 0},
     {"MODE", NVS_MSG_MODE, FIELDS(mode_fields), NULL, 0},
+    {"ADMITTED", NVS_MSG_ADMITTED, FIELDS(admitted_fields), NULL, 0},
+    {"REFUSED", NVS_MSG_REFUSED, FIELDS(refused_fields), NULL, 0},
     {"ERROR", NVS_MSG_ERROR, FIELDS(error_required), FIELDS(error_optional)},
 };
 
@@ -606,6 +622,16 @@ size_t nvs_msg_acquire(char *buf, size_t cap, const char *device)
     struct writer w = writer_start(buf, cap, "ACQUIRE");
 
     put_device(&w, "device", device);
+    return writer_finish(&w);
+}
+
+size_t nvs_msg_admit(char *buf, size_t cap, const char *device, uint64_t request, uint64_t bytes)
+{
+    struct writer w = writer_start(buf, cap, "ADMIT");
+
+    put_device(&w, "device", device);
+    put_uint(&w, "request", request);
+    put_uint(&w, "bytes", bytes);
     return writer_finish(&w);
 }
 

@@ -19,6 +19,8 @@ enum nvs_msg_type {
     NVS_MSG_ERROR,
     NVS_MSG_CONTENDED,
     NVS_MSG_STATUS, /* the answer to QUERY; only its arrival is reported, not its document */
+    NVS_MSG_ADMITTED,
+    NVS_MSG_REFUSED,
 };
 
 /* A parsed scheduler message; only the fields of its type are meaningful. */
@@ -30,8 +32,11 @@ struct nvs_msg {
     uint64_t quantum_left_ms; /* CONTENDED */
     uint64_t heartbeat_ms;
     uint64_t idle_release_ms;
+    int admission;       /* WELCOME: 1 when the scheduler answers ADMIT */
+    uint64_t request;    /* ADMITTED, REFUSED: the ADMIT answered */
+    uint64_t bytes;      /* ADMITTED: the admitted total */
     char client[64];     /* WELCOME client id, cut at a character boundary if longer */
-    char reason[32];     /* DROP / REVOKE reason */
+    char reason[32];     /* DROP / REVOKE / REFUSED reason */
     char code[32];       /* ERROR code */
     char detail[256];    /* ERROR detail, cut at a character boundary */
     char error_type[32]; /* ERROR: type of the rejected message ("" when not given), cut */
@@ -68,6 +73,7 @@ size_t nvs_msg_hello(char *buf, size_t cap, const struct nvs_hello *hello);
 size_t nvs_msg_device(char *buf, size_t cap, const char *device, uint64_t total, const char *name);
 size_t nvs_msg_memory(char *buf, size_t cap, const char *device, uint64_t used);
 size_t nvs_msg_acquire(char *buf, size_t cap, const char *device);
+size_t nvs_msg_admit(char *buf, size_t cap, const char *device, uint64_t request, uint64_t bytes);
 size_t nvs_msg_release(char *buf, size_t cap, const char *device, uint64_t grant, const char *reason);
 size_t nvs_msg_heartbeat(char *buf, size_t cap);
 size_t nvs_msg_bye(char *buf, size_t cap);

@@ -86,6 +86,9 @@ struct nvs_device {
 
     /* Bytes this process has allocated on the device (memory.c), any thread. */
     _Atomic uint64_t bytes __attribute__((aligned(64)));
+    /* The admitted total + 1 (admission.c; 0: no admission in force, nothing waits). Written by
+     * the client thread under nvs_mu, read by allocating threads without a lock. */
+    _Atomic uint64_t admission;
 
     /* Identity: written once under nvs_mu before `known` is set, constant afterwards. */
     int ordinal;
@@ -102,6 +105,10 @@ struct nvs_device {
      *   job_result: what the worker found, for the client thread to feed to the core. */
     int waiters;
     int captures;
+    /* Admission (admission.c): the largest total an allocating thread waits for (0: none; the
+     * client thread passes it to the core) and the number of refusals so far. */
+    uint64_t admit_wanted;
+    unsigned admit_refusals;
     enum nvs_job job;
     int job_running;
     enum nvs_job_result job_result;
@@ -210,6 +217,19 @@ void nvs_memory_settle_frees(CUcontext ctx, struct nvs_device *device);
 void nvs_memory_reset_after_fork(void);
 void nvs_memory_fork_prepare(void);
 void nvs_memory_fork_parent(void);
+
+/* ---------------------------------------------------------------- admission.c */
+
+/* What the scheduler admitted for d (NVS_NO_LIMIT: no admission in force). Any thread, no lock. */
+uint64_t nvs_admitted(const struct nvs_device *d);
+/* Block until d's admitted total reaches `total` (0), or the scheduler refuses (-1, logged
+ * naming `call` and `size`). Takes nvs_mu; call it holding no lock. */
+int nvs_admission_wait(struct nvs_device *d, uint64_t total, const char *call, size_t size);
+/* Under nvs_mu (client thread): the core's admitted total for d, and whether the last answer
+ * granted (1) or refused (0) what the waiters asked. Wakes the waiters. */
+void nvs_admission_answer_locked(struct nvs_device *d, uint64_t admitted, int granted);
+/* Fork child: no admission until the child registers. */
+void nvs_admission_reset_after_fork(void);
 
 /* ---------------------------------------------------------------- limits.c */
 

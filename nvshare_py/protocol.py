@@ -37,6 +37,8 @@ MODES = ("on", "off", "auto")
 RELEASE_REASONS = ("idle", "drop", "quantum", "revoke", "user")
 DROP_REASONS = ("quantum", "mode", "memory", "conflict")
 REVOKE_REASONS = ("grace-expired",)
+ADMISSION_POLICIES = ("fifo", "best-fit", "recent", "random")
+REFUSE_REASONS = ("timeout", "too-large", "limit")
 ERROR_CODES = (
     "malformed",
     "too-large",
@@ -240,6 +242,18 @@ class Evicted(Message):
 
 
 @dataclass(frozen=True)
+class Admit(Message):
+    """Before an allocation takes the process's total on the device past what was admitted:
+    it wants the total to reach `bytes`, and waits for ADMITTED or REFUSED naming `request`.
+    `request=0` gives admission back down to `bytes` (its use fell); it has no answer."""
+
+    TYPE: ClassVar[str] = "ADMIT"
+    device: str = field(metadata=_meta(_device))
+    request: int = field(metadata=_meta(_uint))
+    bytes: int = field(metadata=_meta(_uint))
+
+
+@dataclass(frozen=True)
 class Heartbeat(Message):
     TYPE: ClassVar[str] = "HEARTBEAT"
 
@@ -267,6 +281,9 @@ class Welcome(Message):
     heartbeat_ms: int = field(metadata=_meta(_uint))
     idle_release_ms: int = field(metadata=_meta(_uint))
     version: int = field(default=VERSION, metadata=_meta(_uint))
+    # 1: this scheduler answers ADMIT (clients ask before crossing their admitted totals);
+    # absent or 0: clients never ask.
+    admission: bool = field(default=False, metadata=_meta(_flag, False, omit=False))
 
 
 @dataclass(frozen=True)
@@ -330,6 +347,29 @@ class ModeNotice(Message):
 
 
 @dataclass(frozen=True)
+class Admitted(Message):
+    """The answer to ADMIT `request`: the process may hold up to `bytes` on the device (at
+    least what it asked; more is a chunk given ahead so that it need not ask again soon)."""
+
+    TYPE: ClassVar[str] = "ADMITTED"
+    device: str = field(metadata=_meta(_device))
+    request: int = field(metadata=_meta(_uint))
+    bytes: int = field(metadata=_meta(_uint))
+
+
+@dataclass(frozen=True)
+class Refused(Message):
+    """The answer to ADMIT `request` when it will not be admitted: `too-large` (more than the
+    whole capacity), `timeout` (waited past the admission timeout), `limit` (past a limit set
+    for the client). The allocation fails with CUDA_ERROR_OUT_OF_MEMORY."""
+
+    TYPE: ClassVar[str] = "REFUSED"
+    device: str = field(metadata=_meta(_device))
+    request: int = field(metadata=_meta(_uint))
+    reason: str = field(metadata=_meta(_choice(REFUSE_REASONS)))
+
+
+@dataclass(frozen=True)
 class Error(Message):
     TYPE: ClassVar[str] = "ERROR"
     code: str = field(metadata=_meta(_choice(ERROR_CODES)))
@@ -369,10 +409,12 @@ class Status(Message):
         return json.loads(self.json)
 
 
-CLIENT_MESSAGES = {m.TYPE: m for m in (Hello, Device, Memory, Acquire, Release, Evicted, Heartbeat, Bye, Query)}
+CLIENT_MESSAGES = {m.TYPE: m for m in (Hello, Device, Memory, Acquire, Admit, Release, Evicted, Heartbeat, Bye,
+                                       Query)}
 # What a registered client may receive. STATUS is not among them: only a connection that sent
 # QUERY receives it, and it reads replies with QUERY_REPLIES.
-SCHEDULER_MESSAGES = {m.TYPE: m for m in (Welcome, Grant, Drop, Evict, Contended, Revoke, ModeNotice, Error)}
+SCHEDULER_MESSAGES = {m.TYPE: m for m in (Welcome, Grant, Drop, Evict, Contended, Revoke, ModeNotice, Admitted,
+                                          Refused, Error)}
 QUERY_REPLIES = {m.TYPE: m for m in (Status, Error)}
 
 

@@ -30,6 +30,7 @@ from rich.text import Text
 
 HOLD = "hold"
 WAIT = "wait"
+ADMISSION_WAIT = "admission"  # an allocation waits for memory (admission), admit-wait to admitted/refused
 
 # How a hold or wait ended (Interval.ended_by), beyond the RELEASE reasons of the protocol
 # (idle, drop, revoke, exit, user, replaced) and the removal reasons (bye, exited,
@@ -53,7 +54,7 @@ class Interval:
 
     device: str
     client: str
-    kind: str  # HOLD or WAIT
+    kind: str  # HOLD, WAIT or ADMISSION_WAIT
     start: float
     end: float | None = None  # None: still going on at the timeline's end
     grant: int = 0
@@ -83,6 +84,8 @@ class Interval:
         """How a finished hold ended, where a drawing marks it: "tq" (TQ handoff), "idle" (early
         release), "revoked", "gone" (its process went); None for a plain release, a handover
         after DROP that was not for the quantum, a reconnection, or a wait."""
+        if self.kind == ADMISSION_WAIT and self.ended_by.startswith("refused"):
+            return "refused"
         if self.kind != HOLD or self.end is None:
             return None
         if self.tq_handoff:
@@ -193,6 +196,7 @@ class _Replay:
         self.pids: dict[str, int] = {}
         self.holds: dict[tuple[str, str], Interval] = {}
         self.waits: dict[tuple[str, str], Interval] = {}
+        self.admissions: dict[tuple[str, str], Interval] = {}
         self.last_registered = ""
 
     def apply(self, event: dict) -> None:
@@ -219,11 +223,19 @@ class _Replay:
         elif kind in ("release", "revoke"):
             self._current_hold(key, grant)
             self._close(self.holds, key, t, (detail or "user") if kind == "release" else ENDED_REVOKED)
+        elif kind == "admit-wait":
+            if key not in self.admissions:
+                self.admissions[key] = self._open(Interval(device, client, ADMISSION_WAIT, t))
+        elif kind in ("admitted", "refused"):
+            # detail: "<bytes> after <s>s" or "<bytes> <reason>"
+            ended_by = kind if kind == "admitted" else f"refused {detail.rpartition(' ')[2]}"
+            self._close(self.admissions, key, t, ended_by)
         elif kind in ("lost", "unregister") and device:
             if grant:
                 self._current_hold(key, grant)
             self._close(self.holds, key, t, detail or kind)
             self._close(self.waits, key, t, detail or kind)
+            self._close(self.admissions, key, t, detail or kind)
         elif kind == "unregister":
             self._client_gone(client, t, detail)
         elif kind in ("mode", "tq", "budget"):
@@ -252,7 +264,7 @@ class _Replay:
         # A process that reconnects registers anew and then its old registration goes, with
         # "replaced": the new one carries on its holds (same grant) and its place in queues.
         successor = self.last_registered if reason == "replaced" and self.last_registered != client else ""
-        for table in (self.holds, self.waits):
+        for table in (self.holds, self.waits, self.admissions):
             for key in [key for key in table if key[1] == client]:
                 old = self._close(table, key, t, ENDED_RECONNECTED if successor else reason)
                 if successor:
@@ -275,6 +287,8 @@ class RowSummary:
     tq_handoffs: int = 0
     early_releases: int = 0
     revoked: int = 0
+    memory_waited: float = 0.0  # allocations waiting for admission
+    refused: int = 0  # allocations refused admission
 
 
 def summarise(timeline: Timeline) -> list[RowSummary]:
@@ -294,6 +308,9 @@ def summarise(timeline: Timeline) -> list[RowSummary]:
             summary.tq_handoffs += interval.tq_handoff
             summary.early_releases += interval.early_release
             summary.revoked += interval.ended_by == ENDED_REVOKED
+        elif interval.kind == ADMISSION_WAIT:
+            summary.memory_waited += length
+            summary.refused += interval.end_mark == "refused"
         else:
             if interval.ended_by != ENDED_RECONNECTED:
                 summary.waits += 1
@@ -306,23 +323,30 @@ def summary_table(rows: list[RowSummary], title: str = "Summary") -> Table:
     several_devices = len({row.device for row in rows}) > 1
     table = Table(title=title, title_justify="left")
     table.add_column("program" if not several_devices else "device / program", no_wrap=True)
-    for column in ("holds", "held", "waited", "longest wait", "TQ handoffs", "early releases", "revoked"):
+    admission = any(row.memory_waited or row.refused for row in rows)  # columns only where it happened
+    columns = ["holds", "held", "waited", "longest wait", "TQ handoffs", "early releases", "revoked"]
+    for column in columns + (["waited for memory", "refused"] if admission else []):
         table.add_column(column, justify="right")
     for row in rows:
         name = f"{_short_device(row.device)} {row.row}" if several_devices else row.row
-        table.add_row(name, str(row.holds), f"{row.held:.1f} s", f"{row.waited:.1f} s", f"{row.longest_wait:.1f} s",
-                      str(row.tq_handoffs), str(row.early_releases), str(row.revoked))
+        cells = [str(row.holds), f"{row.held:.1f} s", f"{row.waited:.1f} s", f"{row.longest_wait:.1f} s",
+                 str(row.tq_handoffs), str(row.early_releases), str(row.revoked)]
+        if admission:
+            cells += [f"{row.memory_waited:.1f} s", str(row.refused)]
+        table.add_row(name, *cells)
     return table
 
 
 # --- terminal rendering ----------------------------------------------------------------------
 
 ROW_COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
-_NOTHING, _WAITING, _DRAINING, _HOLDING = 0, 1, 2, 3
-_CELLS = {_NOTHING: " ", _WAITING: "░", _DRAINING: "▓", _HOLDING: "█"}
-_MARKS = {"tq": "Q", "idle": "i", "revoked": "R", "gone": "x"}
+_NOTHING, _MEMORY, _WAITING, _DRAINING, _HOLDING = 0, 1, 2, 3, 4
+_CELLS = {_NOTHING: " ", _MEMORY: "~", _WAITING: "░", _DRAINING: "▓", _HOLDING: "█"}
+_MARKS = {"tq": "Q", "idle": "i", "revoked": "R", "gone": "x", "refused": "!"}
 LEGEND = ("█ holds the lock   ▓ asked to hand it over (DROP), draining   ░ waits for it   "
-          "Q handed over at the end of its time quantum   i released early (idle)   R revoked   x exited/gone")
+          "~ an allocation waits for memory (admission)   "
+          "Q handed over at the end of its time quantum   i released early (idle)   R revoked   x exited/gone   "
+          "! allocation refused")
 _TICK_STEPS = (0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 86400)
 
 
@@ -375,8 +399,9 @@ def _bar(intervals: list[Interval], timeline: Timeline, cells: int, colour: str)
 
     for interval in intervals:
         end = interval.end_or(timeline.end)
-        if interval.kind == WAIT:
-            painted = [(interval.start, end, _WAITING)] if end > interval.start else []
+        if interval.kind in (WAIT, ADMISSION_WAIT):
+            value = _WAITING if interval.kind == WAIT else _MEMORY
+            painted = [(interval.start, end, value)] if end > interval.start else []
         elif interval.drop_at is not None and interval.drop_at > interval.start:
             painted = [(interval.start, interval.drop_at, _HOLDING), (interval.drop_at, end, _DRAINING)]
         elif interval.drop_at is not None:
@@ -393,7 +418,7 @@ def _bar(intervals: list[Interval], timeline: Timeline, cells: int, colour: str)
         if index in marks:
             text.append(marks[index], style=f"bold reverse {colour}")
         else:
-            text.append(_CELLS[value], style=colour if value != _WAITING else f"dim {colour}")
+            text.append(_CELLS[value], style=colour if value not in (_WAITING, _MEMORY) else f"dim {colour}")
     return text
 
 
@@ -475,6 +500,10 @@ def write_png(path: str | os.PathLike, timeline: Timeline, title: str = "") -> N
             start, end = interval.start - origin, interval.end_or(timeline.end) - origin
             if interval.kind == WAIT:
                 axes.broken_barh([(start, end - start)], (y - 0.15, 0.3), facecolors=colour, alpha=0.25)
+                continue
+            if interval.kind == ADMISSION_WAIT:  # a thin dotted band: an allocation waits for memory
+                axes.broken_barh([(start, end - start)], (y - 0.05, 0.1), facecolors="none", edgecolors=colour,
+                                 linestyle=":")
                 continue
             drop = end if interval.drop_at is None else max(start, interval.drop_at - origin)
             axes.broken_barh([(start, drop - start)], (y - 0.35, 0.7), facecolors=colour)

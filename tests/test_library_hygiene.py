@@ -219,7 +219,7 @@ def test_library_override_and_clear_error(monkeypatch, tmp_path, libnvshare):
 # --- the locking rule: no CUDA call and no I/O while nvs_mu is held ----------------------------
 
 # Files whose code is checked.
-LOCK_CHECKED_FILES = ["gate.c", "context.c", "memory.c", "hooks.c", "loader.c", "log.c", "config.c", "notify.c",
+LOCK_CHECKED_FILES = ["gate.c", "context.c", "memory.c", "admission.c", "hooks.c", "loader.c", "log.c", "config.c", "notify.c",
                       "client.c", "worker.c", "client_core.c"]
 # Direct CUDA calls and I/O; a function that makes one (transitively, among the interceptor's
 # functions) counts as one.

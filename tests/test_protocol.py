@@ -23,9 +23,10 @@ FIELD_STRATEGIES = {
     "code": st.sampled_from(protocol.ERROR_CODES),
     # Residency: `resident` is absent (None) from clients that do not report it, except in EVICTED.
     "resident": st.none() | uints, "evict": uints, "prefetch": uints, "bytes": uints,
+    "request": uints, "admission": st.booleans(),
 }
 REASONS = {"Release": protocol.RELEASE_REASONS, "Drop": protocol.DROP_REASONS,
-           "Revoke": protocol.REVOKE_REASONS}
+           "Revoke": protocol.REVOKE_REASONS, "Refused": protocol.REFUSE_REASONS}
 
 
 def message_strategy(cls):

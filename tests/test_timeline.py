@@ -293,3 +293,27 @@ def test_ctl_timeline_usage_and_refusals(handed_over):
     assert refused.returncode == 1 and "unknown-device" in refused.stderr
     recent = scheduler.ctl("timeline", "--since", "0.001")
     assert recent.returncode == 0 and "│" not in recent.stdout  # nothing within the last millisecond
+
+
+def test_admission_waits_show_as_their_own_intervals_and_in_the_summary():
+    from nvshare_py.timeline import ADMISSION_WAIT, Timeline, render, summarise
+
+    gpu = "GPU-5151ad00-0000-4000-8000-000000000000"
+    events = [
+        {"seq": 1, "t": 10.0, "kind": "register", "client": "c1", "detail": "pid=42"},
+        {"seq": 2, "t": 11.0, "kind": "admit-wait", "device": gpu, "client": "c1", "detail": "1073741824"},
+        {"seq": 3, "t": 14.0, "kind": "admitted", "device": gpu, "client": "c1", "detail": "1140850688 after 3.000s"},
+        {"seq": 4, "t": 15.0, "kind": "admit-wait", "device": gpu, "client": "c1", "detail": "999"},
+        {"seq": 5, "t": 20.0, "kind": "refused", "device": gpu, "client": "c1", "detail": "999 timeout"},
+    ]
+    timeline = Timeline.from_events(events)
+    waits = [i for i in timeline.intervals if i.kind == ADMISSION_WAIT]
+    assert [(w.start, w.end, w.ended_by) for w in waits] == [(11.0, 14.0, "admitted"), (15.0, 20.0, "refused timeout")]
+    (row,) = summarise(timeline)
+    assert row.memory_waited == 8.0 and row.refused == 1 and row.waits == 0 and row.holds == 0
+    from rich.console import Console
+
+    console = Console(width=60, record=True, color_system=None)
+    console.print(render(timeline, width=60))
+    drawn = console.export_text()
+    assert "~" in drawn and "!" in drawn

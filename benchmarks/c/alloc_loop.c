@@ -1,7 +1,13 @@
 /*
  * alloc_loop: the cost of one cuMemAlloc_v2 + cuMemFree_v2 pair, timed pair by pair.
  *
- *   alloc_loop ITERATIONS BYTES   ->  {"median_ns": ..., "p90_ns": ..., "iterations": ...}
+ *   alloc_loop ITERATIONS BYTES [SETTLE_MS [PAUSE_US]]  ->  {"median_ns": ..., "p90_ns": ..., "iterations": ...}
+ *
+ * SETTLE_MS: one untimed pair first, then a pause of that many milliseconds, so that a
+ * preloaded interceptor has registered with its scheduler before the timing starts.
+ * PAUSE_US: an untimed pause after each pair, long enough for the interceptor to give its
+ * admission back, so that every timed allocation asks the scheduler again
+ * (benchmarks/bench_admission.py).
  *
  * Links against libcuda.so.1 (the simulated driver in benchmarks/bench_memory_limit.py) and is
  * run with or without libnvshare.so preloaded.
@@ -34,8 +40,8 @@ static int by_value(const void *a, const void *b) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 3) {
-        fprintf(stderr, "usage: alloc_loop ITERATIONS BYTES\n");
+    if (argc < 3 || argc > 5) {
+        fprintf(stderr, "usage: alloc_loop ITERATIONS BYTES [SETTLE_MS [PAUSE_US]]\n");
         return 2;
     }
     long iterations = atol(argv[1]);
@@ -46,6 +52,14 @@ int main(int argc, char **argv) {
         fprintf(stderr, "alloc_loop: no CUDA device\n");
         return 1;
     }
+    long pause_us = argc == 5 ? atol(argv[4]) : 0;
+    if (argc >= 4) {
+        long settle_ms = atol(argv[3]);
+        CUdeviceptr p;
+        if (cuMemAlloc_v2(&p, bytes) == 0) cuMemFree_v2(p);
+        struct timespec pause = {settle_ms / 1000, (settle_ms % 1000) * 1000000L};
+        nanosleep(&pause, NULL);
+    }
     uint64_t *samples = malloc(sizeof *samples * (size_t)iterations);
     for (long i = 0; i < iterations; i++) {
         CUdeviceptr p;
@@ -53,6 +67,10 @@ int main(int argc, char **argv) {
         CUresult r = cuMemAlloc_v2(&p, bytes);
         if (r == 0) r = cuMemFree_v2(p);
         samples[i] = now_ns() - start;
+        if (pause_us > 0) {
+            struct timespec pause = {pause_us / 1000000, (pause_us % 1000000) * 1000L};
+            nanosleep(&pause, NULL);
+        }
         if (r != 0) {
             fprintf(stderr, "alloc_loop: allocation %ld failed (%d)\n", i, r);
             return 1;

@@ -15,7 +15,19 @@ import typer
 
 from ..clikit import APP_SETTINGS, TQ_MAX, TQ_MIN, VERSION_OPTION, number_between
 from ..paths import ENV_SOCKET_DIR, not_a_directory, system_scheduler_serves, system_socket_dir, user_socket_dir
+from . import admission
 from .daemon import Daemon, DaemonConfig, StartupError
+
+
+AdmissionPolicy = enum.Enum("AdmissionPolicy", {name.replace("-", "_"): name for name in admission.POLICIES}, type=str)
+
+
+def _spill(text: str) -> int | str | None:
+    if text in ("auto", "off"):
+        return None if text == "off" else text
+    if not (text.isascii() and text.isdigit()):
+        raise typer.BadParameter(f"{text!r}: give a number of bytes, auto or off")
+    return int(text)
 
 
 class Mode(str, enum.Enum):
@@ -99,6 +111,14 @@ def serve(
         "GRANT prefetch=); off: nothing is asked to move, the driver's page faults do it (docs/scheduler.md)"),
     log_level: LogLevel = typer.Option(LogLevel.info, help="Log verbosity"),
     metrics: Optional[str] = typer.Option(None, metavar="ADDRESS", help="Serve Prometheus metrics on HOST:PORT or :PORT (every interface), e.g. 127.0.0.1:9400 (docs/metrics.md) [default: off]"),
+    admission_spill: str = typer.Option(
+        "auto", metavar="BYTES|auto|off", parser=_spill,
+        help="Admission: host memory in bytes the node's clients may hold beyond the devices' budgets; "
+        f"auto: {admission.DEFAULT_SPILL_FRACTION:g} of MemAvailable at start; off: no admission (docs/scheduler.md)",
+    ),
+    admission_policy: AdmissionPolicy = typer.Option(AdmissionPolicy.fifo, help="Who of the allocations waiting for admission goes first"),
+    admission_timeout: float = typer.Option(admission.DEFAULT_TIMEOUT, parser=number_between(0.001, DAY),
+                                            help="Seconds an allocation waits for admission before it fails with out-of-memory"),
     version: bool = VERSION_OPTION,
 ) -> None:
     try:
@@ -113,6 +133,9 @@ def serve(
             recovery=recovery,
             swapping=swapping is Swapping.on,
             metrics=metrics,
+            admission_spill=admission_spill,
+            admission_policy=admission_policy.value,
+            admission_timeout=admission_timeout,
         )
     except ValueError as exc:  # what the parsers let through: e.g. a heartbeat timeout not longer than the interval
         raise typer.BadParameter(str(exc)) from None

@@ -30,9 +30,12 @@ from dataclasses import dataclass
 
 from .. import protocol
 from . import residency
+from . import admission
+from .admission import AdmissionBook, AdmissionConfig
 from .events import (
     Acquire,
     Action,
+    AdmitRequest,
     ClientInfo,
     ClientKey,
     ControlError,
@@ -48,6 +51,7 @@ from .events import (
     Register,
     Release,
     Send,
+    SetAdmission,
     SetBudget,
     SetMode,
     SetQuantum,
@@ -63,7 +67,8 @@ AHEAD_REMEMBERED = 4
 
 
 # The client message behind each event that may name a new device (for ERROR's `type`).
-_MESSAGE_TYPES = {Register: "HELLO", DeviceInfo: "DEVICE", MemoryReport: "MEMORY", Acquire: "ACQUIRE"}
+_MESSAGE_TYPES = {Register: "HELLO", DeviceInfo: "DEVICE", MemoryReport: "MEMORY", Acquire: "ACQUIRE",
+                  AdmitRequest: "ADMIT"}
 
 
 def _ms(seconds: float) -> int:
@@ -91,6 +96,7 @@ class CoreConfig:
     # Budgets move memory at handoffs (residency.py). False: nothing is ever asked to move, as
     # before issue 8 (the fault-driven baseline of benchmarks/bench_colocation.py).
     swapping: bool = True
+    admission: AdmissionConfig = AdmissionConfig()  # off unless a spill is given
 
     def __post_init__(self) -> None:
         if self.mode not in protocol.MODES:
@@ -238,10 +244,12 @@ class SchedulerCore:
         self._client_numbers = 0
         self._grant_numbers = 0
         self._recovery_end: float | None = now + config.recovery if config.recovery > 0 else None
+        self._admission = AdmissionBook(config.admission)
         self._client_handlers = {
             DeviceInfo: self._device_info,
             MemoryReport: self._memory,
             Acquire: self._acquire,
+            AdmitRequest: self._admit,
             Release: self._release,
             Evicted: self._evicted,
             Heartbeat: self._heartbeat,
@@ -253,6 +261,7 @@ class SchedulerCore:
             SetMode: self._set_mode,
             SetQuantum: self._set_quantum,
             SetBudget: self._set_budget,
+            SetAdmission: self._set_admission,
         }
 
     # --- public API ----------------------------------------------------------------------
@@ -291,6 +300,9 @@ class SchedulerCore:
             earliest = min(self._deadlines.values())
             if best is None or earliest < best:
                 best = earliest
+        admission_due = self._admission.next_deadline()
+        if admission_due is not None and (best is None or admission_due < best):
+            best = admission_due
         return best
 
     @property
@@ -337,6 +349,7 @@ class SchedulerCore:
             client=client.cid,
             heartbeat_ms=_ms(config.heartbeat_interval),
             idle_release_ms=_ms(config.idle_release),
+            admission=True,
         )))
         out.append(LockEvent(now, "register", client=client.cid, detail=f"pid={ev.info.pid}"))
         out.append(Log("info", "registered", {"client": client.cid, "pid": ev.info.pid, "host_pid": ev.info.host_pid,
@@ -381,6 +394,7 @@ class SchedulerCore:
                 self._leave_queue(pair, now)
             pair.client = new
             new.pairs[device_id] = pair
+            self._admission.reset(pair)  # the new connection's client asks afresh
             if pair.hold is not None:
                 hold = pair.hold
                 out.append(Send(new.key, self._grant_message(dev, hold.grant)))
@@ -444,6 +458,7 @@ class SchedulerCore:
                 out.append(Log("warning", "sizes-disagree", {"device": dev.id, "client": client.cid}))
             if dev.mode == "auto" and dev.budget_override is None:
                 self._settle(dev, ev.now, out)
+            self._settle_admission(ev.now, out)
 
     def _memory(self, client: _Client, ev: MemoryReport, out: list[Action]) -> None:
         pair = self._pair(client, ev.device, ev, out)
@@ -457,6 +472,7 @@ class SchedulerCore:
             residency.report(pair, ev.resident, freed)
         if dev.mode == "auto" or dev.evict_awaited:
             self._settle(dev, ev.now, out)
+        self._settle_admission(ev.now, out)
 
     def _acquire(self, client: _Client, ev: Acquire, out: list[Action]) -> None:
         pair = self._pair(client, ev.device, ev, out)
@@ -524,6 +540,7 @@ class SchedulerCore:
         for dev in devices:
             self._settle(dev, now, out)
             self._forget_if_unused(dev)
+        self._settle_admission(now, out)
 
     # --- time ----------------------------------------------------------------------------
 
@@ -545,6 +562,7 @@ class SchedulerCore:
             due = [dev for dev, deadline in self._deadlines.items() if deadline <= now]
         for dev in due:
             self._settle(dev, now, out)
+        self._settle_admission(now, out)
 
     # --- control requests ----------------------------------------------------------------
 
@@ -600,6 +618,7 @@ class SchedulerCore:
         out.append(LockEvent(ev.now, "budget", dev.id, detail=detail))
         out.append(Log("info", "budget-set", {"device": dev.id, "budget": detail}))
         self._settle(dev, ev.now, out)
+        self._settle_admission(ev.now, out)
 
     def _notify_settings(self, dev: _Device, out: list[Action]) -> None:
         notice = protocol.ModeNotice(device=dev.id, mode=dev.mode, quantum_ms=_ms(dev.tq))
@@ -738,6 +757,79 @@ class SchedulerCore:
         budget = dev.budget
         return budget <= 0 or dev.held_used() + pair.used > budget
 
+    # --- admission (nvshare_py/scheduler/admission.py decides) ----------------------------
+
+    @property
+    def admission(self) -> AdmissionConfig:
+        return self._admission.config
+
+    def admission_capacity(self) -> int:
+        """What the clients may hold on this node: the devices' budgets plus the host spill."""
+        return sum(dev.budget for dev in self._devices.values()) + (self._admission.config.spill or 0)
+
+    def admission_reserved(self) -> int:
+        return self._admission.reserved(self._uses())
+
+    def admission_of(self, pair: _Pair) -> tuple[int, admission.Waiter | None]:
+        """A pair's admitted total and its unanswered question, for views.py."""
+        return self._admission.admitted(pair), self._admission.waiters.get(pair)
+
+    def admission_waiters(self) -> list[admission.Waiter]:
+        return list(self._admission.waiters.values())
+
+    def _uses(self) -> dict[_Pair, int]:
+        return {pair: pair.used for dev in self._devices.values() for pair in dev.pairs}
+
+    def _admit(self, client: _Client, ev: AdmitRequest, out: list[Action]) -> None:
+        pair = self._pair(client, ev.device, ev, out)
+        if pair is None:
+            return
+        waiter = self._admission.ask(pair, ev.request, ev.bytes, ev.now)
+        self._settle_admission(ev.now, out)
+        if waiter is not None and ev.request and pair in self._admission.waiters:
+            out.append(LockEvent(ev.now, "admit-wait", ev.device, client.cid, detail=str(ev.bytes)))
+            out.append(Log("info", "admission-waits", {"client": client.cid, "device": ev.device, "bytes": ev.bytes,
+                                                      "capacity": self.admission_capacity()}))
+
+    def _set_admission(self, ev: SetAdmission, out: list[Action]) -> None:
+        old = self._admission.config
+        spill = old.spill if ev.keep_spill else ev.spill
+        policy = old.policy if ev.policy is None else ev.policy
+        timeout = old.timeout if ev.timeout is None else ev.timeout
+        try:
+            new = AdmissionConfig(spill=spill, policy=policy, timeout=timeout, seed=old.seed)
+        except ValueError as exc:
+            raise ControlError("bad-request", str(exc)) from None
+        self._admission.reconfigure(new)
+        detail = f"spill={'off' if spill is None else spill} policy={policy} timeout={timeout:g}"
+        out.append(LockEvent(ev.now, "admission", detail=detail))
+        out.append(Log("info", "admission-set", {"spill": "off" if spill is None else spill, "policy": policy,
+                                                "timeout": timeout}))
+        self._settle_admission(ev.now, out)
+
+    def _settle_admission(self, now: float, out: list[Action]) -> None:
+        """Answer the admission questions that can be answered now."""
+        book = self._admission
+        if not book.waiters:
+            return
+        for decision in book.settle(self.admission_capacity(), self._uses(), now):
+            waiter = decision.waiter
+            pair = waiter.pair
+            cid, device_id = pair.client.cid, pair.device.id
+            waited = now - waiter.since
+            if isinstance(decision, admission.Admit):
+                out.append(Send(pair.client.key, protocol.Admitted(device=device_id, request=waiter.request,
+                                                                   bytes=decision.total)))
+                if waited > 0:
+                    out.append(LockEvent(now, "admitted", device_id, cid, detail=f"{decision.total} after {waited:.3f}s"))
+            else:
+                out.append(Send(pair.client.key, protocol.Refused(device=device_id, request=waiter.request,
+                                                                  reason=decision.reason)))
+                out.append(LockEvent(now, "refused", device_id, cid, detail=f"{waiter.bytes} {decision.reason}"))
+                out.append(Log("warning", "admission-refused", {"client": cid, "device": device_id,
+                                                              "bytes": waiter.bytes, "reason": decision.reason,
+                                                              "capacity": self.admission_capacity()}))
+
     # --- state changes -------------------------------------------------------------------
 
     def _new_hold(self, pair: _Pair, now: float) -> _Hold:
@@ -863,6 +955,7 @@ class SchedulerCore:
         self._forget_overdue(pair)
         dev.evict_asked.pop(pair, None)
         dev.evict_awaited.pop(pair, None)
+        self._admission.forget(pair)
         dev.used -= pair.used
         dev.count_report(pair.total, 0)
         del dev.pairs[pair]

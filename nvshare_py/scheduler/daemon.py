@@ -46,6 +46,8 @@ from .. import __version__, protocol
 from ..paths import SocketPaths, check_socket_path
 from . import events as ev
 from . import views, zmtp
+from . import admission
+from .admission import AdmissionConfig
 from .core import CoreConfig, SchedulerCore
 from .metrics import SchedulerMetrics, bind_metrics, parse_address, serve_metrics
 from .podcgroup import pod_uid_of_process
@@ -90,6 +92,11 @@ class DaemonConfig:
     recovery: float = 2.0  # only used when a previous daemon's client socket is found
     swapping: bool = True  # budgets move memory at handoffs (docs/scheduler.md, "Budgets and swapping")
     metrics: str | None = None  # HOST:PORT or :PORT to serve Prometheus metrics on; None: off
+    # Admission (docs/scheduler.md): host bytes allowed beyond the devices' budgets; "auto":
+    # admission.DEFAULT_SPILL_FRACTION of the host's MemAvailable when the daemon starts; None: off.
+    admission_spill: int | str | None = "auto"
+    admission_policy: str = "fifo"
+    admission_timeout: float = admission.DEFAULT_TIMEOUT
 
     def __post_init__(self) -> None:
         # Refuse values the lock core does not accept now, before any directory or socket is
@@ -109,7 +116,28 @@ class DaemonConfig:
             idle_release=self.idle_release,
             recovery=self.recovery if restarted else 0.0,
             swapping=self.swapping,
+            admission=AdmissionConfig(
+                spill=host_spill() if self.admission_spill == "auto" else self.admission_spill,
+                policy=self.admission_policy,
+                timeout=self.admission_timeout,
+            ),
         )
+
+
+def host_spill(meminfo: str = "/proc/meminfo") -> int:
+    """The default host spill: a fraction of the memory the kernel says is available for new
+    work without swapping (MemAvailable). 0 when it cannot be read: admission then holds the
+    clients to the devices' budgets, which is safe, and the log says so."""
+    try:
+        with open(meminfo, encoding="ascii") as file:
+            for line in file:
+                name, _, rest = line.partition(":")
+                if name == "MemAvailable":
+                    return int(int(rest.split()[0]) * 1024 * admission.DEFAULT_SPILL_FRACTION)
+    except (OSError, ValueError, IndexError):
+        pass
+    log.warning("cannot read MemAvailable from %s: admission spill 0 (set --admission-spill)", meminfo)
+    return 0
 
 
 def format_fields(fields: dict[str, Any]) -> str:
@@ -657,6 +685,8 @@ class Daemon:
             event = ev.Release(now, key, message.device, message.grant, message.reason, message.resident)
         elif kind is protocol.Heartbeat:
             event = ev.Heartbeat(now, key)
+        elif kind is protocol.Admit:
+            event = ev.AdmitRequest(now, key, message.device, message.request, message.bytes)
         elif kind is protocol.Memory:
             event = ev.MemoryReport(now, key, message.device, message.used, message.resident)
         elif kind is protocol.Evicted:
@@ -829,7 +859,24 @@ class Daemon:
             device = _device(request, required=True)
             self._apply(lambda now: ev.SetBudget(now, device, budget))
             return {"device": device, "budget": budget}
+        if op == "set-admission":
+            return self._set_admission(request)
         raise ev.ControlError("unknown-op", f"unknown op {op!r}")
+
+    def _set_admission(self, request: dict) -> dict:
+        """`spill` (bytes, or null: admission off), `policy`, `timeout` (seconds); each optional.
+        The core judges the values."""
+        keep_spill = "spill" not in request
+        spill = request.get("spill")
+        if spill is not None and (isinstance(spill, bool) or not isinstance(spill, int)
+                                  or not 0 <= spill <= protocol.MAX_INT):
+            raise ev.ControlError("bad-request", "spill must be an integer >= 0, or null to turn admission off")
+        timeout = _number(request, "timeout") if "timeout" in request else None
+        policy = request.get("policy")
+        self._apply(lambda now: ev.SetAdmission(now, spill=spill, keep_spill=keep_spill, policy=policy,
+                                                timeout=timeout))
+        config = self.core.admission
+        return {"spill": config.spill, "policy": config.policy, "timeout": config.timeout}
 
     def _apply(self, make_event) -> None:
         self._feed(make_event(trio.current_time()))
@@ -853,7 +900,9 @@ class Daemon:
                 "restarted": self.restarted,
             }
         }
-        document.update(views.status(self.core, trio.current_time(), self._wall))
+        now = trio.current_time()
+        document.update(views.status(self.core, now, self._wall))
+        document["admission"] = views.admission_status(self.core, now, self._wall)
         return document
 
     def events(self, since: int, limit: int) -> dict:

@@ -93,6 +93,18 @@ class Evicted:
 
 
 @dataclass(frozen=True)
+class AdmitRequest:
+    """ADMIT: the client wants its total on the device to reach `bytes` (request 0: it gives
+    admission back down to `bytes`, no answer)."""
+
+    now: float
+    client: ClientKey
+    device: str
+    request: int
+    bytes: int
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     """Any message from a registered client counts as one; the daemon sends this event for
     HEARTBEAT messages and the core refreshes liveness on every other client event too."""
@@ -138,9 +150,21 @@ class SetBudget:
     budget: int | None  # None: back to the device's total memory
 
 
+@dataclass(frozen=True)
+class SetAdmission:
+    """The admission settings (nvshare_py/scheduler/admission.py); None: leave as it is, except
+    `spill`, where `keep_spill` says whether None means "unchanged" or "admission off"."""
+
+    now: float
+    spill: int | None = None
+    keep_spill: bool = True
+    policy: str | None = None
+    timeout: float | None = None
+
+
 Event = (
-    Register | DeviceInfo | MemoryReport | Acquire | Release | Evicted | Heartbeat | Unregister | Tick
-    | SetMode | SetQuantum | SetBudget
+    Register | DeviceInfo | MemoryReport | Acquire | AdmitRequest | Release | Evicted | Heartbeat | Unregister
+    | Tick | SetMode | SetQuantum | SetBudget | SetAdmission
 )
 
 

@@ -73,6 +73,31 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
         })
     return {"devices": devices, "clients": clients}
 
+
+def admission_status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> dict:
+    """The "admission" part of the status document: the node's capacity, what is reserved of
+    it, and who waits for how much (in the order they asked)."""
+    config = core.admission
+    return {
+        "enabled": config.enabled,
+        "policy": config.policy,
+        "timeout": config.timeout,
+        "spill": config.spill,
+        "capacity": core.admission_capacity() if config.enabled else None,
+        "reserved": core.admission_reserved(),
+        "waiters": [
+            {
+                "client": waiter.pair.client.cid,
+                "device": waiter.pair.device.id,
+                "bytes": waiter.bytes,
+                "more": max(0, waiter.bytes - max(core.admission_of(waiter.pair)[0], waiter.pair.used)),
+                "since": wall(waiter.since),
+                "waiting_for": round(now - waiter.since, 3),
+            }
+            for waiter in core.admission_waiters()
+        ],
+    }
+
 def query(core: SchedulerCore, host_pid: int, now: float) -> dict:
     """The answer to QUERY (docs/protocol.md): the devices of every registration whose
     kernel-verified host pid is `host_pid` (0: not visible, nothing to match), those the
@@ -175,6 +200,11 @@ WORDING: dict[str, Callable[[dict], str]] = {
     "contended": lambda f: (f"{f['client']} told that others wait for {f['device']} "
                             f"({f['quantum_left_ms']} ms of its quantum left)"),
     "granted": lambda f: f"grant {f['grant']} on {f['device']} to {f['client']}",
+    "admission-waits": lambda f: (f"{f['client']} waits for admission of {f['bytes']} bytes on {f['device']} "
+                                  f"(node capacity {f['capacity']})"),
+    "admission-refused": lambda f: (f"{f['client']} refused admission of {f['bytes']} bytes on {f['device']} "
+                                    f"({f['reason']}; node capacity {f['capacity']})"),
+    "admission-set": lambda f: f"admission: spill {f['spill']}, policy {f['policy']}, timeout {f['timeout']:g} s",
     "dropped": lambda f: f"drop grant {f['grant']} of {f['client']} on {f['device']} ({f['reason']})",
 }
 

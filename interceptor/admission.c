@@ -1,0 +1,67 @@
+/*
+ * Admission, the allocator's side (docs/interceptor.md, "Admission"): an allocation that would
+ * take the process's total on a device past what the scheduler admitted blocks its thread here
+ * until the scheduler admits more (ADMITTED) or refuses (REFUSED: timeout, too-large), instead
+ * of spilling past what the node's host memory can hold. The client core (client_core.c) asks
+ * and reads the answers; client.c hands them over with nvs_admission_answer_locked.
+ *
+ * While no scheduler answers ADMIT (none reachable, fail-open, or one without admission) a
+ * device's admitted total is "none": nothing waits, and allocations cost one more atomic load.
+ */
+#include "nvshare.h"
+
+/* With nvs_mu: broadcast whenever a device's admitted total changes or a refusal comes. */
+static pthread_cond_t admission_cv = PTHREAD_COND_INITIALIZER;
+
+uint64_t nvs_admitted(const struct nvs_device *d) {
+    uint64_t stored = atomic_load_explicit(&d->admission, memory_order_acquire);
+    return stored == 0 ? NVS_NO_LIMIT : stored - 1;
+}
+
+void nvs_admission_answer_locked(struct nvs_device *d, uint64_t admitted, int granted) {
+    atomic_store_explicit(&d->admission, admitted == NVS_NO_LIMIT ? 0 : admitted + 1, memory_order_release);
+    if (!granted) {
+        d->admit_refusals++;
+        d->admit_wanted = 0;
+    } else if (admitted >= d->admit_wanted) {
+        d->admit_wanted = 0;
+    }
+    pthread_cond_broadcast(&admission_cv);
+}
+
+int nvs_admission_wait(struct nvs_device *d, uint64_t total, const char *call, size_t size) {
+    pthread_mutex_lock(&nvs_mu);
+    unsigned refusals = d->admit_refusals;
+    int asked = 0;
+    while (nvs_admitted(d) < total && d->admit_refusals == refusals) {
+        if (d->admit_wanted < total) {
+            d->admit_wanted = total;
+            asked = 0;
+        }
+        if (!asked) {
+            /* The client thread asks; waking it is I/O (a pipe), so not under nvs_mu. */
+            asked = 1;
+            pthread_mutex_unlock(&nvs_mu);
+            nvs_client_wake();
+            pthread_mutex_lock(&nvs_mu);
+            continue;
+        }
+        pthread_cond_wait(&admission_cv, &nvs_mu);
+    }
+    int refused = d->admit_refusals != refusals;
+    pthread_mutex_unlock(&nvs_mu);
+    if (refused)
+        nvs_error("%s of %zu bytes on device %d (%s) refused: the scheduler did not admit a total of %llu bytes "
+                  "(see the line before for why); returning CUDA_ERROR_OUT_OF_MEMORY, nothing was allocated",
+                  call, size, d->ordinal, d->uuid, (unsigned long long)total);
+    return refused ? -1 : 0;
+}
+
+void nvs_admission_reset_after_fork(void) {
+    pthread_cond_init(&admission_cv, NULL);
+    for (int i = 0; i < NVS_MAX_DEVICES; i++) {
+        atomic_store(&nvs_devices[i].admission, 0);
+        nvs_devices[i].admit_wanted = 0;
+        nvs_devices[i].admit_refusals = 0;
+    }
+}
