@@ -143,6 +143,7 @@ static void observe_locked(double now) {
         if (!d->known) continue;
         nvs_core_observe(&core, i, d->waiters, d->captures, atomic_load(&d->entered), atomic_load(&d->bytes));
         nvs_core_observe_admission(&core, i, d->admit_wanted);
+        nvs_core_observe_residency(&core, i, atomic_load(&d->converted), atomic_load(&d->swapped));
         if (d->job_result != NVS_RESULT_NONE) {
             enum nvs_job_result result = d->job_result;
             d->job_result = NVS_RESULT_NONE;
@@ -168,7 +169,7 @@ static int next_io_action_locked(struct nvs_action *a, char *buf, size_t cap) {
         if (a->kind == NVS_ACT_GATE)
             nvs_gate_set_locked(&nvs_devices[a->device], a->value);
         else if (a->kind == NVS_ACT_JOB)
-            nvs_worker_assign_locked(&nvs_devices[a->device], (enum nvs_job)a->value);
+            nvs_worker_assign_locked(&nvs_devices[a->device], (enum nvs_job)a->value, a->bytes);
         else if (a->kind == NVS_ACT_ADMISSION)
             nvs_admission_answer_locked(&nvs_devices[a->device], nvs_core_admitted(&core, a->device), a->value);
         else
@@ -399,6 +400,8 @@ static void fork_child(void) {
         atomic_store(&d->entered, 0);
         atomic_store(&d->exited, 0);
         atomic_store(&d->bytes, 0);
+        atomic_store(&d->converted, 0);
+        atomic_store(&d->swapped, 0);
         d->waiters = 0;
         d->captures = 0;
         d->job = NVS_JOB_NONE;

@@ -69,14 +69,15 @@ static void note_sent(struct nvs_core *c, double now) {
     if (c->registered && c->ping_sent == 0 && now < c->lease_until) c->lease_until = now + lease_seconds(c);
 }
 
-static void send_message(struct nvs_core *c, enum nvs_msg_type_out message, int device, uint64_t number,
-                         const char *reason, double now) {
+static struct nvs_core_queued *send_message(struct nvs_core *c, enum nvs_msg_type_out message, int device,
+                                            uint64_t number, const char *reason, double now) {
     struct nvs_core_queued *q = push(c, NVS_ACT_SEND, device, 0);
-    if (q == NULL) return;
+    if (q == NULL) return NULL;
     q->message = message;
     q->number = number;
     q->reason = reason;
     note_sent(c, now);
+    return q;
 }
 
 static void set_gate(struct nvs_core_device *d, struct nvs_core *c, int open) {
@@ -84,9 +85,9 @@ static void set_gate(struct nvs_core_device *d, struct nvs_core *c, int open) {
     push(c, NVS_ACT_GATE, (int)(d - c->devices), open);
 }
 
-static void start_job(struct nvs_core *c, struct nvs_core_device *d, enum nvs_job job) {
+static struct nvs_core_queued *start_job(struct nvs_core *c, struct nvs_core_device *d, enum nvs_job job) {
     d->job = job;
-    push(c, NVS_ACT_JOB, (int)(d - c->devices), job);
+    return push(c, NVS_ACT_JOB, (int)(d - c->devices), job);
 }
 
 /* --- admission ------------------------------------------------------------------------------*/
@@ -168,7 +169,7 @@ static long idle_window_ms(const struct nvs_core *c) {
  * process is not idle, and the probe's synchronise would invalidate it). */
 static int idle_check_possible(const struct nvs_core *c, const struct nvs_core_device *d) {
     return d->state == NVS_HOLDING && d->grant_known && d->job == NVS_JOB_NONE && !d->drain_wanted &&
-           d->captures == 0 && idle_window_ms(c) > 0;
+           !d->grant_swap_due && d->captures == 0 && idle_window_ms(c) > 0;
 }
 
 static void reset_idle_tracking(struct nvs_core *c, struct nvs_core_device *d, double now) {
@@ -225,8 +226,10 @@ static void begin_release(struct nvs_core *c, struct nvs_core_device *d, const c
     d->release_due = 1;
     d->release_reason = reason;
     d->predrain_at = 0;
+    d->grant_swap_due = 0; /* a prefetch for a grant that ends is wasted: the drain follows it */
+    d->prefetch_due = 0;
     if (d->state == NVS_HOLDING) d->state = NVS_DRAINING;
-    if (d->job == NVS_JOB_DRAIN || d->drain_wanted) return; /* already on its way */
+    if (d->job == NVS_JOB_DRAIN || d->drain_wanted || d->release_drained) return; /* already on its way */
     request_drain(c, d);
 }
 
@@ -256,6 +259,8 @@ static void forget_connection(struct nvs_core *c, const char *why, double now) {
         d->announced = 0;
         d->grant_known = 0; /* grant ids are per connection: a new one names them again */
         d->predrain_at = 0; /* so is contention: the scheduler tells a re-registered holder again */
+        d->evicted_due = 0; /* and EVICT: the new connection's scheduler did not ask */
+        d->evict_asked = 0;
         if (d->state == NVS_WAITING) d->state = NVS_IDLE; /* asked again after re-registration */
     }
 }
@@ -301,6 +306,8 @@ static void lose_registration(struct nvs_core *c, double now) {
     for (int i = 0; i < c->n_devices; i++) {
         struct nvs_core_device *d = &c->devices[i];
         d->announced = 0; /* the scheduler forgot its DEVICE and MEMORY reports too */
+        d->evicted_due = 0; /* and the EVICT it asked */
+        d->evict_asked = 0;
         if (d->state == NVS_HOLDING || d->state == NVS_DRAINING) {
             d->grant_known = 0;
             d->release_unanswerable = 1;
@@ -369,7 +376,19 @@ void nvs_core_observe_admission(struct nvs_core *c, int device, uint64_t wanted)
     if (valid_device(c, device)) c->devices[device].admit_wanted = wanted;
 }
 
+void nvs_core_observe_residency(struct nvs_core *c, int device, uint64_t converted, uint64_t swapped) {
+    if (!valid_device(c, device)) return;
+    c->devices[device].converted = converted;
+    c->devices[device].swapped = swapped;
+}
+
 static void run_due(struct nvs_core *c, double now);
+static void continue_grant(struct nvs_core *c, struct nvs_core_device *d, double now);
+static void handle_evict(struct nvs_core *c, struct nvs_core_device *d, uint64_t bytes, double now);
+static void swap_job_done(struct nvs_core *c, struct nvs_core_device *d, enum nvs_job job, enum nvs_job_result result,
+                          double now);
+static void start_swap_out(struct nvs_core *c, struct nvs_core_device *d);
+static void finish_release(struct nvs_core *c, struct nvs_core_device *d, double now);
 
 void nvs_core_connected(struct nvs_core *c, double now) {
     c->connecting = 0;
@@ -457,8 +476,11 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
         d->quantum_ms = m->quantum_ms;
         d->predrain_at = 0; /* a CONTENDED follows when others wait */
         reset_idle_tracking(c, d, now);
-        set_gate(d, c, 1);
-        core_log(c, LOG_DEBUG, "granted %s (grant %llu)", d->uuid, (unsigned long long)m->grant);
+        core_log(c, LOG_DEBUG, "granted %s (grant %llu, prefetch %llu)", d->uuid, (unsigned long long)m->grant,
+                 (unsigned long long)m->prefetch_bytes);
+        d->grant_swap_due = 1;
+        d->prefetch_due = m->prefetch_bytes;
+        continue_grant(c, d, now);
         break;
     case NVS_MSG_CONTENDED:
         if (d->state != NVS_HOLDING || !grant_matches(d, m->grant)) {
@@ -487,6 +509,7 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
             } else if (!d->release_due) {
                 begin_release(c, d, "drop", now);
             }
+            if (m->evict_bytes > d->evict_due) d->evict_due = m->evict_bytes;
         } else {
             core_log(c, LOG_DEBUG, "stale %s for grant %llu ignored", m->type == NVS_MSG_DROP ? "DROP" : "REVOKE",
                      (unsigned long long)m->grant);
@@ -495,6 +518,9 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
     case NVS_MSG_ADMITTED:
     case NVS_MSG_REFUSED:
         handle_admission_answer(c, d, m);
+        break;
+    case NVS_MSG_EVICT:
+        handle_evict(c, d, m->evict_bytes, now);
         break;
     case NVS_MSG_MODE:
         d->quantum_ms = m->quantum_ms;
@@ -542,8 +568,11 @@ void nvs_core_receive(struct nvs_core *c, const char *buf, size_t len, double no
 void nvs_core_job_done(struct nvs_core *c, int device, enum nvs_job_result result, double now) {
     if (!valid_device(c, device)) return;
     struct nvs_core_device *d = &c->devices[device];
+    enum nvs_job job = d->job;
     d->job = NVS_JOB_NONE;
-    if (result == NVS_RESULT_ACTIVE) {
+    if (job == NVS_JOB_SWAP_OUT || job == NVS_JOB_PREFETCH) {
+        swap_job_done(c, d, job, result, now);
+    } else if (result == NVS_RESULT_ACTIVE) {
         if (d->release_due) {
             request_drain(c, d); /* an idle probe met a DROP: drain now */
         } else {
@@ -554,21 +583,164 @@ void nvs_core_job_done(struct nvs_core *c, int device, enum nvs_job_result resul
         d->drain_wanted = 1; /* a capture began before the drain could synchronise */
     } else if (result == NVS_RESULT_DRAINED) {
         d->drain_wanted = 0; /* the drain it waited for has happened */
-        const char *reason = d->release_due ? d->release_reason : "idle";
-        int answerable = d->grant_known && !d->release_unanswerable;
-        if (d->release_due) note_drain(d, now);
-        if (d->state == NVS_HOLDING || d->state == NVS_DRAINING) {
-            d->state = NVS_IDLE;
-            set_gate(d, c, 0);
-            if (c->registered && answerable) {
-                core_log(c, LOG_DEBUG, "releasing %s (grant %llu, %s)", d->uuid, (unsigned long long)d->grant, reason);
-                send_message(c, NVS_OUT_RELEASE, device, d->grant, reason, now);
-            }
+        int answerable = c->registered && d->grant_known && !d->release_unanswerable;
+        if (d->release_due && d->evict_due > 0 && answerable) {
+            /* DROP evict=: the memory moves out between the drain and the RELEASE */
+            d->release_drained = 1;
+            start_swap_out(c, d);
+        } else {
+            finish_release(c, d, now);
         }
-        d->release_due = 0;
-        d->release_unanswerable = 0;
     }
     run_due(c, now);
+}
+
+/* --- swapping (docs/protocol.md "Residency", docs/interceptor.md "Swapping") -------------------
+ * Kept apart from the lock rules above: they only decide when the worker moves memory, and the
+ * lock rules (release after the drain, no drain or swap during a capture) hold around them. */
+
+static uint64_t resident_of(const struct nvs_core_device *d) {
+    return d->swapped < d->converted ? d->converted - d->swapped : 0;
+}
+
+/* Drain done (and its swap-out, if one was asked): the device is released. An idle probe's
+ * DRAINED comes here too, with no release due. */
+static void finish_release(struct nvs_core *c, struct nvs_core_device *d, double now) {
+    const char *reason = d->release_due ? d->release_reason : "idle";
+    int answerable = d->grant_known && !d->release_unanswerable;
+    if (d->release_due) note_drain(d, now); /* the swap-out counts: the pre-drain must cover it */
+    if (d->state == NVS_HOLDING || d->state == NVS_DRAINING) {
+        d->state = NVS_IDLE;
+        set_gate(d, c, 0);
+        if (c->registered && answerable) {
+            core_log(c, LOG_DEBUG, "releasing %s (grant %llu, %s)", d->uuid, (unsigned long long)d->grant, reason);
+            struct nvs_core_queued *q = send_message(c, NVS_OUT_RELEASE, (int)(d - c->devices), d->grant, reason, now);
+            if (q != NULL && d->evict_due > 0) { /* the scheduler asked for room: say what stays */
+                q->has_resident = 1;
+                q->resident = resident_of(d);
+            }
+        }
+    }
+    d->release_due = 0;
+    d->release_unanswerable = 0;
+    d->release_drained = 0;
+    d->evict_due = 0;
+}
+
+/* The swap-out due now, if the worker is free and no capture runs (its prefetches and
+ * synchronise are as unsafe during a capture as a drain's). The release's swap-out comes
+ * first: a holder has no EVICT to answer (handle_evict). */
+static void start_swap_out(struct nvs_core *c, struct nvs_core_device *d) {
+    if (d->job != NVS_JOB_NONE || d->captures > 0) return; /* run_due tries again */
+    uint64_t bytes = d->release_drained ? d->evict_due : d->evict_asked;
+    struct nvs_core_queued *q = start_job(c, d, NVS_JOB_SWAP_OUT);
+    if (q != NULL) q->action.bytes = bytes;
+}
+
+static void send_evicted(struct nvs_core *c, struct nvs_core_device *d, double now) {
+    d->evicted_due = 0;
+    d->evict_asked = 0;
+    if (!c->registered || c->exiting) return; /* nothing after BYE */
+    struct nvs_core_queued *q = send_message(c, NVS_OUT_EVICTED, (int)(d - c->devices), 0, NULL, now);
+    if (q != NULL) q->resident = resident_of(d);
+}
+
+/* EVICT: room for someone else's grant. A process that does not hold the device moves the
+ * bytes out now; a holder (or one draining towards a RELEASE, whose DROP says what to move)
+ * cannot take memory away from its own kernels, and answers at once with what stays. */
+static void handle_evict(struct nvs_core *c, struct nvs_core_device *d, uint64_t bytes, double now) {
+    if ((d->state != NVS_IDLE && d->state != NVS_WAITING) || (bytes == 0 && !d->evicted_due)) {
+        core_log(c, LOG_DEBUG, "EVICT of %llu bytes of %s answered at once (%s)", (unsigned long long)bytes, d->uuid,
+                 bytes == 0 ? "nothing to move" : "it holds the device");
+        send_evicted(c, d, now);
+        return;
+    }
+    if (bytes > d->evict_asked) d->evict_asked = bytes; /* one move serves every EVICT not yet answered */
+    d->evicted_due = 1;
+    start_swap_out(c, d);
+}
+
+/* The gate of a GRANT opens once its swap work is done: a swap-out for an EVICT that still
+ * runs (the memory must not move under the new holder's kernels), then the PREFETCH, which is
+ * due whenever this process's memory was swapped out (it also marks all of it resident again).
+ * The gate opens AFTER the prefetch, not with it: the application's streams cannot be ordered
+ * after the internal one without touching each of them (non-blocking streams ignore the legacy
+ * stream's implicit ordering), and kernels that run while their memory is still on its way
+ * fault it in page by page, the cost the prefetch is there to avoid. The grantee's quantum pays
+ * for its own prefetch. A capture in progress skips the prefetch (it could not be ordered
+ * around the capture, and threads waiting at the gate may be what the capture waits for): the
+ * gate opens and the memory faults back in. Memory that was never swapped moves nothing and
+ * the gate opens at once, as before swapping existed. */
+static void continue_grant(struct nvs_core *c, struct nvs_core_device *d, double now) {
+    if (!d->grant_swap_due || d->job != NVS_JOB_NONE) return; /* the running job's end calls again */
+    if (d->state != NVS_HOLDING) { /* the grant ended meanwhile (an idle probe released it) */
+        d->grant_swap_due = 0;
+        d->prefetch_due = 0;
+        return;
+    }
+    if (d->swapped > 0 && d->captures == 0) {
+        struct nvs_core_queued *q = start_job(c, d, NVS_JOB_PREFETCH);
+        if (q != NULL) q->action.bytes = d->prefetch_due;
+        return;
+    }
+    d->grant_swap_due = 0;
+    d->prefetch_due = 0;
+    reset_idle_tracking(c, d, now);
+    set_gate(d, c, 1);
+}
+
+static void swap_job_done(struct nvs_core *c, struct nvs_core_device *d, enum nvs_job job, enum nvs_job_result result,
+                          double now) {
+    if (job == NVS_JOB_PREFETCH) {
+        /* moved, or deferred by a capture that began: either way the gate opens now */
+        d->prefetch_due = 0;
+        d->grant_swap_due = 0;
+        if (d->state == NVS_HOLDING && !d->release_due) {
+            reset_idle_tracking(c, d, now);
+            set_gate(d, c, 1);
+        }
+        return;
+    }
+    if (result != NVS_RESULT_MOVED) return; /* a capture began: run_due starts it again after it */
+    if (d->release_drained)
+        finish_release(c, d, now);
+    else if (d->evicted_due)
+        send_evicted(c, d, now);
+    continue_grant(c, d, now); /* a GRANT that came while the swap-out ran */
+}
+
+/* Swap work that waited for the worker or for a capture's end (run_due). */
+static void run_due_swaps(struct nvs_core *c, struct nvs_core_device *d, double now) {
+    if (d->job != NVS_JOB_NONE) return;
+    if ((d->release_drained || d->evicted_due) && d->captures == 0)
+        start_swap_out(c, d);
+    else if (d->grant_swap_due)
+        continue_grant(c, d, now);
+}
+
+/* A process takes part in residency once it has converted memory on the device (then the
+ * scheduler may ask it to move some): its MEMORY reports say resident= from then on, on this
+ * connection. Without converted memory (NVSHARE_MANAGED=0, or VMM only) it says nothing, and
+ * the scheduler counts all of `used` as resident and never asks it to move. */
+static int reports_residency(const struct nvs_core_device *d) {
+    return d->converted > 0 || d->reported_resident != UINT64_MAX;
+}
+
+/* A MEMORY report is due: the allocated bytes changed, or the resident bytes did. */
+static int memory_report_due(const struct nvs_core_device *d) {
+    if (!d->announced) return 0;
+    return d->bytes != d->reported_bytes || (reports_residency(d) && resident_of(d) != d->reported_resident);
+}
+
+static void send_memory(struct nvs_core *c, struct nvs_core_device *d, double now) {
+    int with_resident = reports_residency(d);
+    struct nvs_core_queued *q = send_message(c, NVS_OUT_MEMORY, (int)(d - c->devices), d->bytes, NULL, now);
+    if (q != NULL && with_resident) {
+        q->has_resident = 1;
+        q->resident = resident_of(d);
+    }
+    d->reported_bytes = d->bytes;
+    d->reported_resident = with_resident ? resident_of(d) : UINT64_MAX;
 }
 
 void nvs_core_tick(struct nvs_core *c, double now) { run_due(c, now); }
@@ -619,6 +791,7 @@ static void run_due(struct nvs_core *c, double now) {
 
         /* a drain that waited for the worker or for a capture's end */
         if (d->drain_wanted && d->job == NVS_JOB_NONE && d->captures == 0) request_drain(c, d);
+        run_due_swaps(c, d, now);
 
         /* others wait and the quantum is nearly over: drain now, so the handoff is on time */
         if (d->predrain_at > 0 && now >= d->predrain_at) {
@@ -643,13 +816,12 @@ static void run_due(struct nvs_core *c, double now) {
         if (!d->announced && (wants || d->state != NVS_IDLE || d->bytes > 0 || d->admit_wanted > 0)) {
             d->announced = 1;
             d->reported_bytes = UINT64_MAX;
+            d->reported_resident = UINT64_MAX;
             send_message(c, NVS_OUT_DEVICE, i, 0, NULL, now);
         }
-        if (d->announced && d->bytes != d->reported_bytes &&
-            (wants || now >= c->last_memory_report + MEMORY_REPORT_PERIOD_S)) {
-            d->reported_bytes = d->bytes;
+        if (memory_report_due(d) && (wants || now >= c->last_memory_report + MEMORY_REPORT_PERIOD_S)) {
             c->last_memory_report = now;
-            send_message(c, NVS_OUT_MEMORY, i, d->bytes, NULL, now);
+            send_memory(c, d, now);
         }
         if (wants) {
             d->state = NVS_WAITING;
@@ -713,7 +885,7 @@ double nvs_core_next_deadline(const struct nvs_core *c, double now) {
         for (int i = 0; i < c->n_devices; i++) {
             const struct nvs_core_device *d = &c->devices[i];
             if (!d->known) continue;
-            if (d->announced && d->bytes != d->reported_bytes && memory < due) due = memory;
+            if (memory_report_due(d) && memory < due) due = memory;
             if (idle_check_possible(c, d) && d->idle_next_check < due) due = d->idle_next_check;
             if (d->predrain_at > 0 && d->predrain_at < due) due = d->predrain_at;
         }
@@ -752,11 +924,13 @@ static size_t encode(const struct nvs_core *c, const struct nvs_core_queued *q, 
     case NVS_OUT_DEVICE:
         return nvs_msg_device(buf, cap, d->uuid, d->total, d->name);
     case NVS_OUT_MEMORY:
-        return nvs_msg_memory(buf, cap, d->uuid, q->number);
+        return nvs_msg_memory(buf, cap, d->uuid, q->number, q->has_resident ? &q->resident : NULL);
+    case NVS_OUT_EVICTED:
+        return nvs_msg_evicted(buf, cap, d->uuid, q->resident);
     case NVS_OUT_ACQUIRE:
         return nvs_msg_acquire(buf, cap, d->uuid);
     case NVS_OUT_RELEASE:
-        return nvs_msg_release(buf, cap, d->uuid, q->number, q->reason);
+        return nvs_msg_release(buf, cap, d->uuid, q->number, q->reason, q->has_resident ? &q->resident : NULL);
     case NVS_OUT_HEARTBEAT:
         return nvs_msg_heartbeat(buf, cap);
     case NVS_OUT_BYE:
@@ -775,7 +949,7 @@ int nvs_core_pop(struct nvs_core *c, struct nvs_action *out, char *buf, size_t c
         /* Never expected (every event queues a bounded number of actions); say so loudly. */
         snprintf(buf, cap, "internal error: %u client actions lost; reconnecting", c->dropped_actions);
         c->dropped_actions = 0;
-        *out = (struct nvs_action){NVS_ACT_LOG, -1, LOG_ERROR, strlen(buf)};
+        *out = (struct nvs_action){.kind = NVS_ACT_LOG, .device = -1, .value = LOG_ERROR, .len = strlen(buf)};
         if (c->connected) {
             forget_connection(c, "internal error", 0);
             push(c, NVS_ACT_DISCONNECT, -1, 0);
@@ -795,7 +969,7 @@ int nvs_core_pop(struct nvs_core *c, struct nvs_action *out, char *buf, size_t c
         out->len = encode(c, q, buf, cap);
         if (out->len == 0) {
             snprintf(buf, cap, "could not encode a protocol message (a bug); dropping the connection");
-            *out = (struct nvs_action){NVS_ACT_LOG, -1, LOG_ERROR, strlen(buf)};
+            *out = (struct nvs_action){.kind = NVS_ACT_LOG, .device = -1, .value = LOG_ERROR, .len = strlen(buf)};
             if (c->connected) {
                 forget_connection(c, "encoding failed", c->last_sent);
                 push(c, NVS_ACT_DISCONNECT, -1, 0);

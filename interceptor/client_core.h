@@ -34,13 +34,20 @@ enum nvs_lock_state {
     NVS_UNSCHEDULED, /* fail-open without a scheduler: gate open, no lock */
 };
 
-/* Work for the worker thread (it needs the GPU). */
-enum nvs_job { NVS_JOB_NONE = 0, NVS_JOB_DRAIN, NVS_JOB_PROBE };
+/* Work for the worker thread (it needs the GPU). The swap jobs (docs/interceptor.md, "Swapping")
+ * move converted memory in bulk on an internal stream and synchronise it:
+ * SWAP_OUT: at least `bytes` (of the action) to the host, least recently used first; after the
+ *   drain of a DROP that asked for evict=, before its RELEASE, or for an EVICT (non-holder);
+ * PREFETCH: up to `bytes` back to the device, most recently used first, before the gate of a
+ *   GRANT opens; afterwards all of the process's memory counts as resident again. */
+enum nvs_job { NVS_JOB_NONE = 0, NVS_JOB_DRAIN, NVS_JOB_PROBE, NVS_JOB_SWAP_OUT, NVS_JOB_PREFETCH };
 /* What a job found: DRAINED = nothing in flight and every context synchronised (the gate is
  * closed); ACTIVE = an idle probe saw submissions (the gate may have been closed by the probe:
  * the core says whether to reopen it); DEFERRED = a drain found a stream capture begun on the
  * device and synchronised nothing (it runs again once the capture ends). */
-enum nvs_job_result { NVS_RESULT_NONE = 0, NVS_RESULT_DRAINED, NVS_RESULT_ACTIVE, NVS_RESULT_DEFERRED };
+/* MOVED = a swap job moved what it could (the shell observes the swapped bytes before it
+ * reports the result); a swap job that met a capture reports DEFERRED and moved nothing. */
+enum nvs_job_result { NVS_RESULT_NONE = 0, NVS_RESULT_DRAINED, NVS_RESULT_ACTIVE, NVS_RESULT_DEFERRED, NVS_RESULT_MOVED };
 
 enum nvs_action_kind {
     NVS_ACT_SEND = 1,   /* send the encoded message (buf/len of nvs_core_pop) */
@@ -58,6 +65,7 @@ struct nvs_action {
     int device; /* -1 when the action is not about one device */
     int value;
     size_t len; /* SEND, LOG: bytes written to buf */
+    uint64_t bytes; /* JOB SWAP_OUT: at least this many bytes to move; PREFETCH: at most */
 };
 
 /* Read once at nvs_core_init. */
@@ -90,6 +98,9 @@ struct nvs_core_device {
     int captures;      /* stream captures in progress on the device */
     uint64_t entered;  /* the gate's submission counter */
     uint64_t bytes;    /* bytes allocated by the process */
+    uint64_t converted; /* of them, converted to managed memory (nvs_core_observe_residency) */
+    uint64_t swapped;   /* of those, moved to the host by swap jobs and not brought back:
+                         * resident = converted - swapped */
 
     enum nvs_lock_state state;
     int gate_open;            /* as last told to the shell */
@@ -115,6 +126,14 @@ struct nvs_core_device {
     uint64_t admitted;      /* what this process may hold; NVS_CORE_UNADMITTED: nothing waits */
     uint64_t admit_asked;   /* the unanswered ADMIT's total, 0: none */
     uint64_t admit_request; /* its number */
+    /* Swapping (docs/protocol.md, "Residency"). */
+    uint64_t evict_due;        /* DROP evict=: to move out after the drain, before the RELEASE */
+    int release_drained;       /* the drain of the due release is done; its swap-out runs or waits */
+    uint64_t evict_asked;      /* EVICT bytes= (a non-holder): to move out now, then EVICTED */
+    int evicted_due;           /* an EVICTED answer is owed on the current connection */
+    int grant_swap_due;        /* a GRANT's gate waits for its PREFETCH (or a running swap job) */
+    uint64_t prefetch_due;     /* of that GRANT: bring back up to this many bytes */
+    uint64_t reported_resident; /* resident= of the last MEMORY; UINT64_MAX: none sent */
 };
 
 /* The admitted total while admission is not in force (no scheduler, or one without it). */
@@ -128,10 +147,12 @@ struct nvs_core_queued {
     struct nvs_action action;
     enum nvs_msg_type_out {
         NVS_OUT_NONE = 0, NVS_OUT_HELLO, NVS_OUT_DEVICE, NVS_OUT_MEMORY, NVS_OUT_ACQUIRE,
-        NVS_OUT_RELEASE, NVS_OUT_HEARTBEAT, NVS_OUT_BYE, NVS_OUT_QUERY, NVS_OUT_ADMIT
+        NVS_OUT_RELEASE, NVS_OUT_HEARTBEAT, NVS_OUT_BYE, NVS_OUT_QUERY, NVS_OUT_ADMIT, NVS_OUT_EVICTED
     } message;
     uint64_t number;      /* RELEASE grant, MEMORY bytes, ADMIT bytes */
     uint64_t request;     /* ADMIT */
+    int has_resident;     /* MEMORY, RELEASE: resident= is sent (EVICTED: always) */
+    uint64_t resident;
     const char *reason;   /* RELEASE */
     uint64_t held, wanted; /* HELLO: device bit sets */
     int log;              /* LOG: slot in logs[] */
@@ -179,6 +200,12 @@ int nvs_core_add_device(struct nvs_core *c, int device, const char *uuid, const 
 /* What the gate and the allocator counted. Level-triggered: report the current values before
  * every other event (cheap; nothing happens until the next event or tick). */
 void nvs_core_observe(struct nvs_core *c, int device, int waiters, int captures, uint64_t entered, uint64_t bytes);
+/* The device's converted bytes (allocations made managed memory, those a swap can move) and,
+ * of them, what swap jobs moved to the host and did not bring back. Level-triggered like
+ * nvs_core_observe; report it before nvs_core_job_done of a swap job. A process with converted
+ * memory says resident= (converted - swapped) in every MEMORY; one without (NVSHARE_MANAGED=0)
+ * takes no part in residency. */
+void nvs_core_observe_residency(struct nvs_core *c, int device, uint64_t converted, uint64_t swapped);
 
 void nvs_core_connected(struct nvs_core *c, double now);
 void nvs_core_connect_failed(struct nvs_core *c, int err, int path_too_long, double now);

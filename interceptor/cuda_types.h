@@ -289,6 +289,8 @@ typedef enum {
 /* Streams and events */
 #define CU_STREAM_DEFAULT 0x0
 #define CU_STREAM_NON_BLOCKING 0x1
+/* The device ordinal of the host in cuMemPrefetchAsync and cuMemAdvise. */
+#define CU_DEVICE_CPU ((CUdevice)-1)
 #define CU_EVENT_DEFAULT 0x0
 #define CU_EVENT_BLOCKING_SYNC 0x1
 #define CU_EVENT_DISABLE_TIMING 0x2

@@ -346,7 +346,10 @@
     X(cuEventDestroy_v2, (CUevent event))                                                       \
     X(cuStreamIsCapturing, (CUstream stream, CUstreamCaptureStatus *status))                    \
     X(cuPointerGetAttribute, (void *data, CUpointer_attribute attribute, CUdeviceptr ptr))      \
-    X(cuMemAdvise_v2, (CUdeviceptr ptr, size_t count, CUmem_advise advice, CUmemLocation location))
+    X(cuMemAdvise_v2, (CUdeviceptr ptr, size_t count, CUmem_advise advice, CUmemLocation location)) \
+    X(cuStreamCreate, (CUstream * phStream, unsigned int flags))                                 \
+    X(cuStreamSynchronize, (CUstream hStream))                                                  \
+    X(cuStreamDestroy_v2, (CUstream hStream))
 
 /*
  * NVML (nvml.c): the memory queries of libnvidia-ml.so.1, so that nvidia-smi and pynvml inside a

@@ -27,6 +27,10 @@ struct alloc {
     size_t size;
     struct nvs_device *device;
     enum alloc_kind kind;
+    /* Swapping (converted allocations): moved to the host by a swap-out and not brought back,
+     * and the device's swap epoch when it was allocated or last brought back (see "Swapping"). */
+    int swapped;
+    uint64_t last_used;
 };
 
 /* Open-addressing hash table of live allocations; under mem_mu. Keys are never 0. Pointers
@@ -41,6 +45,9 @@ struct alloc_table {
  * and nvs_mu (fork prepare), never held across a CUDA call, I/O or another lock. */
 static pthread_mutex_t mem_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct alloc_table pointers, vmm_handles;
+/* Per device (by its index in nvs_devices), under mem_mu: advances at each PREFETCH job, that
+ * is at each grant after swapping (see "Swapping"). */
+static uint64_t swap_epoch[NVS_MAX_DEVICES];
 
 static size_t slot_of(uint64_t key, size_t cap) {
     key ^= key >> 33;
@@ -122,6 +129,15 @@ static enum charge_outcome charge(struct nvs_device *d, size_t size, uint64_t *u
     return CHARGED;
 }
 
+/* A converted allocation is freed: it leaves its device's converted (and swapped) counts, at
+ * the moment its bytes are uncharged, so that resident = converted - swapped never moves
+ * without `bytes` moving with it (the scheduler tells a free from a swap-out by that). */
+static void converted_gone(struct nvs_device *d, size_t size, int swapped) {
+    if (d == NULL) return;
+    atomic_fetch_sub(&d->converted, size);
+    if (swapped) atomic_fetch_sub(&d->swapped, size);
+}
+
 /* Give back a charge: a free, or an allocation the driver refused after it was charged. */
 static void uncharge(struct nvs_device *d, size_t size) {
     if (d == NULL) return;
@@ -159,10 +175,12 @@ static CUresult charge_or_refuse(struct nvs_device *d, size_t size, const char *
 
 /* A charged allocation succeeded: record it (the MEMORY report follows). */
 static void remember(struct alloc_table *t, uint64_t key, size_t size, struct nvs_device *d, enum alloc_kind kind) {
-    struct alloc a = {key, size, d, kind};
+    struct alloc a = {.key = key, .size = size, .device = d, .kind = kind};
     pthread_mutex_lock(&mem_mu);
+    if (d != NULL) a.last_used = swap_epoch[d - nvs_devices];
     int failed = table_put(t, &a);
     pthread_mutex_unlock(&mem_mu);
+    if (!failed && kind == ALLOC_CONVERTED && d != NULL) atomic_fetch_add(&d->converted, size);
     if (failed) {
         nvs_error("out of memory recording an allocation of %zu bytes; it is not counted", size);
         uncharge(d, size); /* a free of it will find nothing to uncharge */
@@ -179,6 +197,16 @@ static CUresult settle_charge(CUresult result, struct alloc_table *t, uint64_t k
     else
         uncharge(d, size);
     return result;
+}
+
+/* A swap job changes an allocation's mark: its device's swapped count follows. */
+static void count_swapped(const struct alloc *a, int sign) {
+    if (a->swapped && a->device != NULL) {
+        if (sign > 0)
+            atomic_fetch_add(&a->device->swapped, a->size);
+        else
+            atomic_fetch_sub(&a->device->swapped, a->size);
+    }
 }
 
 /* Remove `key` from `t`; returns 1 and fills `out` if it was there. */
@@ -351,6 +379,7 @@ NVS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     struct alloc a;
     int known = forget(&pointers, dptr, &a);
     CUresult r = nvs_real.cuMemFree_v2(dptr);
+    if (known && r == CUDA_SUCCESS && a.kind == ALLOC_CONVERTED) converted_gone(a.device, a.size, a.swapped);
     if (known && r == CUDA_SUCCESS) uncharge(a.device, a.size);
     if (known && r != CUDA_SUCCESS) { /* still allocated: keep it */
         pthread_mutex_lock(&mem_mu);
@@ -371,6 +400,7 @@ struct pending_free {
     CUdeviceptr ptr;
     size_t size;
     struct nvs_device *device;
+    int swapped;    /* it was on the host by a swap-out (counted until the free completes) */
     CUcontext ctx;  /* the allocating context (current at cuMemFreeAsync), NULL: none */
     CUevent event;  /* recorded on the freeing stream, in `ctx` */
 };
@@ -424,6 +454,7 @@ static void complete_free(struct pending_free *p) {
         nvs_real.cuCtxPopCurrent_v2(&popped);
     }
     if (r != CUDA_SUCCESS) nvs_warn("deferred free of %#llx failed (%d)", (unsigned long long)p->ptr, r);
+    converted_gone(p->device, p->size, p->swapped);
     uncharge(p->device, p->size);
     atomic_fetch_sub(&n_pending, 1);
     free(p);
@@ -519,6 +550,7 @@ static CUresult free_async(CUdeviceptr dptr, CUstream s, int per_thread) {
     p->ptr = dptr;
     p->size = a.size;
     p->device = a.device;
+    p->swapped = a.swapped;
     if (nvs_real.cuCtxGetCurrent(&p->ctx) != CUDA_SUCCESS) p->ctx = NULL;
     atomic_fetch_add(&n_pending, 1);
     give_back_pending(p);
@@ -630,6 +662,182 @@ NVS_EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr dptr) 
     return r;
 }
 
+/* --- swapping: bulk moves of converted memory (worker.c's SWAP_OUT and PREFETCH jobs) -------
+ * The scheduler says how much (DROP evict=, EVICT bytes=, GRANT prefetch=); this says which
+ * allocations and moves them with cuMemPrefetchAsync on an internal stream of the device,
+ * synchronised before the job reports: bulk migration runs at the copy engines' bandwidth,
+ * about 5x what the same bytes cost when kernels fault them back page by page.
+ *
+ * Which allocations: nvshare sees allocations and grants, not which memory a kernel touches.
+ * The best evidence of use it has is time: an allocation made, or brought back, during the
+ * latest grant belongs to the current working set more likely than one that has stayed out
+ * since earlier grants. So each converted allocation carries the device's swap epoch of when
+ * it was allocated or last brought back (the epoch advances at each PREFETCH, i.e. at each grant
+ * after swapping), and
+ *   - a swap-out takes the least recently used first (oldest epoch), among equals the largest
+ *     first: the fewest operations reach the amount asked, and an older allocation that had
+ *     stayed out is still on the host, so moving it costs next to nothing;
+ *   - a prefetch brings back the most recently used first, among equals the largest first, as
+ *     long as it stays within the amount the scheduler allows (what does not fit stays out and
+ *     faults in if a kernel touches it).
+ * Whole allocations move: a swap-out moves at least what was asked, at most one allocation
+ * more. After a prefetch every allocation counts as resident again (the holder may touch any of
+ * it; the next swap-out starts with the ones that were not brought back).
+ *
+ * Locks: mem_mu only to choose and to mark (never across a CUDA call); nvs_ctx_mu for the whole
+ * move, as a drain holds it: no context is destroyed under the internal stream and no capture
+ * begins meanwhile (a capture already running defers a job: moves are as unsafe then as a
+ * drain's synchronise). */
+
+struct move {
+    CUdeviceptr ptr;
+    size_t size;
+    uint64_t last_used;
+};
+
+static int least_recent_first(const void *x, const void *y) {
+    const struct move *a = x, *b = y;
+    if (a->last_used != b->last_used) return a->last_used < b->last_used ? -1 : 1;
+    return a->size > b->size ? -1 : a->size < b->size;
+}
+
+static int most_recent_first(const void *x, const void *y) {
+    const struct move *a = x, *b = y;
+    if (a->last_used != b->last_used) return a->last_used > b->last_used ? -1 : 1;
+    return a->size > b->size ? -1 : a->size < b->size;
+}
+
+/* d's converted allocations that are (swapped = 1) or are not (0) on the host by a swap-out,
+ * copied out of the table (NULL with *n = 0 when there are none or no memory). */
+static struct move *collect(struct nvs_device *d, int swapped, size_t *n) {
+    *n = 0;
+    pthread_mutex_lock(&mem_mu);
+    struct move *moves = pointers.used > 0 ? malloc(pointers.used * sizeof *moves) : NULL;
+    for (size_t i = 0; moves != NULL && i < pointers.cap; i++) {
+        const struct alloc *a = &pointers.slots[i];
+        if (a->key != 0 && a->key != TOMBSTONE && a->device == d && a->kind == ALLOC_CONVERTED && a->swapped == swapped)
+            moves[(*n)++] = (struct move){a->key, a->size, a->last_used};
+    }
+    pthread_mutex_unlock(&mem_mu);
+    return moves;
+}
+
+/* Set the swapped mark of the moved allocations that are still there (the application may have
+ * freed one meanwhile) and keep d's count; `epoch` (NULL: unchanged) becomes their last use. */
+static void mark_moved(struct nvs_device *d, const struct move *moves, size_t n, int swapped, const uint64_t *epoch) {
+    pthread_mutex_lock(&mem_mu);
+    for (size_t i = 0; i < n; i++) {
+        struct alloc *a = table_find(&pointers, moves[i].ptr);
+        if (a == NULL || a->device != d || a->size != moves[i].size || a->kind != ALLOC_CONVERTED) continue;
+        if (epoch != NULL) a->last_used = *epoch;
+        if (a->swapped == swapped) continue;
+        count_swapped(a, -1);
+        a->swapped = swapped;
+        count_swapped(a, 1);
+    }
+    pthread_mutex_unlock(&mem_mu);
+}
+
+/* Prefetch each of `moves` to the host or to d on a new internal stream in one of d's contexts,
+ * then synchronise it. Moves that fail (an allocation freed meanwhile) are zeroed in `moves`.
+ * The caller holds nvs_ctx_mu. -1: a capture runs on d (nothing moved). */
+static int move_in_bulk(struct nvs_device *d, struct move *moves, size_t n, int to_host) {
+    pthread_mutex_lock(&nvs_mu);
+    int capturing = d->captures > 0;
+    CUcontext ctx = d->n_contexts > 0 ? d->contexts[0] : NULL;
+    pthread_mutex_unlock(&nvs_mu);
+    if (capturing) return -1;
+    if (n == 0) return 0;
+    /* Managed memory is one address space for every context of the device: one will do. */
+    if (ctx == NULL || nvs_real.cuStreamCreate == NULL || nvs_real.cuStreamSynchronize == NULL ||
+        nvs_real.cuStreamDestroy_v2 == NULL || nvs_real.cuCtxPushCurrent_v2(ctx) != CUDA_SUCCESS) {
+        for (size_t i = 0; i < n; i++) moves[i].size = 0;
+        return 0;
+    }
+    CUstream stream;
+    /* Non-blocking: never ordered with the application's legacy default stream (the gate is
+     * closed meanwhile; the synchronise below is the only ordering needed). */
+    CUresult r = nvs_real.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING);
+    for (size_t i = 0; i < n; i++) {
+        if (r == CUDA_SUCCESS) {
+            CUresult moved;
+            if (nvs_real.cuMemPrefetchAsync_v2 != NULL) {
+                CUmemLocation where = {.type = to_host ? CU_MEM_LOCATION_TYPE_HOST : CU_MEM_LOCATION_TYPE_DEVICE,
+                                       .id = to_host ? 0 : d->ordinal};
+                moved = nvs_real.cuMemPrefetchAsync_v2(moves[i].ptr, moves[i].size, where, 0, stream);
+            } else {
+                moved = nvs_real.cuMemPrefetchAsync(moves[i].ptr, moves[i].size, to_host ? CU_DEVICE_CPU : d->ordinal,
+                                                    stream);
+            }
+            if (moved == CUDA_SUCCESS) continue;
+            nvs_debug("prefetching %#llx (%zu bytes) to the %s failed (%d)", (unsigned long long)moves[i].ptr,
+                      moves[i].size, to_host ? "host" : "device", moved);
+        }
+        moves[i].size = 0;
+    }
+    if (r == CUDA_SUCCESS) {
+        CUresult synced = nvs_real.cuStreamSynchronize(stream);
+        if (synced != CUDA_SUCCESS) nvs_warn("waiting for a swap of device %d returned %d", d->ordinal, synced);
+        nvs_real.cuStreamDestroy_v2(stream);
+    } else {
+        nvs_warn("no stream to swap memory of device %d (%d): nothing moved", d->ordinal, r);
+    }
+    CUcontext popped;
+    nvs_real.cuCtxPopCurrent_v2(&popped);
+    return 0;
+}
+
+/* The moves of `moves` that are still wanted (move_in_bulk zeroes the failed ones). */
+static size_t compact(struct move *moves, size_t n) {
+    size_t kept = 0;
+    for (size_t i = 0; i < n; i++)
+        if (moves[i].size > 0) moves[kept++] = moves[i];
+    return kept;
+}
+
+int nvs_memory_swap_out(struct nvs_device *d, uint64_t at_least) {
+    size_t n;
+    struct move *moves = collect(d, 0, &n);
+    if (n > 1) qsort(moves, n, sizeof *moves, least_recent_first);
+    size_t chosen = 0;
+    for (uint64_t total = 0; chosen < n && total < at_least; chosen++) total += moves[chosen].size;
+    pthread_mutex_lock(&nvs_ctx_mu);
+    int r = move_in_bulk(d, moves, chosen, 1);
+    pthread_mutex_unlock(&nvs_ctx_mu);
+    if (r == 0) mark_moved(d, moves, compact(moves, chosen), 1, NULL);
+    free(moves);
+    return r;
+}
+
+int nvs_memory_prefetch(struct nvs_device *d, uint64_t up_to) {
+    size_t n;
+    struct move *moves = collect(d, 1, &n);
+    if (n > 1) qsort(moves, n, sizeof *moves, most_recent_first);
+    size_t chosen = 0;
+    uint64_t total = 0;
+    for (size_t i = 0; i < n; i++) /* most recent first, skipping what no longer fits */
+        if (moves[i].size <= up_to - total) {
+            total += moves[i].size;
+            moves[chosen++] = moves[i];
+        }
+    pthread_mutex_lock(&nvs_ctx_mu);
+    int r = move_in_bulk(d, moves, chosen, 0);
+    pthread_mutex_unlock(&nvs_ctx_mu);
+    if (r == 0) {
+        pthread_mutex_lock(&mem_mu);
+        uint64_t epoch = ++swap_epoch[d - nvs_devices];
+        pthread_mutex_unlock(&mem_mu);
+        mark_moved(d, moves, compact(moves, chosen), 0, &epoch);
+        /* The rest counts as resident too, keeping its last use: the holder may touch any of it
+         * (it faults in), and the next swap-out takes it first. */
+        free(moves);
+        moves = collect(d, 1, &n);
+        mark_moved(d, moves, n, 0, NULL);
+    }
+    free(moves);
+    return r;
+}
+
 /* --- fork ----------------------------------------------------------------------------------*/
 
 void nvs_memory_reset_after_fork(void) {
@@ -638,6 +846,7 @@ void nvs_memory_reset_after_fork(void) {
     free(vmm_handles.slots);
     memset(&pointers, 0, sizeof pointers);
     memset(&vmm_handles, 0, sizeof vmm_handles);
+    memset(swap_epoch, 0, sizeof swap_epoch);
     while (pending != NULL) {
         struct pending_free *p = pending;
         pending = p->next;

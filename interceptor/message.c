@@ -224,11 +224,21 @@ static const struct field_spec grant_fields[] = {
     {"exclusive", FIELD_FLAG, NOT_STORED, 0, NULL},
     STORED("quantum_ms", FIELD_UINT, quantum_ms, NULL),
 };
+static const struct field_spec grant_optional[] = {
+    STORED("prefetch", FIELD_UINT, prefetch_bytes, NULL),
+};
 static const struct field_spec drop_fields[] = {
     STORED("device", FIELD_DEVICE, device, NULL),
     STORED("grant", FIELD_UINT, grant, NULL),
     {"grace_ms", FIELD_UINT, NOT_STORED, 0, NULL},
     STORED("reason", FIELD_CHOICE, reason, drop_reasons),
+};
+static const struct field_spec drop_optional[] = {
+    STORED("evict", FIELD_UINT, evict_bytes, NULL),
+};
+static const struct field_spec evict_fields[] = {
+    STORED("device", FIELD_DEVICE, device, NULL),
+    STORED("bytes", FIELD_UINT, evict_bytes, NULL),
 };
 static const struct field_spec contended_fields[] = {
     STORED("device", FIELD_DEVICE, device, NULL),
@@ -257,8 +267,9 @@ static const struct field_spec error_optional[] = {
 
 static const struct message_spec scheduler_messages[] = {
     {"WELCOME", NVS_MSG_WELCOME, FIELDS(welcome_fields), FIELDS(welcome_optional)},
-    {"GRANT", NVS_MSG_GRANT, FIELDS(grant_fields), NULL, 0},
-    {"DROP", NVS_MSG_DROP, FIELDS(drop_fields), NULL, 0},
+    {"GRANT", NVS_MSG_GRANT, FIELDS(grant_fields), FIELDS(grant_optional)},
+    {"DROP", NVS_MSG_DROP, FIELDS(drop_fields), FIELDS(drop_optional)},
+    {"EVICT", NVS_MSG_EVICT, FIELDS(evict_fields), NULL, 0},
     {"CONTENDED", NVS_MSG_CONTENDED, FIELDS(contended_fields), NULL, 0},
     {"REVOKE", NVS_MSG_REVOKE, FIELDS(revoke_fields), NULL, 0},
     {"MODE", NVS_MSG_MODE, FIELDS(mode_fields), NULL, 0},
@@ -608,12 +619,14 @@ size_t nvs_msg_device(char *buf, size_t cap, const char *device, uint64_t total,
     return writer_finish(&w);
 }
 
-size_t nvs_msg_memory(char *buf, size_t cap, const char *device, uint64_t used)
+size_t nvs_msg_memory(char *buf, size_t cap, const char *device, uint64_t used, const uint64_t *resident)
 {
     struct writer w = writer_start(buf, cap, "MEMORY");
 
     put_device(&w, "device", device);
     put_uint(&w, "used", used);
+    if (resident)
+        put_uint(&w, "resident", *resident);
     return writer_finish(&w);
 }
 
@@ -635,7 +648,8 @@ size_t nvs_msg_admit(char *buf, size_t cap, const char *device, uint64_t request
     return writer_finish(&w);
 }
 
-size_t nvs_msg_release(char *buf, size_t cap, const char *device, uint64_t grant, const char *reason)
+size_t nvs_msg_release(char *buf, size_t cap, const char *device, uint64_t grant, const char *reason,
+                       const uint64_t *resident)
 {
     struct writer w = writer_start(buf, cap, "RELEASE");
     struct span reason_span = {reason, reason ? strlen(reason) : 0};
@@ -646,6 +660,17 @@ size_t nvs_msg_release(char *buf, size_t cap, const char *device, uint64_t grant
     put_uint(&w, "grant", grant);
     put_key(&w, "reason");
     put_bytes(&w, reason, reason_span.n);
+    if (resident)
+        put_uint(&w, "resident", *resident);
+    return writer_finish(&w);
+}
+
+size_t nvs_msg_evicted(char *buf, size_t cap, const char *device, uint64_t resident)
+{
+    struct writer w = writer_start(buf, cap, "EVICTED");
+
+    put_device(&w, "device", device);
+    put_uint(&w, "resident", resident);
     return writer_finish(&w);
 }
 

@@ -21,6 +21,7 @@ enum nvs_msg_type {
     NVS_MSG_STATUS, /* the answer to QUERY; only its arrival is reported, not its document */
     NVS_MSG_ADMITTED,
     NVS_MSG_REFUSED,
+    NVS_MSG_EVICT,  /* move bytes of a device's memory to the host now (a client not holding it) */
 };
 
 /* A parsed scheduler message; only the fields of its type are meaningful. */
@@ -35,6 +36,9 @@ struct nvs_msg {
     int admission;       /* WELCOME: 1 when the scheduler answers ADMIT */
     uint64_t request;    /* ADMITTED, REFUSED: the ADMIT answered */
     uint64_t bytes;      /* ADMITTED: the admitted total */
+    uint64_t prefetch_bytes;  /* GRANT prefetch= (0 when absent): bring back up to this many bytes */
+    uint64_t evict_bytes;     /* DROP evict= (0 when absent), EVICT bytes=: move at least this many
+                               * bytes to the host */
     char client[64];     /* WELCOME client id, cut at a character boundary if longer */
     char reason[32];     /* DROP / REVOKE / REFUSED reason */
     char code[32];       /* ERROR code */
@@ -71,10 +75,14 @@ struct nvs_hello {
  * at a character boundary to 1024 bytes. The output is what nvshare_py.protocol encodes. */
 size_t nvs_msg_hello(char *buf, size_t cap, const struct nvs_hello *hello);
 size_t nvs_msg_device(char *buf, size_t cap, const char *device, uint64_t total, const char *name);
-size_t nvs_msg_memory(char *buf, size_t cap, const char *device, uint64_t used);
+/* `resident` (MEMORY, RELEASE): the optional resident= field (bytes this process believes are
+ * on the device, docs/protocol.md "Residency"); NULL omits it. */
+size_t nvs_msg_memory(char *buf, size_t cap, const char *device, uint64_t used, const uint64_t *resident);
 size_t nvs_msg_acquire(char *buf, size_t cap, const char *device);
 size_t nvs_msg_admit(char *buf, size_t cap, const char *device, uint64_t request, uint64_t bytes);
-size_t nvs_msg_release(char *buf, size_t cap, const char *device, uint64_t grant, const char *reason);
+size_t nvs_msg_release(char *buf, size_t cap, const char *device, uint64_t grant, const char *reason,
+                       const uint64_t *resident);
+size_t nvs_msg_evicted(char *buf, size_t cap, const char *device, uint64_t resident);
 size_t nvs_msg_heartbeat(char *buf, size_t cap);
 size_t nvs_msg_bye(char *buf, size_t cap);
 size_t nvs_msg_query(char *buf, size_t cap);

@@ -89,6 +89,11 @@ struct nvs_device {
     /* The admitted total + 1 (admission.c; 0: no admission in force, nothing waits). Written by
      * the client thread under nvs_mu, read by allocating threads without a lock. */
     _Atomic uint64_t admission;
+    /* Of them, converted (made managed by nvshare), and of those, moved to the host by the
+     * worker's swap jobs and not brought back (memory.c, any thread; the client thread reads
+     * them for the core: resident = converted - swapped). */
+    _Atomic uint64_t converted;
+    _Atomic uint64_t swapped;
 
     /* Identity: written once under nvs_mu before `known` is set, constant afterwards. */
     int ordinal;
@@ -110,6 +115,7 @@ struct nvs_device {
     uint64_t admit_wanted;
     unsigned admit_refusals;
     enum nvs_job job;
+    uint64_t job_bytes; /* of a swap job (client_core.h, struct nvs_action) */
     int job_running;
     enum nvs_job_result job_result;
 
@@ -213,6 +219,13 @@ int nvs_memory_frees_pending(void);
 /* The caller holds nvs_ctx_mu, before a context may be destroyed: complete the pending frees made in
  * `ctx` (NULL: every one on `device`), waiting for the work queued before them. */
 void nvs_memory_settle_frees(CUcontext ctx, struct nvs_device *device);
+/* Swapping (the worker's swap jobs, docs/interceptor.md "Swapping"); the caller holds no lock.
+ * Move at least `at_least` bytes of d's converted memory to the host, least recently used first
+ * (-1 and nothing moved while a stream capture runs on d), or bring up to `up_to` bytes of what
+ * was moved out back to d, most recently used first, and count all of it resident again. Both
+ * synchronise their internal stream before they return. */
+int nvs_memory_swap_out(struct nvs_device *d, uint64_t at_least);
+int nvs_memory_prefetch(struct nvs_device *d, uint64_t up_to);
 /* Fork child: forget every allocation (the child has no device memory of its own). */
 void nvs_memory_reset_after_fork(void);
 void nvs_memory_fork_prepare(void);
@@ -298,7 +311,7 @@ void nvs_fork_child(void);
  * (jobs, handed over in struct nvs_device under nvs_mu), and deferred stream-ordered frees. */
 int nvs_worker_spawn(void);
 /* Under nvs_mu: hand the worker a job for the device. */
-void nvs_worker_assign_locked(struct nvs_device *d, enum nvs_job job);
+void nvs_worker_assign_locked(struct nvs_device *d, enum nvs_job job, uint64_t bytes);
 void nvs_worker_signal(void);
 /* Set at process exit: the worker stops calling CUDA (the driver may be torn down). */
 void nvs_worker_stop_for_exit(void);

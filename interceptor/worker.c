@@ -7,6 +7,8 @@
  * - PROBE: an idle check of a holder: release early only if nothing was submitted since the
  *   last look, everything submitted before has finished, and nothing entered while the gate
  *   was being closed.
+ * - SWAP_OUT / PREFETCH: move converted memory to the host or back in bulk (memory.c); the
+ *   gate is closed meanwhile (the core opens it after a PREFETCH).
  * - deferred stream-ordered frees (memory.c), polled while any are pending.
  *
  * Jobs come in struct nvs_device (job, under nvs_mu); results go back there (job_result) and
@@ -20,8 +22,9 @@ static pthread_cond_t worker_cv = PTHREAD_COND_INITIALIZER; /* with nvs_mu */
 static int worker_kicked;                                    /* under nvs_mu */
 static _Atomic int exiting;
 
-void nvs_worker_assign_locked(struct nvs_device *d, enum nvs_job job) {
+void nvs_worker_assign_locked(struct nvs_device *d, enum nvs_job job, uint64_t bytes) {
     d->job = job;
+    d->job_bytes = bytes;
     d->job_result = NVS_RESULT_NONE;
     worker_kicked = 1;
     pthread_cond_signal(&worker_cv);
@@ -56,6 +59,19 @@ static enum nvs_job_result run_probe(struct nvs_device *d) {
     return quiet ? NVS_RESULT_DRAINED : NVS_RESULT_ACTIVE;
 }
 
+static enum nvs_job_result run_job(struct nvs_device *d, enum nvs_job job, uint64_t bytes) {
+    switch (job) {
+    case NVS_JOB_PROBE:
+        return run_probe(d);
+    case NVS_JOB_SWAP_OUT:
+        return nvs_memory_swap_out(d, bytes) == 0 ? NVS_RESULT_MOVED : NVS_RESULT_DEFERRED;
+    case NVS_JOB_PREFETCH:
+        return nvs_memory_prefetch(d, bytes) == 0 ? NVS_RESULT_MOVED : NVS_RESULT_DEFERRED;
+    default:
+        return run_drain(d);
+    }
+}
+
 static int any_capture_locked(void) {
     for (int i = 0; i < nvs_n_devices; i++)
         if (nvs_devices[i].captures > 0) return 1;
@@ -71,9 +87,10 @@ static void *worker_main(void *unused) {
             if (nvs_devices[i].job != NVS_JOB_NONE && !nvs_devices[i].job_running) d = &nvs_devices[i];
         if (d != NULL && !atomic_load(&exiting)) {
             enum nvs_job job = d->job;
+            uint64_t bytes = d->job_bytes;
             d->job_running = 1;
             pthread_mutex_unlock(&nvs_mu);
-            enum nvs_job_result result = job == NVS_JOB_PROBE ? run_probe(d) : run_drain(d);
+            enum nvs_job_result result = run_job(d, job, bytes);
             pthread_mutex_lock(&nvs_mu);
             d->job_running = 0;
             d->job = NVS_JOB_NONE;

@@ -161,13 +161,14 @@ def test_without_the_scheduler_processes_over_capacity_thrash(scheduler_factory,
 
 def test_with_the_scheduler_each_turn_moves_each_process_memory_at_most_once(scheduler_factory, cuda_app, simcuda,
                                                                                tmp_path):
-    scheduler = scheduler_factory(mode="on", tq=0.3)
+    """Without swapping (the fault-driven baseline, --swapping off)."""
+    scheduler = scheduler_factory(mode="on", tq=0.3, swapping="off")
     _, trace = start_pair(cuda_app, scheduler, tmp_path, OVER, LOOP)
     lines = simcuda.read_trace(trace)
     assert handoffs(lines) >= 2, turns(lines)
     for turn in turns(lines):
-        # Today the holder's memory comes back by faults during its turn and the other process's
-        # is evicted to make room: once each, never more.
+        # The holder's memory comes back by faults during its turn and the other process's is
+        # evicted to make room: once each, never more.
         assert turn.brought_in.get(turn.pid, 0) <= OVER, turn
         assert set(turn.brought_in) <= {turn.pid}, turn
         assert all(bytes_ <= OVER for bytes_ in turn.sent_out.values()), turn
@@ -206,3 +207,35 @@ def test_converted_allocations_are_advised_onto_their_device_when_asked(schedule
     assert sorted(advice) == sorted((kind, "device", 1, ptr, size) for ptr, size in sizes.items()
                                     for kind in ("set_preferred_location", "set_accessed_by"))
     assert not any(ptr in own for *_, ptr, _ in advice)  # the application's own managed memory is its business
+
+
+def test_with_swapping_each_handoff_moves_memory_once_each_way_at_prefetch_cost(scheduler_factory, cuda_app, simcuda,
+                                                                               tmp_path):
+    """Over capacity with the scheduler swapping: nothing faults after the first touch (which a
+    grant's prefetch may even do instead) and the driver never has to evict; every move is a
+    bulk prefetch, at most once out and once in per process and turn. The trace is read while
+    both processes still live (after their loops): the memory of a process that has exited but
+    is not yet reaped still counts as the simulated device's, which is not swapping's business."""
+    scheduler = scheduler_factory(mode="on", tq=0.3)
+    env = {**scheduler.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path)}
+    apps = [cuda_app(env, "init", f"alloc:plain:{OVER}", "wait", *LOOP, "wait") for _ in range(2)]
+    for app in apps:
+        app.expect("waiting")
+    for app in apps:
+        app.continue_()
+    for app in apps:
+        app.expect("looped")
+        app.expect("waiting")
+    lines = simcuda.read_trace(cuda_app.trace)
+    for app in apps:
+        app.continue_()
+        assert app.wait() == 0, app.stderr
+    assert handoffs(lines) >= 2, turns(lines)
+    for app in apps:
+        assert moved(lines, owner=app.pid, cause="fault") <= OVER  # the first touch at most
+        assert moved(lines, owner=app.pid, cause="prefetch", direction="to_host") > 0
+    assert migrations(lines, cause="evict") == []  # the scheduler made room before each turn
+    for turn in turns(lines):
+        assert set(turn.brought_in) <= {turn.pid}, turn
+        assert turn.brought_in.get(turn.pid, 0) <= OVER, turn
+        assert all(bytes_ <= OVER for bytes_ in turn.sent_out.values()), turn

@@ -367,9 +367,12 @@ def c_view(msg: protocol.Message) -> dict:
         return {"type": "WELCOME", "client": cut(msg.client, TEXT_CUT["client"]),
                 "heartbeat_ms": msg.heartbeat_ms, "idle_release_ms": msg.idle_release_ms}
     if isinstance(msg, protocol.Grant):
-        return {"type": "GRANT", "device": msg.device, "grant": msg.grant, "quantum_ms": msg.quantum_ms}
+        return {"type": "GRANT", "device": msg.device, "grant": msg.grant, "quantum_ms": msg.quantum_ms,
+                "prefetch": msg.prefetch}
     if isinstance(msg, protocol.Drop):
-        return {"type": "DROP", "device": msg.device, "grant": msg.grant, "reason": msg.reason}
+        return {"type": "DROP", "device": msg.device, "grant": msg.grant, "reason": msg.reason, "evict": msg.evict}
+    if isinstance(msg, protocol.Evict):
+        return {"type": "EVICT", "device": msg.device, "evict": msg.bytes}
     if isinstance(msg, protocol.Revoke):
         return {"type": "REVOKE", "device": msg.device, "grant": msg.grant, "reason": msg.reason}
     if isinstance(msg, protocol.Contended):
@@ -402,9 +405,10 @@ scheduler_messages = st.one_of(
     st.builds(protocol.Welcome, client=texts, heartbeat_ms=uints, idle_release_ms=uints,
               version=uints),
     st.builds(protocol.Grant, device=devices, grant=uints, mode=st.sampled_from(protocol.MODES),
-              exclusive=st.booleans(), quantum_ms=uints),
+              exclusive=st.booleans(), quantum_ms=uints, prefetch=uints),
     st.builds(protocol.Drop, device=devices, grant=uints, grace_ms=uints,
-              reason=st.sampled_from(protocol.DROP_REASONS)),
+              reason=st.sampled_from(protocol.DROP_REASONS), evict=uints),
+    st.builds(protocol.Evict, device=devices, bytes=uints),
     st.builds(protocol.Revoke, device=devices, grant=uints,
               reason=st.sampled_from(protocol.REVOKE_REASONS)),
     st.builds(protocol.Contended, device=devices, grant=uints, quantum_left_ms=uints),
@@ -415,7 +419,7 @@ scheduler_messages = st.one_of(
 unknown_keys = st.from_regex(r"[a-z][a-z0-9_]{0,31}", fullmatch=True).filter(
     lambda key: key not in {"client", "heartbeat_ms", "idle_release_ms", "version", "device",
                             "grant", "mode", "exclusive", "quantum_ms", "grace_ms", "reason",
-                            "quantum_left_ms",
+                            "quantum_left_ms", "prefetch", "evict", "bytes",
                             "code", "detail", "type"})
 
 
@@ -520,7 +524,7 @@ device_lists = st.lists(devices, max_size=12)
 @st.composite
 def client_messages(draw):
     """(C builder arguments, expected Python message or None where the builder must refuse)."""
-    kind = draw(st.sampled_from(["hello", "device", "memory", "acquire", "release",
+    kind = draw(st.sampled_from(["hello", "device", "memory", "acquire", "release", "evicted",
                                  "heartbeat", "bye"]))
     if kind == "hello":
         raw = {key: draw(free_texts) for key in ("host", "container", "pod", "namespace",
@@ -545,16 +549,24 @@ def client_messages(draw):
         return kind, args, expected if total <= protocol.MAX_INT else None
     if kind == "memory":
         used = draw(st.integers(0, 2**64 - 1))
-        expected = protocol.Memory(device=draw(devices), used=used)
-        return kind, dict(device=expected.device, used=used), (
-            expected if used <= protocol.MAX_INT else None)
+        resident = draw(st.none() | uints)
+        expected = protocol.Memory(device=draw(devices), used=used, resident=resident)
+        args = dict(device=expected.device, used=used)
+        if resident is not None:
+            args["resident"] = resident
+        return kind, args, expected if used <= protocol.MAX_INT else None
+    if kind == "evicted":
+        expected = protocol.Evicted(device=draw(devices), resident=draw(uints))
+        return kind, dataclasses.asdict(expected), expected
     if kind == "acquire":
         expected = protocol.Acquire(device=draw(devices))
         return kind, dict(device=expected.device), expected
     if kind == "release":
         expected = protocol.Release(device=draw(devices), grant=draw(uints),
-                                    reason=draw(st.sampled_from(protocol.RELEASE_REASONS)))
-        return kind, dataclasses.asdict(expected), expected
+                                    reason=draw(st.sampled_from(protocol.RELEASE_REASONS)),
+                                    resident=draw(st.none() | uints))
+        args = {key: value for key, value in dataclasses.asdict(expected).items() if value is not None}
+        return kind, args, expected
     return kind, {}, protocol.Heartbeat() if kind == "heartbeat" else protocol.Bye()
 
 
@@ -675,7 +687,31 @@ def test_parser_reports_status_without_reading_its_document(codec):
         assert python_decode(data) is None
         assert codec.parse(data) == {"type": "STATUS", "device": "", "grant": 0, "quantum_ms": 0,
                                      "quantum_left_ms": 0, "heartbeat_ms": 0, "idle_release_ms": 0,
-                                     "client": "", "reason": "", "code": "", "detail": "", "error_type": ""}
+                                     "client": "", "reason": "", "code": "", "detail": "", "error_type": "",
+                                     "prefetch": 0, "evict": 0}
+
+
+def test_codec_speaks_the_residency_fields(codec):
+    """docs/protocol.md "Residency": GRANT prefetch=, DROP evict= and EVICT bytes= are read (absent:
+    0); MEMORY and RELEASE carry resident= only when given, EVICTED always."""
+    grant = codec.parse(f"NVSHARE/1 GRANT\ndevice={DEVICE}\ngrant=3\nmode=on\nexclusive=1\nquantum_ms=9\n"
+                        f"prefetch={protocol.MAX_INT}".encode())
+    assert (grant["type"], grant["prefetch"], grant["evict"]) == ("GRANT", protocol.MAX_INT, 0)
+    drop = codec.parse(f"NVSHARE/1 DROP\ndevice={DEVICE}\ngrant=3\ngrace_ms=5\nreason=quantum\nevict=77".encode())
+    assert (drop["type"], drop["evict"], drop["prefetch"]) == ("DROP", 77, 0)
+    evict = codec.parse(f"NVSHARE/1 EVICT\ndevice={DEVICE}\nbytes=12".encode())
+    assert (evict["type"], evict["device"], evict["evict"]) == ("EVICT", DEVICE, 12)
+    for damaged in (f"NVSHARE/1 EVICT\ndevice={DEVICE}", f"NVSHARE/1 EVICT\ndevice={DEVICE}\nbytes=-1",
+                    f"NVSHARE/1 DROP\ndevice={DEVICE}\ngrant=3\ngrace_ms=5\nreason=quantum\nevict=x"):
+        assert codec.parse(damaged.encode()) is None
+    assert codec.build("memory", device=DEVICE, used=10, resident=4) == \
+        f"NVSHARE/1 MEMORY\ndevice={DEVICE}\nused=10\nresident=4".encode()
+    assert codec.build("memory", device=DEVICE, used=10) == f"NVSHARE/1 MEMORY\ndevice={DEVICE}\nused=10".encode()
+    assert codec.build("release", device=DEVICE, grant=3, reason="drop", resident=0) == \
+        f"NVSHARE/1 RELEASE\ndevice={DEVICE}\ngrant=3\nreason=drop\nresident=0".encode()
+    assert codec.build("evicted", device=DEVICE, resident=5) == f"NVSHARE/1 EVICTED\ndevice={DEVICE}\nresident=5".encode()
+    assert codec.build("evicted", device="bad id", resident=5) is None
+    assert codec.build("evicted", device=DEVICE, resident=protocol.MAX_INT + 1) is None
 
 
 @pytest.mark.parametrize("data", [

@@ -74,7 +74,7 @@ static uint64_t acquire(void) {
     }
 }
 
-static void release(uint64_t grant) { send_message(nvs_msg_release(buf, sizeof buf, device, grant, "user")); }
+static void release(uint64_t grant) { send_message(nvs_msg_release(buf, sizeof buf, device, grant, "user", NULL)); }
 
 int main(int argc, char **argv) {
     if (argc != 3) {

@@ -15,7 +15,7 @@
  *   close                        -> closed
  *   parse [HEX]                  -> parsed {JSON} | rejected
  *   build TYPE [cap=N] KEY=HEX.. -> built HEX | invalid   (TYPE: hello device memory acquire
- *                                   release heartbeat bye; held=/wanted= may repeat)
+ *                                   release evicted heartbeat bye; held=/wanted= may repeat)
  */
 #define _GNU_SOURCE
 #include "message.h"
@@ -125,7 +125,7 @@ static void print_json_hex(const char *key, const char *value)
 static void command_parse(const char *hex)
 {
     static const char *const type_names[] = {"", "WELCOME", "GRANT", "DROP", "REVOKE", "MODE", "ERROR",
-                                             "CONTENDED", "STATUS"};
+                                             "CONTENDED", "STATUS", "EVICT"};
     size_t len;
     char *data = from_hex(hex, &len);
     /* An exact-size copy, so that a read past the end is caught by AddressSanitizer. */
@@ -149,6 +149,7 @@ static void command_parse(const char *hex)
         print_json_hex("code", m.code);
         print_json_hex("detail", m.detail);
         print_json_hex("error_type", m.error_type);
+        printf(", \"prefetch\": %" PRIu64 ", \"evict\": %" PRIu64, m.prefetch_bytes, m.evict_bytes);
         printf("}\n");
     }
     free(exact);
@@ -162,7 +163,8 @@ static void command_build(char **tokens, int n_tokens)
     char *values[MAX_TOKENS] = {0}; /* decoded values, freed at the end */
     const char *held[MAX_LIST], *wanted[MAX_LIST];
     const char *pid = NULL, *session = NULL, *device = NULL, *number = NULL, *reason = NULL;
-    const char *name = NULL;
+    const char *name = NULL, *resident = NULL;
+    uint64_t resident_bytes = 0;
     struct nvs_hello hello = {0};
     size_t cap = 4096, len = 0, size;
     char *buf;
@@ -206,6 +208,8 @@ static void command_build(char **tokens, int n_tokens)
             number = value;
         else if (strcmp(key, "reason") == 0)
             reason = value;
+        else if (strcmp(key, "resident") == 0)
+            resident = value;
         else
             die("unknown build argument");
     }
@@ -215,6 +219,8 @@ static void command_build(char **tokens, int n_tokens)
     buf = malloc(cap ? cap : 1);
     if (!buf)
         die("out of memory");
+    if (resident)
+        resident_bytes = to_u64(resident);
 
     if (strcmp(type, "hello") == 0) {
         hello.pid = pid ? (long)to_number(pid) : 0;
@@ -226,11 +232,14 @@ static void command_build(char **tokens, int n_tokens)
     } else if (strcmp(type, "device") == 0) {
         len = nvs_msg_device(buf, cap, device, number ? to_u64(number) : 0, name);
     } else if (strcmp(type, "memory") == 0) {
-        len = nvs_msg_memory(buf, cap, device, number ? to_u64(number) : 0);
+        len = nvs_msg_memory(buf, cap, device, number ? to_u64(number) : 0, resident ? &resident_bytes : NULL);
     } else if (strcmp(type, "acquire") == 0) {
         len = nvs_msg_acquire(buf, cap, device);
     } else if (strcmp(type, "release") == 0) {
-        len = nvs_msg_release(buf, cap, device, number ? to_u64(number) : 0, reason);
+        len = nvs_msg_release(buf, cap, device, number ? to_u64(number) : 0, reason,
+                              resident ? &resident_bytes : NULL);
+    } else if (strcmp(type, "evicted") == 0) {
+        len = nvs_msg_evicted(buf, cap, device, resident_bytes);
     } else if (strcmp(type, "heartbeat") == 0) {
         len = nvs_msg_heartbeat(buf, cap);
     } else if (strcmp(type, "bye") == 0) {

@@ -27,8 +27,6 @@
 
 /* cuMemAllocPitch_v2 rounds rows up to this many bytes. */
 #define PITCH_ALIGNMENT 512
-/* The device ordinal of the host in cuMemPrefetchAsync and cuMemAdvise. */
-#define CU_DEVICE_CPU (-1)
 
 struct sim_pool {
     enum sim_magic magic;

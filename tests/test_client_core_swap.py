@@ -1,0 +1,316 @@
+"""Swapping in the client core (interceptor/client_core.c; docs/protocol.md "Residency",
+docs/interceptor.md "Swapping"): a DROP with evict= moves memory out between the drain and the
+RELEASE, a GRANT after swapping opens the gate only once its prefetch is done, an EVICT makes a
+process that does not hold the device move memory out and answer EVICTED; RELEASE and MEMORY
+say what stays resident. When nothing was swapped, nothing changes: no job, the same messages.
+
+The scheduler's residency rules are not in its core yet: the world (tests/fixtures/client_core.py,
+World(swap=True)) adds evict=/prefetch= to the DROPs and GRANTs the scheduler core sends, and the
+tests send EVICT themselves."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, precondition, rule
+
+from fixtures.client_core import (ACT_GATE, ACT_JOB, ACT_SEND, HOLDING, IDLE, JOB_DRAIN, JOB_PREFETCH, JOB_PROBE,
+                                  JOB_SWAP_OUT,
+                                  RESULT_DEFERRED, RESULT_DRAINED, RESULT_MOVED, ClientCore, World,
+                                  build_client_core, load)
+from test_client_core_stateful import DEVICES, Sharing
+
+GIB = 1 << 30
+DEVICE = "GPU-00000000-0000-0000-0000-000000000000"
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    return load(build_client_core(tmp_path_factory.mktemp("client_core_swap")))
+
+
+# --- one core, driven message by message --------------------------------------------------
+
+
+class Script:
+    """A registered core holding nothing yet, with `used` bytes allocated on device 0."""
+
+    def __init__(self, lib, used: int, converted: bool = True, idle_release_ms: int = 0) -> None:
+        self.core = ClientCore(lib, 4242, "00000000000000aa")
+        self.core.add_device(0, DEVICE)
+        self.used, self.swapped, self.captures, self.waiters = used, 0, 0, 0
+        self.converted = used if converted else 0
+        self.now = 10.0
+        self.observe()
+        self.core.tick(self.now)       # CONNECT
+        self.core.connected(self.now)  # HELLO
+        self.registration = self.receive("WELCOME", client="c1", heartbeat_ms=1000,
+                                        idle_release_ms=idle_release_ms, version=1)
+
+    def observe(self) -> None:
+        self.core.observe(0, self.waiters, self.captures, 0, self.used, self.converted, self.swapped)
+
+    def receive(self, kind: str, **fields) -> list:
+        self.observe()
+        text = f"NVSHARE/1 {kind}" + "".join(f"\n{k}={v}" for k, v in fields.items())
+        self.core.receive(text.encode(), self.now)
+        return self.actions()
+
+    def job_done(self, result: int) -> list:
+        self.observe()
+        self.core.job_done(0, result, self.now)
+        return self.actions()
+
+    def actions(self) -> list:
+        return self.core.pop()
+
+    def want(self) -> list:
+        self.waiters = 1
+        self.observe()
+        self.core.tick(self.now)
+        return self.actions()
+
+
+def sent(actions) -> list[str]:
+    return [a.data.decode() for a in actions if a.kind == ACT_SEND]
+
+
+def jobs(actions) -> list[tuple[int, int]]:
+    return [(a.value, a.bytes) for a in actions if a.kind == ACT_JOB]
+
+
+def gates(actions) -> list[int]:
+    return [a.value for a in actions if a.kind == ACT_GATE]
+
+
+def granted(script: Script, grant: int = 1, **extra) -> list:
+    script.want()
+    actions = script.receive("GRANT", device=DEVICE, grant=grant, mode="on", exclusive=1, quantum_ms=1000, **extra)
+    script.waiters = 0  # the thread passes once the gate opens
+    return actions
+
+
+def test_a_drop_with_evict_moves_memory_out_after_the_drain_and_before_the_release(lib):
+    s = Script(lib, used=8 * GIB)
+    assert gates(granted(s)) == [1]
+    actions = s.receive("DROP", device=DEVICE, grant=1, grace_ms=500, reason="quantum", evict=6 * GIB)
+    assert gates(actions) == [0] and jobs(actions) == [(JOB_DRAIN, 0)]
+    actions = s.job_done(RESULT_DRAINED)
+    assert jobs(actions) == [(JOB_SWAP_OUT, 6 * GIB)] and not sent(actions)  # no RELEASE before the move
+    s.swapped = 6 * GIB
+    [release] = [m for m in sent(s.job_done(RESULT_MOVED)) if "RELEASE" in m]
+    assert release.splitlines()[1:] == [f"device={DEVICE}", "grant=1", "reason=drop", f"resident={2 * GIB}"]
+    assert s.core.state(0) == IDLE
+
+
+def test_a_swap_out_waits_for_a_capture_to_end(lib):
+    s = Script(lib, used=GIB)
+    granted(s)
+    s.receive("DROP", device=DEVICE, grant=1, grace_ms=500, reason="quantum", evict=GIB)
+    assert jobs(s.job_done(RESULT_DRAINED)) == [(JOB_SWAP_OUT, GIB)]
+    s.captures = 1  # a capture began before the worker could move anything
+    assert not sent(s.job_done(RESULT_DEFERRED))
+    s.core.tick(s.now)
+    assert jobs(s.actions()) == []  # not while the capture runs
+    s.captures = 0
+    s.observe()
+    s.core.tick(s.now)
+    assert jobs(s.actions()) == [(JOB_SWAP_OUT, GIB)]
+    s.swapped = GIB
+    assert any(m.endswith("resident=0") for m in sent(s.job_done(RESULT_MOVED)))
+
+
+def test_a_drop_without_evict_releases_as_before(lib):
+    s = Script(lib, used=GIB)
+    granted(s)
+    s.receive("DROP", device=DEVICE, grant=1, grace_ms=500, reason="quantum")
+    actions = s.job_done(RESULT_DRAINED)
+    assert jobs(actions) == []
+    [release] = sent(actions)
+    assert "resident" not in release
+
+
+def test_a_grant_after_swapping_opens_the_gate_after_its_prefetch(lib):
+    s = Script(lib, used=8 * GIB)
+    s.swapped = 8 * GIB
+    actions = granted(s, prefetch=4 * GIB)
+    assert jobs(actions) == [(JOB_PREFETCH, 4 * GIB)] and gates(actions) == []
+    assert s.core.state(0) == HOLDING and not s.core.gate(0)
+    s.swapped = 0
+    actions = s.job_done(RESULT_MOVED)
+    assert gates(actions) == [1]
+    s.now += 1.0
+    s.core.tick(s.now)
+    memory = [m for m in sent(s.actions()) if "MEMORY" in m]
+    assert memory == [f"NVSHARE/1 MEMORY\ndevice={DEVICE}\nused={8 * GIB}\nresident={8 * GIB}"]  # all back
+
+
+def test_a_grant_opens_the_gate_at_once_when_nothing_was_swapped(lib):
+    s = Script(lib, used=8 * GIB)
+    actions = granted(s, prefetch=8 * GIB)
+    assert jobs(actions) == [] and gates(actions) == [1]
+
+
+def test_a_prefetch_met_by_a_capture_opens_the_gate_without_moving(lib):
+    s = Script(lib, used=GIB)
+    s.swapped = GIB
+    assert jobs(granted(s, prefetch=GIB)) == [(JOB_PREFETCH, GIB)]
+    s.captures = 1
+    assert gates(s.job_done(RESULT_DEFERRED)) == [1]  # the memory faults back in instead
+
+
+def test_a_drop_during_the_prefetch_drains_after_it(lib):
+    s = Script(lib, used=GIB)
+    s.swapped = GIB
+    granted(s, prefetch=GIB)
+    actions = s.receive("DROP", device=DEVICE, grant=1, grace_ms=500, reason="quantum", evict=GIB)
+    assert jobs(actions) == []  # the worker is busy with the prefetch
+    s.swapped = 0
+    actions = s.job_done(RESULT_MOVED)
+    assert gates(actions) == [] and jobs(actions) == [(JOB_DRAIN, 0)]
+
+
+def test_a_grant_named_again_during_an_idle_probe_that_releases_starts_no_prefetch(lib):
+    """A re-registered holder hears its GRANT again while an idle probe runs; the probe finds it
+    idle and releases: the grant's swap work ends with it, no prefetch for a device not held."""
+    s = Script(lib, used=GIB, idle_release_ms=100)
+    granted(s)
+    s.now += 1.0
+    s.core.tick(s.now)
+    assert [job for job, _ in jobs(s.actions())] == [JOB_PROBE]
+    assert jobs(s.receive("GRANT", device=DEVICE, grant=1, mode="on", exclusive=1, quantum_ms=1000)) == []
+    s.swapped = GIB  # as if a capture had made an earlier grant skip its prefetch
+    actions = s.job_done(RESULT_DRAINED)
+    assert any("reason=idle" in m for m in sent(actions))
+    assert jobs(actions) == [] and s.core.state(0) == IDLE
+
+
+def test_evict_makes_a_waiting_process_move_memory_and_answer(lib):
+    s = Script(lib, used=4 * GIB)
+    s.want()
+    actions = s.receive("EVICT", device=DEVICE, bytes=3 * GIB)
+    assert jobs(actions) == [(JOB_SWAP_OUT, 3 * GIB)]
+    s.swapped = 3 * GIB
+    assert sent(s.job_done(RESULT_MOVED)) == [f"NVSHARE/1 EVICTED\ndevice={DEVICE}\nresident={GIB}"]
+
+
+def test_evict_of_a_held_device_is_answered_at_once(lib):
+    s = Script(lib, used=4 * GIB)
+    granted(s)
+    actions = s.receive("EVICT", device=DEVICE, bytes=GIB)
+    assert jobs(actions) == []
+    assert sent(actions) == [f"NVSHARE/1 EVICTED\ndevice={DEVICE}\nresident={4 * GIB}"]
+
+
+def test_a_grant_during_an_evict_waits_for_the_swap_out_then_prefetches(lib):
+    s = Script(lib, used=4 * GIB)
+    s.want()
+    s.receive("EVICT", device=DEVICE, bytes=4 * GIB)
+    actions = s.receive("GRANT", device=DEVICE, grant=1, mode="on", exclusive=1, quantum_ms=1000, prefetch=4 * GIB)
+    assert gates(actions) == [] and jobs(actions) == []
+    s.swapped = 4 * GIB
+    actions = s.job_done(RESULT_MOVED)
+    assert any("EVICTED" in m for m in sent(actions))
+    assert jobs(actions) == [(JOB_PREFETCH, 4 * GIB)] and gates(actions) == []
+    s.swapped = 0
+    assert gates(s.job_done(RESULT_MOVED)) == [1]
+
+
+def test_memory_reports_say_what_is_resident_once_memory_is_converted(lib):
+    s = Script(lib, used=GIB)
+    [memory] = [m for m in sent(s.registration + s.want()) if "MEMORY" in m]
+    assert memory == f"NVSHARE/1 MEMORY\ndevice={DEVICE}\nused={GIB}\nresident={GIB}"
+
+
+def test_a_process_without_converted_memory_sends_memory_as_before(lib):
+    s = Script(lib, used=GIB, converted=False)  # NVSHARE_MANAGED=0: nothing it has can be swapped
+    [memory] = [m for m in sent(s.registration + s.want()) if "MEMORY" in m]
+    assert memory == f"NVSHARE/1 MEMORY\ndevice={DEVICE}\nused={GIB}"
+
+
+# --- the paired world: swapping with the scheduler core, explored ---------------------------
+
+
+def test_handoffs_in_the_world_swap_out_before_each_release_and_prefetch_before_each_gate(lib):
+    world = World(lib, tq=0.5, swap=True)
+    a, b = world.spawn("a"), world.spawn("b")
+    world.allocate(a, 0, 3 * GIB)
+    world.allocate(b, 0, 2 * GIB)
+    for _ in range(6):
+        world.want(a)
+        world.want(b)
+        world.advance(0.3)
+        for p in (a, b):
+            world.finish_work(p)
+        world.advance(0.3)
+    # Each RELEASE after a DROP said what stayed resident (nothing: the DROP asked for all of it).
+    releases = [r for p in (a, b) for r in p.residents if r[0] == "RELEASE"]
+    assert releases and all(resident == 0 for _, _, resident in releases)
+    assert sum(len(p.releases) for p in (a, b)) >= 4
+
+
+class SwappingSharing(Sharing):
+    """The sharing state machine with swapping: processes allocate, every DROP asks for all
+    of the holder's memory and every GRANT allows all of it back, and the scheduler sends EVICT
+    to anyone. The world checks that swap jobs run with the gate closed and nothing in flight,
+    that each such RELEASE follows a swap-out and says resident=, and that a grant's gate waits
+    for its prefetch; the teardown that every EVICT was answered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.world.swap = True
+
+    @rule(pick=st.integers(0, 7), device=st.integers(0, DEVICES - 1), gib=st.integers(1, 4))
+    def allocate(self, pick, device, gib):
+        live = self.world.live()
+        if live:
+            self.world.allocate(live[pick % len(live)], device, gib * GIB)
+
+    @rule(pick=st.integers(0, 7), device=st.integers(0, DEVICES - 1), gib=st.integers(0, 4))
+    def evict(self, pick, device, gib):
+        live = self.world.live()
+        if live:
+            self.world.evict(live[pick % len(live)], device, gib * GIB)
+
+    @invariant()
+    def residents_are_within_what_is_allocated(self):
+        for process in self.world.processes:
+            for _, index, resident in process.residents:
+                assert 0 <= resident <= process.devices[index].used
+
+    def teardown(self):
+        super().teardown()
+        for process in self.world.live():
+            if process.conn is not None and process.core.registered:
+                asked = process.evicts.get(process.conn, set())
+                assert asked <= process.evicted.get(process.conn, set()), (process.name, asked, process.evicted)
+
+
+def test_swapping_state_machine(lib):
+    SwappingSharing.lib = lib
+    run = SwappingSharing.TestCase
+    run.settings = settings(max_examples=25, stateful_step_count=30, deadline=None, derandomize=True,
+                            suppress_health_check=[HealthCheck.too_slow])
+    run().runTest()
+
+
+def test_over_the_budget_the_scheduler_core_makes_the_client_core_swap(lib):
+    """No stand-in: two processes of 12 GiB on a 16 GiB device, paired with the scheduler's own
+    residency rules. Each handoff evicts the holder (RELEASE says what stays) and lets the
+    grantee prefetch; the gates are never open together and work goes on."""
+    world = World(lib, tq=0.5)
+    a, b = world.spawn("a"), world.spawn("b")
+    for p in (a, b):
+        world.allocate(p, 0, 12 * GIB)
+    for _ in range(6):
+        world.want(a)
+        world.want(b)
+        world.advance(0.3)
+        for p in (a, b):
+            world.finish_work(p)
+        world.advance(0.3)
+    releases = [(p.name, resident) for p in (a, b) for kind, _, resident in p.residents if kind == "RELEASE"]
+    assert len(releases) >= 3, (releases, world.describe())
+    assert all(resident <= 4 * GIB for _, resident in releases)  # room made for the other's 12 GiB
+    assert {name for name, _ in releases} == {"a", "b"}
