@@ -235,8 +235,8 @@ def test_a_process_without_converted_memory_sends_memory_as_before(lib):
 def test_handoffs_in_the_world_swap_out_before_each_release_and_prefetch_before_each_gate(lib):
     world = World(lib, tq=0.5, swap=True)
     a, b = world.spawn("a"), world.spawn("b")
-    world.allocate(a, 0, 3 * GIB)
-    world.allocate(b, 0, 2 * GIB)
+    world.allocate(a, 3 * GIB)
+    world.allocate(b, 2 * GIB)
     for _ in range(6):
         world.want(a)
         world.want(b)
@@ -265,7 +265,7 @@ class SwappingSharing(Sharing):
     def allocate(self, pick, device, gib):
         live = self.world.live()
         if live:
-            self.world.allocate(live[pick % len(live)], device, gib * GIB)
+            self.world.allocate(live[pick % len(live)], gib * GIB, device)
 
     @rule(pick=st.integers(0, 7), device=st.integers(0, DEVICES - 1), gib=st.integers(0, 4))
     def evict(self, pick, device, gib):
@@ -302,7 +302,7 @@ def test_over_the_budget_the_scheduler_core_makes_the_client_core_swap(lib):
     world = World(lib, tq=0.5)
     a, b = world.spawn("a"), world.spawn("b")
     for p in (a, b):
-        world.allocate(p, 0, 12 * GIB)
+        world.allocate(p, 12 * GIB)
     for _ in range(6):
         world.want(a)
         world.want(b)

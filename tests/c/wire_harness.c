@@ -125,7 +125,7 @@ static void print_json_hex(const char *key, const char *value)
 static void command_parse(const char *hex)
 {
     static const char *const type_names[] = {"", "WELCOME", "GRANT", "DROP", "REVOKE", "MODE", "ERROR",
-                                             "CONTENDED", "STATUS", "EVICT"};
+                                             "CONTENDED", "STATUS", "ADMITTED", "REFUSED", "EVICT"};
     size_t len;
     char *data = from_hex(hex, &len);
     /* An exact-size copy, so that a read past the end is caught by AddressSanitizer. */
