@@ -408,6 +408,14 @@ void nvs_core_disconnected(struct nvs_core *c, const char *why, double now) {
     run_due(c, now);
 }
 
+/* The shell applies the scheduler's limit below the process's own (limits.c). */
+static void set_scheduler_limit(struct nvs_core *c, struct nvs_core_device *d, uint64_t bytes) {
+    if (d->scheduler_limit == bytes) return;
+    d->scheduler_limit = bytes;
+    struct nvs_core_queued *q = push(c, NVS_ACT_LIMIT, (int)(d - c->devices), 0);
+    if (q != NULL) q->action.bytes = bytes;
+}
+
 static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double now) {
     c->registered = 1;
     c->was_registered = 1;
@@ -428,6 +436,9 @@ static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double n
          * what comes next is asked for. */
         d->admit_asked = 0;
         set_admitted(c, d, c->admission ? d->bytes : NVS_CORE_UNADMITTED);
+        /* A registration starts without the last one's limits: a restarted scheduler knows
+         * none of them, and one that still applies comes again in LIMIT. */
+        set_scheduler_limit(c, d, 0);
         if (d->state == NVS_UNSCHEDULED || d->state == NVS_HOLDING) {
             /* claimed in HELLO (held=): keep the gate open until the scheduler decides */
             d->state = NVS_HOLDING;
@@ -499,6 +510,9 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
     case NVS_MSG_MODE:
         d->quantum_ms = m->quantum_ms;
         core_log(c, LOG_DEBUG, "%s: quantum %llu ms", d->uuid, (unsigned long long)m->quantum_ms);
+        break;
+    case NVS_MSG_LIMIT:
+        set_scheduler_limit(c, d, m->bytes);
         break;
     default:
         break;
@@ -775,7 +789,7 @@ int nvs_core_pop(struct nvs_core *c, struct nvs_action *out, char *buf, size_t c
         /* Never expected (every event queues a bounded number of actions); say so loudly. */
         snprintf(buf, cap, "internal error: %u client actions lost; reconnecting", c->dropped_actions);
         c->dropped_actions = 0;
-        *out = (struct nvs_action){NVS_ACT_LOG, -1, LOG_ERROR, strlen(buf)};
+        *out = (struct nvs_action){.kind = NVS_ACT_LOG, .device = -1, .value = LOG_ERROR, .len = strlen(buf)};
         if (c->connected) {
             forget_connection(c, "internal error", 0);
             push(c, NVS_ACT_DISCONNECT, -1, 0);
@@ -795,7 +809,7 @@ int nvs_core_pop(struct nvs_core *c, struct nvs_action *out, char *buf, size_t c
         out->len = encode(c, q, buf, cap);
         if (out->len == 0) {
             snprintf(buf, cap, "could not encode a protocol message (a bug); dropping the connection");
-            *out = (struct nvs_action){NVS_ACT_LOG, -1, LOG_ERROR, strlen(buf)};
+            *out = (struct nvs_action){.kind = NVS_ACT_LOG, .device = -1, .value = LOG_ERROR, .len = strlen(buf)};
             if (c->connected) {
                 forget_connection(c, "encoding failed", c->last_sent);
                 push(c, NVS_ACT_DISCONNECT, -1, 0);

@@ -21,6 +21,7 @@ enum nvs_msg_type {
     NVS_MSG_STATUS, /* the answer to QUERY; only its arrival is reported, not its document */
     NVS_MSG_ADMITTED,
     NVS_MSG_REFUSED,
+    NVS_MSG_LIMIT,
 };
 
 /* A parsed scheduler message; only the fields of its type are meaningful. */
@@ -34,7 +35,7 @@ struct nvs_msg {
     uint64_t idle_release_ms;
     int admission;       /* WELCOME: 1 when the scheduler answers ADMIT */
     uint64_t request;    /* ADMITTED, REFUSED: the ADMIT answered */
-    uint64_t bytes;      /* ADMITTED: the admitted total */
+    uint64_t bytes;      /* ADMITTED: the admitted total; LIMIT: the scheduler's memory limit, 0: none */
     char client[64];     /* WELCOME client id, cut at a character boundary if longer */
     char reason[32];     /* DROP / REVOKE / REFUSED reason */
     char code[32];       /* ERROR code */

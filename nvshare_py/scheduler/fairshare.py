@@ -109,10 +109,14 @@ class Settings:
         self.limits: dict[str | None, Layered[int | None]] = {}
 
     def set_limit(self, target: Target, device: str | None, value: int | None) -> None:
-        layered = self.limits.setdefault(device, Layered(None))
-        layered.set(target, value, None)
-        if layered.default is None and not layered.by_client and not layered.by_pod:
-            del self.limits[device]
+        self.limits.setdefault(device, Layered(None)).set(target, value, None)
+        self._prune_limits()
+
+    def _prune_limits(self) -> None:
+        """Devices without any limit left are no longer listed."""
+        for device, layered in list(self.limits.items()):
+            if layered.default is None and not layered.by_client and not layered.by_pod:
+                del self.limits[device]
 
     def limit(self, client: str, pod_uid: str, device: str) -> int | None:
         """The client's memory limit on the device in bytes; None: none."""
@@ -134,6 +138,7 @@ class Settings:
     def forget_client(self, client: str) -> None:
         for layered in self._layers():
             layered.forget_client(client)
+        self._prune_limits()
 
     def rename_client(self, old: str, new: str) -> None:
         for layered in self._layers():
