@@ -109,7 +109,7 @@ def serve(
     swapping: Swapping = typer.Option(
         Swapping.on, help="on: a handoff over a device's memory budget moves memory in bulk (DROP evict=, EVICT, "
         "GRANT prefetch=); off: nothing is asked to move, the driver's page faults do it (docs/scheduler.md)"),
-    min_quantum: float = typer.Option(1.0, parser=number_between(TQ_MIN, TQ_MAX),
+    min_quantum: float = typer.Option(1.0, parser=number_between(0.01, TQ_MAX),
                                       help="Shortest quantum in seconds: of a light holder under weights, and of a holder a higher priority class waits behind"),
     ageing: int = typer.Option(4, parser=whole_number(0, 1_000_000),
                                help="A waiter rises one priority class per this many grants made while it waits (0: never)"),
