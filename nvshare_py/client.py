@@ -628,6 +628,7 @@ class Client:
     def _on_welcome(self, message: protocol.Welcome) -> None:
         with self._cond:
             self.client_id = message.client
+            self.limits.clear()  # a new registration: the limits that still apply come again
             self.heartbeat_interval = message.heartbeat_ms / 1000
             self.idle_release = message.idle_release_ms / 1000
             self._registered = True

@@ -12,7 +12,7 @@ from fairshare_sim import GPU, World
 from nvshare_py import protocol
 from nvshare_py.scheduler import fairshare, views
 from nvshare_py.scheduler.core import ControlError
-from nvshare_py.scheduler.events import SetLimit, SetPriority, SetWeight, Unregister
+from nvshare_py.scheduler.events import Register, SetLimit, SetPriority, SetWeight, Unregister
 
 WINDOW = 60.0
 DELTA = 0.03  # the δ: 3 percentage points
@@ -236,3 +236,17 @@ def test_status_shows_weight_class_limit_and_shares():
     assert entries[a.cid]["devices"][GPU]["share"] == 0.75 and entries[b.cid]["devices"][GPU]["share"] == 0.25
     achieved = [entries[c.cid]["devices"][GPU]["achieved"] for c in (a, b)]
     assert sum(achieved) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_a_reconnected_process_keeps_its_settings_and_is_told_its_limit_again():
+    world = World()
+    a = world.add("a", busy=False)
+    world.feed(SetWeight(0, 6, client=a.cid))
+    world.feed(SetLimit(0, 1 << 30, client=a.cid))
+    old = next(c for c in world.core.clients() if c.cid == a.cid)
+    world.sent.clear()
+    again = world.clients["a-again"] = type(a)("a-again", busy=False)
+    world.feed(Register(world.now, "a-again", old.info))  # same session and pid: the same process
+    new = next(c for c in world.core.clients() if c.key == "a-again")
+    assert new.cid != a.cid and world.core.weight(new) == 6
+    assert [(cid, m.bytes) for cid, m in world.sent if isinstance(m, protocol.Limit)] == [(again.cid, 1 << 30)]

@@ -465,6 +465,10 @@ class SchedulerCore:
                                                    "predecessor": old.cid}))
         old.pairs = {}
         self.settings.rename_client(old.cid, new.cid)
+        for pair in new.pairs.values():
+            # The process's new registration starts without limits (client_core.c): again.
+            pair.limit_sent = 0
+            self._push_limit(pair, out)
         self._unlink_client(old)
         out.append(Forget(old.key, "replaced"))
         out.append(LockEvent(now, "unregister", client=old.cid, detail="replaced"))
