@@ -95,3 +95,23 @@ def test_weights_change_the_split_of_lock_time(scheduler, cuda_app):
             held[event["client"]] += event["t"] - since.pop(event["grant"])
     assert min(grants.values()) >= 3, (grants, held)  # they did take turns
     assert held[heavy_id] > 1.5 * held[light_id], (grants, held)
+
+
+@pytest.mark.scheduler_options(tq=600, min_quantum=0.3, idle_release=0.0)
+def test_a_higher_class_gets_the_gpu_from_a_busy_holder_within_its_quantum(scheduler, cuda_app):
+    """With a 10-minute quantum, a newcomer would wait for the whole 30 s loop of the holder;
+    of a higher class, it is served once the holder's quantum is cut to --min-quantum."""
+    env = scheduler.env
+    holder = cuda_app(env, "init", "kernel:1000", "sync", "wait", "loop:30:20000")
+    holder.expect("waiting")
+    holder_id = client_of(scheduler, holder.pid)
+    assert scheduler.ctl("set-priority", "0", "--client", holder_id).returncode == 0
+    assert scheduler.ctl("set-priority", "5").returncode == 0  # the default: every newcomer
+    holder.continue_()
+    wait_for(lambda: holder_id in scheduler.holders(GPU), what="the holder's loop holding the GPU")
+    urgent = cuda_app(env, "init", "kernel:1000", "sync")
+    urgent.expect("synced")
+    assert not any(line.startswith("looped") for line in holder.lines)  # the holder's loop still runs
+    assert urgent.wait() == 0
+    drops = [e for e in scheduler.events() if e["kind"] == "drop" and e["client"] == holder_id]
+    assert drops and drops[0]["detail"] == "quantum"
