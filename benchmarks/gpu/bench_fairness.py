@@ -6,7 +6,7 @@ weights 1:2:4, measured in the seed paper's own terms (formula 5: over each wind
 
 Real GPU only; finishes in about 2.5 minutes with the defaults (warm-up + 2 windows of 60 s).
 Builds libnvshare.so from this tree with make (or uses $NVSHARE_LIBRARY), starts a scheduler
-(--tq 1, --min-quantum 0.1, early release off: the quanta are 0.25, 0.5 and 1 s, so a
+(tests/fixtures/scheduler.py's SchedulerProcess; --tq 1, --min-quantum 0.1, early release off: the quanta are 0.25, 0.5 and 1 s, so a
 window's edge cuts at most 1 s of one client's turn, under 2 points of 60 s), starts three worker processes under LD_PRELOAD
 that each keep the GPU busy with bf16 matrix products (about 100 MiB each: far below any card's
 free memory, so the safety rule holds), sets their weights with `nvsharectl set-weight`, and
@@ -34,6 +34,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from fixtures.scheduler import SchedulerProcess  # noqa: E402
+
 WEIGHTS = (1, 2, 4)
 WINDOW = 60.0
 DELTA = 0.03
@@ -92,31 +96,22 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="nvs-fair-", dir="/tmp"))
     preload = library(work)
-    socket_dir = work / "s"
-    python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    base = dict(os.environ, PYTHONPATH=python_path, NVSHARE_SOCKET_DIR=str(socket_dir))
+    scheduler = SchedulerProcess(work / "s", {"tq": args.tq, "min_quantum": args.min_quantum, "idle_release": 0,
+                                              "log_level": "info"})
+    base = dict(scheduler.env)
     base.pop("LD_PRELOAD", None)
     base["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # the safety rule, should a framework be imported
-    log = open(work / "scheduler.log", "wb")
-    scheduler = subprocess.Popen(
-        [sys.executable, "-m", "nvshare_py.scheduler", "--socket-dir", str(socket_dir), "--tq", str(args.tq),
-         "--min-quantum", str(args.min_quantum), "--idle-release", "0"],
-        env=base, stdout=log, stderr=subprocess.STDOUT)
     workers: list[subprocess.Popen] = []
 
     def ctl(*argv: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "ctl", "--socket-dir", str(socket_dir), *argv], env=base,
-                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        done = scheduler.ctl(*argv)
         if done.returncode != 0:
             raise SystemExit(f"nvsharectl {' '.join(argv)} failed: {done.stderr}")
         return done.stdout
 
+    (work / "s").mkdir()
+    scheduler.start()
     try:
-        deadline = time.monotonic() + 30
-        while not (socket_dir / "client" / "scheduler.sock").exists():
-            if time.monotonic() > deadline or scheduler.poll() is not None:
-                raise SystemExit("the scheduler did not start:\n" + (work / "scheduler.log").read_text())
-            time.sleep(0.1)
         worker_env = dict(base, LD_PRELOAD=str(preload))
         for _ in WEIGHTS:
             workers.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", "--size",
@@ -153,8 +148,7 @@ def main() -> None:
         for worker in workers:
             worker.kill()
             worker.wait()
-        scheduler.terminate()
-        scheduler.wait(timeout=30)
+        scheduler.stop()
 
     total_weight = sum(clients.values())
     windows = []
