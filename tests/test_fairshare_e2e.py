@@ -70,8 +70,8 @@ def test_weights_change_the_split_of_lock_time(scheduler, cuda_app):
     so it holds the lock for clearly longer in all (drains and handoffs, slow on a loaded
     machine, count for both alike: the ratio is asserted loosely)."""
     env = scheduler.env
-    light = cuda_app(env, "init", "kernel:1000", "sync", "wait", "loop:8:20000")
-    heavy = cuda_app(env, "init", "kernel:1000", "sync", "wait", "loop:8:20000")
+    light = cuda_app(env, "init", "kernel:1000", "sync", "wait", "loop:6:20000")
+    heavy = cuda_app(env, "init", "kernel:1000", "sync", "wait", "loop:6:20000")
     light.expect("waiting")
     heavy.expect("waiting")
     light_id, heavy_id = client_of(scheduler, light.pid), client_of(scheduler, heavy.pid)

@@ -132,7 +132,8 @@ class CoreConfig:
 class _Hold:
     """One grant. `state` is holding, draining (DROP sent for `reason`, `deadline` is when the
     grace ends) or overdue (revoked, RELEASE not seen yet). `contended`: CONTENDED was sent in
-    the device's current contention episode."""
+    the device's current contention episode, announcing the quantum end `told_end`. `rank`: the
+    holder's effective priority class when granted; a waiter above it cuts its quantum short."""
 
     __slots__ = ("grant", "since", "state", "deadline", "reason", "contended", "told_end", "rank")
 
@@ -994,7 +995,7 @@ class SchedulerCore:
         dev.grants_made += 1
         pair.hold = hold
         pair.grants += 1
-        pair.device.holders[hold.grant] = pair
+        dev.holders[hold.grant] = pair
         return hold
 
     def _grant(self, pair: _Pair, now: float, out: list[Action]) -> None:
