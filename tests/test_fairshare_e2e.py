@@ -119,3 +119,19 @@ def test_a_higher_class_gets_the_gpu_from_a_busy_holder_within_its_quantum(sched
     assert urgent.wait() == 0
     drops = [e for e in scheduler.events() if e["kind"] == "drop" and e["client"] == holder_id]
     assert drops and drops[0]["detail"] == "quantum"
+
+
+def test_nvsharectl_settings_refuse_what_they_cannot_do(scheduler):
+    for argv, status, words in [
+        (("set-weight", "0"), 2, "from 1 to 1000"),
+        (("set-priority", "8"), 2, "from 0 to 7"),
+        (("set-limit", "lots"), 2, "not a size"),
+        (("set-weight", "2", "--client", "c1", "--pod-uid", "u"), 2, "not both"),
+        (("set-weight", "2", "--client", "c99"), 1, "unknown-client"),
+    ]:
+        result = scheduler.ctl(*argv)
+        assert result.returncode == status and words in result.stderr, (argv, result.returncode, result.stderr)
+    assert scheduler.ctl("set-priority", "3", "--pod-uid", "0f6c-pod").returncode == 0
+    assert scheduler.ctl("set-limit", "2G").returncode == 0
+    settings = scheduler.status()["scheduler"]["settings"]
+    assert settings["priority"]["pods"] == {"0f6c-pod": 3} and settings["limit"]["*"]["default"] == 2 << 30
