@@ -33,10 +33,10 @@ from nvshare_py.clikit import (
 from nvshare_py.control import EXIT_REFUSED, EXIT_USAGE, TIMEOUT_MAX, ControlConnection, ControlFailure
 from nvshare_py.paths import ENV_SOCKET_DIR, SocketPaths
 from nvshare_py.protocol import CONTROL_EVENTS_MAX
-from nvshare_py.sizes import parse_size
 from nvshare_py.scheduler.fairshare import (
     DEFAULT_WEIGHT, PRIORITY_MAX, PRIORITY_MIN, SHARE_WINDOW, WEIGHT_MAX, WEIGHT_MIN,
 )
+from nvshare_py.sizes import parse_size
 
 app = typer.Typer(
     **APP_SETTINGS,
