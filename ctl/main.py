@@ -33,6 +33,9 @@ from nvshare_py.clikit import (
 from nvshare_py.control import EXIT_REFUSED, EXIT_USAGE, TIMEOUT_MAX, ControlConnection, ControlFailure
 from nvshare_py.paths import ENV_SOCKET_DIR, SocketPaths
 from nvshare_py.protocol import CONTROL_EVENTS_MAX
+from nvshare_py.scheduler.fairshare import (
+    DEFAULT_WEIGHT, PRIORITY_MAX, PRIORITY_MIN, SHARE_WINDOW, WEIGHT_MAX, WEIGHT_MIN,
+)
 from nvshare_py.sizes import parse_size
 
 app = typer.Typer(
@@ -202,6 +205,91 @@ def set_admission(
     typer.echo(f"admission: spill {spill_shown}, policy {result['policy']}, timeout {result['timeout']:g} s")
 
 
+# --- per-client settings -------------------------------------------------------------------
+
+CLIENT_OPTION = typer.Option(None, "--client", metavar="cN", help="One client, by its id in status (c3)")
+POD_UID_OPTION = typer.Option(None, "--pod-uid", metavar="UID",
+                              help="Every client of the Kubernetes pod with this UID, now and later")
+UNSET = "none"
+
+
+def _setting_target(client: str | None, pod_uid: str | None) -> dict:
+    if client is not None and pod_uid is not None:
+        raise typer.BadParameter("give --client or --pod-uid, not both", param_hint="--client")
+    return {"client": client, "pod_uid": pod_uid}
+
+
+def _whom(result: dict) -> str:
+    if result.get("client"):
+        return f"client {result['client']}"
+    if result.get("pod_uid"):
+        return f"pod {result['pod_uid']}"
+    return "the default"
+
+
+def _setting_value(text: str, low: int, high: int, name: str) -> int | None:
+    if text.strip().lower() == UNSET:
+        return None
+    try:
+        return whole_number(low, high, name)(text)
+    except typer.BadParameter as exc:
+        raise typer.BadParameter(f"{exc} (or {UNSET!r} to remove the setting)", param_hint=name.upper()) from None
+
+
+@app.command("set-weight")
+def set_weight(
+    ctx: typer.Context,
+    weight: str = typer.Argument(..., metavar="WEIGHT|none",
+                                 help=f"Share of GPU time relative to the others, {WEIGHT_MIN} to {WEIGHT_MAX}; "
+                                      f"'{UNSET}' removes a client's or pod's setting (the default goes back to "
+                                      f"{DEFAULT_WEIGHT})"),
+    client: Optional[str] = CLIENT_OPTION,
+    pod_uid: Optional[str] = POD_UID_OPTION,
+) -> None:
+    """Set the weight: busy clients share a GPU's time in proportion to their weights."""
+    value = _setting_value(weight, WEIGHT_MIN, WEIGHT_MAX, "weight")
+    result = _call(ctx, "set-weight", weight=value, **_setting_target(client, pod_uid))
+    typer.echo(f"weight of {_whom(result)}: {UNSET if result['weight'] is None else result['weight']}")
+
+
+@app.command("set-priority")
+def set_priority(
+    ctx: typer.Context,
+    priority: str = typer.Argument(..., metavar="PRIORITY|none",
+                                   help=f"Priority class, {PRIORITY_MIN} to {PRIORITY_MAX}, higher served first; "
+                                        f"'{UNSET}' removes a client's or pod's setting"),
+    client: Optional[str] = CLIENT_OPTION,
+    pod_uid: Optional[str] = POD_UID_OPTION,
+) -> None:
+    """Set the priority class: a waiting higher class is served first and cuts a lower holder's quantum short."""
+    value = _setting_value(priority, PRIORITY_MIN, PRIORITY_MAX, "priority")
+    result = _call(ctx, "set-priority", priority=value, **_setting_target(client, pod_uid))
+    typer.echo(f"priority class of {_whom(result)}: {UNSET if result['priority'] is None else result['priority']}")
+
+
+@app.command("set-limit")
+def set_limit(
+    ctx: typer.Context,
+    size: str = typer.Argument(..., metavar="BYTES|none",
+                               help=f"Memory limit, e.g. 8G, 512M; '{UNSET}' removes the setting (no limit)"),
+    client: Optional[str] = CLIENT_OPTION,
+    pod_uid: Optional[str] = POD_UID_OPTION,
+    device: Optional[str] = typer.Option(None, "--device", help="Only this device (GPU<n> or UUID) [default: every device]"),
+) -> None:
+    """Set a memory limit: allocations past it fail with out-of-memory (it only lowers NVSHARE_MEMORY_LIMIT)."""
+    if size.strip().lower() == UNSET:
+        limit = None
+    else:
+        try:
+            limit = parse_size(size)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="BYTES") from None
+    target = _setting_target(client, pod_uid)
+    result = _call(ctx, "set-limit", bytes=limit, device=resolve_device(ctx, device), **target)
+    where = result["device"] or "every device"
+    typer.echo(f"memory limit of {_whom(result)} on {where}: {UNSET if result['bytes'] is None else format_bytes(result['bytes'])}")
+
+
 # --- status --------------------------------------------------------------------------------
 
 
@@ -334,6 +422,16 @@ def render_status(status: dict, wide: bool = False) -> Group:
                 cells.append(str(usage.get("grants", "-")))
             clients.add_row(*row, *cells)
     parts.append(clients)
+    shares = _table(f"Shares (achieved over the last {SHARE_WINDOW:g} s)",
+                    ["client", "device", "weight", "class", "limit", "share", "achieved"], wide)
+    for client in status["clients"]:
+        for device, usage in (client.get("devices") or {}).items():
+            shares.add_row(client["client"], device if wide else labels.get(device, device),
+                           str(client.get("weight", "-")), str(client.get("priority", "-")),
+                           format_bytes(usage.get("limit")) if usage.get("limit") else "-",
+                           _percent(usage.get("share")), _percent(usage.get("achieved")))
+    if shares.row_count:
+        parts.append(shares)
     return Group(*parts)
 
 
@@ -358,6 +456,10 @@ def _admission_text(admission: dict, labels: dict) -> Text:
                      f"{labels.get(waiter['device'], waiter['device'])} for {format_bytes(waiter['more'])} more "
                      f"(a total of {format_bytes(waiter['bytes'])})")
     return Text("\n".join(lines))
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction * 100:.1f} %"
 
 
 def _interrupted() -> typer.Exit:

@@ -205,6 +205,10 @@ static int perform_io(const struct nvs_action *a, const char *buf) {
     case NVS_ACT_DISCONNECT:
         nvs_transport_close(&transport);
         return 0;
+    case NVS_ACT_LIMIT:
+        /* An atomic store and a log line: outside nvs_mu like the other I/O. */
+        nvs_limit_from_scheduler(&nvs_devices[a->device], a->bytes);
+        return 0;
     default:
         return 0;
     }

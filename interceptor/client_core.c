@@ -427,6 +427,14 @@ void nvs_core_disconnected(struct nvs_core *c, const char *why, double now) {
     run_due(c, now);
 }
 
+/* The shell applies the scheduler's limit below the process's own (limits.c). */
+static void set_scheduler_limit(struct nvs_core *c, struct nvs_core_device *d, uint64_t bytes) {
+    if (d->scheduler_limit == bytes) return;
+    d->scheduler_limit = bytes;
+    struct nvs_core_queued *q = push(c, NVS_ACT_LIMIT, (int)(d - c->devices), 0);
+    if (q != NULL) q->action.bytes = bytes;
+}
+
 static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double now) {
     c->registered = 1;
     c->was_registered = 1;
@@ -447,6 +455,9 @@ static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double n
          * what comes next is asked for. */
         d->admit_asked = 0;
         set_admitted(c, d, c->admission ? d->bytes : NVS_CORE_UNADMITTED);
+        /* A registration starts without the last one's limits: a restarted scheduler knows
+         * none of them, and one that still applies comes again in LIMIT. */
+        set_scheduler_limit(c, d, 0);
         if (d->state == NVS_UNSCHEDULED || d->state == NVS_HOLDING) {
             /* claimed in HELLO (held=): keep the gate open until the scheduler decides */
             d->state = NVS_HOLDING;
@@ -525,6 +536,9 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
     case NVS_MSG_MODE:
         d->quantum_ms = m->quantum_ms;
         core_log(c, LOG_DEBUG, "%s: quantum %llu ms", d->uuid, (unsigned long long)m->quantum_ms);
+        break;
+    case NVS_MSG_LIMIT:
+        set_scheduler_limit(c, d, m->bytes);
         break;
     default:
         break;

@@ -58,6 +58,7 @@ enum nvs_action_kind {
     NVS_ACT_DISCONNECT, /* close the connection (the core already counts it as closed) */
     NVS_ACT_ADMISSION,  /* the device's admitted total changed (value 1: read nvs_core_admitted),
                          * or (value 0) the scheduler refused what the waiting allocations asked */
+    NVS_ACT_LIMIT,      /* the scheduler's memory limit of the device is `bytes` (0: none) */
 };
 
 struct nvs_action {
@@ -65,7 +66,8 @@ struct nvs_action {
     int device; /* -1 when the action is not about one device */
     int value;
     size_t len; /* SEND, LOG: bytes written to buf */
-    uint64_t bytes; /* JOB SWAP_OUT: at least this many bytes to move; PREFETCH: at most */
+    uint64_t bytes; /* JOB SWAP_OUT: at least this many bytes to move; PREFETCH: at most; LIMIT: the
+                     * scheduler's memory limit, 0: none */
 };
 
 /* Read once at nvs_core_init. */
@@ -117,6 +119,7 @@ struct nvs_core_device {
     double idle_since, idle_next_check;
     double predrain_at;       /* after CONTENDED: when the drain starts (0: none due) */
     uint64_t quantum_ms;      /* of the current grant */
+    uint64_t scheduler_limit; /* the memory limit the scheduler set (LIMIT), 0: none */
     double drain_started;     /* start of the drain that ends in a RELEASE, 0: none */
     double drain_seconds[NVS_DRAIN_HISTORY];
     int drains_known, drain_next;

@@ -67,6 +67,11 @@ void nvs_limit_set(struct nvs_device *d, uint64_t bytes) {
                  (unsigned long long)bytes, (unsigned long long)atomic_load(&d->bytes));
 }
 
+void nvs_limit_from_scheduler(struct nvs_device *d, uint64_t bytes) {
+    uint64_t configured = configured_limit(d->ordinal, d->uuid);
+    nvs_limit_set(d, bytes != 0 && bytes < configured ? bytes : configured);
+}
+
 uint64_t nvs_limit_of_unopened(const char *uuid) {
     /* Only the UUID entries and the entry for every device can be matched without CUDA, which
      * alone knows the ordinals; say so once rather than show an ordinal-limited device whole. */
@@ -112,6 +117,6 @@ void nvs_limit_refused(const struct nvs_device *d, const char *call, size_t size
                   call, size, d->ordinal, more);
     else
         nvs_error("%s of %zu bytes on device %d (%s) refused: this process uses %llu of its %llu-byte memory "
-                  "limit (NVSHARE_MEMORY_LIMIT); returning CUDA_ERROR_OUT_OF_MEMORY%s",
+                  "limit (NVSHARE_MEMORY_LIMIT, or nvsharectl set-limit); returning CUDA_ERROR_OUT_OF_MEMORY%s",
                   call, size, d->ordinal, d->uuid, (unsigned long long)used, (unsigned long long)limit, more);
 }

@@ -255,6 +255,10 @@ static const struct field_spec mode_fields[] = {
     {"mode", FIELD_MODE, NOT_STORED, 0, NULL},
     STORED("quantum_ms", FIELD_UINT, quantum_ms, NULL),
 };
+static const struct field_spec limit_fields[] = {
+    STORED("device", FIELD_DEVICE, device, NULL),
+    STORED("bytes", FIELD_UINT, bytes, NULL),
+};
 static const struct field_spec error_required[] = {
     STORED("code", FIELD_CHOICE, code, error_codes),
 };
@@ -275,6 +279,7 @@ static const struct message_spec scheduler_messages[] = {
     {"MODE", NVS_MSG_MODE, FIELDS(mode_fields), NULL, 0},
     {"ADMITTED", NVS_MSG_ADMITTED, FIELDS(admitted_fields), NULL, 0},
     {"REFUSED", NVS_MSG_REFUSED, FIELDS(refused_fields), NULL, 0},
+    {"LIMIT", NVS_MSG_LIMIT, FIELDS(limit_fields), NULL, 0},
     {"ERROR", NVS_MSG_ERROR, FIELDS(error_required), FIELDS(error_optional)},
 };
 

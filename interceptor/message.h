@@ -22,6 +22,7 @@ enum nvs_msg_type {
     NVS_MSG_ADMITTED,
     NVS_MSG_REFUSED,
     NVS_MSG_EVICT,  /* move bytes of a device's memory to the host now (a client not holding it) */
+    NVS_MSG_LIMIT,  /* the scheduler's memory limit for this process on a device */
 };
 
 /* A parsed scheduler message; only the fields of its type are meaningful. */
@@ -35,7 +36,7 @@ struct nvs_msg {
     uint64_t idle_release_ms;
     int admission;       /* WELCOME: 1 when the scheduler answers ADMIT */
     uint64_t request;    /* ADMITTED, REFUSED: the ADMIT answered */
-    uint64_t bytes;      /* ADMITTED: the admitted total */
+    uint64_t bytes;      /* ADMITTED: the admitted total; LIMIT: the scheduler's memory limit, 0: none */
     uint64_t prefetch_bytes;  /* GRANT prefetch= (0 when absent): bring back up to this many bytes */
     uint64_t evict_bytes;     /* DROP evict= (0 when absent), EVICT bytes=: move at least this many
                                * bytes to the host */

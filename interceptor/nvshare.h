@@ -256,6 +256,10 @@ uint64_t nvs_limit_of(const struct nvs_device *d);
  * allocated stays (a limit below the current use refuses every allocation until frees bring the
  * use under it). */
 void nvs_limit_set(struct nvs_device *d, uint64_t bytes);
+/* The scheduler's limit of d changed to `bytes` (0: none; LIMIT in docs/protocol.md): the
+ * limit becomes the smaller of it and the configured one (NVSHARE_MEMORY_LIMIT), so the
+ * scheduler can lower what the environment allows, never raise it. Any thread, no lock. */
+void nvs_limit_from_scheduler(struct nvs_device *d, uint64_t bytes);
 /* Whether any device may have a limit (NVSHARE_MEMORY_LIMIT is set, or one was set at run
  * time): lets paths that would otherwise look a device up skip the work. */
 int nvs_limits_in_force(void);

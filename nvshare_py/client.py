@@ -191,6 +191,9 @@ class Client:
         self.connect_timeout = connect_timeout
         self.session = os.urandom(8).hex()
         self.client_id: str | None = None  # "c12", from WELCOME
+        # Memory limits the scheduler set for this client, by device (LIMIT; docs/protocol.md).
+        # This library allocates nothing itself: it keeps them for its user to read.
+        self.limits: dict[str, int] = {}
         self.heartbeat_interval = 1.0
         self.idle_release = 1.0
 
@@ -625,6 +628,7 @@ class Client:
     def _on_welcome(self, message: protocol.Welcome) -> None:
         with self._cond:
             self.client_id = message.client
+            self.limits.clear()  # a new registration: the limits that still apply come again
             self.heartbeat_interval = message.heartbeat_ms / 1000
             self.idle_release = message.idle_release_ms / 1000
             self._registered = True
@@ -689,6 +693,15 @@ class Client:
         if self.on_mode is not None:
             self._callback(self.on_mode, message.device, message.mode, message.quantum_ms / 1000)
 
+    def _on_limit(self, message: protocol.Limit) -> None:
+        with self._cond:
+            if message.bytes:
+                self.limits[message.device] = message.bytes
+            else:
+                self.limits.pop(message.device, None)
+        log.info("nvshare scheduler set the memory limit on %s to %s", message.device,
+                 f"{message.bytes} bytes" if message.bytes else "none")
+
     def _on_error(self, message: protocol.Error) -> None:
         if message.type == "HELLO" and message.code != "already-registered":
             with self._cond:
@@ -736,5 +749,6 @@ class Client:
         protocol.Contended: _on_contended,
         protocol.Revoke: _on_revoke,
         protocol.ModeNotice: _on_mode,
+        protocol.Limit: _on_limit,
         protocol.Error: _on_error,
     }

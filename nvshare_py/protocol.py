@@ -358,6 +358,17 @@ class Admitted(Message):
 
 
 @dataclass(frozen=True)
+class Limit(Message):
+    """The memory limit the scheduler sets for this client on the device (nvsharectl
+    set-limit); 0: none from the scheduler. It can only lower the process's own
+    NVSHARE_MEMORY_LIMIT: the client applies the smaller of the two."""
+
+    TYPE: ClassVar[str] = "LIMIT"
+    device: str = field(metadata=_meta(_device))
+    bytes: int = field(metadata=_meta(_uint))
+
+
+@dataclass(frozen=True)
 class Refused(Message):
     """The answer to ADMIT `request` when it will not be admitted: `too-large` (more than the
     whole capacity), `timeout` (waited past the admission timeout), `limit` (past a limit set
@@ -413,7 +424,7 @@ CLIENT_MESSAGES = {m.TYPE: m for m in (Hello, Device, Memory, Acquire, Admit, Re
                                        Query)}
 # What a registered client may receive. STATUS is not among them: only a connection that sent
 # QUERY receives it, and it reads replies with QUERY_REPLIES.
-SCHEDULER_MESSAGES = {m.TYPE: m for m in (Welcome, Grant, Drop, Evict, Contended, Revoke, ModeNotice, Admitted,
+SCHEDULER_MESSAGES = {m.TYPE: m for m in (Welcome, Grant, Drop, Evict, Contended, Revoke, ModeNotice, Limit, Admitted,
                                           Refused, Error)}
 QUERY_REPLIES = {m.TYPE: m for m in (Status, Error)}
 

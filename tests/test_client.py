@@ -318,3 +318,13 @@ def test_a_forked_child_cannot_use_or_close_the_parents_client(scheduler, client
     client.acquire(GPU2, timeout=PATIENCE)
     assert scheduler.clients() == [client.client_id]
     assert scheduler.holders(GPU) == [client.client_id]
+
+
+def test_limits_set_by_the_operator_are_kept_for_the_program(scheduler, clients):
+    client = clients()
+    client.announce(GPU, 16 << 30)
+    wait_for(lambda: any(GPU in c["devices"] for c in scheduler.status()["clients"]), what="the announcement")
+    scheduler.request("set-limit", client=client.client_id, bytes=8 << 30)
+    wait_for(lambda: client.limits.get(GPU) == 8 << 30, what="the LIMIT", timeout=PATIENCE)
+    scheduler.request("set-limit", client=client.client_id, bytes=None)
+    wait_for(lambda: GPU not in client.limits, what="the limit removed", timeout=PATIENCE)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from nvshare_py.scheduler import events as ev
+
 from fixtures.client_core import (
     DRAINING,
     HOLDING,
@@ -260,3 +262,24 @@ def test_a_short_stop_keeps_the_lock_once_the_scheduler_confirms_the_registratio
     assert a.devices[0].in_flight == 2 and a.devices[0].gate  # STATUS came back: carry on
     assert world.holders() == ["a"]
     assert any("still knows this process" in text for _, text in a.logs)
+
+
+def test_a_scheduler_limit_becomes_an_action_once_per_change_and_a_new_registration_drops_it(world):
+    """LIMIT (nvsharectl set-limit) reaches the shell as one LIMIT action per change of the
+    figure; a registration with a restarted scheduler starts without it (that scheduler knows
+    no limit, and sends one that applies again)."""
+    a = world.spawn("a")
+    world.want(a)
+    cid = world.scheduler.client_id(a.conn)
+    world._scheduler_event(lambda now: ev.SetLimit(now, 8 << 20, client=cid))
+    world.run(a)
+    assert a.devices[0].scheduler_limit == 8 << 20
+    world._scheduler_event(lambda now: ev.SetLimit(now, 4 << 20))  # a default below: the client's own wins
+    world.run(a)
+    assert a.devices[0].scheduler_limit == 8 << 20
+    world._scheduler_event(lambda now: ev.SetLimit(now, None, client=cid))
+    world.run(a)
+    assert a.devices[0].scheduler_limit == 4 << 20  # the default applies now
+    world.restart_scheduler()
+    world.advance(3.0)  # reconnected and registered again
+    assert a.core.registered and a.devices[0].scheduler_limit == 0

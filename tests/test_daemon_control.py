@@ -146,6 +146,7 @@ def test_status_shows_who_the_clients_are(scheduler):
         **{option: scheduler.options[option] for option in
            ("mode", "tq", "grace", "heartbeat_interval", "heartbeat_timeout", "idle_release")},
         "swapping": True,  # the daemon's default (--swapping on)
+        "min_quantum": 1.0, "ageing": 4,  # the daemon's own defaults for weights and priorities
     }
     (client,) = status["clients"]
     assert client["client"] == agent.client_id

@@ -13,7 +13,7 @@ from typing import Optional
 import trio
 import typer
 
-from ..clikit import APP_SETTINGS, TQ_MAX, TQ_MIN, VERSION_OPTION, number_between
+from ..clikit import APP_SETTINGS, TQ_MAX, TQ_MIN, VERSION_OPTION, number_between, whole_number
 from ..paths import ENV_SOCKET_DIR, not_a_directory, system_scheduler_serves, system_socket_dir, user_socket_dir
 from . import admission
 from .daemon import Daemon, DaemonConfig, StartupError
@@ -109,6 +109,10 @@ def serve(
     swapping: Swapping = typer.Option(
         Swapping.on, help="on: a handoff over a device's memory budget moves memory in bulk (DROP evict=, EVICT, "
         "GRANT prefetch=); off: nothing is asked to move, the driver's page faults do it (docs/scheduler.md)"),
+    min_quantum: float = typer.Option(1.0, parser=number_between(0.01, TQ_MAX),
+                                      help="Shortest quantum in seconds: of a light holder under weights, and of a holder a higher priority class waits behind"),
+    ageing: int = typer.Option(4, parser=whole_number(0, 1_000_000),
+                               help="A waiter rises one priority class per this many grants made while it waits (0: never)"),
     log_level: LogLevel = typer.Option(LogLevel.info, help="Log verbosity"),
     metrics: Optional[str] = typer.Option(None, metavar="ADDRESS", help="Serve Prometheus metrics on HOST:PORT or :PORT (every interface), e.g. 127.0.0.1:9400 (docs/metrics.md) [default: off]"),
     admission_spill: str = typer.Option(
@@ -132,6 +136,8 @@ def serve(
             idle_release=idle_release,
             recovery=recovery,
             swapping=swapping is Swapping.on,
+            min_quantum=min_quantum,
+            ageing=ageing,
             metrics=metrics,
             admission_spill=admission_spill,
             admission_policy=admission_policy.value,

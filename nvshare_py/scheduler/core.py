@@ -32,6 +32,7 @@ from .. import protocol
 from . import residency
 from . import admission
 from .admission import AdmissionBook, AdmissionConfig
+from . import fairshare
 from .events import (
     Acquire,
     Action,
@@ -53,8 +54,11 @@ from .events import (
     Send,
     SetAdmission,
     SetBudget,
+    SetLimit,
     SetMode,
+    SetPriority,
     SetQuantum,
+    SetWeight,
     Tick,
     Unregister,
 )
@@ -69,6 +73,10 @@ AHEAD_REMEMBERED = 4
 # The client message behind each event that may name a new device (for ERROR's `type`).
 _MESSAGE_TYPES = {Register: "HELLO", DeviceInfo: "DEVICE", MemoryReport: "MEMORY", Acquire: "ACQUIRE",
                   AdmitRequest: "ADMIT"}
+
+
+def _shown(value: int | None) -> str:
+    return "unset" if value is None else str(value)
 
 
 def _ms(seconds: float) -> int:
@@ -97,6 +105,10 @@ class CoreConfig:
     # before issue 8 (the fault-driven baseline of benchmarks/bench_colocation.py).
     swapping: bool = True
     admission: AdmissionConfig = AdmissionConfig()  # off unless a spill is given
+    # Weights and priorities (fairshare.py): the shortest quantum a light or outranked holder
+    # gets, and grants per class of ageing (0: none).
+    min_quantum: float = 1.0
+    ageing: int = 4
 
     def __post_init__(self) -> None:
         if self.mode not in protocol.MODES:
@@ -109,6 +121,9 @@ class CoreConfig:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
         _check_seconds("idle_release", self.idle_release, allow_zero=True)
         _check_seconds("recovery", self.recovery, allow_zero=True)
+        _check_seconds("min_quantum", self.min_quantum, allow_zero=False)
+        if isinstance(self.ageing, bool) or not isinstance(self.ageing, int) or not 0 <= self.ageing <= 1_000_000:
+            raise ValueError(f"ageing must be a whole number of grants from 0 to 1000000, not {self.ageing!r}")
 
 
 # --- internal state ------------------------------------------------------------------------
@@ -117,17 +132,20 @@ class CoreConfig:
 class _Hold:
     """One grant. `state` is holding, draining (DROP sent for `reason`, `deadline` is when the
     grace ends) or overdue (revoked, RELEASE not seen yet). `contended`: CONTENDED was sent in
-    the device's current contention episode."""
+    the device's current contention episode, announcing the quantum end `told_end`. `rank`: the
+    holder's effective priority class when granted; a waiter above it cuts its quantum short."""
 
-    __slots__ = ("grant", "since", "state", "deadline", "reason", "contended")
+    __slots__ = ("grant", "since", "state", "deadline", "reason", "contended", "told_end", "rank")
 
-    def __init__(self, grant: int, since: float) -> None:
+    def __init__(self, grant: int, since: float, rank: int) -> None:
         self.grant = grant
         self.since = since
         self.state = "holding"
         self.deadline = 0.0
         self.reason = ""
         self.contended = False
+        self.told_end = 0.0  # the quantum end CONTENDED announced
+        self.rank = rank  # the holder's effective priority class when granted
 
 
 class _Client:
@@ -144,7 +162,7 @@ class _Client:
 
 class _Device:
     __slots__ = ("id", "name", "total", "reports", "budget_override", "mode", "tq", "holders", "overdue", "queue",
-                 "pairs", "used", "evict_asked", "evict_awaited", "evict_deadline")
+                 "pairs", "used", "evict_asked", "evict_awaited", "evict_deadline", "classes", "grants_made")
 
     def __init__(self, device_id: str, mode: Mode, tq: float) -> None:
         self.id = device_id
@@ -158,7 +176,12 @@ class _Device:
         self.tq = tq
         self.holders: dict[int, _Pair] = {}  # active grants by grant id; insertion = grant order
         self.overdue: dict[int, _Pair] = {}  # revoked grants awaiting their RELEASE
-        self.queue: OrderedDict[_Pair, None] = OrderedDict()  # FCFS; O(1) pop at the head
+        self.queue: OrderedDict[_Pair, None] = OrderedDict()  # every waiter in ACQUIRE order
+        # The waiters once more, by the priority class they queued in (each in ACQUIRE order):
+        # the next one served is the head of one of them (fairshare.py).
+        self.classes: list[OrderedDict[_Pair, None]] = [
+            OrderedDict() for _ in range(fairshare.PRIORITY_MAX + 1)]
+        self.grants_made = 0  # grants ever made on the device: waiters age by them
         self.pairs: dict[_Pair, None] = {}  # every client that knows the device (MODE notices)
         self.used = 0  # sum of the pairs' used bytes
         # The current wait for room (residency.py): who was sent EVICT in it and for how many
@@ -188,7 +211,8 @@ class _Device:
 
 class _Pair:
     __slots__ = ("client", "device", "used", "total", "hold", "overdue", "waiting_since", "wait_total", "hold_total",
-                 "grants", "blocked_by", "last_wait", "resident", "swapped", "last_held")
+                 "grants", "blocked_by", "last_wait", "resident", "swapped", "last_held", "queued_seq", "queued_grants",
+                 "queued_class", "recent", "limit_sent")
 
     def __init__(self, client: _Client, device: _Device) -> None:
         self.client = client  # changes when a reconnecting process takes its pairs over
@@ -211,6 +235,13 @@ class _Pair:
         self.resident: int | None = None
         self.swapped = 0
         self.last_held = -math.inf
+        # While waiting: its place in ACQUIRE order, the device's grants_made then, and the
+        # priority class it waits in.
+        self.queued_seq = 0
+        self.queued_grants = 0
+        self.queued_class = 0
+        self.recent = fairshare.new_recent()  # finished holds (since, until) in the share window
+        self.limit_sent = 0  # the memory limit last sent in LIMIT (0: none)
 
 
 def _same_process(old: ClientInfo, new: ClientInfo) -> bool:
@@ -243,6 +274,8 @@ class SchedulerCore:
         self._deadlines: dict[_Device, float] = {}
         self._client_numbers = 0
         self._grant_numbers = 0
+        self._queue_numbers = 0
+        self.settings = fairshare.Settings()
         self._recovery_end: float | None = now + config.recovery if config.recovery > 0 else None
         self._admission = AdmissionBook(config.admission)
         self._client_handlers = {
@@ -262,6 +295,9 @@ class SchedulerCore:
             SetQuantum: self._set_quantum,
             SetBudget: self._set_budget,
             SetAdmission: self._set_admission,
+            SetWeight: self._set_weight,
+            SetPriority: self._set_priority,
+            SetLimit: self._set_limit,
         }
 
     # --- public API ----------------------------------------------------------------------
@@ -314,6 +350,29 @@ class SchedulerCore:
     def default_tq(self) -> float:
         """The time quantum of devices without a setting of their own."""
         return self._default_tq
+
+    def weight(self, client: _Client) -> int:
+        return self.settings.weight.resolve(client.cid, client.info.pod_uid)
+
+    def priority(self, client: _Client) -> int:
+        return self.settings.priority.resolve(client.cid, client.info.pod_uid)
+
+    def limit(self, pair: _Pair) -> int | None:
+        client = pair.client
+        return self.settings.limit(client.cid, client.info.pod_uid, pair.device.id)
+
+    def quantum_end(self, pair: _Pair) -> float:
+        """When the quantum of the pair's current grant ends (it matters only while others
+        wait): its weighted quantum, cut to the floor while a waiter outranks it."""
+        dev = pair.device
+        hold = pair.hold
+        contenders = itertools.chain(dev.holders.values(), dev.queue)
+        heaviest = max((self.weight(other.client) for other in contenders), default=1)
+        length = fairshare.quantum(dev.tq, self.weight(pair.client), heaviest, self.config.min_quantum)
+        best = self._next_waiter(dev)
+        if best is not None and self._rank(best) > hold.rank:
+            length = min(length, self.config.min_quantum, dev.tq)
+        return hold.since + length
 
     def client_id(self, key: ClientKey) -> str | None:
         client = self._clients.get(key)
@@ -406,6 +465,11 @@ class SchedulerCore:
                 out.append(Log("info", "grant-passes", {"client": new.cid, "device": dev.id, "grant": hold.grant,
                                                    "predecessor": old.cid}))
         old.pairs = {}
+        self.settings.rename_client(old.cid, new.cid)
+        for pair in new.pairs.values():
+            # The process's new registration starts without limits (client_core.c): again.
+            pair.limit_sent = 0
+            self._push_limit(pair, out)
         self._unlink_client(old)
         out.append(Forget(old.key, "replaced"))
         out.append(LockEvent(now, "unregister", client=old.cid, detail="replaced"))
@@ -620,6 +684,74 @@ class SchedulerCore:
         self._settle(dev, ev.now, out)
         self._settle_admission(ev.now, out)
 
+    # --- per-client settings (fairshare.py) -----------------------------------------------
+
+    def _target(self, client: str | None, pod_uid: str | None) -> fairshare.Target:
+        """Whom a setting is for; a client must be registered now (its id dies with it)."""
+        try:
+            target = fairshare.Target(client, pod_uid)
+        except ValueError as exc:
+            raise ControlError("bad-request", str(exc)) from None
+        if client is not None and not any(c.cid == client for c in self._clients.values()):
+            raise ControlError("unknown-client", f"no client {client} is registered")
+        if pod_uid is not None and (not isinstance(pod_uid, str) or not pod_uid):
+            raise ControlError("bad-request", "pod_uid must be a pod's UID")
+        return target
+
+    def _set_weight(self, ev: SetWeight, out: list[Action]) -> None:
+        try:
+            weight = fairshare.check_weight(ev.weight)
+        except ValueError as exc:
+            raise ControlError("bad-request", str(exc)) from None
+        target = self._target(ev.client, ev.pod_uid)
+        self.settings.weight.set(target, weight, fairshare.DEFAULT_WEIGHT)
+        out.append(Log("info", "weight-set", {"target": target.describe(), "weight": _shown(weight)}))
+        for dev in list(self._devices.values()):
+            self._settle(dev, ev.now, out)  # quanta follow the weights at once
+
+    def _set_priority(self, ev: SetPriority, out: list[Action]) -> None:
+        try:
+            priority = fairshare.check_priority(ev.priority)
+        except ValueError as exc:
+            raise ControlError("bad-request", str(exc)) from None
+        target = self._target(ev.client, ev.pod_uid)
+        self.settings.priority.set(target, priority, fairshare.DEFAULT_PRIORITY)
+        out.append(Log("info", "priority-set", {"target": target.describe(), "priority": _shown(priority)}))
+        for dev in list(self._devices.values()):
+            moved = set()
+            for pair in dev.queue:
+                klass = self.priority(pair.client)
+                if klass != pair.queued_class:
+                    del dev.classes[pair.queued_class][pair]
+                    moved.add(klass)
+                    pair.queued_class = klass
+                    dev.classes[klass][pair] = None
+            for klass in moved:  # back into ACQUIRE order
+                dev.classes[klass] = OrderedDict.fromkeys(sorted(dev.classes[klass], key=lambda p: p.queued_seq))
+            self._settle(dev, ev.now, out)
+
+    def _set_limit(self, ev: SetLimit, out: list[Action]) -> None:
+        try:
+            limit = fairshare.check_limit(ev.limit, protocol.MAX_INT)
+        except ValueError as exc:
+            raise ControlError("bad-request", str(exc)) from None
+        target = self._target(ev.client, ev.pod_uid)
+        self.settings.set_limit(target, ev.device, limit)
+        out.append(Log("info", "limit-set", {"target": target.describe(), "device": ev.device or "",
+                                             "bytes": _shown(limit)}))
+        for client in self._clients.values():
+            for pair in client.pairs.values():
+                self._push_limit(pair, out)
+
+    def _push_limit(self, pair: _Pair, out: list[Action]) -> None:
+        """LIMIT to the client when its resolved limit on the device is not what it was told."""
+        limit = self.limit(pair) or 0
+        if limit == pair.limit_sent:
+            return
+        pair.limit_sent = limit
+        out.append(Send(pair.client.key, protocol.Limit(device=pair.device.id, bytes=limit)))
+        out.append(Log("info", "limit-sent", {"client": pair.client.cid, "device": pair.device.id, "bytes": limit}))
+
     def _notify_settings(self, dev: _Device, out: list[Action]) -> None:
         notice = protocol.ModeNotice(device=dev.id, mode=dev.mode, quantum_ms=_ms(dev.tq))
         out.extend(Send(pair.client.key, notice) for pair in dev.pairs)
@@ -655,7 +787,7 @@ class SchedulerCore:
             if hold.state == "draining":
                 yield hold.deadline, pair, "revoke"
             elif contended:
-                yield hold.since + dev.tq, pair, "drop"
+                yield self.quantum_end(pair), pair, "drop"
 
     def _revocations_due(self, dev: _Device, now: float) -> list[_Pair]:
         return [pair for when, pair, what in self._timers(dev) if what == "revoke" and now >= when]
@@ -666,6 +798,7 @@ class SchedulerCore:
             cid = pair.client.cid
             del dev.holders[hold.grant]
             pair.hold_total += now - hold.since
+            fairshare.remember_hold(pair.recent, hold.since, now, now)
             pair.hold = None
             pair.last_held = now
             hold.state = "overdue"
@@ -699,16 +832,35 @@ class SchedulerCore:
     def _grant_waiters(self, dev: _Device, now: float, out: list[Action]) -> None:
         if self._recovering(now):
             return  # only claims of reconnecting holders are granted until recovery ends
-        queue = dev.queue
-        while queue:
-            pair = next(iter(queue))
+        while dev.queue:
+            pair = self._next_waiter(dev)
             if pair.hold is not None:
                 break  # a draining holder that asked again waits for its own release
             if dev.holders and self._serialised_against(dev, pair):
-                break  # FCFS: nobody overtakes the head
+                break  # FCFS within the class: nobody overtakes the next one
             if not self._room_made(dev, pair, now, out):
-                break  # the head waits for EVICTED answers; FCFS again
+                break  # the next one waits for EVICTED answers; FCFS again
             self._grant(pair, now, out)
+
+    def _rank(self, pair: _Pair) -> int:
+        """A waiter's effective priority class (fairshare.effective_class)."""
+        return fairshare.effective_class(pair.queued_class, pair.device.grants_made - pair.queued_grants,
+                                         self.config.ageing)
+
+    def _next_waiter(self, dev: _Device) -> _Pair | None:
+        """The waiter served next: the highest effective class, the earliest ACQUIRE among
+        equals. Ageing keeps ACQUIRE order within a class (an earlier waiter has seen at least
+        as many grants), so only the head of each class can be next."""
+        best = None
+        best_key = None
+        for waiters in dev.classes:
+            if not waiters:
+                continue
+            head = next(iter(waiters))
+            key = (self._rank(head), -head.queued_seq)
+            if best_key is None or key > best_key:
+                best, best_key = head, key
+        return best
 
     @staticmethod
     def _contended(dev: _Device) -> bool:
@@ -740,9 +892,11 @@ class SchedulerCore:
             hold = pair.hold
             if not contended:
                 hold.contended = False
-            elif hold.state == "holding" and not hold.contended:
+            elif hold.state == "holding" and (not hold.contended or self.quantum_end(pair) != hold.told_end):
+                # Again when the quantum's end moved (a heavier or higher-class waiter came).
                 hold.contended = True
-                left = _ms(hold.since + dev.tq - now)
+                hold.told_end = self.quantum_end(pair)
+                left = _ms(hold.told_end - now)
                 out.append(Send(pair.client.key, protocol.Contended(device=dev.id, grant=hold.grant,
                                                                     quantum_left_ms=left)))
                 out.append(Log("debug", "contended", {"client": pair.client.cid, "device": dev.id, "grant": hold.grant,
@@ -835,17 +989,20 @@ class SchedulerCore:
     def _new_hold(self, pair: _Pair, now: float) -> _Hold:
         """Every grant is made here: a fresh id, the pair's hold, the device's holders."""
         self._grant_numbers += 1
-        hold = _Hold(self._grant_numbers, now)
+        dev = pair.device
+        rank = self._rank(pair) if pair.waiting_since is not None else self.priority(pair.client)
+        hold = _Hold(self._grant_numbers, now, rank)
+        dev.grants_made += 1
         pair.hold = hold
         pair.grants += 1
-        pair.device.holders[hold.grant] = pair
+        dev.holders[hold.grant] = pair
         return hold
 
     def _grant(self, pair: _Pair, now: float, out: list[Action]) -> None:
         dev = pair.device
+        hold = self._new_hold(pair, now)
         if pair.waiting_since is not None:
             self._leave_queue(pair, now)
-        hold = self._new_hold(pair, now)
         cid = pair.client.cid
         prefetch = residency.prefetch_on_grant(dev, pair) if self.config.swapping else 0
         out.append(Send(pair.client.key, self._grant_message(dev, hold.grant, prefetch)))
@@ -857,7 +1014,7 @@ class SchedulerCore:
                               quantum_ms=_ms(dev.tq), prefetch=prefetch)
 
     def _room_made(self, dev: _Device, pair: _Pair, now: float, out: list[Action]) -> bool:
-        """Whether `pair`, the head of the queue, may be granted now as far as residency goes.
+        """Whether `pair`, the next waiter, may be granted now as far as residency goes.
         While its memory would not fit beside what the others keep resident, idle clients are
         asked to EVICT (residency.eviction_plan) and the grant waits for their EVICTED answers,
         at most the grace: then it proceeds with a warning, as it does at once when nothing
@@ -909,7 +1066,9 @@ class SchedulerCore:
         if not self.config.swapping or pair.hold.reason == "conflict":  # a refused claim holds nothing
             return 0
         dev = pair.device
-        grantee = next((waiter for waiter in dev.queue if waiter is not pair), None)
+        grantee = self._next_waiter(dev)  # served next (priority classes, then ACQUIRE order)
+        if grantee is pair:  # a draining holder that asked again waits for its own release
+            grantee = next((waiter for waiter in dev.queue if waiter is not pair), None)
         return residency.evict_on_drop(dev, pair, grantee)
 
     def _enqueue(self, pair: _Pair, now: float, out: list[Action]) -> bool:
@@ -922,11 +1081,17 @@ class SchedulerCore:
         pair.blocked_by = tuple(itertools.islice(ahead, AHEAD_REMEMBERED))
         pair.waiting_since = now
         dev.queue[pair] = None
+        self._queue_numbers += 1
+        pair.queued_seq = self._queue_numbers
+        pair.queued_grants = dev.grants_made
+        pair.queued_class = self.priority(pair.client)
+        dev.classes[pair.queued_class][pair] = None
         out.append(LockEvent(now, "acquire", dev.id, pair.client.cid))
         return True
 
     def _leave_queue(self, pair: _Pair, now: float) -> None:
         del pair.device.queue[pair]
+        del pair.device.classes[pair.queued_class][pair]
         waited = now - pair.waiting_since
         pair.wait_total += waited
         pair.last_wait = (waited, pair.blocked_by)
@@ -937,6 +1102,7 @@ class SchedulerCore:
         hold = pair.hold
         del pair.device.holders[hold.grant]
         pair.hold_total += now - hold.since
+        fairshare.remember_hold(pair.recent, hold.since, now, now)
         pair.hold = None
         pair.last_held = now
 
@@ -969,6 +1135,7 @@ class SchedulerCore:
             self._deadlines.pop(dev, None)
 
     def _unlink_client(self, client: _Client) -> None:
+        self.settings.forget_client(client.cid)
         del self._clients[client.key]
         del self._silence[client.key]
         same_session = self._sessions[client.info.session]
@@ -995,4 +1162,5 @@ class SchedulerCore:
             dev = self._device(device_id)
             pair = client.pairs[device_id] = _Pair(client, dev)
             dev.pairs[pair] = None
+            self._push_limit(pair, out)
         return pair

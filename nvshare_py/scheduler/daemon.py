@@ -91,6 +91,8 @@ class DaemonConfig:
     idle_release: float = 1.0
     recovery: float = 2.0  # only used when a previous daemon's client socket is found
     swapping: bool = True  # budgets move memory at handoffs (docs/scheduler.md, "Budgets and swapping")
+    min_quantum: float = 1.0  # the shortest quantum of a light or outranked holder (fairshare.py)
+    ageing: int = 4  # grants waited per priority class a waiter rises; 0: no ageing
     metrics: str | None = None  # HOST:PORT or :PORT to serve Prometheus metrics on; None: off
     # Admission (docs/scheduler.md): host bytes allowed beyond the devices' budgets; "auto":
     # admission.DEFAULT_SPILL_FRACTION of the host's MemAvailable when the daemon starts; None: off.
@@ -121,6 +123,8 @@ class DaemonConfig:
                 policy=self.admission_policy,
                 timeout=self.admission_timeout,
             ),
+            min_quantum=self.min_quantum,
+            ageing=self.ageing,
         )
 
 
@@ -861,6 +865,24 @@ class Daemon:
             return {"device": device, "budget": budget}
         if op == "set-admission":
             return self._set_admission(request)
+        # Per-client settings (docs/scheduler.md, "Weights and priorities"): the core judges
+        # the value and whether the client exists.
+        if op == "set-weight":
+            client, pod_uid = _setting_target(request)
+            weight = request.get("weight")
+            self._apply(lambda now: ev.SetWeight(now, weight, client, pod_uid))
+            return {"client": client, "pod_uid": pod_uid, "weight": weight}
+        if op == "set-priority":
+            client, pod_uid = _setting_target(request)
+            priority = request.get("priority")
+            self._apply(lambda now: ev.SetPriority(now, priority, client, pod_uid))
+            return {"client": client, "pod_uid": pod_uid, "priority": priority}
+        if op == "set-limit":
+            client, pod_uid = _setting_target(request)
+            limit = request.get("bytes")
+            device = _device(request, required=False)
+            self._apply(lambda now: ev.SetLimit(now, limit, device, client, pod_uid))
+            return {"client": client, "pod_uid": pod_uid, "device": device, "bytes": limit}
         raise ev.ControlError("unknown-op", f"unknown op {op!r}")
 
     def _set_admission(self, request: dict) -> dict:
@@ -896,7 +918,10 @@ class Daemon:
                     "heartbeat_timeout": self.config.heartbeat_timeout,
                     "idle_release": self.config.idle_release,
                     "swapping": self.config.swapping,
+                    "min_quantum": self.config.min_quantum,
+                    "ageing": self.config.ageing,
                 },
+                "settings": self.core.settings.document(),
                 "restarted": self.restarted,
             }
         }
@@ -999,6 +1024,17 @@ def _integer(request: dict, key: str, default: int, *, minimum: int, maximum: in
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
         raise ev.ControlError("bad-request", f"{key} must be an integer from {minimum} to {maximum}")
     return value
+
+
+def _setting_target(request: dict) -> tuple[str | None, str | None]:
+    """The optional `client` or `pod_uid` a setting is for (neither: the default)."""
+    client, pod_uid = request.get("client"), request.get("pod_uid")
+    for key, value in (("client", client), ("pod_uid", pod_uid)):
+        if value is not None and (not isinstance(value, str) or not value or len(value) > protocol.MAX_VALUE):
+            raise ev.ControlError("bad-request", f"{key} must be a non-empty string")
+    if client is not None and pod_uid is not None:
+        raise ev.ControlError("bad-request", "give client or pod_uid, not both")
+    return client, pod_uid
 
 
 def _device(request: dict, *, required: bool) -> str | None:

@@ -162,9 +162,44 @@ class SetAdmission:
     timeout: float | None = None
 
 
+@dataclass(frozen=True)
+class SetWeight:
+    """A weight (fairshare.WEIGHT_MIN..WEIGHT_MAX) for one registration (`client`, its display
+    id), every client of a pod (`pod_uid`), or the default (neither). None removes a client or
+    pod setting (the default goes back to fairshare.DEFAULT_WEIGHT)."""
+
+    now: float
+    weight: int | None
+    client: str | None = None
+    pod_uid: str | None = None
+
+
+@dataclass(frozen=True)
+class SetPriority:
+    """A priority class (0..7, higher served first); targets and None as in SetWeight."""
+
+    now: float
+    priority: int | None
+    client: str | None = None
+    pod_uid: str | None = None
+
+
+@dataclass(frozen=True)
+class SetLimit:
+    """A memory limit in bytes on `device` (None: every device); targets as in SetWeight.
+    None removes a client or pod setting, or the default limit."""
+
+    now: float
+    limit: int | None
+    device: str | None = None
+    client: str | None = None
+    pod_uid: str | None = None
+
+
+
 Event = (
     Register | DeviceInfo | MemoryReport | Acquire | AdmitRequest | Release | Evicted | Heartbeat | Unregister
-    | Tick | SetMode | SetQuantum | SetBudget | SetAdmission
+    | Tick | SetMode | SetQuantum | SetBudget | SetAdmission | SetWeight | SetPriority | SetLimit
 )
 
 

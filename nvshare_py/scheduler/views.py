@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable
 
-from . import residency
+from . import fairshare, residency
 from .core import AHEAD_REMEMBERED, SchedulerCore
 from .events import Log
 
@@ -43,7 +43,7 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
                     "client": pair.client.cid,
                     "grant": grant,
                     "since": wall(hold.since),
-                    "quantum_left": max(0.0, hold.since + dev.tq - now),
+                    "quantum_left": max(0.0, _quantum_end(core, pair, hold) - now),
                     "state": hold.state,
                     # A stopped or hung holder shows here long before its heartbeat timeout.
                     "silent": round(now - pair.client.last_seen, 3),
@@ -52,6 +52,7 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
             ],
             "waiters": [{"client": pair.client.cid, "since": wall(pair.waiting_since)} for pair in dev.queue],
         })
+    shares = {dev.id: _shares(core, dev, now) for dev in core.devices()}
     clients = []
     for client in core.clients():  # registration order: c1, c2, ...
         info = client.info
@@ -69,7 +70,11 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
             "last_seen": wall(client.last_seen),
             "silent": round(now - client.last_seen, 3),
             "pod_uid": info.pod_uid,
-            "devices": {device_id: _pair_status(pair, now) for device_id, pair in client.pairs.items()},
+            "weight": core.weight(client),
+            "priority": core.priority(client),
+            "devices": {device_id: dict(_pair_status(pair, now), limit=core.limit(pair),
+                                        **shares[device_id].get(pair, _NO_SHARE))
+                        for device_id, pair in client.pairs.items()},
         })
     return {"devices": devices, "clients": clients}
 
@@ -98,6 +103,38 @@ def admission_status(core: SchedulerCore, now: float, wall: Callable[[float], fl
         ],
     }
 
+
+_NO_SHARE = {"share": None, "achieved": None}
+
+
+def _quantum_end(core: SchedulerCore, pair, hold) -> float:
+    """The current grant's weighted quantum end; a revoked grant's plain one."""
+    return core.quantum_end(pair) if pair.hold is hold else hold.since + pair.device.tq
+
+
+def _shares(core: SchedulerCore, dev, now: float) -> dict:
+    """Per pair of the device: `share`, the part of the lock time its weight entitles it to
+    among those holding or waiting now (None when it does neither), and `achieved`, its part
+    of the time the device was held in the last SHARE_WINDOW seconds (None when nobody held
+    it then)."""
+    start = now - fairshare.SHARE_WINDOW
+    held = {}
+    for pair in dev.pairs:
+        holds = list(pair.recent)
+        if pair.hold is not None:
+            holds.append((pair.hold.since, now))
+        held[pair] = fairshare.held_within(holds, start, now)
+    total = sum(held.values())
+    contenders = {pair: core.weight(pair.client) for pair in itertools.chain(dev.holders.values(), dev.queue)}
+    configured = fairshare.configured_shares(contenders)
+    return {pair: {"share": _rounded(configured.get(pair)),
+                   "achieved": _rounded(held[pair] / total if total > 0 else None)} for pair in dev.pairs}
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
 def query(core: SchedulerCore, host_pid: int, now: float) -> dict:
     """The answer to QUERY (docs/protocol.md): the devices of every registration whose
     kernel-verified host pid is `host_pid` (0: not visible, nothing to match), those the
@@ -110,10 +147,10 @@ def query(core: SchedulerCore, host_pid: int, now: float) -> dict:
     return {
         "pid": host_pid,
         "clients": [client.cid for client in clients],
-        "devices": [_pair_query(pair, now) for pair in pairs],
+        "devices": [_pair_query(core, pair, now) for pair in pairs],
     }
 
-def _pair_query(pair, now: float) -> dict:
+def _pair_query(core: SchedulerCore, pair, now: float) -> dict:
     dev = pair.device
     status = _pair_status(pair, now)
     waiting = pair.waiting_since is not None
@@ -135,7 +172,7 @@ def _pair_query(pair, now: float) -> dict:
         "hold_total": round(status["hold_total"], 3),
         "grants": status["grants"],
         "used": status["used"],
-        "quantum_left": round(max(0.0, pair.hold.since + dev.tq - now), 3) if pair.hold is not None else None,
+        "quantum_left": round(max(0.0, core.quantum_end(pair) - now), 3) if pair.hold is not None else None,
         "holders": [_named(holder.client) for holder in itertools.islice(dev.holders.values(), QUERY_NAMES_SHOWN)],
         "last_wait": last_wait,
     }
@@ -196,6 +233,10 @@ WORDING: dict[str, Callable[[dict], str]] = {
                                 f"(EVICTED not received from {f['silent'] or 'nobody'}, or what moved was not enough): "
                                 "granting anyway, the driver's faults share the memory"),
     "evicted-stale": lambda f: f"{f['client']} answered EVICT for {f['device']}, which it does not use",
+    "weight-set": lambda f: f"weight of {f['target']}: {f['weight']}",
+    "priority-set": lambda f: f"priority class of {f['target']}: {f['priority']}",
+    "limit-set": lambda f: f"memory limit of {f['target']} on {f['device'] or 'every device'}: {f['bytes']}",
+    "limit-sent": lambda f: f"{f['client']} told its memory limit on {f['device']}: {f['bytes'] or 'none'}",
     "revoked": lambda f: f"{f['client']} did not release grant {f['grant']} on {f['device']} in time: revoked",
     "contended": lambda f: (f"{f['client']} told that others wait for {f['device']} "
                             f"({f['quantum_left_ms']} ms of its quantum left)"),
