@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this tree's nvshare_py and the tests' fixtures
 
 from fixtures.scheduler import SchedulerProcess  # noqa: E402
 

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this tree's nvshare_py and the tests' fixtures
 
 from fixtures.interceptor import build_interceptor  # noqa: E402
 from fixtures.scheduler import SchedulerProcess, child_env  # noqa: E402
