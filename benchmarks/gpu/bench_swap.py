@@ -213,6 +213,21 @@ def run_jobs(argvs: list[list[str]], env: dict, timeout: float) -> float:
     return max(end for _, end in spans) - min(start for start, _ in spans)
 
 
+# Touches the GPU, then waits until its stdin closes (or it is killed).
+ANNOUNCE = "import sys, torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize(); sys.stdin.read()"
+
+
+def wait_for_device(scheduler, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        devices = scheduler.request("status")["devices"]
+        if devices:
+            return devices[0]["device"]
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no client announced a device within {timeout:g} s")
+        time.sleep(0.1)
+
+
 def colocation(work: Path, base_env: dict, preload: Path, budget: int, job_bytes: int, steps: int, burst_s: float,
                cpu_s: float, tq: float, timeout: float) -> dict:
     per_iter = float(subprocess.run([sys.executable, "-c", CALIBRATE, str(job_bytes)], env=base_env,
@@ -229,12 +244,17 @@ def colocation(work: Path, base_env: dict, preload: Path, budget: int, job_bytes
         scheduler.start()
         try:
             env = dict(scheduler.env, LD_PRELOAD=str(preload), NVSHARE_LOG="error")
-            # A budget needs a device some client announced: a tiny CUDA program announces it.
-            subprocess.run([sys.executable, "-c", "import torch; torch.zeros(1, device='cuda')"], env=env, check=True,
-                           timeout=timeout)
-            device = scheduler.request("status")["devices"][0]["device"]
-            scheduler.request("set-budget", device=device, bytes=budget)
-            makespan = run_jobs([argv, argv], env, timeout)
+            # A budget needs a device some client announced, and the scheduler forgets a device
+            # once its last client is gone: a small CUDA program announces it and stays (idle:
+            # it never holds the lock for long) until the jobs are done.
+            announcer = subprocess.Popen([sys.executable, "-c", ANNOUNCE], env=env, stdin=subprocess.PIPE)
+            try:
+                device = wait_for_device(scheduler, timeout)
+                scheduler.request("set-budget", device=device, bytes=budget)
+                makespan = run_jobs([argv, argv], env, timeout)
+            finally:
+                announcer.kill()
+                announcer.wait()
             events = scheduler.request("events", since=0, limit=10_000)["events"]
             grants = [e for e in events if e["kind"] == "grant" and e["device"] == device]
             outcome = {
