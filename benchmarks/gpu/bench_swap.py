@@ -309,6 +309,8 @@ def main() -> None:
     parser.add_argument("--budget-gib", type=float, default=16.0, help="part (b): the scheduler's budget")
     parser.add_argument("--job-gib", type=float, default=12.0, help="part (b): each job's memory")
     parser.add_argument("--tq", type=float, default=4.0, help="part (b): time quantum, seconds")
+    parser.add_argument("--burst", type=float, default=1.0, help="part (b): seconds of GPU work per step")
+    parser.add_argument("--cpu", type=float, default=1.0, help="part (b): seconds on the CPU per step")
     parser.add_argument("--child-bandwidth", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     repeats, steps = (2, 5) if args.quick else (3, 8)
@@ -340,7 +342,7 @@ def main() -> None:
         raise SystemExit(f"part (a) failed:\n{child.stderr[-3000:]}")
     part_a = json.loads(child.stdout.strip().splitlines()[-1])
     print("(b) two jobs under a budget", file=sys.stderr, flush=True)
-    part_b = colocation(work, base_env, preload, int(args.budget_gib * GiB), job_bytes, steps, burst_s=1.0, cpu_s=1.0,
+    part_b = colocation(work, base_env, preload, int(args.budget_gib * GiB), job_bytes, steps, burst_s=args.burst, cpu_s=args.cpu,
                         tq=args.tq, timeout=240)
     versions = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__, torch.version.cuda)"],
                               env=base_env, capture_output=True, text=True).stdout.split()
@@ -351,7 +353,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": gpu, "driver": driver, "torch": versions[:1], "cuda": versions[1:2],
         "free_gib_at_start": round(free / GiB, 1), "total_gib": round(total / GiB, 1),
-        "settings": {"quick": args.quick, "buffer_gib": args.buffer_gib, "budget_gib": args.budget_gib,
+        "settings": {"quick": args.quick, "burst_s": args.burst, "cpu_s": args.cpu, "buffer_gib": args.buffer_gib, "budget_gib": args.budget_gib,
                      "job_gib": args.job_gib, "tq_s": args.tq, "steps": steps, "gpu_burst_s": 1.0, "cpu_s": 1.0},
         "bandwidth": part_a,
         "colocation": part_b,
