@@ -353,8 +353,8 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": gpu, "driver": driver, "torch": versions[:1], "cuda": versions[1:2],
         "free_gib_at_start": round(free / GiB, 1), "total_gib": round(total / GiB, 1),
-        "settings": {"quick": args.quick, "burst_s": args.burst, "cpu_s": args.cpu, "buffer_gib": args.buffer_gib, "budget_gib": args.budget_gib,
-                     "job_gib": args.job_gib, "tq_s": args.tq, "steps": steps, "gpu_burst_s": 1.0, "cpu_s": 1.0},
+        "settings": {"quick": args.quick, "buffer_gib": args.buffer_gib, "budget_gib": args.budget_gib,
+                     "job_gib": args.job_gib, "tq_s": args.tq, "steps": steps, "gpu_burst_s": args.burst, "cpu_s": args.cpu},
         "bandwidth": part_a,
         "colocation": part_b,
         "targets": {
