@@ -290,7 +290,7 @@ def table(document: dict) -> str:
         f"  to device by faults+kernel  {seconds['fault_in_with_kernel']:.3f} s",
         f"  prefetch + kernel           {seconds['prefetch_in_with_kernel']:.3f} s  "
         f"(bulk {document['bandwidth']['bulk_speedup_over_faults']}x faster; kernel alone {seconds['kernel_resident']:.3f} s)",
-        f"two {settings['job_gib']:g} GiB jobs under a {settings['budget_gib']:g} GiB budget, 1 s GPU / 1 s CPU steps:",
+        f"two {settings['job_gib']:g} GiB jobs under a {settings['budget_gib']:g} GiB budget, {settings['gpu_burst_s']:g} s GPU / {settings['cpu_s']:g} s CPU steps:",
         f"  {'mode':11} {'makespan':>9} {'vs seq':>7} {'grants':>6} {'evicted':>9} {'EVICTs':>6} {'prefetch':>9}",
     ]
     for name, outcome in document["colocation"]["modes"].items():
