@@ -90,16 +90,35 @@ def start_demo(env: dict[str, str], *args: str) -> subprocess.Popen:
                             env=env, cwd=CHILD_CWD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_both_programs(process: subprocess.Popen) -> set[int]:
-    """The demo's children once both programs run: scheduler, training, notebook."""
-    return wait_for(lambda: (lambda found: found if len(found) == 3 else None)(descendants(process.pid)),
-                    timeout=60, what="the scheduler and both programs")
+def demo_roles(pids: set[int]) -> dict[str, int]:
+    """The demo programs among `pids` by role ("training", "notebook"). A child between its fork
+    and its exec still shows the demo's own command line, so only what has become a worker counts."""
+    roles = {}
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile
+        if b"nvshare_py.demo.worker" in argv[:-1]:
+            roles[argv[argv.index(b"nvshare_py.demo.worker") + 1].decode()] = pid
+    return roles
+
+
+def wait_for_both_programs(process: subprocess.Popen) -> tuple[set[int], dict[str, int]]:
+    """The demo's children once both programs run (scheduler, training, notebook), and the
+    programs by role."""
+    def both() -> tuple[set[int], dict[str, int]] | None:
+        children = descendants(process.pid)
+        roles = demo_roles(children)
+        return (children, roles) if len(children) == 3 and set(roles) == {"training", "notebook"} else None
+
+    return wait_for(both, timeout=60, what="the scheduler and both programs")
 
 
 def test_ctrl_c_stops_every_process(demo_env):
     process = start_demo(demo_env)
     try:
-        children = wait_for_both_programs(process)
+        children, _ = wait_for_both_programs(process)
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=30)
     finally:
@@ -112,10 +131,8 @@ def test_ctrl_c_stops_every_process(demo_env):
 def test_a_crashed_program_fails_the_demo(demo_env):
     process = start_demo(demo_env)
     try:
-        children = wait_for_both_programs(process)
-        programs = [pid for pid in children if "nvshare_py.demo.worker" in Path(f"/proc/{pid}/cmdline").read_text()]
-        notebook = next(pid for pid in programs if "notebook" in Path(f"/proc/{pid}/cmdline").read_text())
-        os.kill(notebook, signal.SIGKILL)
+        children, roles = wait_for_both_programs(process)
+        os.kill(roles["notebook"], signal.SIGKILL)
         out, err = process.communicate(timeout=30)
     finally:
         process.kill()
