@@ -45,8 +45,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this tree's nvshare_py and the tests' fixtures
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]  # this tree's nvshare_py, the tests' fixtures, bench_colocation
 
+from bench_colocation import GPU_JOB  # noqa: E402  (the paper's pytorch-add job, one copy)
 from fixtures.interceptor import build_interceptor  # noqa: E402
 from fixtures.scheduler import SchedulerProcess, child_env  # noqa: E402
 
@@ -169,20 +170,6 @@ def bandwidth(size: int, repeats: int) -> dict:
 
 # --- part (b): two jobs under a budget -----------------------------------------------------
 
-JOB = r"""
-import sys, time, torch
-footprint, steps, iters, cpu_s = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-n = footprint // 4 // 2
-a = torch.ones(n, device="cuda"); b = torch.ones(n, device="cuda")
-torch.cuda.synchronize()
-start = time.monotonic()
-for _ in range(steps):
-    for _ in range(iters):
-        a.add_(b)              # every byte of the job's memory, each iteration
-    torch.cuda.synchronize()
-    time.sleep(cpu_s)          # the CPU phase (data loading)
-print(start, time.monotonic(), flush=True)
-"""
 
 CALIBRATE = r"""
 import sys, time, torch
@@ -233,7 +220,7 @@ def colocation(work: Path, base_env: dict, preload: Path, budget: int, job_bytes
     per_iter = float(subprocess.run([sys.executable, "-c", CALIBRATE, str(job_bytes)], env=base_env,
                                     capture_output=True, text=True, check=True).stdout.split()[-1])
     iters = max(1, round(burst_s / per_iter))
-    argv = [sys.executable, "-c", JOB, str(job_bytes), str(steps), str(iters), str(cpu_s)]
+    argv = [sys.executable, "-c", GPU_JOB, str(job_bytes), str(steps), str(iters), str(cpu_s)]
     result = {"iterations_per_burst": iters, "burst_s_calibrated": round(iters * per_iter, 3), "modes": {}}
     result["modes"]["sequential"] = {"makespan_s": round(sum(run_jobs([argv], base_env, timeout) for _ in range(2)), 3)}
     print(f"  sequential: {result['modes']['sequential']}", file=sys.stderr, flush=True)
