@@ -111,8 +111,10 @@ class Simulated:
                  "oversubscribed": "simulated device capacity (SIMCUDA_MEMORY), residency modelled: "
                                    "fault-driven paging and LRU eviction at H200 costs"}
 
-    def __init__(self, work: Path, capacity: int, steps: int, burst_s: float, kernel_us: int) -> None:
+    def __init__(self, work: Path, capacity: int, steps: int, burst_s: float, idle_release: float,
+                 kernel_us: int) -> None:
         self.work = work
+        self.idle_release = idle_release
         self.capacity = capacity
         self.steps = steps
         self.burst_s = burst_s
@@ -141,7 +143,7 @@ class Simulated:
         env = self.simcuda.env(trace=trace, memory=str(self.capacity), SIMCUDA_RESIDENCY_DIR=str(state),
                                SIMCUDA_TIMESLICE_US=str(SIM_TIMESLICE_US))
         if mode != "sequential":
-            scheduler = self.schedulers.get(mode, tq, idle_release=min(DEFAULT_OPTIONS["idle_release"], self.burst_s / 2))
+            scheduler = self.schedulers.get(mode, tq, idle_release=self.idle_release)
             env = {**env, **scheduler.env, "LD_PRELOAD": str(self.library), "NVSHARE_LOG": "error"}
         argv = [self.simcuda.simapp_argv(*self.job_steps(f, cpu_share)) for f in footprints]
         if mode == "sequential":
@@ -239,8 +241,10 @@ class RealGpu:
                                    "on/auto without swapping leave the pages on the card (only the scheduling "
                                    "reacts to the budget)"}
 
-    def __init__(self, work: Path, capacity: int, steps: int, burst_s: float, library: Path) -> None:
+    def __init__(self, work: Path, capacity: int, steps: int, burst_s: float, idle_release: float,
+                 library: Path) -> None:
         self.work = work
+        self.idle_release = idle_release
         self.capacity = capacity
         self.steps = steps
         self.burst_s = burst_s
@@ -263,7 +267,7 @@ class RealGpu:
         cpu_s = self.burst_s * cpu_share / (1 - cpu_share) if cpu_share > 0 else 0.0
         env = child_env()
         if mode != "sequential":
-            scheduler = self.schedulers.get(mode, tq, idle_release=min(1.0, self.burst_s / 2))
+            scheduler = self.schedulers.get(mode, tq, idle_release=self.idle_release)
             env = {**env, **scheduler.env, "LD_PRELOAD": str(self.library), "NVSHARE_LOG": "error"}
             if not scheduler.status()["devices"]:  # a budget needs a device some client announced
                 subprocess.run([sys.executable, "-c", "import torch; torch.zeros(1, device='cuda')"], env=env,
@@ -302,7 +306,7 @@ def footprints(regime: str, jobs: int, capacity: int) -> list[int]:
 
 def experiments(args: argparse.Namespace, backend) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
-    kinds = {"matrix": 0.0, "training": args.cpu_share}
+    kinds = {kind: share for kind, share in (("matrix", 0.0), ("training", args.cpu_share)) if kind in args.kinds}
     for jobs in args.jobs:
         for kind, cpu_share in kinds.items():
             for regime in REGIMES:
@@ -321,9 +325,12 @@ def experiments(args: argparse.Namespace, backend) -> dict[str, Any]:
                 for outcome in row["modes"].values():
                     outcome["ratio_to_sequential"] = round(outcome["makespan_s"] / sequential, 3)
                 results.append(row)
+    if not args.tq_sweep:
+        return {"results": results}
     sweep_sizes = footprints("oversubscribed", args.jobs[0], args.capacity)
     sweep = {"jobs": args.jobs[0], "kind": "training", "cpu_share": args.cpu_share, "regime": "oversubscribed", "points": []}
-    baseline = next(r for r in results if r["kind"] == "training" and r["regime"] == "oversubscribed")
+    baseline = next(r for r in results if r["kind"] == "training" and r["regime"] == "oversubscribed"
+                    and r["jobs"] == args.jobs[0])
     sweep["sequential_s"] = baseline["modes"]["sequential"]["makespan_s"]
     for tq in args.tq_sweep:
         extra = {"budget": int(sum(sweep_sizes) / 1.5)} if isinstance(backend, RealGpu) else {}
@@ -360,7 +367,9 @@ def table(document: dict[str, Any]) -> str:
         lines.append(f"{row['jobs']:>4} {row['kind']:9} {row['regime']:15} " + " ".join(cells)
                      + f"   {variant}: {paper['off'][variant]:.2f} / {paper['on (TQ 1000 s)'][variant]:.2f}"
                        f" / {paper['on (TQ 30 s)'][variant]:.2f}")
-    sweep = document["tq_sweep"]
+    sweep = document.get("tq_sweep")
+    if sweep is None:
+        return "\n".join(lines)
     lines.append(f"TQ sweep ({sweep['jobs']} training jobs, oversubscribed, on / swap): " + ", ".join(
         f"TQ {tq:g}s: " + " / ".join(f"{p['ratio_to_sequential']:.2f}" for p in sweep["points"] if p["tq_s"] == tq)
         for tq in dict.fromkeys(p["tq_s"] for p in sweep["points"]))
@@ -377,7 +386,11 @@ def plot(document: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = document["results"]
-    figure, (bars, sweep_axes) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [2, 1]})
+    sweep = document.get("tq_sweep")
+    if sweep is None:
+        figure, bars = plt.subplots(1, 1, figsize=(10, 5))
+    else:
+        figure, (bars, sweep_axes) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [2, 1]})
     paper = document["paper"]["ratio_to_sequential"]
     labels = [f"{r['jobs']}x {r['kind']}\n{r['regime']}" for r in rows] + ["paper\nlight_balanced",
                                                                             "paper\nheavy_balanced"]
@@ -401,19 +414,19 @@ def plot(document: dict[str, Any], path: Path) -> None:
     bars.set_yscale("log")
     bars.set_title(f"co-located jobs ({document['backend']})")
     bars.legend()
-    sweep = document["tq_sweep"]
-    for mode in SWEEP_MODES:
-        points = [p for p in sweep["points"] if p["mode"] == mode]
-        sweep_axes.plot([p["tq_s"] for p in points], [p["makespan_s"] for p in points], "o-",
-                        label=f"nvshare {mode}")
-    sweep_axes.axhline(sweep["sequential_s"], color="grey", linestyle="--", label="sequential")
-    sweep_axes.set_xscale("log")
-    sweep_axes.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    sweep_axes.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    sweep_axes.set_xlabel("time quantum (s)")
-    sweep_axes.set_ylabel("makespan (s)")
-    sweep_axes.set_title(f"{sweep['jobs']} training jobs, oversubscribed (paper: Figure 3)")
-    sweep_axes.legend()
+    if sweep is not None:
+        for mode in SWEEP_MODES:
+            points = [p for p in sweep["points"] if p["mode"] == mode]
+            sweep_axes.plot([p["tq_s"] for p in points], [p["makespan_s"] for p in points], "o-",
+                            label=f"nvshare {mode}")
+        sweep_axes.axhline(sweep["sequential_s"], color="grey", linestyle="--", label="sequential")
+        sweep_axes.set_xscale("log")
+        sweep_axes.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        sweep_axes.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        sweep_axes.set_xlabel("time quantum (s)")
+        sweep_axes.set_ylabel("makespan (s)")
+        sweep_axes.set_title(f"{sweep['jobs']} training jobs, oversubscribed (paper: Figure 3)")
+        sweep_axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -432,13 +445,29 @@ def main() -> None:
     parser.add_argument("--library", type=Path, help="libnvshare.so for --gpu (default: built from this tree)")
     parser.add_argument("--jobs", type=int, nargs="+", help="co-located job counts (default: 2 with --quick, else 2 4)")
     parser.add_argument("--timeout", type=float, help="seconds after which a run's jobs are killed (thrashing)")
+    parser.add_argument("--kinds", nargs="+", choices=("matrix", "training"), default=("matrix", "training"))
+    parser.add_argument("--steps", type=int, help="steps per job (default: 3 with --quick, else 5)")
+    parser.add_argument("--burst", type=float, help="GPU seconds per step (default: 0.3 with --quick, else 0.5)")
+    parser.add_argument("--tq", type=float, help="the time quantum of the modes (default: 2 with --quick, else 5)")
+    parser.add_argument("--tq-sweep", type=float, nargs="*",
+                        help="time quanta of the sweep; none: no sweep (default: 0.2 0.6 2 with --quick, "
+                             "else 0.2 0.5 1 2 5 10)")
+    parser.add_argument("--idle-release", type=float,
+                        help="the scheduler's --idle-release (default: half a burst, at most the scheduler's own "
+                             "default; on the simulated driver at most the tests' 0.3 s)")
     args = parser.parse_args()
     if args.quick:
-        jobs, args.steps, args.burst_s, args.tq, args.tq_sweep, timeout = (2,), 3, 0.3, 2.0, (0.2, 0.6, 2.0), 10.0
+        jobs, steps, burst_s, tq, tq_sweep, timeout = (2,), 3, 0.3, 2.0, (0.2, 0.6, 2.0), 10.0
     else:
-        jobs, args.steps, args.burst_s, args.tq, args.tq_sweep, timeout = (2, 4), 5, 0.5, 5.0, (0.2, 0.5, 1, 2, 5, 10), 60.0
+        jobs, steps, burst_s, tq, tq_sweep, timeout = (2, 4), 5, 0.5, 5.0, (0.2, 0.5, 1, 2, 5, 10), 60.0
     args.jobs = tuple(args.jobs or jobs)
+    args.steps = args.steps or steps
+    args.burst_s = args.burst or burst_s
+    args.tq = args.tq or tq
+    args.tq_sweep = tuple(tq_sweep if args.tq_sweep is None else args.tq_sweep)
     args.timeout = args.timeout or timeout
+    if args.idle_release is None:
+        args.idle_release = min(1.0 if args.gpu else DEFAULT_OPTIONS["idle_release"], args.burst_s / 2)
     work = Path(tempfile.mkdtemp(prefix="nvs-coloc-", dir="/tmp"))
     started = time.monotonic()
     load_before = machine_load()
@@ -450,11 +479,11 @@ def main() -> None:
             # A small "device": the jobs together stay far below the card's free memory.
             args.capacity = min(4 << 30, free // 8)
             library = args.library or build_interceptor(work / "lib")
-            backend = RealGpu(work, args.capacity, args.steps, args.burst_s, library)
+            backend = RealGpu(work, args.capacity, args.steps, args.burst_s, args.idle_release, library)
             name = f"real GPU {torch.cuda.get_device_name()} (torch {torch.__version__})"
         else:
             args.capacity = 1 << 30
-            backend = Simulated(work, args.capacity, args.steps, args.burst_s, kernel_us=10000)
+            backend = Simulated(work, args.capacity, args.steps, args.burst_s, args.idle_release, kernel_us=10000)
             name = "simulated driver (tests/simcuda, residency modelled, H200 costs)"
         document: dict[str, Any] = {
             "benchmark": "colocation",
@@ -464,6 +493,7 @@ def main() -> None:
             "machine": {"platform": platform.platform(), "python": platform.python_version(), "load_before": load_before},
             "settings": {"quick": args.quick, "capacity_mib": args.capacity // MIB, "steps": args.steps,
                          "gpu_burst_s": args.burst_s, "cpu_share": args.cpu_share, "tq_s": args.tq,
+                         "idle_release_s": args.idle_release, "kinds": list(args.kinds), "tq_sweep_s": list(args.tq_sweep),
                          "timeout_s": args.timeout, "fits_share": FITS_SHARE,
                          "oversubscribed_share_per_job": OVERSUBSCRIBED_SHARE},
             "paper": {"ratio_to_sequential": paper_ratios(), "tq_sweep_heavy_balanced_s": PAPER_TQ_SWEEP,

@@ -17,7 +17,9 @@ a torch.nn model of the same shape when transformers is missing, and the JSON sa
 autocast, batch 8 x 512 tokens and AdamW: 8 warm-up steps, then 30 timed ones; its result is the
 median step time, that of the same number of steps after `--late-warmup` steps (a transient
 cost fades, a steady one stays), and the GPU's own time per step summed by the profiler over 5
-more steps (host noise does not reach it). Every measured process is pinned to the same CPUs
+more steps (host noise does not reach it), and the host's time per submission (20,000
+back-to-back launches of a one-element kernel: the cost the interceptor's gate adds to every
+launch, which a launch-bound step pays once per device operation). Every measured process is pinned to the same CPUs
 (`--cpus`). Only one process uses the GPU at a time and each needs a few GiB.
 
 Prints one JSON document: per variant the median step of every run, and the overhead against
@@ -101,13 +103,26 @@ def train(warmup: int, steps: int, late_warmup: int, batch: int, tokens: int) ->
         for _ in range(profiled_steps):
             one_step()
         torch.cuda.synchronize()
-    gpu_us = sum(event.self_device_time_total for event in profiler.key_averages())
+    averages = profiler.key_averages()
+    gpu_us = sum(event.self_device_time_total for event in averages)
+    device_ops = sum(event.count for event in averages if event.self_device_time_total > 0)
+    # The host's cost of one submission (the interceptor's gate is on this path): back-to-back
+    # launches of a one-element kernel, so the launch path, not the GPU, sets the pace.
+    tiny = torch.zeros(1, device="cuda")
+    launches = 20000
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(launches):
+        tiny.add_(1)
+    torch.cuda.synchronize()
+    launch_us = (time.perf_counter() - started) / launches * 1e6
     # Spread within a run tells a uniform slowdown (every step pays) from spikes (the driver
     # migrating pages now and then).
     return {"step_ms_median": statistics.median(times) * 1e3, "step_ms_min": min(times) * 1e3,
             "step_ms_p90": percentile(times, 0.9) * 1e3, "step_ms_max": max(times) * 1e3,
             "late_step_ms_median": statistics.median(late_times) * 1e3,
             "gpu_ms_per_step": gpu_us / profiled_steps / 1e3,
+            "device_ops_per_step": device_ops / profiled_steps, "launch_us": launch_us,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "model": model_name,
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
 
@@ -206,8 +221,8 @@ def main() -> None:
                 if out.returncode != 0:
                     raise SystemExit(f"{name} failed ({out.returncode}):\n{out.stderr[-3000:]}")
                 runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-                print(f"round {round_number + 1} {name}: {runs[name][-1]['step_ms_median']:.2f} ms", file=sys.stderr,
-                      flush=True)
+                print(f"round {round_number + 1} {name}: {runs[name][-1]['step_ms_median']:.2f} ms, "
+                      f"launch {runs[name][-1]['launch_us']:.2f} us", file=sys.stderr, flush=True)
     finally:
         scheduler.stop()
     native = [run["step_ms_median"] for run in runs["native"]]
@@ -243,14 +258,17 @@ def main() -> None:
             "gpu_ms_per_step": [round(step, 3) for step in gpu],
             "gpu_overhead_pct_median": round(statistics.median(gpu_paired), 3),
             "gpu_overhead_pct_p90": round(percentile(gpu_paired, 0.9), 3),
+            "device_ops_per_step": round(statistics.median(run["device_ops_per_step"] for run in results)),
+            "launch_us": [round(run["launch_us"], 3) for run in results],
+            "launch_us_median": round(statistics.median(run["launch_us"] for run in results), 3),
         }
     print(f"{'variant':20} {'median ms':>10} {'overhead median':>16} {'p90':>8} {'late median':>12} {'late p90':>9}"
-          f" {'GPU median':>11} {'GPU p90':>8}", file=sys.stderr)
+          f" {'GPU median':>11} {'GPU p90':>8} {'launch us':>10}", file=sys.stderr)
     for name, row in document["variants"].items():
         print(f"{name:20} {row['step_ms_median']:10.2f} {row['overhead_pct_median']:15.2f}% "
               f"{row['overhead_pct_p90']:7.2f}% {row['late_overhead_pct_median']:11.2f}% "
               f"{row['late_overhead_pct_p90']:8.2f}% {row['gpu_overhead_pct_median']:10.2f}% "
-              f"{row['gpu_overhead_pct_p90']:7.2f}%", file=sys.stderr)
+              f"{row['gpu_overhead_pct_p90']:7.2f}% {row['launch_us_median']:10.2f}", file=sys.stderr)
     text = json.dumps(document, indent=1)
     if args.out:
         args.out.write_text(text + "\n")
