@@ -232,6 +232,14 @@ print(start, time.monotonic(), flush=True)
 """
 
 
+def gpu_uuid(env: dict[str, str] | None = None) -> str:
+    """The UUID of the GPU the jobs use, as nvshare names devices (nvidia-smi's GPU-... form):
+    a budget may be set for it before any job has started."""
+    code = "import torch; print(torch.cuda.get_device_properties(0).uuid)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    return "GPU-" + out.split()[-1]
+
+
 class RealGpu:
     """Jobs are PyTorch processes with small allocations; the device is a scheduler budget."""
 
@@ -250,6 +258,7 @@ class RealGpu:
         self.burst_s = burst_s
         self.library = library
         self.schedulers = Schedulers()
+        self.device = gpu_uuid()
         self.iters = self.calibrate()
 
     def calibrate(self) -> int:
@@ -269,11 +278,7 @@ class RealGpu:
         if mode != "sequential":
             scheduler = self.schedulers.get(mode, tq, idle_release=self.idle_release)
             env = {**env, **scheduler.env, "LD_PRELOAD": str(self.library), "NVSHARE_LOG": "error"}
-            if not scheduler.status()["devices"]:  # a budget needs a device some client announced
-                subprocess.run([sys.executable, "-c", "import torch; torch.zeros(1, device='cuda')"], env=env,
-                               check=True, timeout=timeout)
-            device = scheduler.status()["devices"][0]["device"]
-            scheduler.request("set-budget", device=device, bytes=budget)  # None: the card's size
+            scheduler.request("set-budget", device=self.device, bytes=budget)  # None: the card's size
         argvs = [[sys.executable, "-c", GPU_JOB, str(f), str(self.steps), str(self.iters), str(cpu_s)]
                  for f in footprints]
         if mode == "sequential":

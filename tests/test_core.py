@@ -493,6 +493,46 @@ def test_budget_overrides_total_and_null_restores_it():
     assert h.status()["devices"][0]["budget"] == 16 * GiB
 
 
+def test_a_gpu_may_be_configured_before_any_program_announces_it():
+    """An operator sets a budget, mode and quantum at boot; the first programs get them."""
+    h = Harness(mode="on", tq=30.0)
+    h.feed(SetBudget(0.0, GPU0, 4 * GiB))
+    h.feed(SetMode(0.0, "auto", GPU0))
+    h.feed(SetQuantum(0.0, 5.0, GPU0))
+    (shown,) = h.status()["devices"]
+    assert (shown["device"], shown["budget"], shown["mode"], shown["tq"], shown["total"]) == (GPU0, 4 * GiB, "auto",
+                                                                                            5.0, 0)
+    h.register("a")
+    h.device("a")  # a 16 GiB card: the budget still says 4
+    h.register("b")
+    h.device("b")
+    for key in ("a", "b"):
+        h.memory(key, 3 * GiB)
+        h.acquire(key)
+    (a_id, b_id) = (c["client"] for c in sorted(h.status()["clients"], key=lambda c: c["pid"]))
+    assert h.holders() == [(a_id, "holding")]  # 6 GiB together do not fit the 4 GiB budget
+    assert h.waiters() == [b_id]
+
+
+def test_settings_for_a_device_nobody_uses_are_dropped_when_back_to_defaults():
+    h = Harness(mode="on", tq=30.0)
+    h.feed(SetBudget(0.0, GPU0, 4 * GiB))
+    h.feed(SetBudget(1.0, GPU0, None))
+    assert h.status()["devices"] == []
+    h.feed(SetQuantum(2.0, 5.0, GPU1))
+    h.feed(SetQuantum(3.0, 30.0, GPU1))
+    assert h.status()["devices"] == []
+
+
+def test_only_a_gpu_uuid_configures_a_device_nobody_announced():
+    h = Harness()
+    for name in ("GPU-nope", "GPU0", "gpu-5151ad00-0000-4000-8000-000000000000"):
+        with pytest.raises(ControlError) as caught:
+            h.feed(SetBudget(0.0, name, GiB))
+        assert caught.value.code == "unknown-device" and "GPU UUID" in str(caught.value)
+    assert h.status()["devices"] == []
+
+
 def test_switching_to_auto_grants_waiters_that_fit():
     h = with_clients("a", "b", "c")
     for key in ("a", "b", "c"):

@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]  # this tree's nvshare_py, the tests' fixtures, bench_colocation
 
-from bench_colocation import GPU_JOB  # noqa: E402  (the paper's pytorch-add job, one copy)
+from bench_colocation import GPU_JOB, gpu_uuid  # noqa: E402  (the paper's pytorch-add job, one copy)
 from fixtures.interceptor import build_interceptor  # noqa: E402
 from fixtures.scheduler import SchedulerProcess, child_env  # noqa: E402
 
@@ -200,21 +200,6 @@ def run_jobs(argvs: list[list[str]], env: dict, timeout: float) -> float:
     return max(end for _, end in spans) - min(start for start, _ in spans)
 
 
-# Touches the GPU, then waits until its stdin closes (or it is killed).
-ANNOUNCE = "import sys, torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize(); sys.stdin.read()"
-
-
-def wait_for_device(scheduler, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        devices = scheduler.request("status")["devices"]
-        if devices:
-            return devices[0]["device"]
-        if time.monotonic() > deadline:
-            raise SystemExit(f"no client announced a device within {timeout:g} s")
-        time.sleep(0.1)
-
-
 def colocation(work: Path, base_env: dict, preload: Path, budget: int, job_bytes: int, steps: int, burst_s: float,
                cpu_s: float, tq: float, timeout: float) -> dict:
     per_iter = float(subprocess.run([sys.executable, "-c", CALIBRATE, str(job_bytes)], env=base_env,
@@ -222,6 +207,7 @@ def colocation(work: Path, base_env: dict, preload: Path, budget: int, job_bytes
     iters = max(1, round(burst_s / per_iter))
     argv = [sys.executable, "-c", GPU_JOB, str(job_bytes), str(steps), str(iters), str(cpu_s)]
     result = {"iterations_per_burst": iters, "burst_s_calibrated": round(iters * per_iter, 3), "modes": {}}
+    device = gpu_uuid(base_env)
     result["modes"]["sequential"] = {"makespan_s": round(sum(run_jobs([argv], base_env, timeout) for _ in range(2)), 3)}
     print(f"  sequential: {result['modes']['sequential']}", file=sys.stderr, flush=True)
     for name, mode, swapping in (("off", "off", "off"), ("on", "on", "off"), ("swap", "on", "on")):
@@ -231,17 +217,8 @@ def colocation(work: Path, base_env: dict, preload: Path, budget: int, job_bytes
         scheduler.start()
         try:
             env = dict(scheduler.env, LD_PRELOAD=str(preload), NVSHARE_LOG="error")
-            # A budget needs a device some client announced, and the scheduler forgets a device
-            # once its last client is gone: a small CUDA program announces it and stays (idle:
-            # it never holds the lock for long) until the jobs are done.
-            announcer = subprocess.Popen([sys.executable, "-c", ANNOUNCE], env=env, stdin=subprocess.PIPE)
-            try:
-                device = wait_for_device(scheduler, timeout)
-                scheduler.request("set-budget", device=device, bytes=budget)
-                makespan = run_jobs([argv, argv], env, timeout)
-            finally:
-                announcer.kill()
-                announcer.wait()
+            scheduler.request("set-budget", device=device, bytes=budget)  # before any job has started
+            makespan = run_jobs([argv, argv], env, timeout)
             events = scheduler.request("events", since=0, limit=10_000)["events"]
             grants = [e for e in events if e["kind"] == "grant" and e["device"] == device]
             outcome = {

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -68,6 +69,10 @@ __all__ = ["CoreConfig", "ControlError", "SchedulerCore"]
 # How many of those ahead of a waiter, when its wait began, a pair remembers (for QUERY's
 # `last_wait`, nvshare_py/scheduler/views.py): a bound, so that a long queue costs no more.
 AHEAD_REMEMBERED = 4
+
+# A GPU as the interceptor names it (cuDeviceGetUuid, formatted as nvidia-smi shows it): the
+# only name under which a device nobody has announced yet may be configured.
+_GPU_UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
 
 
 # The client message behind each event that may name a new device (for ERROR's `type`).
@@ -631,11 +636,18 @@ class SchedulerCore:
     # --- control requests ----------------------------------------------------------------
 
     def _targets(self, device_id: str | None) -> list[_Device]:
+        """The devices a setting is for: all known ones (None), or the one named. An operator
+        may configure a GPU before any client has announced it (a budget set at boot applies to
+        the first program), so an unknown device is made when named by its UUID; anything else
+        unknown is refused, so that a typo does not configure a device that never comes."""
         if device_id is None:
             return list(self._devices.values())
         dev = self._devices.get(device_id)
         if dev is None:
-            raise ControlError("unknown-device", f"no client has announced device {device_id}")
+            if not _GPU_UUID.match(device_id):
+                raise ControlError("unknown-device", f"no client has announced device {device_id}, and it is not "
+                                                     f"a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
+            dev = self._device(device_id)
         return [dev]
 
     def _set_mode(self, ev: SetMode, out: list[Action]) -> None:
@@ -652,6 +664,8 @@ class SchedulerCore:
             out.append(LockEvent(ev.now, "mode", dev.id, detail=ev.mode))
             self._notify_settings(dev, out)
             self._settle(dev, ev.now, out)
+        if ev.device is not None:
+            self._forget_if_unused(targets[0])  # set back to the defaults on a device nobody uses
 
     def _set_quantum(self, ev: SetQuantum, out: list[Action]) -> None:
         try:
@@ -671,6 +685,8 @@ class SchedulerCore:
             for pair in dev.holders.values():
                 pair.hold.contended = False  # the quantum left changed: tell it again
             self._settle(dev, ev.now, out)
+        if ev.device is not None:
+            self._forget_if_unused(targets[0])
 
     def _set_budget(self, ev: SetBudget, out: list[Action]) -> None:
         budget = ev.budget
@@ -683,6 +699,7 @@ class SchedulerCore:
         out.append(Log("info", "budget-set", {"device": dev.id, "budget": detail}))
         self._settle(dev, ev.now, out)
         self._settle_admission(ev.now, out)
+        self._forget_if_unused(dev)
 
     # --- per-client settings (fairshare.py) -----------------------------------------------
 
