@@ -286,7 +286,27 @@ class RealGpu:
             for argv in argvs:
                 total += gpu_jobs([argv], env, timeout)
             return {"makespan_s": round(total, 4), "finished": True}
-        return {"makespan_s": round(gpu_jobs(argvs, env, timeout), 4), "finished": True}
+        since = scheduler.request("events", since=0, limit=10_000)["next"]
+        makespan = gpu_jobs(argvs, env, timeout)
+        return {"makespan_s": round(makespan, 4), "finished": True,
+                **lock_history(scheduler.request("events", since=since, limit=10_000)["events"])}
+
+
+def lock_history(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the scheduler did during a run (its event timeline): how often the lock changed
+    hands, how much memory grants brought back and evictions asked for, and the events
+    themselves (seconds from the first, client, kind, detail) to read a surprising makespan by."""
+    if not events:
+        return {"grants": 0, "events": []}
+    first = events[0]["t"]
+    grants = [e for e in events if e["kind"] == "grant"]
+    return {
+        "grants": len(grants),
+        "prefetch_granted_mib": sum(int(e["detail"].partition("prefetch=")[2] or 0) for e in grants) // MIB,
+        "evict_requests": sum(1 for e in events if e["kind"] == "evict"),
+        "events": [[round(e["t"] - first, 3), e["client"], e["kind"], e["detail"]] for e in events
+                   if e["kind"] not in ("register", "unregister")],
+    }
 
 
 def gpu_jobs(argvs: list[list[str]], env: dict[str, str], timeout: float) -> float:
