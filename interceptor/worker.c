@@ -5,8 +5,8 @@
  * - DRAIN: the gate is closed; wait until no submission is in flight, synchronise every
  *   context the process used on the device. Ends in a RELEASE (the core decides).
  * - PROBE: an idle check of a holder: release early only if nothing was submitted since the
- *   last look, everything submitted before has finished, and nothing entered while the gate
- *   was being closed.
+ *   last look, everything submitted before had already finished (the device was idle, not
+ *   just quiet on the host side), and nothing entered while the gate was being closed.
  * - SWAP_OUT / PREFETCH: move converted memory to the host or back in bulk (memory.c); the
  *   gate is closed meanwhile (the core opens it after a PREFETCH).
  * - deferred stream-ordered frees (memory.c), polled while any are pending.
@@ -44,12 +44,24 @@ static enum nvs_job_result run_drain(struct nvs_device *d) {
     return nvs_gate_sync_contexts(d) == 0 ? NVS_RESULT_DRAINED : NVS_RESULT_DEFERRED;
 }
 
+/* A synchronise with nothing in flight returns in microseconds; one that takes longer waited
+ * for work that was still running (even on a busy machine, where the worker may lose the CPU
+ * for a few milliseconds, far less than the queues of a training step). */
+#define PROBE_BUSY_SECONDS 0.005
+
 static enum nvs_job_result run_probe(struct nvs_device *d) {
     uint64_t x0 = atomic_load(&d->exited);
     uint64_t e0 = atomic_load(&d->entered);
     if (e0 != x0) return NVS_RESULT_ACTIVE;
     /* gate still open: the application may go on meanwhile; a capture means "not idle" */
+    double started = nvs_now();
     if (nvs_gate_sync_contexts(d) != 0) return NVS_RESULT_ACTIVE;
+    /* Work was running when the window ended: the application submitted nothing for a window
+     * because it was waiting for that work (a synchronise at the end of a step with a deep
+     * queue), and it goes on the moment the work ends. That is busy, not idle; the window
+     * starts again now that the device is quiet. Releasing here would hand the GPU over at
+     * every step, and over a memory budget swap at every step. */
+    if (nvs_now() - started > PROBE_BUSY_SECONDS) return NVS_RESULT_ACTIVE;
     pthread_mutex_lock(&nvs_mu);
     nvs_gate_set_locked(d, 0);
     /* Seen with the gate closed: a thread that entered after this load backs out. If one

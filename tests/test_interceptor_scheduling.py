@@ -84,6 +84,24 @@ def test_idle_holder_releases_early(scheduler_factory, cuda_app):
     assert idle.wait() == 0
 
 
+def test_a_holder_waiting_for_its_own_work_is_not_idle(scheduler_factory, cuda_app):
+    """Steps of one long kernel and a synchronise: between launches the process submits nothing
+    for longer than the idle window (0.3 s), but only because it waits for its own work, and it
+    goes on the moment that work ends. It keeps the lock; giving it back at the end of every
+    step would hand the GPU over (and, over a memory budget, swap) at every step."""
+    scheduler = scheduler_factory(tq=600, grace=600)
+    steps = [step for _ in range(4) for step in ("kernel:900000", "sync")]
+    app = cuda_app(scheduler.env, "init", *steps, "mark:done", "wait")
+    app.expect("mark done")
+    releases = [e for e in scheduler.events() if e["kind"] == "release"]
+    # One release could be true idleness: a busy machine may stall the process for a window
+    # between a synchronise and its next launch. Before this was fixed, every step released.
+    assert len(releases) <= 1, releases
+    assert len(app.kernels()) == 4
+    app.continue_()
+    assert app.wait() == 0, app.stderr
+
+
 def test_idle_release_can_be_turned_off(scheduler_factory, cuda_app):
     scheduler = scheduler_factory(tq=600, grace=600)
     holder = cuda_app(scheduler.env, "init", "kernel:1000", "sync", "sleep:1.5", "mark:slept", "wait",
