@@ -111,8 +111,12 @@ def resolve_device(ctx: typer.Context, device: str | None) -> str | None:
     labels = device_labels(_call(ctx, "status"))
     found = [uuid for uuid, label in labels.items() if label == device]
     if not found:
+        # A GPU no program has used yet (a budget set at boot): this machine's NVML numbers it.
+        found = [uuid for uuid, index in _nvml_indices().items() if f"GPU{index}" == device]
+    if not found:
         shown = ", ".join(sorted(labels.values())) or "none yet"
-        typer.echo(f"nvsharectl: there is no device {device} (the scheduler knows: {shown})", err=True)
+        typer.echo(f"nvsharectl: there is no device {device} (the scheduler knows: {shown}; a GPU no program "
+                   f"has used yet is named by its UUID, as nvidia-smi -L prints it)", err=True)
         raise typer.Exit(EXIT_REFUSED)
     return found[0]
 

@@ -73,6 +73,22 @@ def test_a_device_by_its_short_name(busy):
     assert result.returncode == 1 and "no device GPU9" in result.stderr and "GPU0" in result.stderr
 
 
+def test_a_gpu_no_program_has_used_yet_can_be_given_a_budget(scheduler, simcuda):
+    """At boot, before any program: by UUID anywhere, by GPU<n> where NVML numbers the GPUs."""
+    second = GPU[:-1] + "1"
+    with_nvml = dict(scheduler.env, LD_LIBRARY_PATH=simcuda.env(devices=2)["LD_LIBRARY_PATH"], SIMCUDA_DEVICES="2")
+    by_index = scheduler.ctl("set-budget", "4G", "--device", "GPU1", env=with_nvml)
+    assert by_index.returncode == 0, by_index.stderr
+    assert scheduler.device(second)["budget"] == 4 << 30
+    by_uuid = scheduler.ctl("set-budget", "2G", "--device", GPU)
+    assert by_uuid.returncode == 0, by_uuid.stderr
+    assert scheduler.device(GPU)["budget"] == 2 << 30 and scheduler.device(GPU)["total"] == 0
+    typo = scheduler.ctl("set-budget", "1G", "--device", "GPU-nobody")
+    assert typo.returncode == 1 and "GPU UUID" in typo.stderr
+    unknown_index = scheduler.ctl("set-budget", "1G", "--device", "GPU7", env=with_nvml)
+    assert unknown_index.returncode == 1 and "nvidia-smi -L" in unknown_index.stderr
+
+
 def test_absurd_settings_are_refused_with_the_allowed_range(busy):
     scheduler, holder, waiter = busy
     for value in ("1e12", "0.001"):
