@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this tree's nvshare_py and the tests' fixtures
 
+from fixtures.interceptor import benchmark_library  # noqa: E402
 from fixtures.scheduler import SchedulerProcess  # noqa: E402
 
 WEIGHTS = (1, 2, 4)
@@ -55,13 +56,6 @@ def work_loop(size: int) -> None:
         for _ in range(8):
             a = (a @ b).clamp_(-1, 1)
         torch.cuda.synchronize()
-
-
-def library(work: Path) -> Path:
-    if os.environ.get("NVSHARE_LIBRARY"):
-        return Path(os.environ["NVSHARE_LIBRARY"])
-    subprocess.run(["make", "-s", "-C", str(ROOT / "interceptor"), f"BUILD={work}"], check=True)
-    return work / "libnvshare.so"
 
 
 def held_in(events: list[dict], start: float, end: float) -> dict[str, float]:
@@ -95,7 +89,7 @@ def main() -> None:
     out_path = args.out or (Path(os.environ["OUT"]) / "fairness.json" if os.environ.get("OUT") else None)
 
     work = Path(tempfile.mkdtemp(prefix="nvs-fair-", dir="/tmp"))
-    preload = library(work)
+    preload = benchmark_library(work)
     scheduler = SchedulerProcess(work / "s", {"tq": args.tq, "min_quantum": args.min_quantum, "idle_release": 0,
                                               "log_level": "info"})
     base = dict(scheduler.env)

@@ -42,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this tree's nvshare_py and the tests' fixtures
 
+from fixtures.interceptor import benchmark_library  # noqa: E402
 from fixtures.scheduler import SchedulerProcess  # noqa: E402
 VARIANTS = {
     "native": None,
@@ -166,13 +167,6 @@ def parse_cpus(text: str) -> set[int]:
     return cpus
 
 
-def library(work: Path) -> Path:
-    if os.environ.get("NVSHARE_LIBRARY"):
-        return Path(os.environ["NVSHARE_LIBRARY"])
-    subprocess.run(["make", "-s", "-C", str(ROOT / "interceptor"), f"BUILD={work}"], check=True)
-    return work / "libnvshare.so"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=10, help="processes per variant")
@@ -194,7 +188,7 @@ def main() -> None:
     if "native" not in args.variants:
         raise SystemExit("overheads are measured against `native`: keep it among --variants")
     work = Path(tempfile.mkdtemp(prefix="nvs-advice-", dir="/tmp"))
-    preload = library(work)
+    preload = benchmark_library(work)
     scheduler = SchedulerProcess(work / "s", {"log_level": "info"})
     base = dict(scheduler.env)
     base.pop("LD_PRELOAD", None)

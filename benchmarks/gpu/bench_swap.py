@@ -47,8 +47,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]  # this tree's nvshare_py, the tests' fixtures, bench_colocation
 
-from bench_colocation import GPU_JOB, gpu_uuid  # noqa: E402  (the paper's pytorch-add job, one copy)
-from fixtures.interceptor import build_interceptor  # noqa: E402
+from bench_colocation import GPU_JOB, gpu_jobs, gpu_uuid  # noqa: E402  (the paper's pytorch-add job, one copy)
+from fixtures.interceptor import benchmark_library  # noqa: E402
 from fixtures.scheduler import SchedulerProcess, child_env  # noqa: E402
 
 GiB = 1 << 30
@@ -182,24 +182,6 @@ torch.cuda.synchronize(); print((time.monotonic() - t) / 50)
 """
 
 
-def library(work: Path) -> Path:
-    if os.environ.get("NVSHARE_LIBRARY"):
-        return Path(os.environ["NVSHARE_LIBRARY"])
-    return build_interceptor(work / "lib")
-
-
-def run_jobs(argvs: list[list[str]], env: dict, timeout: float) -> float:
-    processes = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for argv in argvs]
-    spans = []
-    for process in processes:
-        out, err = process.communicate(timeout=timeout)
-        if process.returncode != 0:
-            raise RuntimeError(f"job failed ({process.returncode}): {err[-2000:]}")
-        spans.append([float(x) for x in out.split()[-2:]])
-    return max(end for _, end in spans) - min(start for start, _ in spans)
-
-
 def colocation(work: Path, base_env: dict, preload: Path, budget: int, job_bytes: int, steps: int, burst_s: float,
                cpu_s: float, tq: float, timeout: float) -> dict:
     per_iter = float(subprocess.run([sys.executable, "-c", CALIBRATE, str(job_bytes)], env=base_env,
@@ -208,7 +190,7 @@ def colocation(work: Path, base_env: dict, preload: Path, budget: int, job_bytes
     argv = [sys.executable, "-c", GPU_JOB, str(job_bytes), str(steps), str(iters), str(cpu_s)]
     result = {"iterations_per_burst": iters, "burst_s_calibrated": round(iters * per_iter, 3), "modes": {}}
     device = gpu_uuid(base_env)
-    result["modes"]["sequential"] = {"makespan_s": round(sum(run_jobs([argv], base_env, timeout) for _ in range(2)), 3)}
+    result["modes"]["sequential"] = {"makespan_s": round(sum(gpu_jobs([argv], base_env, timeout) for _ in range(2)), 3)}
     print(f"  sequential: {result['modes']['sequential']}", file=sys.stderr, flush=True)
     for name, mode, swapping in (("off", "off", "off"), ("on", "on", "off"), ("swap", "on", "on")):
         socket_dir = work / f"s-{name}"
@@ -218,7 +200,7 @@ def colocation(work: Path, base_env: dict, preload: Path, budget: int, job_bytes
         try:
             env = dict(scheduler.env, LD_PRELOAD=str(preload), NVSHARE_LOG="error")
             scheduler.request("set-budget", device=device, bytes=budget)  # before any job has started
-            makespan = run_jobs([argv, argv], env, timeout)
+            makespan = gpu_jobs([argv, argv], env, timeout)
             events = scheduler.request("events", since=0, limit=10_000)["events"]
             grants = [e for e in events if e["kind"] == "grant" and e["device"] == device]
             outcome = {
@@ -296,7 +278,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="nvs-swap-", dir="/tmp"))
     base_env = child_env()
     base_env.pop("LD_PRELOAD", None)
-    preload = library(work)
+    preload = benchmark_library(work)
     started = time.monotonic()
     print("(a) bulk prefetch vs fault-driven paging", file=sys.stderr, flush=True)
     child = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child-bandwidth", "--buffer-gib",
