@@ -11,62 +11,10 @@ when to send them are tested with its core."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-import zmq
 
 from fixtures.residency import MIB, migrations, moved
-from fixtures.scheduler import short_socket_dir
-
-PATIENCE_MS = 30_000  # one message, on a loaded 2-core machine
-
-
-class ScriptedScheduler:
-    """A client socket at <dir>/client/scheduler.sock that answers registration and liveness
-    checks by itself and hands every other message to the test."""
-
-    def __init__(self) -> None:
-        self.dir = short_socket_dir()
-        (self.dir / "client").mkdir(mode=0o755)
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.ROUTER)
-        self.socket.bind(f"ipc://{self.dir}/client/scheduler.sock")
-        self.peer: list[bytes] = []
-        self.seen: list[str] = []
-        self.device = ""
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {"NVSHARE_SOCKET_DIR": str(self.dir)}
-
-    def send(self, kind: str, **fields) -> None:
-        text = f"NVSHARE/1 {kind}" + "".join(f"\n{key}={value}" for key, value in fields.items())
-        self.socket.send_multipart([*self.peer, text.encode()])
-
-    def expect(self, kind: str) -> dict[str, str]:
-        """The next message of type `kind` (others are kept in `seen`), as its fields."""
-        while True:
-            if not self.socket.poll(PATIENCE_MS):
-                raise AssertionError(f"no {kind} within {PATIENCE_MS / 1000:g} s; got {self.seen}")
-            *self.peer, data = self.socket.recv_multipart()
-            text = data.decode()
-            self.seen.append(text)
-            header, *lines = text.split("\n")
-            fields = dict(line.split("=", 1) for line in lines)
-            if header.endswith(" HELLO"):
-                self.send("WELCOME", client="c1", heartbeat_ms=600_000, idle_release_ms=0, version=1)
-            elif header.endswith(" QUERY"):
-                self.send("STATUS", json="{}")
-            elif header.endswith(" DEVICE"):
-                self.device = fields["device"]
-            if header == f"NVSHARE/1 {kind}":
-                return fields
-
-    def close(self) -> None:
-        self.socket.close(linger=0)
-        self.context.term()
-        shutil.rmtree(self.dir, ignore_errors=True)
+from fixtures.scripted import ScriptedScheduler
 
 
 @pytest.fixture

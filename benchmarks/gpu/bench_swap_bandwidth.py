@@ -30,7 +30,6 @@ import argparse
 import ctypes
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this tree's nvshare_py and the tests' fixtures
+
+from fixtures.interceptor import benchmark_library  # noqa: E402
+from fixtures.scripted import ScriptedScheduler  # noqa: E402
+
 GIB = 1 << 30
 PATIENCE_MS = 120_000
 
@@ -51,7 +55,6 @@ class _Location(ctypes.Structure):
 
 
 def child(nbytes: int, rounds: int) -> None:
-    sys.path.insert(0, str(ROOT))
     from nvshare_py.driver import Driver
 
     cuda = Driver(via="dlsym")
@@ -97,51 +100,7 @@ def child(nbytes: int, rounds: int) -> None:
         say("bulk", round_, f"out={out_s:.6f}", f"in={in_s:.6f}", f"fault={fault_s:.6f}")
 
 
-# --- the parent: the scripted scheduler and the measurement --------------------------------
-
-
-def build_library() -> Path:
-    if os.environ.get("NVSHARE_LIBRARY"):
-        return Path(os.environ["NVSHARE_LIBRARY"])
-    build = Path(tempfile.mkdtemp(prefix="nvs-swap-build-"))
-    subprocess.run(["make", "-s", "-C", str(ROOT / "interceptor"), f"BUILD={build}"], check=True)
-    return build / "libnvshare.so"
-
-
-class Script:
-    def __init__(self, socket_dir: Path) -> None:
-        import zmq
-
-        self.zmq = zmq
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.ROUTER)
-        (socket_dir / "client").mkdir(mode=0o755)
-        self.socket.bind(f"ipc://{socket_dir}/client/scheduler.sock")
-        self.peer: list[bytes] = []
-        self.device = ""
-
-    def send(self, kind: str, **fields) -> float:
-        text = f"NVSHARE/1 {kind}" + "".join(f"\n{k}={v}" for k, v in fields.items())
-        sent = time.monotonic()
-        self.socket.send_multipart([*self.peer, text.encode()])
-        return sent
-
-    def expect(self, kind: str) -> tuple[dict[str, str], float]:
-        while True:
-            if not self.socket.poll(PATIENCE_MS):
-                raise SystemExit(f"no {kind} from the process within {PATIENCE_MS / 1000:g} s")
-            *self.peer, data = self.socket.recv_multipart()
-            received = time.monotonic()
-            header, *lines = data.decode().split("\n")
-            fields = dict(line.split("=", 1) for line in lines)
-            if header.endswith(" HELLO"):
-                self.send("WELCOME", client="c1", heartbeat_ms=600_000, idle_release_ms=0, version=1)
-            elif header.endswith(" QUERY"):
-                self.send("STATUS", json="{}")
-            elif header.endswith(" DEVICE"):
-                self.device = fields["device"]
-            if header == f"NVSHARE/1 {kind}":
-                return fields, received
+# --- the parent: the scripted scheduler (tests/fixtures/scripted.py) and the measurement --------------------------------
 
 
 def line_of(process: subprocess.Popen, prefix: str) -> tuple[list[str], float]:
@@ -166,10 +125,9 @@ def main() -> None:
         child(nbytes, args.rounds)
         return
 
-    library = build_library()
-    socket_dir = Path(tempfile.mkdtemp(prefix="nvs-", dir="/tmp"))
-    script = Script(socket_dir)
-    env = {**os.environ, "LD_PRELOAD": str(library), "NVSHARE_SOCKET_DIR": str(socket_dir), "NVSHARE_LOG": "warn"}
+    library = benchmark_library(Path(tempfile.mkdtemp(prefix="nvs-swap-build-")))
+    script = ScriptedScheduler(PATIENCE_MS)
+    env = {**os.environ, **script.env, "LD_PRELOAD": str(library), "NVSHARE_LOG": "warn"}
     process = subprocess.Popen([sys.executable, __file__, "--child", "--gib", str(args.gib), "--rounds",
                                 str(args.rounds)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
@@ -182,7 +140,8 @@ def main() -> None:
             line_of(process, "resident")
             drop_sent = script.send("DROP", device=script.device, grant=grant, grace_ms=600_000, reason="quantum",
                                     evict=nbytes)
-            release, released = script.expect("RELEASE")
+            release = script.expect("RELEASE")
+            released = script.received
             process.stdin.write("\n")
             process.stdin.flush()
             script.expect("ACQUIRE")
@@ -201,7 +160,7 @@ def main() -> None:
     finally:
         if process.poll() is None:
             process.kill()
-        shutil.rmtree(socket_dir, ignore_errors=True)
+        script.close()
 
     def gbps(seconds: list[float]) -> float:
         return nbytes / statistics.median(seconds) / 1e9
