@@ -629,6 +629,18 @@ def test_silent_client_is_removed_after_the_heartbeat_timeout_and_its_lock_passe
     assert [c["client"] for c in h.status()["clients"]] == ["c2"]
 
 
+def test_a_lock_freed_by_a_silent_holder_does_not_pass_to_a_waiter_removed_in_the_same_tick():
+    h = with_clients("a", "b", "c", heartbeat_timeout=5.0, tq=100.0)
+    for key in ("a", "b", "c"):
+        h.acquire(key)
+    h.at(4).heartbeat("c")  # a (holding) and b (first in line) fall silent together
+    h.tick(5.0)
+    assert sorted((a.client, a.reason) for a in h.actions if isinstance(a, Forget)) == [
+        ("a", "heartbeat-timeout"), ("b", "heartbeat-timeout")]
+    assert {to for to, _ in h.sent()} == {"c"}  # nothing for b, which is gone
+    assert h.grants("c")
+
+
 def test_every_client_message_counts_as_a_heartbeat():
     h = with_clients("a", heartbeat_timeout=5.0)
     h.at(4).memory("a", 7)

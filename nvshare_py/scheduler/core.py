@@ -587,9 +587,13 @@ class SchedulerCore:
         self._remove_client(client, ev.reason, ev.now, out)
 
     def _remove_client(self, client: _Client, reason: str, now: float, out: list[Action]) -> None:
+        self._settle_after_removal(self._unlink_removed(client, reason, now, out), now, out)
+
+    def _unlink_removed(self, client: _Client, reason: str, now: float, out: list[Action]) -> list[_Device]:
+        """Removes the client and everything it had; returns its devices, which the caller
+        settles again (even without a hold or a place in the queue, its leaving may change a
+        device's agreed size: auto mode's budget)."""
         per_device_kind = "unregister" if reason == "bye" else "lost"
-        # Every device of the client is settled again: even without a hold or a place in the
-        # queue, its leaving may change the device's agreed size (auto mode's budget).
         devices = [pair.device for pair in client.pairs.values()]
         for pair in client.pairs.values():
             dev = pair.device
@@ -606,7 +610,10 @@ class SchedulerCore:
                                                "timeout": self.config.heartbeat_timeout}))
         else:
             out.append(Log("info", "unregistered", {"client": client.cid, "reason": reason}))
-        for dev in devices:
+        return devices
+
+    def _settle_after_removal(self, devices: list[_Device], now: float, out: list[Action]) -> None:
+        for dev in dict.fromkeys(devices):
             self._settle(dev, now, out)
             self._forget_if_unused(dev)
         self._settle_admission(now, out)
@@ -620,11 +627,17 @@ class SchedulerCore:
             self._recovery_end = None
             out.append(Log("info", "recovered"))
         timeout = self.config.heartbeat_timeout
+        # Every client that fell silent goes before any device is settled: a lock freed by one
+        # must not pass to another that is being removed in the same tick (it would be granted,
+        # or make the holder contended, for a client that is already gone).
+        silent_devices: list[_Device] = []
         while self._silence:
             client = next(iter(self._silence.values()))
             if client.last_seen + timeout > now:
                 break
-            self._remove_client(client, "heartbeat-timeout", now, out)
+            silent_devices += self._unlink_removed(client, "heartbeat-timeout", now, out)
+        if silent_devices:
+            self._settle_after_removal(silent_devices, now, out)
         if recovered:
             due = list(self._devices.values())
         else:
