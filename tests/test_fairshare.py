@@ -123,6 +123,18 @@ def test_equal_classes_do_not_cut_quanta():
     assert all(until - since == pytest.approx(5.0) for _, since, until in world.holds)
 
 
+def test_ageing_never_cuts_the_quanta_of_equals():
+    """Waiters of one class age behind the holder, each grant counting for every one of them;
+    the holder, which queued before them, has aged at least as much, so none of them outranks
+    it and every quantum runs its full length (ageing of 1: a class per grant)."""
+    world = World(tq=2.0, min_quantum=0.5, ageing=1, drain=0.0)
+    for name in ("a", "b", "c", "d", "e"):
+        world.add(name)
+    world.run_until(40.0)
+    assert len(world.holds) >= 15
+    assert all(until - since == pytest.approx(2.0) for _, since, until in world.holds), world.holds
+
+
 def test_ageing_lets_a_low_class_through_two_busy_high_ones():
     """Ageing rule: a waiter rises one class per `ageing` grants made while it waits, so a
     class-0 client behind two busy class-7 clients is served after at most 7 * ageing + 2 grants."""

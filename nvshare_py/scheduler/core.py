@@ -137,12 +137,14 @@ class CoreConfig:
 class _Hold:
     """One grant. `state` is holding, draining (DROP sent for `reason`, `deadline` is when the
     grace ends) or overdue (revoked, RELEASE not seen yet). `contended`: CONTENDED was sent in
-    the device's current contention episode, announcing the quantum end `told_end`. `rank`: the
-    holder's effective priority class when granted; a waiter above it cuts its quantum short."""
+    the device's current contention episode, announcing the quantum end `told_end`. `klass`
+    and `aged_from`: the holder's priority class and the device's grant count when it began to
+    wait (when granted, if it did not wait), so that it ages on as a waiter would: a waiter of a
+    higher effective class cuts its quantum short (SchedulerCore.quantum_end)."""
 
-    __slots__ = ("grant", "since", "state", "deadline", "reason", "contended", "told_end", "rank")
+    __slots__ = ("grant", "since", "state", "deadline", "reason", "contended", "told_end", "klass", "aged_from")
 
-    def __init__(self, grant: int, since: float, rank: int) -> None:
+    def __init__(self, grant: int, since: float, klass: int, aged_from: int) -> None:
         self.grant = grant
         self.since = since
         self.state = "holding"
@@ -150,7 +152,8 @@ class _Hold:
         self.reason = ""
         self.contended = False
         self.told_end = 0.0  # the quantum end CONTENDED announced
-        self.rank = rank  # the holder's effective priority class when granted
+        self.klass = klass
+        self.aged_from = aged_from
 
 
 class _Client:
@@ -374,8 +377,12 @@ class SchedulerCore:
         contenders = itertools.chain(dev.holders.values(), dev.queue)
         heaviest = max((self.weight(other.client) for other in contenders), default=1)
         length = fairshare.quantum(dev.tq, self.weight(pair.client), heaviest, self.config.min_quantum)
+        # The holder ages as if it still waited: one that queued before a waiter of its own
+        # class has aged at least as much, so ageing never makes equals cut each other's quanta
+        # (it only lifts a lower class past a higher one).
         best = self._next_waiter(dev)
-        if best is not None and self._rank(best) > hold.rank:
+        holder_rank = fairshare.effective_class(hold.klass, dev.grants_made - hold.aged_from, self.config.ageing)
+        if best is not None and self._rank(best) > holder_rank:
             length = min(length, self.config.min_quantum, dev.tq)
         return hold.since + length
 
@@ -1020,8 +1027,10 @@ class SchedulerCore:
         """Every grant is made here: a fresh id, the pair's hold, the device's holders."""
         self._grant_numbers += 1
         dev = pair.device
-        rank = self._rank(pair) if pair.waiting_since is not None else self.priority(pair.client)
-        hold = _Hold(self._grant_numbers, now, rank)
+        if pair.waiting_since is not None:
+            hold = _Hold(self._grant_numbers, now, pair.queued_class, pair.queued_grants)
+        else:
+            hold = _Hold(self._grant_numbers, now, self.priority(pair.client), dev.grants_made)
         dev.grants_made += 1
         pair.hold = hold
         pair.grants += 1
