@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from nvshare_py import protocol
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
 from nvshare_py.scheduler.events import (
-    Acquire, ClientInfo, DeviceInfo, LockEvent, Register, Release, Send, SetPriority, SetWeight, Tick,
+    AcquireRequest, ClientInfo, DeviceInfo, LockEvent, Register, ReleaseReport, Send, SetPriority, SetWeight, Tick,
 )
 
 GPU = "GPU-5151ad00-0000-4000-8000-0000000000f5"
@@ -76,7 +76,7 @@ class World:
 
     def acquire(self, name: str) -> None:
         self.acquired.append((self.now, self.clients[name].cid))
-        self.feed(Acquire(self.now, name, GPU))
+        self.feed(AcquireRequest(self.now, name, GPU))
 
     def later(self, delay: float, fn) -> None:
         heapq.heappush(self.pending, (self.now + delay, next(self.seq), fn))
@@ -114,7 +114,7 @@ class World:
         if client.grant != grant:
             return
         client.grant = None
-        self.feed(Release(self.now, client.key, GPU, grant, "drop"))
+        self.feed(ReleaseReport(self.now, client.key, GPU, grant, "drop"))
         if client.busy:
             self.acquire(client.key)
 

@@ -10,16 +10,16 @@ from nvshare_py import protocol
 from nvshare_py.scheduler import views
 from nvshare_py.scheduler.core import CoreConfig, ControlError, SchedulerCore
 from nvshare_py.scheduler.events import (
-    Acquire,
+    AcquireRequest,
     ClientInfo,
     DeviceInfo,
     Forget,
-    Heartbeat,
+    Alive,
     LockEvent,
     Log,
     MemoryReport,
     Register,
-    Release,
+    ReleaseReport,
     Send,
     SetBudget,
     SetMode,
@@ -70,13 +70,13 @@ class Harness:
         return self.feed(MemoryReport(self.now, key, device, used))
 
     def acquire(self, key, device=GPU0):
-        return self.feed(Acquire(self.now, key, device))
+        return self.feed(AcquireRequest(self.now, key, device))
 
     def release(self, key, grant, device=GPU0, reason="user"):
-        return self.feed(Release(self.now, key, device, grant, reason))
+        return self.feed(ReleaseReport(self.now, key, device, grant, reason))
 
     def heartbeat(self, key):
-        return self.feed(Heartbeat(self.now, key))
+        return self.feed(Alive(self.now, key))
 
     def bye(self, key, reason="bye"):
         return self.feed(Unregister(self.now, key, reason))
@@ -143,7 +143,7 @@ def test_register_welcomes_with_display_ids_and_client_settings():
 
 def test_events_of_unregistered_clients_are_ignored_with_a_debug_log():
     h = Harness()
-    for event in (Acquire(0, "ghost", GPU0), Release(0, "ghost", GPU0, 1), Heartbeat(0, "ghost"),
+    for event in (AcquireRequest(0, "ghost", GPU0), ReleaseReport(0, "ghost", GPU0, 1), Alive(0, "ghost"),
                   MemoryReport(0, "ghost", GPU0, 5), DeviceInfo(0, "ghost", GPU0, 5), Unregister(0, "ghost", "bye")):
         actions = h.feed(event)
         assert [type(a) for a in actions] == [Log] and actions[0].level == "debug"

@@ -39,7 +39,7 @@ ahead of W; whenever there is no holder, the queue head is granted at once (in e
 the k-th of the Q is granted by t0 + k(TQ + G) and gone by t0 + (k + 1)(TQ + G) when H > 0
 (one round earlier when H = 0). Hence W is granted by t0 + (H + Q)(TQ + G). If W started
 waiting inside the recovery window, grants only start at its end: add (recovery end - t0).
-Heartbeat timeouts need no slack here: removing a silent client only ends its grant or its
+Alive timeouts need no slack here: removing a silent client only ends its grant or its
 place in the queue earlier (removal happens at a Tick on the exact timeout instant, like every
 other deadline).
 """
@@ -57,16 +57,16 @@ from nvshare_py import protocol
 from nvshare_py.scheduler import views
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
 from nvshare_py.scheduler.events import (
-    Acquire,
+    AcquireRequest,
     ClientInfo,
     DeviceInfo,
     Forget,
-    Heartbeat,
+    Alive,
     LockEvent,
     Log,
     MemoryReport,
     Register,
-    Release,
+    ReleaseReport,
     Send,
     SetBudget,
     SetMode,
@@ -392,13 +392,13 @@ class LockCoreMachine(RuleBasedStateMachine):
         if not holding and not dev.waiting(proc):
             ahead = len(dev.outstanding) + len(dev.queue)
             dev.queue.append(Waiter(proc, self.now, ahead, dev.tq))
-        self.feed(Acquire(self.now, proc.key, device))
+        self.feed(AcquireRequest(self.now, proc.key, device))
 
     def release_grant(self, proc: Proc, device: str, reason: str) -> None:
         grant = proc.grants.pop(device)
         del self.devices[device].outstanding[grant]
         self.sent_by(proc)
-        self.feed(Release(self.now, proc.key, device, grant, reason))
+        self.feed(ReleaseReport(self.now, proc.key, device, grant, reason))
 
     def release_stale(self, proc: Proc, device: str, grant: int) -> None:
         """A RELEASE the core must ignore: after a REVOKE, or of a grant that never existed."""
@@ -406,7 +406,7 @@ class LockCoreMachine(RuleBasedStateMachine):
             proc.revoked[device].discard(grant)
             del self.devices[device].overdue[grant]
         self.sent_by(proc)
-        actions = self.feed(Release(self.now, proc.key, device, grant, "revoke"))
+        actions = self.feed(ReleaseReport(self.now, proc.key, device, grant, "revoke"))
         assert all(isinstance(a, Log) and a.level == "debug" for a in actions)
 
     @precondition(lambda self: self.live)
@@ -492,8 +492,8 @@ class LockCoreMachine(RuleBasedStateMachine):
         if not self.dead_keys:
             return
         key = self.dead_keys[index % len(self.dead_keys)]
-        for event in (Acquire(self.now, key, DEVICES[0]), MemoryReport(self.now, key, DEVICES[0], 1),
-                      Heartbeat(self.now, key)):
+        for event in (AcquireRequest(self.now, key, DEVICES[0]), MemoryReport(self.now, key, DEVICES[0], 1),
+                      Alive(self.now, key)):
             actions = self.feed(event)
             assert [(type(a), a.level) for a in actions] == [(Log, "debug")]
 
@@ -511,7 +511,7 @@ class LockCoreMachine(RuleBasedStateMachine):
             for proc in list(self.live.values()):
                 if not proc.silent and proc.last_sent + HEARTBEAT <= t:
                     self.sent_by(proc)
-                    self.feed(Heartbeat(t, proc.key))
+                    self.feed(Alive(t, proc.key))
             expired = [p for p in self.live.values() if p.last_sent + HEARTBEAT_TIMEOUT <= t]
             for proc in expired:
                 self.bury(proc)

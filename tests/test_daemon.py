@@ -233,7 +233,7 @@ def test_a_failing_core_stops_the_daemon_and_leaves_its_sockets_for_recovery(mon
     real_handle = SchedulerCore.handle
 
     def handle(core, event):
-        if isinstance(event, ev.Acquire):
+        if isinstance(event, ev.AcquireRequest):
             raise RuntimeError("a bug in the core")
         return real_handle(core, event)
 

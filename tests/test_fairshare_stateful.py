@@ -26,7 +26,7 @@ from nvshare_py import protocol
 from nvshare_py.scheduler import fairshare
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
 from nvshare_py.scheduler.events import (
-    Acquire, ClientInfo, DeviceInfo, Register, Release, Send, SetPriority, SetWeight, Tick, Unregister,
+    AcquireRequest, ClientInfo, DeviceInfo, Register, ReleaseReport, Send, SetPriority, SetWeight, Tick, Unregister,
 )
 
 GPU = "GPU-5151ad00-0000-4000-8000-0000000000aa"
@@ -145,7 +145,7 @@ class FairshareMachine(RuleBasedStateMachine):
     def _acquire(self, proc: Proc) -> None:
         self.seq += 1
         proc.waiting, proc.seq, proc.grants_seen = True, self.seq, 0
-        self.feed(Acquire(self.now, proc.key, GPU))
+        self.feed(AcquireRequest(self.now, proc.key, GPU))
 
     @precondition(lambda self: self.holder() is not None)
     @rule(again=st.booleans())
@@ -153,7 +153,7 @@ class FairshareMachine(RuleBasedStateMachine):
         """The holder gives the lock back (after a DROP or not); a busy one asks again at once."""
         proc = self.holder()
         grant, proc.grant = proc.grant, None
-        self.feed(Release(self.now, proc.key, GPU, grant, "drop"))
+        self.feed(ReleaseReport(self.now, proc.key, GPU, grant, "drop"))
         if again:
             self._acquire(proc)
 

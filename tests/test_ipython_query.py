@@ -17,7 +17,7 @@ from nvshare_py import protocol
 from nvshare_py.client import Client
 from nvshare_py.scheduler import views
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
-from nvshare_py.scheduler.events import Acquire, ClientInfo, DeviceInfo, MemoryReport, Register, Release, Send
+from nvshare_py.scheduler.events import AcquireRequest, ClientInfo, DeviceInfo, MemoryReport, Register, ReleaseReport, Send
 
 GPU0 = "GPU-5151ad00-0000-4000-8000-000000000000"
 GPU1 = "GPU-5151ad00-0000-4000-8000-000000000001"
@@ -95,9 +95,9 @@ def test_core_answers_about_the_asking_process_only():
     core.register("a", host_pid=500, program="train", pod="nb-a")
     core.register("b", host_pid=600)
     core.feed(MemoryReport(0.0, "a", GPU0, 1000))
-    core.feed(Acquire(0.0, "a", GPU0))
+    core.feed(AcquireRequest(0.0, "a", GPU0))
     core.now = 2.0
-    core.feed(Acquire(2.0, "b", GPU0))
+    core.feed(AcquireRequest(2.0, "b", GPU0))
 
     mine = views.query(core.core, 600, now=5.0)
     assert mine["pid"] == 600 and mine["clients"] == ["c2"]
@@ -121,12 +121,12 @@ def test_core_remembers_the_last_wait_and_who_was_ahead():
     core.register("a", host_pid=500, program="first")
     core.register("b", host_pid=600, program="second")
     core.register("c", host_pid=700, program="third")
-    grant = core.grant_of(core.feed(Acquire(0.0, "a", GPU0)))
-    core.feed(Acquire(1.0, "b", GPU0))
-    core.feed(Acquire(2.0, "c", GPU0))
+    grant = core.grant_of(core.feed(AcquireRequest(0.0, "a", GPU0)))
+    core.feed(AcquireRequest(1.0, "b", GPU0))
+    core.feed(AcquireRequest(2.0, "c", GPU0))
     assert by_device(views.query(core.core, 700, now=3.0))[GPU0]["position"] == 2
-    grant_b = core.grant_of(core.feed(Release(4.0, "a", GPU0, grant, "idle")))
-    core.feed(Release(6.5, "b", GPU0, grant_b, "idle"))
+    grant_b = core.grant_of(core.feed(ReleaseReport(4.0, "a", GPU0, grant, "idle")))
+    core.feed(ReleaseReport(6.5, "b", GPU0, grant_b, "idle"))
 
     third = views.query(core.core, 700, now=7.0)["devices"][0]
     assert third["state"] == "holding" and third["grants"] == 1
@@ -141,7 +141,7 @@ def test_core_lists_held_and_awaited_devices_first():
     core = Core()
     core.register("a", host_pid=500)
     core.feed(DeviceInfo(0.0, "a", GPU1, 1 << 30, "other"))
-    core.feed(Acquire(0.0, "a", GPU1))
+    core.feed(AcquireRequest(0.0, "a", GPU1))
     answer = views.query(core.core, 500, now=1.0)
     assert [(d["device"], d["state"]) for d in answer["devices"]] == [(GPU1, "holding"), (GPU0, "idle")]
 

@@ -18,14 +18,14 @@ from nvshare_py import protocol
 from nvshare_py.scheduler import views
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
 from nvshare_py.scheduler.events import (
-    Acquire,
+    AcquireRequest,
     ClientInfo,
     DeviceInfo,
-    Evicted,
+    EvictedReport,
     Log,
     MemoryReport,
     Register,
-    Release,
+    ReleaseReport,
     Send,
     SetBudget,
     Tick,
@@ -74,11 +74,11 @@ def two_swappers(used: int = 12 * GiB, budget: int = 16 * GiB) -> Cluster:
     """a holds the device with all of `used` resident; b waits; the budget holds one of them."""
     c = Cluster(budget=budget)
     c.join("a", used, 0)
-    c.feed(Acquire(c.now, "a", DEV))
+    c.feed(AcquireRequest(c.now, "a", DEV))
     grant = c.grant_of("a")
     c.feed(MemoryReport(c.now, "a", DEV, used, used))  # its first kernels faulted it all in
     c.join("b", used, 0)
-    c.feed(Acquire(c.now, "b", DEV))
+    c.feed(AcquireRequest(c.now, "b", DEV))
     c.a_grant = grant.grant
     return c
 
@@ -86,15 +86,15 @@ def two_swappers(used: int = 12 * GiB, budget: int = 16 * GiB) -> Cluster:
 def test_memory_that_fits_moves_nothing_and_the_wire_reads_as_before():
     c = Cluster()
     c.join("a", 6 * GiB, 0)
-    c.feed(Acquire(c.now, "a", DEV))
+    c.feed(AcquireRequest(c.now, "a", DEV))
     grant = c.grant_of("a")
     c.feed(MemoryReport(c.now, "a", DEV, 6 * GiB, 6 * GiB))
     c.join("b", 6 * GiB, 0)
-    c.feed(Acquire(c.now, "b", DEV))
+    c.feed(AcquireRequest(c.now, "b", DEV))
     c.advance(1.0)
     (drop,) = c.sent(protocol.Drop, "a")
     assert drop.evict == 0 and b"evict" not in drop.encode()
-    c.feed(Release(c.now, "a", DEV, grant.grant, "drop", 6 * GiB))
+    c.feed(ReleaseReport(c.now, "a", DEV, grant.grant, "drop", 6 * GiB))
     granted = c.grant_of("b")
     assert granted.prefetch == 0 and b"prefetch" not in granted.encode()
     assert not c.sent(protocol.Evict)
@@ -111,16 +111,16 @@ def test_drop_asks_the_holder_to_evict_exactly_what_the_grantee_lacks():
 def test_holder_that_evicted_as_asked_lets_the_grantee_in_at_once_and_is_paid_back_later():
     c = two_swappers()
     c.advance(1.0)
-    c.feed(Release(c.now, "a", DEV, c.a_grant, "drop", 4 * GiB))
+    c.feed(ReleaseReport(c.now, "a", DEV, c.a_grant, "drop", 4 * GiB))
     grant_b = c.grant_of("b")
     assert grant_b.prefetch == 0  # b never was evicted: nothing of it to bring back
     assert not c.sent(protocol.Evict)
     c.feed(MemoryReport(c.now, "b", DEV, 12 * GiB, 12 * GiB))
-    c.feed(Acquire(c.now, "a", DEV))
+    c.feed(AcquireRequest(c.now, "a", DEV))
     c.advance(1.0)
     (drop,) = c.sent(protocol.Drop, "b")
     assert drop.evict == 8 * GiB
-    c.feed(Release(c.now, "b", DEV, grant_b.grant, "drop", 4 * GiB))
+    c.feed(ReleaseReport(c.now, "b", DEV, grant_b.grant, "drop", 4 * GiB))
     # a's 8 GiB evicted earlier now fit (b keeps 4 of 16): it may prefetch them all.
     assert c.grant_of("a").prefetch == 8 * GiB
 
@@ -128,11 +128,11 @@ def test_holder_that_evicted_as_asked_lets_the_grantee_in_at_once_and_is_paid_ba
 def test_a_holder_that_did_not_evict_is_asked_again_and_the_grant_waits_for_its_answer():
     c = two_swappers()
     c.advance(1.0)
-    c.feed(Release(c.now, "a", DEV, c.a_grant, "drop", 12 * GiB))  # ignored the eviction
+    c.feed(ReleaseReport(c.now, "a", DEV, c.a_grant, "drop", 12 * GiB))  # ignored the eviction
     assert not c.sent(protocol.Grant)
     (evict,) = c.sent(protocol.Evict, "a")
     assert evict.bytes == 8 * GiB
-    c.feed(Evicted(c.now, "a", DEV, 4 * GiB))
+    c.feed(EvictedReport(c.now, "a", DEV, 4 * GiB))
     assert c.grant_of("b").prefetch == 0
 
 
@@ -142,13 +142,13 @@ def test_idle_clients_are_asked_least_recently_held_first():
         c.join(key, 6 * GiB, 0)
     c.join("c", 0, 0)  # it allocates later: allocated memory counts in full, touched or not
     for key in ("a", "b"):  # a holds first, then b: a is the least recently held
-        c.feed(Acquire(c.now, key, DEV))
+        c.feed(AcquireRequest(c.now, key, DEV))
         grant = c.grant_of(key)
         c.feed(MemoryReport(c.now, key, DEV, 6 * GiB, 6 * GiB))
         c.now += 1.0
-        c.feed(Release(c.now, key, DEV, grant.grant, "idle", 6 * GiB))
+        c.feed(ReleaseReport(c.now, key, DEV, grant.grant, "idle", 6 * GiB))
     c.feed(MemoryReport(c.now, "c", DEV, 6 * GiB, 0))
-    c.feed(Acquire(c.now, "c", DEV))  # 6 + 6 resident + 6 wanted = 18 > 16
+    c.feed(AcquireRequest(c.now, "c", DEV))  # 6 + 6 resident + 6 wanted = 18 > 16
     assert [(m.bytes,) for m in c.sent(protocol.Evict, "a")] == [(2 * GiB,)]
     assert not c.sent(protocol.Evict, "b") and not c.sent(protocol.Grant)
 
@@ -156,7 +156,7 @@ def test_idle_clients_are_asked_least_recently_held_first():
 def test_unanswered_evict_delays_the_grant_by_the_grace_at_most_and_says_so():
     c = two_swappers()
     c.advance(1.0)
-    c.feed(Release(c.now, "a", DEV, c.a_grant, "drop", 12 * GiB))
+    c.feed(ReleaseReport(c.now, "a", DEV, c.a_grant, "drop", 12 * GiB))
     assert c.sent(protocol.Evict, "a") and c.core.next_deadline() == c.now + 2.0
     c.advance(2.0)
     assert c.grant_of("b")
@@ -166,13 +166,13 @@ def test_unanswered_evict_delays_the_grant_by_the_grace_at_most_and_says_so():
 def test_clients_that_do_not_report_residency_are_never_asked_to_move():
     c = Cluster(budget=16 * GiB)
     c.join("a", 12 * GiB, None)
-    c.feed(Acquire(c.now, "a", DEV))
+    c.feed(AcquireRequest(c.now, "a", DEV))
     grant = c.grant_of("a")
     c.join("b", 12 * GiB, None)
-    c.feed(Acquire(c.now, "b", DEV))
+    c.feed(AcquireRequest(c.now, "b", DEV))
     c.advance(1.0)
     assert c.sent(protocol.Drop, "a")[0].evict == 0
-    c.feed(Release(c.now, "a", DEV, grant.grant, "drop"))
+    c.feed(ReleaseReport(c.now, "a", DEV, grant.grant, "drop"))
     assert c.grant_of("b").prefetch == 0 and not c.sent(protocol.Evict)
 
 
@@ -187,7 +187,7 @@ def test_a_free_is_not_mistaken_for_an_eviction():
 def test_status_shows_resident_and_swapped_out_bytes():
     c = two_swappers()
     c.advance(1.0)
-    c.feed(Release(c.now, "a", DEV, c.a_grant, "drop", 4 * GiB))
+    c.feed(ReleaseReport(c.now, "a", DEV, c.a_grant, "drop", 4 * GiB))
     shown = {cl["client"]: cl["devices"][DEV] for cl in views.status(c.core, c.now, lambda t: t)["clients"]}
     assert (shown["c1"]["resident"], shown["c1"]["swapped"]) == (4 * GiB, 8 * GiB)
     assert (shown["c2"]["resident"], shown["c2"]["swapped"]) == (12 * GiB, 0)
@@ -283,7 +283,7 @@ class ResidencyMachine(RuleBasedStateMachine):
             return
         client.waiting = True
         self.queue.append(client)
-        self.c.feed(Acquire(self.c.now, client.key, DEV))
+        self.c.feed(AcquireRequest(self.c.now, client.key, DEV))
         self.observe()
 
     @rule(i=st.integers(0, 3), comply=st.booleans())
@@ -296,7 +296,7 @@ class ResidencyMachine(RuleBasedStateMachine):
         if client.dropped_evict and comply:
             client.move_out(client.dropped_evict)
         grant, client.grant, client.dropped_evict = client.grant, None, None
-        self.c.feed(Release(self.c.now, client.key, DEV, grant, "drop", client.on_device))
+        self.c.feed(ReleaseReport(self.c.now, client.key, DEV, grant, "drop", client.on_device))
         self.observe()
 
     @rule(i=st.integers(0, 3))
@@ -306,7 +306,7 @@ class ResidencyMachine(RuleBasedStateMachine):
             return
         client.move_out(client.evict_asked)
         client.evict_asked = None
-        self.c.feed(Evicted(self.c.now, client.key, DEV, client.on_device))
+        self.c.feed(EvictedReport(self.c.now, client.key, DEV, client.on_device))
         self.observe()
 
     @rule()
@@ -355,12 +355,12 @@ def test_with_swapping_off_a_handoff_over_budget_moves_nothing():
     c.core = SchedulerCore(CoreConfig(tq=1.0, grace=2.0, heartbeat_timeout=1e6, heartbeat_interval=1e5,
                                       swapping=False), c.now)
     c.join("a", 12 * GiB, 0)
-    c.feed(Acquire(c.now, "a", DEV))
+    c.feed(AcquireRequest(c.now, "a", DEV))
     grant = c.grant_of("a")
     c.feed(MemoryReport(c.now, "a", DEV, 12 * GiB, 12 * GiB))
     c.join("b", 12 * GiB, 0)
-    c.feed(Acquire(c.now, "b", DEV))
+    c.feed(AcquireRequest(c.now, "b", DEV))
     c.advance(1.0)
     assert c.sent(protocol.Drop, "a")[0].evict == 0
-    c.feed(Release(c.now, "a", DEV, grant.grant, "drop", 12 * GiB))
+    c.feed(ReleaseReport(c.now, "a", DEV, grant.grant, "drop", 12 * GiB))
     assert c.grant_of("b").prefetch == 0 and not c.sent(protocol.Evict)

@@ -66,10 +66,10 @@ def test_waits_holds_and_handoffs_are_measured_on_the_cores_clock():
     d = Driven()
     d.register("a", 0.0)
     d.register("b", 0.0)
-    d.feed(ev.Acquire(1.0, "a", GPU))  # granted at once: a wait of 0
-    d.feed(ev.Acquire(2.0, "b", GPU))  # waits behind a
+    d.feed(ev.AcquireRequest(1.0, "a", GPU))  # granted at once: a wait of 0
+    d.feed(ev.AcquireRequest(2.0, "b", GPU))  # waits behind a
     d.feed(ev.Tick(11.0))  # a's quantum is over: DROP, the handoff clock starts
-    d.feed(ev.Release(11.25, "a", GPU, 1))  # b is granted at 11.25
+    d.feed(ev.ReleaseReport(11.25, "a", GPU, 1))  # b is granted at 11.25
     found = d.scrape(12.0)
     b = dict(device=GPU, pod="b", namespace="ns", program="train")
     a = dict(b, pod="a")
@@ -95,8 +95,8 @@ def test_a_holder_that_misses_its_grace_is_counted_as_a_revoke():
     d = Driven()
     d.register("a", 0.0)
     d.register("b", 0.0)
-    d.feed(ev.Acquire(0.0, "a", GPU))
-    d.feed(ev.Acquire(0.0, "b", GPU))
+    d.feed(ev.AcquireRequest(0.0, "a", GPU))
+    d.feed(ev.AcquireRequest(0.0, "b", GPU))
     d.feed(ev.Tick(10.0))  # DROP with 1 s of grace
     d.feed(ev.Tick(11.0))  # grace over: revoked, b granted
     found = d.scrape(11.0)
@@ -112,7 +112,7 @@ def test_memory_gauges_follow_the_reports_and_forget_clients_that_left():
     d.feed(ev.DeviceInfo(0.0, "a", GPU, 8000))
     d.feed(ev.MemoryReport(0.0, "a", GPU, 3000))
     d.feed(ev.MemoryReport(0.0, "b", GPU, 500))
-    d.feed(ev.Acquire(0.0, "a", GPU))
+    d.feed(ev.AcquireRequest(0.0, "a", GPU))
     found = d.scrape(1.0)
     assert value(found, "nvshare_device_memory_total_bytes", device=GPU) == 8000
     assert value(found, "nvshare_device_memory_budget_bytes", device=GPU) == 8000
@@ -135,15 +135,15 @@ def test_swaps_asked_at_a_handoff_over_budget_are_counted_in_both_directions():
     for key in ("a", "b"):
         d.feed(ev.DeviceInfo(0.0, key, GPU, 16000))
         d.feed(ev.MemoryReport(0.0, key, GPU, 12000, 0))
-    d.feed(ev.Acquire(0.0, "a", GPU))
+    d.feed(ev.AcquireRequest(0.0, "a", GPU))
     d.feed(ev.MemoryReport(0.0, "a", GPU, 12000, 12000))
-    d.feed(ev.Acquire(0.0, "b", GPU))
+    d.feed(ev.AcquireRequest(0.0, "b", GPU))
     d.feed(ev.Tick(10.0))  # DROP evict=8000 to a
-    d.feed(ev.Release(10.0, "a", GPU, 1, "drop", 4000))
+    d.feed(ev.ReleaseReport(10.0, "a", GPU, 1, "drop", 4000))
     d.feed(ev.MemoryReport(10.0, "b", GPU, 12000, 12000))
-    d.feed(ev.Acquire(10.0, "a", GPU))
+    d.feed(ev.AcquireRequest(10.0, "a", GPU))
     d.feed(ev.Tick(20.0))  # DROP evict=8000 to b
-    d.feed(ev.Release(20.0, "b", GPU, 2, "drop", 4000))  # a is granted with prefetch=8000
+    d.feed(ev.ReleaseReport(20.0, "b", GPU, 2, "drop", 4000))  # a is granted with prefetch=8000
     found = d.scrape(20.0)
     assert value(found, "nvshare_device_swap_requested_bytes_total", device=GPU, direction="out") == 16000
     assert value(found, "nvshare_device_swap_requested_bytes_total", device=GPU, direction="in") == 8000
@@ -159,7 +159,7 @@ def test_client_label_sets_are_bounded_and_the_rest_is_counted_as_overflow():
     for index in range(m.CLIENT_LABEL_SETS + extra):
         key = f"k{index}"
         d.register(key, 0.0, pod=f"pod-{index}")
-        d.feed(ev.Acquire(0.0, key, GPU))
+        d.feed(ev.AcquireRequest(0.0, key, GPU))
     found = d.scrape(0.0)
     pods = {dict(labels).get("pod") for name, labels in found if name == "nvshare_client_memory_used_bytes"}
     assert len(pods) == m.CLIENT_LABEL_SETS + 1
@@ -176,7 +176,7 @@ def test_device_labels_are_bounded():
     d.register("a", 0.0)
     d.register("b", 0.0)
     for index in range(m.DEVICE_LABELS + 3):
-        d.feed(ev.Acquire(0.0, "a" if index % 2 else "b", f"GPU-{index}"))
+        d.feed(ev.AcquireRequest(0.0, "a" if index % 2 else "b", f"GPU-{index}"))
     found = d.scrape(0.0)
     devices = {dict(labels)["device"] for name, labels in found if name == "nvshare_device_holders"}
     assert len(devices) == m.DEVICE_LABELS + 1 and m.OVERFLOW in devices

@@ -35,7 +35,7 @@ from . import admission
 from .admission import AdmissionBook, AdmissionConfig
 from . import fairshare
 from .events import (
-    Acquire,
+    AcquireRequest,
     Action,
     AdmitRequest,
     ClientInfo,
@@ -43,15 +43,15 @@ from .events import (
     ControlError,
     DeviceInfo,
     Event,
-    Evicted,
+    EvictedReport,
     Forget,
-    Heartbeat,
+    Alive,
     LockEvent,
     Log,
     MemoryReport,
     Mode,
     Register,
-    Release,
+    ReleaseReport,
     Send,
     SetAdmission,
     SetBudget,
@@ -76,7 +76,7 @@ _GPU_UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-
 
 
 # The client message behind each event that may name a new device (for ERROR's `type`).
-_MESSAGE_TYPES = {Register: "HELLO", DeviceInfo: "DEVICE", MemoryReport: "MEMORY", Acquire: "ACQUIRE",
+_MESSAGE_TYPES = {Register: "HELLO", DeviceInfo: "DEVICE", MemoryReport: "MEMORY", AcquireRequest: "ACQUIRE",
                   AdmitRequest: "ADMIT"}
 
 
@@ -289,11 +289,11 @@ class SchedulerCore:
         self._client_handlers = {
             DeviceInfo: self._device_info,
             MemoryReport: self._memory,
-            Acquire: self._acquire,
+            AcquireRequest: self._acquire,
             AdmitRequest: self._admit,
-            Release: self._release,
-            Evicted: self._evicted,
-            Heartbeat: self._heartbeat,
+            ReleaseReport: self._release,
+            EvictedReport: self._evicted,
+            Alive: self._heartbeat,
             Unregister: self._unregister,
         }
         self._other_handlers = {
@@ -550,14 +550,14 @@ class SchedulerCore:
             self._settle(dev, ev.now, out)
         self._settle_admission(ev.now, out)
 
-    def _acquire(self, client: _Client, ev: Acquire, out: list[Action]) -> None:
+    def _acquire(self, client: _Client, ev: AcquireRequest, out: list[Action]) -> None:
         pair = self._pair(client, ev.device, ev, out)
         if pair is None:
             return
         if self._enqueue(pair, ev.now, out):
             self._settle(pair.device, ev.now, out)
 
-    def _release(self, client: _Client, ev: Release, out: list[Action]) -> None:
+    def _release(self, client: _Client, ev: ReleaseReport, out: list[Action]) -> None:
         pair = client.pairs.get(ev.device)
         fields = {"client": client.cid, "device": ev.device, "grant": ev.grant}
         if pair is not None and ev.resident is not None:
@@ -575,7 +575,7 @@ class SchedulerCore:
         else:
             out.append(Log("debug", "released-stale", fields))
 
-    def _evicted(self, client: _Client, ev: Evicted, out: list[Action]) -> None:
+    def _evicted(self, client: _Client, ev: EvictedReport, out: list[Action]) -> None:
         pair = client.pairs.get(ev.device)
         if pair is None:
             out.append(Log("debug", "evicted-stale", {"client": client.cid, "device": ev.device}))
@@ -587,7 +587,7 @@ class SchedulerCore:
             del dev.evict_awaited[pair]
             self._settle(dev, ev.now, out)
 
-    def _heartbeat(self, client: _Client, ev: Heartbeat, out: list[Action]) -> None:
+    def _heartbeat(self, client: _Client, ev: Alive, out: list[Action]) -> None:
         pass  # liveness was refreshed in handle()
 
     def _unregister(self, client: _Client, ev: Unregister, out: list[Action]) -> None:

@@ -684,17 +684,17 @@ class Daemon:
             self._reject(key, "not-registered", "send HELLO first", message.TYPE)
             return
         if kind is protocol.Acquire:
-            event = ev.Acquire(now, key, message.device)
+            event = ev.AcquireRequest(now, key, message.device)
         elif kind is protocol.Release:
-            event = ev.Release(now, key, message.device, message.grant, message.reason, message.resident)
+            event = ev.ReleaseReport(now, key, message.device, message.grant, message.reason, message.resident)
         elif kind is protocol.Heartbeat:
-            event = ev.Heartbeat(now, key)
+            event = ev.Alive(now, key)
         elif kind is protocol.Admit:
             event = ev.AdmitRequest(now, key, message.device, message.request, message.bytes)
         elif kind is protocol.Memory:
             event = ev.MemoryReport(now, key, message.device, message.used, message.resident)
         elif kind is protocol.Evicted:
-            event = ev.Evicted(now, key, message.device, message.resident)
+            event = ev.EvictedReport(now, key, message.device, message.resident)
         elif kind is protocol.Device:
             event = ev.DeviceInfo(now, key, message.device, message.total, message.name)
         elif kind is protocol.Bye:

@@ -66,14 +66,14 @@ class MemoryReport:
 
 
 @dataclass(frozen=True)
-class Acquire:
+class AcquireRequest:
     now: float
     client: ClientKey
     device: str
 
 
 @dataclass(frozen=True)
-class Release:
+class ReleaseReport:
     now: float
     client: ClientKey
     device: str
@@ -83,7 +83,7 @@ class Release:
 
 
 @dataclass(frozen=True)
-class Evicted:
+class EvictedReport:
     """EVICTED: the client's answer to EVICT, with its converted bytes still on the device."""
 
     now: float
@@ -105,7 +105,7 @@ class AdmitRequest:
 
 
 @dataclass(frozen=True)
-class Heartbeat:
+class Alive:
     """Any message from a registered client counts as one; the daemon sends this event for
     HEARTBEAT messages and the core refreshes liveness on every other client event too."""
 
@@ -198,7 +198,7 @@ class SetLimit:
 
 
 Event = (
-    Register | DeviceInfo | MemoryReport | Acquire | AdmitRequest | Release | Evicted | Heartbeat | Unregister
+    Register | DeviceInfo | MemoryReport | AcquireRequest | AdmitRequest | ReleaseReport | EvictedReport | Alive | Unregister
     | Tick | SetMode | SetQuantum | SetBudget | SetAdmission | SetWeight | SetPriority | SetLimit
 )
 
