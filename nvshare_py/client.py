@@ -334,7 +334,7 @@ class Client:
 
     def announce(self, device: str, total: int, name: str = "") -> None:
         """Tell the scheduler a device's memory size (DEVICE)."""
-        message = protocol.Device(device=device, total=total, name=name)
+        message = protocol.DeviceAnnouncement(device=device, total=total, name=name)
         message.encode()  # reject bad values here, not on the I/O thread
         with self._cond:
             self._check_usable()
@@ -608,7 +608,7 @@ class Client:
             now = time.monotonic()
             for device, state in self._devices.items():
                 if state.total is not None:
-                    outgoing.append(protocol.Device(device=device, total=state.total, name=state.name))
+                    outgoing.append(protocol.DeviceAnnouncement(device=device, total=state.total, name=state.name))
                 if state.used is not None:
                     outgoing.append(protocol.Memory(device=device, used=state.used))
                     state.used_dirty, state.used_sent_at = False, now
