@@ -9,7 +9,19 @@ See docs/protocol.md. Every message is one ZeroMQ frame of at most MAX_MESSAGE b
 The messages are declared once, in nvshare_py/protocol_table.py: the classes at the end of this
 module are generated from it (`python -m nvshare_py.protocol_gen`; the docstring of
 protocol_table.py says how to add a message or a field), and the codec below reads its
-schemas from it.
+schemas from it. Never edit the generated classes.
+
+Porting a message or field written as a hand-made dataclass here (before the table): give it a
+row in protocol_table.MESSAGES with one `required(name, KIND)` per field that had
+`_meta(parse)` and one `optional(name, KIND, default)` per field that had
+`_meta(parse, False, omit=...)` (its `omit` value, or its dataclass default, becomes the
+default: a sender leaves the field out while it holds it). Kinds: `_device` DEVICE, `_uint`
+UINT, `_text` TEXT, `_session` SESSION, `_devices` DEVICES, `_flag` FLAG, `_json_object` JSON,
+`_choice(X)` WORD with `words=` X's vocabulary in nvshare_py/vocabulary.py (a new list of
+choices becomes a new Vocabulary there). A text the C client reads needs `c_size`. Run the
+generator, then drop the hand-written C for it: message.c parses and builds every message of
+the table (client_core.c reads `m.<field>`; a word's text is `m.<field>_text`, its number
+`m.<vocabulary>`; a client message is built from `struct nvs_out`).
 
 `decode` raises ProtocolError (with one of the documented error codes) on anything it does not
 accept, so the daemon can answer with an ERROR message instead of crashing. It accepts keys it
