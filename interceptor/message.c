@@ -127,6 +127,7 @@ enum field_presence { FIELD_REQUIRED, FIELD_OPTIONAL, FIELD_NULLABLE };
 struct field_spec {
     enum nvs_msg_type type;
     const char *key;
+    size_t key_len;
     enum field_kind kind;
     enum field_presence presence;
     size_t offset;              /* the value's member (a word's text when parsed) */
@@ -147,25 +148,25 @@ struct field_spec {
 #define HAS_OUT_NULLABLE(member) offsetof(struct nvs_out, has_##member)
 
 /* What the parser reads: F(TYPE, key, KIND, PRESENCE, member, detail, default). */
-#define READ_DEVICE(t, k, p, m, d, v) {NVS_MSG_##t, #k, FIELD_DEVICE, FIELD_##p, MSG_MEMBER(m), NO_MEMBER, NULL, 0, v},
-#define READ_UINT(t, k, p, m, d, v) {NVS_MSG_##t, #k, FIELD_UINT, FIELD_##p, MSG_MEMBER(m), HAS_MSG_##p(m), NULL, v, ""},
-#define READ_TEXT(t, k, p, m, d, v) {NVS_MSG_##t, #k, FIELD_TEXT, FIELD_##p, MSG_MEMBER(m), NO_MEMBER, NULL, 0, v},
-#define READ_FLAG(t, k, p, m, d, v) {NVS_MSG_##t, #k, FIELD_FLAG, FIELD_##p, MSG_MEMBER(m), NO_MEMBER, NULL, v, ""},
+#define READ_DEVICE(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_DEVICE, FIELD_##p, MSG_MEMBER(m), NO_MEMBER, NULL, 0, v},
+#define READ_UINT(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_UINT, FIELD_##p, MSG_MEMBER(m), HAS_MSG_##p(m), NULL, v, ""},
+#define READ_TEXT(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_TEXT, FIELD_##p, MSG_MEMBER(m), NO_MEMBER, NULL, 0, v},
+#define READ_FLAG(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_FLAG, FIELD_##p, MSG_MEMBER(m), NO_MEMBER, NULL, v, ""},
 #define READ_WORD(t, k, p, m, d, v) \
-    {NVS_MSG_##t, #k, FIELD_WORD, FIELD_##p, MSG_MEMBER(m##_text), offsetof(struct nvs_msg, d), d##_words, 0, v},
-#define READ_JSON(t, k, p, m, d, v) {NVS_MSG_##t, #k, FIELD_JSON, FIELD_##p, NO_MEMBER, d, NO_MEMBER, NULL, 0, ""},
+    {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_WORD, FIELD_##p, MSG_MEMBER(m##_text), offsetof(struct nvs_msg, d), d##_words, 0, v},
+#define READ_JSON(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_JSON, FIELD_##p, NO_MEMBER, d, NO_MEMBER, NULL, 0, ""},
 #define READ(t, k, kind, p, m, d, v) READ_##kind(t, k, p, m, d, v)
 static const struct field_spec read_fields[] = {NVS_SCHEDULER_FIELDS(READ)};
 
 /* What the builder writes. */
-#define WRITE_DEVICE(t, k, p, m, d, v) {NVS_MSG_##t, #k, FIELD_DEVICE, FIELD_##p, OUT_MEMBER(m), NO_MEMBER, NULL, 0, v},
-#define WRITE_UINT(t, k, p, m, d, v) {NVS_MSG_##t, #k, FIELD_UINT, FIELD_##p, OUT_MEMBER(m), HAS_OUT_##p(m), NULL, v, ""},
-#define WRITE_TEXT(t, k, p, m, d, v) {NVS_MSG_##t, #k, FIELD_TEXT, FIELD_##p, OUT_MEMBER(m), NO_MEMBER, NULL, 0, v},
-#define WRITE_SESSION(t, k, p, m, d, v) {NVS_MSG_##t, #k, FIELD_SESSION, FIELD_##p, OUT_MEMBER(m), NO_MEMBER, NULL, 0, v},
+#define WRITE_DEVICE(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_DEVICE, FIELD_##p, OUT_MEMBER(m), NO_MEMBER, NULL, 0, v},
+#define WRITE_UINT(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_UINT, FIELD_##p, OUT_MEMBER(m), HAS_OUT_##p(m), NULL, v, ""},
+#define WRITE_TEXT(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_TEXT, FIELD_##p, OUT_MEMBER(m), NO_MEMBER, NULL, 0, v},
+#define WRITE_SESSION(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_SESSION, FIELD_##p, OUT_MEMBER(m), NO_MEMBER, NULL, 0, v},
 #define WRITE_DEVICES(t, k, p, m, d, v) \
-    {NVS_MSG_##t, #k, FIELD_DEVICES, FIELD_##p, OUT_MEMBER(m), offsetof(struct nvs_out, n_##m), NULL, 0, ""},
-#define WRITE_FLAG(t, k, p, m, d, v) {NVS_MSG_##t, #k, FIELD_FLAG, FIELD_##p, OUT_MEMBER(m), NO_MEMBER, NULL, v, ""},
-#define WRITE_WORD(t, k, p, m, d, v) {NVS_MSG_##t, #k, FIELD_WORD, FIELD_##p, OUT_MEMBER(m), NO_MEMBER, d##_words, 0, v},
+    {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_DEVICES, FIELD_##p, OUT_MEMBER(m), offsetof(struct nvs_out, n_##m), NULL, 0, ""},
+#define WRITE_FLAG(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_FLAG, FIELD_##p, OUT_MEMBER(m), NO_MEMBER, NULL, v, ""},
+#define WRITE_WORD(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_WORD, FIELD_##p, OUT_MEMBER(m), NO_MEMBER, d##_words, 0, v},
 #define WRITE(t, k, kind, p, m, d, v) WRITE_##kind(t, k, p, m, d, v)
 static const struct field_spec write_fields[] = {NVS_CLIENT_FIELDS(WRITE)};
 
@@ -205,6 +206,11 @@ static int span_equals(struct span s, const char *literal)
 {
     size_t n = strlen(literal);
     return s.n == n && memcmp(s.p, literal, n) == 0;
+}
+
+static int key_is(struct span key, const struct field_spec *f)
+{
+    return key.n == f->key_len && memcmp(key.p, f->key, key.n) == 0;
 }
 
 /* Number of s in a NULL-terminated vocabulary (index + 1), 0 when it is not there. */
@@ -434,13 +440,12 @@ int nvs_msg_parse(const char *buf, size_t len, struct nvs_msg *out)
         cursor = newline + 1;
     }
 
-    /* Every value within its limit: the field's own (a JSON document's), else NVS_VALUE_MAX. */
+    /* Every value within NVS_VALUE_MAX, except a JSON document (read_value checks its own limit). */
     for (size_t i = 0; i < n_fields; i++) {
-        size_t limit = NVS_VALUE_MAX;
-        for (size_t k = 0; k < COUNT(read_fields); k++)
-            if (read_fields[k].type == id && read_fields[k].kind == FIELD_JSON && span_equals(keys[i], read_fields[k].key))
-                limit = read_fields[k].size;
-        if (values[i].n > limit)
+        int json = 0;
+        for (size_t k = 0; values[i].n > NVS_VALUE_MAX && k < COUNT(read_fields) && !json; k++)
+            json = read_fields[k].type == id && read_fields[k].kind == FIELD_JSON && key_is(keys[i], &read_fields[k]);
+        if (values[i].n > NVS_VALUE_MAX && !json)
             return -1;
     }
     unsigned bit = 0;
@@ -449,7 +454,7 @@ int nvs_msg_parse(const char *buf, size_t len, struct nvs_msg *out)
         if (f->type == id) {
             const struct span *value = NULL;
             for (size_t i = 0; i < n_fields && !value; i++)
-                if (span_equals(keys[i], f->key))
+                if (key_is(keys[i], f))
                     value = &values[i];
             if ((value ? read_value(f, *value, bit, out) : f->presence == FIELD_REQUIRED ? -1 : read_default(f, out)) < 0) {
                 memset(out, 0, sizeof *out);

@@ -38,21 +38,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Final, Hashable, Mapping
 
 from . import vocabulary
-from .protocol_table import (
-    BY_TYPE,
-    MAX_DEVICES,
-    MAX_FIELDS,
-    MAX_INT,
-    MAX_MESSAGE,
-    MAX_VALUE,
-    STATUS_DOCUMENT_MAX,
-    VERSION,
-    Field,
-    Kind,
-    Sender,
-)
-
-__all__ = ["MAX_DEVICES", "MAX_FIELDS", "MAX_INT", "MAX_MESSAGE", "MAX_VALUE", "STATUS_DOCUMENT_MAX", "VERSION"]
+from .protocol_table import BY_TYPE, Field, Kind, Sender
+# The protocol's limits, for this module's users (defined with the table).
+from .protocol_table import MAX_DEVICES as MAX_DEVICES
+from .protocol_table import MAX_FIELDS as MAX_FIELDS
+from .protocol_table import MAX_INT as MAX_INT
+from .protocol_table import MAX_MESSAGE as MAX_MESSAGE
+from .protocol_table import MAX_VALUE as MAX_VALUE
+from .protocol_table import STATUS_DOCUMENT_MAX as STATUS_DOCUMENT_MAX
+from .protocol_table import VERSION as VERSION
 
 # The control socket (JSON, docs/protocol.md): request and reply size limits.
 CONTROL_REQUEST_MAX = 64 * 1024
