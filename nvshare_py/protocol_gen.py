@@ -310,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--check", action="store_true", help="only list the stale parts; exit 1 if any")
     args = parser.parse_args(argv)
+    if not (REPO / C_HEADER).parent.is_dir():
+        print(f"{COMMAND} works in a checkout of nvshare_py (no {C_HEADER.parent}/ beside {REPO / 'nvshare_py'})",
+              file=sys.stderr)
+        return 2
     if args.check:
         parts = stale()
         for path in parts:

@@ -3,6 +3,8 @@
 with the documented error code, words it does not know it reads (docs/protocol.md), and every
 part generated from the table is current."""
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -15,6 +17,7 @@ devices = st.from_regex(r"\A[A-Za-z0-9-]{1,96}\Z")
 uints = st.integers(min_value=0, max_value=protocol.MAX_INT)
 texts = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\n\r\x7f"
                               + "".join(map(chr, range(32)))), max_size=40)
+CHECKOUT = Path(__file__).resolve().parent.parent
 ALL = {**protocol.CLIENT_MESSAGES, **protocol.SCHEDULER_MESSAGES, **protocol.QUERY_REPLIES}
 WORD_FIELDS = [(m, f) for m in table.MESSAGES for f in m.fields if f.kind is table.Kind.WORD]
 
@@ -152,7 +155,7 @@ def test_encoder_refuses_what_the_decoder_would_refuse_or_a_word_it_does_not_kno
 def test_the_generated_parts_are_current():
     """The message classes, interceptor/protocol_table.h and docs/protocol.md's tables are what
     the table gives: a table changed without the generator fails here, naming the command."""
-    stale = protocol_gen.stale()
+    stale = protocol_gen.stale(CHECKOUT)  # this checkout's files, whichever nvshare_py is imported
     assert not stale, f"{', '.join(map(str, stale))} out of date: run {protocol_gen.COMMAND}"
 
 
