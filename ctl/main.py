@@ -37,6 +37,7 @@ from nvshare_py.scheduler.fairshare import (
     DEFAULT_WEIGHT, PRIORITY_MAX, PRIORITY_MIN, SHARE_WINDOW, WEIGHT_MAX, WEIGHT_MIN,
 )
 from nvshare_py.sizes import parse_size
+from nvshare_py.vocabulary import ADMISSION_POLICY, MODE
 
 app = typer.Typer(
     **APP_SETTINGS,
@@ -138,22 +139,18 @@ def _set_mode(ctx: typer.Context, mode: str, device: str | None) -> None:
     typer.echo(f"mode of {result['device'] or 'every device'}: {result['mode']}")
 
 
-@app.command("on")
-def mode_on(ctx: typer.Context, device: Optional[str] = DEVICE_OPTION) -> None:
-    """Serialise: one process holds a GPU at a time."""
-    _set_mode(ctx, "on", device)
+def _mode_command(mode: str, meaning: str) -> None:
+    """`nvsharectl <mode>` for each scheduling mode (nvshare_py/vocabulary.py defines them)."""
+
+    def set_mode(ctx: typer.Context, device: Optional[str] = DEVICE_OPTION) -> None:
+        _set_mode(ctx, mode, device)
+
+    set_mode.__name__ = f"mode_{mode}"
+    app.command(mode, help=f"{meaning[:1].upper()}{meaning[1:]}.")(set_mode)
 
 
-@app.command("off")
-def mode_off(ctx: typer.Context, device: Optional[str] = DEVICE_OPTION) -> None:
-    """Stop scheduling: every process runs at once."""
-    _set_mode(ctx, "off", device)
-
-
-@app.command("auto")
-def mode_auto(ctx: typer.Context, device: Optional[str] = DEVICE_OPTION) -> None:
-    """Run processes side by side while their memory fits the device's budget."""
-    _set_mode(ctx, "auto", device)
+for _mode, _meaning in MODE.meanings.items():
+    _mode_command(_mode, _meaning)
 
 
 @app.command("set-budget")
@@ -189,7 +186,7 @@ def set_admission(
     ctx: typer.Context,
     spill: Optional[str] = typer.Option(None, metavar="BYTES|off",
                                         help="Host memory allowed beyond the devices' budgets, e.g. 64G; off: no admission"),
-    policy: Optional[str] = typer.Option(None, help="fifo, best-fit, recent or random: who of the waiting allocations goes first"),
+    policy: Optional[str] = typer.Option(None, help=f"{ADMISSION_POLICY.describe()}: who of the waiting allocations goes first"),
     timeout: Optional[float] = typer.Option(None, help="Seconds an allocation waits for admission before it fails"),
 ) -> None:
     """Change admission: what the node's clients may hold (the devices' budgets plus a host

@@ -12,6 +12,7 @@
 #define WELCOME_TIMEOUT_S 5.0
 #define FAST_RETRY_PERIOD_S 3.0 /* reconnect every 100 ms for this long, then back off to 1 s */
 #define WAIT_WARNING_PERIOD_S 10.0
+#define UNKNOWN_WARNING_PERIOD_S 60.0 /* unknown message types from the scheduler */
 #define MEMORY_REPORT_PERIOD_S 0.1
 #define DEFAULT_HEARTBEAT_MS 1000
 #define DEFAULT_IDLE_RELEASE_MS 1000
@@ -69,7 +70,7 @@ static void note_sent(struct nvs_core *c, double now) {
     if (c->registered && c->ping_sent == 0 && now < c->lease_until) c->lease_until = now + lease_seconds(c);
 }
 
-static struct nvs_core_queued *send_message(struct nvs_core *c, enum nvs_msg_type_out message, int device,
+static struct nvs_core_queued *send_message(struct nvs_core *c, enum nvs_msg_type message, int device,
                                             uint64_t number, const char *reason, double now) {
     struct nvs_core_queued *q = push(c, NVS_ACT_SEND, device, 0);
     if (q == NULL) return NULL;
@@ -128,7 +129,7 @@ static void handle_admission_answer(struct nvs_core *c, struct nvs_core_device *
     core_log(c, LOG_ERROR,
              "the scheduler refused %llu bytes on %s (%s): the waiting allocation fails with "
              "CUDA_ERROR_OUT_OF_MEMORY",
-             (unsigned long long)d->admit_wanted, d->uuid, m->reason);
+             (unsigned long long)d->admit_wanted, d->uuid, m->reason_text);
     d->admit_wanted = 0; /* the shell fails its waiters; asking again is theirs to decide */
     push(c, NVS_ACT_ADMISSION, (int)(d - c->devices), 0);
 }
@@ -142,7 +143,7 @@ static void run_admission(struct nvs_core *c, struct nvs_core_device *d, double 
         d->admit_request = ++c->admit_numbers;
         struct nvs_core_queued *q = push(c, NVS_ACT_SEND, device, 0);
         if (q == NULL) return;
-        q->message = NVS_OUT_ADMIT;
+        q->message = NVS_MSG_ADMIT;
         q->number = d->admit_wanted;
         q->request = d->admit_request;
         note_sent(c, now);
@@ -152,7 +153,7 @@ static void run_admission(struct nvs_core *c, struct nvs_core_device *d, double 
         set_admitted(c, d, d->bytes + nvs_core_headroom(d->bytes) / 2);
         struct nvs_core_queued *q = push(c, NVS_ACT_SEND, device, 0);
         if (q == NULL) return;
-        q->message = NVS_OUT_ADMIT;
+        q->message = NVS_MSG_ADMIT;
         q->number = d->admitted;
         q->request = 0; /* a give-back: no answer */
         note_sent(c, now);
@@ -282,7 +283,7 @@ static void send_hello(struct nvs_core *c, double now) {
     }
     struct nvs_core_queued *q = push(c, NVS_ACT_SEND, -1, 0);
     if (q == NULL) return;
-    q->message = NVS_OUT_HELLO;
+    q->message = NVS_MSG_HELLO;
     q->held = held;
     q->wanted = wanted;
     c->last_sent = now;
@@ -488,9 +489,9 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
         d->predrain_at = 0; /* a CONTENDED follows when others wait */
         reset_idle_tracking(c, d, now);
         core_log(c, LOG_DEBUG, "granted %s (grant %llu, prefetch %llu)", d->uuid, (unsigned long long)m->grant,
-                 (unsigned long long)m->prefetch_bytes);
+                 (unsigned long long)m->prefetch);
         d->grant_swap_due = 1;
-        d->prefetch_due = m->prefetch_bytes;
+        d->prefetch_due = m->prefetch;
         continue_grant(c, d, now);
         break;
     case NVS_MSG_CONTENDED:
@@ -515,12 +516,12 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
             d->grant_known = 1;
             if (m->type == NVS_MSG_REVOKE) {
                 core_log(c, LOG_WARN, "the scheduler revoked the lock of %s (%s): its work did not drain in time",
-                         d->uuid, m->reason);
+                         d->uuid, m->reason_text);
                 begin_release(c, d, "revoke", now);
             } else if (!d->release_due) {
                 begin_release(c, d, "drop", now);
             }
-            if (m->evict_bytes > d->evict_due) d->evict_due = m->evict_bytes;
+            if (m->evict > d->evict_due) d->evict_due = m->evict; /* DROP evict= (REVOKE: 0) */
         } else {
             core_log(c, LOG_DEBUG, "stale %s for grant %llu ignored", m->type == NVS_MSG_DROP ? "DROP" : "REVOKE",
                      (unsigned long long)m->grant);
@@ -531,7 +532,7 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
         handle_admission_answer(c, d, m);
         break;
     case NVS_MSG_EVICT:
-        handle_evict(c, d, m->evict_bytes, now);
+        handle_evict(c, d, m->bytes, now);
         break;
     case NVS_MSG_MODE:
         d->quantum_ms = m->quantum_ms;
@@ -545,11 +546,37 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
     }
 }
 
+/* A newer scheduler's message: ignored, and said (a warning at most once a period). */
+static void note_unknown_type(struct nvs_core *c, const struct nvs_msg *m, double now) {
+    int warn = now >= c->unknown_type_next_warning;
+    if (warn) c->unknown_type_next_warning = now + UNKNOWN_WARNING_PERIOD_S;
+    core_log(c, warn ? LOG_WARN : LOG_DEBUG, "ignored a %s message from the scheduler: this nvshare does not know the type",
+             m->unknown_type);
+}
+
+/* Words a newer scheduler may send: the message is acted on all the same (a REVOKE closes the
+ * gate, a DROP drains and releases, a GRANT opens the gate whatever its mode); each field is
+ * warned about once. */
+static void note_unknown_words(struct nvs_core *c, const struct nvs_msg *m) {
+    for (unsigned bit = 0; bit < 64; bit++) {
+        const char *type, *key, *word;
+        if (!(m->unknown_words >> bit & 1) || nvs_msg_unknown_word(m, bit, &type, &key, &word) != 0) continue;
+        int warn = !(c->unknown_words_warned >> bit & 1);
+        c->unknown_words_warned |= 1ULL << bit;
+        core_log(c, warn ? LOG_WARN : LOG_DEBUG, "the scheduler sent %s %s=%s, a word this nvshare does not know: acting on the %s as usual",
+                 type, key, word, type);
+    }
+}
+
 void nvs_core_receive(struct nvs_core *c, const char *buf, size_t len, double now) {
     struct nvs_msg m;
     if (!c->connected) return; /* left over from a connection already given up */
-    if (nvs_msg_parse(buf, len, &m) != 0) {
+    int parsed = nvs_msg_parse(buf, len, &m) == 0;
+    if (parsed && m.unknown_words) note_unknown_words(c, &m);
+    if (!parsed) {
         core_log(c, LOG_DEBUG, "unparseable scheduler message ignored");
+    } else if (m.type == NVS_MSG_UNKNOWN) {
+        note_unknown_type(c, &m, now);
     } else if (m.type == NVS_MSG_WELCOME) {
         handle_welcome(c, &m, now);
     } else if (m.type == NVS_MSG_STATUS) {
@@ -561,8 +588,8 @@ void nvs_core_receive(struct nvs_core *c, const char *buf, size_t len, double no
             c->ping_sent = 0;
         }
     } else if (m.type == NVS_MSG_ERROR) {
-        if (strcmp(m.code, "not-registered") != 0)
-            core_log(c, LOG_WARN, "the scheduler rejected a message: %s (%s)", m.code, m.detail);
+        if (m.error_code != NVS_ERROR_CODE_NOT_REGISTERED)
+            core_log(c, LOG_WARN, "the scheduler rejected a message: %s (%s)", m.code_text, m.detail);
         else if (c->registered)
             lose_registration(c, now);
         else /* an answer to what was sent before our HELLO; WELCOME follows */
@@ -628,7 +655,7 @@ static void finish_release(struct nvs_core *c, struct nvs_core_device *d, double
         set_gate(d, c, 0);
         if (c->registered && answerable) {
             core_log(c, LOG_DEBUG, "releasing %s (grant %llu, %s)", d->uuid, (unsigned long long)d->grant, reason);
-            struct nvs_core_queued *q = send_message(c, NVS_OUT_RELEASE, (int)(d - c->devices), d->grant, reason, now);
+            struct nvs_core_queued *q = send_message(c, NVS_MSG_RELEASE, (int)(d - c->devices), d->grant, reason, now);
             if (q != NULL && d->evict_due > 0) { /* the scheduler asked for room: say what stays */
                 q->has_resident = 1;
                 q->resident = resident_of(d);
@@ -655,7 +682,7 @@ static void send_evicted(struct nvs_core *c, struct nvs_core_device *d, double n
     d->evicted_due = 0;
     d->evict_asked = 0;
     if (!c->registered || c->exiting) return; /* nothing after BYE */
-    struct nvs_core_queued *q = send_message(c, NVS_OUT_EVICTED, (int)(d - c->devices), 0, NULL, now);
+    struct nvs_core_queued *q = send_message(c, NVS_MSG_EVICTED, (int)(d - c->devices), 0, NULL, now);
     if (q != NULL) q->resident = resident_of(d);
 }
 
@@ -748,7 +775,7 @@ static int memory_report_due(const struct nvs_core_device *d) {
 
 static void send_memory(struct nvs_core *c, struct nvs_core_device *d, double now) {
     int with_resident = reports_residency(d);
-    struct nvs_core_queued *q = send_message(c, NVS_OUT_MEMORY, (int)(d - c->devices), d->bytes, NULL, now);
+    struct nvs_core_queued *q = send_message(c, NVS_MSG_MEMORY, (int)(d - c->devices), d->bytes, NULL, now);
     if (q != NULL && with_resident) {
         q->has_resident = 1;
         q->resident = resident_of(d);
@@ -774,7 +801,7 @@ void nvs_core_exit(struct nvs_core *c, double now) {
     /* Everyone else leaves the queues at once. A GPU call made later in the exit (another
      * library's destructor) must not wait for a lock nobody will grant: it runs unscheduled. */
     c->exiting = 1;
-    send_message(c, NVS_OUT_BYE, -1, 0, NULL, now);
+    send_message(c, NVS_MSG_BYE, -1, 0, NULL, now);
     end_admission(c);
     for (int i = 0; i < c->n_devices; i++) {
         struct nvs_core_device *d = &c->devices[i];
@@ -831,7 +858,7 @@ static void run_due(struct nvs_core *c, double now) {
             d->announced = 1;
             d->reported_bytes = UINT64_MAX;
             d->reported_resident = UINT64_MAX;
-            send_message(c, NVS_OUT_DEVICE, i, 0, NULL, now);
+            send_message(c, NVS_MSG_DEVICE, i, 0, NULL, now);
         }
         if (memory_report_due(d) && (wants || now >= c->last_memory_report + MEMORY_REPORT_PERIOD_S)) {
             c->last_memory_report = now;
@@ -839,7 +866,7 @@ static void run_due(struct nvs_core *c, double now) {
         }
         if (wants) {
             d->state = NVS_WAITING;
-            send_message(c, NVS_OUT_ACQUIRE, i, 0, NULL, now);
+            send_message(c, NVS_MSG_ACQUIRE, i, 0, NULL, now);
         }
         run_admission(c, d, now);
 
@@ -861,10 +888,10 @@ static void run_due(struct nvs_core *c, double now) {
         core_log(c, LOG_INFO, "silent for %.3f s: checking that the scheduler still knows this process",
                  now - c->last_sent);
         c->ping_sent = now;
-        send_message(c, NVS_OUT_HEARTBEAT, -1, 0, NULL, now);
-        send_message(c, NVS_OUT_QUERY, -1, 0, NULL, now);
+        send_message(c, NVS_MSG_HEARTBEAT, -1, 0, NULL, now);
+        send_message(c, NVS_MSG_QUERY, -1, 0, NULL, now);
     } else if (c->registered && now >= c->last_sent + c->heartbeat_ms / 2000.0) {
-        send_message(c, NVS_OUT_HEARTBEAT, -1, 0, NULL, now);
+        send_message(c, NVS_MSG_HEARTBEAT, -1, 0, NULL, now);
     }
 
     /* an outage: say so, once in fail-open mode, every WAIT_WARNING_PERIOD_S to waiters otherwise */
@@ -911,51 +938,34 @@ double nvs_core_next_deadline(const struct nvs_core *c, double now) {
 
 static size_t encode(const struct nvs_core *c, const struct nvs_core_queued *q, char *buf, size_t cap) {
     const struct nvs_core_device *d = q->action.device >= 0 ? &c->devices[q->action.device] : NULL;
-    switch (q->message) {
-    case NVS_OUT_HELLO: {
-        const char *held[NVS_CORE_MAX_DEVICES], *wanted[NVS_CORE_MAX_DEVICES];
-        size_t n_held = 0, n_wanted = 0;
-        for (int i = 0; i < NVS_CORE_MAX_DEVICES; i++) {
-            if (q->held & (1ULL << i)) held[n_held++] = c->devices[i].uuid;
-            if (q->wanted & (1ULL << i)) wanted[n_wanted++] = c->devices[i].uuid;
-        }
-        const struct nvs_core_config *k = &c->config;
-        struct nvs_hello hello = {
-            .pid = k->pid,
-            .host = k->host,
-            .container = k->container,
-            .pod = k->pod,
-            .namespace_ = k->pod_namespace,
-            .program = k->program,
-            .held = held,
-            .n_held = n_held,
-            .wanted = wanted,
-            .n_wanted = n_wanted,
-        };
-        memcpy(hello.session, k->session, sizeof hello.session);
-        return nvs_msg_hello(buf, cap, &hello);
+    const struct nvs_core_config *k = &c->config;
+    const char *held[NVS_CORE_MAX_DEVICES], *wanted[NVS_CORE_MAX_DEVICES];
+    struct nvs_out out = {
+        .device = d != NULL ? d->uuid : NULL,
+        .pid = k->pid < 0 ? UINT64_MAX : (uint64_t)k->pid, /* a negative pid is refused */
+        .session = k->session,
+        .host = k->host,
+        .container = k->container,
+        .pod = k->pod,
+        .namespace_ = k->pod_namespace,
+        .program = k->program,
+        .held = held,
+        .wanted = wanted,
+        .total = d != NULL ? d->total : 0,
+        .name = d != NULL ? d->name : NULL,
+        .used = q->number,   /* MEMORY */
+        .bytes = q->number,  /* ADMIT */
+        .grant = q->number,  /* RELEASE */
+        .request = q->request,
+        .reason = q->reason,
+        .resident = q->resident,
+        .has_resident = q->has_resident,
+    };
+    for (int i = 0; q->message == NVS_MSG_HELLO && i < NVS_CORE_MAX_DEVICES; i++) {
+        if (q->held & (1ULL << i)) held[out.n_held++] = c->devices[i].uuid;
+        if (q->wanted & (1ULL << i)) wanted[out.n_wanted++] = c->devices[i].uuid;
     }
-    case NVS_OUT_DEVICE:
-        return nvs_msg_device(buf, cap, d->uuid, d->total, d->name);
-    case NVS_OUT_MEMORY:
-        return nvs_msg_memory(buf, cap, d->uuid, q->number, q->has_resident ? &q->resident : NULL);
-    case NVS_OUT_EVICTED:
-        return nvs_msg_evicted(buf, cap, d->uuid, q->resident);
-    case NVS_OUT_ACQUIRE:
-        return nvs_msg_acquire(buf, cap, d->uuid);
-    case NVS_OUT_RELEASE:
-        return nvs_msg_release(buf, cap, d->uuid, q->number, q->reason, q->has_resident ? &q->resident : NULL);
-    case NVS_OUT_HEARTBEAT:
-        return nvs_msg_heartbeat(buf, cap);
-    case NVS_OUT_BYE:
-        return nvs_msg_bye(buf, cap);
-    case NVS_OUT_QUERY:
-        return nvs_msg_query(buf, cap);
-    case NVS_OUT_ADMIT:
-        return nvs_msg_admit(buf, cap, d->uuid, q->request, q->number);
-    default:
-        return 0;
-    }
+    return nvs_msg_build(buf, cap, q->message, &out); /* it reads the fields of q->message's type */
 }
 
 int nvs_core_pop(struct nvs_core *c, struct nvs_action *out, char *buf, size_t cap) {

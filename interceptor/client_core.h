@@ -148,10 +148,7 @@ uint64_t nvs_core_headroom(uint64_t total);
 
 struct nvs_core_queued {
     struct nvs_action action;
-    enum nvs_msg_type_out {
-        NVS_OUT_NONE = 0, NVS_OUT_HELLO, NVS_OUT_DEVICE, NVS_OUT_MEMORY, NVS_OUT_ACQUIRE,
-        NVS_OUT_RELEASE, NVS_OUT_HEARTBEAT, NVS_OUT_BYE, NVS_OUT_QUERY, NVS_OUT_ADMIT, NVS_OUT_EVICTED
-    } message;
+    enum nvs_msg_type message; /* SEND: a client message (message.h), built when popped */
     uint64_t number;      /* RELEASE grant, MEMORY bytes, ADMIT bytes */
     uint64_t request;     /* ADMIT */
     int has_resident;     /* MEMORY, RELEASE: resident= is sent (EVICTED: always) */
@@ -183,6 +180,11 @@ struct nvs_core {
     double ping_sent; /* > 0: the lease lapsed, HEARTBEAT + QUERY went out at this time and
                        * the STATUS answer (or a not-registered ERROR before it) decides */
     char client_id[64];
+    /* What the scheduler sent that this build cannot read (docs/protocol.md, "Unknown words"):
+     * each unknown word field is warned about once (a bit per field, as nvs_msg's
+     * unknown_words), unknown message types at most once per UNKNOWN_WARNING_PERIOD_S. */
+    uint64_t unknown_words_warned;
+    double unknown_type_next_warning;
 
     struct nvs_core_queued queue[NVS_CORE_MAX_ACTIONS];
     unsigned head, count;

@@ -2,6 +2,11 @@
  * Codec of the client protocol, version 1 (docs/protocol.md). It must accept and produce
  * exactly what nvshare_py/protocol.py accepts and produces: tests/test_wire.py checks the two
  * against each other. Pure functions over caller-owned buffers: no allocation, no state.
+ *
+ * The parser and the builder walk field tables expanded from protocol_table.h (generated from
+ * nvshare_py/protocol_table.py): one loop per direction, one case per kind of value. Its length
+ * (some 700 lines) is strict UTF-8 and value checking, a parser and a builder; nothing in it is
+ * per message, so it does not grow with the protocol.
  */
 #include "message.h"
 
@@ -9,29 +14,24 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Limits of docs/protocol.md (MAX_MESSAGE, MAX_VALUE, MAX_FIELDS in protocol.py). */
+/* Line and key limits of docs/protocol.md the table does not name. */
 enum {
-    MESSAGE_MAX = 4096,
-    VALUE_MAX = 1024,
-    FIELDS_MAX = 32,
     KEY_MAX = 32,
-    TYPE_MAX = 16,
     VERSION_DIGITS_MAX = 4,
     UINT_DIGITS_MAX = 19,
 };
-#define PROTOCOL_VERSION 1
 #define HEADER_PREFIX "NVSHARE/1 " /* what builders write: this side speaks version 1 */
-#define UINT_LIMIT ((uint64_t)INT64_MAX) /* integers are below 2^63 */
 
-static const char *const release_reasons[] = {"idle", "drop", "quantum", "revoke", "user", NULL};
-static const char *const drop_reasons[] = {"quantum", "mode", "memory", "conflict", NULL};
-static const char *const revoke_reasons[] = {"grace-expired", NULL};
-static const char *const refuse_reasons[] = {"timeout", "too-large", "limit", NULL};
-static const char *const error_codes[] = {
-    "malformed",  "too-large",      "unsupported-version", "unknown-type",
-    "bad-field",  "not-registered", "already-registered",  NULL,
-};
-static const char *const modes[] = {"on", "off", "auto", NULL};
+/* Each vocabulary's words, NULL-terminated, in the order of its enum (index + 1 = number). */
+#define WORD_TEXT(constant, text) text,
+#define VOCABULARY_WORDS(name, NAME) static const char *const name##_words[] = {NVS_##NAME##_WORDS(WORD_TEXT) NULL};
+NVS_VOCABULARIES(VOCABULARY_WORDS)
+#undef VOCABULARY_WORDS
+#undef WORD_TEXT
+/* The parser stores a word's number through an int (memcpy): every word enum is int-sized. */
+#define INT_SIZED(name, NAME) _Static_assert(sizeof(enum nvs_##name) == sizeof(int), "enum nvs_" #name " is not int-sized");
+NVS_VOCABULARIES(INT_SIZED)
+#undef INT_SIZED
 
 /* ---- character classes ------------------------------------------------------------------ */
 
@@ -108,6 +108,95 @@ static int device_valid(const char *s, size_t n)
     return 1;
 }
 
+/* A word of the protocol's form: [a-z][a-z0-9-]*, at most NVS_WORD_MAX characters. */
+static int word_valid(const char *s, size_t n)
+{
+    if (n == 0 || n > NVS_WORD_MAX || s[0] < 'a' || s[0] > 'z')
+        return 0;
+    for (size_t i = 1; i < n; i++)
+        if (!((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= '0' && s[i] <= '9') || s[i] == '-'))
+            return 0;
+    return 1;
+}
+
+/* ---- the field tables --------------------------------------------------------------------- */
+
+enum field_kind { FIELD_DEVICE, FIELD_UINT, FIELD_TEXT, FIELD_SESSION, FIELD_DEVICES, FIELD_FLAG, FIELD_WORD, FIELD_JSON };
+enum field_presence { FIELD_REQUIRED, FIELD_OPTIONAL, FIELD_NULLABLE };
+
+#define NO_MEMBER SIZE_MAX
+
+struct field_spec {
+    enum nvs_msg_type type;
+    const char *key;
+    size_t key_len;
+    enum field_kind kind;
+    enum field_presence presence;
+    size_t offset;              /* the value's member (a word's text when parsed) */
+    size_t size;                /* capacity of a char array member; a JSON value's byte limit */
+    size_t number_offset;       /* parsed word: its number's member; nullable: has_<member> */
+    const char *const *words;   /* word: its vocabulary */
+    uint64_t default_number;    /* optional number or flag: its value when absent */
+    const char *default_text;   /* optional text or word: its value when absent */
+};
+
+#define MSG_MEMBER(member) offsetof(struct nvs_msg, member), sizeof(((struct nvs_msg *)0)->member)
+#define OUT_MEMBER(member) offsetof(struct nvs_out, member), 0
+#define HAS_MSG_REQUIRED(member) NO_MEMBER
+#define HAS_MSG_OPTIONAL(member) NO_MEMBER
+#define HAS_MSG_NULLABLE(member) offsetof(struct nvs_msg, has_##member)
+#define HAS_OUT_REQUIRED(member) NO_MEMBER
+#define HAS_OUT_OPTIONAL(member) NO_MEMBER
+#define HAS_OUT_NULLABLE(member) offsetof(struct nvs_out, has_##member)
+
+/* What the parser reads: F(TYPE, key, KIND, PRESENCE, member, detail, default). */
+#define READ_DEVICE(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_DEVICE, FIELD_##p, MSG_MEMBER(m), NO_MEMBER, NULL, 0, v},
+#define READ_UINT(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_UINT, FIELD_##p, MSG_MEMBER(m), HAS_MSG_##p(m), NULL, v, ""},
+#define READ_TEXT(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_TEXT, FIELD_##p, MSG_MEMBER(m), NO_MEMBER, NULL, 0, v},
+#define READ_FLAG(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_FLAG, FIELD_##p, MSG_MEMBER(m), NO_MEMBER, NULL, v, ""},
+#define READ_WORD(t, k, p, m, d, v) \
+    {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_WORD, FIELD_##p, MSG_MEMBER(m##_text), offsetof(struct nvs_msg, d), d##_words, 0, v},
+#define READ_JSON(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_JSON, FIELD_##p, NO_MEMBER, d, NO_MEMBER, NULL, 0, ""},
+#define READ(t, k, kind, p, m, d, v) READ_##kind(t, k, p, m, d, v)
+static const struct field_spec read_fields[] = {NVS_SCHEDULER_FIELDS(READ)};
+
+/* What the builder writes. */
+#define WRITE_DEVICE(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_DEVICE, FIELD_##p, OUT_MEMBER(m), NO_MEMBER, NULL, 0, v},
+#define WRITE_UINT(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_UINT, FIELD_##p, OUT_MEMBER(m), HAS_OUT_##p(m), NULL, v, ""},
+#define WRITE_TEXT(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_TEXT, FIELD_##p, OUT_MEMBER(m), NO_MEMBER, NULL, 0, v},
+#define WRITE_SESSION(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_SESSION, FIELD_##p, OUT_MEMBER(m), NO_MEMBER, NULL, 0, v},
+#define WRITE_DEVICES(t, k, p, m, d, v) \
+    {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_DEVICES, FIELD_##p, OUT_MEMBER(m), offsetof(struct nvs_out, n_##m), NULL, 0, ""},
+#define WRITE_FLAG(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_FLAG, FIELD_##p, OUT_MEMBER(m), NO_MEMBER, NULL, v, ""},
+#define WRITE_WORD(t, k, p, m, d, v) {NVS_MSG_##t, #k, sizeof #k - 1, FIELD_WORD, FIELD_##p, OUT_MEMBER(m), NO_MEMBER, d##_words, 0, v},
+#define WRITE(t, k, kind, p, m, d, v) WRITE_##kind(t, k, p, m, d, v)
+static const struct field_spec write_fields[] = {NVS_CLIENT_FIELDS(WRITE)};
+
+#define COUNT(array) (sizeof(array) / sizeof((array)[0]))
+
+#define TYPE_NAME(TYPE) [NVS_MSG_##TYPE] = #TYPE,
+static const char *const type_names[NVS_MSG_UNKNOWN + 1] = {NVS_SCHEDULER_MESSAGES(TYPE_NAME) NVS_CLIENT_MESSAGES(TYPE_NAME)};
+#undef TYPE_NAME
+
+const char *nvs_msg_type_name(enum nvs_msg_type type)
+{
+    return (unsigned)type <= NVS_MSG_UNKNOWN && type_names[type] ? type_names[type] : "";
+}
+
+static int is_scheduler_message(enum nvs_msg_type type)
+{
+#define IS_TYPE(TYPE) || type == NVS_MSG_##TYPE
+    return 0 NVS_SCHEDULER_MESSAGES(IS_TYPE);
+#undef IS_TYPE
+}
+
+static int is_client_message(enum nvs_msg_type type)
+{
+#define IS_TYPE(TYPE) || type == NVS_MSG_##TYPE
+    return 0 NVS_CLIENT_MESSAGES(IS_TYPE);
+#undef IS_TYPE
+}
+
 /* ---- parser --------------------------------------------------------------------------------- */
 
 struct span {
@@ -121,13 +210,18 @@ static int span_equals(struct span s, const char *literal)
     return s.n == n && memcmp(s.p, literal, n) == 0;
 }
 
-/* Index of s in a NULL-terminated list, or -1. */
-static int choice_index(struct span s, const char *const *choices)
+static int key_is(struct span key, const struct field_spec *f)
 {
-    for (int i = 0; choices[i]; i++)
-        if (span_equals(s, choices[i]))
-            return i;
-    return -1;
+    return key.n == f->key_len && memcmp(key.p, f->key, key.n) == 0;
+}
+
+/* Number of s in a NULL-terminated vocabulary (index + 1), 0 when it is not there. */
+static int word_number(struct span s, const char *const *words)
+{
+    for (int i = 0; words[i]; i++)
+        if (span_equals(s, words[i]))
+            return i + 1;
+    return 0;
 }
 
 /* Unsigned decimal below 2^63, at most 19 ASCII digits (leading zeros allowed, as in Python). */
@@ -143,7 +237,7 @@ static int parse_uint(struct span s, uint64_t *out)
             return -1;
         value = value * 10 + (uint64_t)(c - '0'); /* 19 digits cannot overflow 64 bits */
     }
-    if (value > UINT_LIMIT)
+    if (value > NVS_UINT_MAX)
         return -1;
     *out = value;
     return 0;
@@ -166,148 +260,31 @@ static void copy_text(char *dst, size_t cap, struct span s)
     dst[n] = '\0';
 }
 
-enum field_kind {
-    FIELD_DEVICE, /* device id, into a char array */
-    FIELD_UINT,   /* into a uint64_t */
-    FIELD_TEXT,   /* any value, into a char array (cut at a character boundary) */
-    FIELD_CHOICE, /* one of `choices`, into a char array */
-    FIELD_MODE,   /* on/off/auto (never stored) */
-    FIELD_FLAG,   /* 0 or 1, into an int */
-};
-
-#define NOT_STORED SIZE_MAX /* validated like the Python codec, then dropped */
-
-struct field_spec {
-    const char *key;
-    enum field_kind kind;
-    size_t offset; /* into struct nvs_msg, or NOT_STORED */
-    size_t size;   /* capacity of a char array */
-    const char *const *choices;
-};
-
-#define MEMBER_SIZE(member) sizeof(((struct nvs_msg *)0)->member)
-#define STORED(key, kind, member, choices) \
-    { key, kind, offsetof(struct nvs_msg, member), MEMBER_SIZE(member), choices }
-
-struct message_spec {
-    const char *type;
-    enum nvs_msg_type id;
-    const struct field_spec *required;
-    size_t n_required;
-    const struct field_spec *optional;
-    size_t n_optional;
-};
-
-static const struct field_spec welcome_fields[] = {
-    STORED("client", FIELD_TEXT, client, NULL),
-    STORED("heartbeat_ms", FIELD_UINT, heartbeat_ms, NULL),
-    STORED("idle_release_ms", FIELD_UINT, idle_release_ms, NULL),
-    {"version", FIELD_UINT, NOT_STORED, 0, NULL},
-};
-static const struct field_spec welcome_optional[] = {
-    STORED("admission", FIELD_FLAG, admission, NULL),
-};
-static const struct field_spec admitted_fields[] = {
-    STORED("device", FIELD_DEVICE, device, NULL),
-    STORED("request", FIELD_UINT, request, NULL),
-    STORED("bytes", FIELD_UINT, bytes, NULL),
-};
-static const struct field_spec refused_fields[] = {
-    STORED("device", FIELD_DEVICE, device, NULL),
-    STORED("request", FIELD_UINT, request, NULL),
-    STORED("reason", FIELD_CHOICE, reason, refuse_reasons),
-};
-static const struct field_spec grant_fields[] = {
-    STORED("device", FIELD_DEVICE, device, NULL),
-    STORED("grant", FIELD_UINT, grant, NULL),
-    {"mode", FIELD_MODE, NOT_STORED, 0, NULL},
-    {"exclusive", FIELD_FLAG, NOT_STORED, 0, NULL},
-    STORED("quantum_ms", FIELD_UINT, quantum_ms, NULL),
-};
-static const struct field_spec grant_optional[] = {
-    STORED("prefetch", FIELD_UINT, prefetch_bytes, NULL),
-};
-static const struct field_spec drop_fields[] = {
-    STORED("device", FIELD_DEVICE, device, NULL),
-    STORED("grant", FIELD_UINT, grant, NULL),
-    {"grace_ms", FIELD_UINT, NOT_STORED, 0, NULL},
-    STORED("reason", FIELD_CHOICE, reason, drop_reasons),
-};
-static const struct field_spec drop_optional[] = {
-    STORED("evict", FIELD_UINT, evict_bytes, NULL),
-};
-static const struct field_spec evict_fields[] = {
-    STORED("device", FIELD_DEVICE, device, NULL),
-    STORED("bytes", FIELD_UINT, evict_bytes, NULL),
-};
-static const struct field_spec contended_fields[] = {
-    STORED("device", FIELD_DEVICE, device, NULL),
-    STORED("grant", FIELD_UINT, grant, NULL),
-    STORED("quantum_left_ms", FIELD_UINT, quantum_left_ms, NULL),
-};
-static const struct field_spec revoke_fields[] = {
-    STORED("device", FIELD_DEVICE, device, NULL),
-    STORED("grant", FIELD_UINT, grant, NULL),
-    STORED("reason", FIELD_CHOICE, reason, revoke_reasons),
-};
-static const struct field_spec mode_fields[] = {
-    STORED("device", FIELD_DEVICE, device, NULL),
-    {"mode", FIELD_MODE, NOT_STORED, 0, NULL},
-    STORED("quantum_ms", FIELD_UINT, quantum_ms, NULL),
-};
-static const struct field_spec limit_fields[] = {
-    STORED("device", FIELD_DEVICE, device, NULL),
-    STORED("bytes", FIELD_UINT, bytes, NULL),
-};
-static const struct field_spec error_required[] = {
-    STORED("code", FIELD_CHOICE, code, error_codes),
-};
-static const struct field_spec error_optional[] = {
-    STORED("detail", FIELD_TEXT, detail, NULL),
-    STORED("type", FIELD_TEXT, error_type, NULL),
-};
-
-#define FIELDS(array) array, sizeof(array) / sizeof(array[0])
-
-static const struct message_spec scheduler_messages[] = {
-    {"WELCOME", NVS_MSG_WELCOME, FIELDS(welcome_fields), FIELDS(welcome_optional)},
-    {"GRANT", NVS_MSG_GRANT, FIELDS(grant_fields), FIELDS(grant_optional)},
-    {"DROP", NVS_MSG_DROP, FIELDS(drop_fields), FIELDS(drop_optional)},
-    {"EVICT", NVS_MSG_EVICT, FIELDS(evict_fields), NULL, 0},
-    {"CONTENDED", NVS_MSG_CONTENDED, FIELDS(contended_fields), NULL, 0},
-    {"REVOKE", NVS_MSG_REVOKE, FIELDS(revoke_fields), NULL, 0},
-    {"MODE", NVS_MSG_MODE, FIELDS(mode_fields), NULL, 0},
-    {"ADMITTED", NVS_MSG_ADMITTED, FIELDS(admitted_fields), NULL, 0},
-    {"REFUSED", NVS_MSG_REFUSED, FIELDS(refused_fields), NULL, 0},
-    {"LIMIT", NVS_MSG_LIMIT, FIELDS(limit_fields), NULL, 0},
-    {"ERROR", NVS_MSG_ERROR, FIELDS(error_required), FIELDS(error_optional)},
-};
-
-/* `NVSHARE/<1-4 digits> <[A-Z]{1,16}>`; the type is returned in *type. */
-static int parse_header(struct span line, struct span *type)
+/* `NVSHARE/<1-4 digits> <[A-Z]{1,16}>`; the type is returned in *type, the version in *version. */
+static int parse_header(struct span line, struct span *type, unsigned *version)
 {
     static const char prefix[] = "NVSHARE/";
     size_t i = sizeof prefix - 1, digits = 0;
-    unsigned version = 0;
 
+    *version = 0;
     if (line.n < i || memcmp(line.p, prefix, i) != 0)
         return -1;
     for (; i < line.n && line.p[i] >= '0' && line.p[i] <= '9'; i++, digits++)
-        version = version * 10 + (unsigned)(line.p[i] - '0');
+        *version = *version * 10 + (unsigned)(line.p[i] - '0');
     if (digits == 0 || digits > VERSION_DIGITS_MAX || i == line.n || line.p[i] != ' ')
         return -1;
     type->p = line.p + i + 1;
     type->n = line.n - i - 1;
-    if (type->n == 0 || type->n > TYPE_MAX)
+    if (type->n == 0 || type->n > NVS_TYPE_MAX)
         return -1;
     for (size_t k = 0; k < type->n; k++)
         if (type->p[k] < 'A' || type->p[k] > 'Z')
             return -1;
-    /* A well-formed message of another version is still not one this side can read. */
-    return version == PROTOCOL_VERSION ? 0 : -1;
+    return 0;
 }
 
-/* `key=value` with the key and value rules of docs/protocol.md. */
+/* `key=value` with the key rules of docs/protocol.md and no control character in the value
+ * (its length is checked once its field is known). */
 static int parse_field_line(struct span line, struct span *key, struct span *value)
 {
     const char *eq = memchr(line.p, '=', line.n);
@@ -323,77 +300,107 @@ static int parse_field_line(struct span line, struct span *key, struct span *val
     for (size_t i = 1; i < key->n; i++)
         if (!is_key_char((unsigned char)key->p[i]))
             return -1;
-    if (value->n > VALUE_MAX)
-        return -1;
     for (size_t i = 0; i < value->n; i++)
         if (is_control((unsigned char)value->p[i]))
             return -1;
     return 0;
 }
 
-static int store_field(const struct field_spec *f, struct span value, struct nvs_msg *out)
+/* Store `value` (or, for an absent optional field, its default) into its member. `bit`: the
+ * field's bit in unknown_words (word fields). */
+static void store_word_number(struct nvs_msg *out, const struct field_spec *f, int number)
 {
-    char *dst = f->offset == NOT_STORED ? NULL : (char *)out + f->offset;
-    uint64_t number;
+    memcpy((char *)out + f->number_offset, &number, sizeof number);
+}
+
+/* An absent optional field reads as its default (a nullable number's has_ stays 0). */
+static int read_default(const struct field_spec *f, struct nvs_msg *out)
+{
+    char *member = (char *)out + f->offset;
+    struct span text = {f->default_text, strlen(f->default_text)};
     int flag;
 
+    switch (f->kind) {
+    case FIELD_UINT:
+        memcpy(member, &f->default_number, sizeof f->default_number);
+        return 0;
+    case FIELD_FLAG:
+        flag = (int)f->default_number;
+        memcpy(member, &flag, sizeof flag);
+        return 0;
+    case FIELD_WORD:
+        store_word_number(out, f, word_number(text, f->words));
+        copy_text(member, f->size, text);
+        return 0;
+    case FIELD_DEVICE:
+    case FIELD_TEXT:
+        copy_text(member, f->size, text);
+        return 0;
+    default:
+        return -1; /* JSON, and the kinds only client messages have, are never optional here */
+    }
+}
+
+/* Store `value` into its member. `bit`: the field's bit in unknown_words (word fields). */
+static int read_value(const struct field_spec *f, struct span value, unsigned bit, struct nvs_msg *out)
+{
+    uint64_t number;
+    int flag, known;
+
+    if (f->kind == FIELD_JSON) /* only its length: no client reads the document (nvs_msg_parse) */
+        return value.n <= f->size ? 0 : -1;
+    char *member = (char *)out + f->offset;
     switch (f->kind) {
     case FIELD_DEVICE:
         if (!device_valid(value.p, value.n))
             return -1;
-        if (dst)
-            copy_text(dst, f->size, value);
+        copy_text(member, f->size, value);
         return 0;
     case FIELD_UINT:
         if (parse_uint(value, &number) < 0)
             return -1;
-        if (dst)
-            memcpy(dst, &number, sizeof number);
+        memcpy(member, &number, sizeof number);
+        if (f->number_offset != NO_MEMBER) { /* a nullable number: it was said */
+            flag = 1;
+            memcpy((char *)out + f->number_offset, &flag, sizeof flag);
+        }
         return 0;
     case FIELD_TEXT:
-        if (dst)
-            copy_text(dst, f->size, value);
+        copy_text(member, f->size, value);
         return 0;
-    case FIELD_CHOICE:
-        if (choice_index(value, f->choices) < 0)
-            return -1;
-        if (dst)
-            copy_text(dst, f->size, value);
-        return 0;
-    case FIELD_MODE: /* validated only: the client does not act on the mode */
-        return choice_index(value, modes) < 0 ? -1 : 0;
     case FIELD_FLAG:
         if (!span_equals(value, "0") && !span_equals(value, "1"))
             return -1;
         flag = value.p[0] == '1';
-        if (dst)
-            memcpy(dst, &flag, sizeof flag);
+        memcpy(member, &flag, sizeof flag);
         return 0;
+    case FIELD_WORD:
+        /* Open: a word of the right form is read even when it is not in the vocabulary. */
+        if (!word_valid(value.p, value.n))
+            return -1;
+        copy_text(member, f->size, value);
+        known = word_number(value, f->words);
+        store_word_number(out, f, known);
+        if (!known)
+            out->unknown_words |= (uint64_t)1 << bit;
+        return 0;
+    default:
+        return -1; /* a kind only client messages have: protocol_gen.py keeps it out */
     }
-    return -1;
-}
-
-/* The value of `key` among the message's fields, or NULL. */
-static const struct span *find_value(const struct span *keys, const struct span *values, size_t n,
-                                     const char *key)
-{
-    for (size_t i = 0; i < n; i++)
-        if (span_equals(keys[i], key))
-            return &values[i];
-    return NULL;
 }
 
 int nvs_msg_parse(const char *buf, size_t len, struct nvs_msg *out)
 {
-    struct span keys[FIELDS_MAX], values[FIELDS_MAX], line, type;
-    const struct message_spec *spec = NULL;
+    struct span keys[NVS_FIELDS_MAX], values[NVS_FIELDS_MAX], line, type;
     const char *cursor, *end;
     size_t n_fields = 0;
+    enum nvs_msg_type id = NVS_MSG_NONE;
+    unsigned version;
 
     if (!out)
         return -1;
     memset(out, 0, sizeof *out);
-    if (!buf || len > MESSAGE_MAX || !utf8_valid((const unsigned char *)buf, len))
+    if (!buf || len > NVS_MESSAGE_MAX || !utf8_valid((const unsigned char *)buf, len))
         return -1;
 
     /* Lines are separated by '\n'; one empty trailing line is allowed. */
@@ -408,29 +415,25 @@ int nvs_msg_parse(const char *buf, size_t len, struct nvs_msg *out)
         line.n = (size_t)((newline ? newline : end) - cursor);
 
         if (first) {
-            if (parse_header(line, &type) < 0)
+            /* A well-formed message of another version is still not one this side can read. */
+            if (parse_header(line, &type, &version) < 0 || version != NVS_PROTOCOL_VERSION)
                 return -1;
-            for (size_t i = 0; i < sizeof scheduler_messages / sizeof scheduler_messages[0]; i++)
-                if (span_equals(type, scheduler_messages[i].type)) {
-                    spec = &scheduler_messages[i];
-                    break;
-                }
-            if (!spec && span_equals(type, "STATUS")) {
-                /* The answer to this client's QUERY (a liveness check, client_core.c): only its
-                 * arrival matters, so the document (longer than other values) is not read. */
-                out->type = NVS_MSG_STATUS;
+            for (int t = NVS_MSG_NONE + 1; t < NVS_MSG_UNKNOWN && id == NVS_MSG_NONE; t++)
+                if (is_scheduler_message((enum nvs_msg_type)t) && span_equals(type, type_names[t]))
+                    id = (enum nvs_msg_type)t;
+            if (id == NVS_MSG_NONE) {
+                /* Not one a client reads (a newer scheduler's): the caller ignores it. */
+                out->type = NVS_MSG_UNKNOWN;
+                copy_text(out->unknown_type, sizeof out->unknown_type, type);
                 return 0;
             }
-            if (!spec)
-                return -1;
         } else {
-            if (n_fields == FIELDS_MAX)
+            if (n_fields == NVS_FIELDS_MAX)
                 return -1;
             if (parse_field_line(line, &keys[n_fields], &values[n_fields]) < 0)
                 return -1;
             for (size_t i = 0; i < n_fields; i++)
-                if (keys[i].n == keys[n_fields].n &&
-                    memcmp(keys[i].p, keys[n_fields].p, keys[i].n) == 0)
+                if (keys[i].n == keys[n_fields].n && memcmp(keys[i].p, keys[n_fields].p, keys[i].n) == 0)
                     return -1; /* a key may appear once, known or not */
             n_fields++;
         }
@@ -439,26 +442,60 @@ int nvs_msg_parse(const char *buf, size_t len, struct nvs_msg *out)
         cursor = newline + 1;
     }
 
-    for (size_t i = 0; i < spec->n_required; i++) {
-        const struct span *value = find_value(keys, values, n_fields, spec->required[i].key);
-        if (!value || store_field(&spec->required[i], *value, out) < 0)
+    /* Every value within NVS_VALUE_MAX, except a JSON document (read_value checks its own limit). */
+    for (size_t i = 0; i < n_fields; i++) {
+        int json = 0;
+        for (size_t k = 0; values[i].n > NVS_VALUE_MAX && k < COUNT(read_fields) && !json; k++)
+            json = read_fields[k].type == id && read_fields[k].kind == FIELD_JSON && key_is(keys[i], &read_fields[k]);
+        if (values[i].n > NVS_VALUE_MAX && !json)
             return -1;
     }
-    for (size_t i = 0; i < spec->n_optional; i++) {
-        const struct span *value = find_value(keys, values, n_fields, spec->optional[i].key);
-        if (value && store_field(&spec->optional[i], *value, out) < 0)
-            return -1;
+    unsigned bit = 0;
+    for (size_t k = 0; k < COUNT(read_fields); k++) {
+        const struct field_spec *f = &read_fields[k];
+        if (f->type == id) {
+            const struct span *value = NULL;
+            for (size_t i = 0; i < n_fields && !value; i++)
+                if (key_is(keys[i], f))
+                    value = &values[i];
+            if ((value ? read_value(f, *value, bit, out) : f->presence == FIELD_REQUIRED ? -1 : read_default(f, out)) < 0) {
+                memset(out, 0, sizeof *out);
+                return -1;
+            }
+        }
+        bit += f->kind == FIELD_WORD;
     }
-    out->type = spec->id;
+    out->type = id;
     return 0;
 }
 
-/* ---- builders ------------------------------------------------------------------------------ */
+int nvs_msg_unknown_word(const struct nvs_msg *m, unsigned bit, const char **type, const char **key,
+                         const char **word)
+{
+    unsigned index = 0;
+
+    for (size_t k = 0; m && k < COUNT(read_fields); k++) {
+        const struct field_spec *f = &read_fields[k];
+        if (f->kind != FIELD_WORD)
+            continue;
+        if (index++ != bit)
+            continue;
+        if (f->type != m->type)
+            return -1;
+        *type = type_names[f->type];
+        *key = f->key;
+        *word = (const char *)m + f->offset;
+        return 0;
+    }
+    return -1;
+}
+
+/* ---- builder ------------------------------------------------------------------------------- */
 
 /* Appends to a caller's buffer; remembers whether anything did not fit or was invalid. */
 struct writer {
     char *buf;
-    size_t cap; /* min(caller's capacity, MESSAGE_MAX) */
+    size_t cap; /* min(caller's capacity, NVS_MESSAGE_MAX) */
     size_t len;
     int failed;
 };
@@ -475,15 +512,6 @@ static void put_bytes(struct writer *w, const void *p, size_t n)
     w->len += n;
 }
 
-static struct writer writer_start(char *buf, size_t cap, const char *type)
-{
-    struct writer w = {buf, cap < MESSAGE_MAX ? cap : MESSAGE_MAX, 0, buf == NULL};
-
-    put_bytes(&w, HEADER_PREFIX, sizeof HEADER_PREFIX - 1);
-    put_bytes(&w, type, strlen(type));
-    return w;
-}
-
 static void put_key(struct writer *w, const char *key)
 {
     put_bytes(w, "\n", 1);
@@ -496,7 +524,7 @@ static void put_uint(struct writer *w, const char *key, uint64_t value)
     char digits[20];
     size_t n = 0;
 
-    if (value > UINT_LIMIT) {
+    if (value > NVS_UINT_MAX) {
         w->failed = 1;
         return;
     }
@@ -508,37 +536,38 @@ static void put_uint(struct writer *w, const char *key, uint64_t value)
     put_bytes(w, digits + sizeof digits - n, n);
 }
 
-static void put_device(struct writer *w, const char *key, const char *device)
+/* A value checked by `valid` (device id, word, session): NULL or "" is left out when optional. */
+static void put_checked(struct writer *w, const struct field_spec *f, const char *value, int valid)
 {
-    size_t n = device ? strlen(device) : 0;
-
-    if (!device_valid(device, n)) {
+    if ((!value || !*value) && f->presence != FIELD_REQUIRED)
+        return;
+    if (!value || !valid) {
         w->failed = 1;
         return;
     }
-    put_key(w, key);
-    put_bytes(w, device, n);
+    put_key(w, f->key);
+    put_bytes(w, value, strlen(value));
 }
 
 /*
- * A free text (host name, program, device name...): omitted when empty; bytes that are not
- * well-formed UTF-8 and control characters become '?', so that the scheduler accepts the
+ * A free text (host name, program, device name...): omitted when empty and optional; bytes that
+ * are not well-formed UTF-8 and control characters become '?', so that the scheduler accepts the
  * message; cut at a character boundary to the protocol's value limit.
  */
-static void put_text(struct writer *w, const char *key, const char *text)
+static void put_text(struct writer *w, const struct field_spec *f, const char *text)
 {
     const unsigned char *s = (const unsigned char *)text;
     size_t remaining = text ? strlen(text) : 0, written = 0;
 
-    if (remaining == 0)
+    if (remaining == 0 && f->presence != FIELD_REQUIRED)
         return;
-    put_key(w, key);
+    put_key(w, f->key);
     while (remaining > 0) {
         size_t len = utf8_sequence(s, remaining);
         int replace = len == 0 || (len == 1 && is_control(s[0]));
         size_t out_len = replace ? 1 : len;
 
-        if (written + out_len > VALUE_MAX)
+        if (written + out_len > NVS_VALUE_MAX)
             break;
         put_bytes(w, replace ? "?" : (const char *)s, out_len);
         written += out_len;
@@ -556,7 +585,7 @@ static void put_device_list(struct writer *w, const char *key, const char *const
 
     if (n == 0)
         return;
-    if (!ids) {
+    if (!ids || n > NVS_DEVICES_MAX) {
         w->failed = 1;
         return;
     }
@@ -568,7 +597,7 @@ static void put_device_list(struct writer *w, const char *key, const char *const
         }
         value_len += len + (i > 0);
     }
-    if (value_len > VALUE_MAX) {
+    if (value_len > NVS_VALUE_MAX) {
         w->failed = 1;
         return;
     }
@@ -582,120 +611,88 @@ static void put_device_list(struct writer *w, const char *key, const char *const
 
 static int session_valid(const char *session)
 {
-    for (int i = 0; i < 16; i++) {
-        char c = session[i];
-        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')))
+    size_t n = strlen(session);
+
+    if (n != NVS_SESSION_DIGITS)
+        return 0;
+    for (size_t i = 0; i < n; i++)
+        if (!((session[i] >= '0' && session[i] <= '9') || (session[i] >= 'a' && session[i] <= 'f')))
             return 0;
+    return 1;
+}
+
+static void write_field(struct writer *w, const struct field_spec *f, const struct nvs_out *out)
+{
+    const char *member = (const char *)out + f->offset;
+    const char *text;
+    uint64_t number;
+    int flag;
+
+    switch (f->kind) {
+    case FIELD_UINT:
+        memcpy(&number, member, sizeof number);
+        if (f->presence == FIELD_NULLABLE) {
+            memcpy(&flag, (const char *)out + f->number_offset, sizeof flag);
+            if (!flag)
+                return;
+        } else if (f->presence == FIELD_OPTIONAL && number == f->default_number) {
+            return;
+        }
+        put_uint(w, f->key, number);
+        return;
+    case FIELD_FLAG:
+        memcpy(&flag, member, sizeof flag);
+        if (f->presence == FIELD_OPTIONAL && (uint64_t)(flag != 0) == f->default_number)
+            return;
+        put_key(w, f->key);
+        put_bytes(w, flag ? "1" : "0", 1);
+        return;
+    case FIELD_DEVICES: {
+        const char *const *ids;
+        size_t n;
+        memcpy(&ids, member, sizeof ids);
+        memcpy(&n, (const char *)out + f->number_offset, sizeof n);
+        put_device_list(w, f->key, ids, n);
+        return;
     }
-    return session[16] == '\0';
+    default:
+        break;
+    }
+    memcpy(&text, member, sizeof text);
+    switch (f->kind) {
+    case FIELD_DEVICE:
+        put_checked(w, f, text, text && device_valid(text, strlen(text)));
+        return;
+    case FIELD_SESSION:
+        put_checked(w, f, text, text && session_valid(text));
+        return;
+    case FIELD_WORD: {
+        /* A sender speaks only words it knows; its default goes without saying. */
+        struct span word = {text, text ? strlen(text) : 0};
+        if (text && f->presence == FIELD_OPTIONAL && strcmp(text, f->default_text) == 0)
+            return;
+        put_checked(w, f, text, text && word_number(word, f->words) > 0);
+        return;
+    }
+    case FIELD_TEXT:
+        put_text(w, f, text);
+        return;
+    default:
+        w->failed = 1; /* a kind only scheduler messages have: protocol_gen.py keeps it out */
+        return;
+    }
 }
 
-static size_t writer_finish(const struct writer *w)
+size_t nvs_msg_build(char *buf, size_t cap, enum nvs_msg_type type, const struct nvs_out *out)
 {
-    return w->failed ? 0 : w->len;
-}
+    struct writer w = {buf, cap < NVS_MESSAGE_MAX ? cap : NVS_MESSAGE_MAX, 0, buf == NULL || out == NULL};
 
-size_t nvs_msg_hello(char *buf, size_t cap, const struct nvs_hello *hello)
-{
-    struct writer w = writer_start(buf, cap, "HELLO");
-
-    if (!hello || hello->pid < 0 || !session_valid(hello->session))
+    if (!is_client_message(type))
         return 0;
-    put_uint(&w, "pid", (uint64_t)hello->pid);
-    put_key(&w, "session");
-    put_bytes(&w, hello->session, 16);
-    put_text(&w, "host", hello->host);
-    put_text(&w, "container", hello->container);
-    put_text(&w, "pod", hello->pod);
-    put_text(&w, "namespace", hello->namespace_);
-    put_text(&w, "program", hello->program);
-    put_device_list(&w, "held", hello->held, hello->n_held);
-    put_device_list(&w, "wanted", hello->wanted, hello->n_wanted);
-    return writer_finish(&w);
-}
-
-size_t nvs_msg_device(char *buf, size_t cap, const char *device, uint64_t total, const char *name)
-{
-    struct writer w = writer_start(buf, cap, "DEVICE");
-
-    put_device(&w, "device", device);
-    put_uint(&w, "total", total);
-    put_text(&w, "name", name);
-    return writer_finish(&w);
-}
-
-size_t nvs_msg_memory(char *buf, size_t cap, const char *device, uint64_t used, const uint64_t *resident)
-{
-    struct writer w = writer_start(buf, cap, "MEMORY");
-
-    put_device(&w, "device", device);
-    put_uint(&w, "used", used);
-    if (resident)
-        put_uint(&w, "resident", *resident);
-    return writer_finish(&w);
-}
-
-size_t nvs_msg_acquire(char *buf, size_t cap, const char *device)
-{
-    struct writer w = writer_start(buf, cap, "ACQUIRE");
-
-    put_device(&w, "device", device);
-    return writer_finish(&w);
-}
-
-size_t nvs_msg_admit(char *buf, size_t cap, const char *device, uint64_t request, uint64_t bytes)
-{
-    struct writer w = writer_start(buf, cap, "ADMIT");
-
-    put_device(&w, "device", device);
-    put_uint(&w, "request", request);
-    put_uint(&w, "bytes", bytes);
-    return writer_finish(&w);
-}
-
-size_t nvs_msg_release(char *buf, size_t cap, const char *device, uint64_t grant, const char *reason,
-                       const uint64_t *resident)
-{
-    struct writer w = writer_start(buf, cap, "RELEASE");
-    struct span reason_span = {reason, reason ? strlen(reason) : 0};
-
-    if (!reason || choice_index(reason_span, release_reasons) < 0)
-        return 0;
-    put_device(&w, "device", device);
-    put_uint(&w, "grant", grant);
-    put_key(&w, "reason");
-    put_bytes(&w, reason, reason_span.n);
-    if (resident)
-        put_uint(&w, "resident", *resident);
-    return writer_finish(&w);
-}
-
-size_t nvs_msg_evicted(char *buf, size_t cap, const char *device, uint64_t resident)
-{
-    struct writer w = writer_start(buf, cap, "EVICTED");
-
-    put_device(&w, "device", device);
-    put_uint(&w, "resident", resident);
-    return writer_finish(&w);
-}
-
-size_t nvs_msg_heartbeat(char *buf, size_t cap)
-{
-    struct writer w = writer_start(buf, cap, "HEARTBEAT");
-
-    return writer_finish(&w);
-}
-
-size_t nvs_msg_query(char *buf, size_t cap)
-{
-    struct writer w = writer_start(buf, cap, "QUERY");
-
-    return writer_finish(&w);
-}
-
-size_t nvs_msg_bye(char *buf, size_t cap)
-{
-    struct writer w = writer_start(buf, cap, "BYE");
-
-    return writer_finish(&w);
+    put_bytes(&w, HEADER_PREFIX, sizeof HEADER_PREFIX - 1);
+    put_bytes(&w, type_names[type], strlen(type_names[type]));
+    for (size_t k = 0; k < COUNT(write_fields) && !w.failed; k++)
+        if (write_fields[k].type == type)
+            write_field(&w, &write_fields[k], out);
+    return w.failed ? 0 : w.len;
 }

@@ -62,7 +62,7 @@ from typing import Callable, Iterator
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import protocol
+from . import protocol, vocabulary
 from .paths import SocketPaths
 
 log = logging.getLogger("nvshare.client")
@@ -196,6 +196,9 @@ class Client:
         self.limits: dict[str, int] = {}
         self.heartbeat_interval = 1.0
         self.idle_release = 1.0
+        # What a newer scheduler sends that this library cannot read is said once (docs/protocol.md,
+        # "Unknown words, unknown types").
+        self._unknown_said = protocol.WarnOnce()
 
         self._cond = threading.Condition()  # guards the lock state and the flags below
         self._devices: dict[str, _DeviceState] = {}
@@ -334,7 +337,7 @@ class Client:
 
     def announce(self, device: str, total: int, name: str = "") -> None:
         """Tell the scheduler a device's memory size (DEVICE)."""
-        message = protocol.Device(device=device, total=total, name=name)
+        message = protocol.DeviceAnnouncement(device=device, total=total, name=name)
         message.encode()  # reject bad values here, not on the I/O thread
         with self._cond:
             self._check_usable()
@@ -608,7 +611,7 @@ class Client:
             now = time.monotonic()
             for device, state in self._devices.items():
                 if state.total is not None:
-                    outgoing.append(protocol.Device(device=device, total=state.total, name=state.name))
+                    outgoing.append(protocol.DeviceAnnouncement(device=device, total=state.total, name=state.name))
                 if state.used is not None:
                     outgoing.append(protocol.Memory(device=device, used=state.used))
                     state.used_dirty, state.used_sent_at = False, now
@@ -621,9 +624,20 @@ class Client:
         try:
             message = protocol.decode(frames[0], protocol.SCHEDULER_MESSAGES)
         except protocol.ProtocolError as exc:
-            log.warning("nvshare scheduler sent an unreadable message: %s", exc)
+            if exc.code != "unknown-type":
+                log.warning("nvshare scheduler sent an unreadable message: %s", exc)
+            elif self._unknown_said.first(exc.msg_type):
+                log.warning("nvshare scheduler sent a %s message, a type this nvshare_py does not know: ignored",
+                            exc.msg_type)
             return
-        self._handlers[type(message)](self, message)
+        for key, word in protocol.unknown_words(message):
+            # Acted on all the same: each handler does what the message requires whatever the word.
+            if self._unknown_said.first((message.TYPE, key, word)):
+                log.warning("nvshare scheduler sent %s %s=%s, a word this nvshare_py does not know: acting on the "
+                            "%s as usual", message.TYPE, key, word, message.TYPE)
+        handler = self._handlers.get(type(message))
+        if handler is not None:  # none: a message for clients that take part in what it is about (ADMITTED)
+            handler(self, message)
 
     def _on_welcome(self, message: protocol.Welcome) -> None:
         with self._cond:
@@ -637,7 +651,10 @@ class Client:
         self._wake_io()  # heartbeats start now
 
     def _on_grant(self, message: protocol.Grant) -> None:
-        grant = Grant(message.device, message.grant, message.mode, message.exclusive, message.quantum_ms / 1000)
+        # A mode this library does not know counts as exclusive: the program may use the device
+        # as if it were alone on it, as in mode on.
+        exclusive = message.exclusive or message.mode not in vocabulary.MODE
+        grant = Grant(message.device, message.grant, message.mode, exclusive, message.quantum_ms / 1000)
         with self._cond:
             state = self._state(message.device)
             if state.grant is not None or (state.waiting and state.acquirers):

@@ -32,6 +32,8 @@ import threading
 from ctypes import POINTER, byref, c_char, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_p
 from dataclasses import dataclass
 
+from .vocabulary import gpu_uuid
+
 __all__ = ["Device", "Driver", "DriverError", "DriverNotFound", "FAMILIES", "KERNELS_PTX", "VIAS"]
 
 # nvshare_sleep(uint64 duration_us): spins on %globaltimer (nanoseconds) for the duration.
@@ -235,11 +237,6 @@ class _Allocation:
     handle: int = 0  # vmm: the cuMemCreate handle
 
 
-def _uuid_text(raw: bytes) -> str:
-    digits = raw.hex()
-    return f"GPU-{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
-
-
 class Driver:
     """The CUDA driver of this process, loaded from ``library`` and initialised (``cuInit``).
 
@@ -364,7 +361,7 @@ class Driver:
             self._call("cuDeviceGetUuid_v2", byref(uuid), handle)
             total = c_size_t()
             self._call("cuDeviceTotalMem_v2", byref(total), handle)
-            found.append(Device(index, _uuid_text(bytes(uuid)), name.value.decode(), total.value))
+            found.append(Device(index, gpu_uuid(bytes(uuid)), name.value.decode(), total.value))
         return found
 
     def device_attribute(self, attribute: int, device: int = 0) -> int:

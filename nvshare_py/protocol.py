@@ -1,4 +1,4 @@
-"""Wire protocol v1 of the client socket: message types and their text codec.
+"""Wire protocol v1 of the client socket: the message classes and their text codec.
 
 See docs/protocol.md. Every message is one ZeroMQ frame of at most MAX_MESSAGE bytes:
 
@@ -6,69 +6,78 @@ See docs/protocol.md. Every message is one ZeroMQ frame of at most MAX_MESSAGE b
     key=value
     ...
 
+The messages are declared once, in nvshare_py/protocol_table.py: the classes at the end of this
+module are generated from it (`python -m nvshare_py.protocol_gen`; the docstring of
+protocol_table.py says how to add a message or a field), and the codec below reads its
+schemas from it. Never edit the generated classes (about half of this module's length: the
+hand-written codec is some 300 lines).
+
+Porting a message or field written as a hand-made dataclass here (before the table): give it a
+row in protocol_table.MESSAGES with one `required(name, KIND)` per field that had
+`_meta(parse)` and one `optional(name, KIND, default)` per field that had
+`_meta(parse, False, omit=...)` (its `omit` value, or its dataclass default, becomes the
+default: a sender leaves the field out while it holds it). Kinds: `_device` DEVICE, `_uint`
+UINT, `_text` TEXT, `_session` SESSION, `_devices` DEVICES, `_flag` FLAG, `_json_object` JSON,
+`_choice(X)` WORD with `words=` X's vocabulary in nvshare_py/vocabulary.py (a new list of
+choices becomes a new Vocabulary there). A text the C client reads needs `c_size`. Run the
+generator, then drop the hand-written C for it: message.c parses and builds every message of
+the table (client_core.c reads `m.<field>`; a word's text is `m.<field>_text`, its number
+`m.<vocabulary>`; a client message is built from `struct nvs_out`).
+
 `decode` raises ProtocolError (with one of the documented error codes) on anything it does not
-accept, so the daemon can answer with an ERROR message instead of crashing.
+accept, so the daemon can answer with an ERROR message instead of crashing. It accepts keys it
+does not know (and ignores them) and words it does not know (kept as text: `unknown_words` names
+them); the receiver acts on what the message requires whatever the word (docs/protocol.md,
+"Unknown words"). `encode` writes only words of the field's vocabulary.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import re
-from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Final, Hashable, Mapping
 
-VERSION = 1
-MAX_MESSAGE = 4096
+from . import vocabulary
+from .protocol_table import BY_TYPE, Field, Kind, Sender
+# The protocol's limits, for this module's users (defined with the table).
+from .protocol_table import MAX_DEVICES as MAX_DEVICES
+from .protocol_table import MAX_FIELDS as MAX_FIELDS
+from .protocol_table import MAX_INT as MAX_INT
+from .protocol_table import MAX_MESSAGE as MAX_MESSAGE
+from .protocol_table import MAX_VALUE as MAX_VALUE
+from .protocol_table import STATUS_DOCUMENT_MAX as STATUS_DOCUMENT_MAX
+from .protocol_table import VERSION as VERSION
+
 # The control socket (JSON, docs/protocol.md): request and reply size limits.
 CONTROL_REQUEST_MAX = 64 * 1024
 CONTROL_REPLY_MAX = 8 * 1024 * 1024
 # The daemon keeps this many lock events, and one `events` request returns at most this many.
 CONTROL_EVENTS_MAX = 10_000
-MAX_FIELDS = 32
-MAX_VALUE = 1024
-MAX_INT = 2**63 - 1
-# Devices one registration may name (HELLO's held and wanted, DEVICE, MEMORY, ACQUIRE): bounds
-# what one client makes the scheduler keep and work on (issue 12).
-MAX_DEVICES = 64
-
-MODES = ("on", "off", "auto")
-RELEASE_REASONS = ("idle", "drop", "quantum", "revoke", "user")
-DROP_REASONS = ("quantum", "mode", "memory", "conflict")
-REVOKE_REASONS = ("grace-expired",)
-ADMISSION_POLICIES = ("fifo", "best-fit", "recent", "random")
-REFUSE_REASONS = ("timeout", "too-large", "limit")
-ERROR_CODES = (
-    "malformed",
-    "too-large",
-    "unsupported-version",
-    "unknown-type",
-    "bad-field",
-    "not-registered",
-    "already-registered",
-)
 
 _HEADER = re.compile(r"NVSHARE/([0-9]{1,4}) ([A-Z]{1,16})\Z")
+_PREFIX = f"NVSHARE/{VERSION} "
 _KEY = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
-_DEVICE = re.compile(r"[A-Za-z0-9-]{1,96}\Z")
 _SESSION = re.compile(r"[0-9a-f]{16}\Z")
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL_CHARS_BUT_NEWLINE = re.compile(r"[\x00-\x09\x0b-\x1f\x7f]")
 
 
 class ProtocolError(ValueError):
     """A message that cannot be accepted; `code` is the ERROR code to answer with."""
 
-    def __init__(self, code: str, detail: str, msg_type: str = "") -> None:
+    def __init__(self, code: vocabulary.ErrorCode, detail: str, msg_type: str = "") -> None:
         super().__init__(f"{code}: {detail}")
-        self.code = code
+        self.code: vocabulary.ErrorCode = code
         self.detail = detail
         self.msg_type = msg_type
 
 
-# Field kinds: how a dataclass field is written and parsed.
+# --- values: how each Kind of field is read and written ------------------------------------
+
+
 def _device(value: str) -> str:
-    if not _DEVICE.match(value):
+    if not vocabulary.DEVICE_ID.match(value):
         raise ValueError("not a device id")
     return value
 
@@ -102,27 +111,17 @@ def _devices(value: str) -> tuple[str, ...]:
     return tuple(_device(item) for item in items)
 
 
-def _choice(options: tuple[str, ...]):
-    def parse(value: str) -> str:
-        if value not in options:
-            raise ValueError(f"must be one of {', '.join(options)}")
-        return value
-
-    return parse
-
-
 def _flag(value: str) -> bool:
     if value not in ("0", "1"):
         raise ValueError("must be 0 or 1")
     return value == "1"
 
 
-def _format(value: object) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, tuple):
-        return ",".join(value)
-    return str(value)
+def _word(value: str) -> str:
+    # Open: any word is read; the receiver decides what one it does not know means.
+    if not vocabulary.WORD_FORM.match(value):
+        raise ValueError("not a word ([a-z][a-z0-9-]*, at most 32 characters)")
+    return value
 
 
 def _json_object(value: str) -> str:
@@ -135,44 +134,103 @@ def _json_object(value: str) -> str:
     return value
 
 
-def _meta(parse, required: bool = True, max_bytes: int = MAX_VALUE, omit: object = "") -> dict:
-    """`omit`: an optional field holding this value is left out of the encoded message (the
-    residency fields are written only when they say something, so a handoff whose memory fits
-    reads exactly as before they existed)."""
-    return {"parse": parse, "required": required, "max_bytes": max_bytes, "omit": omit}
+_PARSE: Final[dict[Kind, Callable[[str], object]]] = {
+    Kind.DEVICE: _device, Kind.UINT: _uint, Kind.TEXT: _text, Kind.SESSION: _session, Kind.DEVICES: _devices,
+    Kind.FLAG: _flag, Kind.WORD: _word, Kind.JSON: _json_object,
+}
 
 
-@functools.cache
-def _schema(cls: type) -> tuple[tuple[str, Callable[[str], object], bool, object], ...]:
-    """(name, parser, required, omitted value) of each field; computed once per message type
-    because the codec is on the lock-handoff path."""
-    return tuple((f.name, f.metadata["parse"], f.metadata["required"], f.metadata["omit"])
-                 for f in dataclasses.fields(cls))
+def _formatter(message_type: str, f: Field) -> Callable[[Any], str]:
+    """What `encode` writes for the value of `f`: checked as the decoder would check it (a
+    sender writes only what its receivers accept, and only words of the field's vocabulary)."""
+    where = f"{message_type}.{f.name}"
 
+    def checked(parse: Callable[[str], object], text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        return text
 
-@functools.cache
-def _longer_values(cls: type) -> dict[str, int]:
-    """The fields of `cls` whose values may exceed MAX_VALUE, with their own limit."""
-    return {f.name: f.metadata["max_bytes"] for f in dataclasses.fields(cls) if f.metadata["max_bytes"] != MAX_VALUE}
+    if f.kind is Kind.UINT:
+        def uint(value: int) -> str:
+            if value.__class__ is not int or not 0 <= value <= MAX_INT:
+                raise ValueError(f"{where}: {value!r} is not an integer in 0..2^63-1")
+            return str(value)
+        return uint
+    if f.kind is Kind.FLAG:
+        return lambda value: "1" if value else "0"
+    if f.kind is Kind.WORD:
+        words = f.words
+        assert words is not None
+
+        def word(value: str) -> str:
+            if value not in words:
+                raise ValueError(f"{where}: {value!r} is not one of {words.describe()}")
+            return value
+        return word
+    if f.kind is Kind.DEVICE:
+        return lambda value: checked(_device, value)
+    if f.kind is Kind.SESSION:
+        return lambda value: checked(_session, value)
+    if f.kind is Kind.DEVICES:
+        return lambda value: checked(_devices, ",".join(value))
+    return lambda value: value  # TEXT, JSON: their length and characters are checked in encode
 
 
 @dataclass(frozen=True)
+class _Schema:
+    """One message type's fields as the codec walks them; built once per type at import
+    because the codec is on the lock-handoff path."""
+
+    header: str
+    # decode: (name, parse, required, default) in the table's order
+    fields: tuple[tuple[str, Callable[[str], object], bool, object], ...]
+    # encode: (name, format, optional, default, free text, byte limit)
+    writers: tuple[tuple[str, Callable[[Any], str], bool, object, bool, int], ...]
+    known: frozenset[str]  # its keys
+    limits: Mapping[str, int]  # the keys whose values may exceed MAX_VALUE, with their own limit
+    words: tuple[tuple[str, vocabulary.Vocabulary], ...]  # the word fields and their vocabularies
+
+
+def _schema(message_type: str) -> _Schema:
+    spec = BY_TYPE[message_type]
+    return _Schema(
+        header=f"NVSHARE/{VERSION} {message_type}",
+        fields=tuple((f.name, _PARSE[f.kind], not f.optional, f.default) for f in spec.fields),
+        writers=tuple((f.name, _formatter(message_type, f), f.optional, f.default,
+                       f.kind in (Kind.TEXT, Kind.JSON, Kind.DEVICES), f.max_bytes) for f in spec.fields),
+        known=frozenset(f.name for f in spec.fields),
+        limits={f.name: f.max_bytes for f in spec.fields if f.max_bytes != MAX_VALUE},
+        words=tuple((f.name, f.words) for f in spec.fields if f.words is not None),
+    )
+
+
 class Message:
+    """A message of the client socket; its subclasses are generated from protocol_table.py."""
+
+    __slots__ = ()
     TYPE: ClassVar[str] = ""
+    _SCHEMA: ClassVar[_Schema]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.TYPE:
+            cls._SCHEMA = _schema(cls.TYPE)
 
     def encode(self) -> bytes:
-        lines = [f"NVSHARE/{VERSION} {self.TYPE}"]
-        longer = _longer_values(type(self))
-        for name, _, required, omit in _schema(type(self)):
+        schema = self._SCHEMA
+        lines = [schema.header]
+        for name, write, optional, default, free, limit in schema.writers:
             value = getattr(self, name)
-            if not required and (value == () or value == omit):
-                continue
-            text = _format(value)
-            if _CONTROL_CHARS.search(text):
-                raise ValueError(f"{self.TYPE}.{name} contains control characters")
-            limit = longer.get(name, MAX_VALUE)
-            if len(text.encode()) > limit:
-                raise ValueError(f"{self.TYPE}.{name} is longer than {limit} bytes")
+            if optional and value == default:
+                continue  # absent reads as the default
+            text = write(value)
+            if free:
+                if _CONTROL_CHARS.search(text):
+                    raise ValueError(f"{self.TYPE}.{name} contains control characters")
+                if len(text) * 4 > limit and len(text.encode()) > limit:
+                    raise ValueError(f"{self.TYPE}.{name} is longer than {limit} bytes")
             lines.append(f"{name}={text}")
         data = "\n".join(lines).encode()
         if len(data) > MAX_MESSAGE:
@@ -180,228 +238,37 @@ class Message:
         return data
 
 
-# --- client -> scheduler -------------------------------------------------------------------
+def unknown_words(message: Message) -> list[tuple[str, str]]:
+    """(field, word) of each word field whose word is not in its vocabulary: the receiver acts
+    on the message all the same (docs/protocol.md, "Unknown words") and may say what it could
+    not read."""
+    return [(name, getattr(message, name)) for name, words in message._SCHEMA.words
+            if getattr(message, name) not in words]
 
 
-@dataclass(frozen=True)
-class Hello(Message):
-    TYPE: ClassVar[str] = "HELLO"
-    pid: int = field(metadata=_meta(_uint))
-    session: str = field(metadata=_meta(_session))
-    host: str = field(default="", metadata=_meta(_text, False))
-    container: str = field(default="", metadata=_meta(_text, False))
-    pod: str = field(default="", metadata=_meta(_text, False))
-    namespace: str = field(default="", metadata=_meta(_text, False))
-    program: str = field(default="", metadata=_meta(_text, False))
-    held: tuple[str, ...] = field(default=(), metadata=_meta(_devices, False))
-    wanted: tuple[str, ...] = field(default=(), metadata=_meta(_devices, False))
+class WarnOnce:
+    """Says yes the first time it sees a key, for at most `limit` different keys: warnings a
+    peer can provoke at will (unknown words, unknown message types) stay few."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self._seen: set[Hashable] = set()
+        self._limit = limit
+
+    def first(self, key: Hashable) -> bool:
+        if key in self._seen or len(self._seen) >= self._limit:
+            return False
+        self._seen.add(key)
+        return True
 
 
-@dataclass(frozen=True)
-class Device(Message):
-    TYPE: ClassVar[str] = "DEVICE"
-    device: str = field(metadata=_meta(_device))
-    total: int = field(metadata=_meta(_uint))
-    name: str = field(default="", metadata=_meta(_text, False))
+class _StatusDocument(Message):
+    """STATUS carries a JSON document: `Status.of` builds the message, `document` reads it."""
 
-
-@dataclass(frozen=True)
-class Memory(Message):
-    """`resident` (optional): the client's converted bytes it believes are on the device; None
-    (absent) from a client that does not take part in residency (docs/protocol.md, Residency)."""
-
-    TYPE: ClassVar[str] = "MEMORY"
-    device: str = field(metadata=_meta(_device))
-    used: int = field(metadata=_meta(_uint))
-    resident: int | None = field(default=None, metadata=_meta(_uint, False, omit=None))
-
-
-@dataclass(frozen=True)
-class Acquire(Message):
-    TYPE: ClassVar[str] = "ACQUIRE"
-    device: str = field(metadata=_meta(_device))
-
-
-@dataclass(frozen=True)
-class Release(Message):
-    TYPE: ClassVar[str] = "RELEASE"
-    device: str = field(metadata=_meta(_device))
-    grant: int = field(metadata=_meta(_uint))
-    reason: str = field(default="user", metadata=_meta(_choice(RELEASE_REASONS), False))
-    # After the eviction a DROP asked for: what stays on the device (as MEMORY.resident).
-    resident: int | None = field(default=None, metadata=_meta(_uint, False, omit=None))
-
-
-@dataclass(frozen=True)
-class Evicted(Message):
-    """The answer to EVICT: the client's converted bytes still on the device."""
-
-    TYPE: ClassVar[str] = "EVICTED"
-    device: str = field(metadata=_meta(_device))
-    resident: int = field(metadata=_meta(_uint))
-
-
-@dataclass(frozen=True)
-class Admit(Message):
-    """Before an allocation takes the process's total on the device past what was admitted:
-    it wants the total to reach `bytes`, and waits for ADMITTED or REFUSED naming `request`.
-    `request=0` gives admission back down to `bytes` (its use fell); it has no answer."""
-
-    TYPE: ClassVar[str] = "ADMIT"
-    device: str = field(metadata=_meta(_device))
-    request: int = field(metadata=_meta(_uint))
-    bytes: int = field(metadata=_meta(_uint))
-
-
-@dataclass(frozen=True)
-class Heartbeat(Message):
-    TYPE: ClassVar[str] = "HEARTBEAT"
-
-
-@dataclass(frozen=True)
-class Bye(Message):
-    TYPE: ClassVar[str] = "BYE"
-
-
-@dataclass(frozen=True)
-class Query(Message):
-    """What the scheduler knows of the asking process's registrations; allowed before HELLO and
-    answered by STATUS. The connection that asks need not be registered (and is not by asking)."""
-
-    TYPE: ClassVar[str] = "QUERY"
-
-
-# --- scheduler -> client -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Welcome(Message):
-    TYPE: ClassVar[str] = "WELCOME"
-    client: str = field(metadata=_meta(_text))
-    heartbeat_ms: int = field(metadata=_meta(_uint))
-    idle_release_ms: int = field(metadata=_meta(_uint))
-    version: int = field(default=VERSION, metadata=_meta(_uint))
-    # 1: this scheduler answers ADMIT (clients ask before crossing their admitted totals);
-    # absent or 0: clients never ask.
-    admission: bool = field(default=False, metadata=_meta(_flag, False, omit=False))
-
-
-@dataclass(frozen=True)
-class Grant(Message):
-    TYPE: ClassVar[str] = "GRANT"
-    device: str = field(metadata=_meta(_device))
-    grant: int = field(metadata=_meta(_uint))
-    mode: str = field(metadata=_meta(_choice(MODES)))
-    exclusive: bool = field(metadata=_meta(_flag))
-    quantum_ms: int = field(metadata=_meta(_uint))
-    # Bytes of the grantee's evicted memory it may bring back in bulk as the gate opens.
-    prefetch: int = field(default=0, metadata=_meta(_uint, False, omit=0))
-
-
-@dataclass(frozen=True)
-class Drop(Message):
-    TYPE: ClassVar[str] = "DROP"
-    device: str = field(metadata=_meta(_device))
-    grant: int = field(metadata=_meta(_uint))
-    grace_ms: int = field(metadata=_meta(_uint))
-    reason: str = field(metadata=_meta(_choice(DROP_REASONS)))
-    # Bytes of converted memory the holder moves to the host in bulk before its RELEASE.
-    evict: int = field(default=0, metadata=_meta(_uint, False, omit=0))
-
-
-@dataclass(frozen=True)
-class Evict(Message):
-    """To a client that does not hold the lock: move `bytes` of its converted memory to the
-    host now, to make room for a grant, and answer EVICTED."""
-
-    TYPE: ClassVar[str] = "EVICT"
-    device: str = field(metadata=_meta(_device))
-    bytes: int = field(metadata=_meta(_uint))
-
-
-@dataclass(frozen=True)
-class Contended(Message):
-    """Others wait for the device while this grant's quantum runs: the holder may drain ahead
-    of its end so that the lock changes hands on time. A notice: nothing must be done."""
-
-    TYPE: ClassVar[str] = "CONTENDED"
-    device: str = field(metadata=_meta(_device))
-    grant: int = field(metadata=_meta(_uint))
-    quantum_left_ms: int = field(metadata=_meta(_uint))
-
-
-@dataclass(frozen=True)
-class Revoke(Message):
-    TYPE: ClassVar[str] = "REVOKE"
-    device: str = field(metadata=_meta(_device))
-    grant: int = field(metadata=_meta(_uint))
-    reason: str = field(metadata=_meta(_choice(REVOKE_REASONS)))
-
-
-@dataclass(frozen=True)
-class ModeNotice(Message):
-    TYPE: ClassVar[str] = "MODE"
-    device: str = field(metadata=_meta(_device))
-    mode: str = field(metadata=_meta(_choice(MODES)))
-    quantum_ms: int = field(metadata=_meta(_uint))
-
-
-@dataclass(frozen=True)
-class Admitted(Message):
-    """The answer to ADMIT `request`: the process may hold up to `bytes` on the device (at
-    least what it asked; more is a chunk given ahead so that it need not ask again soon)."""
-
-    TYPE: ClassVar[str] = "ADMITTED"
-    device: str = field(metadata=_meta(_device))
-    request: int = field(metadata=_meta(_uint))
-    bytes: int = field(metadata=_meta(_uint))
-
-
-@dataclass(frozen=True)
-class Limit(Message):
-    """The memory limit the scheduler sets for this client on the device (nvsharectl
-    set-limit); 0: none from the scheduler. It can only lower the process's own
-    NVSHARE_MEMORY_LIMIT: the client applies the smaller of the two."""
-
-    TYPE: ClassVar[str] = "LIMIT"
-    device: str = field(metadata=_meta(_device))
-    bytes: int = field(metadata=_meta(_uint))
-
-
-@dataclass(frozen=True)
-class Refused(Message):
-    """The answer to ADMIT `request` when it will not be admitted: `too-large` (more than the
-    whole capacity), `timeout` (waited past the admission timeout), `limit` (past a limit set
-    for the client). The allocation fails with CUDA_ERROR_OUT_OF_MEMORY."""
-
-    TYPE: ClassVar[str] = "REFUSED"
-    device: str = field(metadata=_meta(_device))
-    request: int = field(metadata=_meta(_uint))
-    reason: str = field(metadata=_meta(_choice(REFUSE_REASONS)))
-
-
-@dataclass(frozen=True)
-class Error(Message):
-    TYPE: ClassVar[str] = "ERROR"
-    code: str = field(metadata=_meta(_choice(ERROR_CODES)))
-    detail: str = field(default="", metadata=_meta(_text, False))
-    type: str = field(default="", metadata=_meta(_text, False))
-
-
-# "NVSHARE/1 STATUS\njson=": what the document may fill of the message.
-STATUS_DOCUMENT_MAX = MAX_MESSAGE - len(f"NVSHARE/{VERSION} STATUS\njson=")
-
-
-@dataclass(frozen=True)
-class Status(Message):
-    """The answer to QUERY: `json` is a compact JSON object (docs/protocol.md, Queries); the only
-    value allowed to be longer than MAX_VALUE. Build it with `Status.of(document)`."""
-
-    TYPE: ClassVar[str] = "STATUS"
-    json: str = field(metadata=_meta(_json_object, max_bytes=STATUS_DOCUMENT_MAX))
+    __slots__ = ()
+    json: str
 
     @classmethod
-    def of(cls, document: dict) -> "Status":
+    def of(cls, document: Mapping[str, Any]) -> Status:
         """Encode `document`, leaving out devices from the end of its "devices" list until it
         fits; "truncated" then says how many were left out."""
         devices = list(document.get("devices", ()))
@@ -412,25 +279,20 @@ class Status(Message):
                 shown["truncated"] = left_out
             text = json.dumps(shown, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
             if len(text.encode()) <= STATUS_DOCUMENT_MAX or not devices:
-                return cls(json=text)
+                return Status(json=text)
             devices.pop()
             left_out += 1
 
-    def document(self) -> dict:
-        return json.loads(self.json)
+    def document(self) -> dict[str, Any]:
+        document: dict[str, Any] = json.loads(self.json)
+        return document
 
 
-CLIENT_MESSAGES = {m.TYPE: m for m in (Hello, Device, Memory, Acquire, Admit, Release, Evicted, Heartbeat, Bye,
-                                       Query)}
-# What a registered client may receive. STATUS is not among them: only a connection that sent
-# QUERY receives it, and it reads replies with QUERY_REPLIES.
-SCHEDULER_MESSAGES = {m.TYPE: m for m in (Welcome, Grant, Drop, Evict, Contended, Revoke, ModeNotice, Limit, Admitted,
-                                          Refused, Error)}
-QUERY_REPLIES = {m.TYPE: m for m in (Status, Error)}
-
-
-def decode(data: bytes, catalogue: dict[str, type[Message]] = CLIENT_MESSAGES) -> Message:
-    """Parse one frame; `catalogue` says which side's messages are acceptable."""
+def decode(data: bytes, catalogue: Mapping[str, type[Message]] | None = None) -> Message:
+    """Parse one frame; `catalogue` says which side's messages are acceptable (by default the
+    client's: what the scheduler reads)."""
+    if catalogue is None:
+        catalogue = CLIENT_MESSAGES
     if len(data) > MAX_MESSAGE:
         raise ProtocolError("too-large", f"{len(data)} bytes, limit {MAX_MESSAGE}")
     try:
@@ -442,36 +304,339 @@ def decode(data: bytes, catalogue: dict[str, type[Message]] = CLIENT_MESSAGES) -
         lines.pop()
     if not lines:
         raise ProtocolError("malformed", "empty message")
-    header = _HEADER.match(lines[0])
-    if header is None:
-        raise ProtocolError("malformed", "first line must be 'NVSHARE/<version> <TYPE>'")
-    version, msg_type = int(header.group(1)), header.group(2)
-    if version != VERSION:
-        raise ProtocolError("unsupported-version", f"version {version}; this side speaks {VERSION}", msg_type)
-    cls = catalogue.get(msg_type)
+    first = lines[0]
+    # The usual header needs no regex: every type of a catalogue has the header's form.
+    cls = catalogue.get(first[len(_PREFIX):]) if first.startswith(_PREFIX) else None
     if cls is None:
-        raise ProtocolError("unknown-type", f"unknown message type {msg_type}", msg_type)
+        header = _HEADER.match(first)
+        if header is None:
+            raise ProtocolError("malformed", "first line must be 'NVSHARE/<version> <TYPE>'")
+        version, msg_type = int(header.group(1)), header.group(2)
+        if version != VERSION:
+            raise ProtocolError("unsupported-version", f"version {version}; this side speaks {VERSION}", msg_type)
+        cls = catalogue.get(msg_type)
+        if cls is None:
+            raise ProtocolError("unknown-type", f"unknown message type {msg_type}", msg_type)
+    msg_type = cls.TYPE
     if len(lines) - 1 > MAX_FIELDS:
         raise ProtocolError("malformed", f"more than {MAX_FIELDS} fields", msg_type)
+    schema = cls._SCHEMA
+    known, limits = schema.known, schema.limits
+    # Both checks of every value at once where they cannot fail: no control character in the
+    # whole text, no value longer than the whole message's bytes.
+    clean = _CONTROL_CHARS_BUT_NEWLINE.search(text) is None
+    short = len(data) <= MAX_VALUE
     raw: dict[str, str] = {}
-    longer = _longer_values(cls)
     for line in lines[1:]:
         key, sep, value = line.partition("=")
-        if not sep or not _KEY.match(key):
+        if not sep or key not in known and not _KEY.match(key):
             raise ProtocolError("malformed", f"bad field line {line[:40]!r}", msg_type)
         if key in raw:
             raise ProtocolError("malformed", f"field {key} repeated", msg_type)
-        if len(value.encode()) > longer.get(key, MAX_VALUE) or _CONTROL_CHARS.search(value):
+        if not short and len(value.encode()) > limits.get(key, MAX_VALUE) or not clean and _CONTROL_CHARS.search(value):
             raise ProtocolError("bad-field", f"field {key} too long or has control characters", msg_type)
         raw[key] = value
-    kwargs = {}
-    for name, parse, required, _ in _schema(cls):
-        if name not in raw:
+    values: list[object] = []
+    for name, parse, required, default in schema.fields:
+        text_value = raw.get(name)
+        if text_value is None:
             if required:
                 raise ProtocolError("bad-field", f"missing field {name}", msg_type)
+            values.append(default)
             continue
         try:
-            kwargs[name] = parse(raw[name])
+            values.append(parse(text_value))
         except ValueError as exc:
             raise ProtocolError("bad-field", f"field {name}: {exc}", msg_type) from None
-    return cls(**kwargs)
+    return cls(*values)
+
+
+# --- the messages --------------------------------------------------------------------------
+# generated: messages (python -m nvshare_py.protocol_gen writes what follows, up to "end")
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """Register this connection. `held`/`wanted` are sent after a reconnection: devices whose lock
+    the client still holds (its gate is open, or it is still draining its work) and devices it is
+    waiting for. Answered by `WELCOME`. At most 64 devices in each list and together (`ERROR
+    code=bad-field`, the connection stays unregistered)."""
+
+    TYPE: ClassVar[str] = "HELLO"
+    pid: int  # the client's pid in its own namespace
+    session: str  # random per process lifetime
+    host: str = ""
+    container: str = ""
+    pod: str = ""
+    namespace: str = ""
+    program: str = ""
+    held: tuple[str, ...] = ()
+    wanted: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceAnnouncement(Message):
+    """Describe a device this client uses. Sent once per device before its first `ACQUIRE` or
+    `MEMORY`. The daemon needs no GPU: this is how it learns the device's memory. `total` is the
+    client's measurement, `0` when it could not measure (no measurement). It never sets the budget
+    for others: the device's `total` is the figure while every registered client that measured the
+    device agrees, and unknown (0) while they disagree."""
+
+    TYPE: ClassVar[str] = "DEVICE"
+    device: str
+    total: int  # bytes
+    name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Memory(Message):
+    """Bytes this client has allocated on the device (managed + unconverted). Sent when it changes,
+    at most every 100 ms, and just before an `ACQUIRE`. `resident`, from a client that swaps (see
+    *Residency*): its converted bytes it believes are on the device (all of them once it ran after a
+    grant, less after it evicted). Absent: the client takes no part in residency, and all of `used`
+    counts as resident."""
+
+    TYPE: ClassVar[str] = "MEMORY"
+    device: str
+    used: int  # bytes
+    resident: int | None = None  # bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Acquire(Message):
+    """Ask for the device's lock. Idempotent while waiting or holding."""
+
+    TYPE: ClassVar[str] = "ACQUIRE"
+    device: str
+
+
+@dataclass(frozen=True, slots=True)
+class Admit(Message):
+    """Admission (see *Admission*): this process wants its total of memory on the device (what
+    `MEMORY` reports) to reach `bytes`, and its allocating thread waits for `ADMITTED` or `REFUSED`
+    naming `request` (> 0). Sent only to a scheduler whose `WELCOME` said `admission=1`, and only
+    when an allocation would take the total past what was admitted. One question per device at a
+    time. `request=0` gives admission back: the admitted total becomes `bytes` (below it), and
+    nothing is answered."""
+
+    TYPE: ClassVar[str] = "ADMIT"
+    device: str
+    request: int  # the client's number for the question
+    bytes: int  # the total wanted
+
+
+@dataclass(frozen=True, slots=True)
+class Release(Message):
+    """Give the lock of grant `grant` back. The client sends it only after its GPU work on that
+    device has drained. `quantum`: drained ahead of the quantum's end after `CONTENDED` (a `DROP`
+    that came during that drain changes nothing). A `RELEASE` for a grant that is not current is
+    ignored (logged at debug level): it is normal after a `REVOKE`. A reason the scheduler does not
+    know counts as `user`."""
+
+    TYPE: ClassVar[str] = "RELEASE"
+    device: str
+    grant: int
+    reason: str = "user"  # a word of vocabulary.RELEASE_REASON
+    resident: int | None = None  # bytes that stay on the device after a DROP with evict
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted(Message):
+    """The answer to `EVICT`: what of its converted memory is still on the device."""
+
+    TYPE: ClassVar[str] = "EVICTED"
+    device: str
+    resident: int  # bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(Message):
+    """Liveness. Sent every `heartbeat_ms` (from `WELCOME`) when nothing else was sent."""
+
+    TYPE: ClassVar[str] = "HEARTBEAT"
+
+
+@dataclass(frozen=True, slots=True)
+class Bye(Message):
+    """Clean exit: all locks of this client are released, its registration removed."""
+
+    TYPE: ClassVar[str] = "BYE"
+
+
+@dataclass(frozen=True, slots=True)
+class Query(Message):
+    """Ask what the scheduler knows of this *process*; answered by `STATUS`. Allowed before `HELLO`
+    and after it; it registers nothing (see *Queries*)."""
+
+    TYPE: ClassVar[str] = "QUERY"
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome(Message):
+    """Registration accepted. `idle_release_ms` is the operator's default idle window; a client's
+    `NVSHARE_IDLE_RELEASE_MS` overrides it. `admission=1`: this scheduler answers `ADMIT` (absent or
+    `0`: the client never asks). The client's admitted total then starts at what it had already
+    allocated."""
+
+    TYPE: ClassVar[str] = "WELCOME"
+    client: str  # the id shown in status, e.g. c12
+    heartbeat_ms: int
+    idle_release_ms: int
+    version: int = 1
+    admission: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Grant(Message):
+    """The lock is yours. Open the gate. `prefetch`: bring up to this many bytes of your evicted
+    memory back to the device in bulk (most recently used first) as the gate opens. A client that
+    does not know the `mode` acts as in mode `on`."""
+
+    TYPE: ClassVar[str] = "GRANT"
+    device: str
+    grant: int  # id, unique per daemon run
+    mode: str  # a word of vocabulary.MODE
+    exclusive: bool  # 1 in mode on, where the holder is alone by rule; 0 where others may be granted beside it
+    quantum_ms: int
+    prefetch: int = 0  # bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Drop(Message):
+    """Stop submitting, drain, send `RELEASE` with this `grant` (whatever the reason). If the
+    `RELEASE` has not arrived after `grace_ms`, the grant is revoked. A `conflict` DROP answers a
+    `held=` claim that is not honoured: its `grant` id was never sent in a `GRANT`, and is the one
+    to release. Inside the recovery window after a restart it carries the usual grace (a claim that
+    may not run beside the first claimant); outside it, `grace_ms=0` and the `REVOKE` follows at
+    once (see *Scheduling rules*). `evict`: after the drain and before the `RELEASE`, move at least
+    this many bytes of converted memory to host memory in bulk, and say in the `RELEASE` what stays
+    resident."""
+
+    TYPE: ClassVar[str] = "DROP"
+    device: str
+    grant: int
+    grace_ms: int
+    reason: str  # a word of vocabulary.DROP_REASON
+    evict: int = 0  # bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Evict(Message):
+    """To a client that does not hold the lock: move `bytes` of your converted memory to host memory
+    now (room for someone else's grant) and answer `EVICTED`."""
+
+    TYPE: ClassVar[str] = "EVICT"
+    device: str
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Contended(Message):
+    """A notice: others wait for the device, and this grant's quantum ends in `quantum_left_ms`
+    (then `DROP` follows). A holder with a long queue of GPU work may drain it ahead of time and
+    release with reason `quantum`, so that the lock changes hands when the quantum ends instead of a
+    drain later (docs/interceptor.md). Ignoring it is correct."""
+
+    TYPE: ClassVar[str] = "CONTENDED"
+    device: str
+    grant: int
+    quantum_left_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Revoke(Message):
+    """The grant is void (whatever the reason); the lock may already belong to someone else. Close
+    the gate at once, drain, and send `RELEASE` (ignored, but it keeps both sides' state in step).
+    Ask again with `ACQUIRE` if you still need the device."""
+
+    TYPE: ClassVar[str] = "REVOKE"
+    device: str
+    grant: int
+    reason: str  # a word of vocabulary.REVOKE_REASON
+
+
+@dataclass(frozen=True, slots=True)
+class ModeNotice(Message):
+    """The device's mode or time quantum changed (sent to every client that announced the device)."""
+
+    TYPE: ClassVar[str] = "MODE"
+    device: str
+    mode: str  # a word of vocabulary.MODE
+    quantum_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted(Message):
+    """The answer to `ADMIT` `request`: the process may hold up to `bytes` on the device, at least
+    what it asked (more is a chunk ahead, see *Admission*). The waiting allocation goes on."""
+
+    TYPE: ClassVar[str] = "ADMITTED"
+    device: str
+    request: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refused(Message):
+    """The answer to `ADMIT` `request` when it is not admitted: `too-large` at once when `bytes`
+    exceeds the node's whole capacity, `timeout` after the admission timeout, `limit` past a limit
+    set for the client. The waiting allocation fails with `CUDA_ERROR_OUT_OF_MEMORY` (whatever the
+    reason); nothing is allocated."""
+
+    TYPE: ClassVar[str] = "REFUSED"
+    device: str
+    request: int
+    reason: str  # a word of vocabulary.REFUSE_REASON
+
+
+@dataclass(frozen=True, slots=True)
+class Limit(Message):
+    """The memory limit the operator set for this client on the device (`set-limit` below). Sent
+    when the client first names the device (if a limit applies) and whenever the resolved limit
+    changes. The client applies the smaller of it and its own `NVSHARE_MEMORY_LIMIT`: a scheduler
+    limit can lower what the environment allows, never raise it. A new registration (`WELCOME`)
+    starts without the previous one's limits; those that still apply come again."""
+
+    TYPE: ClassVar[str] = "LIMIT"
+    device: str
+    bytes: int  # 0: none from the scheduler
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """The message was rejected; the connection stays usable."""
+
+    TYPE: ClassVar[str] = "ERROR"
+    code: str  # a word of vocabulary.ERROR_CODE
+    detail: str = ""
+    type: str = ""  # the offending message type, when known
+
+
+@dataclass(frozen=True, slots=True)
+class Status(_StatusDocument):
+    """The answer to `QUERY`; sent to no one else."""
+
+    TYPE: ClassVar[str] = "STATUS"
+    json: str  # compact, up to the 4096-byte message limit
+
+
+MESSAGE_CLASSES: Final[tuple[type[Message], ...]] = (Hello, DeviceAnnouncement, Memory, Acquire, Admit, Release,
+                                                    Evicted, Heartbeat, Bye, Query, Welcome, Grant, Drop, Evict,
+                                                    Contended, Revoke, ModeNotice, Admitted, Refused, Limit, Error,
+                                                    Status)
+
+
+# end of generated: messages
+
+
+def _catalogue(*, sender: Sender, replies_to: str = "") -> dict[str, type[Message]]:
+    return {cls.TYPE: cls for cls in MESSAGE_CLASSES
+            if BY_TYPE[cls.TYPE].sender is sender and BY_TYPE[cls.TYPE].reply_to == replies_to}
+
+
+CLIENT_MESSAGES: Final = _catalogue(sender=Sender.CLIENT)
+# What a registered client may receive. STATUS is not among them: only a connection that sent
+# QUERY receives it, and it reads replies with QUERY_REPLIES (ERROR included: any message may be
+# refused).
+SCHEDULER_MESSAGES: Final = _catalogue(sender=Sender.SCHEDULER)
+QUERY_REPLIES: Final = {**_catalogue(sender=Sender.SCHEDULER, replies_to="QUERY"), Error.TYPE: Error}

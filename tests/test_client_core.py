@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import pytest
 
+from nvshare_py import protocol_table as table
 from nvshare_py.scheduler import events as ev
 
 from fixtures.client_core import (
+    ACT_GATE,
+    ACT_LOG,
+    ACT_SEND,
+    RESULT_DRAINED,
     DRAINING,
     HOLDING,
     IDLE,
@@ -20,6 +25,8 @@ from fixtures.client_core import (
     SafetyViolation,
     World,
 )
+from test_client_core_swap import DEVICE as SCRIPTED_DEVICE
+from test_client_core_swap import Script, granted
 
 @pytest.fixture
 def world(client_core_lib):
@@ -283,3 +290,91 @@ def test_a_scheduler_limit_becomes_an_action_once_per_change_and_a_new_registrat
     world.restart_scheduler()
     world.advance(3.0)  # reconnected and registered again
     assert a.core.registered and a.devices[0].scheduler_limit == 0
+
+
+# --- what a newer scheduler may send (docs/protocol.md, "Unknown words, unknown types") ----------
+
+LOG_WARN, LOG_DEBUG = 1, 3
+
+
+def _warnings(actions) -> list[str]:
+    return [a.data.decode() for a in actions if a.kind == ACT_LOG and a.value == LOG_WARN]
+
+
+def _script(lib):
+    """One core, registered, holding grant 1 of its device (test_client_core_swap.Script)."""
+    s = Script(lib, used=1 << 20)
+    assert _gates(granted(s, grant=1)) == [1]
+    return s, SCRIPTED_DEVICE
+
+
+def _gates(actions) -> list[int]:
+    return [a.value for a in actions if a.kind == ACT_GATE]
+
+
+def _sent(actions) -> list[str]:
+    return [a.data.decode() for a in actions if a.kind == ACT_SEND]
+
+
+def test_a_revoke_closes_the_gate_and_releases_whatever_its_reason(client_core_lib):
+    """Issue 20: `REVOKE reason=preempted` left the gate open."""
+    s, device = _script(client_core_lib)
+    actions = s.receive("REVOKE", device=device, grant=1, reason="preempted")
+    assert _gates(actions) == [0] and s.core.state(0) == DRAINING
+    assert [w for w in _warnings(actions) if "REVOKE reason=preempted" in w]
+    [release] = [m for m in _sent(s.job_done(RESULT_DRAINED)) if "RELEASE" in m]
+    assert release.splitlines()[1:] == [f"device={device}", "grant=1", "reason=revoke"]
+
+
+def test_a_drop_drains_and_releases_whatever_its_reason(client_core_lib):
+    s, device = _script(client_core_lib)
+    actions = s.receive("DROP", device=device, grant=1, grace_ms=500, reason="rebalance")
+    assert _gates(actions) == [0] and s.core.state(0) == DRAINING
+    [release] = [m for m in _sent(s.job_done(RESULT_DRAINED)) if "RELEASE" in m]
+    assert "reason=drop" in release and s.core.state(0) == IDLE
+
+
+def test_a_grant_opens_the_gate_whatever_its_mode(client_core_lib):
+    """Issue 20: `GRANT mode=fair` left the process waiting forever."""
+    s = Script(client_core_lib, used=1 << 20)
+    s.want()
+    actions = s.receive("GRANT", device=SCRIPTED_DEVICE, grant=4, mode="fair", exclusive=0, quantum_ms=1000)
+    assert _gates(actions) == [1] and s.core.state(0) == HOLDING
+    assert [w for w in _warnings(actions) if "GRANT mode=fair" in w]
+
+
+def test_each_field_with_an_unknown_word_is_warned_about_once(client_core_lib):
+    s, device = _script(client_core_lib)
+    first = s.receive("MODE", device=device, mode="fair", quantum_ms=1000)
+    again = s.receive("MODE", device=device, mode="fairer", quantum_ms=1000)
+    other = s.receive("ERROR", code="rate-limited", detail="slow down")
+    assert len([w for w in _warnings(first) if "MODE mode=fair" in w]) == 1
+    assert not [w for w in _warnings(again) if "mode=" in w]
+    assert [a for a in again if a.kind == ACT_LOG and a.value == LOG_DEBUG and b"mode=fairer" in a.data]
+    assert [w for w in _warnings(other) if "ERROR code=rate-limited" in w]
+    assert [w for w in _warnings(other) if "rejected a message: rate-limited (slow down)" in w]
+    assert s.core.state(0) == HOLDING  # notices, acted on as usual: nothing else changed
+
+
+def test_a_message_type_it_does_not_know_is_ignored_and_said_at_most_once_a_minute(client_core_lib):
+    s, device = _script(client_core_lib)
+    actions = s.receive("TELEPORT", device=device, grant=1)
+    assert [w for w in _warnings(actions) if "TELEPORT" in w]
+    assert not _gates(actions) and not _sent(actions) and s.core.state(0) == HOLDING
+    s.now += 30
+    assert not _warnings(s.receive("TELEPORT"))
+    s.now += 31
+    assert [w for w in _warnings(s.receive("SWAPPED")) if "SWAPPED" in w]
+
+
+@pytest.mark.parametrize("msg_type, field", [(m.type, f.name) for m in table.MESSAGES for f in m.fields
+                                             if m.sender is table.Sender.SCHEDULER and f.kind is table.Kind.WORD])
+def test_every_word_field_of_the_scheduler_is_open(client_core_lib, msg_type, field):
+    """Whatever word field the table gives the scheduler's messages, the C core reads a word it
+    does not know (and says so) instead of dropping the message."""
+    s, device = _script(client_core_lib)
+    values = {f.name: {table.Kind.DEVICE: device, table.Kind.UINT: 1, table.Kind.TEXT: "t", table.Kind.FLAG: 1,
+                       table.Kind.WORD: "not-yet-invented"}[f.kind]
+              for f in table.BY_TYPE[msg_type].fields if not f.optional}
+    actions = s.receive(msg_type, **values)
+    assert [w for w in _warnings(actions) if f"{msg_type} {field}=not-yet-invented" in w]

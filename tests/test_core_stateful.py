@@ -53,7 +53,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from nvshare_py import protocol
+from nvshare_py import protocol, vocabulary
 from nvshare_py.scheduler import views
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
 from nvshare_py.scheduler.events import (
@@ -168,7 +168,7 @@ class LockCoreMachine(RuleBasedStateMachine):
     # --- setup and plumbing --------------------------------------------------------------
 
     @initialize(
-        mode=st.sampled_from(protocol.MODES),
+        mode=st.sampled_from(vocabulary.MODES),
         tq=st.sampled_from([1.0, 2.5]),
         grace=st.sampled_from([0.0, 0.5, 2.0]),
         recovery=st.sampled_from([0.0, 0.0, 1.5]),
@@ -524,7 +524,7 @@ class LockCoreMachine(RuleBasedStateMachine):
 
     @rule(
         change=st.one_of(
-            st.tuples(st.just("mode"), st.sampled_from(protocol.MODES)),
+            st.tuples(st.just("mode"), st.sampled_from(vocabulary.MODES)),
             st.tuples(st.just("tq"), st.sampled_from([0.5, 1.0, 3.0])),
             st.tuples(st.just("budget"), st.sampled_from([None, 3, 8, 20])),
         ),

@@ -206,3 +206,24 @@ def test_control_client_library_reports_a_missing_daemon(scheduler):
     with pytest.raises(ControlFailure) as failure:
         scheduler.request("status", timeout=2)
     assert failure.value.exit_code == 3
+
+
+def test_a_release_with_a_reason_the_scheduler_does_not_know_counts_as_user(scheduler):
+    """docs/protocol.md, "Unknown words": a newer client's RELEASE reason is read, and the lock
+    is given back all the same (recorded as `user`); a message type it does not know is answered
+    `ERROR unknown-type`, and the connection stays registered."""
+    context = zmq.Context()
+    try:
+        dealer = registered_dealer(context, scheduler, "00000000000000e2")
+        dealer.send(protocol.Acquire(device=GPU).encode())
+        grant = protocol.decode(dealer.recv(), protocol.SCHEDULER_MESSAGES)
+        dealer.send(f"NVSHARE/1 RELEASE\ndevice={GPU}\ngrant={grant.grant}\nreason=preempted".encode())
+        dealer.send(b"NVSHARE/1 TELEPORT\ndevice=" + GPU.encode())
+        refused = protocol.decode(dealer.recv(), protocol.SCHEDULER_MESSAGES)
+        assert (refused.code, refused.type) == ("unknown-type", "TELEPORT")
+        released = [e for e in scheduler.request("events")["events"] if e["kind"] == "release"]
+        assert [(e["grant"], e["detail"]) for e in released] == [(grant.grant, "user")]
+        dealer.send(protocol.Acquire(device=GPU).encode())  # still registered, and the lock is free
+        assert isinstance(protocol.decode(dealer.recv(), protocol.SCHEDULER_MESSAGES), protocol.Grant)
+    finally:
+        context.destroy(linger=0)

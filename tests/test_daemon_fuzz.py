@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fixtures.scheduler import DEFAULT_OPTIONS, PATIENCE, SchedulerProcess, short_socket_dir
-from nvshare_py import protocol
+from nvshare_py import protocol, vocabulary
 from nvshare_py.client import Client
 
 GOOD_GPU = "GPU-5151ad00-0000-4000-8000-0000000000aa"
@@ -50,14 +50,14 @@ SESSIONS = st.sampled_from(["00000000000000f1", "00000000000000f2"])
 VALID_MESSAGES = st.one_of(
     st.builds(lambda s, p: valid(protocol.Hello(pid=p, session=s)), SESSIONS, st.integers(1, 10**6)),
     st.builds(lambda s, d: valid(protocol.Hello(pid=1, session=s, held=(d,), wanted=(d,))), SESSIONS, FUZZ_DEVICES),
-    st.builds(lambda d, t: valid(protocol.Device(device=d, total=t)), FUZZ_DEVICES, st.integers(0, 2**62)),
+    st.builds(lambda d, t: valid(protocol.DeviceAnnouncement(device=d, total=t)), FUZZ_DEVICES, st.integers(0, 2**62)),
     st.builds(lambda d, u: valid(protocol.Memory(device=d, used=u)), FUZZ_DEVICES, st.integers(0, 2**62)),
     st.builds(lambda d: valid(protocol.Acquire(device=d)), FUZZ_DEVICES),
     st.builds(
         lambda d, g, r: valid(protocol.Release(device=d, grant=g, reason=r)),
         FUZZ_DEVICES,
         st.integers(0, 50),
-        st.sampled_from(protocol.RELEASE_REASONS),
+        st.sampled_from(vocabulary.RELEASE_REASON.words),
     ),
     st.just(valid(protocol.Heartbeat())),
     st.just(valid(protocol.Bye())),

@@ -22,7 +22,7 @@ class Wire:
         self.sock.connect(endpoint)
         self.send(protocol.Hello(pid=1, session=session))
         self.expect(protocol.Welcome)
-        self.send(protocol.Device(device=GPU, total=80 * GiB))
+        self.send(protocol.DeviceAnnouncement(device=GPU, total=80 * GiB))
 
     def send(self, message: protocol.Message) -> None:
         self.sock.send(message.encode())

@@ -7,14 +7,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nvshare_py.deviceplugin.config import AllocationPolicy
-from nvshare_py.deviceplugin.inventory import Gpu, GpuUnavailable, InvalidRequest, Inventory
+from nvshare_py.deviceplugin.inventory import PhysicalGpu, GpuUnavailable, InvalidRequest, Inventory
 from nvshare_py.deviceplugin.v1beta1 import HEALTHY, UNHEALTHY
 
 REPLICAS = 4
 
 
 def make_inventory(gpus: int) -> Inventory:
-    return Inventory([Gpu(f"GPU-{index:04d}", index, "test GPU", 1 << 30) for index in range(gpus)], REPLICAS)
+    return Inventory([PhysicalGpu(f"GPU-{index:04d}", index, "test GPU", 1 << 30) for index in range(gpus)], REPLICAS)
 
 
 @st.composite
@@ -106,4 +106,4 @@ def test_all_devices_of_a_gpu_share_its_health_and_a_fatal_xid_is_sticky():
 
 def test_device_ids_longer_than_the_kubelet_allows_are_refused():
     with pytest.raises(ValueError, match="longer than 63"):
-        Inventory([Gpu("MIG-" + "f" * 60, 0, "x", 1)], 10)
+        Inventory([PhysicalGpu("MIG-" + "f" * 60, 0, "x", 1)], 10)

@@ -1,53 +1,74 @@
-"""The Python codec of the client protocol: what it writes it reads back, what it must refuse it
-refuses with the documented error code (docs/protocol.md)."""
+"""The Python codec of the client protocol, checked message by message from the protocol table
+(nvshare_py/protocol_table.py): what it writes it reads back, what it must refuse it refuses
+with the documented error code, words it does not know it reads (docs/protocol.md), and every
+part generated from the table is current."""
 
-import dataclasses
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nvshare_py import protocol
+from nvshare_py import protocol, protocol_gen, vocabulary
+from nvshare_py import protocol_table as table
+from nvshare_py.scheduler import events as ev
 
 devices = st.from_regex(r"\A[A-Za-z0-9-]{1,96}\Z")
 uints = st.integers(min_value=0, max_value=protocol.MAX_INT)
 texts = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\n\r\x7f"
                               + "".join(map(chr, range(32)))), max_size=40)
-
-FIELD_STRATEGIES = {
-    "device": devices, "total": uints, "used": uints, "grant": uints, "pid": uints,
-    "quantum_ms": uints, "quantum_left_ms": uints, "grace_ms": uints, "heartbeat_ms": uints, "idle_release_ms": uints,
-    "version": st.just(protocol.VERSION), "session": st.from_regex(r"\A[0-9a-f]{16}\Z"),
-    "held": st.lists(devices, max_size=3).map(tuple), "wanted": st.lists(devices, max_size=3).map(tuple),
-    "exclusive": st.booleans(), "mode": st.sampled_from(protocol.MODES),
-    "code": st.sampled_from(protocol.ERROR_CODES),
-    # Residency: `resident` is absent (None) from clients that do not report it, except in EVICTED.
-    "resident": st.none() | uints, "evict": uints, "prefetch": uints, "bytes": uints,
-    "request": uints, "admission": st.booleans(),
-}
-REASONS = {"Release": protocol.RELEASE_REASONS, "Drop": protocol.DROP_REASONS,
-           "Revoke": protocol.REVOKE_REASONS, "Refused": protocol.REFUSE_REASONS}
+CHECKOUT = Path(__file__).resolve().parent.parent
+ALL = {**protocol.CLIENT_MESSAGES, **protocol.SCHEDULER_MESSAGES, **protocol.QUERY_REPLIES}
+WORD_FIELDS = [(m, f) for m in table.MESSAGES for f in m.fields if f.kind is table.Kind.WORD]
 
 
-def message_strategy(cls):
-    fields = {}
-    for f in dataclasses.fields(cls):
-        if f.name == "reason":
-            fields[f.name] = st.sampled_from(REASONS[cls.__name__])
-        elif cls is protocol.Evicted and f.name == "resident":
-            fields[f.name] = uints
-        else:
-            fields[f.name] = FIELD_STRATEGIES.get(f.name, texts)
-    return st.builds(cls, **fields)
+def catalogue_of(msg_type: str) -> dict:
+    spec = table.BY_TYPE[msg_type]
+    if spec.sender is table.Sender.CLIENT:
+        return protocol.CLIENT_MESSAGES
+    return protocol.QUERY_REPLIES if spec.reply_to else protocol.SCHEDULER_MESSAGES
 
 
-ALL = {**protocol.CLIENT_MESSAGES, **protocol.SCHEDULER_MESSAGES}
+def value_strategy(f: table.Field) -> st.SearchStrategy:
+    strategy = {
+        table.Kind.DEVICE: devices, table.Kind.UINT: uints, table.Kind.TEXT: texts,
+        table.Kind.SESSION: st.from_regex(r"\A[0-9a-f]{16}\Z"),
+        table.Kind.DEVICES: st.lists(devices, max_size=3).map(tuple), table.Kind.FLAG: st.booleans(),
+        table.Kind.WORD: st.sampled_from(f.words.words) if f.words else st.nothing(),
+        table.Kind.JSON: st.dictionaries(st.text(max_size=5), st.integers(), max_size=3).map(
+            lambda d: protocol.Status.of(d).json),
+    }[f.kind]
+    return st.none() | strategy if f.nullable else strategy
 
 
-@given(st.sampled_from(sorted(ALL)).flatmap(lambda name: message_strategy(ALL[name])))
+def example(f: table.Field) -> object:
+    """A valid value of a field (its vocabulary's first word for a word)."""
+    return {
+        table.Kind.DEVICE: "GPU-1", table.Kind.UINT: 7, table.Kind.TEXT: "text", table.Kind.SESSION: "0123456789abcdef",
+        table.Kind.DEVICES: ("GPU-1",), table.Kind.FLAG: True, table.Kind.JSON: "{}",
+        table.Kind.WORD: f.words.words[0] if f.words else "",
+    }[f.kind]
+
+
+def message_strategy(msg_type: str) -> st.SearchStrategy:
+    spec = table.BY_TYPE[msg_type]
+    return st.builds(ALL[msg_type], **{f.name: value_strategy(f) for f in spec.fields})
+
+
+@given(st.sampled_from(sorted(ALL)).flatmap(message_strategy))
 def test_every_message_round_trips(message):
-    catalogue = protocol.CLIENT_MESSAGES if message.TYPE in protocol.CLIENT_MESSAGES else protocol.SCHEDULER_MESSAGES
-    assert protocol.decode(message.encode(), catalogue) == message
+    assert protocol.decode(message.encode(), catalogue_of(message.TYPE)) == message
+
+
+@pytest.mark.parametrize("spec", table.MESSAGES, ids=lambda m: m.type)
+def test_a_field_left_out_reads_as_its_default_and_a_default_is_left_out(spec):
+    minimal = ALL[spec.type](**{f.name: example(f) for f in spec.fields if not f.optional})
+    data = minimal.encode()
+    assert all(f"\n{f.name}=".encode() not in data for f in spec.fields if f.optional)
+    decoded = protocol.decode(data, catalogue_of(spec.type))
+    for f in spec.fields:
+        if f.optional:
+            assert getattr(decoded, f.name) == f.default
 
 
 @given(st.binary(max_size=600))
@@ -55,7 +76,7 @@ def test_junk_is_refused_with_an_error_code_never_an_exception_of_another_kind(d
     try:
         protocol.decode(data)
     except protocol.ProtocolError as error:
-        assert error.code in protocol.ERROR_CODES
+        assert error.code in vocabulary.ERROR_CODE
 
 
 @pytest.mark.parametrize("data, code", [
@@ -63,21 +84,42 @@ def test_junk_is_refused_with_an_error_code_never_an_exception_of_another_kind(d
     (b"HELLO", "malformed"),
     (b"NVSHARE/2 ACQUIRE\ndevice=GPU-1", "unsupported-version"),
     (b"NVSHARE/1 GRANT\ndevice=GPU-1", "unknown-type"),  # a scheduler message on the client side
+    (b"NVSHARE/1 TELEPORT\ndevice=GPU-1", "unknown-type"),
     (b"NVSHARE/1 ACQUIRE", "bad-field"),
     (b"NVSHARE/1 ACQUIRE\ndevice=GPU 1", "bad-field"),
     (b"NVSHARE/1 ACQUIRE\ndevice=GPU-1\ndevice=GPU-2", "malformed"),
     (b"NVSHARE/1 RELEASE\ndevice=GPU-1\ngrant=\xd9\xa3", "bad-field"),
     (b"NVSHARE/1 RELEASE\ndevice=GPU-1\ngrant=9223372036854775808", "bad-field"),
-    (b"NVSHARE/1 RELEASE\ndevice=GPU-1\ngrant=1\nreason=bored", "bad-field"),
+    (b"NVSHARE/1 RELEASE\ndevice=GPU-1\ngrant=1\nreason=Bored", "bad-field"),  # not a word
+    (b"NVSHARE/1 RELEASE\ndevice=GPU-1\ngrant=1\nreason=" + b"b" * 33, "bad-field"),
     (b"NVSHARE/1 ACQUIRE\ndevice=GPU-1\n" + b"k=v\n" * 40, "malformed"),
     (b"NVSHARE/1 ACQUIRE\ndevice=GPU-1\nnote=" + b"x" * 1100, "bad-field"),
+    (b"NVSHARE/1 ACQUIRE\ndevice=GPU-1\nnote=a\x01b", "bad-field"),
     (b"NVSHARE/1 ACQUIRE\ndevice=GPU-1\n" + b"#" * 5000, "too-large"),
+    (b"NVSHARE/1 HELLO\npid=1\nsession=0123456789abcdef\nheld=" + b",".join(b"G%d" % i for i in range(65)),
+     "bad-field"),
     (b"\xff\xfe", "malformed"),
 ])
 def test_refusals_carry_the_documented_code(data, code):
     with pytest.raises(protocol.ProtocolError) as refused:
         protocol.decode(data)
     assert refused.value.code == code
+
+
+@pytest.mark.parametrize("spec, field", WORD_FIELDS, ids=[f"{m.type}.{f.name}" for m, f in WORD_FIELDS])
+def test_a_word_the_receiver_does_not_know_is_read_and_named(spec, field):
+    """docs/protocol.md, "Unknown words": a newer peer's word is kept as text, and
+    unknown_words names it, so that the receiver acts on the message and says what it could
+    not read."""
+    known = ALL[spec.type](**{f.name: example(f) for f in spec.fields if not f.optional})
+    header, *lines = known.encode().decode().split("\n")
+    lines = [line for line in lines if not line.startswith(f"{field.name}=")] + [f"{field.name}=preempted"]
+    decoded = protocol.decode("\n".join([header, *lines]).encode(), catalogue_of(spec.type))
+    assert getattr(decoded, field.name) == "preempted"
+    assert protocol.unknown_words(decoded) == [(field.name, "preempted")]
+    assert protocol.unknown_words(known) == []
+    with pytest.raises(ValueError, match="preempted"):  # a sender writes only words it knows
+        decoded.encode()
 
 
 def test_contention_notice_and_the_quantum_release_reason_on_the_wire():
@@ -95,8 +137,43 @@ def test_unknown_fields_are_ignored_for_forward_compatibility():
     assert protocol.decode(b"NVSHARE/1 ACQUIRE\ndevice=GPU-1\npriority=7\n") == protocol.Acquire(device="GPU-1")
 
 
-def test_encoder_refuses_what_the_decoder_would_refuse():
+@pytest.mark.parametrize("message", [
+    protocol.Hello(pid=1, session="0123456789abcdef", program="a\nb"),
+    protocol.Hello(pid=1, session="0123456789abcdef", held=tuple(f"GPU-{i:060d}" for i in range(20))),
+    protocol.Hello(pid=1, session="0123456789ABCDEF"),
+    protocol.Hello(pid=-1, session="0123456789abcdef"),
+    protocol.Acquire(device="GPU 1"),
+    protocol.Memory(device="GPU-1", used=2**63),
+    protocol.Release(device="GPU-1", grant=1, reason="bored"),
+    protocol.Grant(device="GPU-1", grant=1, mode="fair", exclusive=True, quantum_ms=1),
+])
+def test_encoder_refuses_what_the_decoder_would_refuse_or_a_word_it_does_not_know(message):
     with pytest.raises(ValueError):
-        protocol.Hello(pid=1, session="0123456789abcdef", program="a\nb").encode()
-    with pytest.raises(ValueError):
-        protocol.Hello(pid=1, session="0123456789abcdef", held=tuple(f"GPU-{i:060d}" for i in range(20))).encode()
+        message.encode()
+
+
+def test_the_generated_parts_are_current():
+    """The message classes, interceptor/protocol_table.h and docs/protocol.md's tables are what
+    the table gives: a table changed without the generator fails here, naming the command."""
+    stale = protocol_gen.stale(CHECKOUT)  # this checkout's files, whichever nvshare_py is imported
+    assert not stale, f"{', '.join(map(str, stale))} out of date: run {protocol_gen.COMMAND}"
+
+
+def test_every_client_message_becomes_a_core_event_but_those_the_daemon_answers_itself():
+    assert set(ev.FROM_CLIENT) == set(protocol.CLIENT_MESSAGES.values()) - {protocol.Hello, protocol.Query}
+    release = protocol.decode(b"NVSHARE/1 RELEASE\ndevice=GPU-1\ngrant=7\nreason=preempted\nresident=5")
+    assert ev.FROM_CLIENT[protocol.Release](1.5, "k", release) == ev.ReleaseReport(1.5, "k", "GPU-1", 7, "user", 5)
+    assert ev.FROM_CLIENT[protocol.Bye](2.0, "k", protocol.Bye()) == ev.Unregister(2.0, "k", "bye")
+
+
+def test_warnings_a_peer_can_provoke_stay_few():
+    once = protocol.WarnOnce(limit=2)
+    assert [once.first(key) for key in ("a", "a", "b", "c", "b")] == [True, False, True, False, False]
+
+
+def test_the_vocabularies_are_words_and_their_types_agree():
+    for words in vocabulary.VOCABULARIES:
+        assert all(vocabulary.WORD_FORM.match(word) for word in words.words)
+    assert vocabulary.MODES == vocabulary.MODE.words == ("on", "off", "auto")
+    assert vocabulary.gpu_uuid(bytes(range(16))) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+    assert vocabulary.GPU_UUID.match(vocabulary.gpu_uuid(bytes(range(16))))

@@ -67,14 +67,16 @@ static int wait_for(enum nvs_msg_type type, struct nvs_msg *msg, int timeout_ms)
 
 static uint64_t acquire(void) {
     struct nvs_msg msg;
-    send_message(nvs_msg_acquire(buf, sizeof buf, device));
+    send_message(nvs_msg_build(buf, sizeof buf, NVS_MSG_ACQUIRE, &(struct nvs_out){.device = device}));
     for (;;) {
         if (!wait_for(NVS_MSG_GRANT, &msg, 600000)) fail("no GRANT within 600 s", 0);
         if (strcmp(msg.device, device) == 0) return msg.grant;
     }
 }
 
-static void release(uint64_t grant) { send_message(nvs_msg_release(buf, sizeof buf, device, grant, "user", NULL)); }
+static void release(uint64_t grant) {
+    send_message(nvs_msg_build(buf, sizeof buf, NVS_MSG_RELEASE, &(struct nvs_out){.device = device, .grant = grant}));
+}
 
 int main(int argc, char **argv) {
     if (argc != 3) {
@@ -85,12 +87,14 @@ int main(int argc, char **argv) {
     nvs_transport_init(&link_);
     int r = nvs_transport_connect(&link_, argv[1], 10000);
     if (r < 0) fail("connect failed", r);
-    struct nvs_hello hello = {.pid = getpid(), .program = "lock_client"};
-    snprintf(hello.session, sizeof hello.session, "%016" PRIx64, (uint64_t)now_ns() ^ ((uint64_t)getpid() << 40));
-    send_message(nvs_msg_hello(buf, sizeof buf, &hello));
+    char session[NVS_SESSION_DIGITS + 1];
+    snprintf(session, sizeof session, "%016" PRIx64, (uint64_t)now_ns() ^ ((uint64_t)getpid() << 40));
+    send_message(nvs_msg_build(buf, sizeof buf, NVS_MSG_HELLO,
+                               &(struct nvs_out){.pid = (uint64_t)getpid(), .session = session, .program = "lock_client"}));
     struct nvs_msg welcome;
     if (!wait_for(NVS_MSG_WELCOME, &welcome, 10000)) fail("no WELCOME", 0);
-    send_message(nvs_msg_device(buf, sizeof buf, device, 80ULL << 30, "benchmark"));
+    send_message(nvs_msg_build(buf, sizeof buf, NVS_MSG_DEVICE,
+                               &(struct nvs_out){.device = device, .total = 80ULL << 30, .name = "benchmark"}));
     printf("ready\n");
     fflush(stdout);
 
@@ -102,7 +106,7 @@ int main(int argc, char **argv) {
             size_t len;
             while (nvs_transport_recv(&link_, buf, sizeof buf - 1, &len) == 1) {
             }
-            send_message(nvs_msg_heartbeat(buf, sizeof buf));
+            send_message(nvs_msg_build(buf, sizeof buf, NVS_MSG_HEARTBEAT, &(struct nvs_out){0}));
             continue;
         }
         if (!fgets(line, sizeof line, stdin)) return 0;
@@ -136,7 +140,7 @@ int main(int argc, char **argv) {
             }
             printf("\n");
         } else if (strncmp(line, "exit", 4) == 0) {
-            send_message(nvs_msg_bye(buf, sizeof buf));
+            send_message(nvs_msg_build(buf, sizeof buf, NVS_MSG_BYE, &(struct nvs_out){0}));
             return 0;
         } else {
             fail("unknown command", 0);

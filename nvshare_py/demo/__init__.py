@@ -79,7 +79,10 @@ class DemoFailure(Exception):
 
 
 @dataclass(frozen=True)
-class Gpu:
+class DemoGpu:
+    """The GPU the demo's programs share: device 0 of the real driver, or the simulated one
+    (and why) where there is none."""
+
     uuid: str
     name: str
     total: int
@@ -143,25 +146,25 @@ def _probe(env: dict[str, str]) -> tuple[dict | None, str]:
     return json.loads(result.stdout.splitlines()[-1]), ""
 
 
-def find_gpu(force_simulated: bool) -> Gpu:
+def find_gpu(force_simulated: bool) -> DemoGpu:
     env = base_env()
     real_driver_said = ""
     if not force_simulated:
         found, real_driver_said = _probe(env)
         if found is not None:
             if found["name"] == SIMULATED_NAME:
-                return Gpu(found["uuid"], found["name"], found["total"], found["free"],
+                return DemoGpu(found["uuid"], found["name"], found["total"], found["free"],
                            simulated_because="the simulated driver is on LD_LIBRARY_PATH")
             if found["free"] < FREE_MEMORY_NEEDED:
                 raise DemoFailure(f"{found['name']} has only {found['free'] >> 20} MiB free; the demo needs about "
                                   f"{FREE_MEMORY_NEEDED >> 20} MiB (two CUDA contexts and 8 MiB of buffers)")
-            return Gpu(found["uuid"], found["name"], found["total"], found["free"])
+            return DemoGpu(found["uuid"], found["name"], found["total"], found["free"])
     simulator = simulator_dir()
     found, why = _probe(simulator_env(env, simulator))
     if found is None:
         raise DemoFailure(f"the simulated CUDA driver in {simulator} does not work: {why}")
     because = "--simulated given" if force_simulated else "no NVIDIA GPU found"
-    return Gpu(found["uuid"], found["name"], found["total"], found["free"], because, simulator, real_driver_said)
+    return DemoGpu(found["uuid"], found["name"], found["total"], found["free"], because, simulator, real_driver_said)
 
 
 # --- processes -------------------------------------------------------------------------------
@@ -213,7 +216,7 @@ def _stop(process: subprocess.Popen, timeout: float) -> None:
 class Demo:
     """The scheduler, the programs and their working directory (sockets, logs, trace)."""
 
-    def __init__(self, gpu: Gpu, duration: float, tq: float) -> None:
+    def __init__(self, gpu: DemoGpu, duration: float, tq: float) -> None:
         self.gpu = gpu
         self.duration = duration
         self.tq = tq
@@ -462,7 +465,7 @@ class AtConsoleWidth:
         yield tl.render(self.timeline, width=options.max_width)
 
 
-def _banner(gpu: Gpu, why: bool = False) -> Text:
+def _banner(gpu: DemoGpu, why: bool = False) -> Text:
     if gpu.simulated:
         banner = Text(f" nvshare demo on a {gpu.label} ", style="bold black on yellow", no_wrap=True,
                       overflow="ellipsis")

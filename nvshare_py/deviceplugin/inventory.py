@@ -16,7 +16,10 @@ SEPARATOR = "::"
 
 
 @dataclass(frozen=True)
-class Gpu:
+class PhysicalGpu:
+    """One GPU of the node as NVML reports it; the plugin offers `replicas` virtual devices of
+    each (`<uuid>::<n>`)."""
+
     uuid: str
     index: int
     name: str
@@ -45,13 +48,13 @@ class _Health:
 
 
 class Inventory:
-    def __init__(self, gpus: list[Gpu], replicas: int):
+    def __init__(self, gpus: list[PhysicalGpu], replicas: int):
         if not gpus:
             raise ValueError("an inventory needs at least one GPU")
         self.gpus = tuple(sorted(gpus, key=lambda gpu: gpu.index))
         self.replicas = replicas
         self._gpu_by_uuid = {gpu.uuid: gpu for gpu in self.gpus}
-        self._slot: dict[str, tuple[Gpu, int]] = {}
+        self._slot: dict[str, tuple[PhysicalGpu, int]] = {}
         for gpu in self.gpus:
             for replica in range(replicas):
                 device_id = f"{gpu.uuid}{SEPARATOR}{replica}"
@@ -91,10 +94,10 @@ class Inventory:
 
     # ---- choosing devices ----------------------------------------------------------------
 
-    def gpu(self, uuid: str) -> Gpu:
+    def gpu(self, uuid: str) -> PhysicalGpu:
         return self._gpu_by_uuid[uuid]
 
-    def gpu_of(self, device_id: str) -> Gpu:
+    def gpu_of(self, device_id: str) -> PhysicalGpu:
         return self._slot[device_id][0]
 
     def _check_known(self, device_ids: list[str]) -> None:
@@ -135,7 +138,7 @@ class Inventory:
             taken_gpus.add(uuid)
         return chosen
 
-    def resolve(self, device_ids: list[str]) -> list[Gpu]:
+    def resolve(self, device_ids: list[str]) -> list[PhysicalGpu]:
         """The GPUs behind one container's devices, by index; refuses what cannot be served."""
         if not device_ids:
             raise InvalidRequest("a container request without device IDs")

@@ -8,7 +8,7 @@ import logging
 
 import pynvml
 
-from .inventory import Gpu
+from .inventory import PhysicalGpu
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +47,13 @@ class Nvml:
         except pynvml.NVMLError as error:
             self.driver_version = f"unknown ({error})"
 
-    def discover(self) -> list[Gpu]:
+    def discover(self) -> list[PhysicalGpu]:
         """Every GPU that answers, by index. A GPU that fails is logged and left out."""
         gpus = []
         for index in range(pynvml.nvmlDeviceGetCount()):
             try:
                 handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                gpus.append(Gpu(uuid=pynvml.nvmlDeviceGetUUID(handle), index=index,
+                gpus.append(PhysicalGpu(uuid=pynvml.nvmlDeviceGetUUID(handle), index=index,
                                 name=pynvml.nvmlDeviceGetName(handle),
                                 memory=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
                                 minor=_minor_number(handle)))
@@ -72,7 +72,7 @@ class Nvml:
             return _describe(error)
         return None
 
-    def watch_xids(self, gpus: list[Gpu]) -> list[Gpu]:
+    def watch_xids(self, gpus: list[PhysicalGpu]) -> list[PhysicalGpu]:
         """Registers for critical Xid events; returns the GPUs that do not support them."""
         self._event_set = pynvml.nvmlEventSetCreate()
         unsupported = []

@@ -26,7 +26,7 @@ from typing import Callable, TypeVar
 import grpc
 
 from .config import CONTAINER_PRELOAD_PATH, CONTROL_DEVICE_NODES, CdiNames, PluginConfig, Preload
-from .inventory import Gpu, GpuUnavailable, InvalidRequest, Inventory
+from .inventory import PhysicalGpu, GpuUnavailable, InvalidRequest, Inventory
 from .kubeapi import ApiServer
 from .nvml import Nvml
 from .podwatch import PodSettingsSync
@@ -84,7 +84,7 @@ def _host_files(config: PluginConfig) -> list[tuple[Path, str]]:
     return files
 
 
-def container_response(config: PluginConfig, gpus: list[Gpu]) -> api.ContainerAllocateResponse:
+def container_response(config: PluginConfig, gpus: list[PhysicalGpu]) -> api.ContainerAllocateResponse:
     """What one container needs in order to run under nvshare on `gpus`."""
     for path, remedy in _host_files(config):
         if not path.is_file():
@@ -109,7 +109,7 @@ def container_response(config: PluginConfig, gpus: list[Gpu]) -> api.ContainerAl
                                          cdi_devices=cdi_devices(config, gpus))
 
 
-def device_specs(config: PluginConfig, gpus: list[Gpu]) -> list[api.DeviceSpec]:
+def device_specs(config: PluginConfig, gpus: list[PhysicalGpu]) -> list[api.DeviceSpec]:
     """The GPUs' device nodes and the control nodes, those present under --device-dir: every
     CRI runtime creates them in the container and allows them in its device cgroup, so the
     container reaches its GPUs (and only those) even where no NVIDIA hook runs, and keeps them
@@ -125,7 +125,7 @@ def device_specs(config: PluginConfig, gpus: list[Gpu]) -> list[api.DeviceSpec]:
     return specs
 
 
-def cdi_devices(config: PluginConfig, gpus: list[Gpu]) -> list[api.CDIDevice]:
+def cdi_devices(config: PluginConfig, gpus: list[PhysicalGpu]) -> list[api.CDIDevice]:
     """The GPUs as fully qualified CDI device names, for runtimes that resolve them (see
     docs/kubernetes.md)."""
     if config.cdi is CdiNames.OFF:

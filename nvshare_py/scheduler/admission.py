@@ -25,7 +25,9 @@ import random
 from dataclasses import dataclass
 from typing import Hashable
 
-from ..protocol import ADMISSION_POLICIES as POLICIES
+from ..vocabulary import ADMISSION_POLICY
+
+POLICIES = ADMISSION_POLICY.words
 
 # Chunks (see headroom): an allocation-heavy program pays one round trip per chunk, not per
 # allocation (a round trip cost 2.6 ms median on a loaded 2-core machine, an allocation within

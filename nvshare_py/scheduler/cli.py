@@ -15,6 +15,7 @@ import typer
 
 from ..clikit import APP_SETTINGS, TQ_MAX, TQ_MIN, VERSION_OPTION, number_between, whole_number
 from ..paths import ENV_SOCKET_DIR, not_a_directory, system_scheduler_serves, system_socket_dir, user_socket_dir
+from ..vocabulary import MODE
 from . import admission
 from .daemon import Daemon, DaemonConfig, StartupError
 
@@ -30,10 +31,7 @@ def _spill(text: str) -> int | str | None:
     return int(text)
 
 
-class Mode(str, enum.Enum):
-    on = "on"
-    off = "off"
-    auto = "auto"
+Mode = enum.Enum("Mode", {word: word for word in MODE.words}, type=str)
 
 
 class Swapping(str, enum.Enum):
@@ -92,7 +90,7 @@ def serve(
     private: bool = typer.Option(
         False, "--private", help="Start a per-user scheduler even though a system scheduler serves (see --socket-dir)"
     ),
-    mode: Mode = typer.Option(Mode.on, help="on: one process per GPU at a time; off: no scheduling; auto: share while the holders' memory fits"),
+    mode: Mode = typer.Option(Mode("on"), help=MODE.explain()),
     tq: float = typer.Option(30.0, parser=number_between(TQ_MIN, TQ_MAX),
                              help=f"Time quantum in seconds ({TQ_MIN:g} to {TQ_MAX:g}): how long a holder keeps the lock while others wait"),
     grace: float = typer.Option(5.0, parser=number_between(0, DAY),

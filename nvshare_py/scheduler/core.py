@@ -25,11 +25,11 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from .. import protocol
+from ..vocabulary import GPU_UUID, MODE
 from . import residency
 from . import admission
 from .admission import AdmissionBook, AdmissionConfig
@@ -69,10 +69,6 @@ __all__ = ["CoreConfig", "ControlError", "SchedulerCore"]
 # How many of those ahead of a waiter, when its wait began, a pair remembers (for QUERY's
 # `last_wait`, nvshare_py/scheduler/views.py): a bound, so that a long queue costs no more.
 AHEAD_REMEMBERED = 4
-
-# A GPU as the interceptor names it (cuDeviceGetUuid, formatted as nvidia-smi shows it): the
-# only name under which a device nobody has announced yet may be configured.
-_GPU_UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
 
 
 # The client message behind each event that may name a new device (for ERROR's `type`).
@@ -116,8 +112,8 @@ class CoreConfig:
     ageing: int = 4
 
     def __post_init__(self) -> None:
-        if self.mode not in protocol.MODES:
-            raise ValueError(f"mode must be one of {', '.join(protocol.MODES)}, not {self.mode!r}")
+        if self.mode not in MODE:
+            raise ValueError(f"mode must be {MODE.describe()}, not {self.mode!r}")
         _check_seconds("tq", self.tq, allow_zero=False)
         _check_seconds("grace", self.grace, allow_zero=True)
         _check_seconds("heartbeat_interval", self.heartbeat_interval, allow_zero=False)
@@ -664,15 +660,17 @@ class SchedulerCore:
             return list(self._devices.values())
         dev = self._devices.get(device_id)
         if dev is None:
-            if not _GPU_UUID.match(device_id):
+            # A GPU as the interceptor names it: the only name under which a device nobody has
+            # announced yet may be configured.
+            if not GPU_UUID.match(device_id):
                 raise ControlError("unknown-device", f"no client has announced device {device_id}, and it is not "
                                                      f"a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
             dev = self._device(device_id)
         return [dev]
 
     def _set_mode(self, ev: SetMode, out: list[Action]) -> None:
-        if ev.mode not in protocol.MODES:
-            raise ControlError("bad-request", f"mode must be one of {', '.join(protocol.MODES)}, not {ev.mode!r}")
+        if ev.mode not in MODE:
+            raise ControlError("bad-request", f"mode must be {MODE.describe()}, not {ev.mode!r}")
         targets = self._targets(ev.device)
         if ev.device is None:
             self._default_mode = ev.mode

@@ -669,12 +669,11 @@ class Daemon:
             self._reject(key, exc.code, exc.detail, exc.msg_type)
             return
         now = trio.current_time()
-        kind = type(message)
-        if kind is protocol.Query:
+        if isinstance(message, protocol.Query):
             self._answer_query(connection, now)
             return
         registered = self.core.client_id(key) is not None
-        if kind is protocol.Hello:
+        if isinstance(message, protocol.Hello):
             if registered:
                 self._reject(key, "already-registered", "this connection is registered already", "HELLO")
             else:
@@ -683,25 +682,11 @@ class Daemon:
         if not registered:
             self._reject(key, "not-registered", "send HELLO first", message.TYPE)
             return
-        if kind is protocol.Acquire:
-            event = ev.AcquireRequest(now, key, message.device)
-        elif kind is protocol.Release:
-            event = ev.ReleaseReport(now, key, message.device, message.grant, message.reason, message.resident)
-        elif kind is protocol.Heartbeat:
-            event = ev.Alive(now, key)
-        elif kind is protocol.Admit:
-            event = ev.AdmitRequest(now, key, message.device, message.request, message.bytes)
-        elif kind is protocol.Memory:
-            event = ev.MemoryReport(now, key, message.device, message.used, message.resident)
-        elif kind is protocol.Evicted:
-            event = ev.EvictedReport(now, key, message.device, message.resident)
-        elif kind is protocol.Device:
-            event = ev.DeviceInfo(now, key, message.device, message.total, message.name)
-        elif kind is protocol.Bye:
-            event = ev.Unregister(now, key, "bye")
-        else:  # the codec only returns client messages
-            raise AssertionError(f"unexpected message {kind.__name__}")
-        self._feed(event)
+        # A newer client's word is acted on all the same (events.FROM_CLIENT says how).
+        for key_name, word in protocol.unknown_words(message):
+            self._note("client message with a word this scheduler does not know", self._bad_input_log,
+                       type=message.TYPE, key=key_name, word=word)
+        self._feed(ev.FROM_CLIENT[type(message)](now, key, message))
 
     def _answer_query(self, connection: _Connection, now: float) -> None:
         # Matched by the kernel-verified pid, never by anything the peer says. A read: a

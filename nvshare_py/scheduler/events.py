@@ -2,17 +2,21 @@
 
 The core never reads a clock, touches a socket or logs: the daemon feeds it events (each
 carrying `now`, seconds on a monotonic clock) and carries out the actions it returns.
+
+`FROM_CLIENT` at the end is the one translation of the client socket's messages into events.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Literal
+from typing import Any, Callable, Final, Hashable, Literal, Mapping, TypeVar
 
 from .. import protocol
+from ..vocabulary import Mode, ReleaseReason, is_release_reason
+
+__all__ = ["Mode"]  # with everything defined here
 
 ClientKey = Hashable  # opaque to the core: the daemon's own number for the connection
-Mode = Literal["on", "off", "auto"]
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ class ReleaseReport:
     client: ClientKey
     device: str
     grant: int
-    reason: str = "user"
+    reason: ReleaseReason = "user"
     resident: int | None = None
 
 
@@ -228,7 +232,7 @@ class Log:
 
     level: Literal["debug", "info", "warning"]
     what: str
-    fields: dict = field(default_factory=dict)
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -254,3 +258,35 @@ class ControlError(ValueError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+# --- the client socket's messages as events ------------------------------------------------
+# HELLO and QUERY are not here: the daemon registers a HELLO with what the kernel says about
+# the peer, and answers a QUERY itself.
+
+_M = TypeVar("_M", bound=protocol.Message)
+Translation = Callable[[float, ClientKey, Any], Event]
+
+
+def _row(kind: type[_M], translate: Callable[[float, ClientKey, _M], Event]) -> tuple[type[protocol.Message], Translation]:
+    return kind, translate
+
+
+def _release(now: float, client: ClientKey, message: protocol.Release) -> ReleaseReport:
+    # A reason this scheduler does not know (a newer client's) counts as `user`: the lock is
+    # given back all the same.
+    reason: ReleaseReason = message.reason if is_release_reason(message.reason) else "user"
+    return ReleaseReport(now, client, message.device, message.grant, reason, message.resident)
+
+
+# message class -> its event, given the time it arrived and the connection's key.
+FROM_CLIENT: Final[Mapping[type[protocol.Message], Translation]] = dict([
+    _row(protocol.DeviceAnnouncement, lambda now, client, m: DeviceInfo(now, client, m.device, m.total, m.name)),
+    _row(protocol.Memory, lambda now, client, m: MemoryReport(now, client, m.device, m.used, m.resident)),
+    _row(protocol.Acquire, lambda now, client, m: AcquireRequest(now, client, m.device)),
+    _row(protocol.Admit, lambda now, client, m: AdmitRequest(now, client, m.device, m.request, m.bytes)),
+    _row(protocol.Release, _release),
+    _row(protocol.Evicted, lambda now, client, m: EvictedReport(now, client, m.device, m.resident)),
+    _row(protocol.Heartbeat, lambda now, client, m: Alive(now, client)),
+    _row(protocol.Bye, lambda now, client, m: Unregister(now, client, "bye")),
+])

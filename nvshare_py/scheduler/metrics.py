@@ -32,6 +32,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
 from .. import __version__, protocol
+from ..vocabulary import MODES
 from . import events as ev
 
 log = logging.getLogger("nvshare.scheduler")
@@ -47,7 +48,6 @@ LABEL_VALUE_MAX = 128  # characters; a client's program name can be anything it 
 WAIT_HOLD_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, math.inf)
 HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, math.inf)
 
-MODES = ("on", "off", "auto")
 CLIENT_LABELS = ("device", "pod", "namespace", "program")
 
 # HTTP: a scraper that does not finish its request in this long is dropped; at most this many

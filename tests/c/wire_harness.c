@@ -13,9 +13,10 @@
  *   serve MS                     -> served N | rc N       (receives for MS, answering PINGs)
  *   sleep MS                     -> slept                 (reads nothing: PINGs go unanswered)
  *   close                        -> closed
- *   parse [HEX]                  -> parsed {JSON} | rejected
- *   build TYPE [cap=N] KEY=HEX.. -> built HEX | invalid   (TYPE: hello device memory acquire
- *                                   release evicted heartbeat bye; held=/wanted= may repeat)
+ *   parse [HEX]                  -> parsed {JSON} | rejected  (JSON: "type", every member of
+ *                                   struct nvs_msg by name, "unknown": [[type, key, word]...])
+ *   build TYPE [cap=N] KEY=HEX.. -> built HEX | invalid   (TYPE: a client message, any case;
+ *                                   KEY: its fields; a device list's key may repeat)
  */
 #define _GNU_SOURCE
 #include "message.h"
@@ -29,11 +30,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 #include <unistd.h>
 
-#define MAX_TOKENS 80
-#define MAX_LIST 64
+#define MAX_TOKENS 100
+#define MAX_LIST 80 /* more ids than a message may carry: the builder must refuse them */
 
 static int64_t now_ns(void)
 {
@@ -115,17 +117,34 @@ static int receive(struct nvs_transport *t, void *buf, size_t cap, size_t *len, 
     }
 }
 
-static void print_json_hex(const char *key, const char *value)
+/* A JSON string of a text the parser stored (valid UTF-8 by then: only '"', '\' and bytes
+ * below 0x20 need escaping). */
+static void print_json_string(const char *key, const char *value)
 {
     printf(", \"%s\": \"", key);
-    print_hex(value, strlen(value));
+    for (const unsigned char *p = (const unsigned char *)value; *p; p++) {
+        if (*p == '"' || *p == '\\')
+            printf("\\%c", *p);
+        else if (*p < 0x20)
+            printf("\\u%04x", *p);
+        else
+            putchar(*p);
+    }
     printf("\"");
 }
 
+/* parse HEX -> parsed {"type": ..., every member of struct nvs_msg by name} | rejected */
+#define PRINT_UINT(name, detail) printf(", \"" #name "\": %" PRIu64, m.name);
+#define PRINT_FLAG(name, detail) printf(", \"" #name "\": %d", m.name);
+#define PRINT_HAS(name, detail) printf(", \"" #name "\": %d", m.name);
+#define PRINT_TEXT(name, detail) print_json_string(#name, m.name);
+#define PRINT_DEVICE(name, detail) print_json_string(#name, m.name);
+#define PRINT_WORD_TEXT(name, detail) print_json_string(#name, m.name);
+#define PRINT_WORD_NUMBER(name, detail) printf(", \"" #name "\": %d", (int)m.name);
+#define PRINT_MEMBER(storage, name, detail) PRINT_##storage(name, detail)
+
 static void command_parse(const char *hex)
 {
-    static const char *const type_names[] = {"", "WELCOME", "GRANT", "DROP", "REVOKE", "MODE", "ERROR",
-                                             "CONTENDED", "STATUS", "ADMITTED", "REFUSED", "EVICT"};
     size_t len;
     char *data = from_hex(hex, &len);
     /* An exact-size copy, so that a read past the end is caught by AddressSanitizer. */
@@ -138,37 +157,71 @@ static void command_parse(const char *hex)
     if (nvs_msg_parse(exact, len, &m) != 0) {
         printf("rejected\n");
     } else {
-        printf("parsed {\"type\": \"%s\"", type_names[m.type]);
-        print_json_hex("device", m.device);
-        printf(", \"grant\": %" PRIu64, m.grant);
-        printf(", \"quantum_ms\": %" PRIu64 ", \"quantum_left_ms\": %" PRIu64, m.quantum_ms, m.quantum_left_ms);
-        printf(", \"heartbeat_ms\": %" PRIu64 ", \"idle_release_ms\": %" PRIu64, m.heartbeat_ms,
-               m.idle_release_ms);
-        print_json_hex("client", m.client);
-        print_json_hex("reason", m.reason);
-        print_json_hex("code", m.code);
-        print_json_hex("detail", m.detail);
-        print_json_hex("error_type", m.error_type);
-        printf(", \"prefetch\": %" PRIu64 ", \"evict\": %" PRIu64, m.prefetch_bytes, m.evict_bytes);
-        printf("}\n");
+        printf("parsed {\"type\": \"%s\"", m.type == NVS_MSG_UNKNOWN ? "UNKNOWN" : nvs_msg_type_name(m.type));
+        NVS_SCHEDULER_MEMBERS(PRINT_MEMBER)
+        printf(", \"unknown_words\": %" PRIu64, m.unknown_words);
+        print_json_string("unknown_type", m.unknown_type);
+        printf(", \"unknown\": [");
+        for (unsigned bit = 0, n = 0; bit < 64; bit++) {
+            const char *type, *key, *word;
+            if (m.unknown_words >> bit & 1 && nvs_msg_unknown_word(&m, bit, &type, &key, &word) == 0)
+                printf("%s[\"%s\", \"%s\", \"%s\"]", n++ ? ", " : "", type, key, word); /* words need no escaping */
+        }
+        printf("]}\n");
     }
     free(exact);
     free(data);
 }
 
-/* build TYPE [cap=N] KEY=HEX ... */
+/* build TYPE [cap=N] KEY=HEX ...: the client message TYPE (any case) with these fields. */
+#define LIST_STORAGE_DEVICES(name, detail) const char *name##_ids[MAX_LIST];
+#define LIST_STORAGE_UINT(name, detail)
+#define LIST_STORAGE_FLAG(name, detail)
+#define LIST_STORAGE_HAS(name, detail)
+#define LIST_STORAGE_TEXT(name, detail)
+#define LIST_STORAGE_DEVICE(name, detail)
+#define LIST_STORAGE_SESSION(name, detail)
+#define LIST_STORAGE_WORD(name, detail)
+#define LIST_STORAGE(storage, name, detail) LIST_STORAGE_##storage(name, detail)
+#define LIST_ATTACH_DEVICES(name, detail) out.name = lists.name##_ids;
+#define LIST_ATTACH_UINT(name, detail)
+#define LIST_ATTACH_FLAG(name, detail)
+#define LIST_ATTACH_HAS(name, detail)
+#define LIST_ATTACH_TEXT(name, detail)
+#define LIST_ATTACH_DEVICE(name, detail)
+#define LIST_ATTACH_SESSION(name, detail)
+#define LIST_ATTACH_WORD(name, detail)
+#define LIST_ATTACH(storage, name, detail) LIST_ATTACH_##storage(name, detail)
+
+#define SET_HAS_REQUIRED(member)
+#define SET_HAS_OPTIONAL(member)
+#define SET_HAS_NULLABLE(member) out.has_##member = 1;
+#define SET_UINT(p, m) out.m = to_u64(value); SET_HAS_##p(m)
+#define SET_FLAG(p, m) out.m = (int)to_number(value);
+#define SET_TEXT(p, m) out.m = value;
+#define SET_DEVICE(p, m) out.m = value;
+#define SET_SESSION(p, m) out.m = value;
+#define SET_WORD(p, m) out.m = value;
+#define SET_DEVICES(p, m) if (out.n_##m < MAX_LIST) lists.m##_ids[out.n_##m++] = value;
+#define SET_FIELD(T, k, kind, p, m, d, v) \
+    else if (type == NVS_MSG_##T && strcmp(key, #k) == 0) { SET_##kind(p, m) }
+
 static void command_build(char **tokens, int n_tokens)
 {
-    const char *type = n_tokens > 1 ? tokens[1] : "";
+    const char *name = n_tokens > 1 ? tokens[1] : "";
     char *values[MAX_TOKENS] = {0}; /* decoded values, freed at the end */
-    const char *held[MAX_LIST], *wanted[MAX_LIST];
-    const char *pid = NULL, *session = NULL, *device = NULL, *number = NULL, *reason = NULL;
-    const char *name = NULL, *resident = NULL;
-    uint64_t resident_bytes = 0;
-    struct nvs_hello hello = {0};
+    struct { NVS_CLIENT_MEMBERS(LIST_STORAGE) } lists;
+    struct nvs_out out = {0};
+    enum nvs_msg_type type = NVS_MSG_NONE;
     size_t cap = 4096, len = 0, size;
     char *buf;
 
+    for (int t = NVS_MSG_NONE + 1; t < NVS_MSG_UNKNOWN; t++)
+        if (strcasecmp(name, nvs_msg_type_name((enum nvs_msg_type)t)) == 0)
+            type = (enum nvs_msg_type)t;
+    if (type == NVS_MSG_NONE)
+        die("unknown message type");
+    NVS_CLIENT_MEMBERS(LIST_ATTACH)
     for (int i = 2; i < n_tokens; i++) {
         char *eq = strchr(tokens[i], '=');
         if (!eq)
@@ -179,74 +232,19 @@ static void command_build(char **tokens, int n_tokens)
             cap = (size_t)to_u64(eq + 1);
             continue;
         }
-        char *value = values[i] = from_hex(eq + 1, &size);
+        const char *value = values[i] = from_hex(eq + 1, &size);
         if (strlen(value) != size)
             die("a NUL byte cannot be passed through a C string");
-        if (strcmp(key, "pid") == 0)
-            pid = value;
-        else if (strcmp(key, "session") == 0)
-            session = value;
-        else if (strcmp(key, "host") == 0)
-            hello.host = value;
-        else if (strcmp(key, "container") == 0)
-            hello.container = value;
-        else if (strcmp(key, "pod") == 0)
-            hello.pod = value;
-        else if (strcmp(key, "namespace") == 0)
-            hello.namespace_ = value;
-        else if (strcmp(key, "program") == 0)
-            hello.program = value;
-        else if (strcmp(key, "name") == 0)
-            name = value;
-        else if (strcmp(key, "held") == 0 && hello.n_held < MAX_LIST)
-            held[hello.n_held++] = value;
-        else if (strcmp(key, "wanted") == 0 && hello.n_wanted < MAX_LIST)
-            wanted[hello.n_wanted++] = value;
-        else if (strcmp(key, "device") == 0)
-            device = value;
-        else if (strcmp(key, "total") == 0 || strcmp(key, "used") == 0 || strcmp(key, "grant") == 0)
-            number = value;
-        else if (strcmp(key, "reason") == 0)
-            reason = value;
-        else if (strcmp(key, "resident") == 0)
-            resident = value;
-        else
-            die("unknown build argument");
+        if (0) {
+        }
+        NVS_CLIENT_FIELDS(SET_FIELD)
+        else die("not a field of this message");
     }
-    hello.held = held;
-    hello.wanted = wanted;
     /* Exactly `cap` bytes, so that a write past the end is caught by AddressSanitizer. */
     buf = malloc(cap ? cap : 1);
     if (!buf)
         die("out of memory");
-    if (resident)
-        resident_bytes = to_u64(resident);
-
-    if (strcmp(type, "hello") == 0) {
-        hello.pid = pid ? (long)to_number(pid) : 0;
-        /* Copied without forcing a terminator: a 17-character session fills the array. */
-        if (session)
-            memcpy(hello.session, session,
-                   strlen(session) < sizeof hello.session ? strlen(session) : sizeof hello.session);
-        len = nvs_msg_hello(buf, cap, &hello);
-    } else if (strcmp(type, "device") == 0) {
-        len = nvs_msg_device(buf, cap, device, number ? to_u64(number) : 0, name);
-    } else if (strcmp(type, "memory") == 0) {
-        len = nvs_msg_memory(buf, cap, device, number ? to_u64(number) : 0, resident ? &resident_bytes : NULL);
-    } else if (strcmp(type, "acquire") == 0) {
-        len = nvs_msg_acquire(buf, cap, device);
-    } else if (strcmp(type, "release") == 0) {
-        len = nvs_msg_release(buf, cap, device, number ? to_u64(number) : 0, reason,
-                              resident ? &resident_bytes : NULL);
-    } else if (strcmp(type, "evicted") == 0) {
-        len = nvs_msg_evicted(buf, cap, device, resident_bytes);
-    } else if (strcmp(type, "heartbeat") == 0) {
-        len = nvs_msg_heartbeat(buf, cap);
-    } else if (strcmp(type, "bye") == 0) {
-        len = nvs_msg_bye(buf, cap);
-    } else {
-        die("unknown message type");
-    }
+    len = nvs_msg_build(buf, cap, type, &out);
     if (len == 0) {
         printf("invalid\n");
     } else {
@@ -352,7 +350,8 @@ static int bench(const char *path, int count)
 
     if (!samples || count <= 0)
         die("bad count");
-    out_len = nvs_msg_acquire(out, sizeof out, "GPU-5151ad00-0000-4000-8000-000000000000");
+    out_len = nvs_msg_build(out, sizeof out, NVS_MSG_ACQUIRE,
+                            &(struct nvs_out){.device = "GPU-5151ad00-0000-4000-8000-000000000000"});
     nvs_transport_init(&t);
     if ((rc = nvs_transport_connect(&t, path, 5000)) < 0) {
         fprintf(stderr, "connect: %d\n", rc);
