@@ -730,6 +730,7 @@ class Daemon:
             session=hello.session,
             host_pid=peer.pid,
             uid=peer.uid,
+            user=views.user_name(peer.uid),
             host=hello.host,
             container=hello.container,
             pod=hello.pod,
