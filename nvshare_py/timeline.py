@@ -381,7 +381,7 @@ def summary_table(rows: list[RowSummary], title: str = "Summary") -> Table:
     """Per row: holds, time held and waited, handoffs. Numbers are never cut or folded: the
     program column folds instead, and headers take two lines, so that it fits 80 columns."""
     several_devices = len({row.device for row in rows}) > 1
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0, 0, 1))
     table.add_column("GPU / program" if several_devices else "program", overflow="fold", ratio=1)
     admission = any(row.memory_waited or row.refused for row in rows)  # columns only where it happened
     columns = ["holds", "held", "waited", "longest\nwait", "TQ hand-\noffs", "early\nreleases", "revoked"]

@@ -1,7 +1,9 @@
 """Shared fixtures live in tests/fixtures/, one module per component."""
 
+import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 # nvsharectl's command line is the checkout's top-level ./ctl (installed as nvshare_py.ctl); last
@@ -13,6 +15,12 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 # Ctrl-C on a child would wait in vain. A handled signal is back to its default in a child.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# The tests never depend on what else serves on this machine: without this, a system scheduler
+# running here (/var/run/nvshare) would be found by every tool and program that looks for one
+# (nvshare_py/paths.py, interceptor/config.c). Tests that want a system scheduler stand one up
+# in a directory of their own and point this variable at it (tests/test_one_scheduler.py).
+os.environ["NVSHARE_SYSTEM_SOCKET_DIR"] = os.path.join(tempfile.gettempdir(), f"nvs-no-system-scheduler-{os.getpid()}")
 
 pytest_plugins = [
     "fixtures.simcuda",
