@@ -365,12 +365,12 @@ class _Screen:
         self.reader = reader
         self.wide = wide
 
-    def draw(self, height: int | None = None) -> Any:
+    def draw(self, height: int | None = None, width: int = 80) -> Any:
         status = self.reader.request("status")
         names = DeviceNames(known_devices(status))
         if self.wide:
             return render_status_wide(status, names, read_only=self.reader.read_only)
-        screen = render_status(status, names, read_only=self.reader.read_only, height=height)
+        screen = render_status(status, names, read_only=self.reader.read_only, height=height, width=width)
         if not status.get("clients") and height is None:
             events, _ = self.reader.events_since(0)
             remembered = past_use(events, DeviceNames(known_devices(status, events)))
@@ -412,11 +412,11 @@ def status_command(
                     stdout.print(screen.draw())
                     stdout.print()
                     time.sleep(interval)
-            with Live(screen.draw(stdout.height - 1), console=stdout, auto_refresh=False, screen=False,
-                      vertical_overflow="crop") as live:
+            with Live(screen.draw(stdout.height - 1, stdout.width), console=stdout, auto_refresh=False,
+                      screen=False, vertical_overflow="crop") as live:
                 while True:
                     time.sleep(interval)
-                    live.update(screen.draw(stdout.height - 1), refresh=True)
+                    live.update(screen.draw(stdout.height - 1, stdout.width), refresh=True)
     except ControlFailure as failure:
         raise _fail(failure) from None
     except KeyboardInterrupt:

@@ -183,10 +183,9 @@ def _top_class(members: list[dict], names: list[str]) -> int:
 
 
 def render_status(status: dict, names: DeviceNames, *, read_only: bool = False, height: int | None = None,
-                  now: float | None = None) -> Group:
+                  width: int = 80, now: float | None = None) -> Group:
     """The compact screen (see the module's docstring). `height`: leave out idle clients, the
-    last GPUs' first, until it fits that many lines (lines longer than the screen is wide are
-    counted once)."""
+    last GPUs' first, until it fits that many lines of `width` columns."""
     now = time.time() if now is None else now
     defaults = status.get("scheduler", {}).get("defaults", {})
     clients = status.get("clients", [])
@@ -214,14 +213,17 @@ def render_status(status: dict, names: DeviceNames, *, read_only: bool = False, 
                            "clients (its answer is limited in size)", style="yellow"))
 
     def lines(parts: list[RenderableType]) -> int:
-        return sum(len(part.plain.splitlines()) if isinstance(part, Text) else part.row_count + 1
-                   for part in parts if isinstance(part, (Text, Table)))
+        return sum(sum(max(1, -(-len(line) // width)) for line in part.plain.splitlines()) if isinstance(part, Text)
+                   else part.row_count + 1 for part in parts if isinstance(part, (Text, Table)))
 
     idle = {device_id: [c for c in members[device_id] if _order(devices[device_id], c)[0] == 2] for device_id in order}
     left_out = 0
     if height is not None:
-        spare = height - lines(top) - lines(bottom) - 1 - sum(
-            1 + (len(members[d]) + 1 if members[d] else 0) + len(_share_lines(d, members[d])) for d in order)
+        spare = height - lines(top) - lines(bottom) - sum(
+            lines([_device_line(devices[d], names, status, now), *_share_lines(d, members[d])])
+            + (len(members[d]) + 1 if members[d] else 0) for d in order)
+        if spare < 0:
+            spare -= 1  # the line that says how many were left out
         for device_id in reversed(order):
             while spare < 0 and idle[device_id]:
                 members[device_id].remove(idle[device_id].pop())

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
+import re
+import select
 import signal
+import struct
 import subprocess
+import termios
+import time
 
 import pytest
 
-from fixtures.scheduler import CHILD_CWD, nvsharectl_command, short_socket_dir, wait_for
+from fixtures.scheduler import CHILD_CWD, PATIENCE, nvsharectl_command, short_socket_dir, wait_for
+from nvshare_py.scheduler.views import user_name
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 
@@ -34,29 +42,81 @@ def test_status_table(busy):
     result = scheduler.ctl("status")
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "GPU0" in out and GPU not in out  # the short name; the UUID only with --wide
-    assert holder.client_id in out and "holding" in out
-    assert waiter.client_id in out
-    assert "1.0 GiB / 16.0 GiB" in out
-    assert str(holder.pid) in out and "scheduler.py" in out
+    assert "GPU0" in out and GPU not in out  # the short name; the UUID only with -o wide
+    user = user_name(os.geteuid())
+    assert f"held by {holder.client_id} {user} (" in out  # with its quantum left, as someone waits
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split() and line.split()[0] in
+            (holder.client_id, waiter.client_id)}
+    assert rows[holder.client_id][1:5] == [user, "scheduler.py", str(holder.pid), "holding"]
+    assert rows[waiter.client_id][1:5] == [user, "scheduler.py", str(waiter.pid), "waiting"]
+    assert "1.0 GiB of 16.0 GiB" in out
 
-    wide = scheduler.ctl("status", "--wide")
-    assert wide.returncode == 0, wide.stderr
-    assert GPU in wide.stdout and "simulated GPU" in wide.stdout
-    assert f"{holder.client_id} #" in wide.stdout  # holder with its grant
+    for wide in (scheduler.ctl("status", "--wide"), scheduler.ctl("status", "-o", "wide")):
+        assert wide.returncode == 0, wide.stderr
+        assert GPU in wide.stdout and "simulated GPU" in wide.stdout
+        assert f"{holder.client_id} #" in wide.stdout  # holder with its grant
 
 
-def test_status_fits_80_columns(busy):
+def on_a_terminal(argv: list[str], env: dict[str, str], columns: int = 80, rows: int = 24,
+                  until=lambda text: False) -> str:
+    """What `argv` draws on a terminal of columns x rows (a pty of that size): everything it
+    wrote until it exits, or, with `until`, until that holds of the text (then Ctrl-C)."""
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+    child = subprocess.Popen(argv, env={**env, "TERM": "xterm"}, cwd=CHILD_CWD, stdin=terminal, stdout=terminal,
+                             stderr=terminal, start_new_session=True)
+    os.close(terminal)
+    seen = b""
+    deadline = time.monotonic() + PATIENCE
+    try:
+        while not until(seen.decode(errors="replace")):
+            assert time.monotonic() < deadline, f"{argv} drew only: {seen!r}"
+            if select.select([controller], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(controller, 65536)
+                except OSError:  # the child exited and closed the terminal
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+    finally:
+        if child.poll() is None:
+            child.send_signal(signal.SIGINT)
+        child.wait(PATIENCE)
+        os.close(controller)
+    return seen.decode(errors="replace")
+
+
+def screen_lines(text: str) -> list[str]:
+    """The lines of a drawing, terminal control sequences taken out."""
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r", "", text)
+    return plain.split("\n")
+
+
+def test_status_fits_an_80x24_terminal_and_watch_shows_the_holders_first(busy):
     scheduler, holder, waiter = busy
-    result = scheduler.ctl("status", env={**scheduler.env, "COLUMNS": "80"})
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert max(len(line) for line in lines) <= 80, result.stdout
-    assert "…" not in result.stdout, result.stdout  # nothing cut short
-    words = result.stdout.split()
+    idle = [scheduler.agent(env={"NVSHARE_PROGRAM": f"notebook-{n}.ipynb"}) for n in range(3)]
+    for agent in idle:
+        agent.send(f"announce {GPU} 17179869184 simulated GPU")
+    wait_for(lambda: len(scheduler.clients()) == 5, what="five clients")
+    lines = [line for line in screen_lines(on_a_terminal([*nvsharectl_command(), "status"], scheduler.env))
+             if line.strip()]
+    assert max(len(line) for line in lines) <= 80 and len(lines) <= 24, "\n".join(lines)
+    text = "\n".join(lines)
+    assert "…" not in text  # nothing cut short
+    words = re.findall(r"[^\s,:;()]+", text)
     for whole in (holder.client_id, waiter.client_id, str(holder.pid), str(waiter.pid), "holding", "waiting", "GPU0",
-                  str(scheduler.socket_dir)):
-        assert whole in words, (whole, result.stdout)
+                  str(scheduler.socket_dir), "notebook-2.ipynb"):
+        assert whole in words, (whole, text)
+
+    # --watch on a terminal of 8 lines: the holder and the waiter first, idle clients left out.
+    drawn = on_a_terminal([*nvsharectl_command(), "status", "--watch", "--interval", "0.2"], scheduler.env, rows=8,
+                          until=lambda text: text.count("GPU0  ") >= 2)
+    first = screen_lines(drawn)[:7]  # the first drawing: it leaves the terminal's last line free
+    assert first[1].startswith("GPU0  ") and "…" in first[-1], first
+    order = [line.split()[0] for line in first if line.split()[0].startswith("c")]
+    assert order[:2] == [holder.client_id, waiter.client_id], first
+    assert any("idle client rows" in line for line in first), first
 
 
 def test_status_says_no_clients(scheduler):
@@ -238,7 +298,7 @@ def test_status_watch_refreshes_until_interrupted(busy):
     try:
         renders = 0
         for line in watcher.stdout:  # each snapshot is flushed as it is drawn
-            renders += "Devices" in line
+            renders += line.startswith("GPU0  ")
             if renders == 2:
                 break
         assert renders == 2, watcher.stderr.read()  # rendered more than once

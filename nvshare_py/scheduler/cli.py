@@ -114,7 +114,7 @@ def serve(
                                help="A waiter rises one priority class per this many grants made while it waits (0: never)"),
     log_level: str = typer.Option("info", metavar="|".join(LOG_LEVELS), parser=one_of(LOG_LEVELS, "a log level"),
                                   help="Log verbosity"),
-    metrics: Optional[str] = typer.Option(None, metavar="ADDRESS", help="Serve Prometheus metrics on HOST:PORT or :PORT (every interface), e.g. 127.0.0.1:9400 (docs/metrics.md) [default: off]"),
+    metrics: Optional[str] = typer.Option(None, metavar="ADDRESS", help="Serve Prometheus metrics on HOST:PORT or :PORT (every interface), e.g. 127.0.0.1:9415 (docs/metrics.md) [default: off]"),
     admission_spill: str = typer.Option(
         "auto", metavar="BYTES|auto|off", parser=_spill,
         help="Admission: host memory the node's clients may hold beyond the devices' budgets (64G, 0); "
