@@ -8,15 +8,19 @@ import os
 import pty
 import re
 import select
+import shutil
 import signal
 import struct
 import subprocess
+import sys
 import termios
 import time
+from pathlib import Path
 
 import pytest
 
-from fixtures.scheduler import CHILD_CWD, PATIENCE, nvsharectl_command, short_socket_dir, wait_for
+from fixtures.scheduler import CHILD_CWD, PATIENCE, child_env, nvsharectl_command, run_child, short_socket_dir, wait_for
+from nvshare_py.paths import ENV_SOCKET_DIR, ENV_SYSTEM_SOCKET_DIR, connect_error
 from nvshare_py.scheduler.views import user_name
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
@@ -367,3 +371,139 @@ def test_a_stopped_holder_shows_as_silent(scheduler_factory):
     # Once it runs again its heartbeats resume and the note goes away.
     wait_for(lambda: all(h["silent"] < 1.0 for d in scheduler.status()["devices"] for h in d["holders"]),
              what="the resumed holder's heartbeats")
+
+
+# --- the README's recipe -----------------------------------------------------------------------
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_block(heading: str) -> list[str]:
+    """The command lines of the first sh block under `## heading` in the README."""
+    section = README.read_text().split(f"## {heading}\n", 1)[1]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_the_readmes_recipe_without_a_gpu_runs_as_written(libnvshare, simcuda, tmp_path):
+    """Each line as the README writes it, in bash, with the tools on PATH. Only two things differ
+    from an installed nvshare_py: the tools run this checkout (small scripts on PATH), and
+    `nvshare-run --print-simulated-driver` names the simulated driver the tests built (pip builds
+    the installed copy). As root, the scheduler serves the system directory: a stand-in here."""
+    system = short_socket_dir()
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    shims = {
+        "nvshare-scheduler": f'exec "{sys.executable}" -m nvshare_py.scheduler "$@"',
+        "nvsharectl": f'exec "{sys.executable}" -m ctl "$@"',
+        "nvshare-run": (f'if [ "$1" = --print-simulated-driver ]; then echo "{simcuda.lib_dir}"; exit 0; fi\n'
+                        f'exec "{sys.executable}" -m nvshare_py.run "$@"'),
+        "python": f'exec "{sys.executable}" "$@"',
+    }
+    for name, body in shims.items():
+        (tools / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tools / name).chmod(0o755)
+    env = child_env(extra={"PATH": f"{tools}:{os.environ['PATH']}", ENV_SYSTEM_SOCKET_DIR: str(system),
+                           "NVSHARE_LIBRARY": str(libnvshare), "COLUMNS": "80"})
+    env.pop(ENV_SOCKET_DIR, None)
+    first, *rest = readme_block("Without a GPU")
+    assert first.startswith("nvshare-scheduler &")
+    daemon = subprocess.Popen(["bash", "-c", first.split("&")[0]], env=env, cwd=CHILD_CWD, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        wait_for(lambda: daemon.poll() is not None or connect_error(system / "client" / "scheduler.sock") is None,
+                 what="the README's scheduler to serve")
+        assert daemon.poll() is None, daemon.stderr.read().decode()
+        results = [(line, run_child(["bash", "-c", line], env)) for line in rest]
+        for line, result in results:
+            assert result.returncode == 0, (line, result.stdout, result.stderr)
+        shown = {line.split()[1] if line.startswith("nvsharectl") else line.split()[0]: result.stdout
+                 for line, result in results}
+        program = next(result.stdout for line, result in results if "nvshare-run python" in line)
+        assert "2 s of GPU work on nvshare simulated GPU" in program
+        assert "last GPU use: c1" in shown["status"] and "on GPU0" in shown["status"], shown["status"]
+        assert "GPU0 (GPU-" in shown["timeline"] and "█" in shown["timeline"]
+        assert shown["set-budget"].startswith("memory budget of GPU0 (GPU-") and "16.0 GiB" in shown["set-budget"]
+    finally:
+        os.killpg(daemon.pid, signal.SIGTERM)
+        daemon.wait(PATIENCE)
+        shutil.rmtree(system, ignore_errors=True)
+
+
+def test_kubectl_habits_output_since_negative_numbers_and_gpu_numbers(busy):
+    scheduler, holder, waiter = busy
+    as_json = scheduler.ctl("status", "-o", "json")
+    assert as_json.returncode == 0 and json.loads(as_json.stdout)["devices"][0]["device"] == GPU
+
+    for argv in (["set-tq", "-5"], ["set-weight", "-1", "--client", holder.client_id], ["set-tq", "-0.5", "--device", "0"]):
+        refused = scheduler.ctl(*argv)
+        assert refused.returncode == 2 and "out of range" in refused.stderr, (argv, refused.stderr)
+        assert "No such option" not in refused.stderr
+
+    for name in ("0", "GPU0", GPU):  # nvidia-smi -i 0, status's name, the UUID
+        done = scheduler.ctl("set-tq", "9", "--device", name)
+        assert done.returncode == 0 and done.stdout.strip() == f"time quantum of GPU0 ({GPU}): 9 s", done.stdout
+
+    lines = scheduler.ctl("events").stdout.splitlines()
+    assert any(f"device=GPU0 client={holder.client_id}" in line for line in lines) and GPU not in "".join(lines)
+    assert f"device=GPU0 ({GPU})" in scheduler.ctl("events", "-o", "wide").stdout
+    registered = next(line for line in lines if f"register   client={holder.client_id}" in line)
+    assert f"user={user_name(os.geteuid())} program=scheduler.py" in registered
+
+    every = json.loads(scheduler.ctl("events", "-o", "json").stdout)["events"]
+    recent = json.loads(scheduler.ctl("events", "-o", "json", "--since", "10m").stdout)["events"]
+    assert [e["seq"] for e in recent] == [e["seq"] for e in every]  # all of them happened in the last 10 minutes
+    last = every[-1]["seq"]
+    from_seq = json.loads(scheduler.ctl("events", "-o", "json", "--since", str(last)).stdout)["events"]
+    assert [e["seq"] for e in from_seq] == [last]
+    for bad in ("5x", "-3", "soon"):
+        refused = scheduler.ctl("events", "--since", bad)
+        assert refused.returncode == 2 and "sequence number" in refused.stderr, refused.stderr
+    timeline = json.loads(scheduler.ctl("timeline", "-o", "json", "--since", "1h").stdout)
+    assert timeline["device_names"] == {GPU: "GPU0"}
+
+    shell = scheduler.ctl("--show-completion", "bash")
+    assert shell.returncode == 0 and "_NVSHARECTL_COMPLETE" in shell.stdout
+
+
+def test_admission_spill_0_as_the_docs_write_it_and_back_to_auto_without_a_restart(scheduler):
+    started_with = scheduler.status()["admission"]["spill"]  # --admission-spill auto: half of MemAvailable
+    zero = scheduler.ctl("set-admission", "--spill", "0")
+    assert zero.returncode == 0 and zero.stdout.startswith("admission: spill 0 B,"), zero.stderr
+    assert scheduler.status()["admission"]["enabled"] and scheduler.status()["admission"]["spill"] == 0
+    assert scheduler.ctl("set-admission", "--spill", "off").returncode == 0
+    assert not scheduler.status()["admission"]["enabled"]
+    back = scheduler.ctl("set-admission", "--spill", "auto")
+    assert back.returncode == 0, back.stderr
+    assert scheduler.status()["admission"]["spill"] == started_with
+
+
+def test_reads_go_to_the_read_only_status_where_the_control_socket_is_closed(monkeypatch, tmp_path):
+    """The fallback itself (tests/test_one_scheduler.py runs it as a second uid): permission
+    denied on the control socket, or `forbidden` from the scheduler, sends reads to the
+    read-only status socket; a scheduler without one leaves the permission problem as the news."""
+    from ctl import reading
+    from nvshare_py import control
+    from nvshare_py.control import EXIT_NOT_RUNNING, EXIT_PERMISSION, ControlFailure
+    from nvshare_py.paths import SocketPaths
+
+    def denied(self):
+        raise ControlFailure(EXIT_PERMISSION, "permission denied on /x/control/control.sock")
+
+    asked = []
+    monkeypatch.setattr(reading.Settings, "connect", denied)
+    monkeypatch.setattr(control, "read_only_status",
+                        lambda paths, op, timeout, **fields: asked.append((op, fields)) or {"op": op})
+    settings = reading.Settings(SocketPaths(tmp_path), 1.0)
+    with reading.Reader(settings) as reader:
+        assert reader.read_only and reader.request("status") == {"op": "status"}
+        assert reader.request("events", since=3, limit=10) == {"op": "events"}
+    assert asked == [("status", {}), ("events", {"since": 3, "limit": 10})]
+
+    def absent(paths, op, timeout, **fields):
+        raise ControlFailure(EXIT_NOT_RUNNING, "no read-only status socket")
+
+    monkeypatch.setattr(control, "read_only_status", absent)
+    with reading.Reader(settings) as reader, pytest.raises(ControlFailure) as failure:
+        reader.request("status")
+    assert failure.value.exit_code == EXIT_PERMISSION and "permission denied" in str(failure.value)
