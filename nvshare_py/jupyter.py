@@ -106,14 +106,24 @@ def is_ours(spec_dir: Path) -> bool:
 
 
 def shadowed(name: str, target: Path) -> Path | None:
-    """The directory of another kernelspec called `name` that Jupyter finds besides `target`
-    (not one nvshare-jupyter wrote), or None."""
+    """The kernelspec called `name` that a kernelspec at `target` would hide from Jupyter (one
+    nvshare-jupyter did not write, in a directory Jupyter searches after target's, or the
+    python3 that ipykernel provides where no directory has one), or None."""
     from jupyter_client.kernelspec import KernelSpecManager
 
-    found = KernelSpecManager().find_kernel_specs().get(name)
-    if found is None or Path(found).absolute() == target.absolute() or is_ours(Path(found)):
-        return None
-    return Path(found)
+    manager = KernelSpecManager()
+    searched = [Path(directory).absolute() for directory in manager.kernel_dirs]
+    if target.parent.absolute() not in searched:
+        return None  # Jupyter does not look there: it hides nothing
+    later = searched[searched.index(target.parent.absolute()) + 1:]
+    for directory in later:
+        candidate = directory / name
+        if (candidate / "kernel.json").is_file() and not is_ours(candidate):
+            return candidate
+    found = manager.find_kernel_specs().get(name)  # e.g. ipykernel's own python3, in no directory
+    if found is not None and Path(found).absolute().parent not in searched:
+        return Path(found)
+    return None
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:

@@ -57,7 +57,7 @@ def driver_missing() -> str | None:
 
 
 def simulated_driver_hint() -> str:
-    return f"to try nvshare without a GPU: LD_LIBRARY_PATH={SIMULATED_DRIVER_DIR} nvshare-run COMMAND"
+    return f"LD_LIBRARY_PATH={SIMULATED_DRIVER_DIR} nvshare-run COMMAND"
 
 
 def start_advice(paths: SocketPaths) -> str:
@@ -156,7 +156,7 @@ def run(
         typer.echo(f"nvshare-run: {where}; running unscheduled until it is reachable (--fail-open)", err=True)
 
     if sys.stderr.isatty() and driver_missing() is not None:
-        typer.echo(f"nvshare-run: no CUDA driver here (libcuda.so.1); {simulated_driver_hint()}", err=True)
+        typer.echo(f"nvshare-run: no CUDA driver; simulated one: {simulated_driver_hint()}", err=True)
     status, why = exec_command(command, env)
     raise fail(why, status)
 

@@ -545,6 +545,13 @@ def write_json(path: str | os.PathLike, document: dict[str, Any]) -> None:
 _PNG_MARKERS = {"tq": "v", "idle": "o", "revoked": "X"}  # an exit is not marked in the picture
 
 
+def picture_labels(timeline: Timeline, rows: list[tuple[str, str]]) -> list[str]:
+    """The picture's name for each (device, row): the row, after its GPU's short name when there
+    are several GPUs (never a cut UUID: two GPUs can share their first dozen characters)."""
+    several_devices = len({device for device, _ in rows}) > 1
+    return [f"{timeline.names.short(device)} {name}" if several_devices else name for device, name in rows]
+
+
 def write_png(path: str | os.PathLike, timeline: Timeline, title: str = "") -> None:
     """Draw the timeline with matplotlib (holds solid, draining hatched, waits light; markers
     at TQ handoffs, early releases and revocations). Raises MissingMatplotlib without it."""
@@ -555,7 +562,6 @@ def write_png(path: str | os.PathLike, timeline: Timeline, title: str = "") -> N
     except ImportError:
         raise MissingMatplotlib(f"PNG export needs matplotlib: {PLOT_EXTRA_HINT}") from None
     rows = [(device, name) for device in timeline.devices() for name in timeline.rows(device)]
-    several_devices = len(timeline.devices()) > 1
     palette = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
     colours = {name: palette[index % len(palette)] for index, name in enumerate(dict.fromkeys(n for _, n in rows))}
     figure = Figure(figsize=(11, 1.6 + 0.6 * max(1, len(rows))), layout="constrained")
@@ -583,7 +589,7 @@ def write_png(path: str | os.PathLike, timeline: Timeline, title: str = "") -> N
             if marker is not None:
                 axes.plot([end], [y + 0.5], marker=marker, color="black", markersize=7, linestyle="none")
     axes.set_yticks(range(len(rows)))
-    axes.set_yticklabels([f"{timeline.names.short(d)} {n}" if several_devices else n for d, n in reversed(rows)])
+    axes.set_yticklabels(list(reversed(picture_labels(timeline, rows))))
     axes.set_ylim(-0.7, max(1, len(rows)) - 0.2)
     axes.set_xlim(0, max(timeline.end - origin, 1e-3))
     axes.set_xlabel(f"seconds since {datetime.fromtimestamp(origin).strftime('%Y-%m-%d %H:%M:%S')}")
