@@ -507,3 +507,31 @@ def test_reads_go_to_the_read_only_status_where_the_control_socket_is_closed(mon
     with reading.Reader(settings) as reader, pytest.raises(ControlFailure) as failure:
         reader.request("status")
     assert failure.value.exit_code == EXIT_PERMISSION and "permission denied" in str(failure.value)
+
+
+def test_status_says_why_a_heavier_client_gets_less_a_higher_class_goes_first():
+    """Weight 4 used to show "share 80 %" beside an achieved 21 %, and nothing said why."""
+    from rich.console import Console
+
+    from ctl.screens import render_status
+    from nvshare_py.devicenames import DeviceNames
+
+    usage = {"state": "waiting", "used": 1 << 30, "share": 0.0, "achieved": 0.21, "outranked_by": ["c4"]}
+    status = {
+        "scheduler": {"version": "x", "pid": 1, "socket_dir": "/run/nvshare", "defaults": {"mode": "on", "tq": 30}},
+        "devices": [{"device": GPU, "mode": "on", "tq": 30, "used": 2 << 30, "budget": 16 << 30, "total": 16 << 30,
+                     "holders": [{"client": "c4", "quantum_left": 0.5, "state": "holding", "since": 0.0}],
+                     "waiters": [{"client": "c3", "since": 0.0}]}],
+        "clients": [
+            {"client": "c3", "user": "alice", "program": "train.py", "pid": 11, "weight": 4, "priority": 0,
+             "devices": {GPU: usage}},
+            {"client": "c4", "user": "bob", "program": "infer.py", "pid": 12, "weight": 1, "priority": 5,
+             "devices": {GPU: {"state": "holding", "used": 1 << 30, "share": 1.0, "achieved": 0.79,
+                               "outranked_by": []}}},
+        ],
+    }
+    console = Console(width=80, record=True, highlight=False)
+    console.print(render_status(status, DeviceNames([GPU]), now=10.0))
+    text = " ".join(console.export_text().split())
+    assert "c3 21 % (due 0 %, weight 4)" in text and "c4 79 % (due 100 %, class 5)" in text, text
+    assert "c3 is due nothing while class 5 (c4) waits or holds: a higher class goes first" in text, text
