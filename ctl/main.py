@@ -40,8 +40,10 @@ from nvshare_py.sizes import format_size, parse_size
 from .reading import Reader, Settings, Since, parse_since
 from .screens import event_line, known_devices, past_use, render_status, render_status_wide, size
 
+SETTINGS = APP_SETTINGS.copy()
+SETTINGS["add_completion"] = True  # nvsharectl --install-completion: people type its device and client names
 app = typer.Typer(
-    **{**APP_SETTINGS, "add_completion": True},
+    **SETTINGS,
     no_args_is_help=True,
     help="Steer and inspect nvshare-scheduler. Exit codes: 0 ok, 1 refused by the scheduler, "
     "2 usage error, 3 scheduler not running, 4 permission denied.",

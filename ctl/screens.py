@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from datetime import datetime
-from typing import Any
+from typing import Any, Iterable
 
 from rich import box
 from rich.console import Group, RenderableType
@@ -49,7 +49,7 @@ def percent(fraction: float | None) -> str:
     return "-" if fraction is None else f"{fraction * 100:.0f}"
 
 
-def known_devices(status: dict, events: list[dict] = ()) -> list[str]:
+def known_devices(status: dict, events: Iterable[dict] = ()) -> list[str]:
     """Every GPU UUID a status document and an event list mention."""
     uuids = {d["device"] for d in status.get("devices", [])}
     for client in status.get("clients", []):

@@ -11,14 +11,20 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Literal, TypedDict
 
 import typer
 from typer.core import TyperCommand
 
 from . import __version__
 
-APP_SETTINGS = {
+class AppSettings(TypedDict):
+    add_completion: bool
+    context_settings: dict[str, Any]
+    rich_markup_mode: Literal["markdown", "rich"] | None
+
+
+APP_SETTINGS: AppSettings = {
     "add_completion": False,
     "context_settings": {"help_option_names": ["-h", "--help"]},
     # Plain help: typer's rich help shows every flag as "--fail-open <bool>", which reads as an

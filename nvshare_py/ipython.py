@@ -183,6 +183,8 @@ def _document(data: bytes) -> dict:
         if message.code == "unknown-type":
             raise QueryFailed("the scheduler is older than this nvshare_py and cannot answer QUERY; update it")
         raise QueryFailed(f"the scheduler refused the query: {message.code} {message.detail}")
+    if not isinstance(message, protocol.Status):  # decode returns only the replies it was given
+        raise QueryFailed(f"the scheduler answered QUERY with {message.TYPE}")
     return message.document()
 
 

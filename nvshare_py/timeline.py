@@ -324,7 +324,7 @@ class _Replay:
         for table in (self.holds, self.waits, self.admissions):
             for key in [key for key in table if key[1] == client]:
                 old = self._close(table, key, t, ENDED_RECONNECTED if successor else reason)
-                if successor:
+                if successor and old is not None:
                     table[(key[0], successor)] = self._open(replace(
                         old, client=successor, start=t, end=None, ended_by="", known_start=True))
 
@@ -482,7 +482,7 @@ def _bar(intervals: list[Interval], timeline: Timeline, cells: int, colour: str)
         for start, stop, value in painted:
             for index in cell_range(start, stop):
                 state[index] = max(state[index], value)
-        if interval.end_mark is not None:
+        if interval.end_mark is not None and interval.end is not None:
             marks[cell_of(interval.end)] = _MARKS[interval.end_mark]
     text = Text(no_wrap=True, overflow="crop")
     for index, value in enumerate(state):
@@ -585,7 +585,7 @@ def write_png(path: str | os.PathLike, timeline: Timeline, title: str = "") -> N
             axes.broken_barh([(start, drop - start)], (y - 0.35, 0.7), facecolors=colour)
             if drop < end:
                 axes.broken_barh([(drop, end - drop)], (y - 0.35, 0.7), facecolors=colour, alpha=0.55, hatch="///")
-            marker = _PNG_MARKERS.get(interval.end_mark)
+            marker = _PNG_MARKERS.get(interval.end_mark or "")
             if marker is not None:
                 axes.plot([end], [y + 0.5], marker=marker, color="black", markersize=7, linestyle="none")
     axes.set_yticks(range(len(rows)))

@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import trio
 import typer
@@ -27,6 +27,7 @@ from ..paths import (
 from ..sizes import parse_size
 from . import admission
 from .daemon import Daemon, DaemonConfig, StartupError
+from .events import Mode
 
 log = logging.getLogger("nvshare.scheduler")
 
@@ -138,7 +139,7 @@ def serve(
     try:
         config = DaemonConfig(
             socket_dir=socket_dir,
-            mode=mode,
+            mode=cast(Mode, mode),  # one of MODES: its parser saw to it
             tq=tq,
             grace=grace,
             heartbeat_interval=heartbeat_interval,
@@ -164,7 +165,7 @@ def serve(
         typer.echo(f"nvshare-scheduler: {exc}", err=True)
         raise typer.Exit(1) from None
     try:
-        trio.run(serve_and_watch, daemon, config.socket_dir)
+        trio.run(serve_and_watch, daemon, daemon.paths.root)
     finally:
         daemon.close()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import pwd
-from typing import Callable
+from typing import Any, Callable
 
 from ..sizes import format_size
 from . import fairshare, residency
@@ -27,7 +27,7 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
     """The "devices" and "clients" parts of the status document (docs/protocol.md)."""
     devices = []
     for dev in core.devices():
-        holds = [(grant, pair, pair.hold) for grant, pair in dev.holders.items()]
+        holds = [(grant, pair, pair.hold) for grant, pair in dev.holders.items() if pair.hold is not None]
         holds += [(grant, pair, pair.overdue[grant]) for grant, pair in dev.overdue.items()]
         holds.sort(key=lambda item: item[0])
         devices.append({
@@ -53,7 +53,8 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
                 }
                 for grant, pair, hold in holds
             ],
-            "waiters": [{"client": pair.client.cid, "since": wall(pair.waiting_since)} for pair in dev.queue],
+            "waiters": [{"client": pair.client.cid, "since": wall(pair.waiting_since)} for pair in dev.queue
+                        if pair.waiting_since is not None],
         })
     shares = {dev.id: _shares(core, dev, now) for dev in core.devices()}
     clients = []
@@ -108,7 +109,7 @@ def admission_status(core: SchedulerCore, now: float, wall: Callable[[float], fl
     }
 
 
-_NO_SHARE = {"share": None, "achieved": None, "outranked_by": []}
+_NO_SHARE: dict[str, Any] = {"share": None, "achieved": None, "outranked_by": []}
 
 
 def _quantum_end(core: SchedulerCore, pair, hold) -> float:
