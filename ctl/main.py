@@ -23,7 +23,6 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 from rich.live import Live
-from rich.text import Text
 
 from nvshare_py import timeline as timelines
 from nvshare_py.clikit import (
@@ -38,7 +37,7 @@ from nvshare_py.scheduler.fairshare import DEFAULT_WEIGHT, PRIORITY_MAX, PRIORIT
 from nvshare_py.sizes import format_size, parse_size
 
 from .reading import Reader, Settings, Since, parse_since
-from .screens import event_line, known_devices, past_use, render_status, render_status_wide, size
+from .screens import event_line, known_devices, past_use, render_status, render_status_wide
 
 SETTINGS = APP_SETTINGS.copy()
 SETTINGS["add_completion"] = True  # nvsharectl --install-completion: people type its device and client names

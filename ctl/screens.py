@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from datetime import datetime
-from typing import Any, Iterable
+from typing import Iterable
 
 from rich import box
 from rich.console import Group, RenderableType
@@ -84,7 +84,7 @@ def header(status: dict, read_only: bool) -> Text:
     return text
 
 
-def _device_line(device: dict, names: DeviceNames, status: dict, now: float) -> Text:
+def _device_line(device: dict, names: DeviceNames, status: dict) -> Text:
     """`GPU0  on, TQ 30 s, 4.0 of 16.0 GiB, held by c3 alice (12.3s left), 2 waiting`."""
     clients = {c["client"]: c for c in status.get("clients", [])}
     line = Text(names.short(device["device"]), style="bold")
@@ -109,14 +109,14 @@ def _device_line(device: dict, names: DeviceNames, status: dict, now: float) -> 
     return line
 
 
-def _state(usage: dict, client: dict, device: dict | None, defaults: dict, now: float) -> str:
+def _state(usage: dict, client: dict, device: dict, defaults: dict, now: float) -> str:
+    """`holding 12.3s`, `waiting 4.0s, silent 3.0s`, `idle`: the state and how long it lasts."""
     state = usage.get("state", "-")
     since = None
-    if device is not None:
-        if state in ("holding", "draining"):
-            since = next((h.get("since") for h in device.get("holders", []) if h["client"] == client["client"]), None)
-        elif state == "waiting":
-            since = next((w.get("since") for w in device.get("waiters", []) if w["client"] == client["client"]), None)
+    if state in ("holding", "draining"):
+        since = next((h.get("since") for h in device.get("holders", []) if h["client"] == client["client"]), None)
+    elif state == "waiting":
+        since = next((w.get("since") for w in device.get("waiters", []) if w["client"] == client["client"]), None)
     text = state if since is None else f"{state} {age(max(0.0, now - since))}"
     if state in ("holding", "draining", "waiting"):
         text += silence(client, defaults)
@@ -220,7 +220,7 @@ def render_status(status: dict, names: DeviceNames, *, read_only: bool = False, 
     left_out = 0
     if height is not None:
         spare = height - lines(top) - lines(bottom) - sum(
-            lines([_device_line(devices[d], names, status, now), *_share_lines(d, members[d])])
+            lines([_device_line(devices[d], names, status), *_share_lines(d, members[d])])
             + (len(members[d]) + 1 if members[d] else 0) for d in order)
         if spare < 0:
             spare -= 1  # the line that says how many were left out
@@ -232,7 +232,7 @@ def render_status(status: dict, names: DeviceNames, *, read_only: bool = False, 
     parts = top
     for device_id in order:
         device = devices[device_id]
-        parts.append(_device_line(device, names, status, now))
+        parts.append(_device_line(device, names, status))
         if members[device_id]:
             table = _clients_table()
             for client in members[device_id]:

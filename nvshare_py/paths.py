@@ -65,18 +65,26 @@ def serving_user_schedulers() -> list[Path]:
     return found
 
 
+def is_system_socket_dir(root: os.PathLike) -> bool:
+    return os.path.realpath(root) == os.path.realpath(system_socket_dir())
+
+
+def system_beside(root: os.PathLike) -> str:
+    """What a user's scheduler (of `root`) says while the system scheduler serves beside it."""
+    system = system_socket_dir()
+    return (f"a system scheduler serves {system} beside this one ({root}): programs started from now on use it, "
+            f"while this scheduler's keep running here, and the two do not keep their programs apart on the GPUs "
+            f"they share. Stop this scheduler and restart its programs, so that all use {system}.")
+
+
 def split_brain_warning(root: os.PathLike) -> str | None:
     """What to say when another scheduler serves beside the one of `root`: the system
     scheduler beside a user's, or users' schedulers beside the system one. Programs of two
     schedulers are not kept apart: they run on a GPU they share at the same time. None when
     `root`'s scheduler is alone."""
     system = system_socket_dir()
-    if os.path.realpath(root) != os.path.realpath(system):
-        if not system_scheduler_serves():
-            return None
-        return (f"a system scheduler serves {system} beside this one ({root}): programs started from now on use it, "
-                f"while this scheduler's keep running here, and the two do not keep their programs apart on the GPUs "
-                f"they share. Stop this scheduler and restart its programs, so that all use {system}.")
+    if not is_system_socket_dir(root):
+        return system_beside(root) if system_scheduler_serves() else None
     others = serving_user_schedulers()
     if not others:
         return None

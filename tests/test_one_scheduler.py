@@ -109,18 +109,17 @@ def test_a_user_scheduler_and_the_system_scheduler_say_loudly_when_both_serve(sc
                  what="the user's own scheduler to serve")
         assert own.poll() is None, "".join(user_log)
 
-        system.start()  # root's scheduler comes back
-        wait_for(lambda: f"users' own schedulers serve beside this system scheduler ({system_dir}): {users_dir} "
-                         f"(uid {OTHER_UID})" in system.log_text(), what="the system scheduler's warning")
+        system.start()  # root's scheduler comes back: it says so as it starts
+        assert (f"users' own schedulers serve beside this system scheduler ({system_dir}): {users_dir} "
+                f"(uid {OTHER_UID})") in system.log_text()
         wait_for(lambda: f"a system scheduler serves {system_dir} beside this one ({users_dir})" in "".join(user_log),
                  what="the user's scheduler's warning")
         shown = system.ctl("status", env={**system.env, ENV_SYSTEM_SOCKET_DIR: str(system_dir)})
         assert shown.returncode == 0 and f"warning: users' own schedulers serve beside" in shown.stderr
 
-        own.terminate()
-        own.wait(PATIENCE)
-        wait_for(lambda: "no other scheduler serves beside this one any more" in system.log_text(),
-                 what="the system scheduler to see the other one gone")
+        system.stop()  # and the user's says when that is over
+        wait_for(lambda: f"no other scheduler serves beside this one any more ({users_dir})" in "".join(user_log),
+                 what="the user's scheduler to see the system one gone")
     finally:
         if own.poll() is None:
             own.kill()

@@ -3,6 +3,7 @@ real daemon scraped over HTTP on loopback while client processes take turns."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import urllib.error
@@ -310,10 +311,10 @@ def test_a_scrape_shows_clients_taking_turns(scheduler_factory):
         wait_for(lambda: scheduler.holders(GPU) == [], what="the device to be free")
 
     after = samples(scrape(address))
-    notebook = {"device": GPU, "pod": "notebook", "namespace": "team-a"}
-    program = next(dict(labels)["program"] for name, labels in after
-                   if name == "nvshare_client_grants_total" and dict(labels).get("pod") == "notebook")
-    notebook["program"] = program
+    notebook = next(dict(labels) for name, labels in after
+                    if name == "nvshare_client_grants_total" and dict(labels).get("pod") == "notebook")
+    assert notebook["namespace"] == "team-a" and notebook["device"] == GPU
+    assert notebook["user"] == views.user_name(os.geteuid())  # the uid the kernel reported, by name
     assert value(after, "nvshare_scheduler_clients") == 2
     assert value(after, "nvshare_client_grants_total", **notebook) == 2
     assert value(after, "nvshare_client_wait_seconds_count", **notebook) == 2

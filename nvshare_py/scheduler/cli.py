@@ -1,16 +1,18 @@
 """`nvshare-scheduler`: the daemon's command line (docs/scheduler.md explains each option).
 
-Besides the daemon (daemon.py) it runs one task of its own: the watch for a second scheduler
-serving the same machine (a user's own beside the system one, or the system one coming back
-beside a user's), which it reports loudly in the log (paths.split_brain_warning).
+Two schedulers serving one machine do not keep their programs apart (paths.split_brain_warning).
+At its start every scheduler says so when another serves; a user's own scheduler also runs,
+beside the daemon (daemon.py), a watch for the system scheduler coming back while it serves.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 from typing import Optional, cast
@@ -22,7 +24,8 @@ from ..clikit import (
     APP_SETTINGS, LOG_LEVELS, TQ_MAX, TQ_MIN, VERSION_OPTION, number_between, one_of, setup_logging, whole_number,
 )
 from ..paths import (
-    ENV_SOCKET_DIR, not_a_directory, split_brain_warning, system_scheduler_serves, system_socket_dir, user_socket_dir,
+    CLIENT_SOCKET, ENV_SOCKET_DIR, is_system_socket_dir, not_a_directory, split_brain_warning, system_beside,
+    system_scheduler_serves, system_socket_dir, user_socket_dir,
 )
 from ..sizes import parse_size
 from . import admission
@@ -33,10 +36,12 @@ log = logging.getLogger("nvshare.scheduler")
 
 MODES = ("on", "off", "auto")
 SWAPPING = ("on", "off")
-# How often the scheduler looks for a second scheduler beside it, and how often it repeats the
-# warning while one serves.
+# While the system scheduler serves beside a user's: how often the user's looks whether that is
+# over, and how often it repeats its warning. After something was made in the system socket
+# directory, it looks again after these pauses (a socket file appears just before it listens).
 SPLIT_BRAIN_CHECK = 2.0
 SPLIT_BRAIN_REPEAT = 600.0
+SPLIT_BRAIN_RECHECKS = (0.0, 0.1, 0.5, 2.0)
 # The systemd unit and tmpfiles.d entry shipped with the package.
 SYSTEMD_DIR = Path(__file__).resolve().parent.parent / "systemd"
 
@@ -62,7 +67,7 @@ def choose_socket_dir(socket_dir: Path | None, private: bool) -> Path:
     """The directory this scheduler serves, or typer.Exit with the reason. One scheduler per
     machine: without --socket-dir, a user's scheduler refuses to start beside the system one
     (its programs would run kernels at the same time as the system scheduler's), unless
-    --private says that is meant (the log then warns, see watch_for_split_brain)."""
+    --private says that is meant (it then warns, see serve)."""
     system = system_socket_dir()
     if socket_dir is None and not private and os.geteuid() != 0 and system_scheduler_serves():
         typer.echo(
@@ -158,6 +163,9 @@ def serve(
         raise typer.BadParameter(str(exc)) from None
     config = dataclasses.replace(config, socket_dir=choose_socket_dir(socket_dir, private))
     setup_logging(log_level)
+    beside = split_brain_warning(config.socket_dir)
+    if beside is not None:
+        typer.echo(f"nvshare-scheduler: warning: {beside}", err=True)
     daemon = Daemon(config)
     try:
         daemon.open()
@@ -165,17 +173,19 @@ def serve(
         typer.echo(f"nvshare-scheduler: {exc}", err=True)
         raise typer.Exit(1) from None
     try:
-        trio.run(serve_and_watch, daemon, daemon.paths.root)
+        trio.run(serve_and_watch, daemon, daemon.paths.root, beside)
     finally:
         daemon.close()
 
 
-async def serve_and_watch(daemon: Daemon, root: Path) -> None:
-    """The daemon, and beside it the watch for a second scheduler; the daemon's own failure
-    (its CoreFailure) comes out as the daemon raised it."""
+async def serve_and_watch(daemon: Daemon, root: Path, beside: str | None) -> None:
+    """The daemon, and beside a user's scheduler the watch for the system one (`beside`: what
+    was said at the start); the daemon's own failure (its CoreFailure) comes out as the daemon
+    raised it."""
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch_for_split_brain, root)
+            if not is_system_socket_dir(root):
+                nursery.start_soon(watch_for_the_system_scheduler, root, beside)
             await daemon.serve()
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
@@ -185,24 +195,92 @@ async def serve_and_watch(daemon: Daemon, root: Path) -> None:
         raise failure from None
 
 
-async def watch_for_split_brain(root: Path, interval: float = SPLIT_BRAIN_CHECK) -> None:
-    """Warn in the log when a second scheduler starts serving beside this one (a user's own
-    beside the system one, or the system one coming back beside a user's), every
-    SPLIT_BRAIN_REPEAT seconds while it lasts, and say when it is over: their programs would
-    run on the GPUs they share at the same time."""
-    said: str | None = None
-    said_at = 0.0
-    while True:
-        # A connect to each candidate socket: in a thread, so that the daemon's loop never waits.
-        warning = await trio.to_thread.run_sync(split_brain_warning, root)
-        now = trio.current_time()
-        if warning is not None and (warning != said or now - said_at >= SPLIT_BRAIN_REPEAT):
-            log.warning("%s", warning)
-            said, said_at = warning, now
-        elif warning is None and said is not None:
-            log.warning("no other scheduler serves beside this one any more (%s)", root)
-            said = None
-        await trio.sleep(interval)
+async def watch_for_the_system_scheduler(root: Path, said: str | None) -> None:
+    """A user's scheduler (of `root`) says in its log when the system scheduler starts serving
+    beside it, repeats it every SPLIT_BRAIN_REPEAT seconds while that lasts, and says when it
+    is over. The kernel wakes it (inotify) when something is made in the system socket
+    directory's client/ (or in the deepest part of that path that exists): while it is alone
+    nothing else does, so an idle scheduler stays idle. The system scheduler does not watch
+    users' directories (/tmp would wake it at every file made there): it looks at its start."""
+    socket_path = system_socket_dir() / CLIENT_SOCKET
+    said_at = trio.current_time()
+    try:
+        watch = DirectoryWatch()
+    except OSError as error:
+        log.info("cannot watch for the system scheduler coming back (inotify: %s)", error.strerror or error)
+        return
+    with watch:
+        while True:
+            watch.watch(next(path for path in (*socket_path.parents, Path("/")) if path.is_dir()))
+            serving = False
+            for pause in (SPLIT_BRAIN_RECHECKS if said is None else (0.0,)):
+                await trio.sleep(pause)
+                serving = await serves(socket_path)
+                if serving:
+                    break
+            now = trio.current_time()
+            if serving and (said is None or now - said_at >= SPLIT_BRAIN_REPEAT):
+                said, said_at = system_beside(root), now
+                log.warning("%s", said)
+            elif not serving and said is not None:
+                log.warning("no other scheduler serves beside this one any more (%s)", root)
+                said = None
+            if said is None:
+                await watch.changed()
+            else:
+                with trio.move_on_after(SPLIT_BRAIN_CHECK):
+                    await watch.changed()
+
+
+async def serves(path: Path) -> bool:
+    """Whether something listens on the Unix socket `path` (a connect that does not block)."""
+    with trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        with trio.move_on_after(SPLIT_BRAIN_CHECK):
+            try:
+                await probe.connect(os.fspath(path))
+                return True
+            except OSError:
+                return False
+    return False
+
+
+class DirectoryWatch:
+    """The kernel's word (inotify) that an entry of one directory was made, renamed into it or
+    changed its mode, or that the directory itself went. libc's inotify calls through ctypes:
+    the standard library has none."""
+
+    _MASK = 0x100 | 0x80 | 0x4 | 0x400 | 0x800  # IN_CREATE, IN_MOVED_TO, IN_ATTRIB, IN_DELETE_SELF, IN_MOVE_SELF
+
+    def __init__(self) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self._fd < 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+        self._watched: int | None = None
+
+    def watch(self, directory: Path) -> None:
+        """Watch `directory` (instead of the one watched before)."""
+        if self._watched is not None:
+            self._libc.inotify_rm_watch(self._fd, self._watched)  # fails harmlessly for one that went
+        watched = self._libc.inotify_add_watch(self._fd, os.fsencode(directory), self._MASK)
+        self._watched = watched if watched >= 0 else None
+
+    async def changed(self) -> None:
+        """Until the kernel reports a change (or forever, where nothing is watched)."""
+        await trio.lowlevel.wait_readable(self._fd)
+        while True:
+            try:
+                if not os.read(self._fd, 65536):
+                    return
+            except BlockingIOError:
+                return
+
+    def __enter__(self) -> "DirectoryWatch":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        trio.lowlevel.notify_closing(self._fd)
+        os.close(self._fd)
 
 
 def print_service_files(unit: bool, tmpfiles: bool) -> None:
