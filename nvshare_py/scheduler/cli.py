@@ -161,9 +161,10 @@ def serve(
         )
     except ValueError as exc:  # what the parsers let through: e.g. a heartbeat timeout not longer than the interval
         raise typer.BadParameter(str(exc)) from None
-    config = dataclasses.replace(config, socket_dir=choose_socket_dir(socket_dir, private))
+    chosen = choose_socket_dir(socket_dir, private)
+    config = dataclasses.replace(config, socket_dir=chosen)
     setup_logging(log_level)
-    beside = split_brain_warning(config.socket_dir)
+    beside = split_brain_warning(chosen)
     if beside is not None:
         typer.echo(f"nvshare-scheduler: warning: {beside}", err=True)
     daemon = Daemon(config)
