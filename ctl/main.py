@@ -1,4 +1,8 @@
-"""nvsharectl: steer and inspect a running nvshare-scheduler through its control socket.
+"""nvsharectl: steer and inspect a running nvshare-scheduler.
+
+Reads (status, events, timeline) come from the control socket, or, for a user it is closed to,
+the read-only status socket (reading.py); settings go to the control socket. What is drawn is
+screens.py's.
 
 Exit codes: 0 ok; 1 the scheduler refused the request (its message is shown); 2 usage error;
 3 the scheduler is not running (no socket, connection refused, or no answer within --timeout);
@@ -7,84 +11,85 @@ Exit codes: 0 ok; 1 the scheduler refused the request (its message is shown); 2 
 
 from __future__ import annotations
 
-import functools
+import enum
 import importlib.util
 import json
 import os
-import re
 import sys
 import time
-from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from rich import box
-from rich.console import Console, Group
+from rich.console import Console
 from rich.live import Live
-from rich.table import Table
-from rich.text import Text
 
 from nvshare_py import timeline as timelines
 from nvshare_py.clikit import (
-    APP_SETTINGS, TQ_MAX, TQ_MIN, VERSION_OPTION, number_between, tolerate_narrow_encoding, whole_number,
+    APP_SETTINGS, TQ_MAX, TQ_MIN, VERSION_OPTION, NumbersAsValues, number_between, tolerate_narrow_encoding,
+    whole_number,
 )
-from nvshare_py.control import EXIT_REFUSED, EXIT_USAGE, TIMEOUT_MAX, ControlConnection, ControlFailure
-from nvshare_py.paths import ENV_SOCKET_DIR, SocketPaths
+from nvshare_py.control import EXIT_REFUSED, EXIT_USAGE, TIMEOUT_MAX, ControlFailure
+from nvshare_py.devicenames import DeviceNames, looks_like_index, nvml_uuid
+from nvshare_py.paths import ENV_SOCKET_DIR, SocketPaths, split_brain_warning
 from nvshare_py.protocol import CONTROL_EVENTS_MAX
-from nvshare_py.scheduler.fairshare import (
-    DEFAULT_WEIGHT, PRIORITY_MAX, PRIORITY_MIN, SHARE_WINDOW, WEIGHT_MAX, WEIGHT_MIN,
-)
-from nvshare_py.sizes import parse_size
+from nvshare_py.scheduler.fairshare import DEFAULT_WEIGHT, PRIORITY_MAX, PRIORITY_MIN, WEIGHT_MAX, WEIGHT_MIN
+from nvshare_py.sizes import format_size, parse_size
 from nvshare_py.vocabulary import ADMISSION_POLICY, MODE
 
+from .reading import Reader, Settings, Since, parse_since
+from .screens import event_line, known_devices, past_use, render_status, render_status_wide
+
+SETTINGS = APP_SETTINGS.copy()
+SETTINGS["add_completion"] = True  # nvsharectl --install-completion: people type its device and client names
 app = typer.Typer(
-    **APP_SETTINGS,
+    **SETTINGS,
     no_args_is_help=True,
     help="Steer and inspect nvshare-scheduler. Exit codes: 0 ok, 1 refused by the scheduler, "
     "2 usage error, 3 scheduler not running, 4 permission denied.",
 )
-# Piped output is not squeezed to 80 columns (`--wide` device UUIDs alone take 40).
+# Piped output is not squeezed to 80 columns (`-o wide` device UUIDs alone take 40).
 stdout = Console(highlight=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160)
 EXIT_INTERRUPTED = 130
 
-# The scheduler's ring holds the last 10 000 events, and that is also its largest page.
 
-
-def format_bytes(size: int | None) -> str:
-    if not size:
-        return "-" if size is None else "0"
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size >= scale:
-            return f"{size / scale:.1f} {unit}"
-    return f"{size} B"
-
-
-def format_time(unix: float) -> str:
-    return datetime.fromtimestamp(unix).strftime("%H:%M:%S.%f")[:-3]
-
-
-@dataclass
-class Settings:
-    paths: SocketPaths
-    timeout: float
-
-    def connect(self) -> ControlConnection:
-        return ControlConnection(self.paths, self.timeout)
-
-
-def _fail(failure: ControlFailure) -> None:
+def _fail(failure: ControlFailure) -> typer.Exit:
     typer.echo(f"nvsharectl: {failure}", err=True)
-    raise typer.Exit(failure.exit_code)
+    return typer.Exit(failure.exit_code)
 
 
 def _call(ctx: typer.Context, op: str, **fields: Any) -> Any:
+    """One request on the control socket (settings, and what they need to know)."""
     try:
         with ctx.obj.connect() as connection:
             return connection.request(op, **fields)
     except ControlFailure as failure:
-        _fail(failure)
+        raise _fail(failure) from None
+
+
+def _complete_socket_paths(ctx: typer.Context) -> Settings:
+    """Settings for completion callbacks, which run before the callback fills ctx.obj."""
+    root = ctx.find_root().params if ctx.find_root() is not None else {}
+    return Settings(SocketPaths.resolve(root.get("socket_dir")), 1.0)
+
+
+def _complete_devices(ctx: typer.Context, incomplete: str) -> list[str]:
+    try:
+        with Reader(_complete_socket_paths(ctx)) as reader:
+            status = reader.request("status")
+    except ControlFailure:
+        return []
+    names = DeviceNames(known_devices(status))
+    return [name for name in (*names.by_uuid.values(), *names.by_uuid) if name.startswith(incomplete)]
+
+
+def _complete_clients(ctx: typer.Context, incomplete: str) -> list[str]:
+    try:
+        with Reader(_complete_socket_paths(ctx)) as reader:
+            status = reader.request("status")
+    except ControlFailure:
+        return []
+    return [c["client"] for c in status.get("clients", []) if c["client"].startswith(incomplete)]
 
 
 @app.callback()
@@ -100,29 +105,42 @@ def options(
     ctx.obj = Settings(SocketPaths.resolve(socket_dir), timeout)
 
 
-DEVICE_OPTION = typer.Option(
-    None, "--device", help="A device: GPU<n> as status shows it, or its UUID; without it the default and every device change"
-)
+DEVICE_HELP = "A GPU: GPU<n> or n as status shows it (nvidia-smi's number), or its UUID"
+DEVICE_OPTION = typer.Option(None, "--device", help=f"{DEVICE_HELP}; without it the default and every device change",
+                             autocompletion=_complete_devices)
 
 
-def resolve_device(ctx: typer.Context, device: str | None) -> str | None:
-    """The UUID of a device given as status names it (GPU0) or by UUID (passed on as given)."""
-    if device is None or not re.fullmatch(r"GPU\d+", device):
-        return device
-    labels = device_labels(_call(ctx, "status"))
-    found = [uuid for uuid, label in labels.items() if label == device]
-    if not found:
-        # A GPU no program has used yet (a budget set at boot): this machine's NVML numbers it.
-        found = [uuid for uuid, index in _nvml_indices().items() if f"GPU{index}" == device]
-    if not found:
-        shown = ", ".join(sorted(labels.values())) or "none yet"
-        typer.echo(f"nvsharectl: there is no device {device} (the scheduler knows: {shown}; a GPU no program "
-                   f"has used yet is named by its UUID, as nvidia-smi -L prints it)", err=True)
-        raise typer.Exit(EXIT_REFUSED)
-    return found[0]
+def resolve_device(ctx: typer.Context, device: str | None) -> tuple[str | None, DeviceNames]:
+    """The UUID of a device named as people name it (`GPU0`, `0`, or its UUID, passed on as
+    given), and the names of the GPUs the scheduler knows, for the reply."""
+    status = _call(ctx, "status")
+    names = DeviceNames(known_devices(status))
+    if device is None:
+        return None, names
+    found = names.resolve(device)
+    if found is None and looks_like_index(device):
+        # Used before but not now (its events remember it), or never used: NVML numbers it.
+        try:
+            with ctx.obj.connect() as connection:
+                events = connection.events_since(0)[0]
+        except ControlFailure as failure:
+            raise _fail(failure) from None
+        names = DeviceNames(known_devices(status, events))
+        found = names.resolve(device) or nvml_uuid(device)
+        if found is None:
+            typer.echo(f"nvsharectl: there is no device {device} (the scheduler knows: {names.shown()}; a GPU no "
+                       "program has used yet is named by its UUID, as nvidia-smi -L prints it)", err=True)
+            raise typer.Exit(EXIT_REFUSED)
+        if found not in names.by_uuid:
+            names = DeviceNames([*names.by_uuid, found])
+    return found or device, names
 
 
-@app.command("set-tq")
+def _where(device: str | None, names: DeviceNames) -> str:
+    return "every device" if device is None else names.long(device)
+
+
+@app.command("set-tq", cls=NumbersAsValues)
 def set_tq(
     ctx: typer.Context,
     seconds: float = typer.Argument(..., parser=number_between(TQ_MIN, TQ_MAX), metavar="SECONDS",
@@ -130,13 +148,15 @@ def set_tq(
     device: Optional[str] = DEVICE_OPTION,
 ) -> None:
     """Set the time quantum."""
-    result = _call(ctx, "set-tq", seconds=seconds, device=resolve_device(ctx, device))
-    typer.echo(f"time quantum of {result['device'] or 'every device'}: {result['tq']:g} s")
+    uuid, names = resolve_device(ctx, device)
+    result = _call(ctx, "set-tq", seconds=seconds, device=uuid)
+    typer.echo(f"time quantum of {_where(result['device'], names)}: {result['tq']:g} s")
 
 
 def _set_mode(ctx: typer.Context, mode: str, device: str | None) -> None:
-    result = _call(ctx, "set-mode", mode=mode, device=resolve_device(ctx, device))
-    typer.echo(f"mode of {result['device'] or 'every device'}: {result['mode']}")
+    uuid, names = resolve_device(ctx, device)
+    result = _call(ctx, "set-mode", mode=mode, device=uuid)
+    typer.echo(f"mode of {_where(result['device'], names)}: {result['mode']}")
 
 
 def _mode_command(mode: str, meaning: str) -> None:
@@ -153,39 +173,59 @@ for _mode, _meaning in MODE.meanings.items():
     _mode_command(_mode, _meaning)
 
 
-@app.command("set-budget")
+def _size_argument(text: str, unset: str, hint: str) -> int | None:
+    if text.strip().lower() == unset:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{exc} (or {unset!r})", param_hint=hint) from None
+
+
+@app.command("set-budget", cls=NumbersAsValues)
 def set_budget(
     ctx: typer.Context,
-    size: str = typer.Argument(..., metavar="BYTES|default", help="Memory budget, e.g. 60G, 512M, or 'default' for the device's total"),
-    device: str = typer.Option(..., "--device", help="The device: GPU<n> as status shows it, or its UUID"),
+    size_text: str = typer.Argument(..., metavar="BYTES|default",
+                                    help="Memory budget, e.g. 60G, 512M, or 'default' for the device's total"),
+    device: str = typer.Option(..., "--device", help=DEVICE_HELP, autocompletion=_complete_devices),
 ) -> None:
     """Set the memory the device's clients may keep resident at once (at most the device's memory):
     handoffs over it swap in bulk, and auto mode fits holders into it."""
-    if size.strip().lower() == "default":
-        budget = None
-    else:
-        try:
-            budget = parse_size(size)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="BYTES") from None
-    uuid = resolve_device(ctx, device)
+    budget = _size_argument(size_text, "default", "BYTES")
+    uuid, names = resolve_device(ctx, device)
     known = next((d for d in _call(ctx, "status")["devices"] if d["device"] == uuid), None)
     if budget is not None and known is not None and known.get("total") and budget > known["total"]:
         # A budget is a promise that the holders' memory fits the card; a larger one lets auto
         # mode run more programs side by side than fit, and they thrash.
-        typer.echo(f"nvsharectl: {format_bytes(budget)} is more than the {format_bytes(known['total'])} of memory "
-                   f"{device} has: give at most {format_bytes(known['total'])}, or 'default' for all of it", err=True)
+        typer.echo(f"nvsharectl: {format_size(budget)} is more than the {format_size(known['total'])} of memory "
+                   f"{names.short(uuid or device)} has: give at most {format_size(known['total'])}, or 'default' "
+                   "for all of it", err=True)
         raise typer.Exit(EXIT_USAGE)
     result = _call(ctx, "set-budget", device=uuid, bytes=budget)
-    shown = "the device's total" if result["budget"] is None else format_bytes(result["budget"])
-    typer.echo(f"memory budget of {result['device']}: {shown}")
+    shown = "the device's total" if result["budget"] is None else format_size(result["budget"])
+    typer.echo(f"memory budget of {names.long(result['device'])}: {shown}")
 
 
-@app.command("set-admission")
+def _spill(text: str) -> int | str | None:
+    """--spill: a size (0 included), auto or off."""
+    word = text.strip().lower()
+    if word in ("off", "auto"):
+        return None if word == "off" else "auto"
+    if word.isdigit() and int(word) == 0:
+        return 0
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{exc}, or 0, auto or off") from None
+
+
+@app.command("set-admission", cls=NumbersAsValues)
 def set_admission(
     ctx: typer.Context,
-    spill: Optional[str] = typer.Option(None, metavar="BYTES|off",
-                                        help="Host memory allowed beyond the devices' budgets, e.g. 64G; off: no admission"),
+    spill: Optional[str] = typer.Option(
+        None, metavar="BYTES|auto|off",
+        help="Host memory allowed beyond the devices' budgets, e.g. 64G or 0; auto: as the scheduler chose at "
+             "its start (half of MemAvailable); off: no admission"),
     policy: Optional[str] = typer.Option(None, help=f"{ADMISSION_POLICY.describe()}: who of the waiting allocations goes first"),
     timeout: Optional[float] = typer.Option(None, help="Seconds an allocation waits for admission before it fails"),
 ) -> None:
@@ -193,22 +233,20 @@ def set_admission(
     spill), and how allocations past it wait (docs/scheduler.md, Admission)."""
     request: dict[str, Any] = {}
     if spill is not None:
-        try:
-            request["spill"] = None if spill.strip().lower() == "off" else parse_size(spill)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--spill") from None
+        request["spill"] = _spill(spill)
     if policy is not None:
         request["policy"] = policy
     if timeout is not None:
         request["timeout"] = timeout
     result = _call(ctx, "set-admission", **request)
-    spill_shown = "off" if result["spill"] is None else format_bytes(result["spill"])
+    spill_shown = "off" if result["spill"] is None else format_size(result["spill"])
     typer.echo(f"admission: spill {spill_shown}, policy {result['policy']}, timeout {result['timeout']:g} s")
 
 
 # --- per-client settings -------------------------------------------------------------------
 
-CLIENT_OPTION = typer.Option(None, "--client", metavar="cN", help="One client, by its id in status (c3)")
+CLIENT_OPTION = typer.Option(None, "--client", metavar="cN", help="One client, by its id in status (c3)",
+                             autocompletion=_complete_clients)
 POD_UID_OPTION = typer.Option(None, "--pod-uid", metavar="UID",
                               help="Every client of the Kubernetes pod with this UID, now and later")
 UNSET = "none"
@@ -237,7 +275,7 @@ def _setting_value(text: str, low: int, high: int, name: str) -> int | None:
         raise typer.BadParameter(f"{exc} (or {UNSET!r} to remove the setting)", param_hint=name.upper()) from None
 
 
-@app.command("set-weight")
+@app.command("set-weight", cls=NumbersAsValues)
 def set_weight(
     ctx: typer.Context,
     weight: str = typer.Argument(..., metavar="WEIGHT|none",
@@ -253,7 +291,7 @@ def set_weight(
     typer.echo(f"weight of {_whom(result)}: {UNSET if result['weight'] is None else result['weight']}")
 
 
-@app.command("set-priority")
+@app.command("set-priority", cls=NumbersAsValues)
 def set_priority(
     ctx: typer.Context,
     priority: str = typer.Argument(..., metavar="PRIORITY|none",
@@ -268,199 +306,43 @@ def set_priority(
     typer.echo(f"priority class of {_whom(result)}: {UNSET if result['priority'] is None else result['priority']}")
 
 
-@app.command("set-limit")
+@app.command("set-limit", cls=NumbersAsValues)
 def set_limit(
     ctx: typer.Context,
-    size: str = typer.Argument(..., metavar="BYTES|none",
-                               help=f"Memory limit, e.g. 8G, 512M; '{UNSET}' removes the setting (no limit)"),
+    size_text: str = typer.Argument(..., metavar="BYTES|none",
+                                    help=f"Memory limit, e.g. 8G, 512M; '{UNSET}' removes the setting (no limit)"),
     client: Optional[str] = CLIENT_OPTION,
     pod_uid: Optional[str] = POD_UID_OPTION,
-    device: Optional[str] = typer.Option(None, "--device", help="Only this device (GPU<n> or UUID) [default: every device]"),
+    device: Optional[str] = typer.Option(None, "--device", help=f"Only this GPU ({DEVICE_HELP}) [default: every GPU]",
+                                         autocompletion=_complete_devices),
 ) -> None:
     """Set a memory limit: allocations past it fail with out-of-memory (it only lowers NVSHARE_MEMORY_LIMIT)."""
-    if size.strip().lower() == UNSET:
-        limit = None
-    else:
-        try:
-            limit = parse_size(size)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="BYTES") from None
+    limit = _size_argument(size_text, UNSET, "BYTES")
     target = _setting_target(client, pod_uid)
-    result = _call(ctx, "set-limit", bytes=limit, device=resolve_device(ctx, device), **target)
-    where = result["device"] or "every device"
-    typer.echo(f"memory limit of {_whom(result)} on {where}: {UNSET if result['bytes'] is None else format_bytes(result['bytes'])}")
+    uuid, names = resolve_device(ctx, device)
+    result = _call(ctx, "set-limit", bytes=limit, device=uuid, **target)
+    shown = UNSET if result["bytes"] is None else format_size(result["bytes"])
+    typer.echo(f"memory limit of {_whom(result)} on {_where(result['device'], names)}: {shown}")
 
 
-# --- status --------------------------------------------------------------------------------
+# --- reading -------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
-def _nvml_indices() -> dict[str, int]:
-    """UUID -> NVML index of this machine's GPUs (the numbers nvidia-smi shows); empty where
-    NVML cannot be loaded (no driver, or nvsharectl runs on another machine than its GPUs)."""
+class Output(str, enum.Enum):
+    json = "json"
+    wide = "wide"
+
+
+def _output(text: str) -> Output:
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            indices = {}
-            for index in range(pynvml.nvmlDeviceGetCount()):
-                uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
-                indices[uuid.decode() if isinstance(uuid, bytes) else uuid] = index
-            return indices
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # pynvml.NVMLError and its library-not-found kin: no indices, not a failure
-        return {}
+        return Output(text)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not an output format: give json or wide") from None
 
 
-def device_labels(status: dict) -> dict[str, str]:
-    """Short names for the devices of a status document: GPU<n>, n being the GPU's NVML index
-    (as nvidia-smi numbers them) where this machine's NVML knows every device, else its place
-    among the devices sorted by UUID. `--device` accepts them; `--wide` shows the UUIDs."""
-    uuids = {d["device"] for d in status.get("devices", [])}
-    for client in status.get("clients", []):
-        uuids.update(client.get("devices") or {})
-    ordered = sorted(uuids)
-    indices = _nvml_indices()
-    if not all(uuid in indices for uuid in ordered):
-        indices = {uuid: place for place, uuid in enumerate(ordered)}
-    return {uuid: f"GPU{indices[uuid]}" for uuid in ordered}
-
-
-def _identity(client: dict) -> str:
-    parts = []
-    if client.get("namespace") or client.get("pod"):
-        parts.append(f"{client.get('namespace') or '?'}/{client.get('pod') or '?'}")
-    if client.get("host"):
-        parts.append(client["host"])
-    if client.get("container"):
-        parts.append(client["container"][:12])
-    if client.get("program"):
-        parts.append(client["program"])
-    return " ".join(parts) or "-"
-
-
-def _table(title: str, columns: list[str], wide: bool) -> Table:
-    # Cells fold rather than end in "…": a cut client id or pid is useless.
-    table = Table(title=title, title_justify="left", expand=False, box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD,
-                  pad_edge=wide)
-    for column in columns:
-        table.add_column(column, overflow="fold")
-    return table
-
-
-def silence_note(entry: dict, defaults: dict) -> str:
-    """" silent N s" for a client that has missed at least two heartbeats (stopped, hung, or cut
-    off): the scheduler still counts it as holding or waiting until its heartbeat timeout."""
-    silent = entry.get("silent", 0.0)
-    return f" silent {silent:.1f} s" if silent > 2 * defaults.get("heartbeat_interval", 1.0) else ""
-
-
-def render_status(status: dict, wide: bool = False) -> Group:
-    """The status document for a person: at most 80 columns by default (short device names,
-    fewer columns); `wide` adds UUIDs, host pids, uids, identities and grant counts."""
-    scheduler = status.get("scheduler", {})
-    defaults = scheduler.get("defaults", {})
-    labels = device_labels(status)
-    header = Text(
-        f"nvshare-scheduler {scheduler.get('version', '?')}, pid {scheduler.get('pid', '?')}, "
-        f"socket directory {scheduler.get('socket_dir', '?')}\n"
-        f"defaults: mode {defaults.get('mode', '?')}, TQ {defaults.get('tq', 0):g} s, grace {defaults.get('grace', 0):g} s"
-    )
-    parts: list[Any] = [header]
-
-    if not status.get("devices"):
-        parts.append(Text("no devices: no program has used a GPU through this scheduler yet"))
-    else:
-        devices = _table("Devices", ["device", "mode", "TQ", "memory used / budget", "holders (time left, state)",
-                                     "waiters (in order)"], wide)
-        for device in status["devices"]:
-            holders = [" ".join([h["client"], *([f"#{h['grant']}"] if wide else []), f"{h['quantum_left']:.1f} s",
-                                 h["state"]]) + silence_note(h, defaults) for h in device.get("holders", [])]
-            name = labels[device["device"]]
-            if wide:
-                name += f"\n{device['device']}" + (f"\n{device['name']}" if device.get("name") else "")
-            budget = format_bytes(device.get("budget"))
-            if device.get("total") and device.get("budget") != device.get("total"):
-                budget += f" (of {format_bytes(device['total'])})"
-            devices.add_row(name, device.get("mode", ""), f"{device.get('tq', 0):g} s",
-                            f"{format_bytes(device.get('used'))} / {budget}", "\n".join(holders) or "-",
-                            ", ".join(w["client"] for w in device.get("waiters", [])) or "-")
-        parts.append(devices)
-
-    admission = status.get("admission")
-    if admission:
-        parts.append(_admission_text(admission, labels))
-
-    if not status.get("clients"):
-        parts.append(Text("no clients"))
-        return Group(*parts)
-    columns = ["client", "pid", "program", "device", "state", "memory", "waited", "held"]
-    if wide:
-        columns = ["client", "pid", "host pid", "uid", "identity", "device", "state", "memory", "waited", "held",
-                   "grants"]
-    clients = _table("Clients", columns, wide)
-    for client in status["clients"]:
-        if wide:
-            who = [client["client"], str(client.get("pid", "")), str(client.get("host_pid") or "-"),
-                   str(client.get("uid", "-")), _identity(client)]
-        else:
-            program = client.get("program") or "-"
-            if client.get("pod"):
-                program += f" ({client.get('namespace') or '?'}/{client['pod']})"
-            who = [client["client"], str(client.get("pid", "")), program]
-        for place, (device, usage) in enumerate((client.get("devices") or {"-": {}}).items()):
-            row = who if place == 0 else [""] * len(who)
-            cells = [
-                (device if wide else labels.get(device, device)),
-                usage.get("state", "-") + silence_note(client, defaults),
-                _memory_cell(usage),
-                f"{usage.get('wait_total', 0):.1f} s" if usage else "-",
-                f"{usage.get('hold_total', 0):.1f} s" if usage else "-",
-            ]
-            if wide:
-                cells.append(str(usage.get("grants", "-")))
-            clients.add_row(*row, *cells)
-    parts.append(clients)
-    shares = _table(f"Shares (achieved over the last {SHARE_WINDOW:g} s)",
-                    ["client", "device", "weight", "class", "limit", "share", "achieved"], wide)
-    for client in status["clients"]:
-        for device, usage in (client.get("devices") or {}).items():
-            shares.add_row(client["client"], device if wide else labels.get(device, device),
-                           str(client.get("weight", "-")), str(client.get("priority", "-")),
-                           format_bytes(usage.get("limit")) if usage.get("limit") else "-",
-                           _percent(usage.get("share")), _percent(usage.get("achieved")))
-    if shares.row_count:
-        parts.append(shares)
-    return Group(*parts)
-
-
-def _memory_cell(usage: dict) -> str:
-    """A client's memory on a device: what it allocated, and how much of it is swapped out to
-    the host (docs/scheduler.md, "Budgets and swapping") when any is."""
-    text = format_bytes(usage.get("used"))
-    if usage.get("swapped"):
-        text += f" ({format_bytes(usage['swapped'])} swapped out)"
-    return text
-
-
-def _admission_text(admission: dict, labels: dict) -> Text:
-    """One line of admission figures, then who waits for how much, in the order they asked."""
-    if not admission.get("enabled"):
-        return Text("admission: off (allocations never wait)")
-    lines = [f"admission: {format_bytes(admission.get('reserved'))} of {format_bytes(admission.get('capacity'))} "
-             f"reserved (spill {format_bytes(admission.get('spill'))}), policy {admission.get('policy')}, "
-             f"timeout {admission.get('timeout', 0):g} s"]
-    for waiter in admission.get("waiters", []):
-        lines.append(f"  {waiter['client']} waits {waiter['waiting_for']:.1f} s on "
-                     f"{labels.get(waiter['device'], waiter['device'])} for {format_bytes(waiter['more'])} more "
-                     f"(a total of {format_bytes(waiter['bytes'])})")
-    return Text("\n".join(lines))
-
-
-def _percent(fraction: float | None) -> str:
-    return "-" if fraction is None else f"{fraction * 100:.1f} %"
+OUTPUT_OPTION = typer.Option(None, "--output", "-o", metavar="json|wide", parser=_output,
+                             help="json: the scheduler's document; wide: every detail (UUIDs, uids, shares)")
+SINCE_HELP = ("From this long ago (30s, 5m, 1.5h, 2d) or from this event sequence number on (a whole number)")
 
 
 def _interrupted() -> typer.Exit:
@@ -468,40 +350,73 @@ def _interrupted() -> typer.Exit:
     return typer.Exit(EXIT_INTERRUPTED)
 
 
+def _warn_split_brain(settings: Settings) -> None:
+    warning = split_brain_warning(settings.paths.root)
+    if warning is not None:
+        typer.echo(f"nvsharectl: warning: {warning}", err=True)
+
+
+class _Screen:
+    """The status for a person: the names of the GPUs, kept across --watch refreshes."""
+
+    def __init__(self, reader: Reader, wide: bool) -> None:
+        self.reader = reader
+        self.wide = wide
+
+    def draw(self, height: int | None = None, width: int = 80) -> Any:
+        status = self.reader.request("status")
+        names = DeviceNames(known_devices(status))
+        if self.wide:
+            return render_status_wide(status, names, read_only=self.reader.read_only)
+        screen = render_status(status, names, read_only=self.reader.read_only, height=height, width=width)
+        if not status.get("clients") and height is None:
+            events, _ = self.reader.events_since(0)
+            remembered = past_use(events, DeviceNames(known_devices(status, events)))
+            if remembered is not None:
+                screen.renderables.append(remembered)
+        return screen
+
+
 @app.command("status")
 def status_command(
     ctx: typer.Context,
-    as_json: bool = typer.Option(False, "--json", help="Print the status document as JSON (device UUIDs, every field)"),
-    wide: bool = typer.Option(False, "--wide", "-w", help="Also device UUIDs, host pids, uids, identities, grants"),
+    output: Optional[Output] = OUTPUT_OPTION,
+    as_json: bool = typer.Option(False, "--json", help="The same as -o json"),
+    wide: bool = typer.Option(False, "--wide", "-w", help="The same as -o wide"),
     watch: bool = typer.Option(False, "--watch", help="Refresh until interrupted (Ctrl-C exits 130)"),
     interval: float = typer.Option(1.0, "--interval", parser=number_between(0.05, 3600.0),
                                    help="Seconds between refreshes with --watch"),
 ) -> None:
-    """Show devices, lock holders, waiters and clients."""
+    """Show who holds and who waits for each GPU, and the clients: users, programs, memory."""
     settings: Settings = ctx.obj
+    as_json = as_json or output is Output.json
+    wide = wide or output is Output.wide
+    _warn_split_brain(settings)
     try:
-        with settings.connect() as connection:
+        with Reader(settings) as reader:
+            screen = _Screen(reader, wide)
             if not watch:
-                status = connection.request("status")
                 if as_json:
-                    typer.echo(json.dumps(status, indent=2))
+                    typer.echo(json.dumps(reader.request("status"), indent=2))
                 else:
-                    stdout.print(render_status(status, wide))
+                    stdout.print(screen.draw())
                 return
             if as_json:
                 while True:
-                    typer.echo(json.dumps(connection.request("status")), nl=True)
+                    typer.echo(json.dumps(reader.request("status")), nl=True)
                     time.sleep(interval)
             if not stdout.is_terminal:  # a log of snapshots rather than a redrawn screen
                 while True:
-                    stdout.print(render_status(connection.request("status"), wide))
+                    stdout.print(screen.draw())
+                    stdout.print()
                     time.sleep(interval)
-            with Live(render_status(connection.request("status"), wide), console=stdout, auto_refresh=False) as live:
+            with Live(screen.draw(stdout.height - 1, stdout.width), console=stdout, auto_refresh=False,
+                      screen=False, vertical_overflow="crop") as live:
                 while True:
                     time.sleep(interval)
-                    live.update(render_status(connection.request("status"), wide), refresh=True)
+                    live.update(screen.draw(stdout.height - 1, stdout.width), refresh=True)
     except ControlFailure as failure:
-        _fail(failure)
+        raise _fail(failure) from None
     except KeyboardInterrupt:
         raise _interrupted() from None
 
@@ -509,71 +424,74 @@ def status_command(
 # --- events --------------------------------------------------------------------------------
 
 
-def format_event(event: dict) -> str:
-    fields = [f"{event['seq']:>6}", format_time(event["t"]), f"{event['kind']:<10}"]
-    for key in ("device", "client"):
-        if event.get(key):
-            fields.append(f"{key}={event[key]}")
-    if event.get("grant"):
-        fields.append(f"grant={event['grant']}")
-    if event.get("detail"):
-        fields.append(f"detail={event['detail']}")
-    return " ".join(fields)
-
-
 @app.command("events")
 def events_command(
     ctx: typer.Context,
-    as_json: bool = typer.Option(False, "--json", help="JSON: the whole answer, or one event per line with --follow"),
-    since: int = typer.Option(0, "--since", parser=whole_number(0), help="First sequence number to show"),
+    output: Optional[Output] = OUTPUT_OPTION,
+    as_json: bool = typer.Option(False, "--json", help="The same as -o json: the whole answer, or one event per "
+                                                       "line with --follow"),
+    since: Since = typer.Option("0", "--since", metavar="DURATION|SEQ", parser=parse_since, help=SINCE_HELP),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new events until interrupted"),
     interval: float = typer.Option(0.5, "--interval", parser=number_between(0.05, 3600.0),
                                    help="Seconds between polls with --follow (Ctrl-C exits 130)"),
 ) -> None:
-    """Show the scheduler's lock timeline (the last 10 000 events)."""
+    """Show the scheduler's lock events (it keeps the last 10 000)."""
     settings: Settings = ctx.obj
+    as_json = as_json or output is Output.json
+    wide = output is Output.wide
     try:
-        with settings.connect() as connection:
-            answer = connection.request("events", since=since, limit=CONTROL_EVENTS_MAX)
+        with Reader(settings) as reader:
+            if since.seq is not None:
+                answer = reader.request("events", since=since.seq, limit=CONTROL_EVENTS_MAX)
+                events, following = answer["events"], answer["next"]
+            else:
+                stored, following = reader.events_since(0)
+                events = since.select(stored, time.time())
             if as_json and not follow:
-                typer.echo(json.dumps(answer, indent=2))
+                typer.echo(json.dumps({"events": events, "next": following}, indent=2))
                 return
+            names = DeviceNames(known_devices(reader.request("status"), events)) if not as_json else None
             while True:
-                for event in answer["events"]:
-                    typer.echo(json.dumps(event) if as_json else format_event(event))
+                for event in events:
+                    typer.echo(json.dumps(event) if names is None else event_line(event, names, wide))
                 if not follow:
                     return
                 time.sleep(interval)
-                answer = connection.request("events", since=answer["next"], limit=CONTROL_EVENTS_MAX)
+                answer = reader.request("events", since=following, limit=CONTROL_EVENTS_MAX)
+                events, following = answer["events"], answer["next"]
+                if names is not None and any(e.get("device") and e["device"] not in names.by_uuid for e in events):
+                    names = DeviceNames([*names.by_uuid, *(e["device"] for e in events if e.get("device"))])
     except ControlFailure as failure:
-        _fail(failure)
+        raise _fail(failure) from None
     except KeyboardInterrupt:
         raise _interrupted() from None
 
 
 # --- timeline ------------------------------------------------------------------------------
 
-DEFAULT_TIMELINE_SECONDS = 300.0
+DEFAULT_TIMELINE_SINCE = Since(seconds=300.0)
 
 
 def _client_names(status: dict) -> dict[str, str]:
-    """Row names for the clients still registered: id, program and pid."""
-    names = {}
-    for client in status.get("clients", []):
-        parts = [client["client"], client.get("program") or "", f"pid {client['pid']}" if client.get("pid") else ""]
-        names[client["client"]] = " ".join(part for part in parts if part)
-    return names
+    """Row names for the clients still registered (their register event may be gone from the
+    scheduler's ring)."""
+    return {client["client"]: timelines.client_label(client["client"], {
+        "pid": str(client.get("pid") or ""), "user": client.get("user") or "", "program": client.get("program") or "",
+        "pod": f"{client.get('namespace') or '?'}/{client['pod']}" if client.get("pod") else ""})
+        for client in status.get("clients", [])}
 
 
 @app.command("timeline")
 def timeline_command(
     ctx: typer.Context,
-    device: Optional[str] = typer.Option(None, "--device", help="Only this device (GPU<n> or UUID)"),
-    since: Optional[float] = typer.Option(
-        None, "--since", metavar="SECONDS_AGO", parser=number_between(0.001, 1e9),
-        help=f"Show the last SECONDS_AGO seconds [default: {DEFAULT_TIMELINE_SECONDS:g}]",
-    ),
+    device: Optional[str] = typer.Option(None, "--device", help=f"Only this GPU ({DEVICE_HELP})",
+                                         autocompletion=_complete_devices),
+    since: Optional[Since] = typer.Option(None, "--since", metavar="DURATION|SEQ", parser=parse_since,
+                                          help=f"{SINCE_HELP} [default: 5m]"),
     show_all: bool = typer.Option(False, "--all", help="Show every event the scheduler keeps (the last 10 000)"),
+    output: Optional[Output] = typer.Option(None, "--output", "-o", metavar="json", parser=_output,
+                                            help="json: only the JSON document (holds, waits, summary, events), "
+                                                 "to stdout"),
     json_path: Optional[Path] = typer.Option(
         None, "--json", metavar="FILE", help="Also write the holds, waits, summary and events as JSON ('-': only that, to stdout)"
     ),
@@ -587,48 +505,57 @@ def timeline_command(
     """Show who held and who waited for each GPU when, as a timeline; export it as JSON or PNG."""
     if show_all and since is not None:
         raise typer.BadParameter("give --since or --all, not both", param_hint="--since")
+    if output is Output.wide:
+        raise typer.BadParameter("timeline writes -o json only (the drawing is as wide as --width)",
+                                 param_hint="--output")
     if png_path is not None and importlib.util.find_spec("matplotlib") is None:
         typer.echo(f"nvsharectl: --png needs matplotlib: {timelines.PLOT_EXTRA_HINT}", err=True)
         raise typer.Exit(EXIT_USAGE)
+    if output is Output.json:
+        json_path = Path("-")
     json_to_stdout = json_path is not None and str(json_path) == "-"
     if not json_to_stdout:
         tolerate_narrow_encoding("nvsharectl")
     settings: Settings = ctx.obj
     try:
-        with settings.connect() as connection:
-            events, _ = connection.events_since(0)
-            status = connection.request("status")
+        with Reader(settings) as reader:
+            events, _ = reader.events_since(0)
+            status = reader.request("status")
     except ControlFailure as failure:
-        _fail(failure)
+        raise _fail(failure) from None
     now = time.time()
+    names = DeviceNames(known_devices(status, events))
     whole = timelines.Timeline.from_events(events, now=now)
+    whole.names = names
     whole.labels.update(_client_names(status))
-    device = resolve_device(ctx, device)
+    uuid = None
     if device is not None:
-        if device not in whole.devices() and device not in {d["device"] for d in status.get("devices", [])}:
-            typer.echo(f"nvsharectl: unknown-device: no client has announced device {device}", err=True)
+        uuid = names.resolve(device) or device
+        if uuid not in names.by_uuid:
+            typer.echo(f"nvsharectl: unknown-device: no client has used device {device} (the scheduler knows: "
+                       f"{names.shown()})", err=True)
             raise typer.Exit(EXIT_REFUSED)
-        whole = whole.only_device(device)
-    start = whole.start if show_all else max(whole.start, now - (since or DEFAULT_TIMELINE_SECONDS))
+        whole = whole.only_device(uuid)
+    start = whole.start if show_all else max(whole.start, (since or DEFAULT_TIMELINE_SINCE).start_time(events, now))
     shown = whole.window(start, now)
     console = stdout if width is None else Console(highlight=False, width=width)
     if not json_to_stdout:  # '-' makes stdout the JSON document alone, for pipes
-        console.print(timelines.render(shown, width=console.width, title="GPU lock timeline"))
+        title = "GPU lock timeline" + (f" of {names.short(uuid)}" if uuid else "")
+        console.print(timelines.render(shown, width=console.width, title=title))
         if shown.intervals:
             console.print(timelines.summary_table(timelines.summarise(shown)))
     try:
         if json_path is not None:
             document = timelines.to_json(shown)
-            document["events"] = [
-                e for e in events if e["t"] >= start and (device is None or e.get("device") in ("", device))
-            ]
+            document["events"] = [e for e in events if e["t"] >= start and (uuid is None or e.get("device") in ("", uuid))]
             if json_to_stdout:
                 typer.echo(json.dumps(document, indent=2))
             else:
                 timelines.write_json(json_path, document)
                 typer.echo(f"wrote {json_path}")
         if png_path is not None:
-            timelines.write_png(png_path, shown, title="GPU lock timeline" + (f" of {device}" if device else ""))
+            timelines.write_png(png_path, shown,
+                                title="GPU lock timeline" + (f" of {names.long(uuid)}" if uuid else ""))
             typer.echo(f"wrote {png_path}")
     except OSError as error:
         typer.echo(f"nvsharectl: cannot write {error.filename}: {error.strerror}", err=True)
@@ -659,4 +586,3 @@ def translate_original_spelling(argv: list[str]) -> list[str]:
 
 def main() -> None:
     app(args=translate_original_spelling(sys.argv[1:]), prog_name="nvsharectl")
-

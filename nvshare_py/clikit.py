@@ -1,24 +1,45 @@
 """What every nvshare command line shares: `-h`/`--help`, `--version`, one-line errors.
 
 Each tool builds its typer app with `typer.Typer(**APP_SETTINGS, ...)` and gives its top-level
-callback (or its single command) a `version: bool = VERSION_OPTION` parameter.
+callback (or its single command) a `version: bool = VERSION_OPTION` parameter. Values are
+parsed by the `parser=` functions below, so that a refusal is in our words and states what is
+allowed; a command whose argument may be a negative number uses `cls=NumbersAsValues`.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 import sys
+from typing import Any, Callable, Iterable, Literal, TypedDict
 
 import typer
+from typer.core import TyperCommand
 
 from . import __version__
 
-APP_SETTINGS = {
+class AppSettings(TypedDict):
+    add_completion: bool
+    context_settings: dict[str, Any]
+    rich_markup_mode: Literal["markdown", "rich"] | None
+
+
+APP_SETTINGS: AppSettings = {
     "add_completion": False,
     "context_settings": {"help_option_names": ["-h", "--help"]},
     # Plain help: typer's rich help shows every flag as "--fail-open <bool>", which reads as an
     # option taking a value (and `--fail-open true CMD` then runs the command `true`).
     "rich_markup_mode": None,
 }
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def setup_logging(level: str) -> None:
+    """Every nvshare daemon logs alike, on stderr: `2026-11-26T07:31:12.345 INFO message`."""
+    logging.basicConfig(stream=sys.stderr, level=level.upper(), format="%(asctime)s.%(msecs)03d %(levelname)s %(message)s",
+                        datefmt="%Y-%m-%dT%H:%M:%S")
 
 
 def _show_version(ctx: typer.Context, value: bool) -> None:
@@ -90,3 +111,44 @@ def whole_number(low: int, high: int | None = None, what: str = "a whole number"
         return value
 
     return parse
+
+
+def one_of(choices: Iterable[str], what: str) -> Callable[[str], str]:
+    """A typer `parser`: one of `choices` (as given), else an error that lists them."""
+    allowed = tuple(choices)
+
+    def parse(text: str) -> str:
+        if text not in allowed:
+            raise typer.BadParameter(f"{text!r} is not {what}: give {_listed(allowed)}")
+        return text
+
+    return parse
+
+
+def _listed(words: tuple[str, ...]) -> str:
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+_NEGATIVE_NUMBER = re.compile(r"-(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
+
+
+class NumbersAsValues(TyperCommand):
+    """A command whose arguments may be negative numbers: `set-tq -5` is refused as a time
+    quantum out of range, not as an unknown option `-5` (the parser takes anything that starts
+    with '-' for an option). A negative number that is not the value of an option is moved
+    behind '--', where only arguments are read."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        takes_value = {name for param in self.params if param.param_type_name == "option"
+                       and not getattr(param, "is_flag", False) and param.nargs > 0 for name in param.opts}
+        end = args.index("--") if "--" in args else len(args)
+        kept: list[str] = []
+        numbers: list[str] = []
+        for place, arg in enumerate(args[:end]):
+            if _NEGATIVE_NUMBER.fullmatch(arg) and not (place and args[place - 1] in takes_value):
+                numbers.append(arg)
+            else:
+                kept.append(arg)
+        if numbers:
+            args = [*kept, "--", *numbers, *args[end + 1:]]
+        return super().parse_args(ctx, args)

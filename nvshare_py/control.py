@@ -121,3 +121,12 @@ def request(paths: SocketPaths, op: str, *, timeout: float = 5.0, **fields: Any)
     """One request on a fresh connection."""
     with ControlConnection(paths, timeout) as connection:
         return connection.request(op, **fields)
+
+
+def read_only_status(paths: SocketPaths, op: str, *, timeout: float = 5.0, **fields: Any) -> Any:
+    """PLACEHOLDER for the read-only status socket (issue 22 item 2, built on another branch):
+    one read request, `status` or `events` (with `since`, `limit`), to the scheduler of `paths`
+    on the socket every local user may reach; returns the answer's `result` as `request()`
+    does and raises ControlFailure as it does. nvsharectl calls it when the control socket is
+    closed to the caller. Until that socket exists it refuses as the control socket does."""
+    raise ControlFailure(EXIT_NOT_RUNNING, "this nvshare_py has no read-only status socket yet")

@@ -3,8 +3,11 @@
 - `%nvshare` shows this kernel's standing at the scheduler, per GPU it uses: whether it holds
   the GPU lock or waits for it (its place in the queue, for how long), who holds it, the memory
   it uses, the device's mode and time quantum. HTML in notebooks, text in a terminal.
-- After a cell that waited for the GPU for at least a second, a one-line note says how long
-  and for whom. `%nvshare note off`, `%nvshare note on`, `%nvshare note 5` (seconds).
+- While a cell waits for the GPU, a note in its output says so, updated every second: for
+  whom (client, user, program or notebook), how long so far, the holder's quantum left and the
+  cell's place in line; it is removed when the cell gets the GPU. After a cell that waited at
+  least a second, a one-line note says how long and for whom. `%nvshare note off`,
+  `%nvshare note on`, `%nvshare note 5` (seconds) set both.
 - `%nvshare json` returns the scheduler's answer as a dict; `query()` does the same in code.
 - A cell that has run for 10 s while no scheduler answers says so in its own output (its GPU
   calls wait for one; the interceptor's own warnings go to the Jupyter server's log).
@@ -19,7 +22,9 @@ Asking registers nothing.
 What it costs: with notes on, a cell pays one non-blocking send before it runs and, after it,
 one more query and the two answers (0.33 ms at the median on the 2-core development VM,
 benchmarks/bench_notebook_cells.py; the wait is cut at 200 ms, and a scheduler that does not
-answer pauses the notes for 30 s). Nothing at all where the scheduler's
+answer pauses the notes for 30 s). A cell that runs longer than a second is asked about once a
+second, from a thread of the extension's own (on a socket of its own), to say that it waits.
+Nothing at all where the scheduler's
 socket does not exist or libnvshare.so is not loaded in the kernel (then there is nothing to
 share, and no hooks are installed).
 """
@@ -40,7 +45,9 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.display import display
 
 from . import protocol
+from .devicenames import DeviceNames
 from .paths import SocketPaths, connect_error
+from .sizes import format_size
 
 __all__ = ["QueryFailed", "load_ipython_extension", "query", "unload_ipython_extension"]
 
@@ -51,6 +58,9 @@ NOTE_PAUSE = 30.0  # seconds without notes after the scheduler failed to answer 
 # Seconds a cell runs before it is checked for a missing scheduler: as the interceptor's own
 # warning, which goes to the server's log, not to the cell.
 MISSING_SCHEDULER_AFTER = 10.0
+# Seconds between two looks at whether the running cell waits for the GPU (the first comes
+# after the shortest wait a note is shown for).
+WAIT_LOOK_EVERY = 1.0
 _QUERY = protocol.Query().encode()
 _UNCLAIMED_KEPT = 16  # answers nobody asked for any more (an interrupted hook) are dropped past this
 
@@ -173,6 +183,8 @@ def _document(data: bytes) -> dict:
         if message.code == "unknown-type":
             raise QueryFailed("the scheduler is older than this nvshare_py and cannot answer QUERY; update it")
         raise QueryFailed(f"the scheduler refused the query: {message.code} {message.detail}")
+    if not isinstance(message, protocol.Status):  # decode returns only the replies it was given
+        raise QueryFailed(f"the scheduler answered QUERY with {message.TYPE}")
     return message.document()
 
 
@@ -199,18 +211,12 @@ def format_seconds(seconds: float) -> str:
     return f"{hours} h {minutes:02d} min"
 
 
-def format_bytes(count: int) -> str:
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
 def describe_client(named: dict) -> str:
-    """'c3 (python, pod nb-0)' from a QUERY entry naming a client."""
-    details = [text for text in (named.get("program", ""), named.get("pod", "") and f"pod {named['pod']}") if text]
+    """'c3 (alice, analysis.ipynb, pod team-a/nb-0)' from a QUERY entry naming a client."""
+    pod = named.get("pod", "")
+    if pod and named.get("namespace"):
+        pod = f"{named['namespace']}/{pod}"
+    details = [text for text in (named.get("user", ""), named.get("program", ""), pod and f"pod {pod}") if text]
     return f"{named['client']} ({', '.join(details)})" if details else named["client"]
 
 
@@ -219,8 +225,9 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def _device_label(entry: dict) -> str:
-    return f"{entry['device']} ({entry['name']})" if entry.get("name") else entry["device"]
+def _device_label(entry: dict, names: DeviceNames) -> str:
+    label = names.long(entry["device"])
+    return f"{label}, {entry['name']}" if entry.get("name") else label
 
 
 def _device_rows(entry: dict, own: set[str]) -> list[tuple[str, str]]:
@@ -245,7 +252,7 @@ def _device_rows(entry: dict, own: set[str]) -> list[tuple[str, str]]:
         rows.append(("held by", ", ".join(describe_client(h) for h in holders)))
     if entry.get("waiters"):
         rows.append(("queue", f"{entry['waiters']} waiting"))
-    rows.append(("memory", f"{format_bytes(entry['used'])} in use by this kernel"))
+    rows.append(("memory", f"{format_size(entry['used'])} in use by this kernel"))
     rows.append(("scheduler", f"mode {entry['mode']}, time quantum {format_seconds(entry['tq'])}"))
     rows.append((
         "totals",
@@ -264,35 +271,107 @@ def _device_rows(entry: dict, own: set[str]) -> list[tuple[str, str]]:
 # --- what is displayed ---------------------------------------------------------------------
 
 
-class MissingSchedulerWatch:
-    """While a cell runs for longer than `after` seconds and no scheduler answers, says so once
-    in that cell's output (stderr written from this thread goes to the running cell). One
-    thread for the extension's life, owned by it: started with the first cell, ended by
-    `stop()`. A cell pays a lock and a notify at its start and end."""
+@dataclass
+class WaitNote:
+    """The note in a cell's output while it waits for the GPU (entries of a STATUS document in
+    state `waiting`); empty once the cell runs (`gone`)."""
 
-    def __init__(self, paths: SocketPaths, after: float = MISSING_SCHEDULER_AFTER) -> None:
+    waiting: list[dict]
+    names: DeviceNames
+    gone: bool = False
+
+    def text(self) -> str:
+        if self.gone:
+            return ""
+        lines = []
+        for entry in self.waiting:
+            line = f"nvshare: this cell waits for {self.names.short(entry['device'])}, {format_seconds(entry['waiting_for'])} so far"
+            holders = entry.get("holders") or []
+            if holders:
+                line += f"; held by {', '.join(describe_client(h) for h in holders)}"
+                left = [h["quantum_left"] for h in holders if h.get("quantum_left") is not None]
+                if left:
+                    line += f", {format_seconds(max(left))} left of its time quantum"
+            if entry.get("position"):
+                line += f"; {_ordinal(entry['position'])} in line of {entry['waiters']}"
+            expected = expected_wait(entry)
+            if expected is not None:
+                line += f"; expect about {format_seconds(expected)} more at most"
+            lines.append(line)
+        return "\n".join(lines) + "\n"  # text/plain ends its line, as a stream's output does
+
+    def __str__(self) -> str:  # print() (display outside IPython) ends the line itself
+        return self.text().rstrip("\n")
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(self.text())
+
+    def _repr_html_(self) -> str:
+        if self.gone:
+            return ""
+        return f"<div style='color:#a15c00'>{html.escape(self.text()).strip().replace(chr(10), '<br>')}</div>"
+
+
+def expected_wait(entry: dict) -> float | None:
+    """A waiter's longest wait from now as the scheduler's rules bound it: the holders' quantum
+    left, then a full quantum for each waiter ahead (less where they are done sooner: an idle
+    holder gives the GPU back early). None when the holders' quantum is not known."""
+    left = [h["quantum_left"] for h in entry.get("holders") or [] if h.get("quantum_left") is not None]
+    if not left:
+        return None
+    return max(left) + max(0, entry.get("position", 1) - 1) * entry.get("tq", 0.0)
+
+
+class CellWatch:
+    """Looks after the running cell from one thread, owned by the extension: started with the
+    first cell, ended by `stop()`. A cell pays a lock and a notify at its start and end.
+
+    - While the cell waits for the GPU (its process's registration is `waiting`, asked with
+      QUERY on a link of its own every `every` seconds once the cell has run `wait_after`
+      seconds, and at least `every`), a WaitNote in the cell's output says for whom and how
+      long, updated; it is removed when the wait ends, at the latest when the cell does (by
+      the cell's own thread, so before the cell's end is reported).
+    - When the cell has run `missing_after` seconds and no scheduler answers, it says so once
+      (stderr written from this thread goes to the running cell)."""
+
+    def __init__(self, paths: SocketPaths, shell: Any, missing_after: float = MISSING_SCHEDULER_AFTER,
+                 wait_after: float | None = None, every: float = WAIT_LOOK_EVERY) -> None:
         self.paths = paths
-        self.after = after
+        self.shell = shell
+        self.missing_after = missing_after
+        self.wait_after = wait_after  # None: no notes while waiting (%nvshare note off)
+        self.every = every
+        self.look_for_missing = True  # only where GPU calls wait for a missing scheduler
+        self._link = SchedulerLink(paths)
         self._changed = threading.Condition()
         self._cell_started: float | None = None  # monotonic start of the running cell
-        self._cell = 0  # counts cells, so that a check for one cell is never shown in the next
+        self._cell = 0  # counts cells, so that what is seen for one cell is never shown in the next
+        self._parent: Any = None  # the running cell's message header, for output from this thread
+        self._note: _LiveNote | None = None  # the running cell's note about waiting, once looked
         self._stopped = False
         self._thread: threading.Thread | None = None
         self.looked = 0  # cells checked for a scheduler so far
+        self.wait_looks = 0  # answers about waiting seen so far
 
     def cell_started(self) -> None:
+        publisher = getattr(self.shell, "display_pub", None)
         with self._changed:
             self._cell += 1
             self._cell_started = time.monotonic()
+            self._parent = getattr(publisher, "parent_header", None)
+            self._note = None
             if self._thread is None:
-                self._thread = threading.Thread(target=self._watch, name="nvshare-missing-scheduler", daemon=True)
+                self._thread = threading.Thread(target=self._watch, name="nvshare-cell-watch", daemon=True)
                 self._thread.start()
             self._changed.notify()
 
     def cell_ended(self) -> None:
         with self._changed:
             self._cell_started = None
+            note, self._note = self._note, None
             self._changed.notify()
+        if note is not None:
+            note.remove()
 
     def stop(self) -> None:
         with self._changed:
@@ -301,31 +380,116 @@ class MissingSchedulerWatch:
             thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+        self._link.close()
 
     def _watch(self) -> None:
-        told = 0  # the cell last told about
+        missing_told = 0  # the cell last told about a missing scheduler
+        next_look = 0.0  # when to ask next whether the running cell waits
         with self._changed:
             while not self._stopped:
-                if self._cell_started is None or told == self._cell:
+                if self._cell_started is None:
                     self._changed.wait()
                     continue
-                remaining = self._cell_started + self.after - time.monotonic()
-                if remaining > 0:
-                    self._changed.wait(remaining)
+                cell, started, now = self._cell, self._cell_started, time.monotonic()
+                if self._note is None:
+                    next_look = started + max(self.wait_after or 0.0, self.every)  # never a query per cell
+                due = [started + self.missing_after] if self.look_for_missing and missing_told != cell else []
+                if self.wait_after is not None:
+                    due.append(next_look)
+                if not due or min(due) > now:
+                    self._changed.wait(None if not due else min(due) - now)
                     continue
-                cell = told = self._cell
-                self._changed.release()  # no I/O under the lock: cells must not wait for it
-                try:
-                    error = connect_error(self.paths.client_socket)
-                finally:
-                    self._changed.acquire()
-                self.looked += 1
-                if error is not None and self._cell == cell and self._cell_started is not None:
-                    print(f"nvshare: this cell has run for {self.after:g} s and its GPU calls wait for a "
-                          f"scheduler, but none answers at {self.paths.client_socket} "
-                          f"({error.strerror or error}). Start nvshare-scheduler (or point NVSHARE_SOCKET_DIR "
-                          f"for the kernel at the directory one serves); the cell goes on once one answers.",
-                          file=sys.stderr, flush=True)
+                if self.look_for_missing and missing_told != cell and now >= started + self.missing_after:
+                    missing_told = cell
+                    self._unlocked(self._tell_if_missing, cell)
+                if self.wait_after is not None and now >= next_look:
+                    if self._note is None:
+                        self._note = _LiveNote(self.shell, self._parent)
+                    next_look = now + self.every
+                    self._unlocked(self._look_for_waiting, cell, self._note)
+
+    def _unlocked(self, action: Any, *args: Any) -> None:
+        """Run `action` without the lock: no I/O under it, cells must not wait for it."""
+        self._changed.release()
+        try:
+            action(*args)
+        finally:
+            self._changed.acquire()
+
+    def _tell_if_missing(self, cell: int) -> None:
+        error = connect_error(self.paths.client_socket)
+        with self._changed:
+            self.looked += 1
+            current = self._cell == cell and self._cell_started is not None
+        if error is not None and current:
+            _in_cell(self.shell, self._parent)
+            print(f"nvshare: this cell has run for {self.missing_after:g} s and its GPU calls wait for a "
+                  f"scheduler, but none answers at {self.paths.client_socket} "
+                  f"({error.strerror or error}). Start nvshare-scheduler (or point NVSHARE_SOCKET_DIR "
+                  f"for the kernel at the directory one serves); the cell goes on once one answers.",
+                  file=sys.stderr, flush=True)
+
+    def _look_for_waiting(self, cell: int, note: "_LiveNote") -> None:
+        try:
+            document = self._link.ask(CELL_QUERY_TIMEOUT * 5)
+        except QueryFailed:
+            return  # no scheduler (the missing-scheduler notice covers it) or a slow one: next time
+        with self._changed:
+            self.wait_looks += 1
+        waiting = [entry for entry in document["devices"] if entry["state"] == "waiting"]
+        if waiting:
+            note.show(WaitNote(waiting, DeviceNames(entry["device"] for entry in document["devices"])))
+        else:
+            note.remove(closing=False)  # the wait is over; the cell may wait again
+
+
+class _LiveNote:
+    """One note in a cell's output that can be changed and removed: in a kernel, a display with
+    an id (each change an update_display_data); elsewhere (a terminal), a line on stderr,
+    written once. Once removed by the cell's end (`closed`), nothing shows it again."""
+
+    def __init__(self, shell: Any, parent: Any) -> None:
+        self.shell = shell
+        self.parent = parent
+        self._lock = threading.Lock()  # a show and the cell's end removing it, one after the other
+        self._handle: Any = None
+        self._printed = False
+        self._closed = False
+
+    def show(self, note: WaitNote) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if getattr(self.shell, "kernel", None) is None:
+                if not self._printed:
+                    print(note.text(), end="", file=sys.stderr, flush=True)
+                    self._printed = True
+                return
+            _in_cell(self.shell, self.parent)
+            if self._handle is None:
+                self._handle = display(note, display_id=True)
+            else:
+                self._handle.update(note)
+
+    def remove(self, closing: bool = True) -> None:
+        """Empty the note; `closing` (the cell ended) also stops any later show."""
+        with self._lock:
+            self._closed = self._closed or closing
+            if self._handle is not None:
+                _in_cell(self.shell, self.parent)
+                self._handle.update(WaitNote([], DeviceNames(()), gone=True))
+                self._handle = None
+
+
+def _in_cell(shell: Any, parent: Any) -> None:
+    """Make this thread's output go to the cell whose message header is `parent` (ipykernel
+    keeps one per thread; without one, output goes to the cell that runs now)."""
+    if not parent:
+        return
+    for publisher in (getattr(shell, "display_pub", None), sys.stdout, sys.stderr):
+        setter = getattr(publisher, "set_thread_parent", None)
+        if setter is not None:
+            setter(parent)
 
 
 @dataclass
@@ -367,7 +531,8 @@ class KernelStatus:
         if self.document is None:
             return []
         own = set(self.document["clients"])
-        return [(_device_label(entry), _device_rows(entry, own)) for entry in self.document["devices"]]
+        names = DeviceNames(entry["device"] for entry in self.document["devices"])
+        return [(_device_label(entry, names), _device_rows(entry, own)) for entry in self.document["devices"]]
 
     def text(self) -> str:
         lines = [self._headline()]
@@ -402,22 +567,25 @@ class CellNote:
 
     def text(self) -> str:
         lines = []
+        names = DeviceNames(device for device, _, _ in self.waits)
         for device, seconds, ahead in self.waits:
             line = f"nvshare: this cell waited {format_seconds(seconds)} for the GPU"
             if ahead:
                 line += f" held by {', '.join(describe_client(h) for h in ahead)}"
             if len(self.waits) > 1:
-                line += f" ({device})"
+                line += f" ({names.short(device)})"
             lines.append(line)
-        return "\n".join(lines)
+        return "\n".join(lines) + "\n"  # text/plain ends its line, as a stream's output does
 
-    __str__ = text
+    def __str__(self) -> str:  # print() (display outside IPython) ends the line itself
+        return self.text().rstrip("\n")
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(self.text())
 
     def _repr_html_(self) -> str:
-        return f"<div style='color:#666;font-size:smaller'>{html.escape(self.text()).replace(chr(10), '<br>')}</div>"
+        return (f"<div style='color:#666;font-size:smaller'>"
+                f"{html.escape(self.text()).strip().replace(chr(10), '<br>')}</div>")
 
 
 NOT_UNDER_NVSHARE = (
@@ -467,9 +635,9 @@ class Extension:
         self._paused_until = 0.0
         self._notice_due = True  # problems are shown once, in a cell's output
         self._hooks: list[tuple[str, Any]] = []  # (event, callback) registered with the shell
+        self.watch = CellWatch(self.paths, shell, wait_after=self.note_seconds)
         # Only where GPU calls wait for a missing scheduler (fail mode closed, the default).
-        self.watch = (MissingSchedulerWatch(self.paths) if os.environ.get("NVSHARE_FAIL_MODE", "closed") != "open"
-                      else None)
+        self.watch.look_for_missing = os.environ.get("NVSHARE_FAIL_MODE", "closed") != "open"
 
     # hooks ---------------------------------------------------------------------------------
 
@@ -487,8 +655,7 @@ class Extension:
         for name, hook in hooks:
             self.shell.events.unregister(name, hook)
         self.link.close()
-        if self.watch is not None:
-            self.watch.stop()
+        self.watch.stop()
 
     def _first_cell_notice(self, info: Any = None) -> None:
         self.unregister()
@@ -497,8 +664,7 @@ class Extension:
     def pre_run_cell(self, info: Any = None) -> None:
         if self._notice_due:
             self.show_problems()
-        if self.watch is not None:
-            self.watch.cell_started()
+        self.watch.cell_started()
         if self._pending is not None:  # a cell whose post_run_cell never came (interrupted)
             self.link.forget(self._pending)
             self._pending = None
@@ -510,8 +676,7 @@ class Extension:
             pass  # no scheduler: nothing can have waited for it
 
     def post_run_cell(self, result: Any = None) -> None:
-        if self.watch is not None:
-            self.watch.cell_ended()
+        self.watch.cell_ended()
         before, self._pending = self._pending, None
         if before is None:
             return
@@ -553,6 +718,7 @@ class Extension:
     def set_note(self, seconds: float | None) -> None:
         """The shortest wait a note is shown for; None: no notes. Lifts a pause after a silence."""
         self.note_seconds = seconds
+        self.watch.wait_after = seconds
         self._paused_until = 0.0
 
     # %nvshare --------------------------------------------------------------------------------

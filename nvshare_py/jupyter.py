@@ -2,7 +2,7 @@
 
     nvshare-jupyter install [--user | --sys-prefix | --prefix P] [--name nvshare]
                             [--display-name "Python 3 (nvshare)"] [--socket-dir D]
-                            [--fail-open] [--env KEY=VALUE]... [--no-extension]
+                            [--fail-open] [--env KEY=VALUE]... [--no-extension] [--shadow]
     nvshare-jupyter uninstall [--user | --sys-prefix | --prefix P] [--name nvshare]
     nvshare-jupyter launch [--] COMMAND [ARGS...]      (what the kernelspec runs)
 
@@ -105,6 +105,27 @@ def is_ours(spec_dir: Path) -> bool:
     return isinstance(spec, dict) and isinstance(spec.get("metadata"), dict) and "nvshare" in spec["metadata"]
 
 
+def shadowed(name: str, target: Path) -> Path | None:
+    """The kernelspec called `name` that a kernelspec at `target` would hide from Jupyter (one
+    nvshare-jupyter did not write, in a directory Jupyter searches after target's, or the
+    python3 that ipykernel provides where no directory has one), or None."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    manager = KernelSpecManager()
+    searched = [Path(directory).absolute() for directory in manager.kernel_dirs]
+    if target.parent.absolute() not in searched:
+        return None  # Jupyter does not look there: it hides nothing
+    later = searched[searched.index(target.parent.absolute()) + 1:]
+    for directory in later:
+        candidate = directory / name
+        if (candidate / "kernel.json").is_file() and not is_ours(candidate):
+            return candidate
+    found = manager.find_kernel_specs().get(name)  # e.g. ipykernel's own python3, in no directory
+    if found is not None and Path(found).absolute().parent not in searched:
+        return Path(found)
+    return None
+
+
 def parse_env(pairs: list[str]) -> dict[str, str]:
     env = {}
     for pair in pairs:
@@ -141,6 +162,9 @@ def install(
     env: List[str] = typer.Option([], "--env", metavar="KEY=VALUE", help="More environment for the kernels."),
     extension: bool = typer.Option(True, "--extension/--no-extension",
                                    help="Load the IPython extension (%nvshare) in every kernel."),
+    shadow: bool = typer.Option(False, "--shadow",
+                                help="Install under the name of another kernelspec Jupyter finds elsewhere (such as "
+                                     "the stock python3), hiding it from the notebooks that would find this one first."),
 ) -> None:
     """Install the kernelspec: ipykernel kernels running under nvshare."""
     require_jupyter()
@@ -157,6 +181,12 @@ def install(
     target = directory / name.lower()
     if target.exists() and not is_ours(target):
         echo(f"{target} is a kernelspec that nvshare-jupyter did not install; choose another --name")
+        raise typer.Exit(EXIT_FAILED)
+    hidden = shadowed(name.lower(), target)
+    if hidden is not None and not shadow:
+        echo(f"a kernelspec named {name.lower()} is already in {hidden} (Jupyter's stock Python kernel is python3): "
+             f"one of that name in {directory} would hide it from the notebooks that look there first, which "
+             "then run under nvshare without saying so. Choose another --name, or pass --shadow to hide it on purpose.")
         raise typer.Exit(EXIT_FAILED)
 
     kernel_env = parse_env(env)
@@ -188,6 +218,8 @@ def install(
             raise typer.Exit(EXIT_FAILED) from None
 
     typer.echo(f"Installed kernelspec {name.lower()} ({display_name}) in {installed}")
+    if hidden is not None:
+        typer.echo(f"  it hides the kernelspec {name.lower()} in {hidden} (--shadow)")
     typer.echo(f"  its kernels preload {lib}")
     if directory not in {Path(found).absolute() for found in KernelSpecManager().kernel_dirs}:
         typer.echo(f"  Jupyter does not look in {directory}: start it with JUPYTER_PATH={directory.parent}")

@@ -11,6 +11,7 @@ when it does not (a single user without root). interceptor/config.c applies the 
 
 from __future__ import annotations
 
+import glob
 import os
 import socket
 from dataclasses import dataclass, field
@@ -45,6 +46,57 @@ def user_socket_dir() -> Path:
 def system_scheduler_serves() -> bool:
     """Whether a scheduler listens on the system directory's client socket."""
     return connect_error(system_socket_dir() / CLIENT_SOCKET) is None
+
+
+# Where users' own schedulers serve (user_socket_dir): $XDG_RUNTIME_DIR is /run/user/<uid>
+# under systemd-logind.
+USER_SOCKET_DIR_PATTERNS = ("/run/user/*/nvshare", "/tmp/nvshare-*")
+
+
+def serving_user_schedulers() -> list[Path]:
+    """The socket directories of users' own schedulers that serve now (their client socket
+    answers a connect), other than the system directory."""
+    system = os.path.realpath(system_socket_dir())
+    found = []
+    for pattern in USER_SOCKET_DIR_PATTERNS:
+        for directory in sorted(glob.glob(pattern)):
+            if os.path.realpath(directory) != system and connect_error(Path(directory) / CLIENT_SOCKET, 0.5) is None:
+                found.append(Path(directory))
+    return found
+
+
+def is_system_socket_dir(root: os.PathLike) -> bool:
+    return os.path.realpath(root) == os.path.realpath(system_socket_dir())
+
+
+def system_beside(root: os.PathLike) -> str:
+    """What a user's scheduler (of `root`) says while the system scheduler serves beside it."""
+    system = system_socket_dir()
+    return (f"a system scheduler serves {system} beside this one ({root}): programs started from now on use it, "
+            f"while this scheduler's keep running here, and the two do not keep their programs apart on the GPUs "
+            f"they share. Stop this scheduler and restart its programs, so that all use {system}.")
+
+
+def split_brain_warning(root: os.PathLike) -> str | None:
+    """What to say when another scheduler serves beside the one of `root`: the system
+    scheduler beside a user's, or users' schedulers beside the system one. Programs of two
+    schedulers are not kept apart: they run on a GPU they share at the same time. None when
+    `root`'s scheduler is alone."""
+    system = system_socket_dir()
+    if not is_system_socket_dir(root):
+        return system_beside(root) if system_scheduler_serves() else None
+    others = serving_user_schedulers()
+    if not others:
+        return None
+    owners = []
+    for directory in others:
+        try:
+            owners.append(f"{directory} (uid {directory.stat().st_uid})")
+        except OSError:
+            owners.append(str(directory))
+    return (f"users' own schedulers serve beside this system scheduler ({system}): {', '.join(owners)}. Their "
+            "programs and this scheduler's are not kept apart on the GPUs they share; ask those users to stop "
+            "their schedulers and restart their programs, which then use this one.")
 
 
 def not_a_directory(root: os.PathLike) -> str | None:

@@ -9,8 +9,9 @@ signals, exit status and the pid are the program's own). Without --socket-dir or
 NVSHARE_SOCKET_DIR that is the system scheduler's directory when one serves, else this user's
 (nvshare_py/paths.py); --print-socket-dir shows which and why.
 
-Where no CUDA driver can be loaded (a machine without a GPU) it says so before running COMMAND,
-and names the simulated driver that nvshare_py ships for trying it out.
+Where no CUDA driver can be loaded (a machine without a GPU) it says so in one line before
+running COMMAND, on a terminal only (scripts run their commands quietly), and names the
+simulated driver that nvshare_py ships for trying it out.
 
 Exit status: that of COMMAND; 2 for a usage error or a missing libnvshare.so; 3 when the
 scheduler is not reachable (unless --fail-open); 126/127 when COMMAND cannot be executed.
@@ -56,8 +57,7 @@ def driver_missing() -> str | None:
 
 
 def simulated_driver_hint() -> str:
-    return (f"on a machine without an NVIDIA GPU, try nvshare on its simulated driver: "
-            f"LD_LIBRARY_PATH={SIMULATED_DRIVER_DIR} nvshare-run COMMAND (README.md, 'Without a GPU')")
+    return f"LD_LIBRARY_PATH={SIMULATED_DRIVER_DIR} nvshare-run COMMAND"
 
 
 def start_advice(paths: SocketPaths) -> str:
@@ -66,7 +66,8 @@ def start_advice(paths: SocketPaths) -> str:
         return f"Start nvshare-scheduler --socket-dir {paths.root}, or point --socket-dir or {ENV_SOCKET_DIR} at " \
                "the directory a scheduler serves"
     return (f"No scheduler serves this machine: start one as root (nvshare-scheduler; it serves {system_socket_dir()} "
-            "and every user's programs use it), or as yourself for your own programs only")
+            "and every user's programs use it), or as yourself for your own programs only (stop yours when the "
+            "system one runs again: programs of two schedulers share GPUs without taking turns; both log a warning)")
 
 
 def with_preload(existing: str | None, lib: Path) -> str:
@@ -154,10 +155,8 @@ def run(
                        EXIT_NO_SCHEDULER)
         typer.echo(f"nvshare-run: {where}; running unscheduled until it is reachable (--fail-open)", err=True)
 
-    missing = driver_missing()
-    if missing is not None:
-        typer.echo(f"nvshare-run: warning: no CUDA driver can be loaded here ({missing}), so GPU calls will fail; "
-                   f"{simulated_driver_hint()}", err=True)
+    if sys.stderr.isatty() and driver_missing() is not None:
+        typer.echo(f"nvshare-run: no CUDA driver; simulated one: {simulated_driver_hint()}", err=True)
     status, why = exec_command(command, env)
     raise fail(why, status)
 

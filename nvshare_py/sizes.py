@@ -22,3 +22,12 @@ def parse_size(text: str) -> int:
     if not 0 < size <= MAX_INT:
         raise ValueError(f"the size must be greater than 0 and at most {MAX_INT} bytes")
     return size
+
+
+def format_size(size: int) -> str:
+    """Bytes as people read them, in the binary units parse_size takes: '512 B', '1.5 KiB',
+    '16.0 GiB' (one decimal: every view shows sizes so)."""
+    for unit, scale in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(size) >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"

@@ -8,6 +8,7 @@ optional dependency imported only when a picture is asked for). `nvsharectl time
 
     timeline = Timeline.from_events(answer["events"], now=time.time())
     timeline.labels["c3"] = "training"            # optional names for the rows
+    timeline.names = DeviceNames(uuids)           # optional: GPU0, ... (default: from the events)
     console.print(render(timeline, width=120))
     console.print(summary_table(summarise(timeline)))
     write_json(path, to_json(timeline))
@@ -19,14 +20,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
 
+from rich import box
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
+
+from .devicenames import DeviceNames
+from .sizes import format_size
 
 HOLD = "hold"
 WAIT = "wait"
@@ -107,8 +113,9 @@ class Timeline:
     end: float
     intervals: list[Interval] = field(default_factory=list)
     settings: list[dict] = field(default_factory=list)  # mode/tq/budget events, as received
-    pids: dict[str, int] = field(default_factory=dict)  # client id -> pid it registered with
+    who: dict[str, dict[str, str]] = field(default_factory=dict)  # client id -> its register event's facts
     labels: dict[str, str] = field(default_factory=dict)  # client id -> row name (optional)
+    names: DeviceNames = field(default_factory=lambda: DeviceNames(()))  # GPU0, ... for the device UUIDs
 
     @classmethod
     def from_events(cls, events: Iterable[dict], now: float | None = None) -> Timeline:
@@ -121,15 +128,20 @@ class Timeline:
         for event in ordered:
             replay.apply(event)
         end = max(now if now is not None else last, last)
-        return cls(first, end, replay.intervals, replay.settings, replay.pids)
+        names = DeviceNames(event.get("device") or "" for event in ordered)
+        return cls(first, end, replay.intervals, replay.settings, replay.who, names=names)
 
     # --- names and rows ---
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """Client id -> the pid it registered with (its own pid namespace's)."""
+        return {client: int(facts["pid"]) for client, facts in self.who.items() if facts.get("pid", "").isdigit()}
 
     def label(self, client: str) -> str:
         if client in self.labels:
             return self.labels[client]
-        pid = self.pids.get(client)
-        return f"{client} pid {pid}" if pid else client
+        return client_label(client, self.who.get(client, {}))
 
     def devices(self) -> list[str]:
         return list(dict.fromkeys(interval.device for interval in self.intervals))
@@ -158,11 +170,12 @@ class Timeline:
                 cut.drop_at, cut.drop_reason = None, ""
             kept.append(cut)
         settings = [s for s in self.settings if start <= s["t"] <= end]
-        return Timeline(start, end, kept, settings, dict(self.pids), dict(self.labels))
+        return Timeline(start, end, kept, settings, dict(self.who), dict(self.labels), self.names)
 
     def only_device(self, device: str) -> Timeline:
         return Timeline(self.start, self.end, [i for i in self.intervals if i.device == device],
-                        [s for s in self.settings if s["device"] == device], dict(self.pids), dict(self.labels))
+                        [s for s in self.settings if s["device"] == device], dict(self.who), dict(self.labels),
+                        self.names)
 
     def overlapping_holds(self) -> list[tuple[Interval, Interval]]:
         """Pairs of holds of different rows on one device that overlap in time (touching ends
@@ -180,10 +193,54 @@ class Timeline:
         return found
 
 
+_FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S*)')
+
+
+def detail_fields(detail: str) -> dict[str, str]:
+    """The key=value pairs of an event's detail (JSON-quoted values unquoted); {} for a detail
+    that is not in that form."""
+    fields = {}
+    for key, value in _FIELD.findall(detail or ""):
+        if value.startswith('"'):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass
+        fields[key] = value
+    return fields
+
+
 def registered_pid(event: dict) -> int:
     """The pid a `register` event's client gave (its own pid namespace's), 0 if none."""
-    detail = event.get("detail") or ""
-    return int(detail[4:]) if detail.startswith("pid=") and detail[4:].isdigit() else 0
+    pid = detail_fields(event.get("detail") or "").get("pid", "")
+    return int(pid) if pid.isdigit() else 0
+
+
+def client_label(client: str, facts: dict[str, str]) -> str:
+    """How views name a client: its id, user, pod and program (`c3 alice train.py`,
+    `c5 bob team-a/nb-0 python`); `c3 pid 42` where only the pid is known."""
+    parts = [client, *(facts[key] for key in ("user", "pod", "program") if facts.get(key))]
+    if len(parts) == 1 and facts.get("pid"):
+        parts.append(f"pid {facts['pid']}")
+    return " ".join(parts)
+
+
+# Event details whose numbers are sizes in bytes: the kinds whose detail is one, and the
+# key=value keys that are (docs/protocol.md, Events).
+_SIZE_DETAILS = ("budget", "admit-wait", "admitted", "refused")
+_SIZE_KEYS = ("bytes", "prefetch", "resident", "spill", "evict")
+
+
+def readable_detail(kind: str, detail: str) -> str:
+    """An event's detail with its byte counts as sizes (`budget 1.0 GiB`, `prefetch=512.0 MiB`)."""
+    if not detail:
+        return detail
+    if kind in _SIZE_DETAILS:
+        head, space, rest = detail.partition(" ")
+        if head.isdigit():
+            return f"{format_size(int(head))}{space}{rest}"
+    return re.sub(r"\b(" + "|".join(_SIZE_KEYS) + r")=(\d+)\b",
+                  lambda match: f"{match.group(1)}={format_size(int(match.group(2)))}", detail)
 
 
 class _Replay:
@@ -193,7 +250,7 @@ class _Replay:
         self.first_time = first_time
         self.intervals: list[Interval] = []
         self.settings: list[dict] = []
-        self.pids: dict[str, int] = {}
+        self.who: dict[str, dict[str, str]] = {}
         self.holds: dict[tuple[str, str], Interval] = {}
         self.waits: dict[tuple[str, str], Interval] = {}
         self.admissions: dict[tuple[str, str], Interval] = {}
@@ -208,7 +265,7 @@ class _Replay:
         detail = event.get("detail") or ""
         key = (device, client)
         if kind == "register":
-            self.pids[client] = registered_pid(event)
+            self.who[client] = detail_fields(detail)
             self.last_registered = client
         elif kind == "acquire":
             if key not in self.waits:
@@ -267,7 +324,7 @@ class _Replay:
         for table in (self.holds, self.waits, self.admissions):
             for key in [key for key in table if key[1] == client]:
                 old = self._close(table, key, t, ENDED_RECONNECTED if successor else reason)
-                if successor:
+                if successor and old is not None:
                     table[(key[0], successor)] = self._open(replace(
                         old, client=successor, start=t, end=None, ended_by="", known_start=True))
 
@@ -279,6 +336,7 @@ class _Replay:
 class RowSummary:
     device: str
     row: str
+    device_name: str = ""  # GPU0, ... (Timeline.names)
     holds: int = 0
     held: float = 0.0
     waits: int = 0
@@ -297,7 +355,7 @@ def summarise(timeline: Timeline) -> list[RowSummary]:
     rows: dict[tuple[str, str], RowSummary] = {}
     for device in timeline.devices():
         for row in timeline.rows(device):
-            rows[(device, row)] = RowSummary(device, row)
+            rows[(device, row)] = RowSummary(device, row, timeline.names.short(device))
     for interval in timeline.intervals:
         summary = rows[(interval.device, timeline.label(interval.client))]
         length = max(0.0, interval.end_or(timeline.end) - interval.start)
@@ -320,21 +378,31 @@ def summarise(timeline: Timeline) -> list[RowSummary]:
 
 
 def summary_table(rows: list[RowSummary], title: str = "Summary") -> Table:
+    """Per row: holds, time held and waited, handoffs. Numbers are never cut or folded: the
+    program column folds instead, and headers take two lines, so that it fits 80 columns."""
     several_devices = len({row.device for row in rows}) > 1
-    table = Table(title=title, title_justify="left")
-    table.add_column("program" if not several_devices else "device / program", no_wrap=True)
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0, 0, 1))
+    table.add_column("GPU / program" if several_devices else "program", overflow="fold", ratio=1)
     admission = any(row.memory_waited or row.refused for row in rows)  # columns only where it happened
-    columns = ["holds", "held", "waited", "longest wait", "TQ handoffs", "early releases", "revoked"]
-    for column in columns + (["waited for memory", "refused"] if admission else []):
-        table.add_column(column, justify="right")
+    columns = ["holds", "held", "waited", "longest\nwait", "TQ hand-\noffs", "early\nreleases", "revoked"]
+    cells = []
     for row in rows:
-        name = f"{_short_device(row.device)} {row.row}" if several_devices else row.row
-        cells = [str(row.holds), f"{row.held:.1f} s", f"{row.waited:.1f} s", f"{row.longest_wait:.1f} s",
-                 str(row.tq_handoffs), str(row.early_releases), str(row.revoked)]
+        values = [str(row.holds), _seconds(row.held), _seconds(row.waited), _seconds(row.longest_wait),
+                  str(row.tq_handoffs), str(row.early_releases), str(row.revoked)]
         if admission:
-            cells += [f"{row.memory_waited:.1f} s", str(row.refused)]
-        table.add_row(name, *cells)
+            values += [_seconds(row.memory_waited), str(row.refused)]
+        cells.append(values)
+    for place, column in enumerate(columns + (["waited for\nmemory", "refused"] if admission else [])):
+        widest = max([len(values[place]) for values in cells] + [len(part) for part in column.split("\n")])
+        table.add_column(column, justify="right", no_wrap=True, min_width=widest)
+    for row, values in zip(rows, cells):
+        name = f"{row.device_name or row.device} {row.row}" if several_devices else row.row
+        table.add_row(name, *values)
     return table
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.1f} s"
 
 
 # --- terminal rendering ----------------------------------------------------------------------
@@ -367,10 +435,13 @@ def render(timeline: Timeline, width: int = 100, title: str | None = None, legen
     bar_width = max(1, width - label_width - 2)
     colours = {name: ROW_COLOURS[index % len(ROW_COLOURS)] for index, name in enumerate(dict.fromkeys(names))}
     for device in devices:
-        lines.append(Text(_fit(device, width), style="bold", no_wrap=True))
+        heading = timeline.names.long(device)
+        lines.append(Text(_fit(heading if len(heading) <= width else timeline.names.short(device), width),
+                          style="bold", no_wrap=True))
         for setting in timeline.settings:
             if setting["device"] == device:
-                change = f"  {setting['t'] - timeline.start:6.1f} s  {setting['kind']} {setting['detail']}"
+                detail = readable_detail(setting["kind"], setting["detail"])
+                change = f"  {setting['t'] - timeline.start:6.1f} s  {setting['kind']} {detail}"
                 lines.append(Text(_fit(change, width), style="dim", no_wrap=True))
         for name in timeline.rows(device):
             intervals = [i for i in timeline.intervals if i.device == device and timeline.label(i.client) == name]
@@ -411,7 +482,7 @@ def _bar(intervals: list[Interval], timeline: Timeline, cells: int, colour: str)
         for start, stop, value in painted:
             for index in cell_range(start, stop):
                 state[index] = max(state[index], value)
-        if interval.end_mark is not None:
+        if interval.end_mark is not None and interval.end is not None:
             marks[cell_of(interval.end)] = _MARKS[interval.end_mark]
     text = Text(no_wrap=True, overflow="crop")
     for index, value in enumerate(state):
@@ -446,22 +517,21 @@ def _clock(unix: float) -> str:
     return datetime.fromtimestamp(unix).strftime("%H:%M:%S")
 
 
-def _short_device(device: str) -> str:
-    return device if len(device) <= 13 else device[:12] + "…"
-
-
 # --- export ----------------------------------------------------------------------------------
 
 
 def to_json(timeline: Timeline) -> dict[str, Any]:
     """A JSON-able document: the window, the rows, every interval (with its row name) and the
     summary. Open intervals have `"end": null`."""
-    clients = sorted({i.client for i in timeline.intervals} | set(timeline.pids))
+    clients = sorted({i.client for i in timeline.intervals} | set(timeline.who))
+    pids = timeline.pids
     return {
         "start": timeline.start,
         "end": timeline.end,
         "devices": timeline.devices(),
-        "clients": {c: {"pid": timeline.pids.get(c), "row": timeline.label(c)} for c in clients},
+        "device_names": {device: timeline.names.short(device) for device in timeline.devices()},
+        "clients": {c: {"pid": pids.get(c), "user": timeline.who.get(c, {}).get("user"), "row": timeline.label(c)}
+                    for c in clients},
         "intervals": [{**asdict(i), "row": timeline.label(i.client)} for i in timeline.intervals],
         "settings": timeline.settings,
         "summary": [asdict(row) for row in summarise(timeline)],
@@ -475,6 +545,13 @@ def write_json(path: str | os.PathLike, document: dict[str, Any]) -> None:
 _PNG_MARKERS = {"tq": "v", "idle": "o", "revoked": "X"}  # an exit is not marked in the picture
 
 
+def picture_labels(timeline: Timeline, rows: list[tuple[str, str]]) -> list[str]:
+    """The picture's name for each (device, row): the row, after its GPU's short name when there
+    are several GPUs (never a cut UUID: two GPUs can share their first dozen characters)."""
+    several_devices = len({device for device, _ in rows}) > 1
+    return [f"{timeline.names.short(device)} {name}" if several_devices else name for device, name in rows]
+
+
 def write_png(path: str | os.PathLike, timeline: Timeline, title: str = "") -> None:
     """Draw the timeline with matplotlib (holds solid, draining hatched, waits light; markers
     at TQ handoffs, early releases and revocations). Raises MissingMatplotlib without it."""
@@ -485,7 +562,6 @@ def write_png(path: str | os.PathLike, timeline: Timeline, title: str = "") -> N
     except ImportError:
         raise MissingMatplotlib(f"PNG export needs matplotlib: {PLOT_EXTRA_HINT}") from None
     rows = [(device, name) for device in timeline.devices() for name in timeline.rows(device)]
-    several_devices = len(timeline.devices()) > 1
     palette = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
     colours = {name: palette[index % len(palette)] for index, name in enumerate(dict.fromkeys(n for _, n in rows))}
     figure = Figure(figsize=(11, 1.6 + 0.6 * max(1, len(rows))), layout="constrained")
@@ -509,11 +585,11 @@ def write_png(path: str | os.PathLike, timeline: Timeline, title: str = "") -> N
             axes.broken_barh([(start, drop - start)], (y - 0.35, 0.7), facecolors=colour)
             if drop < end:
                 axes.broken_barh([(drop, end - drop)], (y - 0.35, 0.7), facecolors=colour, alpha=0.55, hatch="///")
-            marker = _PNG_MARKERS.get(interval.end_mark)
+            marker = _PNG_MARKERS.get(interval.end_mark or "")
             if marker is not None:
                 axes.plot([end], [y + 0.5], marker=marker, color="black", markersize=7, linestyle="none")
     axes.set_yticks(range(len(rows)))
-    axes.set_yticklabels([f"{_short_device(d)} {n}" if several_devices else n for d, n in reversed(rows)])
+    axes.set_yticklabels(list(reversed(picture_labels(timeline, rows))))
     axes.set_ylim(-0.7, max(1, len(rows)) - 0.2)
     axes.set_xlim(0, max(timeline.end - origin, 1e-3))
     axes.set_xlabel(f"seconds since {datetime.fromtimestamp(origin).strftime('%Y-%m-%d %H:%M:%S')}")

@@ -1,7 +1,11 @@
 """Shared fixtures live in tests/fixtures/, one module per component."""
 
+import atexit
+import os
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 # nvsharectl's command line is the checkout's top-level ./ctl (installed as nvshare_py.ctl); last
@@ -13,6 +17,17 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 # Ctrl-C on a child would wait in vain. A handled signal is back to its default in a child.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# The tests never depend on what else serves on this machine: without this, a system scheduler
+# running here (/var/run/nvshare) would be found by every tool and program that looks for one
+# (nvshare_py/paths.py, interceptor/config.c). Tests that want a system scheduler stand one up
+# in a directory of their own and point this variable at it (tests/test_one_scheduler.py).
+# Its parent is an empty directory of its own: a user's scheduler watches the deepest part of
+# that path that exists for the system one coming back (nvshare_py/scheduler/cli.py), and /tmp
+# itself would wake it whenever a file is made there.
+_QUIET = tempfile.mkdtemp(prefix="nvs-quiet-")
+atexit.register(shutil.rmtree, _QUIET, True)
+os.environ["NVSHARE_SYSTEM_SOCKET_DIR"] = os.path.join(_QUIET, "no-system-scheduler")
 
 pytest_plugins = [
     "fixtures.simcuda",

@@ -4,6 +4,11 @@ one line that says what is wrong and what to do instead of a traceback."""
 from __future__ import annotations
 
 import ctypes
+import os
+import pty
+import re
+import select
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -123,18 +128,86 @@ def test_a_socket_directory_that_is_a_file(tmp_path, libnvshare):
         assert f"{a_file} is a file, not a directory" in line and "--socket-dir" in line, line
 
 
-def test_nvshare_run_without_a_driver_names_the_simulated_one(tmp_path, libnvshare):
+def test_nvshare_run_without_a_driver_names_the_simulated_one_on_a_terminal_only(tmp_path, libnvshare):
     try:
         ctypes.CDLL("libcuda.so.1")
         pytest.skip("this machine has a CUDA driver")
     except OSError:
         pass
     env = child_env(extra={"NVSHARE_LIBRARY": str(libnvshare), "NVSHARE_SOCKET_DIR": str(tmp_path)})
-    result = tool("nvshare_py.run", "--fail-open", "true", env=env)
-    assert result.returncode == 0, result.stderr  # the command still runs
-    assert "Traceback" not in result.stderr
-    (warning,) = [line for line in result.stderr.splitlines() if "CUDA driver" in line]
-    assert f"LD_LIBRARY_PATH={SIMULATED_DRIVER_DIR} nvshare-run" in warning
+    quiet = tool("nvshare_py.run", "--fail-open", "sh", "-c", "exit 7", env=env)
+    assert quiet.returncode == 7  # the command's own status
+    assert "CUDA driver" not in quiet.stderr  # scripts run their commands without it
+
+    controller, terminal = pty.openpty()
+    try:
+        run = subprocess.run([sys.executable, "-m", "nvshare_py.run", "--fail-open", "true"], env=env, cwd=CHILD_CWD,
+                             stdout=subprocess.PIPE, stderr=terminal, timeout=60)
+        os.close(terminal)
+        shown = b""
+        while select.select([controller], [], [], 0)[0]:
+            try:
+                chunk = os.read(controller, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(controller)
+    assert run.returncode == 0
+    lines = [line for line in shown.decode().splitlines() if "CUDA driver" in line]
+    (warning,) = lines
+    assert f"LD_LIBRARY_PATH={SIMULATED_DRIVER_DIR} nvshare-run COMMAND" in warning
+    assert len(warning) <= 80 + len(str(SIMULATED_DRIVER_DIR))  # one line, not a paragraph
+
+
+@pytest.mark.parametrize("module, option, value, words", [
+    ("nvshare_py.scheduler", "--mode", "sometimes", "'sometimes' is not a mode: give on, off or auto"),
+    ("nvshare_py.scheduler", "--log-level", "loud", "'loud' is not a log level: give debug, info, warning or error"),
+    ("nvshare_py.scheduler", "--admission-policy", "lifo", "'lifo' is not an admission policy: give fifo, best-fit"),
+    ("nvshare_py.scheduler", "--swapping", "maybe", "'maybe' is not on or off: give on or off"),
+    ("nvshare_py.deviceplugin", "--log-level", "loud", "'loud' is not a log level: give debug, info, warning or error"),
+])
+def test_choices_are_refused_in_our_words(module, option, value, words):
+    result = tool(module, *(["serve"] if module == "nvshare_py.deviceplugin" else []), option, value)
+    assert result.returncode == 2, result.stderr
+    assert words in result.stderr and "Value error" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_device_plugin_exits_2_on_usage_errors_and_logs_as_the_scheduler_does(tmp_path):
+    for argv in (["--ignored-xids", "thirteen"], ["--replicas", "0"], ["--container-env", "NOEQUALS"]):
+        result = tool("nvshare_py.deviceplugin", "serve", *argv)
+        assert result.returncode == 2, (argv, result.stderr)
+        assert "Traceback" not in result.stderr
+    missing = tool("nvshare_py.deviceplugin", "install-library", "--to", str(tmp_path), "--from", str(tmp_path / "no.so"))
+    assert missing.returncode == 1  # not a usage error: the file is not there
+    (line,) = missing.stderr.splitlines()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} ERROR .*no\.so does not exist", line), line
+
+
+def test_the_systemd_unit_and_tmpfiles_entry_are_shipped_and_valid(tmp_path):
+    unit = tool("nvshare_py.scheduler", "--print-systemd-unit")
+    assert unit.returncode == 0, unit.stderr
+    exec_start = next(line for line in unit.stdout.splitlines() if line.startswith("ExecStart="))
+    assert "@SCHEDULER@" not in exec_start and exec_start.endswith(("nvshare-scheduler", "-m nvshare_py.scheduler"))
+    assert "Restart=on-failure" in unit.stdout and "WantedBy=multi-user.target" in unit.stdout
+    entry = tool("nvshare_py.scheduler", "--print-tmpfiles")
+    assert entry.returncode == 0 and "d /run/nvshare 0755 root root -" in entry.stdout
+    if shutil.which("systemd-analyze") is None or shutil.which("systemd-tmpfiles") is None:
+        pytest.skip("systemd's tools are not installed here")
+    (tmp_path / "nvshare-scheduler.service").write_text(unit.stdout)
+    verified = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "nvshare-scheduler.service")],
+                              capture_output=True, text=True, timeout=60)
+    ours = [line for line in verified.stderr.splitlines() if "nvshare-scheduler.service" in line]
+    assert verified.returncode == 0 and ours == [], verified.stderr
+    (tmp_path / "nvshare.conf").write_text(entry.stdout)
+    root = tmp_path / "root"
+    (root / "run").mkdir(parents=True)
+    made = subprocess.run(["systemd-tmpfiles", "--create", f"--root={root}", str(tmp_path / "nvshare.conf")],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    assert oct((root / "run" / "nvshare").stat().st_mode & 0o777) == "0o755"
 
 
 def test_a_malformed_interceptor_setting_is_a_warning(simcuda, libnvshare, tmp_path):

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
+import re
+import select
+import shutil
 import signal
+import struct
 import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
 
 import pytest
 
-from fixtures.scheduler import CHILD_CWD, nvsharectl_command, short_socket_dir, wait_for
+from fixtures.scheduler import CHILD_CWD, PATIENCE, child_env, nvsharectl_command, run_child, short_socket_dir, wait_for
+from nvshare_py.paths import ENV_SOCKET_DIR, ENV_SYSTEM_SOCKET_DIR, connect_error
+from nvshare_py.scheduler.views import user_name
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 
@@ -34,29 +46,81 @@ def test_status_table(busy):
     result = scheduler.ctl("status")
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "GPU0" in out and GPU not in out  # the short name; the UUID only with --wide
-    assert holder.client_id in out and "holding" in out
-    assert waiter.client_id in out
-    assert "1.0 GiB / 16.0 GiB" in out
-    assert str(holder.pid) in out and "scheduler.py" in out
+    assert "GPU0" in out and GPU not in out  # the short name; the UUID only with -o wide
+    user = user_name(os.geteuid())
+    assert f"held by {holder.client_id} {user} (" in out  # with its quantum left, as someone waits
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split() and line.split()[0] in
+            (holder.client_id, waiter.client_id)}
+    assert rows[holder.client_id][1:5] == [user, "scheduler.py", str(holder.pid), "holding"]
+    assert rows[waiter.client_id][1:5] == [user, "scheduler.py", str(waiter.pid), "waiting"]
+    assert "1.0 GiB of 16.0 GiB" in out
 
-    wide = scheduler.ctl("status", "--wide")
-    assert wide.returncode == 0, wide.stderr
-    assert GPU in wide.stdout and "simulated GPU" in wide.stdout
-    assert f"{holder.client_id} #" in wide.stdout  # holder with its grant
+    for wide in (scheduler.ctl("status", "--wide"), scheduler.ctl("status", "-o", "wide")):
+        assert wide.returncode == 0, wide.stderr
+        assert GPU in wide.stdout and "simulated GPU" in wide.stdout
+        assert f"{holder.client_id} #" in wide.stdout  # holder with its grant
 
 
-def test_status_fits_80_columns(busy):
+def on_a_terminal(argv: list[str], env: dict[str, str], columns: int = 80, rows: int = 24,
+                  until=lambda text: False) -> str:
+    """What `argv` draws on a terminal of columns x rows (a pty of that size): everything it
+    wrote until it exits, or, with `until`, until that holds of the text (then Ctrl-C)."""
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+    child = subprocess.Popen(argv, env={**env, "TERM": "xterm"}, cwd=CHILD_CWD, stdin=terminal, stdout=terminal,
+                             stderr=terminal, start_new_session=True)
+    os.close(terminal)
+    seen = b""
+    deadline = time.monotonic() + PATIENCE
+    try:
+        while not until(seen.decode(errors="replace")):
+            assert time.monotonic() < deadline, f"{argv} drew only: {seen!r}"
+            if select.select([controller], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(controller, 65536)
+                except OSError:  # the child exited and closed the terminal
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+    finally:
+        if child.poll() is None:
+            child.send_signal(signal.SIGINT)
+        child.wait(PATIENCE)
+        os.close(controller)
+    return seen.decode(errors="replace")
+
+
+def screen_lines(text: str) -> list[str]:
+    """The lines of a drawing, terminal control sequences taken out."""
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r", "", text)
+    return plain.split("\n")
+
+
+def test_status_fits_an_80x24_terminal_and_watch_shows_the_holders_first(busy):
     scheduler, holder, waiter = busy
-    result = scheduler.ctl("status", env={**scheduler.env, "COLUMNS": "80"})
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert max(len(line) for line in lines) <= 80, result.stdout
-    assert "…" not in result.stdout, result.stdout  # nothing cut short
-    words = result.stdout.split()
+    idle = [scheduler.agent(env={"NVSHARE_PROGRAM": f"notebook-{n}.ipynb"}) for n in range(3)]
+    for agent in idle:
+        agent.send(f"announce {GPU} 17179869184 simulated GPU")
+    wait_for(lambda: len(scheduler.clients()) == 5, what="five clients")
+    lines = [line for line in screen_lines(on_a_terminal([*nvsharectl_command(), "status"], scheduler.env))
+             if line.strip()]
+    assert max(len(line) for line in lines) <= 80 and len(lines) <= 24, "\n".join(lines)
+    text = "\n".join(lines)
+    assert "…" not in text  # nothing cut short
+    words = re.findall(r"[^\s,:;()]+", text)
     for whole in (holder.client_id, waiter.client_id, str(holder.pid), str(waiter.pid), "holding", "waiting", "GPU0",
-                  str(scheduler.socket_dir)):
-        assert whole in words, (whole, result.stdout)
+                  str(scheduler.socket_dir), "notebook-2.ipynb"):
+        assert whole in words, (whole, text)
+
+    # --watch on a terminal of 8 lines: the holder and the waiter first, idle clients left out.
+    drawn = on_a_terminal([*nvsharectl_command(), "status", "--watch", "--interval", "0.2"], scheduler.env, rows=8,
+                          until=lambda text: text.count("GPU0  ") >= 2)
+    first = screen_lines(drawn)[:7]  # the first drawing: it leaves the terminal's last line free
+    assert first[1].startswith("GPU0  ") and "…" in first[-1], first
+    order = [line.split()[0] for line in first if line.split()[0].startswith("c")]
+    assert order[:2] == [holder.client_id, waiter.client_id], first
+    assert any("idle client rows" in line for line in first), first
 
 
 def test_status_says_no_clients(scheduler):
@@ -238,7 +302,7 @@ def test_status_watch_refreshes_until_interrupted(busy):
     try:
         renders = 0
         for line in watcher.stdout:  # each snapshot is flushed as it is drawn
-            renders += "Devices" in line
+            renders += line.startswith("GPU0  ")
             if renders == 2:
                 break
         assert renders == 2, watcher.stderr.read()  # rendered more than once
@@ -307,3 +371,167 @@ def test_a_stopped_holder_shows_as_silent(scheduler_factory):
     # Once it runs again its heartbeats resume and the note goes away.
     wait_for(lambda: all(h["silent"] < 1.0 for d in scheduler.status()["devices"] for h in d["holders"]),
              what="the resumed holder's heartbeats")
+
+
+# --- the README's recipe -----------------------------------------------------------------------
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_block(heading: str) -> list[str]:
+    """The command lines of the first sh block under `## heading` in the README."""
+    section = README.read_text().split(f"## {heading}\n", 1)[1]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_the_readmes_recipe_without_a_gpu_runs_as_written(libnvshare, simcuda, tmp_path):
+    """Each line as the README writes it, in bash, with the tools on PATH. Only two things differ
+    from an installed nvshare_py: the tools run this checkout (small scripts on PATH), and
+    `nvshare-run --print-simulated-driver` names the simulated driver the tests built (pip builds
+    the installed copy). As root, the scheduler serves the system directory: a stand-in here."""
+    system = short_socket_dir()
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    shims = {
+        "nvshare-scheduler": f'exec "{sys.executable}" -m nvshare_py.scheduler "$@"',
+        "nvsharectl": f'exec "{sys.executable}" -m ctl "$@"',
+        "nvshare-run": (f'if [ "$1" = --print-simulated-driver ]; then echo "{simcuda.lib_dir}"; exit 0; fi\n'
+                        f'exec "{sys.executable}" -m nvshare_py.run "$@"'),
+        "python": f'exec "{sys.executable}" "$@"',
+    }
+    for name, body in shims.items():
+        (tools / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tools / name).chmod(0o755)
+    env = child_env(extra={"PATH": f"{tools}:{os.environ['PATH']}", ENV_SYSTEM_SOCKET_DIR: str(system),
+                           "NVSHARE_LIBRARY": str(libnvshare), "COLUMNS": "80"})
+    env.pop(ENV_SOCKET_DIR, None)
+    first, *rest = readme_block("Without a GPU")
+    assert first.startswith("nvshare-scheduler &")
+    daemon = subprocess.Popen(["bash", "-c", first.split("&")[0]], env=env, cwd=CHILD_CWD, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        wait_for(lambda: daemon.poll() is not None or connect_error(system / "client" / "scheduler.sock") is None,
+                 what="the README's scheduler to serve")
+        assert daemon.poll() is None, daemon.stderr.read().decode()
+        results = [(line, run_child(["bash", "-c", line], env)) for line in rest]
+        for line, result in results:
+            assert result.returncode == 0, (line, result.stdout, result.stderr)
+        shown = {line.split()[1] if line.startswith("nvsharectl") else line.split()[0]: result.stdout
+                 for line, result in results}
+        program = next(result.stdout for line, result in results if "nvshare-run python" in line)
+        assert "2 s of GPU work on nvshare simulated GPU" in program
+        assert "last GPU use: c1" in shown["status"] and "on GPU0" in shown["status"], shown["status"]
+        assert "GPU0 (GPU-" in shown["timeline"] and "█" in shown["timeline"]
+        assert shown["set-budget"].startswith("memory budget of GPU0 (GPU-") and "16.0 GiB" in shown["set-budget"]
+    finally:
+        os.killpg(daemon.pid, signal.SIGTERM)
+        daemon.wait(PATIENCE)
+        shutil.rmtree(system, ignore_errors=True)
+
+
+def test_kubectl_habits_output_since_negative_numbers_and_gpu_numbers(busy):
+    scheduler, holder, waiter = busy
+    as_json = scheduler.ctl("status", "-o", "json")
+    assert as_json.returncode == 0 and json.loads(as_json.stdout)["devices"][0]["device"] == GPU
+
+    for argv in (["set-tq", "-5"], ["set-weight", "-1", "--client", holder.client_id], ["set-tq", "-0.5", "--device", "0"]):
+        refused = scheduler.ctl(*argv)
+        assert refused.returncode == 2 and "out of range" in refused.stderr, (argv, refused.stderr)
+        assert "No such option" not in refused.stderr
+
+    for name in ("0", "GPU0", GPU):  # nvidia-smi -i 0, status's name, the UUID
+        done = scheduler.ctl("set-tq", "9", "--device", name)
+        assert done.returncode == 0 and done.stdout.strip() == f"time quantum of GPU0 ({GPU}): 9 s", done.stdout
+
+    lines = scheduler.ctl("events").stdout.splitlines()
+    assert any(f"device=GPU0 client={holder.client_id}" in line for line in lines) and GPU not in "".join(lines)
+    assert f"device=GPU0 ({GPU})" in scheduler.ctl("events", "-o", "wide").stdout
+    registered = next(line for line in lines if f"register   client={holder.client_id}" in line)
+    assert f"user={user_name(os.geteuid())} program=scheduler.py" in registered
+
+    every = json.loads(scheduler.ctl("events", "-o", "json").stdout)["events"]
+    recent = json.loads(scheduler.ctl("events", "-o", "json", "--since", "10m").stdout)["events"]
+    assert [e["seq"] for e in recent] == [e["seq"] for e in every]  # all of them happened in the last 10 minutes
+    last = every[-1]["seq"]
+    from_seq = json.loads(scheduler.ctl("events", "-o", "json", "--since", str(last)).stdout)["events"]
+    assert [e["seq"] for e in from_seq] == [last]
+    for bad in ("5x", "-3", "soon"):
+        refused = scheduler.ctl("events", "--since", bad)
+        assert refused.returncode == 2 and "sequence number" in refused.stderr, refused.stderr
+    timeline = json.loads(scheduler.ctl("timeline", "-o", "json", "--since", "1h").stdout)
+    assert timeline["device_names"] == {GPU: "GPU0"}
+
+    shell = scheduler.ctl("--show-completion", "bash")
+    assert shell.returncode == 0 and "_NVSHARECTL_COMPLETE" in shell.stdout
+
+
+def test_admission_spill_0_as_the_docs_write_it_and_back_to_auto_without_a_restart(scheduler):
+    started_with = scheduler.status()["admission"]["spill"]  # --admission-spill auto: half of MemAvailable
+    zero = scheduler.ctl("set-admission", "--spill", "0")
+    assert zero.returncode == 0 and zero.stdout.startswith("admission: spill 0 B,"), zero.stderr
+    assert scheduler.status()["admission"]["enabled"] and scheduler.status()["admission"]["spill"] == 0
+    assert scheduler.ctl("set-admission", "--spill", "off").returncode == 0
+    assert not scheduler.status()["admission"]["enabled"]
+    back = scheduler.ctl("set-admission", "--spill", "auto")
+    assert back.returncode == 0, back.stderr
+    assert scheduler.status()["admission"]["spill"] == started_with
+
+
+def test_reads_go_to_the_read_only_status_where_the_control_socket_is_closed(monkeypatch, tmp_path):
+    """The fallback itself (tests/test_one_scheduler.py runs it as a second uid): permission
+    denied on the control socket, or `forbidden` from the scheduler, sends reads to the
+    read-only status socket; a scheduler without one leaves the permission problem as the news."""
+    from ctl import reading
+    from nvshare_py import control
+    from nvshare_py.control import EXIT_NOT_RUNNING, EXIT_PERMISSION, ControlFailure
+    from nvshare_py.paths import SocketPaths
+
+    def denied(self):
+        raise ControlFailure(EXIT_PERMISSION, "permission denied on /x/control/control.sock")
+
+    asked = []
+    monkeypatch.setattr(reading.Settings, "connect", denied)
+    monkeypatch.setattr(control, "read_only_status",
+                        lambda paths, op, timeout, **fields: asked.append((op, fields)) or {"op": op})
+    settings = reading.Settings(SocketPaths(tmp_path), 1.0)
+    with reading.Reader(settings) as reader:
+        assert reader.read_only and reader.request("status") == {"op": "status"}
+        assert reader.request("events", since=3, limit=10) == {"op": "events"}
+    assert asked == [("status", {}), ("events", {"since": 3, "limit": 10})]
+
+    def absent(paths, op, timeout, **fields):
+        raise ControlFailure(EXIT_NOT_RUNNING, "no read-only status socket")
+
+    monkeypatch.setattr(control, "read_only_status", absent)
+    with reading.Reader(settings) as reader, pytest.raises(ControlFailure) as failure:
+        reader.request("status")
+    assert failure.value.exit_code == EXIT_PERMISSION and "permission denied" in str(failure.value)
+
+
+def test_status_says_why_a_heavier_client_gets_less_a_higher_class_goes_first():
+    """Weight 4 used to show "share 80 %" beside an achieved 21 %, and nothing said why."""
+    from rich.console import Console
+
+    from ctl.screens import render_status
+    from nvshare_py.devicenames import DeviceNames
+
+    usage = {"state": "waiting", "used": 1 << 30, "share": 0.0, "achieved": 0.21, "outranked_by": ["c4"]}
+    status = {
+        "scheduler": {"version": "x", "pid": 1, "socket_dir": "/run/nvshare", "defaults": {"mode": "on", "tq": 30}},
+        "devices": [{"device": GPU, "mode": "on", "tq": 30, "used": 2 << 30, "budget": 16 << 30, "total": 16 << 30,
+                     "holders": [{"client": "c4", "quantum_left": 0.5, "state": "holding", "since": 0.0}],
+                     "waiters": [{"client": "c3", "since": 0.0}]}],
+        "clients": [
+            {"client": "c3", "user": "alice", "program": "train.py", "pid": 11, "weight": 4, "priority": 0,
+             "devices": {GPU: usage}},
+            {"client": "c4", "user": "bob", "program": "infer.py", "pid": 12, "weight": 1, "priority": 5,
+             "devices": {GPU: {"state": "holding", "used": 1 << 30, "share": 1.0, "achieved": 0.79,
+                               "outranked_by": []}}},
+        ],
+    }
+    console = Console(width=80, record=True, highlight=False)
+    console.print(render_status(status, DeviceNames([GPU]), now=10.0))
+    text = " ".join(console.export_text().split())
+    assert "c3 21 % (due 0 %, weight 4)" in text and "c4 79 % (due 100 %, class 5)" in text, text
+    assert "c3 is due nothing while class 5 (c4) waits or holds: a higher class goes first" in text, text

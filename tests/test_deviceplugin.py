@@ -389,7 +389,7 @@ def test_a_node_without_gpus_is_an_error(node, kubelet, simnvml_dir):
 ])
 def test_invalid_settings_fail_before_anything_starts(node, simnvml_dir, args, message):
     with running_plugin(node, simnvml_dir, args=args) as plugin:
-        assert plugin.wait() == 1
+        assert plugin.wait() == 2  # a usage error, as every nvshare tool's
         assert message in plugin.log()
     assert not node.plugin_dir.exists() or not any(node.plugin_dir.iterdir())
 

@@ -245,7 +245,9 @@ def test_status_shows_weight_class_limit_and_shares():
     assert (entries[a.cid]["weight"], entries[a.cid]["priority"]) == (3, 0)
     assert (entries[b.cid]["weight"], entries[b.cid]["priority"]) == (1, 2)
     assert entries[b.cid]["devices"][GPU]["limit"] == 1 << 30 and entries[a.cid]["devices"][GPU]["limit"] is None
-    assert entries[a.cid]["devices"][GPU]["share"] == 0.75 and entries[b.cid]["devices"][GPU]["share"] == 0.25
+    # b's class 2 is served first whatever the weights: status says so instead of a's 75 % (issue 22).
+    assert entries[a.cid]["devices"][GPU]["share"] == 0.0 and entries[b.cid]["devices"][GPU]["share"] == 1.0
+    assert entries[a.cid]["devices"][GPU]["outranked_by"] == [b.cid] and entries[b.cid]["devices"][GPU]["outranked_by"] == []
     achieved = [entries[c.cid]["devices"][GPU]["achieved"] for c in (a, b)]
     assert sum(achieved) == pytest.approx(1.0, abs=1e-3)
 

@@ -49,7 +49,7 @@ def test_the_dashboard_has_only_fields_of_grafanas_dashboard_schema(dashboard):
     assert unknown_fields(dashboard, parsed) == []
 
 
-@pytest.mark.parametrize("index", range(11))
+@pytest.mark.parametrize("index", range(18))
 def test_panel_options_and_field_config_belong_to_the_panel_type(dashboard, index):
     panel = dashboard["panels"][index]
     module = importlib.import_module(f"grafana_foundation_sdk.models.{PANEL_MODULES[panel['type']]}")
@@ -62,7 +62,7 @@ def test_panel_options_and_field_config_belong_to_the_panel_type(dashboard, inde
 
 def test_every_panel_is_checked_and_ids_are_unique(dashboard):
     panels = dashboard["panels"]
-    assert len(panels) == 11
+    assert len(panels) == 18
     assert len({panel["id"] for panel in panels}) == len(panels)
 
 
@@ -77,4 +77,16 @@ def test_queries_use_documented_metrics_and_show_who_holds_waits_memory_and_hand
                 used.add(base)
     assert {"nvshare_client_holding", "nvshare_device_waiters", "nvshare_client_wait_seconds",
             "nvshare_client_memory_used_bytes", "nvshare_device_handoffs_total",
-            "nvshare_scheduler_handoff_seconds"} <= used
+            "nvshare_scheduler_handoff_seconds", "nvshare_client_held_seconds_total",
+            "nvshare_client_waited_seconds_total", "nvshare_device_swap_requested_bytes_total",
+            "nvshare_client_memory_resident_bytes", "nvshare_client_memory_swapped_bytes",
+            "nvshare_admission_reserved_bytes", "nvshare_client_admission_wait_seconds",
+            "nvshare_client_weight", "nvshare_client_priority"} <= used
+
+
+def test_per_client_panels_tell_users_apart(dashboard):
+    """Outside Kubernetes every client has pod="": a panel by pod alone would add all users up."""
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            if re.search(r"\bby \([^)]*\bpod\b", target["expr"]):
+                assert re.search(r"\bby \([^)]*\buser\b", target["expr"]), (panel["title"], target["expr"])

@@ -19,6 +19,7 @@ import nvshare_py
 from fixtures.scheduler import PATIENCE, short_socket_dir, wait_for
 from nvshare_py import ipython, protocol
 from nvshare_py.client import Client
+from nvshare_py.devicenames import DeviceNames
 from nvshare_py.ipython import (
     NOT_UNDER_NVSHARE,
     CellNote,
@@ -26,10 +27,16 @@ from nvshare_py.ipython import (
     KernelStatus,
     QueryFailed,
     SchedulerLink,
+    WaitNote,
     cell_waits,
     query,
 )
 from nvshare_py.paths import SocketPaths
+from nvshare_py.scheduler.views import user_name
+
+
+def ipython_user() -> str:
+    return user_name(os.geteuid())
 
 GPU0 = "GPU-5151ad00-0000-4000-8000-000000000000"
 
@@ -176,7 +183,7 @@ def test_a_cell_waiting_for_a_missing_scheduler_says_so_in_its_output(capsys, tm
     extension = Extension(StubShell(), SocketPaths(tmp_path))  # nothing serves there
     extension.interceptor = "/pretend/libnvshare.so"
     extension._notice_due = False
-    extension.watch.after = 0.2
+    extension.watch.missing_after = 0.2
     seen = []
 
     def told() -> bool:
@@ -194,7 +201,8 @@ def test_a_cell_waiting_for_a_missing_scheduler_says_so_in_its_output(capsys, tm
         served = Extension(StubShell(), fake.paths)
         served.interceptor = "/pretend/libnvshare.so"
         served._notice_due = False
-        served.watch.after = 0.2
+        served.watch.missing_after = 0.2
+        served.watch.wait_after = None  # only the missing-scheduler check looks here
         served.pre_run_cell()
         fake.receive()
         wait_for(lambda: served.watch.looked == 1, timeout=30, what="the watch to look for the scheduler")
@@ -257,7 +265,8 @@ def test_a_cell_that_waited_gets_a_note_naming_the_holder_and_others_get_none(sc
         extension.post_run_cell()
         note = capsys.readouterr().out
         assert note.startswith("nvshare: this cell waited ")
-        assert f"for the GPU held by {holder.client_id} (scheduler.py)" in note
+        assert f"for the GPU held by {holder.client_id} ({ipython_user()}, scheduler.py)" in note
+        assert note.endswith(")\n")  # one line, ended
         seconds = float(note.split("waited ")[1].split(" s")[0])
         assert seconds >= 0.6
 
@@ -283,8 +292,55 @@ def test_waits_are_counted_per_device_and_a_new_registration_counts_from_zero():
     assert waits["GPU-a"][0] == pytest.approx(2.5) and waits["GPU-a"][1][0]["client"] == "c1"
     assert waits["GPU-b"][0] == pytest.approx(1.0)
     note = CellNote([("GPU-a", 2.5, waits["GPU-a"][1]), ("GPU-b", 61.0, [])]).text().splitlines()
-    assert note == ["nvshare: this cell waited 2.5 s for the GPU held by c1 (p) (GPU-a)",
-                    "nvshare: this cell waited 1 min 01 s for the GPU (GPU-b)"]
+    assert note == ["nvshare: this cell waited 2.5 s for the GPU held by c1 (p) (GPU0)",
+                    "nvshare: this cell waited 1 min 01 s for the GPU (GPU1)"]
+
+
+def test_the_note_while_waiting_names_the_holder_its_quantum_left_and_the_place_in_line():
+    holders = [{"client": "c1", "user": "alice", "program": "train.py", "pod": "", "quantum_left": 12.0}]
+    waiting = entry(GPU0, "waiting", position=2, waiters=3, waiting_for=4.0, holders=holders)
+    note = WaitNote([waiting], DeviceNames([GPU0], indices={GPU0: 3})).text()
+    assert note == ("nvshare: this cell waits for GPU3, 4.0 s so far; held by c1 (alice, train.py), 12.0 s left of "
+                    "its time quantum; 2nd in line of 3; expect about 42.0 s more at most\n")
+    assert WaitNote([], DeviceNames(()), gone=True).text() == ""
+    assert "&lt;" in WaitNote([entry(GPU0, "waiting")], DeviceNames([GPU0])) ._repr_html_()  # escaped
+
+
+def test_a_waiting_cell_says_so_while_it_waits_and_the_note_goes_when_it_runs(scheduler, capsys):
+    """Outside a kernel (a terminal) the note is one line on stderr; tests/test_jupyter_kernels.py
+    sees it updated and removed in a real kernel."""
+    extension = Extension(StubShell(), SocketPaths(scheduler.socket_dir))
+    extension.interceptor = "/pretend/libnvshare.so"
+    extension._notice_due = False
+    extension.watch.every = 0.2
+    extension.set_note(0.2)
+    holder = scheduler.agent(env={"NVSHARE_PROGRAM": "train.py"})
+    holder.send(f"announce {GPU0} {16 << 30} sim")
+    holder.send(f"acquire {GPU0}")
+    holder.expect(f"granted {GPU0}")
+    seen = []
+    try:
+        with Client(socket_dir=scheduler.socket_dir) as client:
+            client.announce(GPU0, 16 << 30, "sim")
+            extension.pre_run_cell()
+            granted = threading.Event()
+            threading.Thread(target=lambda: (client.acquire(GPU0), granted.set()), daemon=True).start()
+
+            def told() -> bool:
+                seen.append(capsys.readouterr().err)
+                return "this cell waits for GPU0" in "".join(seen)
+
+            wait_for(told, what="the note while the cell waits")
+            line = "".join(seen)
+            assert f"held by {holder.client_id} ({ipython_user()}, train.py)" in line and "1st in line of 1" in line
+            holder.send(f"release {GPU0}")
+            assert granted.wait(PATIENCE)
+            looked = extension.watch.wait_looks
+            wait_for(lambda: extension.watch.wait_looks > looked, what="a look after the grant")
+            extension.post_run_cell()
+            assert "this cell waits" not in capsys.readouterr().err  # said once, in its own cell
+    finally:
+        extension.unregister()
 
 
 # --- %nvshare --------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from fixtures.scheduler import PATIENCE, run_child, wait_for
 from nvshare_py import protocol
 from nvshare_py.client import Client
 from nvshare_py.scheduler import views
+from nvshare_py.scheduler.views import user_name
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
 from nvshare_py.scheduler.events import AcquireRequest, ClientInfo, DeviceInfo, MemoryReport, Register, ReleaseReport, Send
 
@@ -104,7 +105,9 @@ def test_core_answers_about_the_asking_process_only():
     (entry,) = mine["devices"]
     assert entry["state"] == "waiting" and entry["position"] == 1 and entry["waiters"] == 1
     assert entry["waiting_for"] == pytest.approx(3.0) and entry["wait_total"] == pytest.approx(3.0)
-    assert entry["holders"] == [{"client": "c1", "program": "train", "pod": "nb-a"}]
+    # The holder, with its user and what is left of its quantum: what the waiting cell's note says.
+    assert entry["holders"] == [{"client": "c1", "user": "", "program": "train", "pod": "nb-a", "namespace": "",
+                                 "quantum_left": 25.0}]
     assert entry["used"] == 0 and entry["quantum_left"] is None and entry["last_wait"] is None
     assert entry["mode"] == "on" and entry["tq"] == 30.0 and entry["name"] == "sim GPU"
 
@@ -197,14 +200,17 @@ def test_query_reports_this_process_holding_then_waiting_behind_another(schedule
         threading.Thread(target=lambda: (client.acquire(GPU0), granted.set()), daemon=True).start()
         waiting = wait_for(lambda: (e := ask(dealer)["devices"][0])["state"] == "waiting" and e, what="waiting")
         assert waiting["position"] == 1
-        assert waiting["holders"] == [{"client": other.client_id, "program": "scheduler.py", "pod": ""}]
+        (holder,) = waiting["holders"]
+        assert holder.pop("quantum_left") > 0
+        assert holder == {"client": other.client_id, "user": user_name(os.geteuid()), "program": "scheduler.py",
+                          "pod": "", "namespace": ""}
         other.send(f"release {GPU0}")
         assert granted.wait(PATIENCE)
         entry = ask(dealer)["devices"][0]
         assert entry["state"] == "holding" and entry["grants"] == 2
         # The cause of the wait is the other process. Its length is whatever the machine made it
         # (it may round to 0 ms), but never shorter than the wait already reported while waiting.
-        assert entry["last_wait"]["held_by"] == waiting["holders"]
+        assert entry["last_wait"]["held_by"] == [holder]  # the same names, without the quantum
         assert entry["last_wait"]["seconds"] >= waiting["waiting_for"] >= 0
         client.release(GPU0)
 

@@ -90,6 +90,21 @@ def test_a_kernelspec_it_did_not_write_is_never_replaced_or_removed(cli, tmp_pat
     assert (foreign / "kernel.json").read_text() == before
 
 
+def test_the_stock_python3_kernel_is_not_hidden_silently(cli, tmp_path):
+    """Jupyter finds the stock python3 kernelspec (ipykernel's, in this Python environment): one
+    of ours under that name in the user's directory, which Jupyter searches first (unless it
+    prefers the environment's), would take its place in every notebook."""
+    target = tmp_path / "data" / "kernels" / "python3"
+    refused = cli("install", "--name", "python3", JUPYTER_PREFER_ENV_PATH="0")
+    assert refused.returncode == 1 and "a kernelspec named python3 is already in" in refused.stderr
+    assert "--shadow" in refused.stderr and not target.exists()
+    on_purpose = cli("install", "--name", "python3", "--shadow", JUPYTER_PREFER_ENV_PATH="0")
+    assert on_purpose.returncode == 0, on_purpose.stderr
+    assert "it hides the kernelspec python3 in" in on_purpose.stdout and (target / "kernel.json").exists()
+    again = cli("install", "--name", "python3", JUPYTER_PREFER_ENV_PATH="0")  # a reinstall hides it as much
+    assert again.returncode == 1 and "--shadow" in again.stderr  # it would still hide the stock one
+
+
 def test_no_kernelspec_without_the_interceptor(cli, tmp_path):
     prefix = tmp_path / "env"
     refused = cli("install", "--prefix", str(prefix), NVSHARE_LIBRARY=str(tmp_path / "missing.so"))

@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import queue
 import shutil
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 
 from fixtures.scheduler import CHILD_CWD, PATIENCE, child_env, run_child, wait_for
+from nvshare_py.scheduler.views import user_name
 
 GPU0 = "GPU-5151ad00-0000-4000-8000-000000000000"
 IDLE_RELEASE = 1.0  # the scheduler's idle window, seconds
@@ -35,6 +38,7 @@ class Cell:
     stdout: str = ""
     stderr: str = ""
     displays: list[str] = field(default_factory=list)  # text/plain of display_data
+    updates: list[str] = field(default_factory=list)  # text/plain of update_display_data
     result: str = ""  # text/plain of execute_result
     error: str = ""
 
@@ -61,11 +65,13 @@ class Kernel:
     def submit(self, code: str) -> str:
         return self.client.execute(code)
 
-    def collect(self, msg_id: str, timeout: float = 2 * PATIENCE) -> Cell:
-        """Everything cell `msg_id` printed and displayed, once it has finished."""
-        cell = Cell()
+    def collect(self, msg_id: str, timeout: float = 2 * PATIENCE, cell: Cell | None = None,
+                until: Callable[[Cell], bool] = lambda cell: False) -> Cell:
+        """Everything cell `msg_id` printed and displayed, once it has finished (or, with
+        `until`, once that holds of what it has shown so far; collect again to go on)."""
+        cell = cell or Cell()
         deadline = time.monotonic() + timeout
-        while True:
+        while not until(cell):
             try:
                 msg = self.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
@@ -80,12 +86,15 @@ class Kernel:
                     cell.stderr += content["text"]
             elif kind == "display_data":
                 cell.displays.append(content["data"].get("text/plain", ""))
+            elif kind == "update_display_data":
+                cell.updates.append(content["data"].get("text/plain", ""))
             elif kind == "execute_result":
                 cell.result = content["data"].get("text/plain", "")
             elif kind == "error":
                 cell.error = f"{content['ename']}: {content['evalue']}"
             elif kind == "status" and content["execution_state"] == "idle":
                 return cell
+        return cell
 
     def run(self, code: str, timeout: float = 2 * PATIENCE) -> Cell:
         cell = self.collect(self.submit(code), timeout)
@@ -266,3 +275,30 @@ def test_a_cell_waiting_for_a_missing_scheduler_says_so_in_the_cell(notebooks, t
             seen += msg["content"]["text"]
     assert "its GPU calls wait for a scheduler" in seen
     assert f"{tmp_path / 'elsewhere'}/client/scheduler.sock" in seen
+
+
+def test_a_cell_waiting_behind_another_kernel_says_so_while_it_waits(notebooks):
+    """The note says for whom the cell waits (the other kernel's client, user and notebook), for
+    how long so far, and its place in line; it is updated while the wait lasts and emptied
+    before the cell's own output; the note after the cell remains."""
+    holder, waiter = notebooks({"NVSHARE_IDLE_RELEASE_MS": "0", "JPY_SESSION_NAME": "/home/alice/analysis.ipynb"}, {})
+    holder.run(SETUP)
+    waiter.run(SETUP)
+    holder.run("gpu.launch_sleep(1000)\ngpu.synchronize()")  # holds the GPU from now on
+    holder_id = holder.status()["devices"][0]["client"]
+
+    blocked = waiter.submit("gpu.launch_sleep(1000)\ngpu.synchronize()\nprint('ran')")
+    cell = waiter.collect(blocked, until=lambda cell: len(cell.displays) + len(cell.updates) >= 3)
+    (first,) = cell.displays
+    user = user_name(os.geteuid())
+    assert first.startswith("nvshare: this cell waits for GPU0, ") and first.endswith("\n"), first
+    assert f"held by {holder_id} ({user}, analysis.ipynb)" in first and "1st in line of 1" in first
+    assert cell.updates[-1].startswith("nvshare: this cell waits for GPU0, ")
+    assert cell.stdout == ""  # still waiting
+
+    holder.shutdown()  # its GPU goes to the waiting cell
+    cell = waiter.collect(blocked, cell=cell)
+    assert cell.stdout.strip() == "ran" and not cell.error
+    assert cell.updates[-1] == ""  # the note is gone
+    (after,) = cell.notes
+    assert f"for the GPU held by {holder_id} ({user}, analysis.ipynb)" in after

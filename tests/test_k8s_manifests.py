@@ -201,6 +201,11 @@ def test_scheduler_serves_metrics_where_the_pod_says():
     assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in container["ports"]
     annotations = workload["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(port)
+    # docs/metrics.md tells the same: the pod network, this port, and not dcgm-exporter's 9400.
+    assert not pod_spec(workload).get("hostNetwork")
+    documented = (K8S.parent / "docs" / "metrics.md").read_text()
+    assert f"`--metrics :{port}`" in documented and "(its DaemonSet has no `hostNetwork`)" in documented
+    assert port != 9400
 
 
 def readiness_command(socket_dir: Path) -> list[str]:

@@ -3,6 +3,7 @@ real daemon scraped over HTTP on loopback while client processes take turns."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import urllib.error
@@ -16,6 +17,7 @@ from fixtures.scheduler import wait_for
 from nvshare_py.scheduler import events as ev
 from nvshare_py.scheduler import metrics as m
 from nvshare_py.scheduler import views
+from nvshare_py.scheduler.admission import AdmissionConfig
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
 from nvshare_py.scheduler.metrics import SchedulerMetrics
 
@@ -54,8 +56,9 @@ class Driven:
         self.metrics.observe(event, actions)
         return actions
 
-    def register(self, key: str, now: float, pod: str = "", namespace: str = "ns", program: str = "train") -> None:
-        info = ev.ClientInfo(pid=1, session=key, pod=pod or key, namespace=namespace, program=program)
+    def register(self, key: str, now: float, pod: str = "", namespace: str = "ns", program: str = "train",
+                 user: str = "alice") -> None:
+        info = ev.ClientInfo(pid=1, session=key, pod=pod or key, namespace=namespace, program=program, user=user)
         self.feed(ev.Register(now, key, info))
 
     def scrape(self, now: float) -> dict:
@@ -71,7 +74,7 @@ def test_waits_holds_and_handoffs_are_measured_on_the_cores_clock():
     d.feed(ev.Tick(11.0))  # a's quantum is over: DROP, the handoff clock starts
     d.feed(ev.ReleaseReport(11.25, "a", GPU, 1))  # b is granted at 11.25
     found = d.scrape(12.0)
-    b = dict(device=GPU, pod="b", namespace="ns", program="train")
+    b = dict(device=GPU, pod="b", namespace="ns", program="train", user="alice")
     a = dict(b, pod="a")
     assert value(found, "nvshare_client_wait_seconds_sum", **b) == pytest.approx(9.25)
     assert value(found, "nvshare_client_wait_seconds_count", **a) == 1
@@ -119,12 +122,14 @@ def test_memory_gauges_follow_the_reports_and_forget_clients_that_left():
     assert value(found, "nvshare_device_memory_used_bytes", device=GPU) == 3500
     # b does not hold the lock, but nothing of it was swapped out: its memory is resident too.
     assert value(found, "nvshare_device_memory_resident_bytes", device=GPU) == 3500
-    assert value(found, "nvshare_client_memory_used_bytes", device=GPU, pod="b", namespace="ns", program="train") == 500
+    b = dict(device=GPU, pod="b", namespace="ns", program="train", user="alice")
+    assert value(found, "nvshare_client_memory_used_bytes", **b) == 500
+    assert value(found, "nvshare_client_memory_resident_bytes", **b) == 500
+    assert value(found, "nvshare_client_memory_swapped_bytes", **b) == 0
 
     d.feed(ev.Unregister(2.0, "b", "bye"))
     found = d.scrape(2.0)
-    assert ("nvshare_client_memory_used_bytes",
-            frozenset(dict(device=GPU, pod="b", namespace="ns", program="train").items())) not in found
+    assert ("nvshare_client_memory_used_bytes", frozenset(b.items())) not in found
     assert value(found, "nvshare_device_memory_used_bytes", device=GPU) == 3000
 
 
@@ -164,9 +169,10 @@ def test_client_label_sets_are_bounded_and_the_rest_is_counted_as_overflow():
     pods = {dict(labels).get("pod") for name, labels in found if name == "nvshare_client_memory_used_bytes"}
     assert len(pods) == m.CLIENT_LABEL_SETS + 1
     assert m.OVERFLOW in pods and f"pod-{m.CLIENT_LABEL_SETS}" not in pods
-    assert value(found, "nvshare_client_holding", device=GPU, pod="pod-0", namespace="ns", program="train") == 1
+    assert value(found, "nvshare_client_holding", device=GPU, pod="pod-0", namespace="ns", program="train",
+                 user="alice") == 1
     assert value(found, "nvshare_client_memory_used_bytes", device=GPU, pod=m.OVERFLOW, namespace=m.OVERFLOW,
-                 program=m.OVERFLOW) == 0
+                 program=m.OVERFLOW, user=m.OVERFLOW) == 0
     assert value(found, "nvshare_scheduler_label_overflows_total", label="client") == extra
 
 
@@ -181,6 +187,79 @@ def test_device_labels_are_bounded():
     devices = {dict(labels)["device"] for name, labels in found if name == "nvshare_device_holders"}
     assert len(devices) == m.DEVICE_LABELS + 1 and m.OVERFLOW in devices
     assert value(found, "nvshare_device_holders", device=m.OVERFLOW) == 3
+
+
+def test_counters_have_a_sample_from_the_start():
+    """A panel over a counter reads 0 before anything happened, not "No data"."""
+    d = Driven()
+    found = d.scrape(0.0)
+    assert value(found, "nvshare_scheduler_rejected_messages_total", code="malformed") == 0
+    assert value(found, "nvshare_scheduler_label_overflows_total", label="client") == 0
+    d.register("a", 0.0)
+    d.feed(ev.AcquireRequest(0.0, "a", GPU))
+    found = d.scrape(0.0)
+    for name, labels in (("nvshare_device_handoffs_total", {}), ("nvshare_device_revokes_total", {}),
+                         ("nvshare_device_drops_total", {"reason": "quantum"}),
+                         ("nvshare_device_swap_requested_bytes_total", {"direction": "in"}),
+                         ("nvshare_device_admission_refused_total", {"reason": "timeout"})):
+        assert value(found, name, device=GPU, **labels) == 0
+
+
+def test_time_held_and_waited_is_counted_per_user_while_it_goes_on():
+    d = Driven()
+    d.register("a", 0.0, user="alice")
+    d.register("b", 0.0, user="bob", pod="b")
+    d.feed(ev.AcquireRequest(1.0, "a", GPU))
+    d.feed(ev.AcquireRequest(2.0, "b", GPU))
+    d.feed(ev.Alive(5.0, "a"))  # any event moves the observer's clock: a heartbeat
+    alice = dict(device=GPU, pod="a", namespace="ns", program="train", user="alice")
+    bob = dict(device=GPU, pod="b", namespace="ns", program="train", user="bob")
+    found = d.scrape(5.0)
+    assert value(found, "nvshare_client_held_seconds_total", **alice) == pytest.approx(4.0)  # still holding
+    assert value(found, "nvshare_client_waited_seconds_total", **bob) == pytest.approx(3.0)  # still waiting
+    d.feed(ev.Tick(11.0))  # a's quantum is over: DROP
+    d.feed(ev.ReleaseReport(11.5, "a", GPU, 1))  # b granted
+    d.feed(ev.Alive(12.5, "b"))
+    found = d.scrape(12.5)
+    assert value(found, "nvshare_client_held_seconds_total", **alice) == pytest.approx(10.5)
+    assert value(found, "nvshare_client_waited_seconds_total", **bob) == pytest.approx(9.5)
+    assert value(found, "nvshare_client_held_seconds_total", **bob) == pytest.approx(1.0)
+    # Counted once: a scrape between adds nothing twice.
+    assert value(d.scrape(12.5), "nvshare_client_held_seconds_total", **alice) == pytest.approx(10.5)
+
+
+def test_weights_priorities_and_admission_are_shown():
+    d = Driven()
+    d.register("a", 0.0)
+    d.feed(ev.AcquireRequest(0.0, "a", GPU))
+    d.feed(ev.SetWeight(0.0, 4, client="c1"))
+    d.feed(ev.SetPriority(0.0, 2, client="c1"))
+    labels = dict(device=GPU, pod="a", namespace="ns", program="train", user="alice")
+    found = d.scrape(0.0)
+    assert value(found, "nvshare_client_weight", **labels) == 4
+    assert value(found, "nvshare_client_priority", **labels) == 2
+    status = dict(views.status(d.core, 0.0, lambda t: t), admission=views.admission_status(d.core, 0.0, lambda t: t))
+    found = samples(d.metrics.render(status))
+    assert value(found, "nvshare_admission_enabled") == 0 and value(found, "nvshare_admission_waiters") == 0
+
+
+def test_an_admission_wait_is_measured_and_a_refusal_counted():
+    d = Driven()
+    d.core = SchedulerCore(CoreConfig(tq=10.0, grace=1.0, heartbeat_timeout=1e6, recovery=0.0,
+                                      admission=AdmissionConfig(spill=0, timeout=5.0)), 0.0)
+    d.register("a", 0.0)
+    d.feed(ev.DeviceInfo(0.0, "a", GPU, 1000))
+    d.feed(ev.AdmitRequest(1.0, "a", GPU, 1, 2000))  # more than the whole capacity: refused at once
+    d.register("b", 1.0)
+    d.feed(ev.DeviceInfo(1.0, "b", GPU, 1000))
+    d.feed(ev.MemoryReport(1.0, "a", GPU, 900))
+    d.feed(ev.AdmitRequest(2.0, "b", GPU, 1, 500))  # waits for room
+    d.feed(ev.Tick(7.0))  # timeout: refused
+    found = d.scrape(7.0)
+    assert value(found, "nvshare_device_admission_refused_total", device=GPU, reason="too-large") == 1
+    assert value(found, "nvshare_device_admission_refused_total", device=GPU, reason="timeout") == 1
+    b = dict(device=GPU, pod="b", namespace="ns", program="train", user="alice")
+    assert value(found, "nvshare_client_admission_wait_seconds_sum", **b) == pytest.approx(5.0)
 
 
 def test_every_metric_is_documented_and_every_documented_one_exists():
@@ -232,10 +311,10 @@ def test_a_scrape_shows_clients_taking_turns(scheduler_factory):
         wait_for(lambda: scheduler.holders(GPU) == [], what="the device to be free")
 
     after = samples(scrape(address))
-    notebook = {"device": GPU, "pod": "notebook", "namespace": "team-a"}
-    program = next(dict(labels)["program"] for name, labels in after
-                   if name == "nvshare_client_grants_total" and dict(labels).get("pod") == "notebook")
-    notebook["program"] = program
+    notebook = next(dict(labels) for name, labels in after
+                    if name == "nvshare_client_grants_total" and dict(labels).get("pod") == "notebook")
+    assert notebook["namespace"] == "team-a" and notebook["device"] == GPU
+    assert notebook["user"] == views.user_name(os.geteuid())  # the uid the kernel reported, by name
     assert value(after, "nvshare_scheduler_clients") == 2
     assert value(after, "nvshare_client_grants_total", **notebook) == 2
     assert value(after, "nvshare_client_wait_seconds_count", **notebook) == 2

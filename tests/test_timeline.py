@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 
@@ -12,6 +13,7 @@ from rich.console import Console
 
 from fixtures.scheduler import wait_for
 from nvshare_py import timeline as tl
+from nvshare_py.scheduler.views import user_name
 
 DEV = "GPU-5151ad00-0000-4000-8000-000000000000"
 T0 = 1_763_725_200.0
@@ -209,6 +211,49 @@ def test_rendering_an_empty_timeline():
     assert "no lock events" in "\n".join(lines)
 
 
+def test_rows_name_the_user_and_program_even_after_the_client_left():
+    events = Events()
+    events.add(0, "register", "c14", detail='pid=16135 user=alice program="my notebook.ipynb" pod=team-a/nb-0',
+               device="")
+    events.add(0.1, "acquire", "c14").add(0.1, "grant", "c14", 1).add(1.0, "release", "c14", 1, "user")
+    events.add(1.5, "unregister", "c14", detail="bye", device="")
+    timeline = events.timeline()
+    assert timeline.label("c14") == "c14 alice team-a/nb-0 my notebook.ipynb"
+    assert timeline.pids == {"c14": 16135}
+    assert tl.detail_fields('a=1 b="x \\"y\\"" c=') == {"a": "1", "b": 'x "y"', "c": ""}
+
+
+def test_the_summary_fits_80_columns_and_never_cuts_a_number():
+    events = Events().register(0, "c1", 11).add(0, "acquire", "c1").add(0, "grant", "c1", 1)
+    events.add(98765.4, "release", "c1", 1, "idle")
+    timeline = events.timeline()
+    timeline.labels["c1"] = "a notebook with a very long name indeed, as people name them"
+    console = Console(width=80, record=True, highlight=False)
+    console.print(tl.summary_table(tl.summarise(timeline)))
+    text = console.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80, text
+    assert "98765.4 s" in text and "longest" in text and "hand-" in text and "releases" in text, text
+
+
+def test_sizes_in_events_read_as_sizes():
+    assert tl.readable_detail("budget", "1073741824") == "1.0 GiB"
+    assert tl.readable_detail("budget", "total") == "total"
+    assert tl.readable_detail("admitted", "536870912 after 1.5s") == "512.0 MiB after 1.5s"
+    assert tl.readable_detail("grant", "prefetch=8589934592") == "prefetch=8.0 GiB"
+    assert tl.readable_detail("admission", "spill=0 policy=fifo timeout=300") == "spill=0 B policy=fifo timeout=300"
+    timeline = Events().add(0, "budget", detail="1073741824").add(0, "acquire", "c1").timeline()
+    assert any("budget 1.0 GiB" in line for line in rendered_lines(timeline, 80))
+
+
+def test_two_gpus_that_share_a_uuid_prefix_keep_their_own_names_in_the_picture():
+    other = DEV[:-1] + "1"
+    events = Events().add(0, "acquire", "c1").add(0, "grant", "c1", 1)
+    events.add(0, "acquire", "c2", device=other).add(0, "grant", "c2", 2, device=other)
+    timeline = events.timeline()
+    rows = [(device, name) for device in timeline.devices() for name in timeline.rows(device)]
+    assert tl.picture_labels(timeline, rows) == ["GPU0 c1", "GPU1 c2"]
+
+
 # --- export --------------------------------------------------------------------------------------
 
 
@@ -218,7 +263,8 @@ def test_json_export(tmp_path):
     tl.write_json(path, tl.to_json(timeline))
     document = json.loads(path.read_text())
     assert document["devices"] == [DEV]
-    assert document["clients"]["c1"] == {"pid": 11, "row": "c1 pid 11"}
+    assert document["clients"]["c1"] == {"pid": 11, "user": None, "row": "c1 pid 11"}
+    assert document["device_names"] == {DEV: "GPU0"}
     holds = [i for i in document["intervals"] if i["kind"] == "hold"]
     assert [(h["client"], h["ended_by"]) for h in holds] == [("c1", "drop"), ("c2", "idle"), ("c1", "user")]
     assert {row["row"]: row["tq_handoffs"] for row in document["summary"]} == {"c1 pid 11": 1, "c2 pid 12": 0}
@@ -265,10 +311,11 @@ def test_ctl_timeline_draws_both_clients(handed_over):
     assert result.returncode == 0, result.stderr
     rows = {line.split()[0]: line for line in result.stdout.splitlines() if re.match(r"c\d+ .*│", line)}
     assert set(rows) == {first.client_id, second.client_id}
-    assert str(first.pid) in rows[first.client_id]  # still registered: named with its pid
+    user = user_name(os.geteuid())
+    assert rows[first.client_id].startswith(f"{first.client_id} {user} scheduler.py ")  # who, by name
     assert "Q" in rows[first.client_id].split("│")[1]  # handed over at the end of its quantum
     assert "█" in rows[second.client_id].split("│")[1]
-    assert DEV in result.stdout and "handoffs" in result.stdout  # the summary table
+    assert f"GPU0 ({DEV})" in result.stdout and "hand-" in result.stdout  # the summary table
     assert max(len(line) for line in rows.values()) <= 100
 
 
@@ -291,7 +338,7 @@ def test_ctl_timeline_usage_and_refusals(handed_over):
     assert scheduler.ctl("timeline", "--since", "5", "--all").returncode == 2
     refused = scheduler.ctl("timeline", "--device", "GPU-nope")
     assert refused.returncode == 1 and "unknown-device" in refused.stderr
-    recent = scheduler.ctl("timeline", "--since", "0.001")
+    recent = scheduler.ctl("timeline", "--since", "0.001s")
     assert recent.returncode == 0 and "│" not in recent.stdout  # nothing within the last millisecond
 
 

@@ -1,18 +1,20 @@
 """`nvshare-device-plugin`: serve nvshare.com/gpu to the kubelet, or install libnvshare.so on
-the node. Every flag can also be set through the environment variable named in --help."""
+the node. Every flag can also be set through the environment variable named in --help.
+
+Exit status: 2 for a usage error (a flag's or variable's value, as every nvshare tool), 1 when
+it cannot serve (no NVML, no kubelet, ...)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from nvshare_py import library
-from nvshare_py.clikit import APP_SETTINGS, VERSION_OPTION, missing_extra
+from nvshare_py.clikit import APP_SETTINGS, LOG_LEVELS, VERSION_OPTION, missing_extra, one_of, setup_logging
 from nvshare_py.paths import ENV_SOCKET_DIR, SocketPaths
 
 from . import config as defaults
@@ -41,11 +43,6 @@ def _server():
 
 LIBRARY_NAME = "libnvshare.so"
 log = logging.getLogger("nvshare_py.deviceplugin")
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)-7s %(message)s")
 
 
 @app.command("serve")
@@ -101,11 +98,12 @@ def serve_command(
                                                     "control socket (needs the API server and NODE_NAME).")] = True,
     node_name: Annotated[str, typer.Option(envvar="NODE_NAME",
                                            help="This node's name (the downward API's spec.nodeName).")] = "",
-    log_level: Annotated[str, typer.Option(envvar="NVSHARE_DP_LOG_LEVEL", help="debug, info, warning or error.")] = "info",
+    log_level: Annotated[str, typer.Option(envvar="NVSHARE_DP_LOG_LEVEL", metavar="|".join(LOG_LEVELS),
+                                           parser=one_of(LOG_LEVELS, "a log level"), help="Log verbosity.")] = "info",
 ) -> None:
     """Advertise every GPU as REPLICAS devices and inject nvshare into the containers given one."""
     server = _server()
-    _setup_logging(log_level)
+    setup_logging(log_level)
     try:
         config = PluginConfig(
             resource_name=resource_name, replicas=replicas, device_plugin_dir=device_plugin_dir.absolute(),
@@ -115,8 +113,11 @@ def serve_command(
             health_interval=health_interval, ignored_xids=parse_xids(ignored_xids),
             kubelet_watch_interval=kubelet_watch_interval, device_specs=device_specs,
             device_dir=device_dir, cdi=cdi, cdi_kind=cdi_kind, pod_settings=pod_settings, node_name=node_name)
+    except ConfigError as error:  # a value given on the command line or in the environment
+        raise typer.BadParameter(str(error)) from None
+    try:
         asyncio.run(server.serve(config))
-    except (ConfigError, NvmlUnavailable, server.PluginError) as error:
+    except (NvmlUnavailable, server.PluginError) as error:
         log.error("%s", error)
         raise typer.Exit(1) from None
 
@@ -130,7 +131,7 @@ def install_library_command(
 ) -> None:
     """Copy libnvshare.so onto the node (an atomic replace: running containers keep theirs)."""
     server = _server()
-    _setup_logging("info")
+    setup_logging("info")
     if source is None:
         try:
             source = library.path()

@@ -62,6 +62,7 @@ from .events import (
     SetWeight,
     Tick,
     Unregister,
+    register_detail,
 )
 
 __all__ = ["CoreConfig", "ControlError", "SchedulerCore"]
@@ -418,7 +419,7 @@ class SchedulerCore:
             idle_release_ms=_ms(config.idle_release),
             admission=True,
         )))
-        out.append(LockEvent(now, "register", client=client.cid, detail=f"pid={ev.info.pid}"))
+        out.append(LockEvent(now, "register", client=client.cid, detail=register_detail(ev.info)))
         out.append(Log("info", "registered", {"client": client.cid, "pid": ev.info.pid, "host_pid": ev.info.host_pid,
                                            "program": ev.info.program}))
 

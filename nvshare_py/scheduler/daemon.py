@@ -715,6 +715,7 @@ class Daemon:
             session=hello.session,
             host_pid=peer.pid,
             uid=peer.uid,
+            user=views.user_name(peer.uid),
             host=hello.host,
             container=hello.container,
             pod=hello.pod,
@@ -871,13 +872,15 @@ class Daemon:
         raise ev.ControlError("unknown-op", f"unknown op {op!r}")
 
     def _set_admission(self, request: dict) -> dict:
-        """`spill` (bytes, or null: admission off), `policy`, `timeout` (seconds); each optional.
+        """`spill` (bytes, "auto", or null: admission off), `policy`, `timeout` (seconds); each optional.
         The core judges the values."""
         keep_spill = "spill" not in request
         spill = request.get("spill")
+        if spill == "auto":  # what --admission-spill auto gives: MemAvailable's share at the daemon's start
+            spill = self.core.config.admission.spill if self.config.admission_spill == "auto" else host_spill()
         if spill is not None and (isinstance(spill, bool) or not isinstance(spill, int)
                                   or not 0 <= spill <= protocol.MAX_INT):
-            raise ev.ControlError("bad-request", "spill must be an integer >= 0, or null to turn admission off")
+            raise ev.ControlError("bad-request", 'spill must be an integer >= 0, "auto", or null to turn admission off')
         timeout = _number(request, "timeout") if "timeout" in request else None
         policy = request.get("policy")
         self._apply(lambda now: ev.SetAdmission(now, spill=spill, keep_spill=keep_spill, policy=policy,

@@ -8,6 +8,7 @@ carrying `now`, seconds on a monotonic clock) and carries out the actions it ret
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Final, Hashable, Literal, Mapping, TypeVar
 
@@ -25,7 +26,9 @@ class ClientInfo:
     `host_pid`/`uid` come from the kernel (SO_PEERCRED) and are 0/None when not visible.
     `pod_uid` is the Kubernetes pod the daemon found the process in (its cgroup, read through
     the kernel-verified host pid), "" outside a pod: unlike `pod`/`namespace`, which the client
-    says about itself, a client cannot choose it, so settings given per pod are matched on it."""
+    says about itself, a client cannot choose it, so settings given per pod are matched on it.
+    `user` is the name of `uid` on the daemon's host (the uid's number where it has none),
+    looked up by the daemon when the client registers; "" when the uid is not visible."""
 
     pid: int
     session: str
@@ -37,6 +40,33 @@ class ClientInfo:
     namespace: str = ""
     program: str = ""
     pod_uid: str = ""
+    user: str = ""
+
+
+def key_values(fields: dict[str, object]) -> str:
+    """`key=value` pairs, values with spaces, quotes or '=' (or empty ones) JSON-quoted: the
+    form of log fields and of lock-event details that carry several facts."""
+    parts = []
+    for key, value in fields.items():
+        text = str(value)
+        if not text or any(c in text for c in ' "=\n\t'):
+            text = json.dumps(text)
+        parts.append(f"{key}={text}")
+    return " ".join(parts)
+
+
+def register_detail(info: ClientInfo) -> str:
+    """The detail of a `register` lock event: who registered (pid, user, program, and the pod as
+    namespace/pod when it names one), so that the timeline still names a client after it left.
+    nvshare_py/timeline.py reads it back."""
+    fields: dict[str, object] = {"pid": info.pid}
+    if info.user:
+        fields["user"] = info.user
+    if info.program:
+        fields["program"] = info.program
+    if info.pod or info.namespace:
+        fields["pod"] = f"{info.namespace}/{info.pod}"
+    return key_values(fields)
 
 
 # --- events --------------------------------------------------------------------------------

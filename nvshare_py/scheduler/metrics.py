@@ -4,8 +4,13 @@ Two parts, both driven from the daemon's one Trio thread:
 
 - `SchedulerMetrics` is an observer. The pump hands it every event it fed the lock core together
   with the actions the core returned; from the timeline entries (LockEvent) it keeps counters and
-  histograms (waits, holds, handoffs). Gauges (modes, quanta, memory, holders, waiters) are not
-  tracked at all: `render()` sets them from the daemon's status document when a scrape arrives.
+  histograms (waits, holds, handoffs, admission). Gauges (modes, quanta, memory, holders,
+  waiters, weights) are not tracked at all: `render()` sets them from the daemon's status
+  document when a scrape arrives. Time held and waited (GPU-seconds per user and pod) are
+  counted when a hold or wait ends, and brought up to the latest event the observer saw (every
+  client heartbeats, so at most a heartbeat interval ago) at each scrape. Every counter has a
+  sample from the start, at 0: for its known label values at once, for a device's when the
+  device is first seen.
 - `serve_metrics` answers HTTP GETs from a task in the daemon's nursery. Rendering therefore runs
   on the pump's thread, between two of its steps, and needs no lock: it can never observe, or
   hold up, a half-done update. It yields to the pump every RENDER_STEP samples, so a large
@@ -15,8 +20,9 @@ Two parts, both driven from the daemon's one Trio thread:
   the GIL.
 
 Label cardinality is bounded: clients say who they are (pod, namespace, program) and a client
-may lie, so at most CLIENT_LABEL_SETS distinct (pod, namespace, program) sets and DEVICE_LABELS
-device ids get series of their own; anything past that is counted under OVERFLOW.
+may lie, so at most CLIENT_LABEL_SETS distinct (pod, namespace, program, user) sets and
+DEVICE_LABELS device ids get series of their own; anything past that is counted under OVERFLOW.
+The user is the daemon's name for the client's kernel-verified uid (ClientInfo.user).
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ LABEL_VALUE_MAX = 128  # characters; a client's program name can be anything it 
 WAIT_HOLD_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, math.inf)
 HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, math.inf)
 
-CLIENT_LABELS = ("device", "pod", "namespace", "program")
+CLIENT_LABELS = ("device", "pod", "namespace", "program", "user")
+_NOBODY = (OVERFLOW,) * (len(CLIENT_LABELS) - 1)
 
 # HTTP: a scraper that does not finish its request in this long is dropped; at most this many
 # connections at once (Prometheus uses one per target).
@@ -116,6 +123,40 @@ class SchedulerMetrics:
         self.client_holding = Gauge("nvshare_client_holding",
                                     "Grants the connected clients hold (who holds each device)", CLIENT_LABELS,
                                     registry=registry)
+        self.client_resident = Gauge("nvshare_client_memory_resident_bytes",
+                                     "Device memory the connected clients keep resident (used less what was seen "
+                                     "swapped out)", CLIENT_LABELS, registry=registry)
+        self.client_swapped = Gauge("nvshare_client_memory_swapped_bytes",
+                                    "Device memory of the connected clients seen moved to the host and not brought back",
+                                    CLIENT_LABELS, registry=registry)
+        self.held = Counter("nvshare_client_held_seconds",
+                            "Seconds the clients held the device's lock (GPU-seconds; brought up to date at each "
+                            "scrape)", CLIENT_LABELS, registry=registry)
+        self.waited = Counter("nvshare_client_waited_seconds",
+                              "Seconds the clients waited for the device's lock (brought up to date at each scrape)",
+                              CLIENT_LABELS, registry=registry)
+        self.client_weight = Gauge("nvshare_client_weight", "Weight of the connected clients (the largest where "
+                                   "several share the labels)", CLIENT_LABELS, registry=registry)
+        self.client_priority = Gauge("nvshare_client_priority", "Priority class of the connected clients (the highest "
+                                     "where several share the labels)", CLIENT_LABELS, registry=registry)
+        self.admission_wait = Histogram("nvshare_client_admission_wait_seconds",
+                                        "Time an allocation waited for admission, until ADMITTED or REFUSED",
+                                        CLIENT_LABELS, buckets=WAIT_HOLD_BUCKETS, registry=registry)
+        self.admission_refused = Counter("nvshare_device_admission_refused_total",
+                                         "Allocations refused admission, by reason", ("device", "reason"),
+                                         registry=registry)
+        # --- admission (docs/scheduler.md, "Admission") ---
+        self.admission_enabled = Gauge("nvshare_admission_enabled", "1 while admission is on", registry=registry)
+        self.admission_capacity = Gauge("nvshare_admission_capacity_bytes",
+                                        "What the node's clients may hold: the devices' budgets plus the spill "
+                                        "(0 while admission is off)", registry=registry)
+        self.admission_reserved = Gauge("nvshare_admission_reserved_bytes",
+                                        "What the node's clients hold or were admitted, whichever is larger",
+                                        registry=registry)
+        self.admission_spill = Gauge("nvshare_admission_spill_bytes",
+                                     "Host memory allowed beyond the devices' budgets", registry=registry)
+        self.admission_waiters = Gauge("nvshare_admission_waiters", "Allocations waiting for admission",
+                                       registry=registry)
         # --- scheduler ---
         self.handoff_seconds = Histogram(
             "nvshare_scheduler_handoff_seconds",
@@ -134,13 +175,23 @@ class SchedulerMetrics:
         Gauge("nvshare_scheduler_info", "The scheduler's version", ("version",), registry=registry).labels(
             __version__).set(1)
 
-        self._client_sets: set[tuple[str, str, str]] = set()
+        # Counters with fixed label values have their samples from the start.
+        for code in protocol.ERROR_CODES:
+            self.rejected.labels(code)
+        for label in ("client", "device"):
+            self.overflowed.labels(label)
+
+        self._client_sets: set[tuple[str, ...]] = set()
         self._device_ids: set[str] = set()
-        self._who: dict[str, tuple[str, str, str]] = {}  # client display id -> (pod, namespace, program)
-        self._waiting: dict[tuple[str, str], float] = {}  # (client, device) -> since
-        self._holds: dict[int, tuple[float, tuple[str, ...]]] = {}  # grant -> (since, client labels)
+        self._who: dict[str, tuple[str, ...]] = {}  # client display id -> (pod, namespace, program, user)
+        # (client, device) -> (since, counted until) of a wait for the lock
+        self._waiting: dict[tuple[str, str], tuple[float, float]] = {}
+        # grant -> (since, counted until, client labels) of a hold
+        self._holds: dict[int, tuple[float, float, tuple[str, ...]]] = {}
+        self._admitting: dict[tuple[str, str], float] = {}  # (client, device) -> since, of an admission wait
         self._last_grantee: dict[str, str] = {}  # device -> client of its latest grant
         self._handoff_from: dict[str, float] = {}  # device -> when its holder was asked or let go
+        self._latest = 0.0  # the time of the latest event observed (the core's clock)
 
     # --- labels ---------------------------------------------------------------------------
 
@@ -149,27 +200,43 @@ class SchedulerMetrics:
             return device
         if len(self._device_ids) < DEVICE_LABELS:
             self._device_ids.add(device)
+            self._zero_device_counters(device)
             return device
         self.overflowed.labels("device").inc()
+        if OVERFLOW not in self._device_ids:
+            self._device_ids.add(OVERFLOW)
+            self._zero_device_counters(OVERFLOW)
         return OVERFLOW
 
-    def _client_set(self, info: ev.ClientInfo) -> tuple[str, str, str]:
-        who = (info.pod[:LABEL_VALUE_MAX], info.namespace[:LABEL_VALUE_MAX], info.program[:LABEL_VALUE_MAX])
+    def _zero_device_counters(self, device: str) -> None:
+        """A device's counters, at 0 from when it is first seen (a panel reads 0, not "No data")."""
+        self.handoffs.labels(device)
+        self.revokes.labels(device)
+        for reason in protocol.DROP_REASONS:
+            self.drops.labels(device, reason)
+        for direction in ("out", "in"):
+            self.swap_requested.labels(device, direction)
+        for reason in protocol.REFUSE_REASONS:
+            self.admission_refused.labels(device, reason)
+
+    def _client_set(self, info: ev.ClientInfo) -> tuple[str, ...]:
+        who = tuple(value[:LABEL_VALUE_MAX] for value in (info.pod, info.namespace, info.program, info.user))
         if who in self._client_sets:
             return who
         if len(self._client_sets) < CLIENT_LABEL_SETS:
             self._client_sets.add(who)
             return who
         self.overflowed.labels("client").inc()
-        return (OVERFLOW, OVERFLOW, OVERFLOW)
+        return _NOBODY
 
     def _client_labels(self, device: str, client: str) -> tuple[str, ...]:
-        return (self._device(device), *self._who.get(client, (OVERFLOW, OVERFLOW, OVERFLOW)))
+        return (self._device(device), *self._who.get(client, _NOBODY))
 
     # --- fed by the pump ------------------------------------------------------------------
 
     def observe(self, event: ev.Event, actions: Iterable[ev.Action]) -> None:
         """The core handled `event` and returned `actions`."""
+        self._latest = max(self._latest, event.now)
         for action in actions:
             if type(action) is ev.LockEvent:
                 self._on_lock_event(event, action)
@@ -194,7 +261,13 @@ class SchedulerMetrics:
             if type(event) is ev.Register:
                 self._who[client] = self._client_set(event.info)
         elif kind == "acquire":
-            self._waiting[(client, device)] = now
+            self._waiting[(client, device)] = (now, now)
+        elif kind == "admit-wait":
+            self._admitting.setdefault((client, device), now)
+        elif kind in ("admitted", "refused"):
+            self._end_admission(client, device, now)
+            if kind == "refused":
+                self.admission_refused.labels(self._device(device), entry.detail.rpartition(" ")[2]).inc()
         elif kind == "grant":
             self._on_grant(entry)
         elif kind == "drop":
@@ -204,11 +277,14 @@ class SchedulerMetrics:
             if kind == "revoke":
                 self.revokes.labels(self._device(device)).inc()
             self._end_hold(entry)
-            self._waiting.pop((client, device), None)
+            self._end_wait(client, device, now)
+            if kind == "lost":
+                self._end_admission(client, device, now)
         elif kind == "unregister":
             if device:  # a BYE while holding or waiting
                 self._end_hold(entry)
-                self._waiting.pop((client, device), None)
+                self._end_wait(client, device, now)
+                self._end_admission(client, device, now)
             else:
                 self._who.pop(client, None)
 
@@ -216,8 +292,8 @@ class SchedulerMetrics:
         device, client, now = entry.device, entry.client, entry.now
         labels = self._client_labels(device, client)
         self.grants.labels(*labels).inc()
-        self._holds[entry.grant] = (now, labels)
-        since = self._waiting.pop((client, device), None)
+        self._holds[entry.grant] = (now, now, labels)
+        since = self._end_wait(client, device, now)
         if since is not None:
             self.wait_seconds.labels(*labels).observe(now - since)
             asked = self._handoff_from.pop(device, None)
@@ -228,12 +304,40 @@ class SchedulerMetrics:
             self.handoffs.labels(self._device(device)).inc()
         self._last_grantee[device] = client
 
+    def _end_wait(self, client: str, device: str, now: float) -> float | None:
+        """The wait is over: count its last part; its start, if there was one."""
+        waiting = self._waiting.pop((client, device), None)
+        if waiting is None:
+            return None
+        since, counted = waiting
+        self.waited.labels(*self._client_labels(device, client)).inc(max(0.0, now - counted))
+        return since
+
+    def _end_admission(self, client: str, device: str, now: float) -> None:
+        since = self._admitting.pop((client, device), None)
+        if since is not None:
+            self.admission_wait.labels(*self._client_labels(device, client)).observe(now - since)
+
+    def _count_time_so_far(self) -> None:
+        """Bring the time held and waited up to the latest event: holds and waits still going on
+        count too (a client alone on a GPU may hold it for hours)."""
+        now = self._latest
+        for grant, (since, counted, labels) in self._holds.items():
+            if now > counted:
+                self.held.labels(*labels).inc(now - counted)
+                self._holds[grant] = (since, now, labels)
+        for (client, device), (since, counted) in self._waiting.items():
+            if now > counted:
+                self.waited.labels(*self._client_labels(device, client)).inc(now - counted)
+                self._waiting[(client, device)] = (since, now)
+
     def _end_hold(self, entry: ev.LockEvent) -> None:
         held = self._holds.pop(entry.grant, None)
         if held is None:
             return
-        since, labels = held
+        since, counted, labels = held
         self.hold_seconds.labels(*labels).observe(entry.now - since)
+        self.held.labels(*labels).inc(max(0.0, entry.now - counted))
         device = entry.device
         if any(waiting_device == device for _, waiting_device in self._waiting):
             self._handoff_from.setdefault(device, entry.now)
@@ -260,16 +364,33 @@ class SchedulerMetrics:
         return b"".join(pieces)
 
     def _set_gauges(self, status: dict) -> None:
+        self._count_time_so_far()
         for gauge in (self.device_mode, self.device_tq, self.device_total, self.device_budget, self.device_used,
                       self.device_resident, self.device_swapped, self.device_holders, self.device_waiters,
-                      self.client_memory, self.client_holding):
+                      self.client_memory, self.client_holding, self.client_resident, self.client_swapped,
+                      self.client_weight, self.client_priority):
             gauge.clear()  # devices and clients that are gone leave no stale series
+        weights: dict[tuple[str, ...], tuple[int, int]] = {}
         for client in status["clients"]:
-            who = self._who.get(client["client"], (OVERFLOW, OVERFLOW, OVERFLOW))
+            who = self._who.get(client["client"], _NOBODY)
             for device, pair in client["devices"].items():
                 labels = (self._device(device), *who)
                 self.client_memory.labels(*labels).inc(pair["used"])
                 self.client_holding.labels(*labels).inc(1 if pair["state"] in ("holding", "draining") else 0)
+                self.client_resident.labels(*labels).inc(pair.get("resident", pair["used"]))
+                self.client_swapped.labels(*labels).inc(pair.get("swapped", 0))
+                weight, priority = weights.get(labels, (0, 0))
+                weights[labels] = (max(weight, client.get("weight", 1)), max(priority, client.get("priority", 0)))
+        for labels, (weight, priority) in weights.items():
+            self.client_weight.labels(*labels).set(weight)
+            self.client_priority.labels(*labels).set(priority)
+        admission = status.get("admission")
+        if admission is not None:
+            self.admission_enabled.set(1 if admission["enabled"] else 0)
+            self.admission_capacity.set(admission["capacity"] or 0)
+            self.admission_reserved.set(admission["reserved"])
+            self.admission_spill.set(admission["spill"] or 0)
+            self.admission_waiters.set(len(admission["waiters"]))
         for dev in status["devices"]:
             device = self._device(dev["device"])
             for mode in MODES:

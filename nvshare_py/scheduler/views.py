@@ -7,9 +7,12 @@ rounded and worded, and what a QUERY may reveal of other clients.
 
 from __future__ import annotations
 
+import functools
 import itertools
-from typing import Callable
+import pwd
+from typing import Any, Callable
 
+from ..sizes import format_size
 from . import fairshare, residency
 from .core import AHEAD_REMEMBERED, SchedulerCore
 from .events import Log
@@ -24,7 +27,7 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
     """The "devices" and "clients" parts of the status document (docs/protocol.md)."""
     devices = []
     for dev in core.devices():
-        holds = [(grant, pair, pair.hold) for grant, pair in dev.holders.items()]
+        holds = [(grant, pair, pair.hold) for grant, pair in dev.holders.items() if pair.hold is not None]
         holds += [(grant, pair, pair.overdue[grant]) for grant, pair in dev.overdue.items()]
         holds.sort(key=lambda item: item[0])
         devices.append({
@@ -50,7 +53,8 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
                 }
                 for grant, pair, hold in holds
             ],
-            "waiters": [{"client": pair.client.cid, "since": wall(pair.waiting_since)} for pair in dev.queue],
+            "waiters": [{"client": pair.client.cid, "since": wall(pair.waiting_since)} for pair in dev.queue
+                        if pair.waiting_since is not None],
         })
     shares = {dev.id: _shares(core, dev, now) for dev in core.devices()}
     clients = []
@@ -61,6 +65,7 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
             "pid": info.pid,
             "host_pid": info.host_pid,
             "uid": info.uid,
+            "user": info.user,
             "host": info.host,
             "container": info.container,
             "pod": info.pod,
@@ -104,7 +109,7 @@ def admission_status(core: SchedulerCore, now: float, wall: Callable[[float], fl
     }
 
 
-_NO_SHARE = {"share": None, "achieved": None}
+_NO_SHARE: dict[str, Any] = {"share": None, "achieved": None, "outranked_by": []}
 
 
 def _quantum_end(core: SchedulerCore, pair, hold) -> float:
@@ -114,9 +119,11 @@ def _quantum_end(core: SchedulerCore, pair, hold) -> float:
 
 def _shares(core: SchedulerCore, dev, now: float) -> dict:
     """Per pair of the device: `share`, the part of the lock time its weight entitles it to
-    among those holding or waiting now (None when it does neither), and `achieved`, its part
-    of the time the device was held in the last SHARE_WINDOW seconds (None when nobody held
-    it then)."""
+    among those holding or waiting now (None when it does neither), `achieved`, its part of the
+    time the device was held in the last SHARE_WINDOW seconds (None when nobody held it then),
+    and `outranked_by`, the contenders of a higher priority class, which are served first
+    (weights share the time within a class; a lower class gets turns only through ageing), so
+    its `share` is 0 while they contend."""
     start = now - fairshare.SHARE_WINDOW
     held = {}
     for pair in dev.pairs:
@@ -125,10 +132,20 @@ def _shares(core: SchedulerCore, dev, now: float) -> dict:
             holds.append((pair.hold.since, now))
         held[pair] = fairshare.held_within(holds, start, now)
     total = sum(held.values())
-    contenders = {pair: core.weight(pair.client) for pair in itertools.chain(dev.holders.values(), dev.queue)}
-    configured = fairshare.configured_shares(contenders)
-    return {pair: {"share": _rounded(configured.get(pair)),
-                   "achieved": _rounded(held[pair] / total if total > 0 else None)} for pair in dev.pairs}
+    contenders = set(itertools.chain(dev.holders.values(), dev.queue))
+    top = max((core.priority(pair.client) for pair in contenders), default=0)
+    served = {pair: core.weight(pair.client) for pair in contenders if core.priority(pair.client) == top}
+    configured = fairshare.configured_shares(served)
+    first = [pair.client.cid for pair in served]
+    shares = {}
+    for pair in dev.pairs:
+        outranked = pair in contenders and pair not in served
+        shares[pair] = {
+            "share": 0.0 if outranked else _rounded(configured.get(pair)),
+            "achieved": _rounded(held[pair] / total if total > 0 else None),
+            "outranked_by": first if outranked else [],
+        }
+    return shares
 
 
 def _rounded(value: float | None) -> float | None:
@@ -173,7 +190,8 @@ def _pair_query(core: SchedulerCore, pair, now: float) -> dict:
         "grants": status["grants"],
         "used": status["used"],
         "quantum_left": round(max(0.0, core.quantum_end(pair) - now), 3) if pair.hold is not None else None,
-        "holders": [_named(holder.client) for holder in itertools.islice(dev.holders.values(), QUERY_NAMES_SHOWN)],
+        "holders": [dict(_named(holder.client), quantum_left=round(max(0.0, core.quantum_end(holder) - now), 3))
+                    for holder in itertools.islice(dev.holders.values(), QUERY_NAMES_SHOWN)],
         "last_wait": last_wait,
     }
 
@@ -199,9 +217,34 @@ def _pair_status(pair, now: float) -> dict:
 
 
 def _named(client) -> dict:
-    """How QUERY names another client: its display id and what it says it is."""
+    """How QUERY names another client: its display id, its user (from the kernel's uid) and
+    what it says it is."""
     info = client.info
-    return {"client": client.cid, "program": info.program[:QUERY_TEXT_MAX], "pod": info.pod[:QUERY_TEXT_MAX]}
+    return {"client": client.cid, "user": info.user[:QUERY_TEXT_MAX], "program": info.program[:QUERY_TEXT_MAX],
+            "pod": info.pod[:QUERY_TEXT_MAX], "namespace": info.namespace[:QUERY_TEXT_MAX]}
+
+
+@functools.lru_cache(maxsize=1024)
+def user_name(uid: int | None) -> str:
+    """The name of `uid` in the daemon's user database, else the uid as a number; "" for an
+    unknown uid (not visible). Cached: the daemon looks a uid up once, not at every
+    registration (a lookup may ask a directory service)."""
+    if uid is None:
+        return ""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _size(value: object) -> str:
+    """A size field of a log line in words: bytes as '16.0 GiB'; anything else (total, off,
+    None: none) as it is."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return format_size(value)
+    if isinstance(value, str) and value.isdigit():
+        return format_size(int(value))
+    return "none" if value is None else str(value)
 
 
 def _target(fields: dict) -> str:
@@ -227,25 +270,26 @@ WORDING: dict[str, Callable[[dict], str]] = {
     "recovered": lambda f: "recovery window over: granting locks normally",
     "mode-set": lambda f: f"mode {f['mode']} on {_target(f)}",
     "tq-set": lambda f: f"time quantum {f['seconds']:g} s on {_target(f)}",
-    "budget-set": lambda f: f"memory budget of {f['device']}: {f['budget']}",
-    "evict-asked": lambda f: f"{f['client']} asked to evict {f['bytes']} bytes of {f['device']} to make room for {f['for']}",
+    "budget-set": lambda f: f"memory budget of {f['device']}: {_size(f['budget'])}",
+    "evict-asked": lambda f: (f"{f['client']} asked to evict {_size(f['bytes'])} of {f['device']} "
+                              f"to make room for {f['for']}"),
     "evict-timeout": lambda f: (f"{f['device']}: no room for {f['client']} after the grace "
                                 f"(EVICTED not received from {f['silent'] or 'nobody'}, or what moved was not enough): "
                                 "granting anyway, the driver's faults share the memory"),
     "evicted-stale": lambda f: f"{f['client']} answered EVICT for {f['device']}, which it does not use",
     "weight-set": lambda f: f"weight of {f['target']}: {f['weight']}",
     "priority-set": lambda f: f"priority class of {f['target']}: {f['priority']}",
-    "limit-set": lambda f: f"memory limit of {f['target']} on {f['device'] or 'every device'}: {f['bytes']}",
-    "limit-sent": lambda f: f"{f['client']} told its memory limit on {f['device']}: {f['bytes'] or 'none'}",
+    "limit-set": lambda f: f"memory limit of {f['target']} on {f['device'] or 'every device'}: {_size(f['bytes'])}",
+    "limit-sent": lambda f: f"{f['client']} told its memory limit on {f['device']}: {_size(f['bytes'] or None)}",
     "revoked": lambda f: f"{f['client']} did not release grant {f['grant']} on {f['device']} in time: revoked",
     "contended": lambda f: (f"{f['client']} told that others wait for {f['device']} "
                             f"({f['quantum_left_ms']} ms of its quantum left)"),
     "granted": lambda f: f"grant {f['grant']} on {f['device']} to {f['client']}",
-    "admission-waits": lambda f: (f"{f['client']} waits for admission of {f['bytes']} bytes on {f['device']} "
-                                  f"(node capacity {f['capacity']})"),
-    "admission-refused": lambda f: (f"{f['client']} refused admission of {f['bytes']} bytes on {f['device']} "
-                                    f"({f['reason']}; node capacity {f['capacity']})"),
-    "admission-set": lambda f: f"admission: spill {f['spill']}, policy {f['policy']}, timeout {f['timeout']:g} s",
+    "admission-waits": lambda f: (f"{f['client']} waits for admission of {_size(f['bytes'])} on {f['device']} "
+                                  f"(node capacity {_size(f['capacity'])})"),
+    "admission-refused": lambda f: (f"{f['client']} refused admission of {_size(f['bytes'])} on {f['device']} "
+                                    f"({f['reason']}; node capacity {_size(f['capacity'])})"),
+    "admission-set": lambda f: f"admission: spill {_size(f['spill'])}, policy {f['policy']}, timeout {f['timeout']:g} s",
     "dropped": lambda f: f"drop grant {f['grant']} of {f['client']} on {f['device']} ({f['reason']})",
 }
 
