@@ -38,7 +38,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
 from .. import __version__, protocol
-from ..vocabulary import MODES
+from ..vocabulary import DROP_REASON, ERROR_CODE, MODES, REFUSE_REASON
 from . import events as ev
 
 log = logging.getLogger("nvshare.scheduler")
@@ -176,7 +176,7 @@ class SchedulerMetrics:
             __version__).set(1)
 
         # Counters with fixed label values have their samples from the start.
-        for code in protocol.ERROR_CODES:
+        for code in ERROR_CODE.words:
             self.rejected.labels(code)
         for label in ("client", "device"):
             self.overflowed.labels(label)
@@ -212,11 +212,11 @@ class SchedulerMetrics:
         """A device's counters, at 0 from when it is first seen (a panel reads 0, not "No data")."""
         self.handoffs.labels(device)
         self.revokes.labels(device)
-        for reason in protocol.DROP_REASONS:
+        for reason in DROP_REASON.words:
             self.drops.labels(device, reason)
         for direction in ("out", "in"):
             self.swap_requested.labels(device, direction)
-        for reason in protocol.REFUSE_REASONS:
+        for reason in REFUSE_REASON.words:
             self.admission_refused.labels(device, reason)
 
     def _client_set(self, info: ev.ClientInfo) -> tuple[str, ...]:
