@@ -360,12 +360,13 @@ class Admitted(Message):
 @dataclass(frozen=True)
 class Limit(Message):
     """The memory limit the scheduler sets for this client on the device (nvsharectl
-    set-limit); 0: none from the scheduler. It can only lower the process's own
-    NVSHARE_MEMORY_LIMIT: the client applies the smaller of the two."""
+    set-limit); 0: none from the scheduler. Without `device`: on every device the client was
+    not told a limit of its own for. It can only lower the process's own NVSHARE_MEMORY_LIMIT:
+    the client applies the smaller of the two. Sent before WELCOME for a new registration."""
 
     TYPE: ClassVar[str] = "LIMIT"
-    device: str = field(metadata=_meta(_device))
     bytes: int = field(metadata=_meta(_uint))
+    device: str = field(default="", metadata=_meta(_device, False))
 
 
 @dataclass(frozen=True)

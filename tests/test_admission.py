@@ -16,6 +16,7 @@ from nvshare_py.scheduler.events import (
     AdmitRequest,
     ClientInfo,
     DeviceInfo,
+    DeviceMeasured,
     LockEvent,
     MemoryReport,
     Register,
@@ -39,22 +40,27 @@ def answers(actions, kind=None):
 
 
 class Node:
-    """A core with admission on: devices of `budget` bytes, a host spill."""
+    """A core with admission on: devices of `budget` bytes as the daemon measured them, a host
+    spill. Clients are of one user (uid 1000) unless registered with another `uid`; `share`
+    1 (no quota) unless given."""
 
-    def __init__(self, spill=4 * GiB, policy="fifo", timeout=60.0, devices=(GPU0,), budget=8 * GiB):
+    def __init__(self, spill=4 * GiB, policy="fifo", timeout=60.0, devices=(GPU0,), budget=8 * GiB, share=1.0):
         self.now = 0.0
         # Clients never time out here: the tests are about admission, not liveness.
-        config = CoreConfig(heartbeat_timeout=1e6, admission=AdmissionConfig(spill=spill, policy=policy, timeout=timeout))
+        config = CoreConfig(heartbeat_timeout=1e6, admission=AdmissionConfig(spill=spill, policy=policy,
+                                                                             timeout=timeout, share=share))
         self.core = SchedulerCore(config, 0.0)
         self.devices = devices
         self.budget = budget
         self.requests = 0
+        for device in devices:
+            self.feed(DeviceMeasured(0.0, device, budget, "sim"))
 
     def feed(self, event):
         return self.core.handle(event)
 
-    def register(self, key):
-        info = ClientInfo(pid=100 + key, session=f"{key:016x}", host_pid=100 + key, uid=1000)
+    def register(self, key, uid=1000, pod_uid=""):
+        info = ClientInfo(pid=100 + key, session=f"{key:016x}", host_pid=100 + key, uid=uid, pod_uid=pod_uid)
         actions = self.feed(Register(self.now, key, info))
         for device in self.devices:
             self.feed(DeviceInfo(self.now, key, device, self.budget, "sim"))
@@ -171,7 +177,7 @@ def test_bad_admission_settings_are_refused_before_anything_changes():
                   SetAdmission(0.0, spill=-1, keep_spill=False)):
         with pytest.raises(ControlError):
             node.feed(event)
-    assert node.core.admission == AdmissionConfig(spill=4 * GiB, timeout=60.0)
+    assert node.core.admission == AdmissionConfig(spill=4 * GiB, timeout=60.0, share=1.0)
 
 
 def test_fifo_keeps_the_order_and_nobody_overtakes_the_head():

@@ -2,17 +2,35 @@
 
 Converted (managed) memory that does not fit the devices lives in host RAM, which is finite.
 The scheduler keeps the memory its clients may hold within the node's *capacity*: the sum of
-the devices' budgets plus an allowed host *spill*. A client asks before its total on a device
-crosses what it was admitted (ADMIT); the answer is ADMITTED once the new total fits, REFUSED
-`too-large` at once when it could never fit (more than the whole capacity), REFUSED `timeout`
-when it waited longer than the configured timeout.
+the devices' budgets (the daemon's own measurements, or the operator's settings) plus an
+allowed host *spill*. A client asks before its total on a device crosses what it was admitted
+(ADMIT); the answer is ADMITTED once the new total fits, REFUSED `too-large` at once when it
+could never fit (more than the whole capacity), `limit` when it is more than its user may ever
+hold (the share below), `timeout` when it waited longer than the configured timeout.
 
 Words used below:
 - a pair's *reservation* is what the capacity counts for it: the larger of its admitted total
-  (ADMITTED, lowered by the client's own give-back) and its last reported use (MEMORY), since
-  memory allocated before the client registered, or before admission was on, is real too;
+  (ADMITTED, lowered by the client's own give-back) and its last reported use (MEMORY, which
+  the core bounds by the device's size), since memory allocated before the client registered,
+  or before admission was on, is real too;
+- a *principal* is whoever a limit on reservations is for: a Kubernetes pod (its verified UID),
+  else a user (the kernel-verified uid); the core says which (SchedulerCore.principal). Its
+  *holding* is the sum of its pairs' reservations;
+- a principal's *quota* is `share` of the capacity: the most it may hold. What a principal
+  holds beyond it (use it reported, e.g. allocated before it registered) is not counted, so
+  that no one user's claims, true or not, can take more of the capacity than that;
 - a *waiter* is a pair with an unanswered ADMIT; one per pair (a client asks again only after
   an answer).
+
+Jams: a waiter that does not fit *holds the line* (nobody overtakes it, so a large question is
+not starved by small ones), but only against its own principal's waiters and those whose
+principal would then hold at least as much as its own would: a user who asks for more than
+the free memory cannot keep others, who hold less, from the memory they ask for. A waiter that
+would take its principal past the quota waits for its own principal's frees and holds no line.
+
+Cost: every total is kept incrementally (a report or an answer changes a few sums, whatever
+the number of pairs), and the queue is only looked at when something could be admitted now
+(memory freed, capacity grew, a new question) or a deadline passed.
 
 This module decides; nvshare_py/scheduler/core.py owns the pairs and turns the decisions into
 messages, timeline events and log lines. Nothing here reads a clock or touches a socket.
@@ -40,13 +58,20 @@ CHUNK_FRACTION = 4
 # left to the processes' own host memory, page cache and the daemon).
 DEFAULT_SPILL_FRACTION = 0.5
 DEFAULT_TIMEOUT = 300.0
+# The default quota of one principal (user or pod): three quarters of the capacity, as for
+# connections (docs/scheduler.md): one user alone can use most of the node, and whatever one
+# user claims, a quarter stays for everyone else. 1 lifts the bound.
+DEFAULT_SHARE = 0.75
+
+Pair = Hashable
+Principal = Hashable
 
 
 def headroom(total: int) -> int:
     """Extra bytes granted above an asked `total` while nobody else waits. The client gives
-    admission back once its admitted total is more than this above its use, down to half of
-    this above it: a use that then moves by less than half a chunk either way neither asks nor
-    gives back again (interceptor/client_core.c, run_admission)."""
+    admission back once its admitted total has been more than this above its use for a while,
+    down to half of this above it: a use that then moves by less than half a chunk either way
+    neither asks nor gives back again (interceptor/client_core.c, run_admission)."""
     return max(CHUNK_MIN, total // CHUNK_FRACTION)
 
 
@@ -54,22 +79,24 @@ def headroom(total: int) -> int:
 class AdmissionConfig:
     """`spill`: host bytes allowed beyond the devices' budgets (None: admission off, every ADMIT
     is answered at once with what was asked). `timeout`: seconds a waiter waits before REFUSED
-    timeout. `seed`: of the random policy's choices, so that runs are reproducible."""
+    timeout. `share`: the part of the capacity one principal may hold (0 < share <= 1).
+    `seed`: of the random policy's choices, so that runs are reproducible."""
 
     spill: int | None = None
     policy: str = "fifo"
     timeout: float = DEFAULT_TIMEOUT
+    share: float = DEFAULT_SHARE
     seed: int = 0
 
     def __post_init__(self) -> None:
-        check(self.spill, self.policy, self.timeout)
+        check(self.spill, self.policy, self.timeout, self.share)
 
     @property
     def enabled(self) -> bool:
         return self.spill is not None
 
 
-def check(spill: object, policy: object, timeout: object) -> None:
+def check(spill: object, policy: object, timeout: object, share: object = DEFAULT_SHARE) -> None:
     """ValueError naming what is wrong with a setting."""
     if spill is not None and (isinstance(spill, bool) or not isinstance(spill, int) or spill < 0):
         raise ValueError(f"spill must be a number of bytes >= 0 or null, not {spill!r}")
@@ -78,6 +105,9 @@ def check(spill: object, policy: object, timeout: object) -> None:
     if (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout)
             or timeout <= 0):
         raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    if (isinstance(share, bool) or not isinstance(share, (int, float)) or not math.isfinite(share)
+            or not 0 < share <= 1):
+        raise ValueError(f"share must be a fraction of the capacity above 0 and at most 1, not {share!r}")
 
 
 class Waiter:
@@ -86,7 +116,7 @@ class Waiter:
 
     __slots__ = ("pair", "request", "bytes", "since", "order")
 
-    def __init__(self, pair: Hashable, request: int, total: int, since: float, order: int) -> None:
+    def __init__(self, pair: Pair, request: int, total: int, since: float, order: int) -> None:
         self.pair = pair
         self.request = request
         self.bytes = total
@@ -110,120 +140,223 @@ Decision = Admit | Refuse
 
 
 class AdmissionBook:
-    """Admitted totals and waiters of every pair. `used(pair)` must give the pair's last
-    reported use; the caller says when it changes by calling `settle`."""
+    """Admitted totals, reported uses, holdings and waiters of every pair. The core tells it
+    each pair's principal with every report and question, and the capacity when it changes."""
 
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
-        self._admitted: dict[Hashable, int] = {}
-        self.waiters: dict[Hashable, Waiter] = {}  # arrival order
+        self._admitted: dict[Pair, int] = {}
+        self._used: dict[Pair, int] = {}
+        self._principal: dict[Pair, Principal] = {}
+        self._holding: dict[Principal, int] = {}
+        self._capacity = 0
+        self._quota = 0
+        self._reserved = 0  # sum over principals of min(holding, quota)
+        self.waiters: dict[Pair, Waiter] = {}  # arrival order, so also order of `since`
         self._orders = 0
         self._random = random.Random(config.seed)
+        # Something happened that may let a waiter in (memory freed, capacity grew, a new
+        # question, new settings): settle looks at the queue only then or at a deadline.
+        self._changed = False
 
     # --- what the core asks --------------------------------------------------------------
 
-    def admitted(self, pair: Hashable) -> int:
+    def admitted(self, pair: Pair) -> int:
         return self._admitted.get(pair, 0)
 
-    def reserved(self, used: dict[Hashable, int]) -> int:
-        """The sum of every pair's reservation; `used` maps each known pair to its use."""
-        pairs = set(used) | set(self._admitted)
-        return sum(max(self._admitted.get(pair, 0), used.get(pair, 0)) for pair in pairs)
+    def reservation(self, pair: Pair) -> int:
+        return max(self._admitted.get(pair, 0), self._used.get(pair, 0))
+
+    def holding(self, principal: Principal) -> int:
+        return self._holding.get(principal, 0)
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def quota(self) -> int:
+        return self._quota
+
+    @property
+    def reserved(self) -> int:
+        """What the capacity counts as taken: every principal's holding, up to its quota."""
+        return self._reserved
 
     def next_deadline(self) -> float | None:
         if not self.waiters or not self.config.enabled:
             return None
-        return min(waiter.since for waiter in self.waiters.values()) + self.config.timeout
+        return next(iter(self.waiters.values())).since + self.config.timeout
 
     # --- changes -------------------------------------------------------------------------
 
     def reconfigure(self, config: AdmissionConfig) -> None:
         self.config = config
         self._random = random.Random(config.seed)
+        self._set_quota()
+        self._changed = True
 
-    def ask(self, pair: Hashable, request: int, total: int, now: float) -> Waiter | None:
-        """An ADMIT. A total at or below the admitted one gives admission back (request 0, no
-        answer: None). Otherwise the pair waits (a second question replaces the first)."""
-        if total <= self.admitted(pair) and request == 0:
-            self._set(pair, total)
+    def set_capacity(self, capacity: int) -> None:
+        if capacity == self._capacity:
+            return
+        self._capacity = capacity
+        self._set_quota()
+        self._changed = True
+
+    def report(self, pair: Pair, principal: Principal, used: int) -> None:
+        """The pair's use (MEMORY, already bounded by the device's size)."""
+        self._update(pair, principal, used=used)
+
+    def ask(self, pair: Pair, principal: Principal, request: int, total: int, now: float) -> Waiter | None:
+        """An ADMIT. Request 0 gives admission back down to `total` (no answer: None).
+        Otherwise the pair waits (a second question replaces the first) until settle answers."""
+        if request == 0:
+            self._update(pair, principal, admitted=min(total, self.admitted(pair)))
             return None
+        self._principal[pair] = principal
         self._orders += 1
         waiter = Waiter(pair, request, total, now, self._orders)
         self.waiters.pop(pair, None)
         self.waiters[pair] = waiter
+        self._changed = True
         return waiter
 
-    def forget(self, pair: Hashable) -> None:
+    def forget(self, pair: Pair) -> None:
         """The pair is gone (its client left): its reservation and question with it."""
+        self._update(pair, self._principal.get(pair), admitted=0, used=0)
         self._admitted.pop(pair, None)
-        self.waiters.pop(pair, None)
+        self._used.pop(pair, None)
+        self._principal.pop(pair, None)
+        if self.waiters.pop(pair, None) is not None:
+            self._changed = True
 
-    def reset(self, pair: Hashable) -> None:
+    def reset(self, pair: Pair) -> None:
         """A new registration took the pair over: the client starts again from nothing
         admitted (its use still counts) and asks its question again if it still waits; an
         answer to the old connection's question would admit what the new one never learns."""
-        self._admitted.pop(pair, None)
+        self._update(pair, self._principal.get(pair), admitted=0)
         self.waiters.pop(pair, None)
 
-    def settle(self, capacity: int, used: dict[Hashable, int], now: float) -> list[Decision]:
-        """Answer what can be answered: timeouts, waiters that can never fit, and waiters that
-        fit now, in the policy's order. `used` maps every known pair to its reported use."""
-        out: list[Decision] = []
+    def settle(self, now: float) -> list[Decision]:
+        """Answer what can be answered: timeouts, questions that can never be admitted, and
+        waiters that fit now, in the policy's order (see the module's "Jams")."""
+        if not self.waiters:
+            return []
         config = self.config
+        due = self.next_deadline()
+        if not self._changed and (due is None or now < due):
+            return []
+        self._changed = False
+        out: list[Decision] = []
         if not config.enabled:
             for waiter in list(self.waiters.values()):
                 out.append(self._admit(waiter, waiter.bytes + headroom(waiter.bytes)))
             return out
-        for waiter in list(self.waiters.values()):
-            if waiter.bytes > capacity:
-                del self.waiters[waiter.pair]
-                out.append(Refuse(waiter, "too-large"))
-            elif now >= waiter.since + config.timeout:
-                del self.waiters[waiter.pair]
-                out.append(Refuse(waiter, "timeout"))
-        while self.waiters:
-            free = capacity - self.reserved(used)
-            waiter = self._choose(free, used)
-            if waiter is None:
+        for waiter in list(self.waiters.values()):  # oldest first: stop at the first in time
+            if now < waiter.since + config.timeout:
                 break
-            need = waiter.bytes - max(self.admitted(waiter.pair), used.get(waiter.pair, 0))
+            out.append(self._refuse(waiter, "timeout"))
+        for waiter in list(self.waiters.values()):
+            if waiter.bytes > self._capacity:
+                out.append(self._refuse(waiter, "too-large"))
+            elif waiter.bytes > self._quota:
+                out.append(self._refuse(waiter, "limit"))
+        line: int | None = None  # least holding-after of the waiters ahead that did not fit
+        blocking: set[Principal] = set()  # and their principals
+        lone = len(self.waiters) == 1
+        for waiter in self._order():
+            pair = waiter.pair
+            need = max(0, waiter.bytes - self.reservation(pair))
+            principal = self._principal.get(pair)
+            after = self.holding(principal) + need
+            if principal in blocking or (line is not None and after >= line):
+                continue  # may not overtake
+            if after > self._quota:
+                blocking.add(principal)  # waits for its own principal's frees, ahead of its others
+                continue
+            free = self._capacity - self._reserved
             if need > 0 and need > free:
-                break  # the chosen one holds the line: nobody overtakes it
+                line = after if line is None else min(line, after)
+                blocking.add(principal)
+                continue
             # Generous only when nobody else waits (a chunk taken from a waiter would make it
-            # wait for memory that nobody uses), and with at most half of what stays free: the
-            # last of the capacity is never all promised to one client ahead of its use.
-            extra = 0 if len(self.waiters) > 1 else min(headroom(waiter.bytes), max(0, free - need) // 2)
+            # wait for memory that nobody uses), with at most half of what stays free (the last
+            # of the capacity is never all promised to one client ahead of its use), and never
+            # past the principal's quota.
+            extra = 0
+            if lone:
+                extra = min(headroom(waiter.bytes), max(0, free - need) // 2, self._quota - after)
             out.append(self._admit(waiter, waiter.bytes + extra))
         return out
 
     # --- rules ---------------------------------------------------------------------------
 
-    def _choose(self, free: int, used: dict[Hashable, int]) -> Waiter | None:
-        """The next waiter the policy serves (it may not fit yet), None when none may go."""
+    def _order(self) -> list[Waiter]:
+        """The waiters in the order the policy serves them."""
         waiters = list(self.waiters.values())
         policy = self.config.policy
-        if policy == "fifo":
-            return waiters[0]
         if policy == "recent":
-            return waiters[-1]
-        if policy == "random":
-            return self._random.choice(waiters)
-        # best-fit (ConVGPU): the waiter whose need comes closest to the free memory without
-        # passing it; when none fits, the one that needs least (it is served first).
-        def need(waiter: Waiter) -> int:
-            return waiter.bytes - max(self.admitted(waiter.pair), used.get(waiter.pair, 0))
-        fitting = [waiter for waiter in waiters if need(waiter) <= free]
-        if fitting:
-            return max(fitting, key=lambda waiter: (need(waiter), -waiter.order))
-        return min(waiters, key=lambda waiter: (need(waiter), waiter.order))
+            waiters.reverse()
+        elif policy == "random":
+            self._random.shuffle(waiters)
+        elif policy == "best-fit":
+            # ConVGPU's best fit: the waiter whose need comes closest to the free memory without
+            # passing it first; those that do not fit after them, least need first (the first
+            # of them holds the line).
+            free = self._capacity - self._reserved
+
+            def key(waiter: Waiter) -> tuple[int, int, int]:
+                need = waiter.bytes - self.reservation(waiter.pair)
+                return (0, -need, waiter.order) if need <= free else (1, need, waiter.order)
+
+            waiters.sort(key=key)
+        return waiters
 
     def _admit(self, waiter: Waiter, total: int) -> Admit:
         del self.waiters[waiter.pair]
-        self._set(waiter.pair, total)
+        self._update(waiter.pair, self._principal.get(waiter.pair), admitted=total)
         return Admit(waiter, total)
 
-    def _set(self, pair: Hashable, total: int) -> None:
-        if total:
-            self._admitted[pair] = total
+    def _refuse(self, waiter: Waiter, reason: str) -> Refuse:
+        del self.waiters[waiter.pair]
+        return Refuse(waiter, reason)
+
+    def _update(self, pair: Pair, principal: Principal, *, admitted: int | None = None,
+                used: int | None = None) -> None:
+        """Change a pair's admitted total and/or use and keep every sum in step."""
+        before = self.reservation(pair)
+        old_principal = self._principal.get(pair, principal)
+        if admitted is not None:
+            if admitted:
+                self._admitted[pair] = admitted
+            else:
+                self._admitted.pop(pair, None)
+        if used is not None:
+            if used:
+                self._used[pair] = used
+            else:
+                self._used.pop(pair, None)
+        self._principal[pair] = principal
+        after = self.reservation(pair)
+        if old_principal != principal:
+            self._add(old_principal, -before)
+            self._add(principal, after)
+        elif after != before:
+            self._add(principal, after - before)
+
+    def _add(self, principal: Principal, delta: int) -> None:
+        if not delta:
+            return
+        old = self._holding.get(principal, 0)
+        new = old + delta
+        if new:
+            self._holding[principal] = new
         else:
-            self._admitted.pop(pair, None)
+            self._holding.pop(principal, None)
+        self._reserved += min(new, self._quota) - min(old, self._quota)
+        if delta < 0:
+            self._changed = True
+
+    def _set_quota(self) -> None:
+        self._quota = int(self._capacity * self.config.share)
+        self._reserved = sum(min(held, self._quota) for held in self._holding.values())

@@ -21,7 +21,10 @@ class ClientInfo:
     `host_pid`/`uid` come from the kernel (SO_PEERCRED) and are 0/None when not visible.
     `pod_uid` is the Kubernetes pod the daemon found the process in (its cgroup, read through
     the kernel-verified host pid), "" outside a pod: unlike `pod`/`namespace`, which the client
-    says about itself, a client cannot choose it, so settings given per pod are matched on it."""
+    says about itself, a client cannot choose it, so settings given per pod are matched on it.
+    `host_start` is when the host pid's process started (/proc/<pid>/stat, clock ticks since
+    boot; 0: unknown): with uid and host pid it names one process for its whole life, also
+    after it registered afresh (per-client settings follow it, fairshare.Settings.park)."""
 
     pid: int
     session: str
@@ -33,6 +36,7 @@ class ClientInfo:
     namespace: str = ""
     program: str = ""
     pod_uid: str = ""
+    host_start: int = 0
 
 
 # --- events --------------------------------------------------------------------------------
@@ -51,6 +55,18 @@ class Register:
 class DeviceInfo:
     now: float
     client: ClientKey
+    device: str
+    total: int
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class DeviceMeasured:
+    """The daemon measured a device itself (NVML, nvshare_py/scheduler/measure.py): its memory
+    in bytes. Only this and the operator's budget size a device: a client's DEVICE is not
+    trusted for it (docs/scheduler.md, security model)."""
+
+    now: float
     device: str
     total: int
     name: str = ""
@@ -160,6 +176,7 @@ class SetAdmission:
     keep_spill: bool = True
     policy: str | None = None
     timeout: float | None = None
+    share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -198,7 +215,7 @@ class SetLimit:
 
 
 Event = (
-    Register | DeviceInfo | MemoryReport | AcquireRequest | AdmitRequest | ReleaseReport | EvictedReport | Alive | Unregister
+    Register | DeviceInfo | DeviceMeasured | MemoryReport | AcquireRequest | AdmitRequest | ReleaseReport | EvictedReport | Alive | Unregister
     | Tick | SetMode | SetQuantum | SetBudget | SetAdmission | SetWeight | SetPriority | SetLimit
 )
 
