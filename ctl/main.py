@@ -191,6 +191,8 @@ def set_admission(
                                         help="Host memory allowed beyond the devices' budgets, e.g. 64G; off: no admission"),
     policy: Optional[str] = typer.Option(None, help="fifo, best-fit, recent or random: who of the waiting allocations goes first"),
     timeout: Optional[float] = typer.Option(None, help="Seconds an allocation waits for admission before it fails"),
+    share: Optional[float] = typer.Option(None, help="The part of the capacity one user (uid) or pod may hold, "
+                                                     "above 0 and at most 1 (1: no bound)"),
 ) -> None:
     """Change admission: what the node's clients may hold (the devices' budgets plus a host
     spill), and how allocations past it wait (docs/scheduler.md, Admission)."""
@@ -204,9 +206,12 @@ def set_admission(
         request["policy"] = policy
     if timeout is not None:
         request["timeout"] = timeout
+    if share is not None:
+        request["share"] = share
     result = _call(ctx, "set-admission", **request)
     spill_shown = "off" if result["spill"] is None else format_bytes(result["spill"])
-    typer.echo(f"admission: spill {spill_shown}, policy {result['policy']}, timeout {result['timeout']:g} s")
+    typer.echo(f"admission: spill {spill_shown}, policy {result['policy']}, timeout {result['timeout']:g} s, "
+               f"share {result.get('share', 1):g}")
 
 
 # --- per-client settings -------------------------------------------------------------------
@@ -454,7 +459,7 @@ def _admission_text(admission: dict, labels: dict) -> Text:
         return Text("admission: off (allocations never wait)")
     lines = [f"admission: {format_bytes(admission.get('reserved'))} of {format_bytes(admission.get('capacity'))} "
              f"reserved (spill {format_bytes(admission.get('spill'))}), policy {admission.get('policy')}, "
-             f"timeout {admission.get('timeout', 0):g} s"]
+             f"timeout {admission.get('timeout', 0):g} s, share {admission.get('share', 1):g}"]
     for waiter in admission.get("waiters", []):
         lines.append(f"  {waiter['client']} waits {waiter['waiting_for']:.1f} s on "
                      f"{labels.get(waiter['device'], waiter['device'])} for {format_bytes(waiter['more'])} more "

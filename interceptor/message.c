@@ -256,8 +256,11 @@ static const struct field_spec mode_fields[] = {
     STORED("quantum_ms", FIELD_UINT, quantum_ms, NULL),
 };
 static const struct field_spec limit_fields[] = {
-    STORED("device", FIELD_DEVICE, device, NULL),
     STORED("bytes", FIELD_UINT, bytes, NULL),
+};
+/* Absent: the limit on every device not given one of its own (device stays ""). */
+static const struct field_spec limit_optional[] = {
+    STORED("device", FIELD_DEVICE, device, NULL),
 };
 static const struct field_spec error_required[] = {
     STORED("code", FIELD_CHOICE, code, error_codes),
@@ -279,7 +282,7 @@ static const struct message_spec scheduler_messages[] = {
     {"MODE", NVS_MSG_MODE, FIELDS(mode_fields), NULL, 0},
     {"ADMITTED", NVS_MSG_ADMITTED, FIELDS(admitted_fields), NULL, 0},
     {"REFUSED", NVS_MSG_REFUSED, FIELDS(refused_fields), NULL, 0},
-    {"LIMIT", NVS_MSG_LIMIT, FIELDS(limit_fields), NULL, 0},
+    {"LIMIT", NVS_MSG_LIMIT, FIELDS(limit_fields), FIELDS(limit_optional)},
     {"ERROR", NVS_MSG_ERROR, FIELDS(error_required), FIELDS(error_optional)},
 };
 

@@ -22,7 +22,7 @@ enum nvs_msg_type {
     NVS_MSG_ADMITTED,
     NVS_MSG_REFUSED,
     NVS_MSG_EVICT,  /* move bytes of a device's memory to the host now (a client not holding it) */
-    NVS_MSG_LIMIT,  /* the scheduler's memory limit for this process on a device */
+    NVS_MSG_LIMIT,  /* the scheduler's memory limit for this process on a device ("": every device) */
 };
 
 /* A parsed scheduler message; only the fields of its type are meaningful. */

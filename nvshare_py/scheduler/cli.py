@@ -123,6 +123,8 @@ def serve(
     admission_policy: AdmissionPolicy = typer.Option(AdmissionPolicy.fifo, help="Who of the allocations waiting for admission goes first"),
     admission_timeout: float = typer.Option(admission.DEFAULT_TIMEOUT, parser=number_between(0.001, DAY),
                                             help="Seconds an allocation waits for admission before it fails with out-of-memory"),
+    admission_share: float = typer.Option(admission.DEFAULT_SHARE, parser=number_between(0.01, 1.0),
+                                          help="The part of the admission capacity one user (uid) or pod may hold (1: no bound)"),
     version: bool = VERSION_OPTION,
 ) -> None:
     try:
@@ -142,6 +144,7 @@ def serve(
             admission_spill=admission_spill,
             admission_policy=admission_policy.value,
             admission_timeout=admission_timeout,
+            admission_share=admission_share,
         )
     except ValueError as exc:  # what the parsers let through: e.g. a heartbeat timeout not longer than the interval
         raise typer.BadParameter(str(exc)) from None
