@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Generic, Hashable, TypeVar
 
 from ..protocol import ADMISSION_POLICIES as POLICIES
 
@@ -63,7 +63,7 @@ DEFAULT_TIMEOUT = 300.0
 # user claims, a quarter stays for everyone else. 1 lifts the bound.
 DEFAULT_SHARE = 0.75
 
-Pair = Hashable
+Pair = TypeVar("Pair", bound=Hashable)  # the core's (client, device) pair
 Principal = Hashable
 
 
@@ -110,7 +110,7 @@ def check(spill: object, policy: object, timeout: object, share: object = DEFAUL
         raise ValueError(f"share must be a fraction of the capacity above 0 and at most 1, not {share!r}")
 
 
-class Waiter:
+class Waiter(Generic[Pair]):
     """One unanswered ADMIT: the pair wants its total to reach `bytes` (`request` is the
     client's number for the question, echoed in the answer)."""
 
@@ -125,21 +125,21 @@ class Waiter:
 
 
 @dataclass(frozen=True)
-class Admit:
-    waiter: Waiter
+class Admit(Generic[Pair]):
+    waiter: Waiter[Pair]
     total: int  # the admitted total to tell the client (>= waiter.bytes)
 
 
 @dataclass(frozen=True)
-class Refuse:
-    waiter: Waiter
+class Refuse(Generic[Pair]):
+    waiter: Waiter[Pair]
     reason: str
 
 
-Decision = Admit | Refuse
+Decision = Admit[Pair] | Refuse[Pair]
 
 
-class AdmissionBook:
+class AdmissionBook(Generic[Pair]):
     """Admitted totals, reported uses, holdings and waiters of every pair. The core tells it
     each pair's principal with every report and question, and the capacity when it changes."""
 
@@ -152,7 +152,7 @@ class AdmissionBook:
         self._capacity = 0
         self._quota = 0
         self._reserved = 0  # sum over principals of min(holding, quota)
-        self.waiters: dict[Pair, Waiter] = {}  # arrival order, so also order of `since`
+        self.waiters: dict[Pair, Waiter[Pair]] = {}  # arrival order, so also order of `since`
         self._orders = 0
         self._random = random.Random(config.seed)
         # Something happened that may let a waiter in (memory freed, capacity grew, a new
@@ -207,7 +207,7 @@ class AdmissionBook:
         """The pair's use (MEMORY, already bounded by the device's size)."""
         self._update(pair, principal, used=used)
 
-    def ask(self, pair: Pair, principal: Principal, request: int, total: int, now: float) -> Waiter | None:
+    def ask(self, pair: Pair, principal: Principal, request: int, total: int, now: float) -> Waiter[Pair] | None:
         """An ADMIT. Request 0 gives admission back down to `total` (no answer: None).
         Otherwise the pair waits (a second question replaces the first) until settle answers."""
         if request == 0:
@@ -237,7 +237,7 @@ class AdmissionBook:
         self._update(pair, self._principal.get(pair), admitted=0)
         self.waiters.pop(pair, None)
 
-    def settle(self, now: float) -> list[Decision]:
+    def settle(self, now: float) -> list[Decision[Pair]]:
         """Answer what can be answered: timeouts, questions that can never be admitted, and
         waiters that fit now, in the policy's order (see the module's "Jams")."""
         if not self.waiters:
@@ -247,7 +247,7 @@ class AdmissionBook:
         if not self._changed and (due is None or now < due):
             return []
         self._changed = False
-        out: list[Decision] = []
+        out: list[Decision[Pair]] = []
         if not config.enabled:
             for waiter in list(self.waiters.values()):
                 out.append(self._admit(waiter, waiter.bytes + headroom(waiter.bytes)))
@@ -291,7 +291,7 @@ class AdmissionBook:
 
     # --- rules ---------------------------------------------------------------------------
 
-    def _order(self) -> list[Waiter]:
+    def _order(self) -> list[Waiter[Pair]]:
         """The waiters in the order the policy serves them."""
         waiters = list(self.waiters.values())
         policy = self.config.policy
@@ -305,19 +305,19 @@ class AdmissionBook:
             # of them holds the line).
             free = self._capacity - self._reserved
 
-            def key(waiter: Waiter) -> tuple[int, int, int]:
+            def key(waiter: Waiter[Pair]) -> tuple[int, int, int]:
                 need = waiter.bytes - self.reservation(waiter.pair)
                 return (0, -need, waiter.order) if need <= free else (1, need, waiter.order)
 
             waiters.sort(key=key)
         return waiters
 
-    def _admit(self, waiter: Waiter, total: int) -> Admit:
+    def _admit(self, waiter: Waiter[Pair], total: int) -> Admit[Pair]:
         del self.waiters[waiter.pair]
         self._update(waiter.pair, self._principal.get(waiter.pair), admitted=total)
         return Admit(waiter, total)
 
-    def _refuse(self, waiter: Waiter, reason: str) -> Refuse:
+    def _refuse(self, waiter: Waiter[Pair], reason: str) -> Refuse[Pair]:
         del self.waiters[waiter.pair]
         return Refuse(waiter, reason)
 

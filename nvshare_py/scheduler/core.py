@@ -31,8 +31,7 @@ from typing import Hashable
 
 from .. import protocol
 from . import residency
-from . import admission
-from .admission import AdmissionBook, AdmissionConfig
+from .admission import Admit, AdmissionBook, AdmissionConfig, Decision, Refuse, Waiter
 from . import fairshare
 from .events import (
     AcquireRequest,
@@ -288,7 +287,7 @@ class SchedulerCore:
         self._queue_numbers = 0
         self.settings = fairshare.Settings()
         self._recovery_end: float | None = now + config.recovery if config.recovery > 0 else None
-        self._admission = AdmissionBook(config.admission)
+        self._admission: AdmissionBook[_Pair] = AdmissionBook(config.admission)
         self._budgets = 0  # the sum of the devices' budgets (known ones): the capacity less the spill
         self._admission.set_capacity(config.admission.spill or 0)
         self._client_handlers = {
@@ -992,14 +991,14 @@ class SchedulerCore:
     def admission_reserved(self) -> int:
         return self._admission.reserved
 
-    def admission_of(self, pair: _Pair) -> tuple[int, admission.Waiter | None]:
+    def admission_of(self, pair: _Pair) -> tuple[int, Waiter[_Pair] | None]:
         """A pair's admitted total and its unanswered question, for views.py."""
         return self._admission.admitted(pair), self._admission.waiters.get(pair)
 
     def admission_reservation(self, pair: _Pair) -> int:
         return self._admission.reservation(pair)
 
-    def admission_waiters(self) -> list[admission.Waiter]:
+    def admission_waiters(self) -> list[Waiter[_Pair]]:
         return list(self._admission.waiters.values())
 
     def _budget_changed(self, dev: _Device, before: int, now: float, out: list[Action]) -> None:
@@ -1017,7 +1016,7 @@ class SchedulerCore:
         limit = self.limit(pair)
         if ev.request and limit is not None and ev.bytes > limit:
             # Past the operator's limit: no wait can change that (docs/protocol.md, REFUSED).
-            self._answer(admission.Refuse(admission.Waiter(pair, ev.request, ev.bytes, ev.now, 0), "limit"),
+            self._answer(Refuse(Waiter(pair, ev.request, ev.bytes, ev.now, 0), "limit"),
                          ev.now, out)
             return
         waiter = self._admission.ask(pair, self.principal(client), ev.request, ev.bytes, ev.now)
@@ -1051,12 +1050,12 @@ class SchedulerCore:
         for decision in self._admission.settle(now):
             self._answer(decision, now, out)
 
-    def _answer(self, decision: admission.Decision, now: float, out: list[Action]) -> None:
+    def _answer(self, decision: Decision[_Pair], now: float, out: list[Action]) -> None:
         waiter = decision.waiter
         pair = waiter.pair
         cid, device_id = pair.client.cid, pair.device.id
         waited = now - waiter.since
-        if isinstance(decision, admission.Admit):
+        if isinstance(decision, Admit):
             out.append(Send(pair.client.key, protocol.Admitted(device=device_id, request=waiter.request,
                                                                bytes=decision.total)))
             if waited > 0:

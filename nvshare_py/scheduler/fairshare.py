@@ -95,7 +95,7 @@ class Layered(Generic[V]):
             self.by_client.setdefault(new, self.by_client.pop(old))
 
 
-def _put(table: dict, key: str, value) -> None:
+def _put(table: dict[str, V], key: str, value: V | None) -> None:
     if value is None:
         table.pop(key, None)
     else:
@@ -252,7 +252,10 @@ def effective_class(priority: int, grants_waited: int, ageing: int) -> int:
     return min(PRIORITY_MAX, priority + grants_waited // ageing)
 
 
-def configured_shares(weights: dict) -> dict:
+K = TypeVar("K", bound=Hashable)
+
+
+def configured_shares(weights: dict[K, int]) -> dict[K, float]:
     """Each contender's share of lock time its weight entitles it to (weights by anything)."""
     total = sum(weights.values())
     return {key: weight / total for key, weight in weights.items()} if total else {}
@@ -263,7 +266,10 @@ def held_within(holds: Iterable[tuple[float, float]], start: float, end: float) 
     return sum(max(0.0, min(until, end) - max(since, start)) for since, until in holds)
 
 
-def remember_hold(recent: collections.deque, since: float, until: float, now: float) -> None:
+Holds = collections.deque[tuple[float, float]]
+
+
+def remember_hold(recent: Holds, since: float, until: float, now: float) -> None:
     """Add a finished hold and forget those wholly before the share window."""
     recent.append((since, until))
     horizon = now - SHARE_WINDOW
@@ -271,5 +277,5 @@ def remember_hold(recent: collections.deque, since: float, until: float, now: fl
         recent.popleft()
 
 
-def new_recent() -> collections.deque:
+def new_recent() -> Holds:
     return collections.deque(maxlen=RECENT_HOLDS_MAX)
