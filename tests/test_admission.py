@@ -426,8 +426,8 @@ def test_with_many_pairs_a_memory_report_does_not_walk_the_queue(monkeypatch):
     for key in range(2, 101):
         node.admit(key, 512 * MiB)  # 99 waiters
     walks = []
-    order = AdmissionBook._order
-    monkeypatch.setattr(AdmissionBook, "_order", lambda book: walks.append(1) or order(book))
+    walk = AdmissionBook._walk
+    monkeypatch.setattr(AdmissionBook, "_walk", lambda book, lone: walks.append(1) or walk(book, lone))
     for used in range(2, 200):
         node.memory(200, used, device="GPU-other-0")  # a growing use frees nothing
     assert walks == []

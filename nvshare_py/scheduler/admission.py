@@ -38,6 +38,7 @@ messages, timeline events and log lines. Nothing here reads a clock or touches a
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from dataclasses import dataclass
@@ -153,11 +154,25 @@ class AdmissionBook(Generic[Pair]):
         self._quota = 0
         self._reserved = 0  # sum over principals of min(holding, quota)
         self.waiters: dict[Pair, Waiter[Pair]] = {}  # arrival order, so also order of `since`
+        self._queues: dict[Principal, dict[Pair, Waiter[Pair]]] = {}  # the same, by principal
         self._orders = 0
         self._random = random.Random(config.seed)
-        # Something happened that may let a waiter in (memory freed, capacity grew, a new
-        # question, new settings): settle looks at the queue only then or at a deadline.
+        # Something happened that may let a waiter in or change who holds the line (memory freed,
+        # capacity changed, a waiter left, new settings): settle walks the queue only then. New
+        # questions since the last walk (`_fresh`) come after every waiter under fifo: they are
+        # weighed alone against the line the walk found (`_line`, `_blocking`). A walk under fifo
+        # visits each principal's first waiter (and the next only after an answer), so it costs
+        # in the number of users waiting, not of questions.
         self._changed = False
+        self._fresh: list[Waiter[Pair]] = []
+        self._line: int | None = None
+        self._blocking: set[Principal] = set()
+        self._line_holders: set[Pair] = set()  # the waiters that set the two above
+        # Memory was freed since the last walk; it lets someone in only once the free memory
+        # reaches the least any waiter still needs (`_least_need`, from the walk): a stream of
+        # small frees then costs no walk each (a principal blocked by its quota walks at once).
+        self._freed = False
+        self._least_need = 0
 
     # --- what the core asks --------------------------------------------------------------
 
@@ -213,81 +228,153 @@ class AdmissionBook(Generic[Pair]):
         if request == 0:
             self._update(pair, principal, admitted=min(total, self.admitted(pair)))
             return None
+        self._leave(pair)
         self._principal[pair] = principal
         self._orders += 1
         waiter = Waiter(pair, request, total, now, self._orders)
-        self.waiters.pop(pair, None)
         self.waiters[pair] = waiter
-        self._changed = True
+        self._queues.setdefault(principal, {})[pair] = waiter
+        if self.config.policy != "fifo":
+            self._changed = True  # the new question's place is not simply last
+        else:
+            self._fresh.append(waiter)
         return waiter
+
+    def _leave(self, pair: Pair) -> None:
+        """The pair's question is gone (answered elsewhere, replaced, its client left): the
+        queue needs a new walk only if it held the line for others."""
+        if self._remove(pair) and pair in self._line_holders:
+            self._changed = True
+
+    def _remove(self, pair: Pair) -> bool:
+        """Take the pair's question out of the queues; whether it had one."""
+        if self.waiters.pop(pair, None) is None:
+            return False
+        principal = self._principal.get(pair)
+        queue = self._queues[principal]
+        del queue[pair]
+        if not queue:
+            del self._queues[principal]
+        return True
 
     def forget(self, pair: Pair) -> None:
         """The pair is gone (its client left): its reservation and question with it."""
+        self._leave(pair)
         self._update(pair, self._principal.get(pair), admitted=0, used=0)
-        self._admitted.pop(pair, None)
-        self._used.pop(pair, None)
         self._principal.pop(pair, None)
-        if self.waiters.pop(pair, None) is not None:
-            self._changed = True
 
     def reset(self, pair: Pair) -> None:
         """A new registration took the pair over: the client starts again from nothing
         admitted (its use still counts) and asks its question again if it still waits; an
         answer to the old connection's question would admit what the new one never learns."""
         self._update(pair, self._principal.get(pair), admitted=0)
-        self.waiters.pop(pair, None)
+        self._leave(pair)
 
     def settle(self, now: float) -> list[Decision[Pair]]:
         """Answer what can be answered: timeouts, questions that can never be admitted, and
-        waiters that fit now, in the policy's order (see the module's "Jams")."""
+        waiters that fit now, in the policy's order (see the module's "Jams"). The queue is
+        walked only when memory was freed, the capacity or the settings changed, or a waiter
+        left; a new question alone (under fifo, where it comes last) is weighed by itself."""
         if not self.waiters:
             return []
         config = self.config
-        due = self.next_deadline()
-        if not self._changed and (due is None or now < due):
-            return []
-        self._changed = False
         out: list[Decision[Pair]] = []
+        due = self.next_deadline()
+        if due is not None and now >= due:
+            for waiter in list(self.waiters.values()):  # oldest first: stop at the first in time
+                if now < waiter.since + config.timeout:
+                    break
+                out.append(self._refuse(waiter, "timeout"))
+            self._changed = True  # the line they held is gone
         if not config.enabled:
             for waiter in list(self.waiters.values()):
                 out.append(self._admit(waiter, waiter.bytes + headroom(waiter.bytes)))
             return out
-        for waiter in list(self.waiters.values()):  # oldest first: stop at the first in time
-            if now < waiter.since + config.timeout:
-                break
-            out.append(self._refuse(waiter, "timeout"))
-        for waiter in list(self.waiters.values()):
-            if waiter.bytes > self._capacity:
-                out.append(self._refuse(waiter, "too-large"))
-            elif waiter.bytes > self._quota:
-                out.append(self._refuse(waiter, "limit"))
-        line: int | None = None  # least holding-after of the waiters ahead that did not fit
-        blocking: set[Principal] = set()  # and their principals
+        fresh = [waiter for waiter in self._fresh if self.waiters.get(waiter.pair) is waiter]
+        self._fresh.clear()
+        for waiter in fresh:  # what no wait can cure is answered at once, wherever it queues
+            reason = self._refusal(waiter)
+            if reason is not None:
+                out.append(self._refuse(waiter, reason))
         lone = len(self.waiters) == 1
-        for waiter in self._order():
-            pair = waiter.pair
-            need = max(0, waiter.bytes - self.reservation(pair))
-            principal = self._principal.get(pair)
-            after = self.holding(principal) + need
-            if principal in blocking or (line is not None and after >= line):
-                continue  # may not overtake
-            if after > self._quota:
-                blocking.add(principal)  # waits for its own principal's frees, ahead of its others
-                continue
-            free = self._capacity - self._reserved
-            if need > 0 and need > free:
-                line = after if line is None else min(line, after)
-                blocking.add(principal)
-                continue
-            # Generous only when nobody else waits (a chunk taken from a waiter would make it
-            # wait for memory that nobody uses), with at most half of what stays free (the last
-            # of the capacity is never all promised to one client ahead of its use), and never
-            # past the principal's quota.
-            extra = 0
-            if lone:
-                extra = min(headroom(waiter.bytes), max(0, free - need) // 2, self._quota - after)
-            out.append(self._admit(waiter, waiter.bytes + extra))
+        if self._changed or (self._freed and self._capacity - self._reserved >= self._least_need):
+            self._changed = self._freed = False
+            self._line, self._blocking, self._line_holders = None, set(), set()
+            self._least_need = self._capacity + 1
+            out += self._walk(lone)
+        else:
+            self._freed = False
+            for waiter in fresh:
+                if self.waiters.get(waiter.pair) is waiter:
+                    out += self._weigh(waiter, lone)
         return out
+
+    def _walk(self, lone: bool) -> list[Decision[Pair]]:
+        """Every waiter that may go, in the policy's order. Under fifo only each principal's
+        first waiter is looked at, and its next one once it was answered."""
+        out: list[Decision[Pair]] = []
+        if self.config.policy != "fifo":
+            for waiter in self._order():
+                out += self._weigh(waiter, lone)
+            return out
+        heads = [(next(iter(queue.values())).order, principal) for principal, queue in self._queues.items()]
+        heapq.heapify(heads)
+        while heads:
+            _, principal = heapq.heappop(heads)
+            queue = self._queues[principal]
+            decisions = self._weigh(next(iter(queue.values())), lone)
+            out += decisions
+            if decisions and principal in self._queues:
+                heapq.heappush(heads, (next(iter(self._queues[principal].values())).order, principal))
+        return out
+
+    def _weigh(self, waiter: Waiter[Pair], lone: bool) -> list[Decision[Pair]]:
+        """The waiter's decision, or none (then the least need waiting is kept)."""
+        decision = self._consider(waiter, lone)
+        if decision is None:
+            self._least_need = min(self._least_need, waiter.bytes - self.reservation(waiter.pair))
+            return []
+        return [decision]
+
+    def _refusal(self, waiter: Waiter[Pair]) -> str | None:
+        if waiter.bytes > self._capacity:
+            return "too-large"
+        if waiter.bytes > self._quota:
+            return "limit"  # more than its principal may ever hold
+        return None
+
+    def _consider(self, waiter: Waiter[Pair], lone: bool) -> Decision[Pair] | None:
+        """One waiter in its turn: refused, admitted, or left waiting (then it may hold the
+        line for those after it: self._line, self._blocking)."""
+        reason = self._refusal(waiter)
+        if reason is not None:
+            return self._refuse(waiter, reason)
+        pair = waiter.pair
+        principal = self._principal.get(pair)
+        if principal in self._blocking:
+            return None  # behind its own principal's first waiter
+        need = max(0, waiter.bytes - self.reservation(pair))
+        after = self.holding(principal) + need
+        if self._line is not None and after >= self._line:
+            self._blocking.add(principal)  # may not overtake; its principal's later ones neither
+            self._line_holders.add(pair)
+            return None
+        if after > self._quota:
+            self._blocking.add(principal)  # waits for its own principal's frees, ahead of its others
+            self._line_holders.add(pair)
+            return None
+        free = self._capacity - self._reserved
+        if need > 0 and need > free:
+            self._line = after if self._line is None else min(self._line, after)
+            self._blocking.add(principal)
+            self._line_holders.add(pair)
+            return None
+        # Generous only when nobody else waits (a chunk taken from a waiter would make it wait
+        # for memory that nobody uses), with at most half of what stays free (the last of the
+        # capacity is never all promised to one client ahead of its use), and never past the
+        # principal's quota.
+        extra = min(headroom(waiter.bytes), max(0, free - need) // 2, self._quota - after) if lone else 0
+        return self._admit(waiter, waiter.bytes + extra)
 
     # --- rules ---------------------------------------------------------------------------
 
@@ -313,12 +400,12 @@ class AdmissionBook(Generic[Pair]):
         return waiters
 
     def _admit(self, waiter: Waiter[Pair], total: int) -> Admit[Pair]:
-        del self.waiters[waiter.pair]
+        self._remove(waiter.pair)
         self._update(waiter.pair, self._principal.get(waiter.pair), admitted=total)
         return Admit(waiter, total)
 
     def _refuse(self, waiter: Waiter[Pair], reason: str) -> Refuse[Pair]:
-        del self.waiters[waiter.pair]
+        self._remove(waiter.pair)
         return Refuse(waiter, reason)
 
     def _update(self, pair: Pair, principal: Principal, *, admitted: int | None = None,
@@ -355,7 +442,10 @@ class AdmissionBook(Generic[Pair]):
             self._holding.pop(principal, None)
         self._reserved += min(new, self._quota) - min(old, self._quota)
         if delta < 0:
-            self._changed = True
+            if principal in self._blocking:
+                self._changed = True  # what waits for its own principal's frees
+            else:
+                self._freed = True
 
     def _set_quota(self) -> None:
         self._quota = int(self._capacity * self.config.share)
