@@ -228,3 +228,42 @@ def test_a_hostile_client_can_neither_inflate_the_capacity_nor_jam_the_others(sc
     finally:
         hostile.kill()
         hostile.wait()
+
+
+# The caching allocator's pattern (issue 20's storm): 2 MiB small-pool segments, 20 MiB segments,
+# large blocks rounded up to 2 MiB; an out-of-memory retry (cuMemGetInfo, empty_cache frees the
+# cached segments, the allocation again); empty_cache between two phases.
+PYTORCH_LIKE = r"""
+import time
+from nvshare_py.driver import Driver
+MiB = 1 << 20
+cuda = Driver(via="dlsym")
+cuda.context(0)
+cuda.launch_sleep(1)  # registered first, whatever the interceptor's rule for the first allocation
+cuda.synchronize()
+held = []
+def allocate(*sizes):
+    for size in sizes:
+        held.append(cuda.alloc(size * MiB, "plain"))
+def empty_cache(keep=0):
+    while len(held) > keep:
+        cuda.free(held.pop())
+allocate(2, 20, 20, 64, 64, 64, 130)
+cuda.mem_get_info()
+empty_cache(keep=1)
+allocate(128, 258, 2)
+empty_cache()
+allocate(2, 20, 64, 64, 64, 130, 258, 512)
+cuda.mem_get_info()
+print("done", flush=True)
+"""
+
+
+@pytest.mark.scheduler_options(admission_spill=4 * GiB, mode="off", gpus=1)
+def test_a_pytorch_like_allocation_pattern_asks_a_handful_of_times(scheduler, simcuda, libnvshare):
+    # Issue 20: 35,707 ADMITs in a process's first second, each answered with the same total.
+    env = simcuda.env(LD_PRELOAD=str(libnvshare), NVSHARE_SOCKET_DIR=str(scheduler.socket_dir), NVSHARE_LOG="debug")
+    done = subprocess.run([sys.executable, "-c", PYTORCH_LIKE], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-2000:]
+    admits = [line for line in done.stderr.splitlines() if "sent NVSHARE/1 ADMIT" in line]
+    assert 1 <= len(admits) <= 10, "\n".join(admits[:20])  # questions and give-backs together
