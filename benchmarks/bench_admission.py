@@ -269,7 +269,8 @@ class Innocent:
         return latencies
 
 
-def attacks(work: Path, attack_seconds: float, baseline_seconds: float) -> dict:
+def attacks(work: Path, attack_seconds: float, baseline_seconds: float, names: list[str]) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
     sim = work / "sim"
     subprocess.run(["make", "-s", "-C", str(ROOT / "tests/simcuda"), f"BUILD={sim}"], check=True)
     if os.geteuid() != 0 or subprocess.run(["setpriv", "--version"], capture_output=True).returncode != 0:
@@ -297,7 +298,8 @@ def attacks(work: Path, attack_seconds: float, baseline_seconds: float) -> dict:
         innocent = Innocent(socket_dir)
         alone = innocent.run(baseline_seconds)
         refused_alone = list(innocent.refused)
-        for name, code in HOSTILE.items():
+        for name in names:
+            code = HOSTILE[name]
             process = subprocess.Popen([*as_other, sys.executable, "-c", code, str(attack_seconds + 5)],
                                        env=hostile_env, cwd="/", stdout=subprocess.PIPE, text=True)
             hostile.append(process)
@@ -322,6 +324,7 @@ def attacks(work: Path, attack_seconds: float, baseline_seconds: float) -> dict:
         "what": "an innocent client's ADMIT round trip (ms) alone and while hostile clients of another user "
                 "inflate DEVICE sizes, lie in MEMORY, reserve and queue ADMITs, and stream reports over 19,200 pairs",
         "attack_seconds": attack_seconds,
+        "attackers": names,
         "innocent_alone_ms": percentiles(alone),
         "innocent_under_attack_ms": percentiles(under_attack),
         "refused_alone": refused_alone,
@@ -342,6 +345,9 @@ def main() -> None:
     parser.add_argument("--round-trips", type=int, default=20, help="iterations of the 1 GiB variants")
     parser.add_argument("--attack-seconds", type=float, default=60.0)
     parser.add_argument("--baseline-seconds", type=float, default=10.0)
+    parser.add_argument("--attackers", nargs="+", choices=list(HOSTILE), default=list(HOSTILE),
+                        help="which hostile clients run together (default: all)")
+    parser.add_argument("--each", action="store_true", help="also run each hostile client alone first")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nvs-admission-bench-", dir="/tmp"))
     result: dict = {"load_average_before": os.getloadavg()}
@@ -350,7 +356,10 @@ def main() -> None:
     if args.part in ("decisions", "all"):
         result["decisions"] = decisions()
     if args.part in ("attacks", "all"):
-        result["attacks"] = attacks(work, args.attack_seconds, args.baseline_seconds)
+        if args.each:
+            result["attacks_alone"] = {name: attacks(work / name, args.attack_seconds, args.baseline_seconds, [name])
+                                       for name in args.attackers}
+        result["attacks"] = attacks(work / "together", args.attack_seconds, args.baseline_seconds, args.attackers)
     result["load_average_after"] = os.getloadavg()
     text = json.dumps(result, indent=2)
     print(text)
