@@ -67,6 +67,7 @@ from fixtures.simcuda import build_simcuda, parse_steps  # noqa: E402
 
 MIB = 1 << 20
 MODES = ("sequential", "off", "on", "swap", "auto")
+SIM_DEVICE = "GPU-5151ad00-0000-4000-8000-000000000000"  # the simulated GPU (tests/simcuda)
 # The scheduler's options behind each mode (sequential runs without nvshare).
 SCHEDULER_MODES = {"off": ("off", "off"), "on": ("on", "off"), "swap": ("on", "on"), "auto": ("auto", "on")}
 SWEEP_MODES = ("on", "swap")
@@ -145,6 +146,9 @@ class Simulated:
         if mode != "sequential":
             scheduler = self.schedulers.get(mode, tq, idle_release=self.idle_release)
             env = {**env, **scheduler.env, "LD_PRELOAD": str(self.library), "NVSHARE_LOG": "error"}
+            # The daemon sizes devices only by its own NVML measurement (none of a simulated
+            # GPU here) and the operator's budget: the budget is the simulated device's size.
+            scheduler.request("set-budget", device=SIM_DEVICE, bytes=self.capacity)
         argv = [self.simcuda.simapp_argv(*self.job_steps(f, cpu_share)) for f in footprints]
         if mode == "sequential":
             spans, finished = [], True

@@ -228,6 +228,8 @@ def set_admission(
              "its start (half of MemAvailable); off: no admission"),
     policy: Optional[str] = typer.Option(None, help=f"{ADMISSION_POLICY.describe()}: who of the waiting allocations goes first"),
     timeout: Optional[float] = typer.Option(None, help="Seconds an allocation waits for admission before it fails"),
+    share: Optional[float] = typer.Option(None, help="The part of the capacity one user (uid) or pod may hold, "
+                                                     "above 0 and at most 1 (1: no bound)"),
 ) -> None:
     """Change admission: what the node's clients may hold (the devices' budgets plus a host
     spill), and how allocations past it wait (docs/scheduler.md, Admission)."""
@@ -238,9 +240,12 @@ def set_admission(
         request["policy"] = policy
     if timeout is not None:
         request["timeout"] = timeout
+    if share is not None:
+        request["share"] = share
     result = _call(ctx, "set-admission", **request)
     spill_shown = "off" if result["spill"] is None else format_size(result["spill"])
-    typer.echo(f"admission: spill {spill_shown}, policy {result['policy']}, timeout {result['timeout']:g} s")
+    typer.echo(f"admission: spill {spill_shown}, policy {result['policy']}, timeout {result['timeout']:g} s, "
+               f"share {result.get('share', 1):g}")
 
 
 # --- per-client settings -------------------------------------------------------------------

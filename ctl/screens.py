@@ -339,7 +339,8 @@ def admission_text(admission: dict, names: DeviceNames) -> Text:
     if not admission.get("enabled"):
         return Text("admission: off (allocations never wait)")
     lines = [f"admission: {size(admission.get('reserved'))} of {size(admission.get('capacity'))} reserved, "
-             f"spill {size(admission.get('spill'))}, {admission.get('policy')}, timeout {admission.get('timeout', 0):g} s"]
+             f"spill {size(admission.get('spill'))}, {admission.get('policy')}, timeout {admission.get('timeout', 0):g} s, "
+             f"share {admission.get('share', 1):g}"]
     for waiter in admission.get("waiters", []):
         lines.append(f"  {waiter['client']} waits {waiter['waiting_for']:.1f} s on {names.short(waiter['device'])} "
                      f"for {size(waiter['more'])} more (a total of {size(waiter['bytes'])})")

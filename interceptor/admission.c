@@ -10,8 +10,12 @@
  */
 #include "nvshare.h"
 
-/* With nvs_mu: broadcast whenever a device's admitted total changes or a refusal comes. */
+/* With nvs_mu: broadcast whenever a device's admitted total changes, a refusal comes, or memory
+ * calls may go on. */
 static pthread_cond_t admission_cv = PTHREAD_COND_INITIALIZER;
+/* Set (under nvs_mu) when memory calls on every device may go on without waiting; read
+ * without a lock. */
+static _Atomic int all_settled;
 
 uint64_t nvs_admitted(const struct nvs_device *d) {
     uint64_t stored = atomic_load_explicit(&d->admission, memory_order_acquire);
@@ -27,6 +31,30 @@ void nvs_admission_answer_locked(struct nvs_device *d, uint64_t admitted, int gr
         d->admit_wanted = 0;
     }
     pthread_cond_broadcast(&admission_cv);
+}
+
+static int memory_ready(const struct nvs_device *d) {
+    return atomic_load_explicit(&d->memory_ready, memory_order_acquire) ||
+           atomic_load_explicit(&all_settled, memory_order_acquire);
+}
+
+void nvs_admission_settled_locked(struct nvs_device *d) {
+    if (d != NULL)
+        atomic_store_explicit(&d->memory_ready, 1, memory_order_release);
+    else
+        atomic_store_explicit(&all_settled, 1, memory_order_release);
+    pthread_cond_broadcast(&admission_cv);
+}
+
+void nvs_admission_await_registration(struct nvs_device *d) {
+    if (d == NULL || NVS_LIKELY(memory_ready(d))) return;
+    nvs_runtime_start();
+    /* The client thread learns of the device when it next looks at the table: wake it (a pipe
+     * write, not under nvs_mu). It answers at once, or after a connection and a WELCOME. */
+    nvs_client_wake();
+    pthread_mutex_lock(&nvs_mu);
+    while (!memory_ready(d)) pthread_cond_wait(&admission_cv, &nvs_mu);
+    pthread_mutex_unlock(&nvs_mu);
 }
 
 int nvs_admission_wait(struct nvs_device *d, uint64_t total, const char *call, size_t size) {
@@ -59,7 +87,9 @@ int nvs_admission_wait(struct nvs_device *d, uint64_t total, const char *call, s
 
 void nvs_admission_reset_after_fork(void) {
     pthread_cond_init(&admission_cv, NULL);
+    atomic_store(&all_settled, 0); /* the child registers on its own if it uses CUDA */
     for (int i = 0; i < NVS_MAX_DEVICES; i++) {
+        atomic_store(&nvs_devices[i].memory_ready, 0);
         atomic_store(&nvs_devices[i].admission, 0);
         nvs_devices[i].admit_wanted = 0;
         nvs_devices[i].admit_refusals = 0;

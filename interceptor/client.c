@@ -172,6 +172,8 @@ static int next_io_action_locked(struct nvs_action *a, char *buf, size_t cap) {
             nvs_worker_assign_locked(&nvs_devices[a->device], (enum nvs_job)a->value, a->bytes);
         else if (a->kind == NVS_ACT_ADMISSION)
             nvs_admission_answer_locked(&nvs_devices[a->device], nvs_core_admitted(&core, a->device), a->value);
+        else if (a->kind == NVS_ACT_SETTLED) /* after the device's LIMIT action, in order */
+            nvs_admission_settled_locked(a->device >= 0 ? &nvs_devices[a->device] : NULL);
         else
             return 1;
     }
@@ -336,6 +338,7 @@ static void runtime_start(void) {
     if (pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) {
         int err = errno;
         for (int i = 0; i < NVS_MAX_DEVICES; i++) nvs_gate_set_locked(&nvs_devices[i], 1);
+        nvs_admission_settled_locked(NULL);
         pthread_mutex_unlock(&nvs_mu);
         nvs_error("cannot create a pipe (%s): nvshare cannot run; GPU work is not scheduled", strerror(err));
         return;
@@ -362,6 +365,7 @@ static void runtime_start(void) {
         nvs_error("cannot start nvshare's threads (%s): GPU work is not scheduled", strerror(r));
         pthread_mutex_lock(&nvs_mu);
         for (int i = 0; i < NVS_MAX_DEVICES; i++) nvs_gate_set_locked(&nvs_devices[i], 1);
+        nvs_admission_settled_locked(NULL);
         pthread_mutex_unlock(&nvs_mu);
     }
     atomic_store(&started, 1);

@@ -23,6 +23,13 @@
 /* Admission chunks: CHUNK_MIN and CHUNK_FRACTION of nvshare_py/scheduler/admission.py. */
 #define ADMISSION_CHUNK_MIN (64ULL << 20)
 #define ADMISSION_CHUNK_FRACTION 4
+/* A surplus of admission (more than a chunk above the use, nobody waiting) is given back only
+ * once it has lasted this long. Frameworks free and allocate again within moments (PyTorch's
+ * caching allocator on an out-of-memory retry or empty_cache, a loop of cudaMalloc/cudaFree),
+ * and an admitted total just answered is above the use until the waiting thread has charged its
+ * allocation: giving it back at once made such a thread ask again and again (issue 20: 35,707
+ * ADMITs in one second). Others waiting for that memory wait this much longer at most. */
+#define GIVE_BACK_AFTER_S 1.0
 
 enum { LOG_ERROR = 0, LOG_WARN = 1, LOG_INFO = 2, LOG_DEBUG = 3 };
 
@@ -134,9 +141,18 @@ static void handle_admission_answer(struct nvs_core *c, struct nvs_core_device *
     push(c, NVS_ACT_ADMISSION, (int)(d - c->devices), 0);
 }
 
-/* Ask for what blocked allocations wait for; give back what a fallen use no longer needs. */
+/* Ask for what blocked allocations wait for; give back what a fallen use no longer needs, once
+ * it has not been needed for GIVE_BACK_AFTER_S. */
 static void run_admission(struct nvs_core *c, struct nvs_core_device *d, double now) {
     int device = (int)(d - c->devices);
+    int surplus = d->admit_wanted == 0 && d->admitted != NVS_CORE_UNADMITTED &&
+                  d->admitted > d->bytes + nvs_core_headroom(d->bytes);
+    if (!surplus) {
+        d->surplus = 0;
+    } else if (!d->surplus) {
+        d->surplus = 1;
+        d->surplus_since = now;
+    }
     if (d->admit_asked != 0 || d->admitted == NVS_CORE_UNADMITTED) return;
     if (d->admit_wanted > d->admitted) {
         d->admit_asked = d->admit_wanted;
@@ -147,9 +163,10 @@ static void run_admission(struct nvs_core *c, struct nvs_core_device *d, double 
         q->number = d->admit_wanted;
         q->request = d->admit_request;
         note_sent(c, now);
-    } else if (d->admit_wanted == 0 && d->admitted > d->bytes + nvs_core_headroom(d->bytes)) {
+    } else if (surplus && now >= d->surplus_since + GIVE_BACK_AFTER_S) {
         /* Half a chunk stays: a use that moves by less than that either way neither asks nor
          * gives back again. */
+        d->surplus = 0;
         set_admitted(c, d, d->bytes + nvs_core_headroom(d->bytes) / 2);
         struct nvs_core_queued *q = push(c, NVS_ACT_SEND, device, 0);
         if (q == NULL) return;
@@ -175,6 +192,7 @@ static int idle_check_possible(const struct nvs_core *c, const struct nvs_core_d
 
 static void reset_idle_tracking(struct nvs_core *c, struct nvs_core_device *d, double now) {
     d->idle_entered = d->entered;
+    d->idle_bytes = d->bytes;
     d->idle_since = now;
     long window = idle_window_ms(c);
     d->idle_next_check = now + (window > 0 ? window / 4000.0 : 1.0);
@@ -281,6 +299,9 @@ static void send_hello(struct nvs_core *c, double now) {
             wanted |= 1ULL << i; /* keeps its place in the queue of the same daemon; a first
                                   * registration asks with DEVICE, MEMORY, ACQUIRE */
     }
+    /* The new registration's limits follow this HELLO; until its WELCOME the last ones hold. */
+    c->limit_every = 0;
+    c->n_limits = 0;
     struct nvs_core_queued *q = push(c, NVS_ACT_SEND, -1, 0);
     if (q == NULL) return;
     q->message = NVS_MSG_HELLO;
@@ -348,6 +369,8 @@ void nvs_core_forked(struct nvs_core *c, long pid, const char *session) {
     }
 }
 
+static void apply_limit(struct nvs_core *c, struct nvs_core_device *d);
+
 static int valid_device(const struct nvs_core *c, int device) {
     return device >= 0 && device < NVS_CORE_MAX_DEVICES && c->devices[device].known;
 }
@@ -361,6 +384,7 @@ int nvs_core_add_device(struct nvs_core *c, int device, const char *uuid, const 
     d->total = total;
     d->known = 1;
     if (device >= c->n_devices) c->n_devices = device + 1;
+    if (c->registered) apply_limit(c, d);
     return 0;
 }
 
@@ -436,6 +460,61 @@ static void set_scheduler_limit(struct nvs_core *c, struct nvs_core_device *d, u
     if (q != NULL) q->action.bytes = bytes;
 }
 
+/* The device's limit as this registration was told: its own, else the one for every device. */
+static void apply_limit(struct nvs_core *c, struct nvs_core_device *d) {
+    uint64_t bytes = c->limit_every;
+    for (int i = 0; i < c->n_limits; i++)
+        if (strcmp(c->limits[i].device, d->uuid) == 0) bytes = c->limits[i].bytes;
+    set_scheduler_limit(c, d, bytes);
+}
+
+static void apply_limits(struct nvs_core *c) {
+    for (int i = 0; i < c->n_devices; i++)
+        if (c->devices[i].known) apply_limit(c, &c->devices[i]);
+}
+
+/* LIMIT: kept by device id (a device this process has not used yet gets it when it does), and
+ * applied at once when registered, else with the WELCOME it precedes. */
+static void handle_limit(struct nvs_core *c, const struct nvs_msg *m) {
+    if (m->device[0] == '\0') {
+        c->limit_every = m->bytes;
+    } else {
+        int i = 0;
+        while (i < c->n_limits && strcmp(c->limits[i].device, m->device) != 0) i++;
+        if (i == NVS_CORE_MAX_DEVICES) {
+            if (!c->limits_overflow_warned)
+                core_log(c, LOG_WARN, "the scheduler set limits on more than %d devices: the one for %s is not kept",
+                         NVS_CORE_MAX_DEVICES, m->device);
+            c->limits_overflow_warned = 1;
+            return;
+        }
+        if (i == c->n_limits) {
+            snprintf(c->limits[i].device, sizeof c->limits[i].device, "%s", m->device);
+            c->n_limits++;
+        }
+        c->limits[i].bytes = m->bytes;
+    }
+    if (c->registered) apply_limits(c);
+}
+
+/* Memory calls on a device wait (admission.c) until its limits are known: those of this
+ * registration, or none when no scheduler answers for now (then they go on as without one). */
+static void settle_devices(struct nvs_core *c) {
+    int unreachable = !c->registered && c->outage_since != 0;
+    if (!c->registered && !unreachable) return;
+    for (int i = 0; i < c->n_devices; i++) {
+        struct nvs_core_device *d = &c->devices[i];
+        if (!d->known || d->settled) continue;
+        if (unreachable && !c->unscheduled_memory_warned) {
+            core_log(c, LOG_WARN, "no scheduler at %s: allocations go on without its memory limits and admission "
+                     "until it is reachable", c->config.socket_path);
+            c->unscheduled_memory_warned = 1;
+        }
+        d->settled = 1;
+        push(c, NVS_ACT_SETTLED, i, 1);
+    }
+}
+
 static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double now) {
     c->registered = 1;
     c->was_registered = 1;
@@ -456,9 +535,9 @@ static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double n
          * what comes next is asked for. */
         d->admit_asked = 0;
         set_admitted(c, d, c->admission ? d->bytes : NVS_CORE_UNADMITTED);
-        /* A registration starts without the last one's limits: a restarted scheduler knows
-         * none of them, and one that still applies comes again in LIMIT. */
-        set_scheduler_limit(c, d, 0);
+        /* The limits of this registration came before its WELCOME (none: a restarted scheduler
+         * knows none of the last one's). */
+        apply_limit(c, d);
         if (d->state == NVS_UNSCHEDULED || d->state == NVS_HOLDING) {
             /* claimed in HELLO (held=): keep the gate open until the scheduler decides */
             d->state = NVS_HOLDING;
@@ -538,9 +617,6 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
         d->quantum_ms = m->quantum_ms;
         core_log(c, LOG_DEBUG, "%s: quantum %llu ms", d->uuid, (unsigned long long)m->quantum_ms);
         break;
-    case NVS_MSG_LIMIT:
-        set_scheduler_limit(c, d, m->bytes);
-        break;
     default:
         break;
     }
@@ -594,6 +670,8 @@ void nvs_core_receive(struct nvs_core *c, const char *buf, size_t len, double no
             lose_registration(c, now);
         else /* an answer to what was sent before our HELLO; WELCOME follows */
             core_log(c, LOG_DEBUG, "not-registered answer to %s ignored: registering", m.error_type);
+    } else if (m.type == NVS_MSG_LIMIT) {
+        handle_limit(c, &m);
     } else {
         struct nvs_core_device *d = NULL;
         for (int i = 0; i < c->n_devices && d == NULL; i++)
@@ -613,7 +691,9 @@ void nvs_core_job_done(struct nvs_core *c, int device, enum nvs_job_result resul
     d->job = NVS_JOB_NONE;
     if (job == NVS_JOB_SWAP_OUT || job == NVS_JOB_PREFETCH) {
         swap_job_done(c, d, job, result, now);
-    } else if (result == NVS_RESULT_ACTIVE) {
+    } else if (result == NVS_RESULT_ACTIVE || (job == NVS_JOB_PROBE && result == NVS_RESULT_DRAINED &&
+                                               !d->release_due && d->admit_wanted > 0)) {
+        /* (an allocation began waiting for admission while the probe ran: not idle) */
         if (d->release_due) {
             request_drain(c, d); /* an idle probe met a DROP: drain now */
         } else {
@@ -803,6 +883,7 @@ void nvs_core_exit(struct nvs_core *c, double now) {
     c->exiting = 1;
     send_message(c, NVS_MSG_BYE, -1, 0, NULL, now);
     end_admission(c);
+    push(c, NVS_ACT_SETTLED, -1, 1); /* nothing waits for a scheduler any more */
     for (int i = 0; i < c->n_devices; i++) {
         struct nvs_core_device *d = &c->devices[i];
         if (!d->known) continue;
@@ -816,6 +897,7 @@ void nvs_core_exit(struct nvs_core *c, double now) {
  * (a rounding difference would make the shell spin). */
 static void run_due(struct nvs_core *c, double now) {
     if (c->exiting) return;
+    settle_devices(c);
     if (!c->connected && !c->connecting && now >= c->next_attempt) {
         c->connecting = 1;
         push(c, NVS_ACT_CONNECT, -1, 0);
@@ -854,7 +936,7 @@ static void run_due(struct nvs_core *c, double now) {
         }
 
         int wants = d->state == NVS_IDLE && d->waiters > 0;
-        if (!d->announced && (wants || d->state != NVS_IDLE || d->bytes > 0 || d->admit_wanted > 0)) {
+        if (!d->announced) { /* once the process has resolved the device, before any memory call */
             d->announced = 1;
             d->reported_bytes = UINT64_MAX;
             d->reported_resident = UINT64_MAX;
@@ -873,8 +955,11 @@ static void run_due(struct nvs_core *c, double now) {
         /* early release of an idle holder; the worker does the GPU part (never during a
          * capture: its synchronise would invalidate it, and a capturing process is not idle) */
         if (idle_check_possible(c, d) && now >= d->idle_next_check) {
-            if (d->entered != d->idle_entered) {
+            /* An allocation, or one waiting for admission, is activity too: a burst that
+             * allocates as it goes must not lose the lock in its middle. */
+            if (d->entered != d->idle_entered || d->bytes != d->idle_bytes || d->admit_wanted > 0) {
                 d->idle_entered = d->entered;
+                d->idle_bytes = d->bytes;
                 d->idle_since = now;
             } else if (now - d->idle_since >= window / 1000.0) {
                 start_job(c, d, NVS_JOB_PROBE);
@@ -927,6 +1012,7 @@ double nvs_core_next_deadline(const struct nvs_core *c, double now) {
             const struct nvs_core_device *d = &c->devices[i];
             if (!d->known) continue;
             if (memory_report_due(d) && memory < due) due = memory;
+            if (d->surplus && d->surplus_since + GIVE_BACK_AFTER_S < due) due = d->surplus_since + GIVE_BACK_AFTER_S;
             if (idle_check_possible(c, d) && d->idle_next_check < due) due = d->idle_next_check;
             if (d->predrain_at > 0 && d->predrain_at < due) due = d->predrain_at;
         }

@@ -59,6 +59,9 @@ enum nvs_action_kind {
     NVS_ACT_ADMISSION,  /* the device's admitted total changed (value 1: read nvs_core_admitted),
                          * or (value 0) the scheduler refused what the waiting allocations asked */
     NVS_ACT_LIMIT,      /* the scheduler's memory limit of the device is `bytes` (0: none) */
+    NVS_ACT_SETTLED,    /* memory calls on the device may go on (device -1: on every device, now
+                         * and later): this registration's limits are applied (a LIMIT action
+                         * before it said so), or no scheduler answers for now */
 };
 
 struct nvs_action {
@@ -120,6 +123,7 @@ struct nvs_core_device {
     double predrain_at;       /* after CONTENDED: when the drain starts (0: none due) */
     uint64_t quantum_ms;      /* of the current grant */
     uint64_t scheduler_limit; /* the memory limit the scheduler set (LIMIT), 0: none */
+    int settled;              /* SETTLED handed out for the device */
     double drain_started;     /* start of the drain that ends in a RELEASE, 0: none */
     double drain_seconds[NVS_DRAIN_HISTORY];
     int drains_known, drain_next;
@@ -129,6 +133,9 @@ struct nvs_core_device {
     uint64_t admitted;      /* what this process may hold; NVS_CORE_UNADMITTED: nothing waits */
     uint64_t admit_asked;   /* the unanswered ADMIT's total, 0: none */
     uint64_t admit_request; /* its number */
+    int surplus;            /* admitted has been more than a chunk above the use, nobody waiting, */
+    double surplus_since;   /* since this time: given back once that lasted (run_admission) */
+    uint64_t idle_bytes;    /* idle detection: `bytes` at the last check (an allocation is activity) */
     /* Swapping (docs/protocol.md, "Residency"). */
     uint64_t evict_due;        /* DROP evict=: to move out after the drain, before the RELEASE */
     int release_drained;       /* the drain of the due release is done; its swap-out runs or waits */
@@ -145,6 +152,12 @@ struct nvs_core_device {
  * the admitted total is more than one of them above the use, the client gives admission back
  * down to half of one above it. */
 uint64_t nvs_core_headroom(uint64_t total);
+
+/* A memory limit the scheduler told this registration for one device (LIMIT with `device`). */
+struct nvs_core_limit {
+    char device[NVS_DEVICE_ID_MAX + 1];
+    uint64_t bytes;
+};
 
 struct nvs_core_queued {
     struct nvs_action action;
@@ -170,6 +183,13 @@ struct nvs_core {
     int exiting;         /* BYE sent: nothing more */
     int admission;       /* the scheduler answers ADMIT (WELCOME admission=1) */
     uint64_t admit_numbers;
+    /* The scheduler's memory limits told since the last HELLO (they come before WELCOME, which
+     * applies them; later ones apply at once): for every device, and devices' own, by id, also
+     * of devices this process has not used yet. */
+    uint64_t limit_every;
+    struct nvs_core_limit limits[NVS_CORE_MAX_DEVICES];
+    int n_limits;
+    int limits_overflow_warned, unscheduled_memory_warned;
     double connected_at, next_attempt, outage_since, backoff_s;
     double last_wait_warning;
     int fail_open_warned, lost_warned;

@@ -3,7 +3,7 @@
  *   1. the exported ABI symbols (an application linked against libcuda, or dlsym(RTLD_DEFAULT));
  *   2. dlsym on a libcuda handle (PyTorch, ctypes): the overridden dlsym below;
  *   3. cuGetProcAddress / cuGetProcAddress_v2 (the CUDA runtime, JAX, CuPy).
- * dlsym also leads NVML's memory queries to nvml.c, in a process with a memory limit only.
+ * dlsym also leads NVML's memory queries to nvml.c (they show a memory limit).
  * Paths 2 and 3 ask the real library first and then swap the address it returned for the
  * wrapper of exactly that symbol: the driver decides which ABI version a caller gets (by its
  * cudaVersion and flags), nvshare never guesses suffixes. Finding the real driver is loader.c's.
@@ -94,7 +94,7 @@ static void *dlsym_driver_symbol(void *handle, const char *name) {
     return substitute(nvs_real_dlsym()(handle, name));
 }
 
-/* NVML symbols in a process with a memory limit (nvml.c). */
+/* NVML symbols: the memory queries show a memory limit (nvml.c). */
 static void *dlsym_nvml_symbol(void *handle, const char *name) {
     return nvs_nvml_substitute(nvs_real_dlsym()(handle, name));
 }
@@ -105,7 +105,7 @@ __attribute__((used)) nvs_dlsym_fn nvs_dlsym_route(void *handle, const char *nam
     if (next == NULL) return dlsym_unavailable;
     if (handle == RTLD_NEXT || name == NULL) return next;
     if (name[0] == 'c' && name[1] == 'u') return dlsym_driver_symbol;
-    if (strncmp(name, "nvml", 4) == 0 && nvs_nvml_wanted()) return dlsym_nvml_symbol;
+    if (strncmp(name, "nvml", 4) == 0) return dlsym_nvml_symbol;
     return next;
 }
 

@@ -49,15 +49,7 @@ uint64_t nvs_limit_of(const struct nvs_device *d) {
     return decode(decided);
 }
 
-/* Set once a limit is set at run time; any thread. */
-static _Atomic int set_at_run_time;
-
-int nvs_limits_in_force(void) {
-    return nvs_config.n_memory_limits > 0 || nvs_config.memory_limit_invalid || atomic_load(&set_at_run_time);
-}
-
 void nvs_limit_set(struct nvs_device *d, uint64_t bytes) {
-    atomic_store(&set_at_run_time, 1);
     uint64_t old = decode(atomic_exchange(&limit_slot[d->ordinal], encode(bytes)));
     if (old == bytes) return;
     if (bytes == NVS_NO_LIMIT)

@@ -156,6 +156,7 @@ static void settle_device_frees(struct nvs_device *d);
 static CUresult charge_or_refuse(struct nvs_device *d, size_t size, const char *call) {
     uint64_t used = 0, limit = 0;
     int settled = 0;
+    nvs_admission_await_registration(d); /* the first one: its limits from the scheduler first */
     for (;;) {
         enum charge_outcome outcome = charge(d, size, &used, &limit);
         if (NVS_LIKELY(outcome == CHARGED)) return CUDA_SUCCESS;
@@ -581,6 +582,9 @@ NVS_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes) {
     *total_bytes = real_total;
     struct nvs_device *d = nvs_current_device();
     if (d == NULL) return CUDA_SUCCESS;
+    /* Frameworks size themselves from the first answer (JAX takes 75 % of it): a limit the
+     * scheduler holds for this process must be in it. */
+    nvs_admission_await_registration(d);
     uint64_t used = atomic_load(&d->bytes);
     /* Each process sees the GPU as if it were alone: managed memory may be oversubscribed,
      * so other processes' memory does not reduce what this one may use. */
@@ -599,8 +603,9 @@ NVS_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes) {
 NVS_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     NVS_REAL_OR_FAIL(cuDeviceTotalMem_v2);
     CUresult r = nvs_real.cuDeviceTotalMem_v2(bytes, dev);
-    if (r != CUDA_SUCCESS || !nvs_limits_in_force()) return r;
+    if (r != CUDA_SUCCESS) return r;
     struct nvs_device *d = nvs_device_get(dev);
+    nvs_admission_await_registration(d); /* a limit from the scheduler shows here too */
     uint64_t limit = d != NULL ? nvs_limit_of(d) : NVS_NO_LIMIT;
     if (limit < *bytes) *bytes = limit;
     return r;

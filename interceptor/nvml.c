@@ -1,6 +1,8 @@
 /*
- * NVML's memory queries in a process with a memory limit (hooks.h, NVS_FOR_EACH_NVML_HOOK):
- * nvidia-smi or pynvml inside the limited process see a device of the limit's size.
+ * NVML's memory queries (hooks.h, NVS_FOR_EACH_NVML_HOOK): nvidia-smi or pynvml inside a process
+ * with a memory limit see a device of the limit's size. They are substituted in every process,
+ * since the scheduler may set a limit at any time after the lookup (pynvml looks a function up
+ * once); without a limit NVML's figures are handed on unchanged.
  *
  * used: where this process has used the device through CUDA, its own allocations (what its
  * limit counts); otherwise (nvidia-smi, a separate process that allocated nothing) NVML's own
@@ -41,13 +43,9 @@ static void load_nvml(void) {
 #undef NVML_RESOLVE
 }
 
-int nvs_nvml_wanted(void) {
-    nvs_config_load();
-    return nvs_limits_in_force();
-}
-
 void *nvs_nvml_substitute(void *address) {
     if (address == NULL) return address;
+    nvs_config_load();
     pthread_once(&load_once, load_nvml);
 #define NVML_SUBSTITUTE(name, params, args)                                                     \
     if ((void *)real.name == address) return (void *)nvs_nvml_##name;
@@ -66,6 +64,7 @@ static int limit_figures(nvmlDevice_t device, unsigned long long *total, unsigne
     pthread_mutex_lock(&nvs_mu);
     struct nvs_device *d = nvs_device_by_uuid(uuid);
     pthread_mutex_unlock(&nvs_mu);
+    nvs_admission_await_registration(d); /* used through CUDA: the scheduler's limits apply too */
     uint64_t limit = d != NULL ? nvs_limit_of(d) : nvs_limit_of_unopened(uuid);
     if (limit == NVS_NO_LIMIT) return 0;
     uint64_t own = d != NULL ? atomic_load(&d->bytes) : *used;

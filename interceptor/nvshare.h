@@ -89,6 +89,9 @@ struct nvs_device {
     /* The admitted total + 1 (admission.c; 0: no admission in force, nothing waits). Written by
      * the client thread under nvs_mu, read by allocating threads without a lock. */
     _Atomic uint64_t admission;
+    /* 1 once memory calls on the device may go on: the scheduler's limits for it are applied,
+     * or no scheduler answers for now (admission.c). Written like `admission`. */
+    _Atomic int memory_ready;
     /* Of them, converted (made managed by nvshare), and of those, moved to the host by the
      * worker's swap jobs and not brought back (memory.c, any thread; the client thread reads
      * them for the core: resident = converted - swapped). */
@@ -241,6 +244,15 @@ int nvs_admission_wait(struct nvs_device *d, uint64_t total, const char *call, s
 /* Under nvs_mu (client thread): the core's admitted total for d, and whether the last answer
  * granted (1) or refused (0) what the waiters asked. Wakes the waiters. */
 void nvs_admission_answer_locked(struct nvs_device *d, uint64_t admitted, int granted);
+/* A process's first memory call on a device (an allocation, cuMemGetInfo, cuDeviceTotalMem, an
+ * NVML memory query) waits here until the scheduler's memory limits for it are known: those it
+ * sends with the registration, or none when no scheduler answers (bounded by the client's
+ * connection and WELCOME timeouts). Starts the client thread. Call it holding no lock; d may be
+ * NULL (nothing to wait for). Afterwards one atomic load. */
+void nvs_admission_await_registration(struct nvs_device *d);
+/* Under nvs_mu (client thread): memory calls on d may go on (d NULL: on every device, now and
+ * later, when nvshare cannot or no longer asks a scheduler). Wakes the waiters. */
+void nvs_admission_settled_locked(struct nvs_device *d);
 /* Fork child: no admission until the child registers. */
 void nvs_admission_reset_after_fork(void);
 
@@ -260,9 +272,6 @@ void nvs_limit_set(struct nvs_device *d, uint64_t bytes);
  * limit becomes the smaller of it and the configured one (NVSHARE_MEMORY_LIMIT), so the
  * scheduler can lower what the environment allows, never raise it. Any thread, no lock. */
 void nvs_limit_from_scheduler(struct nvs_device *d, uint64_t bytes);
-/* Whether any device may have a limit (NVSHARE_MEMORY_LIMIT is set, or one was set at run
- * time): lets paths that would otherwise look a device up skip the work. */
-int nvs_limits_in_force(void);
 /* The configured limit of a device this process has not used through CUDA, by UUID (NVML). */
 uint64_t nvs_limit_of_unopened(const char *uuid);
 /* What a limited process is told: total = min(limit, real_total); free = total - used, but no
@@ -275,8 +284,6 @@ void nvs_limit_refused(const struct nvs_device *d, const char *call, size_t size
 
 /* ---------------------------------------------------------------- nvml.c */
 
-/* Whether dlsym should send NVML lookups through nvs_nvml_substitute (a limit is in force). */
-int nvs_nvml_wanted(void);
 /* dlsym's answer for an NVML symbol: the wrapper standing for `address` if it is the address of
  * a hooked NVML function of libnvidia-ml.so.1, else `address`. */
 void *nvs_nvml_substitute(void *address);

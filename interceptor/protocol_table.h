@@ -139,8 +139,8 @@
     F(REFUSED, device, DEVICE, REQUIRED, device, 0, "")                  \
     F(REFUSED, request, UINT, REQUIRED, request, 0, 0)                   \
     F(REFUSED, reason, WORD, REQUIRED, reason, refuse_reason, "")        \
-    F(LIMIT, device, DEVICE, REQUIRED, device, 0, "")                    \
     F(LIMIT, bytes, UINT, REQUIRED, bytes, 0, 0)                         \
+    F(LIMIT, device, DEVICE, OPTIONAL, device, 0, "")                    \
     F(ERROR, code, WORD, REQUIRED, code, error_code, "")                 \
     F(ERROR, detail, TEXT, OPTIONAL, detail, 256, "")                    \
     F(ERROR, type, TEXT, OPTIONAL, error_type, 32, "")                   \

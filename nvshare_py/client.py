@@ -191,9 +191,11 @@ class Client:
         self.connect_timeout = connect_timeout
         self.session = os.urandom(8).hex()
         self.client_id: str | None = None  # "c12", from WELCOME
-        # Memory limits the scheduler set for this client, by device (LIMIT; docs/protocol.md).
-        # This library allocates nothing itself: it keeps them for its user to read.
-        self.limits: dict[str, int] = {}
+        # Memory limits the scheduler set for this registration (LIMIT; docs/protocol.md): on
+        # every device (0: none), and devices' own. This library allocates nothing itself: it
+        # keeps them for its user to read (limit()).
+        self._limit_every = 0
+        self._device_limits: dict[str, int] = {}
         self.heartbeat_interval = 1.0
         self.idle_release = 1.0
         # What a newer scheduler sends that this library cannot read is said once (docs/protocol.md,
@@ -280,6 +282,13 @@ class Client:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+    def limit(self, device: str) -> int | None:
+        """The memory limit the scheduler set for this client on `device` in bytes (None: none):
+        the device's own, else the one for every device (nvsharectl set-limit)."""
+        with self._cond:
+            value = self._device_limits.get(device, self._limit_every)
+        return value or None
 
     def _probe_socket(self) -> None:
         """Tell 'no scheduler' from 'no permission' before ZeroMQ starts retrying silently."""
@@ -603,6 +612,9 @@ class Client:
         with self._cond:
             self._connected = True
             self._registered = False
+            # A new registration: its limits come before its WELCOME.
+            self._limit_every = 0
+            self._device_limits.clear()
             held = tuple(d for d, s in self._devices.items() if s.grant is not None)
             wanted = tuple(d for d, s in self._devices.items() if s.waiting)
             outgoing: list[protocol.Message] = [
@@ -642,7 +654,6 @@ class Client:
     def _on_welcome(self, message: protocol.Welcome) -> None:
         with self._cond:
             self.client_id = message.client
-            self.limits.clear()  # a new registration: the limits that still apply come again
             self.heartbeat_interval = message.heartbeat_ms / 1000
             self.idle_release = message.idle_release_ms / 1000
             self._registered = True
@@ -712,11 +723,11 @@ class Client:
 
     def _on_limit(self, message: protocol.Limit) -> None:
         with self._cond:
-            if message.bytes:
-                self.limits[message.device] = message.bytes
+            if message.device:
+                self._device_limits[message.device] = message.bytes
             else:
-                self.limits.pop(message.device, None)
-        log.info("nvshare scheduler set the memory limit on %s to %s", message.device,
+                self._limit_every = message.bytes
+        log.info("nvshare scheduler set the memory limit on %s to %s", message.device or "every device",
                  f"{message.bytes} bytes" if message.bytes else "none")
 
     def _on_error(self, message: protocol.Error) -> None:

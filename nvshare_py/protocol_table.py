@@ -162,17 +162,18 @@ MESSAGES: Final[tuple[Message, ...]] = (
         required("device", DEVICE),
         required("total", UINT, "bytes"),
         optional("name", TEXT, ""),
-    ), "Describe a device this client uses. Sent once per device before its first `ACQUIRE` or "
-       "`MEMORY`. The daemon needs no GPU: this is how it learns the device's memory. `total` is the "
-       "client's measurement, `0` when it could not measure (no measurement). It never sets the "
-       "budget for others: the device's `total` is the figure while every registered client that "
-       "measured the device agrees, and unknown (0) while they disagree."),
+    ), "Announce a device this client uses: sent once per device and registration, as soon as the "
+       "client has resolved the device (before any other message naming it). `total` is the "
+       "client's measurement (`0`: none); it is informational only. A device's size is what the "
+       "daemon measures itself (NVML) or the operator sets (`set-budget`), never a client's figure "
+       "(docs/scheduler.md, *Security model*). `name` is shown while the daemon has no name of its "
+       "own."),
     Message("MEMORY", "Memory", CLIENT, (
         required("device", DEVICE),
         required("used", UINT, "bytes"),
         optional("resident", UINT, None, "bytes"),
-    ), "Bytes this client has allocated on the device (managed + unconverted). Sent when it "
-       "changes, at most every 100 ms, and just before an `ACQUIRE`. `resident`, from a client "
+    ), "Bytes this client has allocated on the device (managed + unconverted); a figure above the "
+       "device's measured size counts as that size. Sent when it changes, at most every 100 ms, and just before an `ACQUIRE`. `resident`, from a client "
        "that swaps (see *Residency*): its converted bytes it believes are on the device (all of "
        "them once it ran after a grant, less after it evicted). Absent: the client takes no part "
        "in residency, and all of `used` counts as resident."),
@@ -187,8 +188,9 @@ MESSAGES: Final[tuple[Message, ...]] = (
        "`MEMORY` reports) to reach `bytes`, and its allocating thread waits for `ADMITTED` or "
        "`REFUSED` naming `request` (> 0). Sent only to a scheduler whose `WELCOME` said "
        "`admission=1`, and only when an allocation would take the total past what was admitted. "
-       "One question per device at a time. `request=0` gives admission back: the admitted total "
-       "becomes `bytes` (below it), and nothing is answered."),
+       "One question per device at a time (a second replaces the first and goes to the end of the "
+       "queue). `request=0` gives admission back: the admitted total becomes `bytes` if that is "
+       "below it, and nothing is answered."),
     Message("RELEASE", "Release", CLIENT, (
         required("device", DEVICE),
         required("grant", UINT),
@@ -282,17 +284,21 @@ MESSAGES: Final[tuple[Message, ...]] = (
         required("request", UINT),
         required("reason", WORD, words=vocabulary.REFUSE_REASON),
     ), "The answer to `ADMIT` `request` when it is not admitted: `too-large` at once when `bytes` "
-       "exceeds the node's whole capacity, `timeout` after the admission timeout, `limit` past a "
-       "limit set for the client. The waiting allocation fails with `CUDA_ERROR_OUT_OF_MEMORY` "
-       "(whatever the reason); nothing is allocated."),
+       "exceeds the node's whole capacity, `limit` at once when `bytes` is past the memory limit "
+       "set for the client on the device (`set-limit`) or more than its user or pod may ever hold "
+       "(the admission *share*), `timeout` after the admission timeout. The waiting allocation "
+       "fails with `CUDA_ERROR_OUT_OF_MEMORY` (whatever the reason); nothing is allocated."),
     Message("LIMIT", "Limit", SCHEDULER, (
-        required("device", DEVICE),
         required("bytes", UINT, "`0`: none from the scheduler"),
-    ), "The memory limit the operator set for this client on the device (`set-limit` below). Sent "
-       "when the client first names the device (if a limit applies) and whenever the resolved "
-       "limit changes. The client applies the smaller of it and its own `NVSHARE_MEMORY_LIMIT`: a "
-       "scheduler limit can lower what the environment allows, never raise it. A new registration "
-       "(`WELCOME`) starts without the previous one's limits; those that still apply come again."),
+        optional("device", DEVICE, "", "absent: every device the client was not told a limit of its own for"),
+    ), "The memory limit the operator set for this client (`set-limit` below) on `device`, or, "
+       "without `device`, on every device the client was not told a limit of its own for. A "
+       "registration's limits are sent right after its `HELLO`, before its `WELCOME`: the one for "
+       "every device, then each device whose own limit differs from it (also devices the client "
+       "has not named yet), so the client knows them before its first memory call; then again "
+       "whenever one changes. The client applies the smaller of it and its own "
+       "`NVSHARE_MEMORY_LIMIT`: a scheduler limit can lower what the environment allows, never "
+       "raise it. A registration (`HELLO`) starts without the previous one's limits."),
     Message("ERROR", "Error", SCHEDULER, (
         required("code", WORD, words=vocabulary.ERROR_CODE),
         optional("detail", TEXT, "", c_size=256),

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from nvshare_py import protocol
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
 from nvshare_py.scheduler.events import (
-    AcquireRequest, ClientInfo, DeviceInfo, LockEvent, Register, ReleaseReport, Send, SetPriority, SetWeight, Tick,
+    AcquireRequest, ClientInfo, DeviceInfo, DeviceMeasured, LockEvent, Register, ReleaseReport, Send, SetPriority, SetWeight, Tick,
 )
 
 GPU = "GPU-5151ad00-0000-4000-8000-0000000000f5"
@@ -55,6 +55,9 @@ class World:
         for action in actions:
             if isinstance(action, LockEvent):
                 self._record(action)
+        for action in actions:  # a registration's LIMITs come before its WELCOME: name it first
+            if isinstance(action, Send) and isinstance(action.message, protocol.Welcome):
+                self.clients[action.client].cid = action.message.client
         for action in actions:
             if isinstance(action, Send):
                 self._deliver(action.client, action.message)
@@ -65,6 +68,7 @@ class World:
         client = self.clients[name] = Busy(name, busy=busy)
         info = ClientInfo(pid=1000 + len(self.clients), session=f"{len(self.clients):016x}", pod_uid=pod_uid)
         self.feed(Register(self.now, name, info))
+        self.feed(DeviceMeasured(self.now, GPU, 16 << 30))
         self.feed(DeviceInfo(self.now, name, GPU, 16 << 30))
         if weight is not None:
             self.feed(SetWeight(self.now, weight, client=client.cid))
@@ -100,9 +104,7 @@ class World:
     def _deliver(self, key, message) -> None:
         client = self.clients[key]
         self.sent.append((client.cid or key, message))
-        if isinstance(message, protocol.Welcome):
-            client.cid = message.client
-        elif isinstance(message, protocol.Grant):
+        if isinstance(message, protocol.Grant):
             client.grant = message.grant
         elif isinstance(message, protocol.Drop) and message.grant == client.grant:
             grant = client.grant

@@ -5,23 +5,25 @@ and every wait ends in ADMITTED or REFUSED (timeout, too-large)."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nvshare_py import protocol
 from nvshare_py.scheduler import views
-from nvshare_py.scheduler.admission import CHUNK_MIN, AdmissionConfig, headroom
+from nvshare_py.scheduler.admission import CHUNK_MIN, AdmissionBook, AdmissionConfig, headroom
 from nvshare_py.scheduler.core import ControlError, CoreConfig, SchedulerCore
 from nvshare_py.scheduler.events import (
     AdmitRequest,
     ClientInfo,
     DeviceInfo,
+    DeviceMeasured,
     LockEvent,
     MemoryReport,
     Register,
     Send,
     SetAdmission,
     SetBudget,
+    SetLimit,
     Tick,
     Unregister,
 )
@@ -39,22 +41,27 @@ def answers(actions, kind=None):
 
 
 class Node:
-    """A core with admission on: devices of `budget` bytes, a host spill."""
+    """A core with admission on: devices of `budget` bytes as the daemon measured them, a host
+    spill. Clients are of one user (uid 1000) unless registered with another `uid`; `share`
+    1 (no quota) unless given."""
 
-    def __init__(self, spill=4 * GiB, policy="fifo", timeout=60.0, devices=(GPU0,), budget=8 * GiB):
+    def __init__(self, spill=4 * GiB, policy="fifo", timeout=60.0, devices=(GPU0,), budget=8 * GiB, share=1.0):
         self.now = 0.0
         # Clients never time out here: the tests are about admission, not liveness.
-        config = CoreConfig(heartbeat_timeout=1e6, admission=AdmissionConfig(spill=spill, policy=policy, timeout=timeout))
+        config = CoreConfig(heartbeat_timeout=1e6, admission=AdmissionConfig(spill=spill, policy=policy,
+                                                                             timeout=timeout, share=share))
         self.core = SchedulerCore(config, 0.0)
         self.devices = devices
         self.budget = budget
         self.requests = 0
+        for device in devices:
+            self.feed(DeviceMeasured(0.0, device, budget, "sim"))
 
     def feed(self, event):
         return self.core.handle(event)
 
-    def register(self, key):
-        info = ClientInfo(pid=100 + key, session=f"{key:016x}", host_pid=100 + key, uid=1000)
+    def register(self, key, uid=1000, pod_uid=""):
+        info = ClientInfo(pid=100 + key, session=f"{key:016x}", host_pid=100 + key, uid=uid, pod_uid=pod_uid)
         actions = self.feed(Register(self.now, key, info))
         for device in self.devices:
             self.feed(DeviceInfo(self.now, key, device, self.budget, "sim"))
@@ -171,7 +178,7 @@ def test_bad_admission_settings_are_refused_before_anything_changes():
                   SetAdmission(0.0, spill=-1, keep_spill=False)):
         with pytest.raises(ControlError):
             node.feed(event)
-    assert node.core.admission == AdmissionConfig(spill=4 * GiB, timeout=60.0)
+    assert node.core.admission == AdmissionConfig(spill=4 * GiB, timeout=60.0, share=1.0)
 
 
 def test_fifo_keeps_the_order_and_nobody_overtakes_the_head():
@@ -343,3 +350,122 @@ def test_a_reconnected_client_starts_admission_afresh():
     assert views.admission_status(node.core, node.now, lambda t: t)["waiters"] == []
     node.feed(Unregister(node.now, 1, "exited"))
     assert node.core.admission_reserved() == 0
+
+
+# --- what no client can inflate or jam (issue 20) --------------------------------------------
+
+INNOCENT, HOSTILE = 1000, 2000  # uids
+
+
+def test_the_capacity_is_the_daemons_measurements_and_the_operators_never_a_clients_word():
+    # Issue 20: a client raised the node's capacity from 52.6 GB to 4.6e18 (its DEVICE totals)
+    # and had 1 TiB admitted.
+    node = Node(spill=1 * GiB, budget=8 * GiB)
+    node.register(1, uid=HOSTILE)
+    node.feed(DeviceInfo(node.now, 1, GPU0, 1 << 62, "sim"))
+    node.feed(DeviceInfo(node.now, 1, GPU1, 1 << 62, "sim"))  # a device the daemon did not measure
+    assert node.core.admission_capacity() == 9 * GiB
+    ((_, answer),) = answers(node.admit(1, 1 << 40))
+    assert isinstance(answer, protocol.Refused) and answer.reason == "too-large"
+    node.feed(SetBudget(node.now, GPU1, 2 * GiB))  # the operator sizes what the daemon cannot measure
+    assert node.core.admission_capacity() == 11 * GiB
+
+
+def test_no_user_holds_more_than_its_share_whatever_it_reports_or_asks():
+    # Lying about memory, or reserving, made innocents' ADMITs time out. A user's claims count
+    # up to its quota (share x capacity); a report counts up to the device's size.
+    node = Node(spill=0, budget=8 * GiB, share=0.75)
+    node.register(1, uid=HOSTILE)
+    node.register(2, uid=HOSTILE)
+    node.memory(1, 1 << 62)  # more than the device has: counts as 8 GiB
+    node.memory(1, 1 << 62, device="GPU-unmeasured")
+    assert node.core.admission_reserved() == 6 * GiB
+    ((_, answer),) = answers(node.admit(2, 7 * GiB))  # more than the user may ever hold
+    assert isinstance(answer, protocol.Refused) and answer.reason == "limit"
+    node.register(3, uid=INNOCENT)
+    ((client, answer),) = answers(node.admit(3, 2 * GiB))
+    assert client == 3 and isinstance(answer, protocol.Admitted)  # at once: it waited for nobody
+    assert node.core.admission_capacity() == 8 * GiB
+
+
+def test_a_user_asking_for_more_than_is_free_does_not_hold_back_those_holding_less():
+    node = Node(spill=0, budget=8 * GiB, share=0.75)
+    node.register(1, uid=INNOCENT)
+    node.register(2, uid=HOSTILE)
+    node.register(3, uid=INNOCENT)
+    node.admit(1, 3 * GiB)  # admitted 3.75 GiB (a chunk ahead)
+    assert answers(node.admit(2, 5 * GiB)) == []  # 4.25 GiB free: waits; its user would hold 5 GiB
+    ((client, _),) = answers(node.admit(3, 1 * GiB))  # its user would hold 4.75 GiB: it goes first
+    assert client == 3
+    # ... but waiters of its own user, and richer ones, stay behind it (no starvation of the head).
+    node.register(4, uid=HOSTILE)
+    assert answers(node.admit(4, 512 * MiB)) == []
+
+
+def test_an_admit_past_the_clients_limit_is_refused():
+    # docs/protocol.md: REFUSED reason=limit; issue 20: it was admitted.
+    node = Node(spill=0, budget=8 * GiB)
+    node.register(1)
+    node.feed(SetLimit(node.now, 1 * GiB, client="c1"))
+    ((_, answer),) = answers(node.admit(1, 2 * GiB))
+    assert isinstance(answer, protocol.Refused) and answer.reason == "limit"
+    ((_, answer),) = answers(node.admit(1, 512 * MiB))
+    assert isinstance(answer, protocol.Admitted)
+
+
+def test_with_many_pairs_a_memory_report_does_not_walk_the_queue(monkeypatch):
+    # Issue 20: with 19,200 (client, device) pairs and a stream of memory reports, each admission
+    # decision took about 10 ms (every report summed every pair). Totals are kept as they change,
+    # and the queue is looked at only when memory was freed or capacity grew.
+    node = Node(spill=0, budget=1 * GiB, devices=(GPU0,))
+    for key in range(1, 301):
+        node.register(key, uid=key)
+        for n in range(64):
+            node.memory(key, 1, device=f"GPU-other-{n}")
+    node.admit(1, 1 * GiB - 1 * MiB)
+    for key in range(2, 101):
+        node.admit(key, 512 * MiB)  # 99 waiters
+    walks = []
+    walk = AdmissionBook._walk
+    monkeypatch.setattr(AdmissionBook, "_walk", lambda book, lone: walks.append(1) or walk(book, lone))
+    for used in range(2, 200):
+        node.memory(200, used, device="GPU-other-0")  # a growing use frees nothing
+    assert walks == []
+    node.memory(1, 0)
+    node.admit(1, 0, request=0)  # a give-back frees memory: now the queue is looked at
+    assert walks
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["report", "ask", "give", "forget", "reset", "capacity", "settle"]),
+                                st.integers(0, 5), st.integers(0, 2), st.integers(0, 4 * GiB)), max_size=60),
+       share=st.sampled_from([0.5, 0.75, 1.0]))
+def test_the_totals_kept_as_they_change_are_the_totals(steps, share):
+    """AdmissionBook's incremental holdings and reserved total equal a count from scratch."""
+    book: AdmissionBook[int] = AdmissionBook(AdmissionConfig(spill=0, share=share))
+    book.set_capacity(8 * GiB)
+    principal_of: dict[int, int] = {}
+    now = 0.0
+    for kind, pair, principal, amount in steps:
+        now += 1.0
+        principal = principal_of.setdefault(pair, principal)  # a pair's user does not change
+        if kind == "report":
+            book.report(pair, principal, amount)
+        elif kind == "ask":
+            book.ask(pair, principal, 1, amount, now)
+        elif kind == "give":
+            book.ask(pair, principal, 0, amount, now)
+        elif kind == "forget":
+            book.forget(pair)
+            principal_of.pop(pair)
+        elif kind == "reset":
+            book.reset(pair)
+        elif kind == "capacity":
+            book.set_capacity(amount)
+        else:
+            book.settle(now)
+        holdings: dict[int, int] = {}
+        for known, user in principal_of.items():
+            holdings[user] = holdings.get(user, 0) + book.reservation(known)
+        assert book.reserved == sum(min(held, book.quota) for held in holdings.values())
+        assert all(book.holding(user) == held for user, held in holdings.items())

@@ -249,14 +249,14 @@ def test_memory_reports_reach_the_scheduler(scheduler, clients):
 
 def test_clients_survive_a_scheduler_restart(scheduler, clients):
     holder, waiter = clients(), clients()
-    holder.announce(GPU, 8 << 30)
+    holder.announce(GPU, 8 << 30, "sim")
     holder.acquire(GPU)
     waiting = acquire_in_thread(waiter, GPU)
     wait_for(lambda: scheduler.waiters(GPU) == [waiter.client_id], what="the waiter")
     scheduler.restart()
     wait_for(lambda: len(scheduler.clients()) == 2 and scheduler.holders(GPU), what="re-registration")
     assert holder.grant(GPU) is not None  # still holding
-    assert scheduler.device(GPU)["total"] == 8 << 30
+    assert scheduler.device(GPU)["name"] == "sim"  # DEVICE came again
     holder.release(GPU)
     waiting["thread"].join(PATIENCE)
     assert "grant" in waiting
@@ -325,6 +325,14 @@ def test_limits_set_by_the_operator_are_kept_for_the_program(scheduler, clients)
     client.announce(GPU, 16 << 30)
     wait_for(lambda: any(GPU in c["devices"] for c in scheduler.status()["clients"]), what="the announcement")
     scheduler.request("set-limit", client=client.client_id, bytes=8 << 30)
-    wait_for(lambda: client.limits.get(GPU) == 8 << 30, what="the LIMIT", timeout=PATIENCE)
+    wait_for(lambda: client.limit(GPU) == 8 << 30, what="the LIMIT", timeout=PATIENCE)
     scheduler.request("set-limit", client=client.client_id, bytes=None)
-    wait_for(lambda: GPU not in client.limits, what="the limit removed", timeout=PATIENCE)
+    wait_for(lambda: client.limit(GPU) is None, what="the limit removed", timeout=PATIENCE)
+
+
+def test_a_limit_set_before_the_program_starts_is_known_when_it_has_registered(scheduler, clients):
+    # Issue 20: limits came only once a device was named; they now come before WELCOME.
+    scheduler.request("set-limit", bytes=1 << 30)
+    scheduler.request("set-limit", bytes=2 << 30, device=GPU2)
+    client = clients()  # connect() returns once registered
+    assert (client.limit(GPU), client.limit(GPU2)) == (1 << 30, 2 << 30)

@@ -13,6 +13,7 @@ from nvshare_py.scheduler.events import (
     AcquireRequest,
     ClientInfo,
     DeviceInfo,
+    DeviceMeasured,
     Forget,
     Alive,
     LockEvent,
@@ -64,6 +65,9 @@ class Harness:
         return self.feed(Register(self.now, key, info, tuple(held), tuple(wanted)))
 
     def device(self, key, device=GPU0, total=16 * GiB, name="sim"):
+        """The client names the device, which the daemon measured as `total` (0: it could not)."""
+        if total:
+            self.feed(DeviceMeasured(self.now, device, total, name))
         return self.feed(DeviceInfo(self.now, key, device, total, name))
 
     def memory(self, key, used, device=GPU0):
@@ -457,24 +461,24 @@ def test_auto_with_unknown_total_serialises():
 
 
 def test_a_client_cannot_change_the_budget_for_everyone():
-    # Issue 10: DEVICE overwrote the device's total (the auto budget) with whatever a client said.
-    h = with_clients("a", "b", mode="auto")  # both measured 16 GiB
+    # Issue 10: DEVICE overwrote the device's total (the auto budget) with whatever a client said;
+    # issue 20: a client's figure still sized a device nobody else had measured. Only the daemon's
+    # own measurement (DeviceMeasured) and the operator size a device.
+    h = with_clients("a", "b", mode="auto")  # the daemon measured 16 GiB
     h.memory("a", 6 * GiB)
     h.memory("b", 6 * GiB)
     h.acquire("a")
     h.acquire("b")
     assert len(h.holders()) == 2
     h.register("liar")
-    h.device("liar", total=1 << 60)
-    # The clients disagree: the size is not known, and auto serialises (never the reverse:
-    # the huge figure lets nobody more run together).
-    assert h.status()["devices"][0]["total"] == 0
-    assert [(to, m.reason) for to, m in h.sent(protocol.Drop)] == [("b", "memory")]
-    h.bye("liar")
-    assert h.status()["devices"][0]["total"] == 16 * GiB  # agreed again
+    h.feed(DeviceInfo(h.now, "liar", GPU0, 1 << 60, "sim"))
+    h.feed(DeviceInfo(h.now, "liar", GPU1, 1 << 60, "sim"))  # a device the daemon could not measure
+    assert [d["total"] for d in h.status()["devices"]] == [16 * GiB, 0]
+    assert h.sent(protocol.Drop) == [] and len(h.holders()) == 2
+    h.memory("liar", 1 << 60)  # no client has more of a device than the device has
+    assert h.status()["devices"][0]["used"] == 28 * GiB
     h.feed(SetBudget(h.now, GPU0, 64 * GiB))  # only the operator sets budgets
-    h.register("liar2")
-    h.device("liar2", total=1)
+    h.feed(DeviceInfo(h.now, "liar", GPU0, 1, "sim"))
     assert h.status()["devices"][0]["budget"] == 64 * GiB
 
 

@@ -60,6 +60,7 @@ from nvshare_py.scheduler.events import (
     AcquireRequest,
     ClientInfo,
     DeviceInfo,
+    DeviceMeasured,
     Forget,
     Alive,
     LockEvent,
@@ -125,7 +126,7 @@ class DeviceModel:
     mode: str
     tq: float
     budget_override: int | None = None
-    announcers: set = field(default_factory=set)  # live procs that sent DEVICE (all say TOTAL)
+    measured: bool = False  # the daemon measured it (TOTAL); clients' DEVICE never sizes it
     outstanding: dict = field(default_factory=dict)  # grant -> Outstanding
     overdue: dict = field(default_factory=dict)  # revoked grant -> Proc, until its RELEASE
     queue: list = field(default_factory=list)  # Waiter, in ACQUIRE order
@@ -133,8 +134,8 @@ class DeviceModel:
 
     @property
     def total(self) -> int:
-        """What the clients measured, while one that did is still registered."""
-        return TOTAL if self.announcers else 0
+        """What the daemon measured (0: unknown)."""
+        return TOTAL if self.measured else 0
 
     @property
     def budget(self) -> int:
@@ -147,7 +148,8 @@ class DeviceModel:
     def unused(self, default_mode: str, default_tq: float) -> bool:
         """The core forgets such a device (issue 12: the table grew without limit)."""
         return (not self.knowers and not self.outstanding and not self.overdue and not self.queue
-                and self.budget_override is None and self.mode == default_mode and self.tq == default_tq)
+                and self.budget_override is None and not self.measured and self.mode == default_mode
+                and self.tq == default_tq)
 
     @property
     def contended(self) -> bool:
@@ -243,7 +245,6 @@ class LockCoreMachine(RuleBasedStateMachine):
                 del dev.overdue[grant]
             dev.queue = [w for w in dev.queue if w.proc is not proc]
             dev.knowers.discard(proc)
-            dev.announcers.discard(proc)
         for dev in used:
             if dev.unused(self.default_mode, self.default_tq):
                 del self.devices[dev.id]
@@ -372,13 +373,16 @@ class LockCoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(index=pick, device=device_choice, gib=st.integers(0, 12), announce=st.booleans())
     def report(self, index, device, gib, announce):
-        """DEVICE (its memory size) and MEMORY (its own use), as a client sends before ACQUIRE."""
+        """DEVICE and MEMORY (its own use), as a client sends before ACQUIRE; `announce`: the
+        daemon measured the device too (a client's DEVICE never sizes it)."""
         proc = self.choose(index)
         self.sent_by(proc, device)
         if announce:
-            self.device(device).announcers.add(proc)
-            self.feed(DeviceInfo(self.now, proc.key, device, TOTAL, "simulated"))
-        proc.used[device] = gib * GiB
+            self.device(device).measured = True
+            self.feed(DeviceMeasured(self.now, device, TOTAL, "simulated"))
+        self.feed(DeviceInfo(self.now, proc.key, device, 1 << 60 if announce else 0, "simulated"))
+        # A client has no more of a measured device than the device has: larger reports count as that.
+        proc.used[device] = min(gib * GiB, TOTAL) if self.device(device).measured else gib * GiB
         self.feed(MemoryReport(self.now, proc.key, device, gib * GiB))
 
     @precondition(lambda self: self.live)

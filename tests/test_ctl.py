@@ -30,7 +30,7 @@ GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 def busy(scheduler_factory):
     """A scheduler with one holder and one waiter on GPU, which stay so: the quantum (10 min)
     does not run out during a test however slow the machine."""
-    scheduler = scheduler_factory(tq=600)
+    scheduler = scheduler_factory(tq=600, gpus=1)  # the daemon measures the simulated 16 GiB GPU
     holder, waiter = scheduler.agent(), scheduler.agent()
     holder.send(f"announce {GPU} 17179869184 simulated GPU")
     holder.send(f"memory {GPU} 1073741824")

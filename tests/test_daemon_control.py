@@ -112,6 +112,7 @@ def test_malformed_requests_are_answered_with_codes(scheduler):
     assert reply["ok"] is True and reply["result"]["scheduler"]["pid"] == scheduler.pid
 
 
+@pytest.mark.scheduler_options(gpus=1, gpu_memory="1000")  # the daemon measures a GPU of 1000 bytes
 def test_settings_changes_reach_clients_and_status(scheduler):
     agent = scheduler.agent()
     agent.send(f"announce {GPU} 1000 simulated")

@@ -4,15 +4,17 @@ against SchedulerCore, measured from the core's own timeline."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fairshare_sim import GPU, World
+from fairshare_sim import GPU, Busy, World
 from nvshare_py import protocol
 from nvshare_py.scheduler import fairshare, views
 from nvshare_py.scheduler.core import ControlError
-from nvshare_py.scheduler.events import Register, SetLimit, SetPriority, SetWeight, Unregister
+from nvshare_py.scheduler.events import ClientInfo, Register, SetLimit, SetPriority, SetWeight, Unregister
 
 WINDOW = 60.0
 DELTA = 0.03  # the issue's δ: 3 percentage points
@@ -207,7 +209,7 @@ def test_bad_settings_are_refused_before_anything_changes(event, code):
     assert world.core.settings.document() == fairshare.Settings().document()
 
 
-def test_limits_are_pushed_when_they_change_and_when_a_client_first_names_a_device():
+def test_limits_are_pushed_when_they_change_and_before_a_new_client_is_welcomed():
     world = World()
     a = world.add("a", pod_uid="pod-a", busy=False)
     b = world.add("b", busy=False)
@@ -215,23 +217,26 @@ def test_limits_are_pushed_when_they_change_and_when_a_client_first_names_a_devi
     world.feed(SetLimit(0, 8 << 30))  # default, every device
     world.feed(SetLimit(0, 2 << 30, device=GPU, pod_uid="pod-a"))
     world.feed(SetLimit(0, 4 << 30, client=a.cid))  # the client's own, for every device, wins
-    limits = [(cid, m.bytes) for cid, m in world.sent if isinstance(m, protocol.Limit)]
-    assert limits == [(a.cid, 8 << 30), (b.cid, 8 << 30), (a.cid, 2 << 30), (a.cid, 4 << 30)]
+    limits = [(cid, m.device, m.bytes) for cid, m in world.sent if isinstance(m, protocol.Limit)]
+    assert limits == [(a.cid, "", 8 << 30), (b.cid, "", 8 << 30), (a.cid, GPU, 2 << 30),
+                      (a.cid, "", 4 << 30), (a.cid, GPU, 4 << 30)]
     world.sent.clear()
     world.feed(SetLimit(0, None))  # the default removed: b has none (0), a keeps its own
     assert [(cid, m.bytes) for cid, m in world.sent if isinstance(m, protocol.Limit)] == [(b.cid, 0)]
     world.feed(SetLimit(0, 1 << 30, pod_uid="pod-b"))
+    world.feed(SetLimit(0, 3 << 30, device="GPU-other", pod_uid="pod-b"))
     world.sent.clear()
-    world.add("c", pod_uid="pod-b", busy=False)  # its first DEVICE brings its pod's limit
-    assert [(cid, m.bytes) for cid, m in world.sent if isinstance(m, protocol.Limit)] == [("c3", 1 << 30)]
+    world.add("c", pod_uid="pod-b", busy=False)  # before its first memory call: its pod's limits
+    sent = [(type(m).__name__, getattr(m, "device", None), getattr(m, "bytes", None)) for _, m in world.sent]
+    assert sent[:3] == [("Limit", "", 1 << 30), ("Limit", "GPU-other", 3 << 30), ("Welcome", None, None)]
 
 
-def test_a_clients_settings_die_with_it():
+def test_a_clients_settings_die_with_its_process():
     world = World()
     a = world.add("a", busy=False)
     world.feed(SetWeight(0, 9, client=a.cid))
     world.feed(SetLimit(0, 1 << 30, client=a.cid))
-    world.feed(Unregister(0, "a", "bye"))
+    world.feed(Unregister(0, "a", "exited"))
     assert world.core.settings.document() == fairshare.Settings().document()
 
 
@@ -264,3 +269,32 @@ def test_a_reconnected_process_keeps_its_settings_and_is_told_its_limit_again():
     new = next(c for c in world.core.clients() if c.key == "a-again")
     assert new.cid != a.cid and world.core.weight(new) == 6
     assert [(cid, m.bytes) for cid, m in world.sent if isinstance(m, protocol.Limit)] == [(again.cid, 1 << 30)]
+
+
+def test_a_process_that_registers_afresh_keeps_its_settings_and_a_reused_pid_gets_none():
+    # Issue 20: a client with a limit sent BYE and registered again with a new session: it came
+    # back without its limit. Settings follow the process (uid, host pid and start time, all from
+    # the kernel), whatever session it says.
+    world = World()
+    info = ClientInfo(pid=7, session="00000000000000aa", host_pid=4242, uid=1000, host_start=99)
+
+    def register(key: str, **changes) -> str:
+        world.clients[key] = Busy(key, busy=False)
+        world.feed(Register(world.now, key, dataclasses.replace(info, **changes)))
+        return world.clients[key].cid
+
+    first = register("a")
+    world.feed(SetLimit(0, 1 << 30, client=first))
+    world.feed(SetWeight(0, 5, client=first))
+    world.feed(Unregister(0, "a", "bye"))
+    world.sent.clear()
+    again = register("b", session="00000000000000bb")
+    assert [(m.device, m.bytes) for _, m in world.sent if isinstance(m, protocol.Limit)] == [("", 1 << 30)]
+    assert world.core.settings.document()["weight"]["clients"] == {again: 5}
+    # The pid reused by another process (it started later): nothing of the first one's.
+    world.feed(Unregister(0, "b", "disconnected"))
+    world.sent.clear()
+    stranger = register("c", session="00000000000000cc", host_start=100)
+    assert not [m for _, m in world.sent if isinstance(m, protocol.Limit)]
+    assert world.core.settings.document()["weight"]["clients"] == {}
+    assert stranger not in world.core.settings.document()["limit"].get("*", {}).get("clients", {})

@@ -26,7 +26,7 @@ from nvshare_py import protocol
 from nvshare_py.scheduler import fairshare
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
 from nvshare_py.scheduler.events import (
-    AcquireRequest, ClientInfo, DeviceInfo, Register, ReleaseReport, Send, SetPriority, SetWeight, Tick, Unregister,
+    AcquireRequest, ClientInfo, DeviceInfo, DeviceMeasured, Register, ReleaseReport, Send, SetPriority, SetWeight, Tick, Unregister,
 )
 
 GPU = "GPU-5151ad00-0000-4000-8000-0000000000aa"
@@ -132,6 +132,7 @@ class FairshareMachine(RuleBasedStateMachine):
         self.by_key[proc.key] = proc
         info = ClientInfo(pid=self.numbers, session=f"{self.numbers:016x}", pod_uid=pod)
         self.feed(Register(self.now, proc.key, info))
+        self.feed(DeviceMeasured(self.now, GPU, 1 << 34))
         self.feed(DeviceInfo(self.now, proc.key, GPU, 1 << 34))
         if busy:
             self._acquire(proc)

@@ -271,7 +271,7 @@ def test_two_devices_two_locks(scheduler_factory, cuda_app):
 
 @pytest.mark.parametrize("each_gib,expect_overlap", [(3, False), (1, True)])
 def test_auto_mode_serialises_only_when_memory_does_not_fit(scheduler_factory, cuda_app, each_gib, expect_overlap):
-    scheduler = scheduler_factory(mode="auto", tq=0.3)
+    scheduler = scheduler_factory(mode="auto", tq=0.3, gpus=1, gpu_memory="4G")  # it measures the GPU (NVML)
     env = {"SIMCUDA_MEMORY": "4G"}
     apps = [cuda_app(scheduler.env, "init", f"alloc:plain:{each_gib << 30}", "wait", "loop:2:30000", env=env)
             for _ in range(2)]

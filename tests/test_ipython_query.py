@@ -18,7 +18,7 @@ from nvshare_py.client import Client
 from nvshare_py.scheduler import views
 from nvshare_py.scheduler.views import user_name
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
-from nvshare_py.scheduler.events import AcquireRequest, ClientInfo, DeviceInfo, MemoryReport, Register, ReleaseReport, Send
+from nvshare_py.scheduler.events import AcquireRequest, ClientInfo, DeviceInfo, DeviceMeasured, MemoryReport, Register, ReleaseReport, Send
 
 GPU0 = "GPU-5151ad00-0000-4000-8000-000000000000"
 GPU1 = "GPU-5151ad00-0000-4000-8000-000000000001"
@@ -81,6 +81,7 @@ class Core:
     def register(self, key: str, host_pid: int, program: str = "python", pod: str = "") -> None:
         info = ClientInfo(pid=host_pid, session=f"{host_pid:016x}", host_pid=host_pid, uid=1000, program=program, pod=pod)
         self.feed(Register(self.now, key, info))
+        self.feed(DeviceMeasured(self.now, GPU0, 16 << 30, "sim GPU"))
         self.feed(DeviceInfo(self.now, key, GPU0, 16 << 30, "sim GPU"))
 
     def grant_of(self, actions) -> int:

@@ -11,6 +11,10 @@ import sys
 
 import pytest
 
+# Limits, not admission: the programs here allocate past the device (oversubscription), which
+# admission would weigh against the host's memory.
+pytestmark = pytest.mark.scheduler_options(admission_spill="off")
+
 MiB, GiB = 1 << 20, 1 << 30
 SIM_TOTAL = 16 * GiB
 OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY
@@ -251,12 +255,12 @@ static void *set_from_another_thread(void *unused) {
 int main(void) {
     nvs_config_load();
     for (int i = 0; i < 3; i++) devices[i].ordinal = i, snprintf(devices[i].uuid, 64, "GPU-%d", i);
-    printf("configured %llu %d\n", (unsigned long long)nvs_limit_of(&devices[0]), nvs_limits_in_force());
+    printf("configured %llu\n", (unsigned long long)nvs_limit_of(&devices[0]));
     pthread_t other;
     pthread_create(&other, NULL, set_from_another_thread, NULL);
     pthread_join(other, NULL);
-    printf("set %llu %llu %d\n", (unsigned long long)nvs_limit_of(&devices[1]),
-           (unsigned long long)(nvs_limit_of(&devices[2]) == NVS_NO_LIMIT), nvs_limits_in_force());
+    printf("set %llu %llu\n", (unsigned long long)nvs_limit_of(&devices[1]),
+           (unsigned long long)(nvs_limit_of(&devices[2]) == NVS_NO_LIMIT));
     nvs_limit_set(&devices[0], 3 << 20);
     printf("changed %llu\n", (unsigned long long)nvs_limit_of(&devices[0]));
     return 0;
@@ -276,6 +280,35 @@ def test_a_limit_set_at_run_time_wins_over_the_configured_one(compile_c, setting
         env["NVSHARE_MEMORY_LIMIT"] = setting
     done = subprocess.run([str(program)], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    configured = f"{8 * GiB} 1" if setting else f"{(1 << 64) - 1} 0"  # NVS_NO_LIMIT, nothing in force
-    assert done.stdout.splitlines() == [f"configured {configured}", f"set {MiB} 1 1", f"changed {3 * MiB}"]
+    configured = f"{8 * GiB}" if setting else f"{(1 << 64) - 1}"  # NVS_NO_LIMIT
+    assert done.stdout.splitlines() == [f"configured {configured}", f"set {MiB} 1", f"changed {3 * MiB}"]
     assert "device 0 (GPU-0): memory limit 3145728 bytes" in done.stderr
+
+
+def test_a_limit_set_before_the_program_starts_governs_its_first_memory_calls(run, scheduler):
+    # Issue 20: with a default limit of 64 MiB set on the scheduler, a new program's first
+    # 128 MiB allocation succeeded and its first cuMemGetInfo showed the whole device (what
+    # JAX, PyTorch and TensorFlow size themselves from): the limit came only after a DEVICE,
+    # which went out only after that allocation. Now the limits come with the registration,
+    # and the first memory call waits for it.
+    scheduler.request("set-limit", bytes=64 * MiB)
+    scheduler.request("set-limit", bytes=32 * MiB, device=DEVICE1)  # a device's own wins on it
+    first_queries, _ = run("meminfo", "total", "nvml")
+    assert first_queries[0] == {"free": 64 * MiB, "total": 64 * MiB}
+    assert first_queries[1] == {"totals": [64 * MiB]}
+    assert first_queries[2]["v1"] == [64 * MiB, 64 * MiB, 0]
+    first_allocation, stderr = run(f"alloc:plain:{128 * MiB}", f"alloc:plain:{48 * MiB}")
+    assert first_allocation == [{"error": OUT_OF_MEMORY}, {"ok": True}]
+    assert refusals(stderr)
+    other_device, _ = run("use:1", "meminfo", devices=2)
+    assert other_device == [{"free": 32 * MiB, "total": 32 * MiB}]
+
+
+def test_without_a_scheduler_the_first_memory_calls_go_on_and_say_so_once(simcuda, libnvshare, tmp_path):
+    env = simcuda.env(LD_PRELOAD=str(libnvshare), NVSHARE_SOCKET_DIR=str(tmp_path), NVSHARE_FAIL_MODE="closed")
+    done = subprocess.run([sys.executable, "-c", PROGRAM, "meminfo", f"alloc:plain:{GiB}", f"alloc:plain:{GiB}"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [{"free": SIM_TOTAL, "total": SIM_TOTAL}, {"ok": True},
+                                                         {"ok": True}]
+    assert done.stderr.count("allocations go on without its memory limits") == 1, done.stderr

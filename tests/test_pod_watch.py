@@ -6,8 +6,11 @@ refusals, an absent scheduler), and the real daemon for what its settings become
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -450,3 +453,38 @@ def test_a_client_in_an_annotated_pod_gets_the_pods_settings(apiserver, schedule
         client = wait_for(lambda: (c := mine()) and c["weight"] == 7 and c, what="the pod's weight on its client")
         assert client["priority"] == 3 and client["pod"] == "someone-else"
         agent.kill()
+
+
+# A CUDA program under the interceptor that waits for a line on stdin (so that it can be moved
+# into a pod's cgroup before it registers), then makes its first memory calls.
+FIRST_MEMORY_CALLS = r"""
+import json, sys
+sys.stdin.readline()
+from nvshare_py.driver import Driver, DriverError
+cuda = Driver(via="dlsym")
+cuda.context(0)
+free, total = cuda.mem_get_info()
+try:
+    cuda.alloc(128 << 20, "plain")
+    allocation = "ok"
+except DriverError as error:
+    allocation = error.code
+print(json.dumps({"free": free, "total": total, "allocation": allocation}))
+"""
+
+
+def test_a_pods_memory_limit_annotation_governs_its_programs_first_memory_calls(apiserver, scheduler, simcuda,
+                                                                                libnvshare):
+    # Issue 20: a pod annotated nvshare.com/memory-limit was not limited where it matters (the
+    # first cuMemGetInfo, which frameworks size themselves from, and the first allocation).
+    notebook = apiserver.add_pod("nb-0", NODE, {MEMORY_LIMIT: "64Mi"})
+    env = simcuda.env(LD_PRELOAD=str(libnvshare), NVSHARE_SOCKET_DIR=str(scheduler.socket_dir))
+    with fake_pod_cgroup(notebook) as move, running_sync(apiserver, scheduler.paths):
+        wait_for(lambda: pod_settings(scheduler.status()) == {("limit", notebook): 64 << 20},
+                 what="the pod's limit in the scheduler's status")
+        program = subprocess.Popen([sys.executable, "-c", FIRST_MEMORY_CALLS], env=env, cwd="/", text=True,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        move(program.pid)
+        out, err = program.communicate("go\n", timeout=PATIENCE)
+    assert program.returncode == 0, err
+    assert json.loads(out) == {"free": 64 << 20, "total": 64 << 20, "allocation": 2}  # CUDA_ERROR_OUT_OF_MEMORY

@@ -21,6 +21,7 @@ from nvshare_py.scheduler.events import (
     AcquireRequest,
     ClientInfo,
     DeviceInfo,
+    DeviceMeasured,
     EvictedReport,
     Log,
     MemoryReport,
@@ -28,6 +29,7 @@ from nvshare_py.scheduler.events import (
     ReleaseReport,
     Send,
     SetBudget,
+    SetPriority,
     Tick,
 )
 
@@ -52,6 +54,7 @@ class Cluster:
 
     def join(self, key: str, used: int, resident: int | None) -> None:
         self.feed(Register(self.now, key, ClientInfo(pid=len(key) + 100, session=f"{abs(hash(key)):016x}"[:16])))
+        self.feed(DeviceMeasured(self.now, DEV, TOTAL))
         self.feed(DeviceInfo(self.now, key, DEV, TOTAL))
         if self.budget is not None:
             self.core.handle(SetBudget(self.now, DEV, self.budget))
@@ -191,6 +194,37 @@ def test_status_shows_resident_and_swapped_out_bytes():
     shown = {cl["client"]: cl["devices"][DEV] for cl in views.status(c.core, c.now, lambda t: t)["clients"]}
     assert (shown["c1"]["resident"], shown["c1"]["swapped"]) == (4 * GiB, 8 * GiB)
     assert (shown["c2"]["resident"], shown["c2"]["swapped"]) == (12 * GiB, 0)
+
+
+def test_a_handoff_to_oneself_moves_no_memory():
+    # Issue 20: under priority, a holder was swapped out and granted the lock again itself every
+    # ~0.75 s: it released (ahead of its quantum's end), was sent EVICT to make room for the
+    # waiter, asked again, and, outranking the waiter, was granted while its memory moved out
+    # for nobody (GRANT without prefetch: it faulted it all back in). The waiter room is being
+    # made for keeps its turn: the memory moves for it, and it is granted.
+    c = Cluster(budget=16 * GiB)
+    c.join("a", 12 * GiB, 0)
+    c.feed(SetPriority(c.now, 5, client="c1"))
+    c.feed(AcquireRequest(c.now, "a", DEV))
+    grant = c.grant_of("a")
+    c.feed(MemoryReport(c.now, "a", DEV, 12 * GiB, 12 * GiB))
+    c.join("b", 12 * GiB, 0)
+    c.feed(AcquireRequest(c.now, "b", DEV))
+    c.advance(0.9)
+    c.feed(ReleaseReport(c.now, "a", DEV, grant.grant, "quantum", 12 * GiB))  # a pre-drain: no evict asked
+    (evict,) = c.sent(protocol.Evict, "a")  # room for b
+    assert evict.bytes == 8 * GiB
+    c.feed(AcquireRequest(c.now, "a", DEV))  # a has more work; its class is above b's
+    assert not c.sent(protocol.Grant)
+    c.feed(EvictedReport(c.now, "a", DEV, 4 * GiB))
+    assert c.grant_of("b").prefetch == 0 and not c.sent(protocol.Grant, "a")
+    # b's turn ends; a, granted now, brings its memory back in bulk
+    b_grant = c.grant_of("b").grant
+    c.feed(MemoryReport(c.now, "b", DEV, 12 * GiB, 12 * GiB))
+    c.advance(1.0)
+    assert c.sent(protocol.Drop, "b")[0].evict == 8 * GiB
+    c.feed(ReleaseReport(c.now, "b", DEV, b_grant, "drop", 4 * GiB))
+    assert c.grant_of("a").prefetch == 8 * GiB
 
 
 # --- the state machine ---------------------------------------------------------------------

@@ -112,6 +112,7 @@ def test_memory_gauges_follow_the_reports_and_forget_clients_that_left():
     d = Driven()
     d.register("a", 0.0)
     d.register("b", 0.0)
+    d.feed(ev.DeviceMeasured(0.0, GPU, 8000))
     d.feed(ev.DeviceInfo(0.0, "a", GPU, 8000))
     d.feed(ev.MemoryReport(0.0, "a", GPU, 3000))
     d.feed(ev.MemoryReport(0.0, "b", GPU, 500))
@@ -138,6 +139,7 @@ def test_swaps_asked_at_a_handoff_over_budget_are_counted_in_both_directions():
     d.register("a", 0.0)
     d.register("b", 0.0)
     for key in ("a", "b"):
+        d.feed(ev.DeviceMeasured(0.0, GPU, 16000))
         d.feed(ev.DeviceInfo(0.0, key, GPU, 16000))
         d.feed(ev.MemoryReport(0.0, key, GPU, 12000, 0))
     d.feed(ev.AcquireRequest(0.0, "a", GPU))

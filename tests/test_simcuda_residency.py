@@ -216,7 +216,7 @@ def test_with_swapping_each_handoff_moves_memory_once_each_way_at_prefetch_cost(
     bulk prefetch, at most once out and once in per process and turn. The trace is read while
     both processes still live (after their loops): the memory of a process that has exited but
     is not yet reaped still counts as the simulated device's, which is not swapping's business."""
-    scheduler = scheduler_factory(mode="on", tq=0.3)
+    scheduler = scheduler_factory(mode="on", tq=0.3, gpus=1, gpu_memory="64M")  # the budget: what NVML shows
     env = {**scheduler.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path)}
     apps = [cuda_app(env, "init", f"alloc:plain:{OVER}", "wait", *LOOP, "wait") for _ in range(2)]
     for app in apps:

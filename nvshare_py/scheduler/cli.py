@@ -136,6 +136,8 @@ def serve(
         "scheduler, and exit (docs/scheduler.md, As a service)"),
     print_tmpfiles: bool = typer.Option(
         False, "--print-tmpfiles", help="Print the tmpfiles.d entry that makes its socket directory at boot, and exit"),
+    admission_share: float = typer.Option(admission.DEFAULT_SHARE, parser=number_between(0.01, 1.0),
+                                          help="The part of the admission capacity one user (uid) or pod may hold (1: no bound)"),
     version: bool = VERSION_OPTION,
 ) -> None:
     if print_systemd_unit or print_tmpfiles:
@@ -158,6 +160,7 @@ def serve(
             admission_spill=admission_spill,
             admission_policy=admission_policy,
             admission_timeout=admission_timeout,
+            admission_share=admission_share,
         )
     except ValueError as exc:  # what the parsers let through: e.g. a heartbeat timeout not longer than the interval
         raise typer.BadParameter(str(exc)) from None

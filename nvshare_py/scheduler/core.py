@@ -22,17 +22,16 @@ announced, so after `handle(Tick(now))` the next deadline always lies after `now
 
 from __future__ import annotations
 
-import collections
 import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Hashable
 
 from .. import protocol
 from ..vocabulary import GPU_UUID, MODE
 from . import residency
-from . import admission
-from .admission import AdmissionBook, AdmissionConfig
+from .admission import Admit, AdmissionBook, AdmissionConfig, Decision, Refuse, Waiter
 from . import fairshare
 from .events import (
     AcquireRequest,
@@ -42,6 +41,7 @@ from .events import (
     ClientKey,
     ControlError,
     DeviceInfo,
+    DeviceMeasured,
     Event,
     EvictedReport,
     Forget,
@@ -154,7 +154,7 @@ class _Hold:
 
 
 class _Client:
-    __slots__ = ("key", "cid", "info", "connected", "last_seen", "pairs")
+    __slots__ = ("key", "cid", "info", "connected", "last_seen", "pairs", "told_every", "told")
 
     def __init__(self, key: ClientKey, cid: str, info: ClientInfo, now: float) -> None:
         self.key = key
@@ -163,19 +163,29 @@ class _Client:
         self.connected = now
         self.last_seen = now
         self.pairs: dict[str, _Pair] = {}  # by device id
+        # The memory limits this registration was told (LIMIT, 0: none): for every device,
+        # and for the devices it was told of one by one (those override the former).
+        self.told_every = 0
+        self.told: dict[str, int] = {}
+
+    @property
+    def process(self) -> Hashable | None:
+        """The process's kernel-verified identity (None where the daemon cannot see it)."""
+        info = self.info
+        return (info.uid, info.host_pid, info.host_start) if info.host_pid else None
 
 
 class _Device:
-    __slots__ = ("id", "name", "total", "reports", "budget_override", "mode", "tq", "holders", "overdue", "queue",
-                 "pairs", "used", "evict_asked", "evict_awaited", "evict_deadline", "classes", "grants_made")
+    __slots__ = ("id", "name", "total", "budget_override", "mode", "tq", "holders", "overdue", "queue",
+                 "pairs", "used", "evict_asked", "evict_awaited", "evict_deadline", "evict_for", "classes",
+                 "grants_made")
 
     def __init__(self, device_id: str, mode: Mode, tq: float) -> None:
         self.id = device_id
         self.name = ""
-        # The device's size as its clients measured it (DEVICE): 0 until one did, and while
-        # they disagree. `reports` counts the clients' figures.
+        # The device's size as the daemon measured it (DeviceMeasured): 0 while unknown. A
+        # client's DEVICE report never sizes it (docs/scheduler.md, security model).
         self.total = 0
-        self.reports: collections.Counter[int] = collections.Counter()
         self.budget_override: int | None = None
         self.mode: Mode = mode
         self.tq = tq
@@ -190,40 +200,33 @@ class _Device:
         self.pairs: dict[_Pair, None] = {}  # every client that knows the device (MODE notices)
         self.used = 0  # sum of the pairs' used bytes
         # The current wait for room (residency.py): who was sent EVICT in it and for how many
-        # bytes, whose EVICTED is still awaited, and when the head is granted regardless.
+        # bytes, whose EVICTED is still awaited, when the head is granted regardless, and the
+        # head it is for: its turn has begun, so it is granted next even if a waiter that
+        # outranks it comes meanwhile (else that one, maybe the very client that is moving its
+        # memory out, would be granted while memory moves for nobody).
         self.evict_asked: dict[_Pair, int] = {}
         self.evict_awaited: dict[_Pair, None] = {}
         self.evict_deadline: float | None = None
+        self.evict_for: _Pair | None = None
 
     @property
     def budget(self) -> int:
         """0 means unknown, which auto mode treats as "nothing fits beside a holder"."""
         return self.total if self.budget_override is None else self.budget_override
 
-    def count_report(self, old: int, new: int) -> None:
-        """A client's measured size changed from `old` to `new` (0: none)."""
-        if old:
-            self.reports[old] -= 1
-            if not self.reports[old]:
-                del self.reports[old]
-        if new:
-            self.reports[new] += 1
-        self.total = next(iter(self.reports)) if len(self.reports) == 1 else 0
-
     def held_used(self) -> int:
         return sum(pair.used for pair in self.holders.values())
 
 
 class _Pair:
-    __slots__ = ("client", "device", "used", "total", "hold", "overdue", "waiting_since", "wait_total", "hold_total",
+    __slots__ = ("client", "device", "used", "hold", "overdue", "waiting_since", "wait_total", "hold_total",
                  "grants", "blocked_by", "last_wait", "resident", "swapped", "last_held", "queued_seq", "queued_grants",
-                 "queued_class", "recent", "limit_sent")
+                 "queued_class", "recent")
 
     def __init__(self, client: _Client, device: _Device) -> None:
         self.client = client  # changes when a reconnecting process takes its pairs over
         self.device = device
         self.used = 0
-        self.total = 0  # the device's size as this client measured it (DEVICE), 0 before
         self.hold: _Hold | None = None  # the current grant, holding or draining
         self.overdue: dict[int, _Hold] = {}
         self.waiting_since: float | None = None
@@ -246,7 +249,6 @@ class _Pair:
         self.queued_grants = 0
         self.queued_class = 0
         self.recent = fairshare.new_recent()  # finished holds (since, until) in the share window
-        self.limit_sent = 0  # the memory limit last sent in LIMIT (0: none)
 
 
 def _same_process(old: ClientInfo, new: ClientInfo) -> bool:
@@ -282,7 +284,9 @@ class SchedulerCore:
         self._queue_numbers = 0
         self.settings = fairshare.Settings()
         self._recovery_end: float | None = now + config.recovery if config.recovery > 0 else None
-        self._admission = AdmissionBook(config.admission)
+        self._admission: AdmissionBook[_Pair] = AdmissionBook(config.admission)
+        self._budgets = 0  # the sum of the devices' budgets (known ones): the capacity less the spill
+        self._admission.set_capacity(config.admission.spill or 0)
         self._client_handlers = {
             DeviceInfo: self._device_info,
             MemoryReport: self._memory,
@@ -295,6 +299,7 @@ class SchedulerCore:
         }
         self._other_handlers = {
             Register: self._register,
+            DeviceMeasured: self._device_measured,
             Tick: self._tick,
             SetMode: self._set_mode,
             SetQuantum: self._set_quantum,
@@ -366,6 +371,17 @@ class SchedulerCore:
         client = pair.client
         return self.settings.limit(client.cid, client.info.pod_uid, pair.device.id)
 
+    @staticmethod
+    def principal(client: _Client) -> Hashable:
+        """Whom admission's quota is for (admission.py): the client's pod, else its user, both
+        as the kernel shows them; a client whose uid the daemon cannot see is its own."""
+        info = client.info
+        if info.pod_uid:
+            return ("pod", info.pod_uid)
+        if info.uid is not None:
+            return ("uid", info.uid)
+        return ("client", client.key)
+
     def quantum_end(self, pair: _Pair) -> float:
         """When the quantum of the pair's current grant ends (it matters only while others
         wait): its weighted quantum, cut to the floor while a waiter outranks it."""
@@ -412,6 +428,15 @@ class SchedulerCore:
         self._clients[client.key] = client
         self._sessions.setdefault(ev.info.session, []).append(client)
         self._silence[client.key] = client
+        # The process keeps what was set for it: from the registration it reconnects as, or
+        # from one it ended (BYE, a closed connection) while it lived on.
+        for old in predecessors:
+            self.settings.rename_client(old.cid, client.cid)
+        if client.process is not None:
+            self.settings.restore(client.process, client.cid)
+        # Its memory limits come before WELCOME: a process's first allocation and its first
+        # cuMemGetInfo wait for the registration, which then includes them (docs/protocol.md).
+        self._sync_limits(client, out)
         config = self.config
         out.append(Send(client.key, protocol.Welcome(
             client=client.cid,
@@ -474,12 +499,7 @@ class SchedulerCore:
                 out.append(Log("info", "grant-passes", {"client": new.cid, "device": dev.id, "grant": hold.grant,
                                                    "predecessor": old.cid}))
         old.pairs = {}
-        self.settings.rename_client(old.cid, new.cid)
-        for pair in new.pairs.values():
-            # The process's new registration starts without limits (client_core.c): again.
-            pair.limit_sent = 0
-            self._push_limit(pair, out)
-        self._unlink_client(old)
+        self._unlink_client(old, park=False)  # its settings passed to `new` (_register)
         out.append(Forget(old.key, "replaced"))
         out.append(LockEvent(now, "unregister", client=old.cid, detail="replaced"))
         out.append(Log("info", "replaced", {"client": old.cid, "successor": new.cid}))
@@ -512,37 +532,37 @@ class SchedulerCore:
     # --- client events -------------------------------------------------------------------
 
     def _device_info(self, client: _Client, ev: DeviceInfo, out: list[Action]) -> None:
-        """A client's measurement of the device. It never sets the budget for everyone (only
-        the control socket does): it is the device's size only while every client that
-        measured it agrees; 0 (the client could not measure) counts as no measurement."""
+        """A client uses the device. Its `total` is not used: a device is sized only by the
+        daemon's own measurement and the operator's budget, which no client can change."""
         pair = self._pair(client, ev.device, ev, out)
-        if pair is None:
-            return
-        dev = pair.device
+        if pair is not None and ev.name and not pair.device.name:
+            pair.device.name = ev.name
+
+    def _device_measured(self, ev: DeviceMeasured, out: list[Action]) -> None:
+        dev = self._device(ev.device)
         if ev.name:
             dev.name = ev.name
-        if ev.total == pair.total:
+        if ev.total == dev.total:
             return
-        before = dev.total
-        dev.count_report(pair.total, ev.total)
-        pair.total = ev.total
-        if dev.total != before:
-            if not dev.total and dev.reports:
-                out.append(Log("warning", "sizes-disagree", {"device": dev.id, "client": client.cid}))
-            if dev.mode == "auto" and dev.budget_override is None:
-                self._settle(dev, ev.now, out)
-            self._settle_admission(ev.now, out)
+        before = dev.budget
+        dev.total = ev.total
+        out.append(Log("info", "device-measured", {"device": dev.id, "total": ev.total}))
+        self._budget_changed(dev, before, ev.now, out)
 
     def _memory(self, client: _Client, ev: MemoryReport, out: list[Action]) -> None:
         pair = self._pair(client, ev.device, ev, out)
         if pair is None:
             return
         dev = pair.device
-        freed = max(0, pair.used - ev.used)
-        dev.used += ev.used - pair.used
-        pair.used = ev.used
+        # A report is the client's measurement of itself, and no client has more of a device
+        # than the device has: a larger figure counts as the device's size.
+        used = min(ev.used, dev.total) if dev.total else ev.used
+        freed = max(0, pair.used - used)
+        dev.used += used - pair.used
+        pair.used = used
+        self._admission.report(pair, self.principal(client), used)
         if ev.resident is not None:
-            residency.report(pair, ev.resident, freed)
+            residency.report(pair, min(ev.resident, used), freed)
         if dev.mode == "auto" or dev.evict_awaited:
             self._settle(dev, ev.now, out)
         self._settle_admission(ev.now, out)
@@ -606,7 +626,9 @@ class SchedulerCore:
                 out.append(LockEvent(now, per_device_kind, dev.id, client.cid, grant, reason))
             self._discard_pair(pair, now)
         client.pairs = {}
-        self._unlink_client(client)
+        # A process that exited is gone for good; any other may register again, and keeps its
+        # settings then (Settings.park).
+        self._unlink_client(client, park=reason != "exited")
         out.append(Forget(client.key, reason))
         out.append(LockEvent(now, "unregister", client=client.cid, detail=reason))
         if reason == "heartbeat-timeout":
@@ -712,12 +734,12 @@ class SchedulerCore:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
             raise ControlError("bad-request", f"budget must be a positive number of bytes or null, not {budget!r}")
         (dev,) = self._targets(ev.device)
+        before = dev.budget
         dev.budget_override = budget
         detail = "total" if budget is None else str(budget)
         out.append(LockEvent(ev.now, "budget", dev.id, detail=detail))
         out.append(Log("info", "budget-set", {"device": dev.id, "budget": detail}))
-        self._settle(dev, ev.now, out)
-        self._settle_admission(ev.now, out)
+        self._budget_changed(dev, before, ev.now, out)
         self._forget_if_unused(dev)
 
     # --- per-client settings (fairshare.py) -----------------------------------------------
@@ -776,17 +798,24 @@ class SchedulerCore:
         out.append(Log("info", "limit-set", {"target": target.describe(), "device": ev.device or "",
                                              "bytes": _shown(limit)}))
         for client in self._clients.values():
-            for pair in client.pairs.values():
-                self._push_limit(pair, out)
+            self._sync_limits(client, out)
 
-    def _push_limit(self, pair: _Pair, out: list[Action]) -> None:
-        """LIMIT to the client when its resolved limit on the device is not what it was told."""
-        limit = self.limit(pair) or 0
-        if limit == pair.limit_sent:
-            return
-        pair.limit_sent = limit
-        out.append(Send(pair.client.key, protocol.Limit(device=pair.device.id, bytes=limit)))
-        out.append(Log("info", "limit-sent", {"client": pair.client.cid, "device": pair.device.id, "bytes": limit}))
+    def _sync_limits(self, client: _Client, out: list[Action]) -> None:
+        """LIMIT to the client for every resolved limit it was not told: the one for every
+        device (no `device`), then each device whose own differs from what the client applies
+        to it. So a client knows its limits on devices it has not named yet (docs/protocol.md)."""
+        cid, pod_uid = client.cid, client.info.pod_uid
+        every = self.settings.limit_every(cid, pod_uid) or 0
+        if every != client.told_every:
+            client.told_every = every
+            out.append(Send(client.key, protocol.Limit(bytes=every)))
+            out.append(Log("info", "limit-sent", {"client": cid, "device": "", "bytes": every}))
+        for device in sorted(set(self.settings.limit_devices()) | set(client.told)):
+            limit = self.settings.limit(cid, pod_uid, device) or 0
+            if limit != client.told.get(device, client.told_every):
+                client.told[device] = limit
+                out.append(Send(client.key, protocol.Limit(bytes=limit, device=device)))
+                out.append(Log("info", "limit-sent", {"client": cid, "device": device, "bytes": limit}))
 
     def _notify_settings(self, dev: _Device, out: list[Action]) -> None:
         notice = protocol.ModeNotice(device=dev.id, mode=dev.mode, quantum_ms=_ms(dev.tq))
@@ -869,7 +898,7 @@ class SchedulerCore:
         if self._recovering(now):
             return  # only claims of reconnecting holders are granted until recovery ends
         while dev.queue:
-            pair = self._next_waiter(dev)
+            pair = dev.evict_for or self._next_waiter(dev)  # room is being made for the former
             if pair.hold is not None:
                 break  # a draining holder that asked again waits for its own release
             if dev.holders and self._serialised_against(dev, pair):
@@ -954,27 +983,42 @@ class SchedulerCore:
         return self._admission.config
 
     def admission_capacity(self) -> int:
-        """What the clients may hold on this node: the devices' budgets plus the host spill."""
-        return sum(dev.budget for dev in self._devices.values()) + (self._admission.config.spill or 0)
+        """What the clients may hold on this node: the devices' budgets (the daemon's
+        measurements and the operator's settings, never a client's word) plus the host spill."""
+        return self._admission.capacity
 
     def admission_reserved(self) -> int:
-        return self._admission.reserved(self._uses())
+        return self._admission.reserved
 
-    def admission_of(self, pair: _Pair) -> tuple[int, admission.Waiter | None]:
+    def admission_of(self, pair: _Pair) -> tuple[int, Waiter[_Pair] | None]:
         """A pair's admitted total and its unanswered question, for views.py."""
         return self._admission.admitted(pair), self._admission.waiters.get(pair)
 
-    def admission_waiters(self) -> list[admission.Waiter]:
+    def admission_reservation(self, pair: _Pair) -> int:
+        return self._admission.reservation(pair)
+
+    def admission_waiters(self) -> list[Waiter[_Pair]]:
         return list(self._admission.waiters.values())
 
-    def _uses(self) -> dict[_Pair, int]:
-        return {pair: pair.used for dev in self._devices.values() for pair in dev.pairs}
+    def _budget_changed(self, dev: _Device, before: int, now: float, out: list[Action]) -> None:
+        """A device's budget changed from `before`: the capacity follows, and what depends on
+        the budget is settled again (auto mode, room for a grant, admission)."""
+        self._budgets += dev.budget - before
+        self._admission.set_capacity(self._budgets + (self._admission.config.spill or 0))
+        self._settle(dev, now, out)
+        self._settle_admission(now, out)
 
     def _admit(self, client: _Client, ev: AdmitRequest, out: list[Action]) -> None:
         pair = self._pair(client, ev.device, ev, out)
         if pair is None:
             return
-        waiter = self._admission.ask(pair, ev.request, ev.bytes, ev.now)
+        limit = self.limit(pair)
+        if ev.request and limit is not None and ev.bytes > limit:
+            # Past the operator's limit: no wait can change that (docs/protocol.md, REFUSED).
+            self._answer(Refuse(Waiter(pair, ev.request, ev.bytes, ev.now, 0), "limit"),
+                         ev.now, out)
+            return
+        waiter = self._admission.ask(pair, self.principal(client), ev.request, ev.bytes, ev.now)
         self._settle_admission(ev.now, out)
         if waiter is not None and ev.request and pair in self._admission.waiters:
             out.append(LockEvent(ev.now, "admit-wait", ev.device, client.cid, detail=str(ev.bytes)))
@@ -986,39 +1030,42 @@ class SchedulerCore:
         spill = old.spill if ev.keep_spill else ev.spill
         policy = old.policy if ev.policy is None else ev.policy
         timeout = old.timeout if ev.timeout is None else ev.timeout
+        share = old.share if ev.share is None else ev.share
         try:
-            new = AdmissionConfig(spill=spill, policy=policy, timeout=timeout, seed=old.seed)
+            new = AdmissionConfig(spill=spill, policy=policy, timeout=timeout, share=share, seed=old.seed)
         except ValueError as exc:
             raise ControlError("bad-request", str(exc)) from None
         self._admission.reconfigure(new)
-        detail = f"spill={'off' if spill is None else spill} policy={policy} timeout={timeout:g}"
-        out.append(LockEvent(ev.now, "admission", detail=detail))
-        out.append(Log("info", "admission-set", {"spill": "off" if spill is None else spill, "policy": policy,
-                                                "timeout": timeout}))
+        self._admission.set_capacity(self._budgets + (spill or 0))
+        shown = "off" if spill is None else spill
+        out.append(LockEvent(ev.now, "admission", detail=f"spill={shown} policy={policy} timeout={timeout:g} "
+                                                         f"share={share:g}"))
+        out.append(Log("info", "admission-set", {"spill": shown, "policy": policy, "timeout": timeout,
+                                                "share": share}))
         self._settle_admission(ev.now, out)
 
     def _settle_admission(self, now: float, out: list[Action]) -> None:
-        """Answer the admission questions that can be answered now."""
-        book = self._admission
-        if not book.waiters:
+        """Answer the admission questions that can be answered now (cheap when none can)."""
+        for decision in self._admission.settle(now):
+            self._answer(decision, now, out)
+
+    def _answer(self, decision: Decision[_Pair], now: float, out: list[Action]) -> None:
+        waiter = decision.waiter
+        pair = waiter.pair
+        cid, device_id = pair.client.cid, pair.device.id
+        waited = now - waiter.since
+        if isinstance(decision, Admit):
+            out.append(Send(pair.client.key, protocol.Admitted(device=device_id, request=waiter.request,
+                                                               bytes=decision.total)))
+            if waited > 0:
+                out.append(LockEvent(now, "admitted", device_id, cid, detail=f"{decision.total} after {waited:.3f}s"))
             return
-        for decision in book.settle(self.admission_capacity(), self._uses(), now):
-            waiter = decision.waiter
-            pair = waiter.pair
-            cid, device_id = pair.client.cid, pair.device.id
-            waited = now - waiter.since
-            if isinstance(decision, admission.Admit):
-                out.append(Send(pair.client.key, protocol.Admitted(device=device_id, request=waiter.request,
-                                                                   bytes=decision.total)))
-                if waited > 0:
-                    out.append(LockEvent(now, "admitted", device_id, cid, detail=f"{decision.total} after {waited:.3f}s"))
-            else:
-                out.append(Send(pair.client.key, protocol.Refused(device=device_id, request=waiter.request,
-                                                                  reason=decision.reason)))
-                out.append(LockEvent(now, "refused", device_id, cid, detail=f"{waiter.bytes} {decision.reason}"))
-                out.append(Log("warning", "admission-refused", {"client": cid, "device": device_id,
-                                                              "bytes": waiter.bytes, "reason": decision.reason,
-                                                              "capacity": self.admission_capacity()}))
+        out.append(Send(pair.client.key, protocol.Refused(device=device_id, request=waiter.request,
+                                                          reason=decision.reason)))
+        out.append(LockEvent(now, "refused", device_id, cid, detail=f"{waiter.bytes} {decision.reason}"))
+        out.append(Log("warning", "admission-refused", {"client": cid, "device": device_id, "bytes": waiter.bytes,
+                                                      "reason": decision.reason,
+                                                      "capacity": self.admission_capacity()}))
 
     # --- state changes -------------------------------------------------------------------
 
@@ -1073,6 +1120,7 @@ class SchedulerCore:
                 if dev.evict_awaited:
                     if dev.evict_deadline is None:
                         dev.evict_deadline = now + self.config.grace
+                    dev.evict_for = pair
                     return False
         self._end_eviction_wait(dev)
         return True
@@ -1083,6 +1131,7 @@ class SchedulerCore:
         dev.evict_asked.clear()
         dev.evict_awaited.clear()
         dev.evict_deadline = None
+        dev.evict_for = None
 
     def _drop(self, pair: _Pair, now: float, reason: str, out: list[Action], grace: float | None = None) -> None:
         dev = pair.device
@@ -1105,8 +1154,8 @@ class SchedulerCore:
             return 0
         dev = pair.device
         grantee = self._next_waiter(dev)  # served next (priority classes, then ACQUIRE order)
-        if grantee is pair:  # a draining holder that asked again waits for its own release
-            grantee = next((waiter for waiter in dev.queue if waiter is not pair), None)
+        if grantee is pair:  # it asked again and is served next: a handoff to itself moves nothing
+            return 0
         return residency.evict_on_drop(dev, pair, grantee)
 
     def _enqueue(self, pair: _Pair, now: float, out: list[Action]) -> bool:
@@ -1159,21 +1208,28 @@ class SchedulerCore:
         self._forget_overdue(pair)
         dev.evict_asked.pop(pair, None)
         dev.evict_awaited.pop(pair, None)
+        if dev.evict_for is pair:
+            self._end_eviction_wait(dev)
         self._admission.forget(pair)
         dev.used -= pair.used
-        dev.count_report(pair.total, 0)
         del dev.pairs[pair]
 
     def _forget_if_unused(self, dev: _Device) -> None:
         """A device nobody uses and nobody configured is forgotten: clients cannot grow the
         table by naming devices and leaving (issue 12). It comes back when named again."""
         if (not dev.pairs and not dev.holders and not dev.overdue and not dev.queue and dev.budget_override is None
-                and dev.mode == self._default_mode and dev.tq == self._default_tq):
+                and not dev.total and dev.mode == self._default_mode and dev.tq == self._default_tq):
             del self._devices[dev.id]
             self._deadlines.pop(dev, None)
 
-    def _unlink_client(self, client: _Client) -> None:
-        self.settings.forget_client(client.cid)
+    def _unlink_client(self, client: _Client, *, park: bool) -> None:
+        process = client.process
+        if park and process is not None:
+            self.settings.park(client.cid, process)
+        else:
+            self.settings.forget_client(client.cid)
+            if process is not None:
+                self.settings.forget_process(process)
         del self._clients[client.key]
         del self._silence[client.key]
         same_session = self._sessions[client.info.session]
@@ -1200,5 +1256,4 @@ class SchedulerCore:
             dev = self._device(device_id)
             pair = client.pairs[device_id] = _Pair(client, dev)
             dev.pairs[pair] = None
-            self._push_limit(pair, out)
         return pair

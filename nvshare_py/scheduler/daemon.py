@@ -50,7 +50,8 @@ from . import admission
 from .admission import AdmissionConfig
 from .core import CoreConfig, SchedulerCore
 from .metrics import SchedulerMetrics, bind_metrics, parse_address, serve_metrics
-from .podcgroup import pod_uid_of_process
+from .measure import measure_devices
+from .podcgroup import pod_uid_of_process, process_start_time
 from .zmqtrio import PeerCredentials, bind_router, listen_unix, peer_credentials, recv_nowait, wait_readable
 
 log = logging.getLogger("nvshare.scheduler")
@@ -99,6 +100,7 @@ class DaemonConfig:
     admission_spill: int | str | None = "auto"
     admission_policy: str = "fifo"
     admission_timeout: float = admission.DEFAULT_TIMEOUT
+    admission_share: float = admission.DEFAULT_SHARE  # of the capacity, one user or pod at most
 
     def __post_init__(self) -> None:
         # Refuse values the lock core does not accept now, before any directory or socket is
@@ -122,6 +124,7 @@ class DaemonConfig:
                 spill=host_spill() if self.admission_spill == "auto" else self.admission_spill,
                 policy=self.admission_policy,
                 timeout=self.admission_timeout,
+                share=self.admission_share,
             ),
             min_quantum=self.min_quantum,
             ageing=self.ageing,
@@ -381,6 +384,7 @@ class Daemon:
         event (see `_feed`)."""
         config = self.config
         self.core = SchedulerCore(config.core_config(self.restarted), trio.current_time())
+        self._feed_measurements()
         self._started = time.time()
         # One offset for the daemon's life: converting each time with a fresh time.time() would
         # let two events of one instant come out in the wrong order.
@@ -420,6 +424,16 @@ class Daemon:
         finally:
             self._stopping = True
         emit(logging.INFO, "stopped")
+
+    def _feed_measurements(self) -> None:
+        """The node's GPUs as the daemon measures them (measure.py): with the operator's
+        budgets, the only figures that size a device."""
+        devices, unavailable = measure_devices()
+        if unavailable is not None:
+            emit(logging.WARNING, "cannot measure the GPUs: their sizes are unknown until set-budget sets them",
+                 reason=unavailable)
+        for device in devices:
+            self._feed(ev.DeviceMeasured(trio.current_time(), device.uuid, device.total, device.name))
 
     async def _stop_on_signal(self, scope: trio.CancelScope, *, task_status: trio.TaskStatus) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -606,8 +620,15 @@ class Daemon:
                     scope.deadline = math.inf
                 if connection.closing:
                     return
-                if handled % PUMP_BATCH == 0:
+                if handled % self._batch(connection) == 0:
                     await trio.lowlevel.checkpoint()  # fairness under a flood
+
+    def _batch(self, connection: _Connection) -> int:
+        """Messages one connection handles before the others' turn: PUMP_BATCH shared among its
+        uid's connections, so that a user with many connections gets about as many turns per
+        round as one with a single connection (issue 20: 300 flooding connections of one user
+        stretched another user's ADMIT round trip past a second)."""
+        return max(1, PUMP_BATCH // self._per_uid[connection.credentials.uid])
 
     def _write(self, connection: _Connection, data: bytes) -> None:
         """Queue `data` and send what the socket takes now. A peer that lets more than
@@ -723,6 +744,7 @@ class Daemon:
             program=hello.program,
             # The kernel's pid, never the pod the client names: per-pod settings match on this.
             pod_uid=pod_uid_of_process(peer.pid),
+            host_start=process_start_time(peer.pid),
         )
         key = connection.key
         self._feed(ev.Register(now, key, info, hello.held, hello.wanted))
@@ -872,8 +894,8 @@ class Daemon:
         raise ev.ControlError("unknown-op", f"unknown op {op!r}")
 
     def _set_admission(self, request: dict) -> dict:
-        """`spill` (bytes, "auto", or null: admission off), `policy`, `timeout` (seconds); each optional.
-        The core judges the values."""
+        """`spill` (bytes, "auto", or null: admission off), `policy`, `timeout` (seconds), `share`
+        (of the capacity, one user or pod at most); each optional. The core judges the values."""
         keep_spill = "spill" not in request
         spill = request.get("spill")
         if spill == "auto":  # what --admission-spill auto gives: MemAvailable's share at the daemon's start
@@ -882,11 +904,12 @@ class Daemon:
                                   or not 0 <= spill <= protocol.MAX_INT):
             raise ev.ControlError("bad-request", 'spill must be an integer >= 0, "auto", or null to turn admission off')
         timeout = _number(request, "timeout") if "timeout" in request else None
+        share = _number(request, "share") if "share" in request else None
         policy = request.get("policy")
         self._apply(lambda now: ev.SetAdmission(now, spill=spill, keep_spill=keep_spill, policy=policy,
-                                                timeout=timeout))
+                                                timeout=timeout, share=share))
         config = self.core.admission
-        return {"spill": config.spill, "policy": config.policy, "timeout": config.timeout}
+        return {"spill": config.spill, "policy": config.policy, "timeout": config.timeout, "share": config.share}
 
     def _apply(self, make_event) -> None:
         self._feed(make_event(trio.current_time()))

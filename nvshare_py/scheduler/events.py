@@ -28,7 +28,11 @@ class ClientInfo:
     the kernel-verified host pid), "" outside a pod: unlike `pod`/`namespace`, which the client
     says about itself, a client cannot choose it, so settings given per pod are matched on it.
     `user` is the name of `uid` on the daemon's host (the uid's number where it has none),
-    looked up by the daemon when the client registers; "" when the uid is not visible."""
+    looked up by the daemon when the client registers; "" when the uid is not visible.
+
+    `host_start` is when the host pid's process started (/proc/<pid>/stat, clock ticks since
+    boot; 0: unknown): with uid and host pid it names one process for its whole life, also
+    after it registered afresh (per-client settings follow it, fairshare.Settings.park)."""
 
     pid: int
     session: str
@@ -41,6 +45,7 @@ class ClientInfo:
     program: str = ""
     pod_uid: str = ""
     user: str = ""
+    host_start: int = 0
 
 
 def key_values(fields: dict[str, object]) -> str:
@@ -85,6 +90,18 @@ class Register:
 class DeviceInfo:
     now: float
     client: ClientKey
+    device: str
+    total: int
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class DeviceMeasured:
+    """The daemon measured a device itself (NVML, nvshare_py/scheduler/measure.py): its memory
+    in bytes. Only this and the operator's budget size a device: a client's DEVICE is not
+    trusted for it (docs/scheduler.md, security model)."""
+
+    now: float
     device: str
     total: int
     name: str = ""
@@ -194,6 +211,7 @@ class SetAdmission:
     keep_spill: bool = True
     policy: str | None = None
     timeout: float | None = None
+    share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -232,7 +250,7 @@ class SetLimit:
 
 
 Event = (
-    Register | DeviceInfo | MemoryReport | AcquireRequest | AdmitRequest | ReleaseReport | EvictedReport | Alive | Unregister
+    Register | DeviceInfo | DeviceMeasured | MemoryReport | AcquireRequest | AdmitRequest | ReleaseReport | EvictedReport | Alive | Unregister
     | Tick | SetMode | SetQuantum | SetBudget | SetAdmission | SetWeight | SetPriority | SetLimit
 )
 

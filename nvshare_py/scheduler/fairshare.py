@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Generic, Iterable, TypeVar
+from typing import Any, Generic, Hashable, Iterable, TypeVar
 
 WEIGHT_MIN, WEIGHT_MAX, DEFAULT_WEIGHT = 1, 1000, 1
 PRIORITY_MIN, PRIORITY_MAX, DEFAULT_PRIORITY = 0, 7, 0
@@ -31,6 +31,9 @@ SHARE_WINDOW = 60.0
 # Finished holds a pair remembers for its achieved share: a bound, so that a client that
 # acquires and releases very often costs no more (its oldest holds then fall out early).
 RECENT_HOLDS_MAX = 1024
+# Processes whose per-client settings are kept after their registration ended (Settings.park):
+# a bound, so that clients registering and leaving cannot grow the daemon's memory.
+PARKED_MAX = 4096
 
 V = TypeVar("V")
 
@@ -92,7 +95,7 @@ class Layered(Generic[V]):
             self.by_client.setdefault(new, self.by_client.pop(old))
 
 
-def _put(table: dict, key: str, value) -> None:
+def _put(table: dict[str, V], key: str, value: V | None) -> None:
     if value is None:
         table.pop(key, None)
     else:
@@ -101,12 +104,18 @@ def _put(table: dict, key: str, value) -> None:
 
 class Settings:
     """Every per-client setting. Memory limits are kept per device id (None: every device);
-    on one level a device's own limit wins over the one for every device."""
+    on one level a device's own limit wins over the one for every device.
+
+    A client's own settings end with its registration, except where its process may come back:
+    they are *parked* under the process's kernel-verified identity (uid, host pid, start time)
+    and given to the process's next registration (a BYE and a fresh HELLO cannot shed a limit).
+    At most PARKED_MAX processes are remembered, the oldest forgotten first."""
 
     def __init__(self) -> None:
         self.weight: Layered[int] = Layered(DEFAULT_WEIGHT)
         self.priority: Layered[int] = Layered(DEFAULT_PRIORITY)
         self.limits: dict[str | None, Layered[int | None]] = {}
+        self._parked: collections.OrderedDict[Hashable, dict[str, Any]] = collections.OrderedDict()
 
     def set_limit(self, target: Target, device: str | None, value: int | None) -> None:
         self.limits.setdefault(device, Layered(None)).set(target, value, None)
@@ -120,9 +129,18 @@ class Settings:
 
     def limit(self, client: str, pod_uid: str, device: str) -> int | None:
         """The client's memory limit on the device in bytes; None: none."""
-        own, every = self.limits.get(device), self.limits.get(None)
-        if own is None and every is None:
-            return None
+        return self._resolve_limit(client, pod_uid, self.limits.get(device))
+
+    def limit_every(self, client: str, pod_uid: str) -> int | None:
+        """The client's memory limit on a device that has no limits of its own."""
+        return self._resolve_limit(client, pod_uid, None)
+
+    def limit_devices(self) -> list[str]:
+        """The devices that have limits of their own (at any level)."""
+        return sorted(device for device in self.limits if device is not None)
+
+    def _resolve_limit(self, client: str, pod_uid: str, own: Layered[int | None] | None) -> int | None:
+        every = self.limits.get(None)
         for level in ("client", "pod", "default"):
             for layered in (own, every):
                 if layered is None:
@@ -144,12 +162,47 @@ class Settings:
         for layered in self._layers():
             layered.rename_client(old, new)
 
-    def _layers(self) -> Iterable[Layered]:
+    def park(self, client: str, process: Hashable) -> None:
+        """The registration `client` ended while its process may live on: keep its settings for
+        the process's next registration (restore)."""
+        own: dict[str, Any] = {}
+        if client in self.weight.by_client:
+            own["weight"] = self.weight.by_client[client]
+        if client in self.priority.by_client:
+            own["priority"] = self.priority.by_client[client]
+        limits = {device: layered.by_client[client] for device, layered in self.limits.items()
+                  if client in layered.by_client}
+        if limits:
+            own["limits"] = limits
+        self.forget_client(client)
+        if own:
+            self._parked[process] = own
+            self._parked.move_to_end(process)
+            while len(self._parked) > PARKED_MAX:
+                self._parked.popitem(last=False)
+
+    def restore(self, process: Hashable, client: str) -> None:
+        """A process whose settings were parked registered again as `client`."""
+        own = self._parked.pop(process, None)
+        if own is None:
+            return
+        if "weight" in own:
+            self.weight.by_client[client] = own["weight"]
+        if "priority" in own:
+            self.priority.by_client[client] = own["priority"]
+        for device, value in own.get("limits", {}).items():
+            self.limits.setdefault(device, Layered(None)).by_client[client] = value
+
+    def forget_process(self, process: Hashable) -> None:
+        """The process is gone: its parked settings with it."""
+        self._parked.pop(process, None)
+
+    def _layers(self) -> Iterable[Layered[Any]]:
         yield self.weight
         yield self.priority
         yield from list(self.limits.values())
 
-    def document(self) -> dict:
+    def document(self) -> dict[str, Any]:
         """The settings as the status document shows them (docs/protocol.md)."""
         limits = {device or "*": {"default": layered.default, "pods": dict(layered.by_pod),
                                   "clients": dict(layered.by_client)}
@@ -199,7 +252,10 @@ def effective_class(priority: int, grants_waited: int, ageing: int) -> int:
     return min(PRIORITY_MAX, priority + grants_waited // ageing)
 
 
-def configured_shares(weights: dict) -> dict:
+K = TypeVar("K", bound=Hashable)
+
+
+def configured_shares(weights: dict[K, int]) -> dict[K, float]:
     """Each contender's share of lock time its weight entitles it to (weights by anything)."""
     total = sum(weights.values())
     return {key: weight / total for key, weight in weights.items()} if total else {}
@@ -210,7 +266,10 @@ def held_within(holds: Iterable[tuple[float, float]], start: float, end: float) 
     return sum(max(0.0, min(until, end) - max(since, start)) for since, until in holds)
 
 
-def remember_hold(recent: collections.deque, since: float, until: float, now: float) -> None:
+Holds = collections.deque[tuple[float, float]]
+
+
+def remember_hold(recent: Holds, since: float, until: float, now: float) -> None:
     """Add a finished hold and forget those wholly before the share window."""
     recent.append((since, until))
     horizon = now - SHARE_WINDOW
@@ -218,5 +277,5 @@ def remember_hold(recent: collections.deque, since: float, until: float, now: fl
         recent.popleft()
 
 
-def new_recent() -> collections.deque:
+def new_recent() -> Holds:
     return collections.deque(maxlen=RECENT_HOLDS_MAX)

@@ -1,4 +1,5 @@
-"""Which Kubernetes pod a process runs in, from its cgroup (`/proc/<pid>/cgroup`).
+"""Which Kubernetes pod a process runs in, from its cgroup (`/proc/<pid>/cgroup`), and when the
+process started (`/proc/<pid>/stat`): what the daemon learns of a client from the kernel.
 
 The kubelet puts every container of a pod under one cgroup named after the pod's UID:
 - systemd cgroup driver: `.../kubepods-burstable-pod<uid>.slice/cri-containerd-<id>.scope`
@@ -54,3 +55,21 @@ def pod_uid_of_process(pid: int, proc: Path = Path("/proc")) -> str:
     except OSError:
         return ""
     return pod_uid_from_cgroup(text)
+
+
+def process_start_time(pid: int, proc: Path = Path("/proc")) -> int:
+    """When process `pid` started (field 22 of /proc/<pid>/stat, clock ticks since boot), 0 when
+    it cannot be read. With the pid it names one process for its whole life: a pid reused by a
+    later process comes with another start time."""
+    if pid <= 0:
+        return 0
+    try:
+        text = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return 0
+    # The command name (field 2) is in parentheses and may hold spaces or ')': skip past the last.
+    fields = text[text.rfind(")") + 2:].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return 0

@@ -93,6 +93,7 @@ def admission_status(core: SchedulerCore, now: float, wall: Callable[[float], fl
         "policy": config.policy,
         "timeout": config.timeout,
         "spill": config.spill,
+        "share": config.share,
         "capacity": core.admission_capacity() if config.enabled else None,
         "reserved": core.admission_reserved(),
         "waiters": [
@@ -100,7 +101,7 @@ def admission_status(core: SchedulerCore, now: float, wall: Callable[[float], fl
                 "client": waiter.pair.client.cid,
                 "device": waiter.pair.device.id,
                 "bytes": waiter.bytes,
-                "more": max(0, waiter.bytes - max(core.admission_of(waiter.pair)[0], waiter.pair.used)),
+                "more": max(0, waiter.bytes - core.admission_reservation(waiter.pair)),
                 "since": wall(waiter.since),
                 "waiting_for": round(now - waiter.since, 3),
             }
@@ -260,8 +261,7 @@ WORDING: dict[str, Callable[[dict], str]] = {
     "replaced": lambda f: f"client {f['client']} replaced by {f['successor']} (same process reconnected)",
     "claim-kept": lambda f: f"{f['client']} keeps {f['device']} (grant {f['grant']}) after the restart",
     "claim-refused": lambda f: f"{f['client']} claims {f['device']}, which it does not hold: dropping its claim",
-    "sizes-disagree": lambda f: (f"clients disagree on the size of {f['device']}: its total is unknown "
-                                 "(mode auto serialises it) until they agree or a budget is set"),
+    "device-measured": lambda f: f"{f['device']} has {f['total']} bytes (measured)",
     "released": lambda f: f"{f['client']} released grant {f['grant']} on {f['device']} ({f['reason']})",
     "released-revoked": lambda f: f"{f['client']} released revoked grant {f['grant']} on {f['device']}",
     "released-stale": lambda f: f"{f['client']} released grant {f['grant']} on {f['device']}, which is not current",
@@ -280,7 +280,8 @@ WORDING: dict[str, Callable[[dict], str]] = {
     "weight-set": lambda f: f"weight of {f['target']}: {f['weight']}",
     "priority-set": lambda f: f"priority class of {f['target']}: {f['priority']}",
     "limit-set": lambda f: f"memory limit of {f['target']} on {f['device'] or 'every device'}: {_size(f['bytes'])}",
-    "limit-sent": lambda f: f"{f['client']} told its memory limit on {f['device']}: {_size(f['bytes'] or None)}",
+    "limit-sent": lambda f: (f"{f['client']} told its memory limit on {f['device'] or 'every device'}: "
+                             f"{_size(f['bytes'] or None)}"),
     "revoked": lambda f: f"{f['client']} did not release grant {f['grant']} on {f['device']} in time: revoked",
     "contended": lambda f: (f"{f['client']} told that others wait for {f['device']} "
                             f"({f['quantum_left_ms']} ms of its quantum left)"),
@@ -289,7 +290,8 @@ WORDING: dict[str, Callable[[dict], str]] = {
                                   f"(node capacity {_size(f['capacity'])})"),
     "admission-refused": lambda f: (f"{f['client']} refused admission of {_size(f['bytes'])} on {f['device']} "
                                     f"({f['reason']}; node capacity {_size(f['capacity'])})"),
-    "admission-set": lambda f: f"admission: spill {_size(f['spill'])}, policy {f['policy']}, timeout {f['timeout']:g} s",
+    "admission-set": lambda f: (f"admission: spill {_size(f['spill'])}, policy {f['policy']}, timeout {f['timeout']:g} s, "
+                                f"share {f['share']:g}"),
     "dropped": lambda f: f"drop grant {f['grant']} of {f['client']} on {f['device']} ({f['reason']})",
 }
 
