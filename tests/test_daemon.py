@@ -386,12 +386,12 @@ def test_a_status_too_large_for_one_reply_is_cut_and_says_so():
     # Issue 12: `nvsharectl status` failed ("too-large: reply of 21107997 bytes") once clients
     # had made the device table large; status must always answer.
     from nvshare_py import protocol
-    from nvshare_py.scheduler.daemon import _fitted
+    from nvshare_py.scheduler.control import fitted
 
     devices = [{"device": f"GPU-{n:08d}", "name": "x" * 100, "holders": [], "waiters": []} for n in range(40_000)]
     clients = [{"client": f"c{n}", "program": "y" * 100, "devices": {}} for n in range(40_000)]
     reply = {"v": 1, "ok": True, "result": {"scheduler": {}, "devices": devices, "clients": clients}}
-    data = _fitted(reply)
+    data = fitted(reply)
     assert len(data) <= protocol.CONTROL_REPLY_MAX
     result = json.loads(data)["result"]
     shown_devices, shown_clients = len(result["devices"]), len(result["clients"])

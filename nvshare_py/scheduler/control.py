@@ -1,0 +1,294 @@
+"""The control protocol (docs/protocol.md, *Control socket*): who may ask, what each op
+takes, which core event it feeds and what it answers.
+
+Every op is one row of OPS: `validate` turns the request's fields into arguments (or raises
+ControlError bad-request), `event` makes the lock-core event that carries the change out
+(None for a read), `result` says what the reply holds once the core has taken the event.
+The core judges the values of settings itself (ControlError) before it changes anything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import zmq
+
+from .. import protocol
+from . import events as ev, runtime
+from .logs import RateLimit, emit, log
+from .zmqtrio import PeerCredentials, peer_credentials, recv_nowait, wait_readable
+
+EVENTS_DEFAULT_LIMIT = 1000
+# libzmq drops control connections whose message is larger than this.
+CONTROL_WIRE_MAX = 1024 * 1024
+_INTERNAL_ERROR = "the scheduler failed on this request; see its log"
+
+
+JsonObject = dict[str, Any]
+
+
+class Host(Protocol):
+    """What the control protocol needs of the daemon."""
+
+    def status(self) -> JsonObject: ...
+
+    def events(self, since: int, limit: int) -> JsonObject: ...
+
+    def apply(self, event: ev.Event) -> None: ...
+
+    def admission_settings(self) -> JsonObject: ...
+
+
+Arguments = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Op:
+    validate: Callable[[JsonObject], Arguments]
+    event: Callable[[Arguments, float], ev.Event] | None
+    result: Callable[[Arguments, Host], Any]
+
+
+def _number(request: JsonObject, key: str) -> float:
+    value = request.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ev.ControlError("bad-request", f"{key} must be a number")
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        raise ev.ControlError("bad-request", f"{key} is too large") from None
+
+
+def _integer(request: JsonObject, key: str, default: int, *, minimum: int, maximum: int = protocol.MAX_INT) -> int:
+    value = request.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ev.ControlError("bad-request", f"{key} must be an integer from {minimum} to {maximum}")
+    return value
+
+
+def _setting_target(request: JsonObject) -> tuple[str | None, str | None]:
+    """The optional `client` or `pod_uid` a setting is for (neither: the default)."""
+    client, pod_uid = request.get("client"), request.get("pod_uid")
+    for key, value in (("client", client), ("pod_uid", pod_uid)):
+        if value is not None and (not isinstance(value, str) or not value or len(value) > protocol.MAX_VALUE):
+            raise ev.ControlError("bad-request", f"{key} must be a non-empty string")
+    if client is not None and pod_uid is not None:
+        raise ev.ControlError("bad-request", "give client or pod_uid, not both")
+    return client, pod_uid
+
+
+def _device(request: JsonObject, *, required: bool) -> str | None:
+    device = request.get("device")
+    if device is None and not required:
+        return None
+    if not isinstance(device, str) or not device:
+        raise ev.ControlError("bad-request", "device must be a device id")
+    return device
+
+
+# --- the ops -----------------------------------------------------------------------------------
+
+
+def _events_arguments(request: JsonObject) -> Arguments:
+    return {"since": _integer(request, "since", 0, minimum=0),
+            "limit": _integer(request, "limit", EVENTS_DEFAULT_LIMIT, minimum=1, maximum=protocol.CONTROL_EVENTS_MAX)}
+
+
+def _tq_arguments(request: JsonObject) -> Arguments:
+    return {"seconds": _number(request, "seconds"), "device": _device(request, required=False)}
+
+
+def _mode_arguments(request: JsonObject) -> Arguments:
+    return {"mode": request.get("mode"), "device": _device(request, required=False)}
+
+
+def _budget_arguments(request: JsonObject) -> Arguments:
+    budget = request.get("bytes")
+    if budget is not None and (
+        isinstance(budget, bool) or not isinstance(budget, int) or not 0 < budget <= protocol.MAX_INT
+    ):
+        raise ev.ControlError("bad-request", "bytes must be an integer > 0, or null for the device's total")
+    return {"bytes": budget, "device": _device(request, required=True)}
+
+
+def _admission_arguments(request: JsonObject) -> Arguments:
+    """`spill` (bytes, or null: admission off), `policy`, `timeout` (seconds); each optional."""
+    spill = request.get("spill")
+    if spill is not None and (isinstance(spill, bool) or not isinstance(spill, int)
+                              or not 0 <= spill <= protocol.MAX_INT):
+        raise ev.ControlError("bad-request", "spill must be an integer >= 0, or null to turn admission off")
+    return {"spill": spill, "keep_spill": "spill" not in request,
+            "timeout": _number(request, "timeout") if "timeout" in request else None,
+            "policy": request.get("policy")}
+
+
+def _target_arguments(value_key: str) -> Callable[[JsonObject], Arguments]:
+    """Per-client settings (docs/scheduler.md, "Weights and priorities"): the core judges the
+    value and whether the client exists."""
+    def validate(request: JsonObject) -> Arguments:
+        client, pod_uid = _setting_target(request)
+        return {"client": client, "pod_uid": pod_uid, value_key: request.get(value_key)}
+    return validate
+
+
+def _limit_arguments(request: JsonObject) -> Arguments:
+    return dict(_target_arguments("bytes")(request), device=_device(request, required=False))
+
+
+def _nothing(request: JsonObject) -> Arguments:
+    return {}
+
+
+OPS: dict[str, Op] = {
+    "status": Op(_nothing, None, lambda a, host: host.status()),
+    "events": Op(_events_arguments, None, lambda a, host: host.events(a["since"], a["limit"])),
+    "set-tq": Op(_tq_arguments, lambda a, now: ev.SetQuantum(now, a["seconds"], a["device"]),
+                 lambda a, host: {"device": a["device"], "tq": a["seconds"]}),
+    "set-mode": Op(_mode_arguments, lambda a, now: ev.SetMode(now, a["mode"], a["device"]),
+                   lambda a, host: {"device": a["device"], "mode": a["mode"]}),
+    "set-budget": Op(_budget_arguments, lambda a, now: ev.SetBudget(now, a["device"], a["bytes"]),
+                     lambda a, host: {"device": a["device"], "budget": a["bytes"]}),
+    "set-admission": Op(_admission_arguments,
+                        lambda a, now: ev.SetAdmission(now, spill=a["spill"], keep_spill=a["keep_spill"],
+                                                       policy=a["policy"], timeout=a["timeout"]),
+                        lambda a, host: host.admission_settings()),
+    "set-weight": Op(_target_arguments("weight"),
+                     lambda a, now: ev.SetWeight(now, a["weight"], a["client"], a["pod_uid"]),
+                     lambda a, host: {"client": a["client"], "pod_uid": a["pod_uid"], "weight": a["weight"]}),
+    "set-priority": Op(_target_arguments("priority"),
+                       lambda a, now: ev.SetPriority(now, a["priority"], a["client"], a["pod_uid"]),
+                       lambda a, host: {"client": a["client"], "pod_uid": a["pod_uid"], "priority": a["priority"]}),
+    "set-limit": Op(_limit_arguments,
+                    lambda a, now: ev.SetLimit(now, a["bytes"], a["device"], a["client"], a["pod_uid"]),
+                    lambda a, host: {"client": a["client"], "pod_uid": a["pod_uid"], "device": a["device"],
+                                     "bytes": a["bytes"]}),
+}
+
+
+# --- requests and replies ----------------------------------------------------------------------
+
+
+class ControlProtocol:
+    """Answers control requests for `host`: `uid` is the daemon's own, `pid_namespace` its
+    pid namespace (os.stat of /proc/self/ns/pid: st_dev, st_ino)."""
+
+    def __init__(self, host: Host, uid: int, pid_namespace: tuple[int, int], now: Callable[[], float]) -> None:
+        self.host = host
+        self.uid = uid
+        self.pid_namespace = pid_namespace
+        self.now = now
+        self._forbidden_log = RateLimit()
+
+    def answer(self, body: list[bytes], peer: PeerCredentials) -> JsonObject:
+        if len(body) != 1:
+            return failure("bad-request", "a request is one frame of JSON")
+        frame = body[0]
+        refusal = authorisation_failure(peer, self.uid, self.pid_namespace)
+        if refusal is not None:
+            suppressed = self._forbidden_log.take()
+            if suppressed is not None:
+                emit(logging.WARNING, "control request refused", reason=refusal, suppressed=suppressed)
+            return failure("forbidden", refusal)
+        if len(frame) > protocol.CONTROL_REQUEST_MAX:
+            return failure("too-large", f"request of {len(frame)} bytes, limit {protocol.CONTROL_REQUEST_MAX}")
+        try:
+            request = json.loads(frame)
+        except ValueError:
+            return failure("bad-request", "not JSON")
+        try:
+            if not isinstance(request, dict) or request.get("v") != 1:
+                raise ev.ControlError("bad-request", 'a request is a JSON object with "v": 1')
+            result = self._perform(request)
+        except ev.ControlError as exc:
+            return failure(exc.code, str(exc))
+        except Exception:
+            # E.g. the core failing on `status`: answered, and the daemon serves on.
+            log.exception("control request %r failed", request.get("op"))
+            return failure("internal", _INTERNAL_ERROR)
+        return {"v": 1, "ok": True, "result": result}
+
+    def _perform(self, request: JsonObject) -> Any:
+        op_name = request.get("op")
+        op = OPS.get(op_name) if isinstance(op_name, str) else None
+        if op is None:
+            raise ev.ControlError("unknown-op", f"unknown op {op_name!r}")
+        arguments = op.validate(request)
+        if op.event is not None:
+            self.host.apply(op.event(arguments, self.now()))
+        return op.result(arguments, self.host)
+
+
+def authorisation_failure(peer: PeerCredentials, uid: int, pid_namespace: tuple[int, int]) -> str | None:
+    """Why `peer` may not use the control socket (None: it may): root or the daemon's `uid`,
+    in the daemon's pid namespace."""
+    if peer.uid is None:
+        return "the peer's credentials are unknown"
+    if peer.uid not in (0, uid):
+        return f"uid {peer.uid} may not control this scheduler"
+    if peer.pid == 0:
+        return "the peer's process is not visible in the scheduler's pid namespace"
+    try:
+        namespace = runtime.pid_namespace(peer.pid)
+    except OSError:
+        return "the peer's pid namespace cannot be read"
+    if namespace != pid_namespace:
+        return "the peer runs in another pid namespace"
+    return None
+
+
+def fitted(reply: JsonObject) -> bytes:
+    """The reply as JSON within CONTROL_REPLY_MAX. A status too large for it (many clients)
+    keeps the first devices and clients and says in "truncated" how many it left out, so that
+    status always answers; anything else too large is answered too-large."""
+    data = json.dumps(reply, separators=(",", ":")).encode()
+    if len(data) <= protocol.CONTROL_REPLY_MAX:
+        return data
+    result = reply.get("result")
+    if isinstance(result, dict) and "devices" in result and "clients" in result:
+        devices, clients = result["devices"], result["clients"]
+        shown = len(devices) + len(clients)
+        while shown > 0:
+            shown = shown * 3 // 4
+            kept_devices = devices[:shown]
+            kept_clients = clients[:shown]
+            cut = dict(result, devices=kept_devices, clients=kept_clients,
+                       truncated={"devices": len(devices) - len(kept_devices),
+                                  "clients": len(clients) - len(kept_clients)})
+            data = json.dumps(dict(reply, result=cut), separators=(",", ":")).encode()
+            if len(data) <= protocol.CONTROL_REPLY_MAX:
+                return data
+    return json.dumps(failure("too-large", f"reply of {len(data)} bytes")).encode()
+
+
+def failure(code: str, message: str) -> JsonObject:
+    return {"v": 1, "ok": False, "error": {"code": code, "message": message}}
+
+
+# --- the libzmq ROUTER -------------------------------------------------------------------------
+
+
+def _split_envelope(frames: list[zmq.Frame]) -> tuple[list[bytes], list[zmq.Frame]]:
+    """ROUTER framing: routing id, then (from REQ peers) an empty delimiter, then the body."""
+    envelope = [frames[0].bytes]
+    rest = frames[1:]
+    if rest and len(rest[0]) == 0:
+        envelope.append(b"")
+        rest = rest[1:]
+    return envelope, rest
+
+
+async def serve_router(sock: "zmq.Socket[bytes]", control: ControlProtocol) -> None:
+    """Answer the requests arriving on the control ROUTER `sock`, in order."""
+    while True:
+        await wait_readable(sock)
+        while (frames := recv_nowait(sock)) is not None:
+            envelope, body = _split_envelope(frames)
+            peer = peer_credentials(body[0]) if body else PeerCredentials(None, None, 0)
+            data = fitted(control.answer([frame.bytes for frame in body], peer))
+            try:
+                sock.send_multipart([*envelope, data], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # the requester left before its answer; nothing to tell anyone
