@@ -77,6 +77,15 @@ def test_another_user_past_the_file_modes_is_still_refused(scheduler):
     assert "control request refused" in scheduler.log_text()
 
 
+def test_the_daemon_serves_the_control_socket_without_libzmq(scheduler):
+    # Issue 23: the control socket was a libzmq ROUTER, whose listener aborted the whole daemon
+    # when accept() ran out of descriptors (`Too many open files (ipc_listener.cpp)`). The
+    # daemon's own connection server serves it now; libzmq is not even loaded.
+    maps = open(f"/proc/{scheduler.pid}/maps").read()
+    assert "libzmq" not in maps
+    assert scheduler.ctl("status", "--json").returncode == 0  # nvsharectl's REQ socket is served
+
+
 def test_the_client_directory_holds_no_way_to_control_the_scheduler(scheduler):
     # Containers get <socket-dir>/client only.
     assert sorted(os.listdir(scheduler.paths.client_dir)) == ["scheduler.sock"]

@@ -1,5 +1,6 @@
 """The daemon's connection server: accept, read, write and close the connections of one
-listening Unix socket, speaking ZMTP through zmtp.py's parser.
+listening Unix socket, speaking ZMTP through zmtp.py's parser. The client socket and the
+control socket each have one.
 
 Each connection gets a number of the daemon's own (nothing the peer sends chooses it), the
 peer's kernel-verified credentials (SO_PEERCRED) at accept time, and a task that reads it;
@@ -14,7 +15,10 @@ import errno
 import itertools
 import math
 import socket
+import os
 import struct
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import trio
@@ -22,18 +26,28 @@ import trio
 from . import zmtp
 from .logs import RateLimit, note
 from .runtime import ConnectionLimits
-from .zmqtrio import PeerCredentials
 
 # Messages handled before a connection's task lets the others run (fairness under a flood).
 PUMP_BATCH = 64
 READ_SIZE = 64 * 1024
 # A peer that has not finished the ZMTP handshake after this many seconds is disconnected.
 HANDSHAKE_TIMEOUT = 10.0
-# Bytes of messages a client has not read yet before it is disconnected as one that does not read.
+# Bytes of messages a peer has not read yet before it is disconnected as one that does not read.
 OUTGOING_MAX = 1024 * 1024
 # Seconds to wait before accepting again after running out of descriptors (or memory).
 ACCEPT_RETRY = 0.1
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+@dataclass(frozen=True)
+class PeerCredentials:
+    """The kernel-verified identity of a Unix socket peer (SO_PEERCRED). `pid` is 0 when the
+    peer's process is not visible in our pid namespace; `uid` is None when the kernel gave no
+    credentials."""
+
+    uid: int | None
+    gid: int | None
+    pid: int
 
 
 class Connection:
@@ -59,15 +73,19 @@ class ConnectionServer:
 
     def __init__(
         self,
+        name: str,
         listener: socket.socket,
         limits: ConnectionLimits,
         max_message: int,
         on_message: Callable[[Connection, tuple[bytes, ...]], None],
         on_closed: Callable[[Connection], None],
+        outgoing_max: int = OUTGOING_MAX,
     ) -> None:
+        self.name = name  # "client", "control": for log lines
         self.listener = listener
         self.limits = limits
         self.max_message = max_message
+        self.outgoing_max = outgoing_max
         self.on_message = on_message
         self.on_closed = on_closed
         self.connections: dict[int, Connection] = {}
@@ -90,7 +108,7 @@ class ConnectionServer:
                 except OSError as exc:
                     if exc.errno not in _OUT_OF_RESOURCES:
                         raise
-                    note("cannot accept a client connection", self._resource_log, error=exc.strerror)
+                    note(f"cannot accept a {self.name} connection", self._resource_log, error=exc.strerror)
                     await trio.sleep(ACCEPT_RETRY)
                     continue
                 sock.setblocking(False)
@@ -98,7 +116,7 @@ class ConnectionServer:
                 refusal = self._admission_refusal(credentials)
                 if refusal is not None:
                     sock.close()
-                    note("client connection refused", self._resource_log, reason=refusal,
+                    note(f"{self.name} connection refused", self._resource_log, reason=refusal,
                          uid=credentials.uid, pid=credentials.pid)
                     continue
                 key = next(self._numbers)
@@ -151,7 +169,7 @@ class ConnectionServer:
             try:
                 items = parser.feed(data)
             except zmtp.Violation as exc:
-                note("client connection closed", self._bad_input_log, reason=str(exc))
+                note(f"{self.name} connection closed", self._bad_input_log, reason=str(exc))
                 return
             for handled, item in enumerate(items, 1):
                 if type(item) is zmtp.Message:
@@ -173,13 +191,13 @@ class ConnectionServer:
 
     def write(self, connection: Connection, data: bytes) -> None:
         """Queue `data` and send what the socket takes now. A peer that lets more than
-        OUTGOING_MAX bytes pile up does not read: it is disconnected."""
+        `outgoing_max` bytes pile up does not read: it is disconnected."""
         if connection.closing:
             return
         out = connection.outgoing
         out += data
-        if len(out) > OUTGOING_MAX:
-            note("client connection closed", self._resource_log, reason="it does not read its messages")
+        if len(out) > self.outgoing_max:
+            note(f"{self.name} connection closed", self._resource_log, reason="it does not read its messages")
             self.close(connection)
             return
         try:
@@ -227,3 +245,24 @@ def peer_credentials(sock: socket.socket) -> PeerCredentials:
     except OSError:
         return PeerCredentials(None, None, 0)
     return PeerCredentials(uid, gid, pid)
+
+
+def listen_unix(path: Path, mode: int, backlog: int = 256) -> socket.socket:
+    """A non-blocking socket listening on `path` with file mode `mode` (set before listening,
+    so no client can connect while the mode is still the umask's). An existing file at `path`
+    is replaced; the file stays when the socket is closed, so that the next daemon knows
+    clients may come back."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(os.fspath(path))
+        os.chmod(path, mode)
+        listener.listen(backlog)
+        listener.setblocking(False)
+    except BaseException:
+        listener.close()
+        raise
+    return listener

@@ -11,19 +11,23 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-import zmq
-
 from .. import protocol
-from . import events as ev, runtime
+from . import events as ev, runtime, zmtp
+from .connections import Connection, ConnectionServer, PeerCredentials
 from .logs import RateLimit, emit, log
-from .zmqtrio import PeerCredentials, peer_credentials, recv_nowait, wait_readable
+from .runtime import ConnectionLimits
 
 EVENTS_DEFAULT_LIMIT = 1000
-# libzmq drops control connections whose message is larger than this.
-CONTROL_WIRE_MAX = 1024 * 1024
+# A control connection is closed when one message (all its frames) is larger than this;
+# between the request limit and this, a request is answered too-large.
+CONTROL_WIRE_MAX = 2 * protocol.CONTROL_REQUEST_MAX
+# Control connections come from root and the daemon's user (nvsharectl, the readiness probe):
+# a few at a time.
+CONTROL_LIMITS = ConnectionLimits(total=32, per_uid=16)
 _INTERNAL_ERROR = "the scheduler failed on this request; see its log"
 
 
@@ -267,28 +271,35 @@ def failure(code: str, message: str) -> JsonObject:
     return {"v": 1, "ok": False, "error": {"code": code, "message": message}}
 
 
-# --- the libzmq ROUTER -------------------------------------------------------------------------
+# --- the socket --------------------------------------------------------------------------------
 
 
-def _split_envelope(frames: list[zmq.Frame]) -> tuple[list[bytes], list[zmq.Frame]]:
-    """ROUTER framing: routing id, then (from REQ peers) an empty delimiter, then the body."""
-    envelope = [frames[0].bytes]
-    rest = frames[1:]
-    if rest and len(rest[0]) == 0:
-        envelope.append(b"")
-        rest = rest[1:]
-    return envelope, rest
+def split_envelope(frames: tuple[bytes, ...]) -> tuple[list[bytes], list[bytes]]:
+    """ROUTER framing towards the peer: a REQ peer's request comes behind an empty delimiter
+    frame, which its reply must repeat; a DEALER's may (docs/protocol.md)."""
+    if len(frames) > 1 and not frames[0]:
+        return [b""], list(frames[1:])
+    return [], list(frames)
 
 
-async def serve_router(sock: "zmq.Socket[bytes]", control: ControlProtocol) -> None:
-    """Answer the requests arriving on the control ROUTER `sock`, in order."""
-    while True:
-        await wait_readable(sock)
-        while (frames := recv_nowait(sock)) is not None:
-            envelope, body = _split_envelope(frames)
-            peer = peer_credentials(body[0]) if body else PeerCredentials(None, None, 0)
-            data = fitted(control.answer([frame.bytes for frame in body], peer))
-            try:
-                sock.send_multipart([*envelope, data], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # the requester left before its answer; nothing to tell anyone
+class ControlServer:
+    """The control socket: a connection server whose messages are control requests, each
+    answered in order on its connection."""
+
+    def __init__(self, listener: socket.socket, protocol_: ControlProtocol) -> None:
+        self.protocol = protocol_
+        self.connections = ConnectionServer("control", listener, CONTROL_LIMITS, CONTROL_WIRE_MAX,
+                                            self._on_message, _nothing_to_do,
+                                            outgoing_max=protocol.CONTROL_REPLY_MAX + 64)
+
+    async def serve(self) -> None:
+        await self.connections.serve()
+
+    def _on_message(self, connection: Connection, frames: tuple[bytes, ...]) -> None:
+        envelope, body = split_envelope(frames)
+        data = fitted(self.protocol.answer(body, connection.credentials))
+        self.connections.write(connection, zmtp.message([*envelope, data]))
+
+
+def _nothing_to_do(connection: Connection) -> None:
+    pass

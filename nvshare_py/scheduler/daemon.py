@@ -14,8 +14,8 @@ One nursery holds every task:
   there is room for them, docs/scheduler.md) and hands each message to `_on_client_message`,
   which turns it into a core event;
 - the timer sends the core `Tick` when its next deadline comes;
-- the control task owns the control ROUTER (libzmq: only root and the daemon's user reach it)
-  and answers nvsharectl;
+- the control server answers nvsharectl on the control socket (control.py; only root and the
+  daemon's user reach it), over the same connection server;
 - one pid watcher per registered client whose process is visible: it sleeps on a pidfd and
   reports the process's exit, so a crashed holder's lock moves on at once;
 - the signal task turns SIGTERM/SIGINT into a clean shutdown;
@@ -25,7 +25,7 @@ One nursery holds every task:
 All of them feed the core through one function, `_feed`, which carries out the actions the
 core returns (sends, timeline entries, logs, forgetting clients) and moves the timer: the one
 place to observe what the scheduler does. It never awaits, so events are applied one at a
-time. Nothing here blocks and there are no threads (libzmq's own I/O thread aside).
+time. Nothing here blocks and there are no threads; the daemon does not use libzmq at all.
 """
 
 from __future__ import annotations
@@ -42,21 +42,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
-import zmq
 
 from .. import __version__, protocol
 from ..paths import SocketPaths, check_socket_path
 from . import admission, runtime, views, zmtp
 from . import events as ev
 from .admission import AdmissionConfig
-from .connections import Connection, ConnectionServer
-from .control import CONTROL_WIRE_MAX, ControlProtocol, serve_router
+from .connections import Connection, ConnectionServer, listen_unix
+from .control import ControlProtocol, ControlServer
 from .core import CoreConfig, SchedulerCore
 from .logs import LOG_LEVELS, RateLimit, emit, log, note
 from .metrics import SchedulerMetrics, bind_metrics, parse_address, serve_metrics
 from .podcgroup import pod_uid_of_process
 from .runtime import ConnectionLimits, CoreFailure, StartupError
-from .zmqtrio import bind_router, listen_unix
 
 __all__ = ["CoreFailure", "Daemon", "DaemonConfig", "StartupError"]
 
@@ -138,9 +136,8 @@ class Daemon:
         self.restarted = False  # a previous daemon's client socket was found: clients may come back
         self.core: SchedulerCore | None = None
         self._lock_fd: int | None = None
-        self._context: zmq.Context | None = None
         self._listener: socket.socket | None = None
-        self._control: zmq.Socket | None = None
+        self._control_listener: socket.socket | None = None
         self._nursery: trio.Nursery | None = None
         self._timer: trio.CancelScope | None = None
         self._stopping = False
@@ -180,10 +177,8 @@ class Daemon:
             runtime.prepare_directories(paths, self._uid)
             self._lock_fd = runtime.take_lock(paths)
             self.restarted = runtime.previous_daemon_left_clients(paths)
-            self._context = zmq.Context()
-            self._listener = socket.socket(fileno=listen_unix(paths.client_socket, 0o666))
-            self._listener.setblocking(False)
-            self._control = bind_router(self._context, paths.control_socket, 0o600, max_message=CONTROL_WIRE_MAX)
+            self._listener = listen_unix(paths.client_socket, 0o666)
+            self._control_listener = listen_unix(paths.control_socket, 0o600)
         except OSError as exc:
             self.close()
             raise StartupError(f"cannot set up {paths.root}: {exc}") from None
@@ -192,19 +187,15 @@ class Daemon:
             raise
 
     def close(self) -> None:
-        """Close the sockets (their files stay, see zmqtrio) and release the lock file."""
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        if self._control is not None:
-            self._control.close(linger=0)
-            self._control = None
+        """Close the sockets (their files stay, see connections.listen_unix) and release the
+        lock file."""
+        for listener in (self._listener, self._control_listener):
+            if listener is not None:
+                listener.close()
+        self._listener = self._control_listener = None
         for sock in self._metrics_sockets:
             sock.close()
         self._metrics_sockets = []
-        if self._context is not None:
-            self._context.term()
-            self._context = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -225,11 +216,11 @@ class Daemon:
                 self._nursery = nursery
                 await nursery.start(self._stop_on_signal, nursery.cancel_scope)
                 nursery.start_soon(self._run_timer)
-                self._clients = ConnectionServer(self._listener, self.limits, CLIENT_WIRE_MAX,
+                self._clients = ConnectionServer("client", self._listener, self.limits, CLIENT_WIRE_MAX,
                                                  self._on_client_message, self._on_client_closed)
                 nursery.start_soon(self._clients.serve)
                 control = ControlProtocol(self, self._uid, self._pid_namespace, trio.current_time)
-                nursery.start_soon(serve_router, self._control, control)
+                nursery.start_soon(ControlServer(self._control_listener, control).serve)
                 if self._metrics_sockets:
                     self._metrics = SchedulerMetrics(restarted=self.restarted, started=self._started)
                     nursery.start_soon(serve_metrics, self._metrics_sockets,

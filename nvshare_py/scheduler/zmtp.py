@@ -1,6 +1,6 @@
 """The scheduler's side of ZMTP 3.1 (RFC 23/37, NULL mechanism), as a sans-I/O parser.
 
-Why the daemon speaks ZMTP itself on the client socket instead of using a libzmq ROUTER
+Why the daemon speaks ZMTP itself on its sockets instead of using a libzmq ROUTER
 (docs/scheduler.md, *Security model*): a ROUTER takes a connection's routing id from the
 peer's READY (`Identity` property) and aborts the whole process when its own next automatic
 id was taken that way; its listener aborts when accept() runs out of descriptors; and it says
@@ -8,7 +8,10 @@ nothing when a peer goes away. Here the daemon accepts every connection itself, 
 a number of its own, learns the peer's credentials from the kernel (SO_PEERCRED) at accept
 time, sees its end at once, and can refuse connections it has no room for.
 
-Peers are DEALER sockets (pyzmq) or the interceptor's ZMTP client (interceptor/transport.c).
+Peers are DEALER sockets (pyzmq) or the interceptor's ZMTP client (interceptor/transport.c)
+on the client socket, REQ or DEALER sockets (nvsharectl) on the control socket. Towards a REQ
+peer the server behaves as a ROUTER does: the request arrives behind an empty delimiter frame,
+and the reply must carry the same delimiter (`message`).
 Wire facts:
 
     greeting  64 bytes: 0xFF, 8 padding bytes, 0x7F, version major/minor, mechanism name padded
@@ -58,10 +61,21 @@ class Ready:
 
 
 def frame(body: bytes) -> bytes:
-    """One final message frame (a message of one frame: all this protocol uses)."""
-    if len(body) < 256:
-        return bytes([0, len(body)]) + body
-    return bytes([_LONG]) + struct.pack(">Q", len(body)) + body
+    """A message of one frame (all the client protocol uses)."""
+    return message([body])
+
+
+def message(frames: list[bytes]) -> bytes:
+    """A message of several frames (every frame but the last marked MORE)."""
+    last = len(frames) - 1
+    parts = []
+    for number, body in enumerate(frames):
+        more = _MORE if number < last else 0
+        if len(body) < 256:
+            parts.append(bytes([more, len(body)]) + body)
+        else:
+            parts.append(bytes([more | _LONG]) + struct.pack(">Q", len(body)) + body)
+    return b"".join(parts)
 
 
 def pong(context: bytes) -> bytes:
