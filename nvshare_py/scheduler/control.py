@@ -17,17 +17,20 @@ from typing import Any, Callable, Protocol
 
 from .. import protocol
 from . import events as ev, runtime, zmtp
-from .connections import Connection, ConnectionServer, PeerCredentials
+from .connections import ByteBudget, Connection, ConnectionLimits, ConnectionServer, PeerCredentials
+from .fairness import Turns
 from .logs import RateLimit, emit, log
-from .runtime import ConnectionLimits
 
 EVENTS_DEFAULT_LIMIT = 1000
 # A control connection is closed when one message (all its frames) is larger than this;
 # between the request limit and this, a request is answered too-large.
 CONTROL_WIRE_MAX = 2 * protocol.CONTROL_REQUEST_MAX
 # Control connections come from root and the daemon's user (nvsharectl, the readiness probe):
-# a few at a time.
-CONTROL_LIMITS = ConnectionLimits(total=32, per_uid=16)
+# a few at a time. What they may hold: a few replies of the largest size.
+CONTROL_LIMITS = ConnectionLimits(total=16, per_principal=8, per_uid=8)
+CONTROL_BYTES = 4 * protocol.CONTROL_REPLY_MAX
+# Silence allowed on a control connection (a REQ socket reconnects by itself after it is closed).
+CONTROL_IDLE_TIMEOUT = 60.0
 _INTERNAL_ERROR = "the scheduler failed on this request; see its log"
 
 
@@ -286,11 +289,12 @@ class ControlServer:
     """The control socket: a connection server whose messages are control requests, each
     answered in order on its connection."""
 
-    def __init__(self, listener: socket.socket, protocol_: ControlProtocol) -> None:
+    def __init__(self, listener: socket.socket, protocol_: ControlProtocol, turns: Turns) -> None:
         self.protocol = protocol_
-        self.connections = ConnectionServer("control", listener, CONTROL_LIMITS, CONTROL_WIRE_MAX,
-                                            self._on_message, _nothing_to_do,
-                                            outgoing_max=protocol.CONTROL_REPLY_MAX + 64)
+        self.connections = ConnectionServer(
+            "control", listener, CONTROL_LIMITS, CONTROL_WIRE_MAX, self._on_message, _nothing_to_do,
+            turns=turns, budget=ByteBudget(CONTROL_BYTES, CONTROL_BYTES), idle_timeout=CONTROL_IDLE_TIMEOUT,
+            outgoing_max=protocol.CONTROL_REPLY_MAX + 64)
 
     async def serve(self) -> None:
         await self.connections.serve()

@@ -16,11 +16,13 @@ One nursery holds every task:
 - the timer sends the core `Tick` when its next deadline comes;
 - the control server answers nvsharectl on the control socket (control.py; only root and the
   daemon's user reach it), over the same connection server;
-- one pid watcher per registered client whose process is visible: it sleeps on a pidfd and
-  reports the process's exit, so a crashed holder's lock moves on at once;
+- one pid watcher per client that holds or waits (for a lock or for admission) and whose
+  process is visible: it sleeps on a pidfd and reports the process's exit, so a crashed
+  holder's lock moves on at once even when a forked child keeps its connection open;
 - the signal task turns SIGTERM/SIGINT into a clean shutdown;
-- with --metrics, the metrics task answers Prometheus scrapes (metrics.py); `_carry_out` hands
-  the metrics observer every event and its actions.
+- with --metrics, the metrics server answers Prometheus scrapes from a snapshot
+  (metrics_http.py); `_carry_out` hands the metrics observer (metrics.py) every event and its
+  actions.
 
 All of them feed the core through one function, `_feed`, which carries out the actions the
 core returns (sends, timeline entries, logs, forgetting clients) and moves the timer: the one
@@ -48,19 +50,36 @@ from ..paths import SocketPaths, check_socket_path
 from . import admission, runtime, views, zmtp
 from . import events as ev
 from .admission import AdmissionConfig
-from .connections import Connection, ConnectionServer, listen_unix
-from .control import ControlProtocol, ControlServer
+from .connections import ByteBudget, Connection, ConnectionLimits, ConnectionServer, listen_unix
+from .control import CONTROL_LIMITS, ControlProtocol, ControlServer
 from .core import CoreConfig, SchedulerCore
 from .logs import LOG_LEVELS, RateLimit, emit, log, note
-from .metrics import SchedulerMetrics, bind_metrics, parse_address, serve_metrics
-from .podcgroup import pod_uid_of_process
-from .runtime import ConnectionLimits, CoreFailure, StartupError
+from .metrics import SchedulerMetrics
+from .metrics_http import CONNECTIONS_MAX as METRICS_CONNECTIONS
+from .metrics_http import MetricsServer, Snapshot, bind_metrics, parse_address
+from .fairness import Turns
+from .quotas import DeviceQuota
+from .runtime import CoreFailure, StartupError
 
 __all__ = ["CoreFailure", "Daemon", "DaemonConfig", "StartupError"]
 
 # A client connection is closed when one message (all its frames) is larger than this; between
 # the protocol's limit and this, a message is answered (ERROR too-large).
-CLIENT_WIRE_MAX = 64 * 1024
+CLIENT_WIRE_MAX = 4 * protocol.MAX_MESSAGE
+# Client connections of one principal (a uid's processes in one pod, or outside pods) and of one
+# uid over all its pods; connections.ConnectionLimits.sharing caps them at an eighth and a
+# quarter of all places.
+CLIENT_CONNECTIONS_PER_PRINCIPAL = 64
+CLIENT_CONNECTIONS_PER_UID = 256
+# Bytes the client connections of one principal may hold (unparsed input, unsent output), and
+# all of them together.
+CLIENT_BYTES_PER_PRINCIPAL = 1024 * 1024
+CLIENT_BYTES = 64 * 1024 * 1024
+# A client connection without a registration (before HELLO, after BYE or a heartbeat timeout,
+# or one that only sends QUERY) is closed after this long without a message.
+CLIENT_IDLE_TIMEOUT = 120.0
+# Lock events after which a client's process is watched through a pidfd: it holds or waits.
+_WATCHED_FROM = frozenset({"acquire", "grant", "admit-wait"})
 
 
 @dataclass(frozen=True)
@@ -126,6 +145,15 @@ def host_spill(meminfo: str = "/proc/meminfo") -> int:
     log.warning("cannot read MemAvailable from %s: admission spill 0 (set --admission-spill)", meminfo)
     return 0
 
+
+def client_limits(nofile: int) -> ConnectionLimits:
+    """The client socket's limits under the descriptor limit `nofile`, after what the other
+    sockets' connections may need."""
+    others = CONTROL_LIMITS.total + METRICS_CONNECTIONS
+    total = runtime.client_connections(nofile, others)
+    return ConnectionLimits.sharing(total, CLIENT_CONNECTIONS_PER_PRINCIPAL, CLIENT_CONNECTIONS_PER_UID)
+
+
 class Daemon:
     """Use: `daemon.open()` (synchronous; raises StartupError), `trio.run(daemon.serve)`,
     then `daemon.close()`."""
@@ -141,9 +169,13 @@ class Daemon:
         self._nursery: trio.Nursery | None = None
         self._timer: trio.CancelScope | None = None
         self._stopping = False
-        self.limits = ConnectionLimits.for_descriptors(runtime.descriptor_limit())
+        self.limits = client_limits(runtime.descriptor_limit())
         self._clients: ConnectionServer | None = None
-        self._watchers: dict[ev.ClientKey, trio.CancelScope] = {}
+        self._turns = Turns()
+        self._quota = DeviceQuota()
+        self._keys: dict[str, ev.ClientKey] = {}  # display id of each registration -> its connection
+        self._cids: dict[ev.ClientKey, str] = {}  # and back
+        self._watchers: dict[ev.ClientKey, int] = {}  # pidfds
         self._events: collections.deque[dict] = collections.deque(maxlen=protocol.CONTROL_EVENTS_MAX)
         self._next_seq = 1
         self._started = 0.0
@@ -167,7 +199,7 @@ class Daemon:
                 check_socket_path(path)
             except ValueError as exc:
                 raise StartupError(f"{exc}: choose a shorter --socket-dir") from None
-        self.limits = ConnectionLimits.for_descriptors(runtime.raise_descriptor_limit())
+        self.limits = client_limits(runtime.raise_descriptor_limit())
         if self.config.metrics is not None:
             try:
                 self._metrics_sockets = bind_metrics(self.config.metrics)
@@ -216,15 +248,18 @@ class Daemon:
                 self._nursery = nursery
                 await nursery.start(self._stop_on_signal, nursery.cancel_scope)
                 nursery.start_soon(self._run_timer)
-                self._clients = ConnectionServer("client", self._listener, self.limits, CLIENT_WIRE_MAX,
-                                                 self._on_client_message, self._on_client_closed)
+                self._clients = ConnectionServer(
+                    "client", self._listener, self.limits, CLIENT_WIRE_MAX, self._on_client_message,
+                    self._on_client_closed, turns=self._turns,
+                    budget=ByteBudget(CLIENT_BYTES_PER_PRINCIPAL, CLIENT_BYTES), idle_timeout=CLIENT_IDLE_TIMEOUT,
+                    stays_idle=self._registered)
                 nursery.start_soon(self._clients.serve)
                 control = ControlProtocol(self, self._uid, self._pid_namespace, trio.current_time)
-                nursery.start_soon(ControlServer(self._control_listener, control).serve)
+                nursery.start_soon(ControlServer(self._control_listener, control, self._turns).serve)
                 if self._metrics_sockets:
-                    self._metrics = SchedulerMetrics(restarted=self.restarted, started=self._started)
-                    nursery.start_soon(serve_metrics, self._metrics_sockets,
-                                       lambda: self._metrics.render_in_steps(self.status()))
+                    metrics = self._metrics = SchedulerMetrics(restarted=self.restarted, started=self._started)
+                    snapshot = Snapshot(lambda: metrics.render_in_steps(self.status()))
+                    nursery.start_soon(MetricsServer(self._metrics_sockets, snapshot).serve)
                 emit(
                     logging.INFO,
                     "ready",
@@ -236,6 +271,7 @@ class Daemon:
                     heartbeat_timeout=config.heartbeat_timeout,
                     recovery=self.core.config.recovery,
                     max_connections=self.limits.total,
+                    max_connections_per_principal=self.limits.per_principal,
                     max_connections_per_uid=self.limits.per_uid,
                 )
                 task_status.started()
@@ -309,6 +345,8 @@ class Daemon:
             kind = type(action)
             if kind is ev.LockEvent:
                 self._record(action)
+                if action.kind in _WATCHED_FROM:
+                    self._watch(action.client)
             elif kind is ev.Log:
                 # Nearly every line the core writes is caused by some client: rate-limited.
                 level = LOG_LEVELS.get(action.level, logging.INFO)
@@ -344,11 +382,26 @@ class Daemon:
             "detail": event.detail,
         })
         self._next_seq += 1
+
     # --- client messages ----------------------------------------------------------------------
+
+    def _registered(self, connection: Connection) -> bool:
+        return self.core.client_id(connection.key) is not None
 
     def _on_client_closed(self, connection: Connection) -> None:
         if not self._stopping and self.core.client_id(connection.key) is not None:
             self._feed(ev.Unregister(trio.current_time(), connection.key, "disconnected"))
+
+    def _feed_client(self, connection: Connection, event: ev.Event) -> None:
+        """Feed an event of a registered client, unless the devices it names would take its
+        principal past its quota (quotas.py): then it is answered ERROR and not fed."""
+        device = getattr(event, "device", None)
+        if device is not None:
+            refusal = self._quota.admit(connection.key, connection.principal, (device,))
+            if refusal is not None:
+                self._reject(connection.key, "bad-field", refusal)
+                return
+        self._feed(event)
 
     def _on_client_message(self, connection: Connection, frames: tuple[bytes, ...]) -> None:
         key = connection.key
@@ -393,7 +446,7 @@ class Daemon:
             event = ev.Unregister(now, key, "bye")
         else:  # the codec only returns client messages
             raise AssertionError(f"unexpected message {kind.__name__}")
-        self._feed(event)
+        self._feed_client(connection, event)
 
     def _answer_query(self, connection: Connection, now: float) -> None:
         # Matched by the kernel-verified pid, never by anything the peer says. A read: a
@@ -428,45 +481,72 @@ class Daemon:
             namespace=hello.namespace,
             program=hello.program,
             # The kernel's pid, never the pod the client names: per-pod settings match on this.
-            pod_uid=pod_uid_of_process(peer.pid),
+            pod_uid=connection.principal[1],
         )
         key = connection.key
+        refusal = self._quota.admit(key, connection.principal, {*hello.held, *hello.wanted})
+        if refusal is not None:
+            self._reject(key, "bad-field", refusal, "HELLO")
+            return
         self._feed(ev.Register(now, key, info, hello.held, hello.wanted))
-        if peer.pid and self.core.client_id(key) is not None:
-            self._watch_process(key, peer.pid)
+        cid = self.core.client_id(key)
+        if cid is None:
+            self._quota.forget(key)  # refused
+        else:
+            self._keys[cid] = key
+            self._cids[key] = cid
 
     # --- process exit through pidfds --------------------------------------------------------
 
-    def _watch_process(self, key: ev.ClientKey, pid: int) -> None:
-        """One pidfd per registration, closed when the registration ends (Forget), which at
-        the latest is when its connection closes: a descriptor per open connection."""
+    def _watch(self, cid: str) -> None:
+        """Watch the process of registration `cid` through a pidfd, from the first time it
+        holds or waits (a process that only registered costs no descriptor) until the
+        registration ends (Forget), which at the latest is when its connection closes."""
+        key = self._keys.get(cid)
+        if key is None or key in self._watchers:
+            return
+        connection = self._clients.connections.get(key)
+        pid = connection.credentials.pid if connection is not None else 0
+        if not pid:
+            return  # not visible: heartbeats tell
         try:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
-            # Gone between its HELLO and now.
+            # Gone between its message and now.
             self._feed(ev.Unregister(trio.current_time(), key, "exited"))
             return
         except OSError as exc:
             note("cannot watch client process; relying on heartbeats", self._resource_log,
                  pid=pid, error=exc.strerror)
             return
-        scope = trio.CancelScope()
-        self._watchers[key] = scope
-        self._nursery.start_soon(self._watch_pidfd, key, pidfd, scope)
+        self._watchers[key] = pidfd
+        self._nursery.start_soon(self._watch_pidfd, key, pidfd)
 
-    async def _watch_pidfd(self, key: ev.ClientKey, pidfd: int, scope: trio.CancelScope) -> None:
+    async def _watch_pidfd(self, key: ev.ClientKey, pidfd: int) -> None:
         try:
-            with scope:
-                await trio.lowlevel.wait_readable(pidfd)
-                self._watchers.pop(key, None)
-                self._feed(ev.Unregister(trio.current_time(), key, "exited"))
-        finally:
-            os.close(pidfd)
+            await trio.lowlevel.wait_readable(pidfd)
+        except trio.ClosedResourceError:
+            return  # the registration ended first (_forget closed it)
+        self._forget_pidfd(key)
+        self._feed(ev.Unregister(trio.current_time(), key, "exited"))
 
     def _forget(self, key: ev.ClientKey) -> None:
-        scope = self._watchers.pop(key, None)
-        if scope is not None:
-            scope.cancel()
+        """A registration ended: its pidfd is closed now, its quota freed, and its connection,
+        if still open, may stay silent no longer."""
+        self._forget_pidfd(key)
+        self._quota.forget(key)
+        cid = self._cids.pop(key, None)
+        if cid is not None:
+            del self._keys[cid]
+        if not self._stopping:
+            self._clients.restart_idle(key)
+
+    def _forget_pidfd(self, key: ev.ClientKey) -> None:
+        pidfd = self._watchers.pop(key, None)
+        if pidfd is not None:
+            trio.lowlevel.notify_closing(pidfd)
+            os.close(pidfd)
+
     # --- what the control protocol asks of the daemon (control.Host) ------------------------
 
     def apply(self, event: ev.Event) -> None:

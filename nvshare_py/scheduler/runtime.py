@@ -9,7 +9,6 @@ import fcntl
 import os
 import resource
 import stat
-from dataclasses import dataclass
 
 from ..paths import SocketPaths
 
@@ -22,24 +21,20 @@ class CoreFailure(Exception):
     """The lock core raised on an event: the daemon stops (see Daemon._feed)."""
 
 
-# Descriptors kept back from clients: the control socket and its connections, the lock file,
-# libzmq's and Trio's own, the log.
-RESERVED_DESCRIPTORS = 64
+# Descriptors the daemon needs besides its connections: stdio, the lock file, the listening
+# sockets (client, control, status, metrics), Trio's epoll and wake-up socket, and files it
+# opens for a moment (/proc/<pid>/cgroup and ns/pid, the passwd database).
+FIXED_DESCRIPTORS = 32
+# Client connections served at most, whatever the descriptor limit: about 14 KiB of memory
+# each when registered (docs/scheduler.md, *What a registration costs*).
+CLIENT_CONNECTIONS_MAX = 4096
 
 
-@dataclass(frozen=True)
-class ConnectionLimits:
-    """How many client connections the daemon serves at once, in all and per uid. Each
-    costs a descriptor, and a registered one a pidfd too."""
-
-    total: int
-    per_uid: int
-
-    @classmethod
-    def for_descriptors(cls, nofile: int) -> "ConnectionLimits":
-        total = max(8, (nofile - RESERVED_DESCRIPTORS) // 2)
-        # One user cannot take every place: three quarters at most.
-        return cls(total, max(4, total * 3 // 4))
+def client_connections(nofile: int, others: int) -> int:
+    """How many client connections `nofile` descriptors allow when `others` are kept for the
+    other sockets' connections (control, status, metrics): each client connection may cost
+    two, its socket and a pidfd."""
+    return max(8, min(CLIENT_CONNECTIONS_MAX, (nofile - FIXED_DESCRIPTORS - others) // 2))
 
 
 def raise_descriptor_limit() -> int:
