@@ -41,6 +41,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass
+from collections.abc import Hashable
 from typing import Any
 
 import trio
@@ -171,7 +172,7 @@ class Daemon:
         self._stopping = False
         self.limits = client_limits(runtime.descriptor_limit())
         self._clients: ConnectionServer | None = None
-        self._turns = Turns()
+        self._turns = Turns(on_throttled=self._throttled)
         self._quota = DeviceQuota()
         self._keys: dict[str, ev.ClientKey] = {}  # display id of each registration -> its connection
         self._cids: dict[ev.ClientKey, str] = {}  # and back
@@ -185,6 +186,7 @@ class Daemon:
         self._bad_input_log = RateLimit()
         self._resource_log = RateLimit()
         self._query_fail_log = RateLimit()
+        self._throttle_log = RateLimit()
         self._metrics: SchedulerMetrics | None = None
         self._metrics_sockets: list = []
         # The core's lines: most are caused by clients (registrations, drops, ...).
@@ -384,6 +386,11 @@ class Daemon:
         self._next_seq += 1
 
     # --- client messages ----------------------------------------------------------------------
+
+    def _throttled(self, principal: Hashable) -> None:
+        uid, pod = principal if isinstance(principal, tuple) else (principal, "")
+        note("connections slowed down: over their share of the daemon's time", self._throttle_log, uid=uid,
+             **({"pod_uid": pod} if pod else {}))
 
     def _registered(self, connection: Connection) -> bool:
         return self.core.client_id(connection.key) is not None

@@ -65,10 +65,12 @@ class Turn:
 
 class Turns:
     def __init__(self, share: float = CPU_SHARE, burst: float = CPU_BURST,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 on_throttled: Callable[[Hashable], None] | None = None) -> None:
         self.share = share
         self.burst = burst
         self.clock = clock
+        self.on_throttled = on_throttled  # told each time a principal waits for its share
         self._busy = False  # a turn is running, or granted to a task that has not run yet
         self._waiting: collections.OrderedDict[Hashable, collections.deque[trio.Event]] = collections.OrderedDict()
         self._meters: dict[Hashable, _Meter] = {}
@@ -109,6 +111,8 @@ class Turns:
         meter.stamp = now
         if meter.tokens < 0:
             meter.throttled += 1
+            if self.on_throttled is not None:
+                self.on_throttled(turn.principal)
             await trio.sleep(-meter.tokens / self.share)
         if self._busy or self._waiting:
             granted = trio.Event()
