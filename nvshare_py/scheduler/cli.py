@@ -16,7 +16,11 @@ import typer
 from ..clikit import APP_SETTINGS, TQ_MAX, TQ_MIN, VERSION_OPTION, number_between, whole_number
 from ..paths import ENV_SOCKET_DIR, not_a_directory, system_scheduler_serves, system_socket_dir, user_socket_dir
 from . import admission
-from .daemon import Daemon, DaemonConfig, StartupError
+from .daemon import CoreFailure, Daemon, DaemonConfig, StartupError
+
+# sysexits.h EX_SOFTWARE: the lock core failed (docs/scheduler.md, Restarts); a supervisor
+# restarts the daemon, which recovers the lock table from the clients.
+EXIT_CORE_FAILURE = 70
 
 
 AdmissionPolicy = enum.Enum("AdmissionPolicy", {name.replace("-", "_"): name for name in admission.POLICIES}, type=str)
@@ -160,6 +164,8 @@ def serve(
         raise typer.Exit(1) from None
     try:
         trio.run(daemon.serve)
+    except CoreFailure:
+        raise typer.Exit(EXIT_CORE_FAILURE) from None  # logged (CRITICAL, with the traceback) already
     finally:
         daemon.close()
 

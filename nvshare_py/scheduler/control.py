@@ -20,6 +20,7 @@ from . import events as ev, runtime, zmtp
 from .connections import ByteBudget, Connection, ConnectionLimits, ConnectionServer, PeerCredentials
 from .fairness import Turns
 from .logs import RateLimit, emit, log
+from .runtime import CoreFailure
 
 EVENTS_DEFAULT_LIMIT = 1000
 # A control connection is closed when one message (all its frames) is larger than this;
@@ -211,8 +212,11 @@ class ControlProtocol:
             result = self._perform(request)
         except ev.ControlError as exc:
             return failure(exc.code, str(exc))
+        except CoreFailure:
+            raise  # the lock table may be half-updated: the daemon must stop (Daemon._feed)
         except Exception:
-            # E.g. the core failing on `status`: answered, and the daemon serves on.
+            # A read failing (`status` built from the core's state): answered, and the daemon
+            # serves on; the core was not changed.
             log.exception("control request %r failed", request.get("op"))
             return failure("internal", _INTERNAL_ERROR)
         return {"v": 1, "ok": True, "result": result}

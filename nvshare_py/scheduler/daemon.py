@@ -310,7 +310,9 @@ class Daemon:
         one device twice. So the daemon stops (CoreFailure, exit status 70) and leaves its
         socket files in place: the next daemon (systemd or the DaemonSet restarts it) runs
         restart recovery and rebuilds the table from the clients' re-HELLOs. A control
-        request the core refuses (ControlError) changes nothing and is not a failure."""
+        request the core refuses (ControlError) changes nothing and is not a failure. Whoever
+        fed the event (a client message, a control request, the timer, a pid watcher) lets
+        CoreFailure through, so it ends the nursery and `serve`."""
         try:
             actions = self.core.handle(event)
         except ev.ControlError:
@@ -318,6 +320,7 @@ class Daemon:
         except Exception as exc:
             log.critical("the lock core failed on %r; exiting so that restart recovery rebuilds the "
                          "lock table", event, exc_info=True)
+            self._stopping = True  # nothing more is fed to it, not even the closing connections
             raise CoreFailure(f"the lock core failed on {type(event).__name__}") from exc
         self._carry_out(event, actions)
         if self._timer is not None:
