@@ -410,6 +410,19 @@ def read_to_end(sock: socket.socket) -> bytes:
     return data
 
 
+def test_a_registration_that_ends_right_after_its_grant_leaves_no_watcher_behind(scheduler):
+    # The pidfd watcher of a grant is started as a task; a BYE in the same read closed the
+    # pidfd before that task first ran, which then waited on a closed (or reused) descriptor
+    # and ended the daemon (EBADF), found by benchmarks/bench_floods.py.
+    for n in range(20):
+        peer = floodkit.RawClient(scheduler.paths.client_socket)
+        peer.hello(session=f"{0xbe00 + n:016x}")
+        peer.send_raw(floodkit.frame(f"NVSHARE/1 ACQUIRE\ndevice={GPU}".encode()) + floodkit.frame(b"NVSHARE/1 BYE"))
+        peer.expect("GRANT")
+        peer.close()
+    assert_serves(scheduler)
+
+
 def test_slow_and_silent_peers_are_closed_after_their_deadlines(monkeypatch):
     # Was: connections that sent a frame header and trickled its body grew RSS from 45 to
     # 1 050 MiB; idle and half-HELLO connections were kept for ever. In-process, with the

@@ -32,7 +32,7 @@ import socket
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import trio
 
@@ -42,7 +42,7 @@ from .logs import RateLimit, note
 from .podcgroup import pod_uid_of_process
 
 # Frames handled in one turn before the others get theirs (fairness.py).
-FRAMES_PER_TURN = 64
+FRAMES_PER_TURN = 32
 READ_SIZE = 16 * 1024
 # A peer that has not finished the ZMTP handshake after this many seconds is disconnected;
 # so is one that began a frame (or a message of several) and has not finished it.
@@ -133,10 +133,14 @@ class ConnectionCounts:
 
     def add(self, principal: Principal, change: int) -> None:
         self.total += change
-        for counter, key in ((self.principals, principal), (self.uids, principal[0])):
-            counter[key] += change
-            if not counter[key]:
-                del counter[key]
+        _count(self.principals, principal, change)
+        _count(self.uids, principal[0], change)
+
+
+def _count(counter: "collections.Counter[Any]", key: Any, change: int) -> None:
+    counter[key] += change
+    if not counter[key]:
+        del counter[key]
 
 
 class ByteBudget:

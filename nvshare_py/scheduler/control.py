@@ -1,10 +1,14 @@
 """The control protocol (docs/protocol.md, *Control socket*): who may ask, what each op
-takes, which core event it feeds and what it answers.
+takes, which core event it feeds and what it answers; served on two sockets.
 
-Every op is one row of OPS: `validate` turns the request's fields into arguments (or raises
-ControlError bad-request), `event` makes the lock-core event that carries the change out
-(None for a read), `result` says what the reply holds once the core has taken the event.
-The core judges the values of settings itself (ControlError) before it changes anything.
+Every op is one row of an op table: `validate` turns the request's fields into arguments (or
+raises ControlError bad-request), `event` makes the lock-core event that carries the change out
+(None for a read), `result` says what the reply holds once the core has taken the event. The
+core judges the values of settings itself (ControlError) before it changes anything.
+
+- The control socket serves OPS to root and the daemon's user.
+- The status socket serves READ_ONLY_OPS (`status`, `events`) to every local user, each
+  seeing what public.py lets an unprivileged user see; no op there changes anything.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from . import events as ev, runtime, zmtp
 from .connections import ByteBudget, Connection, ConnectionLimits, ConnectionServer, PeerCredentials
 from .fairness import Turns
 from .logs import RateLimit, emit, log
+from .public import public_status
 from .runtime import CoreFailure
 
 EVENTS_DEFAULT_LIMIT = 1000
@@ -32,6 +37,12 @@ CONTROL_LIMITS = ConnectionLimits(total=16, per_principal=8, per_uid=8)
 CONTROL_BYTES = 4 * protocol.CONTROL_REPLY_MAX
 # Silence allowed on a control connection (a REQ socket reconnects by itself after it is closed).
 CONTROL_IDLE_TIMEOUT = 60.0
+# The status socket: every local user may connect, a few connections each; replies are cut to
+# STATUS_REPLY_MAX, and built from a status document at most STATUS_INTERVAL seconds old.
+STATUS_LIMITS = ConnectionLimits.sharing(64, per_principal=4, per_uid=8)
+STATUS_REPLY_MAX = 1024 * 1024
+STATUS_BYTES = 2 * STATUS_REPLY_MAX
+STATUS_INTERVAL = 0.5
 _INTERNAL_ERROR = "the scheduler failed on this request; see its log"
 
 
@@ -57,7 +68,7 @@ Arguments = dict[str, Any]
 class Op:
     validate: Callable[[JsonObject], Arguments]
     event: Callable[[Arguments, float], ev.Event] | None
-    result: Callable[[Arguments, Host], Any]
+    result: Callable[[Arguments, Host, PeerCredentials], Any]
 
 
 def _number(request: JsonObject, key: str) -> float:
@@ -151,54 +162,85 @@ def _nothing(request: JsonObject) -> Arguments:
 
 
 OPS: dict[str, Op] = {
-    "status": Op(_nothing, None, lambda a, host: host.status()),
-    "events": Op(_events_arguments, None, lambda a, host: host.events(a["since"], a["limit"])),
+    "status": Op(_nothing, None, lambda a, host, peer: host.status()),
+    "events": Op(_events_arguments, None, lambda a, host, peer: host.events(a["since"], a["limit"])),
     "set-tq": Op(_tq_arguments, lambda a, now: ev.SetQuantum(now, a["seconds"], a["device"]),
-                 lambda a, host: {"device": a["device"], "tq": a["seconds"]}),
+                 lambda a, host, peer: {"device": a["device"], "tq": a["seconds"]}),
     "set-mode": Op(_mode_arguments, lambda a, now: ev.SetMode(now, a["mode"], a["device"]),
-                   lambda a, host: {"device": a["device"], "mode": a["mode"]}),
+                   lambda a, host, peer: {"device": a["device"], "mode": a["mode"]}),
     "set-budget": Op(_budget_arguments, lambda a, now: ev.SetBudget(now, a["device"], a["bytes"]),
-                     lambda a, host: {"device": a["device"], "budget": a["bytes"]}),
+                     lambda a, host, peer: {"device": a["device"], "budget": a["bytes"]}),
     "set-admission": Op(_admission_arguments,
                         lambda a, now: ev.SetAdmission(now, spill=a["spill"], keep_spill=a["keep_spill"],
                                                        policy=a["policy"], timeout=a["timeout"]),
-                        lambda a, host: host.admission_settings()),
+                        lambda a, host, peer: host.admission_settings()),
     "set-weight": Op(_target_arguments("weight"),
                      lambda a, now: ev.SetWeight(now, a["weight"], a["client"], a["pod_uid"]),
-                     lambda a, host: {"client": a["client"], "pod_uid": a["pod_uid"], "weight": a["weight"]}),
+                     lambda a, host, peer: {"client": a["client"], "pod_uid": a["pod_uid"], "weight": a["weight"]}),
     "set-priority": Op(_target_arguments("priority"),
                        lambda a, now: ev.SetPriority(now, a["priority"], a["client"], a["pod_uid"]),
-                       lambda a, host: {"client": a["client"], "pod_uid": a["pod_uid"], "priority": a["priority"]}),
+                       lambda a, host, peer: {"client": a["client"], "pod_uid": a["pod_uid"], "priority": a["priority"]}),
     "set-limit": Op(_limit_arguments,
                     lambda a, now: ev.SetLimit(now, a["bytes"], a["device"], a["client"], a["pod_uid"]),
-                    lambda a, host: {"client": a["client"], "pod_uid": a["pod_uid"], "device": a["device"],
+                    lambda a, host, peer: {"client": a["client"], "pod_uid": a["pod_uid"], "device": a["device"],
                                      "bytes": a["bytes"]}),
 }
+
+
+class StatusCache:
+    """The host's status document, taken at most every `interval` seconds (a status built
+    for every request of every user would let them make the pump work at will)."""
+
+    def __init__(self, host: Host, now: Callable[[], float], interval: float = STATUS_INTERVAL) -> None:
+        self.host = host
+        self.now = now
+        self.interval = interval
+        self._document: JsonObject = {}
+        self._taken = -float("inf")
+
+    def document(self) -> JsonObject:
+        if self.now() - self._taken >= self.interval:
+            self._document = self.host.status()
+            self._taken = self.now()
+        return self._document
+
+
+def read_only_ops(cache: StatusCache) -> dict[str, Op]:
+    """The status socket's ops: what every local user may ask. `status` is the document
+    public.py makes for the asking user; `events` the lock timeline as on the control socket."""
+    return {
+        "status": Op(_nothing, None, lambda a, host, peer: public_status(cache.document(), peer.uid)),
+        "events": OPS["events"],
+    }
 
 
 # --- requests and replies ----------------------------------------------------------------------
 
 
-class ControlProtocol:
-    """Answers control requests for `host`: `uid` is the daemon's own, `pid_namespace` its
-    pid namespace (os.stat of /proc/self/ns/pid: st_dev, st_ino)."""
+Authorisation = Callable[[PeerCredentials], "str | None"]
 
-    def __init__(self, host: Host, uid: int, pid_namespace: tuple[int, int], now: Callable[[], float]) -> None:
+
+class ControlProtocol:
+    """Answers requests for `host` with `ops`, to peers `authorise` lets in (it says why not)."""
+
+    def __init__(self, host: Host, ops: dict[str, Op], authorise: Authorisation, now: Callable[[], float],
+                 refused: str = "control request refused") -> None:
         self.host = host
-        self.uid = uid
-        self.pid_namespace = pid_namespace
+        self.ops = ops
+        self.authorise = authorise
         self.now = now
+        self.refused = refused  # the log line for a refused peer
         self._forbidden_log = RateLimit()
 
     def answer(self, body: list[bytes], peer: PeerCredentials) -> JsonObject:
         if len(body) != 1:
             return failure("bad-request", "a request is one frame of JSON")
         frame = body[0]
-        refusal = authorisation_failure(peer, self.uid, self.pid_namespace)
+        refusal = self.authorise(peer)
         if refusal is not None:
             suppressed = self._forbidden_log.take()
             if suppressed is not None:
-                emit(logging.WARNING, "control request refused", reason=refusal, suppressed=suppressed)
+                emit(logging.WARNING, self.refused, reason=refusal, suppressed=suppressed)
             return failure("forbidden", refusal)
         if len(frame) > protocol.CONTROL_REQUEST_MAX:
             return failure("too-large", f"request of {len(frame)} bytes, limit {protocol.CONTROL_REQUEST_MAX}")
@@ -209,7 +251,7 @@ class ControlProtocol:
         try:
             if not isinstance(request, dict) or request.get("v") != 1:
                 raise ev.ControlError("bad-request", 'a request is a JSON object with "v": 1')
-            result = self._perform(request)
+            result = self._perform(request, peer)
         except ev.ControlError as exc:
             return failure(exc.code, str(exc))
         except CoreFailure:
@@ -221,24 +263,39 @@ class ControlProtocol:
             return failure("internal", _INTERNAL_ERROR)
         return {"v": 1, "ok": True, "result": result}
 
-    def _perform(self, request: JsonObject) -> Any:
+    def _perform(self, request: JsonObject, peer: PeerCredentials) -> Any:
         op_name = request.get("op")
-        op = OPS.get(op_name) if isinstance(op_name, str) else None
+        op = self.ops.get(op_name) if isinstance(op_name, str) else None
         if op is None:
+            if op_name in OPS:
+                raise ev.ControlError("forbidden", f"{op_name} is not served on the status socket, which only "
+                                      f"reads ({', '.join(self.ops)}): use the control socket")
             raise ev.ControlError("unknown-op", f"unknown op {op_name!r}")
         arguments = op.validate(request)
         if op.event is not None:
             self.host.apply(op.event(arguments, self.now()))
-        return op.result(arguments, self.host)
+        return op.result(arguments, self.host, peer)
 
 
-def authorisation_failure(peer: PeerCredentials, uid: int, pid_namespace: tuple[int, int]) -> str | None:
-    """Why `peer` may not use the control socket (None: it may): root or the daemon's `uid`,
-    in the daemon's pid namespace."""
+def controller(uid: int, pid_namespace: tuple[int, int]) -> Authorisation:
+    """Who may use the control socket: root or the daemon's `uid`, in the daemon's pid
+    namespace (`pid_namespace`: runtime.pid_namespace())."""
+    def authorise(peer: PeerCredentials) -> str | None:
+        if peer.uid is not None and peer.uid not in (0, uid):
+            return f"uid {peer.uid} may not control this scheduler"
+        return local_process(peer, pid_namespace)
+    return authorise
+
+
+def local_user(pid_namespace: tuple[int, int]) -> Authorisation:
+    """Who may use the status socket: any uid, in the daemon's pid namespace."""
+    return lambda peer: local_process(peer, pid_namespace)
+
+
+def local_process(peer: PeerCredentials, pid_namespace: tuple[int, int]) -> str | None:
+    """Why `peer` is not a process the daemon can see in its own pid namespace (None: it is)."""
     if peer.uid is None:
         return "the peer's credentials are unknown"
-    if peer.uid not in (0, uid):
-        return f"uid {peer.uid} may not control this scheduler"
     if peer.pid == 0:
         return "the peer's process is not visible in the scheduler's pid namespace"
     try:
@@ -250,12 +307,12 @@ def authorisation_failure(peer: PeerCredentials, uid: int, pid_namespace: tuple[
     return None
 
 
-def fitted(reply: JsonObject) -> bytes:
-    """The reply as JSON within CONTROL_REPLY_MAX. A status too large for it (many clients)
+def fitted(reply: JsonObject, limit: int = protocol.CONTROL_REPLY_MAX) -> bytes:
+    """The reply as JSON within `limit` bytes. A status too large for it (many clients)
     keeps the first devices and clients and says in "truncated" how many it left out, so that
     status always answers; anything else too large is answered too-large."""
     data = json.dumps(reply, separators=(",", ":")).encode()
-    if len(data) <= protocol.CONTROL_REPLY_MAX:
+    if len(data) <= limit:
         return data
     result = reply.get("result")
     if isinstance(result, dict) and "devices" in result and "clients" in result:
@@ -269,7 +326,7 @@ def fitted(reply: JsonObject) -> bytes:
                        truncated={"devices": len(devices) - len(kept_devices),
                                   "clients": len(clients) - len(kept_clients)})
             data = json.dumps(dict(reply, result=cut), separators=(",", ":")).encode()
-            if len(data) <= protocol.CONTROL_REPLY_MAX:
+            if len(data) <= limit:
                 return data
     return json.dumps(failure("too-large", f"reply of {len(data)} bytes")).encode()
 
@@ -290,23 +347,34 @@ def split_envelope(frames: tuple[bytes, ...]) -> tuple[list[bytes], list[bytes]]
 
 
 class ControlServer:
-    """The control socket: a connection server whose messages are control requests, each
-    answered in order on its connection."""
+    """A socket whose messages are requests of `protocol`, each answered in order on its
+    connection: the control socket (`control_server`) or the status socket (`status_server`)."""
 
-    def __init__(self, listener: socket.socket, protocol_: ControlProtocol, turns: Turns) -> None:
+    def __init__(self, name: str, listener: socket.socket, protocol_: ControlProtocol, turns: Turns,
+                 limits: ConnectionLimits, budget: ByteBudget, reply_max: int) -> None:
         self.protocol = protocol_
+        self.reply_max = reply_max
         self.connections = ConnectionServer(
-            "control", listener, CONTROL_LIMITS, CONTROL_WIRE_MAX, self._on_message, _nothing_to_do,
-            turns=turns, budget=ByteBudget(CONTROL_BYTES, CONTROL_BYTES), idle_timeout=CONTROL_IDLE_TIMEOUT,
-            outgoing_max=protocol.CONTROL_REPLY_MAX + 64)
+            name, listener, limits, CONTROL_WIRE_MAX, self._on_message, _nothing_to_do, turns=turns, budget=budget,
+            idle_timeout=CONTROL_IDLE_TIMEOUT, outgoing_max=reply_max + 64)
 
     async def serve(self) -> None:
         await self.connections.serve()
 
     def _on_message(self, connection: Connection, frames: tuple[bytes, ...]) -> None:
         envelope, body = split_envelope(frames)
-        data = fitted(self.protocol.answer(body, connection.credentials))
+        data = fitted(self.protocol.answer(body, connection.credentials), self.reply_max)
         self.connections.write(connection, zmtp.message([*envelope, data]))
+
+
+def control_server(listener: socket.socket, protocol_: ControlProtocol, turns: Turns) -> ControlServer:
+    return ControlServer("control", listener, protocol_, turns, CONTROL_LIMITS,
+                         ByteBudget(CONTROL_BYTES, CONTROL_BYTES), protocol.CONTROL_REPLY_MAX)
+
+
+def status_server(listener: socket.socket, protocol_: ControlProtocol, turns: Turns) -> ControlServer:
+    return ControlServer("status", listener, protocol_, turns, STATUS_LIMITS,
+                         ByteBudget(STATUS_BYTES, STATUS_BYTES * 8), STATUS_REPLY_MAX)
 
 
 def _nothing_to_do(connection: Connection) -> None:

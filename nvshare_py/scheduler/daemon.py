@@ -15,7 +15,9 @@ One nursery holds every task:
   which turns it into a core event;
 - the timer sends the core `Tick` when its next deadline comes;
 - the control server answers nvsharectl on the control socket (control.py; only root and the
-  daemon's user reach it), over the same connection server;
+  daemon's user reach it), and the status server every local user's read-only `status` and
+  `events` on the status socket (public.py says what they see), over the same connection
+  server;
 - one pid watcher per client that holds or waits (for a lock or for admission) and whose
   process is visible: it sleeps on a pidfd and reports the process's exit, so a crashed
   holder's lock moves on at once even when a forked child keeps its connection open;
@@ -52,7 +54,8 @@ from . import admission, runtime, views, zmtp
 from . import events as ev
 from .admission import AdmissionConfig
 from .connections import ByteBudget, Connection, ConnectionLimits, ConnectionServer, listen_unix
-from .control import CONTROL_LIMITS, ControlProtocol, ControlServer
+from . import control
+from .control import ControlProtocol
 from .core import CoreConfig, SchedulerCore
 from .logs import LOG_LEVELS, RateLimit, emit, log, note
 from .metrics import SchedulerMetrics
@@ -150,7 +153,7 @@ def host_spill(meminfo: str = "/proc/meminfo") -> int:
 def client_limits(nofile: int) -> ConnectionLimits:
     """The client socket's limits under the descriptor limit `nofile`, after what the other
     sockets' connections may need."""
-    others = CONTROL_LIMITS.total + METRICS_CONNECTIONS
+    others = control.CONTROL_LIMITS.total + control.STATUS_LIMITS.total + METRICS_CONNECTIONS
     total = runtime.client_connections(nofile, others)
     return ConnectionLimits.sharing(total, CLIENT_CONNECTIONS_PER_PRINCIPAL, CLIENT_CONNECTIONS_PER_UID)
 
@@ -167,6 +170,7 @@ class Daemon:
         self._lock_fd: int | None = None
         self._listener: socket.socket | None = None
         self._control_listener: socket.socket | None = None
+        self._status_listener: socket.socket | None = None
         self._nursery: trio.Nursery | None = None
         self._timer: trio.CancelScope | None = None
         self._stopping = False
@@ -176,7 +180,7 @@ class Daemon:
         self._quota = DeviceQuota()
         self._keys: dict[str, ev.ClientKey] = {}  # display id of each registration -> its connection
         self._cids: dict[ev.ClientKey, str] = {}  # and back
-        self._watchers: dict[ev.ClientKey, int] = {}  # pidfds
+        self._watchers: dict[ev.ClientKey, _Watch] = {}
         self._events: collections.deque[dict] = collections.deque(maxlen=protocol.CONTROL_EVENTS_MAX)
         self._next_seq = 1
         self._started = 0.0
@@ -196,7 +200,7 @@ class Daemon:
 
     def open(self) -> None:
         paths = self.paths
-        for path in (paths.client_socket, paths.control_socket):
+        for path in (paths.client_socket, paths.control_socket, paths.status_socket):
             try:
                 check_socket_path(path)
             except ValueError as exc:
@@ -213,6 +217,7 @@ class Daemon:
             self.restarted = runtime.previous_daemon_left_clients(paths)
             self._listener = listen_unix(paths.client_socket, 0o666)
             self._control_listener = listen_unix(paths.control_socket, 0o600)
+            self._status_listener = listen_unix(paths.status_socket, 0o666)
         except OSError as exc:
             self.close()
             raise StartupError(f"cannot set up {paths.root}: {exc}") from None
@@ -223,10 +228,10 @@ class Daemon:
     def close(self) -> None:
         """Close the sockets (their files stay, see connections.listen_unix) and release the
         lock file."""
-        for listener in (self._listener, self._control_listener):
+        for listener in (self._listener, self._control_listener, self._status_listener):
             if listener is not None:
                 listener.close()
-        self._listener = self._control_listener = None
+        self._listener = self._control_listener = self._status_listener = None
         for sock in self._metrics_sockets:
             sock.close()
         self._metrics_sockets = []
@@ -256,8 +261,12 @@ class Daemon:
                     budget=ByteBudget(CLIENT_BYTES_PER_PRINCIPAL, CLIENT_BYTES), idle_timeout=CLIENT_IDLE_TIMEOUT,
                     stays_idle=self._registered)
                 nursery.start_soon(self._clients.serve)
-                control = ControlProtocol(self, self._uid, self._pid_namespace, trio.current_time)
-                nursery.start_soon(ControlServer(self._control_listener, control, self._turns).serve)
+                now = trio.current_time
+                controlling = ControlProtocol(self, control.OPS, control.controller(self._uid, self._pid_namespace), now)
+                nursery.start_soon(control.control_server(self._control_listener, controlling, self._turns).serve)
+                reading = ControlProtocol(self, control.read_only_ops(control.StatusCache(self, now)),
+                                          control.local_user(self._pid_namespace), now, "status request refused")
+                nursery.start_soon(control.status_server(self._status_listener, reading, self._turns).serve)
                 if self._metrics_sockets:
                     metrics = self._metrics = SchedulerMetrics(restarted=self.restarted, started=self._started)
                     snapshot = Snapshot(lambda: metrics.render_in_steps(self.status()))
@@ -529,12 +538,14 @@ class Daemon:
             note("cannot watch client process; relying on heartbeats", self._resource_log,
                  pid=pid, error=exc.strerror)
             return
-        self._watchers[key] = pidfd
-        self._nursery.start_soon(self._watch_pidfd, key, pidfd)
+        watch = self._watchers[key] = _Watch(pidfd)
+        self._nursery.start_soon(self._watch_pidfd, key, watch)
 
-    async def _watch_pidfd(self, key: ev.ClientKey, pidfd: int) -> None:
+    async def _watch_pidfd(self, key: ev.ClientKey, watch: "_Watch") -> None:
+        if watch.closed:
+            return  # the registration ended before this task first ran: its number may be reused
         try:
-            await trio.lowlevel.wait_readable(pidfd)
+            await trio.lowlevel.wait_readable(watch.pidfd)
         except trio.ClosedResourceError:
             return  # the registration ended first (_forget closed it)
         self._forget_pidfd(key)
@@ -552,10 +563,11 @@ class Daemon:
             self._clients.restart_idle(key)
 
     def _forget_pidfd(self, key: ev.ClientKey) -> None:
-        pidfd = self._watchers.pop(key, None)
-        if pidfd is not None:
-            trio.lowlevel.notify_closing(pidfd)
-            os.close(pidfd)
+        watch = self._watchers.pop(key, None)
+        if watch is not None:
+            watch.closed = True
+            trio.lowlevel.notify_closing(watch.pidfd)
+            os.close(watch.pidfd)
 
     # --- what the control protocol asks of the daemon (control.Host) ------------------------
 
@@ -599,6 +611,17 @@ class Daemon:
         chosen = list(itertools.islice(self._events, start, start + limit))
         following = chosen[-1]["seq"] + 1 if chosen else max(since, first)
         return {"events": chosen, "next": following}
+
+
+class _Watch:
+    """A pidfd being watched; `closed` once the daemon closed it (its task must not wait on
+    the number then, which a new descriptor may have taken)."""
+
+    __slots__ = ("pidfd", "closed")
+
+    def __init__(self, pidfd: int) -> None:
+        self.pidfd = pidfd
+        self.closed = False
 
 
 def _first(group: BaseException) -> BaseException:

@@ -58,8 +58,11 @@ class Turn:
             self.turns._end(self)
 
     async def pause(self) -> None:
-        """Let the other principals' waiting work go first, then carry on."""
+        """Let the other principals' work go first, then carry on. The checkpoint matters:
+        tasks that became ready meanwhile (another user's connection turned readable) only
+        ask for their turn once Trio has run them."""
         self.release()
+        await trio.lowlevel.checkpoint()
         await self.turns._begin(self)
 
 

@@ -75,7 +75,7 @@ def prepare_directories(paths: SocketPaths, uid: int) -> None:
             f"(mode {stat.S_IMODE(info.st_mode):o}) without the sticky bit, so they could replace the "
             "sockets in it: remove that permission (chmod go-w) or choose another --socket-dir"
         )
-    for directory, mode in ((paths.client_dir, 0o755), (paths.control_dir, 0o700)):
+    for directory, mode in ((paths.client_dir, 0o755), (paths.control_dir, 0o700), (paths.status_dir, 0o755)):
         try:
             directory.mkdir(mode=mode)
         except FileExistsError:
