@@ -42,7 +42,7 @@ from .logs import RateLimit, note
 from .podcgroup import pod_uid_of_process
 
 # Frames handled in one turn before the others get theirs (fairness.py).
-FRAMES_PER_TURN = 32
+FRAMES_PER_TURN = 16
 READ_SIZE = 16 * 1024
 # A peer that has not finished the ZMTP handshake after this many seconds is disconnected;
 # so is one that began a frame (or a message of several) and has not finished it.
@@ -54,7 +54,7 @@ OUTGOING_MAX = 256 * 1024
 READ_PAUSE = 16 * 1024
 # Connections accepted in one go before the other tasks run; the listen backlog holds the
 # rest (the kernel caps it at net.core.somaxconn).
-ACCEPT_BATCH = 64
+ACCEPT_BATCH = 16
 LISTEN_BACKLOG = 4096
 # Seconds to wait before accepting again after running out of descriptors (or memory).
 ACCEPT_RETRY = 0.1
@@ -260,6 +260,9 @@ class ConnectionServer:
                 await trio.lowlevel.checkpoint()
 
     def _admit(self, sock: socket.socket) -> Connection | None:
+        """Serve or refuse a connection just accepted; the time it took is its principal's
+        (fairness.py), so that a user opening connections in a loop pays for them."""
+        started = self.turns.clock()
         credentials = peer_credentials(sock)
         who = principal(credentials)
         refusal = self.limits.refusal(who, self.counts)
@@ -267,12 +270,14 @@ class ConnectionServer:
             sock.close()
             note(f"{self.name} connection refused", self._resource_log, reason=refusal,
                  uid=credentials.uid, pid=credentials.pid)
+            self.turns.charge(who, self.turns.clock() - started)  # its meter, if it has connections
             return None
         sock.setblocking(False)
         connection = Connection(next(self._numbers), sock, credentials, who, trio.current_time())
         self.connections[connection.key] = connection
         self.counts.add(who, 1)
         self.turns.join(who)
+        self.turns.charge(who, self.turns.clock() - started)
         return connection
 
     async def _serve_connection(self, connection: Connection) -> None:

@@ -24,9 +24,10 @@ import trio
 
 # The share of the daemon's thread one principal may use over time, and the burst it may
 # take at once (seconds of thread time). A saturated legitimate user (1 800 handoffs/s in
-# benchmarks/bench_scheduler.py) uses about 0.15 s per second.
-CPU_SHARE = 0.5
-CPU_BURST = 0.1
+# benchmarks/bench_scheduler.py) uses about 0.15 s per second. On a small machine the
+# attacker's own processes take CPU from the daemon too: a quarter keeps room for both.
+CPU_SHARE = 0.25
+CPU_BURST = 0.05
 
 
 class _Meter:
@@ -93,6 +94,13 @@ class Turns:
         meter.connections -= 1
         if not meter.connections:
             del self._meters[principal]
+
+    def charge(self, principal: Hashable, seconds: float) -> None:
+        """Count `seconds` of the daemon's time spent for `principal` outside a turn (accepting
+        or refusing its connections)."""
+        meter = self._meters.get(principal)
+        if meter is not None:
+            meter.tokens -= seconds
 
     def throttled(self, principal: Hashable) -> int:
         """How many turns of `principal` waited for its CPU share (0 when unknown)."""
