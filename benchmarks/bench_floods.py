@@ -310,15 +310,18 @@ class Prober:
 
 
 class Watcher:
-    """Once a second: root's `status` on the control socket, a scrape, the lock timeline
-    (checked for two holders of one grant at once) and the daemon's RSS."""
+    """Once a second: root's `status` on the control socket, a scrape and the daemon's RSS;
+    five times a second the lock timeline, replayed to check that no device ever had two
+    holders. The daemon keeps the last 10 000 events: when an attack makes more than that
+    between two reads, the replay starts afresh after the gap (counted in `timeline_gaps`)."""
 
     def __init__(self, paths: SocketPaths, metrics: str, pid: int) -> None:
         self.paths, self.metrics, self.pid = paths, metrics, pid
-        self.status_failures = self.scrape_failures = self.checks = 0
+        self.status_failures = self.scrape_failures = self.checks = self.timeline_gaps = 0
         self.two_holders: list[dict] = []
         self.peak_rss = 0
         self._next = 0
+        self._seen = 0  # the last sequence number replayed
         self._holding: dict[str, dict[int, str]] = {}  # device -> active grant -> client
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -327,23 +330,40 @@ class Watcher:
     def _run(self) -> None:
         from nvshare_py.control import ControlConnection
 
-        while not self._stop.wait(1.0):
-            self.checks += 1
-            try:
-                self.peak_rss = max(self.peak_rss, rss_kib(self.pid))
-                with ControlConnection(self.paths, timeout=10) as control:
-                    control.request("status")
-                    events, self._next = control.events_since(self._next)
-                self._replay(events)
-            except Exception:
-                self.status_failures += 1
-            try:
-                with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10) as answer:
-                    answer.read()
-            except Exception:
-                self.scrape_failures += 1
+        with ControlConnection(self.paths, timeout=10) as timeline:
+            ticks = 0
+            while not self._stop.wait(0.2):
+                try:
+                    events, self._next = timeline.events_since(self._next)
+                    self._replay(events)
+                except Exception:
+                    self.status_failures += 1
+                ticks += 1
+                if ticks % 5 == 0:
+                    self._check()
+
+    def _check(self) -> None:
+        from nvshare_py.control import ControlConnection
+
+        self.checks += 1
+        try:
+            self.peak_rss = max(self.peak_rss, rss_kib(self.pid))
+            with ControlConnection(self.paths, timeout=10) as control:
+                control.request("status")
+        except Exception:
+            self.status_failures += 1
+        try:
+            with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10) as answer:
+                answer.read()
+        except Exception:
+            self.scrape_failures += 1
 
     def _replay(self, events: list[dict]) -> None:
+        if events and self._seen and events[0]["seq"] != self._seen + 1:
+            self.timeline_gaps += 1
+            self._holding.clear()  # who held what across the gap is unknown
+        if events:
+            self._seen = events[-1]["seq"]
         for event in events:
             active = self._holding.setdefault(event["device"] or "", {})
             if event["kind"] == "grant" and event["detail"] == "claimed":
@@ -441,6 +461,7 @@ def run_attack(kind: str, seconds: float) -> dict:
         "scrape_failures": watcher.scrape_failures,
         "checks": watcher.checks,
         "two_holders": watcher.two_holders[:5],
+        "timeline_gaps": watcher.timeline_gaps,
         "rss_baseline_kib": baseline_rss,
         "rss_peak_kib": peak_rss,
         "rss_after_kib": after_rss,

@@ -37,8 +37,8 @@ from .labels import Places
 # so it never collides with a real pod or namespace.
 OVERFLOW = "_other"
 # Series sets of client metrics (a device and a client's labels), in all and per uid; each
-# costs about 5 KiB of memory and 45 samples per scrape (docs/metrics.md).
-CLIENT_SERIES = 512
+# costs about 17 KiB of memory and 43 samples per scrape once it has grants (docs/metrics.md).
+CLIENT_SERIES = 256
 CLIENT_SERIES_PER_UID = 32
 DEVICE_LABELS = 64
 LABEL_VALUE_MAX = 128  # characters; a client's program name can be anything it likes
