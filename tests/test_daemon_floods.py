@@ -423,6 +423,20 @@ def test_a_registration_that_ends_right_after_its_grant_leaves_no_watcher_behind
     assert_serves(scheduler)
 
 
+def test_a_peer_that_reads_its_answers_late_still_gets_every_one(scheduler):
+    # A peer that does not read is not read either (its answers would pile up); once it reads,
+    # the requests it already sent must be answered, though it sends nothing more.
+    peer = floodkit.RawClient(scheduler.paths.client_socket)
+    peer.hello(session="00000000000000c7")
+    for n in range(20):  # so that each answer to QUERY is large (the client's 20 devices)
+        peer.send(f"NVSHARE/1 DEVICE\ndevice=GPU-{n:04d}\ntotal=1")
+    queries = 600  # one read of the daemon's; their answers are megabytes
+    peer.send_raw(floodkit.frame(b"NVSHARE/1 QUERY") * queries)
+    for _ in range(queries):
+        peer.expect("STATUS")
+    peer.close()
+
+
 def test_slow_and_silent_peers_are_closed_after_their_deadlines(monkeypatch):
     # Was: connections that sent a frame header and trickled its body grew RSS from 45 to
     # 1 050 MiB; idle and half-HELLO connections were kept for ever. In-process, with the

@@ -158,11 +158,8 @@ class ByteBudget:
         if not change:
             return None
         self.used += change
-        held = self.by_principal[principal] + change
-        if held:
-            self.by_principal[principal] = held
-        else:
-            del self.by_principal[principal]
+        _count(self.by_principal, principal, change)
+        held = self.by_principal[principal]
         if change > 0:
             if held > self.per_principal:
                 return f"its user's connections hold {held} bytes, over {self.per_principal}"
@@ -310,21 +307,25 @@ class ConnectionServer:
         sock = connection.sock
         while True:
             if len(connection.outgoing) > READ_PAUSE:
-                # Its peer does not read what it asked for: read no more of it meanwhile.
+                # Its peer does not read what it asked for: handle no more of it meanwhile.
                 connection.drained = trio.Event()
                 await connection.drained.wait()
-            await trio.lowlevel.wait_readable(sock)
+            # Frames left from the last turn (it stopped for the peer's unread answers) come
+            # first: the peer may be waiting for their answers and send nothing more.
+            if not parser.stopped:
+                await trio.lowlevel.wait_readable(sock)
             turn = await self.turns.take(connection.principal)
             try:
-                try:
-                    data = sock.recv(READ_SIZE)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    return  # reset by the peer
-                if not data:
-                    return
-                parser.receive(data)
+                if not parser.stopped:
+                    try:
+                        data = sock.recv(READ_SIZE)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        return  # reset by the peer
+                    if not data:
+                        return
+                    parser.receive(data)
                 while True:
                     try:
                         items = parser.parse(FRAMES_PER_TURN)

@@ -2,11 +2,16 @@
 
 The daemon's rooms (docs/architecture.md):
 
+- config.py: the daemon's settings;
 - runtime.py: the socket directories, their checks, the lock file, the descriptor limit;
 - logs.py: log lines and their rate limits;
-- connections.py: the connection server (accept, read, write, close over zmtp.py's parser);
-- control.py: the control protocol, an op table;
-- this module: the pump and the wiring.
+- connections.py: the connection server (accept, read, write, close over zmtp.py's parser),
+  with fairness.py (turns and a CPU share per principal);
+- control.py: the control protocol, an op table, on the control and status sockets (public.py:
+  what every user may see);
+- quotas.py: what one principal's registrations may make the core keep;
+- metrics.py, labels.py, metrics_http.py: Prometheus metrics;
+- this module: the pump, the translation of client messages into core events, and the wiring.
 
 One nursery holds every task:
 
@@ -42,29 +47,28 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass
 from collections.abc import Hashable
-from typing import Any
 
 import trio
 
 from .. import __version__, protocol
 from ..paths import SocketPaths, check_socket_path
-from . import admission, runtime, views, zmtp
+from . import runtime, views, zmtp
 from . import events as ev
-from .admission import AdmissionConfig
+from .config import DaemonConfig
 from .connections import ByteBudget, Connection, ConnectionLimits, ConnectionServer, listen_unix
 from . import control
 from .control import ControlProtocol
-from .core import CoreConfig, SchedulerCore
+from .core import SchedulerCore
 from .logs import LOG_LEVELS, RateLimit, emit, log, note
 from .metrics import SchedulerMetrics
 from .metrics_http import CONNECTIONS_MAX as METRICS_CONNECTIONS
-from .metrics_http import MetricsServer, Snapshot, bind_metrics, parse_address
+from .metrics_http import MetricsServer, Snapshot, bind_metrics
 from .fairness import Turns
 from .quotas import DeviceQuota
 from .runtime import CoreFailure, StartupError
 
+# DaemonConfig, CoreFailure and StartupError are the daemon's interface (cli.py, tests).
 __all__ = ["CoreFailure", "Daemon", "DaemonConfig", "StartupError"]
 
 # A client connection is closed when one message (all its frames) is larger than this; between
@@ -84,70 +88,6 @@ CLIENT_BYTES = 64 * 1024 * 1024
 CLIENT_IDLE_TIMEOUT = 120.0
 # Lock events after which a client's process is watched through a pidfd: it holds or waits.
 _WATCHED_FROM = frozenset({"acquire", "grant", "admit-wait"})
-
-
-@dataclass(frozen=True)
-class DaemonConfig:
-    socket_dir: str | os.PathLike | None = None  # None: $NVSHARE_SOCKET_DIR or the default
-    mode: ev.Mode = "on"
-    tq: float = 30.0
-    grace: float = 5.0
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 5.0
-    idle_release: float = 1.0
-    recovery: float = 2.0  # only used when a previous daemon's client socket is found
-    swapping: bool = True  # budgets move memory at handoffs (docs/scheduler.md, "Budgets and swapping")
-    min_quantum: float = 1.0  # the shortest quantum of a light or outranked holder (fairshare.py)
-    ageing: int = 4  # grants waited per priority class a waiter rises; 0: no ageing
-    metrics: str | None = None  # HOST:PORT or :PORT to serve Prometheus metrics on; None: off
-    # Admission (docs/scheduler.md): host bytes allowed beyond the devices' budgets; "auto":
-    # admission.DEFAULT_SPILL_FRACTION of the host's MemAvailable when the daemon starts; None: off.
-    admission_spill: int | str | None = "auto"
-    admission_policy: str = "fifo"
-    admission_timeout: float = admission.DEFAULT_TIMEOUT
-
-    def __post_init__(self) -> None:
-        # Refuse values the lock core does not accept now, before any directory or socket is
-        # touched (a socket left behind would make the next daemon believe it restarted).
-        self.core_config(restarted=True)
-        if self.metrics is not None:
-            parse_address(self.metrics)
-
-    def core_config(self, restarted: bool) -> CoreConfig:
-        """The lock core's settings; raises ValueError for a value it does not accept."""
-        return CoreConfig(
-            mode=self.mode,
-            tq=self.tq,
-            grace=self.grace,
-            heartbeat_interval=self.heartbeat_interval,
-            heartbeat_timeout=self.heartbeat_timeout,
-            idle_release=self.idle_release,
-            recovery=self.recovery if restarted else 0.0,
-            swapping=self.swapping,
-            admission=AdmissionConfig(
-                spill=host_spill() if self.admission_spill == "auto" else self.admission_spill,
-                policy=self.admission_policy,
-                timeout=self.admission_timeout,
-            ),
-            min_quantum=self.min_quantum,
-            ageing=self.ageing,
-        )
-
-
-def host_spill(meminfo: str = "/proc/meminfo") -> int:
-    """The default host spill: a fraction of the memory the kernel says is available for new
-    work without swapping (MemAvailable). 0 when it cannot be read: admission then holds the
-    clients to the devices' budgets, which is safe, and the log says so."""
-    try:
-        with open(meminfo, encoding="ascii") as file:
-            for line in file:
-                name, _, rest = line.partition(":")
-                if name == "MemAvailable":
-                    return int(int(rest.split()[0]) * 1024 * admission.DEFAULT_SPILL_FRACTION)
-    except (OSError, ValueError, IndexError):
-        pass
-    log.warning("cannot read MemAvailable from %s: admission spill 0 (set --admission-spill)", meminfo)
-    return 0
 
 
 def client_limits(nofile: int) -> ConnectionLimits:

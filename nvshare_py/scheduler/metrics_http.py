@@ -67,12 +67,12 @@ class Snapshot:
 class _Pending:
     """A connection that has not sent its whole request yet."""
 
-    __slots__ = ("peer", "since", "scope")
+    __slots__ = ("peer", "scope", "counted")
 
-    def __init__(self, peer: str, since: float, scope: trio.CancelScope) -> None:
+    def __init__(self, peer: str, scope: trio.CancelScope) -> None:
         self.peer = peer
-        self.since = since
         self.scope = scope
+        self.counted = True  # in MetricsServer.open (until _make_room closes it)
 
 
 class MetricsServer:
@@ -126,11 +126,11 @@ class MetricsServer:
             victim.scope.cancel()
             # Its task has not run its `finally` yet: count it out now.
             self.open[victim.peer] -= 1
-            victim.peer = ""
+            victim.counted = False
         return True
 
     async def _serve(self, stream: trio.SocketStream, peer: str) -> None:
-        pending = _Pending(peer, trio.current_time(), trio.CancelScope(deadline=trio.current_time() + REQUEST_TIMEOUT))
+        pending = _Pending(peer, trio.CancelScope(deadline=trio.current_time() + REQUEST_TIMEOUT))
         self._pending.append(pending)
         try:
             async with stream:
@@ -146,7 +146,7 @@ class MetricsServer:
         finally:
             if pending in self._pending:
                 self._pending.remove(pending)
-            if pending.peer:  # not already counted out by _make_room
+            if pending.counted:
                 self.open[peer] -= 1
             if not self.open.get(peer, 1):
                 del self.open[peer]
