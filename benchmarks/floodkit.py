@@ -4,6 +4,7 @@ routing id of their choosing (the READY `Identity` property) or sending oversize
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import sys
@@ -106,3 +107,90 @@ class RawClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+# --- attackers as processes (tests run them as other uids; bench_floods at full size) -----------
+
+
+def hold(path: str, count: int, hello: bool) -> None:
+    """Open up to `count` connections (handshake, and HELLO with `hello`), print how many the
+    scheduler kept, and keep them until stdin closes."""
+    kept = []
+    for n in range(count):
+        try:
+            peer = RawClient(path)
+            if hello:
+                peer.hello(session=f"{os.getpid():08x}{n:08x}")
+            kept.append(peer)
+        except (OSError, ConnectionError, AssertionError):
+            pass  # refused: the limits at work
+    # Connections the scheduler refused after the handshake (closed at once) are not kept.
+    alive = [peer for peer in kept if _open(peer.sock)]
+    print(len(alive), flush=True)
+    sys.stdin.read()
+    for peer in kept:
+        peer.close()
+
+
+def _open(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        return sock.recv(1, socket.MSG_PEEK) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.setblocking(True)
+
+
+def flood(path: str, kind: str, connections: int, seconds: float) -> int:
+    """`connections` connections sending `kind` traffic as fast as they can for `seconds`
+    (valid: QUERY; commands: 3-byte unknown commands; empty-more: zero-length MORE frames).
+    Returns the number of sends."""
+    chunk = {
+        "valid": frame(b"NVSHARE/1 QUERY") * 64,
+        "commands": frame(b"\x01X", command=True) * 512,
+        "empty-more": frame(b"", more=True) * 512,
+    }[kind]
+    peers = []
+    for _ in range(connections):
+        try:
+            peers.append(RawClient(path))
+        except (OSError, ConnectionError):
+            pass
+    for peer in peers:
+        peer.sock.setblocking(False)
+    end = time.monotonic() + seconds
+    sends = 0
+    while time.monotonic() < end and peers:
+        for peer in list(peers):
+            try:
+                peer.sock.send(chunk)
+                sends += 1
+            except BlockingIOError:
+                pass
+            except OSError:
+                peers.remove(peer)  # closed by the scheduler
+            try:
+                while peer.sock.recv(65536):  # read what comes back, so the flood is not paused
+                    pass
+            except (BlockingIOError, OSError):
+                pass
+    for peer in peers:
+        peer.close()
+    return sends
+
+
+def main() -> None:
+    command, path = sys.argv[1], sys.argv[2]
+    if command == "hold":
+        hold(path, int(sys.argv[3]), sys.argv[4:] == ["--hello"])
+    elif command == "flood":
+        print(flood(path, sys.argv[3], int(sys.argv[4]), float(sys.argv[5])), flush=True)
+    else:
+        raise SystemExit(f"unknown command {command}")
+
+
+if __name__ == "__main__":
+    main()

@@ -326,7 +326,7 @@ def render_status_wide(status: dict, names: DeviceNames, *, read_only: bool = Fa
     else:
         parts.append(Text("no clients: no program uses a GPU through this scheduler now"))
     if status.get("admission"):
-        parts.append(admission_text(status["admission"], names))
+        parts.append(admission_text(status["admission"], names, wide=True))
     return Group(*parts)
 
 
@@ -334,13 +334,14 @@ def _percent(fraction: float | None) -> str:
     return "-" if fraction is None else f"{fraction * 100:.1f} %"
 
 
-def admission_text(admission: dict, names: DeviceNames) -> Text:
-    """One line of admission figures, then who waits for how much, in the order they asked."""
+def admission_text(admission: dict, names: DeviceNames, wide: bool = False) -> Text:
+    """One line of admission figures (`wide`: with each user's or pod's share of the capacity),
+    then who waits for how much, in the order they asked."""
     if not admission.get("enabled"):
         return Text("admission: off (allocations never wait)")
     lines = [f"admission: {size(admission.get('reserved'))} of {size(admission.get('capacity'))} reserved, "
-             f"spill {size(admission.get('spill'))}, {admission.get('policy')}, timeout {admission.get('timeout', 0):g} s, "
-             f"share {admission.get('share', 1):g}"]
+             f"spill {size(admission.get('spill'))}, {admission.get('policy')}, timeout {admission.get('timeout', 0):g} s"
+             + (f", share {admission.get('share', 1):g}" if wide else "")]
     for waiter in admission.get("waiters", []):
         lines.append(f"  {waiter['client']} waits {waiter['waiting_for']:.1f} s on {names.short(waiter['device'])} "
                      f"for {size(waiter['more'])} more (a total of {size(waiter['bytes'])})")

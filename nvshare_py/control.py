@@ -1,8 +1,12 @@
-"""The requesting side of the control socket (docs/protocol.md, "Control socket").
+"""The requesting side of the control socket and of the status socket (docs/protocol.md,
+"Control socket", "Status socket").
 
 `ControlConnection` turns every way a request can fail into a `ControlFailure` whose
 `exit_code` is nvsharectl's documented exit status, so callers (nvsharectl, test fixtures,
-scripts) can tell a refusal from a missing daemon from a permission problem.
+scripts) can tell a refusal from a missing daemon from a permission problem. Root and the
+scheduler's user use the control socket; everyone else may read (`status`, `events`) on the
+status socket with `read_only_status` (nvsharectl reads there when the control socket is closed
+to its user: ctl/reading.py).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ class ControlFailure(Exception):
         self.code = code  # the daemon's error code, when it answered
 
 
-def probe(path: os.PathLike) -> None:
+def probe(path: "os.PathLike[str]", read_only: bool = False) -> None:
     """A plain AF_UNIX connect, to tell 'not running' from 'not allowed' before ZeroMQ
     (which would silently retry either) gets involved."""
     error = connect_error(path)
@@ -43,30 +47,35 @@ def probe(path: os.PathLike) -> None:
     if isinstance(error, NotADirectoryError):
         raise ControlFailure(EXIT_USAGE, not_a_directory(Path(path).parents[1]) or f"cannot reach {path}: {error.strerror}")
     if isinstance(error, FileNotFoundError):
+        kind = "status" if read_only else "control"
         raise ControlFailure(
-            EXIT_NOT_RUNNING, f"no scheduler control socket at {path} (is nvshare-scheduler running? check --socket-dir)"
+            EXIT_NOT_RUNNING, f"no scheduler {kind} socket at {path} (is nvshare-scheduler running? check --socket-dir)"
         )
     if isinstance(error, ConnectionRefusedError):
         raise ControlFailure(EXIT_NOT_RUNNING, f"nvshare-scheduler is not running (nothing listens on {path})")
     if isinstance(error, PermissionError):
-        raise ControlFailure(EXIT_PERMISSION, f"permission denied on {path}: run as root or as the scheduler's user")
+        advice = "" if read_only else ": run as root or as the scheduler's user"
+        raise ControlFailure(EXIT_PERMISSION, f"permission denied on {path}{advice}")
     raise ControlFailure(EXIT_NOT_RUNNING, f"cannot reach {path}: {error.strerror or error}")
 
 
 class ControlConnection:
-    """One REQ connection to the control socket; use as a context manager."""
+    """One REQ connection to the control socket, or with `read_only` to the status socket
+    (every local user may read there; nothing can be changed); use as a context manager."""
 
-    def __init__(self, paths: SocketPaths, timeout: float = 5.0) -> None:
+    def __init__(self, paths: SocketPaths, timeout: float = 5.0, read_only: bool = False) -> None:
         self.paths = paths
         self.timeout = timeout
-        probe(paths.control_socket)
-        self._context = zmq.Context()
+        self.read_only = read_only
+        self.path = paths.status_socket if read_only else paths.control_socket
+        probe(self.path, read_only)
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context()
         self._socket = self._context.socket(zmq.REQ)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.RCVTIMEO, max(1, int(timeout * 1000)))
         self._socket.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
         self._socket.setsockopt(zmq.MAXMSGSIZE, CONTROL_REPLY_MAX)
-        self._socket.connect(paths.control_endpoint)
+        self._socket.connect(paths.status_endpoint if read_only else paths.control_endpoint)
 
     def request(self, op: str, **fields: Any) -> Any:
         """Send one request and return its `result`; raises ControlFailure."""
@@ -79,7 +88,7 @@ class ControlConnection:
         except zmq.Again:
             self.close()
             raise ControlFailure(
-                EXIT_NOT_RUNNING, f"nvshare-scheduler did not answer within {self.timeout:g} s ({self.paths.control_socket})"
+                EXIT_NOT_RUNNING, f"nvshare-scheduler did not answer within {self.timeout:g} s ({self.path})"
             ) from None
         except ValueError:
             raise ControlFailure(EXIT_REFUSED, "the scheduler's answer is not JSON") from None
@@ -93,10 +102,10 @@ class ControlConnection:
         exit_code = EXIT_PERMISSION if code == "forbidden" else EXIT_REFUSED
         raise ControlFailure(exit_code, f"the scheduler refused: {code}" + (f": {message}" if message else ""), code)
 
-    def events_since(self, since: int = 0) -> tuple[list[dict], int]:
+    def events_since(self, since: int = 0) -> tuple[list[dict[str, Any]], int]:
         """Every stored lock event with a sequence number from `since` on (paging through the
         `events` operation), and the number to ask from next time."""
-        events: list[dict] = []
+        events: list[dict[str, Any]] = []
         while True:
             answer = self.request("events", since=since, limit=CONTROL_EVENTS_MAX)
             events.extend(answer["events"])
@@ -113,7 +122,7 @@ class ControlConnection:
     def __enter__(self) -> "ControlConnection":
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
@@ -124,9 +133,10 @@ def request(paths: SocketPaths, op: str, *, timeout: float = 5.0, **fields: Any)
 
 
 def read_only_status(paths: SocketPaths, op: str, *, timeout: float = 5.0, **fields: Any) -> Any:
-    """PLACEHOLDER for the read-only status socket (issue 22 item 2, built on another branch):
-    one read request, `status` or `events` (with `since`, `limit`), to the scheduler of `paths`
-    on the socket every local user may reach; returns the answer's `result` as `request()`
-    does and raises ControlFailure as it does. nvsharectl calls it when the control socket is
-    closed to the caller. Until that socket exists it refuses as the control socket does."""
-    raise ControlFailure(EXIT_NOT_RUNNING, "this nvshare_py has no read-only status socket yet")
+    """One read request, `status` or `events` (with `since`, `limit`), on the status socket that
+    every local user may reach: the answers show what an unprivileged user may see
+    (docs/protocol.md, "Status socket"). Returns the answer's `result` as `request()` does and
+    raises ControlFailure as it does (EXIT_NOT_RUNNING where no scheduler serves the socket).
+    nvsharectl reads here when the control socket is closed to its user (ctl/reading.py)."""
+    with ControlConnection(paths, timeout, read_only=True) as connection:
+        return connection.request(op, **fields)

@@ -6,6 +6,7 @@ when it does not (a single user without root). interceptor/config.c applies the 
 
     <socket-dir>/client/scheduler.sock   clients (mounted into containers)
     <socket-dir>/control/control.sock    nvsharectl (never mounted into containers)
+    <socket-dir>/status/status.sock      read-only status for every local user (never mounted)
     <socket-dir>/control/scheduler.lock  held by the running daemon
 """
 
@@ -178,6 +179,14 @@ class SocketPaths:
         return self.control_dir / "control.sock"
 
     @property
+    def status_dir(self) -> Path:
+        return self.root / "status"
+
+    @property
+    def status_socket(self) -> Path:
+        return self.status_dir / "status.sock"
+
+    @property
     def lock_file(self) -> Path:
         return self.control_dir / "scheduler.lock"
 
@@ -188,3 +197,7 @@ class SocketPaths:
     @property
     def control_endpoint(self) -> str:
         return f"ipc://{self.control_socket}"
+
+    @property
+    def status_endpoint(self) -> str:
+        return f"ipc://{self.status_socket}"

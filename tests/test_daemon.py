@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import stat
+import sys
 import time
 
 import pytest
@@ -386,15 +387,68 @@ def test_a_status_too_large_for_one_reply_is_cut_and_says_so():
     # Issue 12: `nvsharectl status` failed ("too-large: reply of 21107997 bytes") once clients
     # had made the device table large; status must always answer.
     from nvshare_py import protocol
-    from nvshare_py.scheduler.daemon import _fitted
+    from nvshare_py.scheduler.control import fitted
 
     devices = [{"device": f"GPU-{n:08d}", "name": "x" * 100, "holders": [], "waiters": []} for n in range(40_000)]
     clients = [{"client": f"c{n}", "program": "y" * 100, "devices": {}} for n in range(40_000)]
     reply = {"v": 1, "ok": True, "result": {"scheduler": {}, "devices": devices, "clients": clients}}
-    data = _fitted(reply)
+    data = fitted(reply)
     assert len(data) <= protocol.CONTROL_REPLY_MAX
     result = json.loads(data)["result"]
     shown_devices, shown_clients = len(result["devices"]), len(result["clients"])
     assert shown_devices > 0 and shown_clients > 0
     assert result["truncated"] == {"devices": 40_000 - shown_devices, "clients": 40_000 - shown_clients}
     assert result["devices"] == devices[:shown_devices]
+
+
+class FailingCoreScheduler(SchedulerProcess):
+    """The daemon's command line with a lock core that raises on events of one type."""
+
+    PATCH = """
+import sys
+from nvshare_py.scheduler import events
+from nvshare_py.scheduler.core import SchedulerCore
+failing = getattr(events, sys.argv.pop(1))
+real_handle = SchedulerCore.handle
+def handle(core, event):
+    if isinstance(event, failing):
+        raise RuntimeError("a bug in the core")
+    return real_handle(core, event)
+SchedulerCore.handle = handle
+from nvshare_py.scheduler.cli import main
+main()
+"""
+
+    def __init__(self, failing: str) -> None:
+        super().__init__(short_socket_dir(), {"heartbeat_timeout": 300})
+        self.failing = failing
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", self.PATCH, self.failing, *super().command()[3:]]
+
+
+@pytest.mark.parametrize("failing", ["SetQuantum", "AcquireRequest"])
+def test_a_core_failure_on_any_path_ends_the_daemon_with_status_70(failing):
+    # Issue 20: the control request's broad `except Exception` caught CoreFailure and served
+    # on from a possibly half-updated lock table, and the daemon exited 1, not the documented 70.
+    scheduler = FailingCoreScheduler(failing)
+    scheduler.start()
+    try:
+        agent = scheduler.agent()
+        if failing == "SetQuantum":
+            try:
+                scheduler.request("set-tq", seconds=5, timeout=5)
+            except Exception:
+                pass  # no answer: the daemon is gone
+        else:
+            agent.send(f"acquire {GPU}")
+        assert scheduler.process.wait(PATIENCE) == 70, scheduler.log_text()[-3000:]
+        assert f"CRITICAL the lock core failed on {failing}" in scheduler.log_text()
+        # The socket stays for the next daemon, which recovers the clients' locks.
+        assert stat.S_ISSOCK(os.lstat(scheduler.paths.client_socket).st_mode)
+        agent.kill()
+        scheduler.start()
+        assert scheduler.status()["scheduler"]["restarted"] is True
+    finally:
+        scheduler.cleanup()
+        shutil.rmtree(scheduler.socket_dir, ignore_errors=True)

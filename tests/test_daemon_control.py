@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,6 +78,15 @@ def test_another_user_past_the_file_modes_is_still_refused(scheduler):
     assert "forbidden" in result.stderr and f"uid {OTHER_UID}" in result.stderr
     assert scheduler.status()["scheduler"]["defaults"]["mode"] == "on"
     assert "control request refused" in scheduler.log_text()
+
+
+def test_the_daemon_serves_the_control_socket_without_libzmq(scheduler):
+    # Issue 23: the control socket was a libzmq ROUTER, whose listener aborted the whole daemon
+    # when accept() ran out of descriptors (`Too many open files (ipc_listener.cpp)`). The
+    # daemon's own connection server serves it now; libzmq is not even loaded.
+    maps = open(f"/proc/{scheduler.pid}/maps").read()
+    assert "libzmq" not in maps
+    assert scheduler.ctl("status", "--json").returncode == 0  # nvsharectl's REQ socket is served
 
 
 def test_the_client_directory_holds_no_way_to_control_the_scheduler(scheduler):
@@ -228,3 +240,70 @@ def test_a_release_with_a_reason_the_scheduler_does_not_know_counts_as_user(sche
         assert isinstance(protocol.decode(dealer.recv(), protocol.SCHEDULER_MESSAGES), protocol.Grant)
     finally:
         context.destroy(linger=0)
+
+
+# --- the status socket: read-only status for every local user (issue 22) ------------------------
+
+READ = """
+import json, sys
+from nvshare_py.control import ControlConnection, ControlFailure, read_only_status
+from nvshare_py.paths import SocketPaths
+paths = SocketPaths.resolve()
+print(json.dumps({"status": read_only_status(paths, "status"),
+                  "events": read_only_status(paths, "events")["events"]}))
+try:
+    with ControlConnection(paths, read_only=True) as connection:
+        connection.request("set-tq", seconds=5)
+except ControlFailure as failure:
+    print(json.dumps({"code": failure.code, "exit": failure.exit_code}))
+"""
+
+
+def test_every_local_user_reads_who_holds_and_waits_and_sees_its_own_clients_in_full(scheduler):
+    # Was: `nvsharectl status` exited 4 (permission denied) for every user but root, where
+    # nvidia-smi answers everyone.
+    as_other = as_other_user()
+    os.chmod(scheduler.socket_dir, 0o755)  # mkdtemp's 0700 would keep other users out of all sockets
+    holder = scheduler.agent(env={"NVSHARE_POD_NAME": "secret-pod"})
+    holder.send(f"acquire {GPU}")
+    holder.expect(f"granted {GPU}")
+    own = subprocess.Popen(
+        [*as_other, sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "floodkit.py"),
+         "hold", str(scheduler.paths.client_socket), "1", "--hello"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert own.stdout.readline().strip() == "1"
+        result = run_child([*as_other, sys.executable, "-c", READ], scheduler.env)
+        assert result.returncode == 0, result.stderr
+        read, refused = (json.loads(line) for line in result.stdout.splitlines())
+    finally:
+        own.stdin.close()
+        own.wait(60)
+    status = read["status"]
+    assert status["viewer"]["uid"] == OTHER_UID
+    (holding,) = status["devices"][0]["holders"]
+    assert holding["client"] == holder.client_id and holding["user"] == "root"
+    assert holding["program"] == "scheduler.py" and holding["host_pid"] == holder.pid
+    assert holding["since"] > 0 and holding["quantum_left"] > 0
+    clients = {client["client"]: client for client in status["clients"]}
+    root_client = clients[holder.client_id]
+    assert root_client["devices"][GPU]["state"] == "holding"
+    # Where another user's client runs and its settings are not for others to read ...
+    assert not {"pod", "namespace", "host", "container", "pod_uid", "weight", "priority"} & set(root_client)
+    assert "secret-pod" not in json.dumps(status)
+    # ... but one's own clients are shown in full.
+    (mine,) = [client for client in status["clients"] if client["uid"] == OTHER_UID]
+    assert {"pod", "namespace", "host", "weight", "priority"} <= set(mine)
+    assert "settings" not in status["scheduler"]
+    assert any(event["kind"] == "grant" for event in read["events"])
+    # Nothing changes state there.
+    assert refused == {"code": "forbidden", "exit": 4}
+    assert scheduler.status()["scheduler"]["defaults"]["tq"] == scheduler.options["tq"]
+
+
+def test_the_status_socket_is_outside_what_containers_get(scheduler):
+    # Containers get <socket-dir>/client mounted: the node's status (other pods' programs and
+    # users) stays out of them; the status socket is in a directory of its own.
+    assert scheduler.paths.status_socket.parent != scheduler.paths.client_dir
+    assert stat.S_IMODE(os.stat(scheduler.paths.status_dir).st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(scheduler.paths.status_socket).st_mode) == 0o666

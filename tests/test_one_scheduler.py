@@ -17,7 +17,6 @@ import pytest
 from fixtures.scheduler import (
     CHILD_CWD, OTHER_UID, PATIENCE, as_other_user, child_env, run_child, short_socket_dir, wait_for,
 )
-from nvshare_py import control
 from nvshare_py.paths import ENV_SOCKET_DIR, ENV_SYSTEM_SOCKET_DIR, connect_error
 
 
@@ -128,11 +127,9 @@ def test_a_user_scheduler_and_the_system_scheduler_say_loudly_when_both_serve(sc
         shutil.rmtree(system_dir, ignore_errors=True)
 
 
-@pytest.mark.xfail(control.read_only_status.__doc__.startswith("PLACEHOLDER"), strict=True,
-                   reason="the read-only status socket (issue 22 item 2, server side) is not merged yet")
 def test_a_user_who_is_not_root_sees_who_holds_and_waits(system_scheduler):
     """As nvidia-smi: another user reads the status (status, status -o json, timeline) though the
-    control socket is root's. Unmark when control.read_only_status is the real one."""
+    control socket is root's."""
     other = as_other_user("dac_read_search")
     env = users_env(system_scheduler.socket_dir)
     holder = system_scheduler.agent(env={"NVSHARE_PROGRAM": "train.py"})

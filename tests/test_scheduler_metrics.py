@@ -160,25 +160,47 @@ def test_swaps_asked_at_a_handoff_over_budget_are_counted_in_both_directions():
     assert value(d.scrape(20.0), "nvshare_device_memory_swapped_bytes", device=GPU) == 8000
 
 
-def test_client_label_sets_are_bounded_and_the_rest_is_counted_as_overflow():
+def register(d: "Driven", key: str, now: float, pod: str, uid: int) -> None:
+    d.feed(ev.Register(now, key, ev.ClientInfo(pid=1, session=key, uid=uid, pod=pod, namespace="ns", program="train",
+                                                 user="alice")))
+
+
+def client_pods(found: dict) -> set[str]:
+    return {dict(labels).get("pod") for name, labels in found if name == "nvshare_client_memory_used_bytes"}
+
+
+def test_client_series_are_bounded_per_uid_and_the_rest_is_counted_as_overflow():
+    # Issue 23: one user's invented label sets took the series to hundreds of thousands.
     d = Driven()
     extra = 5
-    for index in range(m.CLIENT_LABEL_SETS + extra):
-        key = f"k{index}"
-        d.register(key, 0.0, pod=f"pod-{index}")
-        d.feed(ev.AcquireRequest(0.0, key, GPU))
+    for index in range(m.CLIENT_SERIES_PER_UID + extra):
+        register(d, f"k{index}", 0.0, f"pod-{index}", uid=1000)
+        d.feed(ev.AcquireRequest(0.0, f"k{index}", GPU))
+    register(d, "other", 0.0, "elsewhere", uid=1001)  # another user still gets series of its own
+    d.feed(ev.AcquireRequest(0.0, "other", GPU))
     found = d.scrape(0.0)
-    pods = {dict(labels).get("pod") for name, labels in found if name == "nvshare_client_memory_used_bytes"}
-    assert len(pods) == m.CLIENT_LABEL_SETS + 1
-    assert m.OVERFLOW in pods and f"pod-{m.CLIENT_LABEL_SETS}" not in pods
+    pods = client_pods(found)
+    assert len(pods) == m.CLIENT_SERIES_PER_UID + 2  # the uid's own, _other, and the other uid's
+    assert m.OVERFLOW in pods and "elsewhere" in pods and f"pod-{m.CLIENT_SERIES_PER_UID}" not in pods
     assert value(found, "nvshare_client_holding", device=GPU, pod="pod-0", namespace="ns", program="train",
                  user="alice") == 1
-    assert value(found, "nvshare_client_memory_used_bytes", device=GPU, pod=m.OVERFLOW, namespace=m.OVERFLOW,
-                 program=m.OVERFLOW, user=m.OVERFLOW) == 0
     assert value(found, "nvshare_scheduler_label_overflows_total", label="client") == extra
 
 
-def test_device_labels_are_bounded():
+def test_series_of_clients_that_left_make_room_for_new_ones():
+    d = Driven()
+    for index in range(m.CLIENT_SERIES_PER_UID):
+        register(d, f"k{index}", 0.0, f"pod-{index}", uid=1000)
+        d.feed(ev.AcquireRequest(0.0, f"k{index}", GPU))
+    d.feed(ev.Unregister(1.0, "k1", "bye"))
+    register(d, "new", 2.0, "pod-new", uid=1000)
+    d.feed(ev.AcquireRequest(2.0, "new", GPU))
+    pods = client_pods(d.scrape(2.0))
+    # k0 held the lock and still does; k1 left: its series went to make room.
+    assert "pod-new" in pods and "pod-1" not in pods and "pod-0" in pods and m.OVERFLOW not in pods
+
+
+def test_device_labels_are_bounded_and_forgotten_devices_make_room():
     d = Driven()
     # One registration may use at most protocol.MAX_DEVICES devices: spread them over two.
     d.register("a", 0.0)
@@ -189,6 +211,16 @@ def test_device_labels_are_bounded():
     devices = {dict(labels)["device"] for name, labels in found if name == "nvshare_device_holders"}
     assert len(devices) == m.DEVICE_LABELS + 1 and m.OVERFLOW in devices
     assert value(found, "nvshare_device_holders", device=m.OVERFLOW) == 3
+    # Issue 23: per-device state was never freed. Once the core forgets the devices (their
+    # clients left), new ones get series of their own and the old ones' series go.
+    d.feed(ev.Unregister(1.0, "a", "bye"))
+    d.feed(ev.Unregister(1.0, "b", "bye"))
+    d.scrape(1.0)
+    d.register("c", 2.0)
+    d.feed(ev.AcquireRequest(2.0, "c", "GPU-new"))
+    found = d.scrape(2.0)
+    named = {dict(labels).get("device") for name, labels in found}
+    assert "GPU-new" in named and "GPU-0" not in named
 
 
 def test_counters_have_a_sample_from_the_start():
@@ -249,6 +281,7 @@ def test_an_admission_wait_is_measured_and_a_refusal_counted():
     d = Driven()
     d.core = SchedulerCore(CoreConfig(tq=10.0, grace=1.0, heartbeat_timeout=1e6, recovery=0.0,
                                       admission=AdmissionConfig(spill=0, timeout=5.0)), 0.0)
+    d.feed(ev.DeviceMeasured(0.0, GPU, 1000))  # the daemon's own measurement sizes the device
     d.register("a", 0.0)
     d.feed(ev.DeviceInfo(0.0, "a", GPU, 1000))
     d.feed(ev.AdmitRequest(1.0, "a", GPU, 1, 2000))  # more than the whole capacity: refused at once
@@ -288,6 +321,13 @@ def scrape(address: str, path: str = "/metrics") -> str:
         return answer.read().decode()
 
 
+def scraped(address: str, condition, what: str) -> dict:
+    """A scrape whose samples satisfy `condition` (scrapes are served from a snapshot up to
+    metrics_http.SNAPSHOT_INTERVAL old)."""
+    return wait_for(lambda: (found := samples(scrape(address))) and condition(found) and found, what=what,
+                    interval=0.2)
+
+
 def test_a_scrape_shows_clients_taking_turns(scheduler_factory):
     scheduler = scheduler_factory(metrics="127.0.0.1:0")
     address = metrics_address(scheduler)
@@ -302,8 +342,8 @@ def test_a_scrape_shows_clients_taking_turns(scheduler_factory):
         first.expect(f"granted {GPU}")
         second.send(f"acquire {GPU}")
         wait_for(lambda: scheduler.waiters(GPU) == [second.client_id], what="the second client to wait")
-        seen = samples(scrape(address))
-        assert value(seen, "nvshare_device_waiters", device=GPU) == 1
+        scraped(address, lambda found: found.get(("nvshare_device_waiters", frozenset({("device", GPU)}))) == 1,
+                 "a scrape showing one waiter")
         first.send(f"release {GPU}")
         second.expect(f"granted {GPU}")
         second.send(f"release {GPU}")
@@ -312,11 +352,17 @@ def test_a_scrape_shows_clients_taking_turns(scheduler_factory):
         # round's ACQUIRE could arrive first and make that release a handoff too.
         wait_for(lambda: scheduler.holders(GPU) == [], what="the device to be free")
 
-    after = samples(scrape(address))
-    notebook = next(dict(labels) for name, labels in after
-                    if name == "nvshare_client_grants_total" and dict(labels).get("pod") == "notebook")
-    assert notebook["namespace"] == "team-a" and notebook["device"] == GPU
-    assert notebook["user"] == views.user_name(os.geteuid())  # the uid the kernel reported, by name
+    after = scraped(address, lambda found: found.get(("nvshare_scheduler_clients", frozenset())) == 2
+                    and found.get(("nvshare_device_holders", frozenset({("device", GPU)}))) == 0,
+                    "a scrape after the last release")
+    notebook = {"device": GPU, "pod": "notebook", "namespace": "team-a"}
+    program = next(dict(labels)["program"] for name, labels in after
+                   if name == "nvshare_client_grants_total" and dict(labels).get("pod") == "notebook")
+    notebook["program"] = program
+    assert next(dict(labels)["user"] for name, labels in after
+               if name == "nvshare_client_grants_total" and dict(labels).get("pod") == "notebook") \
+        == views.user_name(os.geteuid())  # the uid the kernel reported, by name
+    notebook["user"] = views.user_name(os.geteuid())
     assert value(after, "nvshare_scheduler_clients") == 2
     assert value(after, "nvshare_client_grants_total", **notebook) == 2
     assert value(after, "nvshare_client_wait_seconds_count", **notebook) == 2
@@ -338,8 +384,8 @@ def test_a_scrape_shows_clients_taking_turns(scheduler_factory):
         raw.close(linger=0)
     finally:
         context.term()
-    rejected = samples(scrape(address))
-    assert value(rejected, "nvshare_scheduler_rejected_messages_total", code="malformed") == 1
+    scraped(address, lambda found: found.get(("nvshare_scheduler_rejected_messages_total",
+                                              frozenset({("code", "malformed")}))) == 1, "the rejection counted")
 
 
 def test_a_silent_scraper_does_not_hold_up_others_or_the_lock(scheduler_factory):

@@ -50,3 +50,11 @@ def test_an_oversized_message_is_refused_on_its_header_before_its_body_arrives()
     parser.feed(floodkit.frame(b"x" * 600, more=True))
     with pytest.raises(zmtp.Violation):
         parser.feed(floodkit.frame(b"y" * 600)[:9])  # only the header of the second frame
+
+
+def test_a_reply_to_a_req_peer_keeps_its_empty_delimiter_frame():
+    # The control socket answers REQ peers (nvsharectl) behind the delimiter they sent.
+    parser = zmtp.Parser(max_message=1024)
+    parser.feed(handshake())
+    assert parser.feed(zmtp.message([b"", b"x" * 300])) == [zmtp.Message((b"", b"x" * 300))]
+    assert zmtp.frame(b"y") == zmtp.message([b"y"]) == floodkit.frame(b"y")

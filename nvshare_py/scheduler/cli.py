@@ -30,8 +30,12 @@ from ..paths import (
 from ..sizes import parse_size
 from ..vocabulary import MODE
 from . import admission
-from .daemon import Daemon, DaemonConfig, StartupError
+from .daemon import CoreFailure, Daemon, DaemonConfig, StartupError
 from .events import Mode
+
+# sysexits.h EX_SOFTWARE: the lock core failed (docs/scheduler.md, Restarts); a supervisor
+# restarts the daemon, which recovers the lock table from the clients.
+EXIT_CORE_FAILURE = 70
 
 log = logging.getLogger("nvshare.scheduler")
 
@@ -178,6 +182,8 @@ def serve(
         raise typer.Exit(1) from None
     try:
         trio.run(serve_and_watch, daemon, daemon.paths.root, beside)
+    except CoreFailure:
+        raise typer.Exit(EXIT_CORE_FAILURE) from None  # logged (CRITICAL, with the traceback) already
     finally:
         daemon.close()
 
@@ -215,11 +221,13 @@ async def watch_for_the_system_scheduler(root: Path, said: str | None) -> None:
         return
     with watch:
         while True:
-            watch.watch(next(path for path in (*socket_path.parents, Path("/")) if path.is_dir()))
+            watch.watch(next(path for path in (*socket_path.parents, Path("/")) if _is_directory(path)))
             serving = False
             for pause in (SPLIT_BRAIN_RECHECKS if said is None else (0.0,)):
                 await trio.sleep(pause)
                 serving = await serves(socket_path)
+                if serving is None:  # no descriptor to look with: nothing new is known
+                    serving = said is not None
                 if serving:
                     break
             now = trio.current_time()
@@ -236,9 +244,22 @@ async def watch_for_the_system_scheduler(root: Path, said: str | None) -> None:
                     await watch.changed()
 
 
-async def serves(path: Path) -> bool:
-    """Whether something listens on the Unix socket `path` (a connect that does not block)."""
-    with trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+def _is_directory(path: Path) -> bool:
+    """Whether `path` is a directory this process may look at (a parent it may not read is not)."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
+async def serves(path: Path) -> bool | None:
+    """Whether something listens on the Unix socket `path` (a connect that does not block);
+    None when no socket can be made to look (out of descriptors: the daemon serves on)."""
+    try:
+        probe = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    with probe:
         with trio.move_on_after(SPLIT_BRAIN_CHECK):
             try:
                 await probe.connect(os.fspath(path))

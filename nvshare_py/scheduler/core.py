@@ -107,6 +107,9 @@ class CoreConfig:
     # before issue 8 (the fault-driven baseline of benchmarks/bench_colocation.py).
     swapping: bool = True
     admission: AdmissionConfig = AdmissionConfig()  # off unless a spill is given
+    # What `set-admission spill=auto` sets: the daemon's measurement of the host (a share of its
+    # MemAvailable when it started); None: not measured, and `auto` is refused.
+    auto_spill: int | None = None
     # Weights and priorities (fairshare.py): the shortest quantum a light or outranked holder
     # gets, and grants per class of ageing (0: none).
     min_quantum: float = 1.0
@@ -1028,6 +1031,10 @@ class SchedulerCore:
     def _set_admission(self, ev: SetAdmission, out: list[Action]) -> None:
         old = self._admission.config
         spill = old.spill if ev.keep_spill else ev.spill
+        if spill == "auto":
+            if self.config.auto_spill is None:
+                raise ControlError("bad-request", "this scheduler did not measure the host: give the spill in bytes")
+            spill = self.config.auto_spill
         policy = old.policy if ev.policy is None else ev.policy
         timeout = old.timeout if ev.timeout is None else ev.timeout
         share = old.share if ev.share is None else ev.share

@@ -207,7 +207,7 @@ class SetAdmission:
     `spill`, where `keep_spill` says whether None means "unchanged" or "admission off"."""
 
     now: float
-    spill: int | None = None
+    spill: int | Literal["auto"] | None = None  # "auto": CoreConfig.auto_spill
     keep_spill: bool = True
     policy: str | None = None
     timeout: float | None = None

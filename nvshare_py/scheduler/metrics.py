@@ -1,52 +1,57 @@
 """Prometheus metrics of the scheduler (`nvshare-scheduler --metrics ADDRESS`, docs/metrics.md).
 
-Two parts, both driven from the daemon's one Trio thread:
+`SchedulerMetrics` is an observer. The pump hands it every event it fed the lock core together
+with the actions the core returned; from the timeline entries (LockEvent) it keeps counters and
+histograms (waits, holds, handoffs). Gauges (modes, quanta, memory, holders, waiters) are not
+tracked at all: `render()` sets them from the daemon's status document when a snapshot is
+taken. Serving the exposition over HTTP is metrics_http.py's.
 
-- `SchedulerMetrics` is an observer. The pump hands it every event it fed the lock core together
-  with the actions the core returned; from the timeline entries (LockEvent) it keeps counters and
-  histograms (waits, holds, handoffs, admission). Gauges (modes, quanta, memory, holders,
-  waiters, weights) are not tracked at all: `render()` sets them from the daemon's status
-  document when a scrape arrives. Time held and waited (GPU-seconds per user and pod) are
-  counted when a hold or wait ends, and brought up to the latest event the observer saw (every
-  client heartbeats, so at most a heartbeat interval ago) at each scrape. Every counter has a
-  sample from the start, at 0: for its known label values at once, for a device's when the
-  device is first seen.
-- `serve_metrics` answers HTTP GETs from a task in the daemon's nursery. Rendering therefore runs
-  on the pump's thread, between two of its steps, and needs no lock: it can never observe, or
-  hold up, a half-done update. It yields to the pump every RENDER_STEP samples, so a large
-  exposition delays a handoff by one step's formatting, not by the whole render
-  (benchmarks/bench_scheduler.py --scrape measures it). prometheus_client's own HTTP server
-  would run collection on a thread of its own, racing the pump for the core's state and for
-  the GIL.
+`SchedulerMetrics` is an observer. The pump hands it every event it fed the lock core together
+with the actions the core returned; from the timeline entries (LockEvent) it keeps counters and
+histograms (waits, holds, handoffs, admission). Gauges (modes, quanta, memory, holders, waiters,
+weights) are not tracked at all: `render()` sets them from the daemon's status document when a
+snapshot is taken. Time held and waited (GPU-seconds per user and pod) are counted when a hold
+or wait ends, and brought up to the latest event the observer saw (every client heartbeats, so
+at most a heartbeat interval ago) at each snapshot. Every counter has a sample from the start,
+at 0: for its known label values at once, for a device's when the device is first seen.
+Serving the exposition over HTTP is metrics_http.py's.
 
-Label cardinality is bounded: clients say who they are (pod, namespace, program) and a client
-may lie, so at most CLIENT_LABEL_SETS distinct (pod, namespace, program, user) sets and
-DEVICE_LABELS device ids get series of their own; anything past that is counted under OVERFLOW.
-The user is the daemon's name for the client's kernel-verified uid (ClientInfo.user).
+Rendering runs on the pump's thread, between two of its steps, and needs no lock: it can never
+observe, or hold up, a half-done update. It yields to the pump every RENDER_STEP samples, so a
+large exposition delays a handoff by one step's formatting, not by the whole render
+(benchmarks/bench_scheduler.py --scrape measures it). prometheus_client's own HTTP server would
+run collection on a thread of its own, racing the pump for the core's state and for the GIL.
+
+Label cardinality is bounded (labels.py): clients say who they are (pod, namespace, program)
+and a client may lie, so at most CLIENT_SERIES (device, client labels) sets get series of their
+own, CLIENT_SERIES_PER_UID of them for the clients of one uid, and DEVICE_LABELS device ids;
+a set or device nobody uses any more makes room for a new one (its series go), anything past
+that is counted under OVERFLOW. The user label is the daemon's name for the client's
+kernel-verified uid (ClientInfo.user).
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import socket
-from typing import Awaitable, Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 
 from .. import __version__, protocol
 from ..vocabulary import DROP_REASON, ERROR_CODE, MODES, REFUSE_REASON
 from . import events as ev
-
-log = logging.getLogger("nvshare.scheduler")
+from .labels import Places
 
 # Label value for everything past the bounds below. Kubernetes names cannot start with "_",
 # so it never collides with a real pod or namespace.
 OVERFLOW = "_other"
-CLIENT_LABEL_SETS = 256
+# Series sets of client metrics (a device and a client's labels), in all and per uid; each
+# costs about 17 KiB of memory and 43 samples per scrape once it has grants (docs/metrics.md).
+CLIENT_SERIES = 256
+CLIENT_SERIES_PER_UID = 32
 DEVICE_LABELS = 64
 LABEL_VALUE_MAX = 128  # characters; a client's program name can be anything it likes
 
@@ -55,13 +60,7 @@ WAIT_HOLD_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 1
 HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, math.inf)
 
 CLIENT_LABELS = ("device", "pod", "namespace", "program", "user")
-_NOBODY = (OVERFLOW,) * (len(CLIENT_LABELS) - 1)
 
-# HTTP: a scraper that does not finish its request in this long is dropped; at most this many
-# connections at once (Prometheus uses one per target).
-REQUEST_TIMEOUT = 10.0
-REQUEST_MAX = 8192
-CONNECTIONS_MAX = 8
 RENDER_STEP = 100  # samples formatted between two chances for the pump to run
 
 
@@ -181,9 +180,11 @@ class SchedulerMetrics:
         for label in ("client", "device"):
             self.overflowed.labels(label)
 
-        self._client_sets: set[tuple[str, ...]] = set()
-        self._device_ids: set[str] = set()
+        self._client_series = Places(CLIENT_SERIES, CLIENT_SERIES_PER_UID)
+        self._device_ids = Places(DEVICE_LABELS, DEVICE_LABELS)
         self._who: dict[str, tuple[str, ...]] = {}  # client display id -> (pod, namespace, program, user)
+        self._uid: dict[str, int | None] = {}  # client display id -> its kernel-verified uid
+        self._overflowed: set[str] = set()  # clients counted under OVERFLOW (counted once each)
         # (client, device) -> (since, counted until) of a wait for the lock
         self._waiting: dict[tuple[str, str], tuple[float, float]] = {}
         # grant -> (since, counted until, client labels) of a hold
@@ -192,19 +193,27 @@ class SchedulerMetrics:
         self._last_grantee: dict[str, str] = {}  # device -> client of its latest grant
         self._handoff_from: dict[str, float] = {}  # device -> when its holder was asked or let go
         self._latest = 0.0  # the time of the latest event observed (the core's clock)
+        self._overflow_zeroed = False  # OVERFLOW's device counters are at 0 once it is used
 
     # --- labels ---------------------------------------------------------------------------
 
-    def _device(self, device: str) -> str:
-        if device in self._device_ids:
+    def _device(self, device: str, counted: bool = True) -> str:
+        """`device`, or OVERFLOW when DEVICE_LABELS devices in use have series already. A
+        device seen in a lock event counts as in use until a snapshot no longer shows it."""
+        new = device not in self._device_ids
+        placed, evicted = self._device_ids.take(device, None, device)
+        for gone in evicted:
+            self._remove_series(device=str(gone))
+            self._last_grantee.pop(str(gone), None)
+            self._handoff_from.pop(str(gone), None)
+        if placed:
+            if new:
+                self._zero_device_counters(device)
             return device
-        if len(self._device_ids) < DEVICE_LABELS:
-            self._device_ids.add(device)
-            self._zero_device_counters(device)
-            return device
-        self.overflowed.labels("device").inc()
-        if OVERFLOW not in self._device_ids:
-            self._device_ids.add(OVERFLOW)
+        if counted:
+            self.overflowed.labels("device").inc()
+        if not self._overflow_zeroed:
+            self._overflow_zeroed = True
             self._zero_device_counters(OVERFLOW)
         return OVERFLOW
 
@@ -219,18 +228,34 @@ class SchedulerMetrics:
         for reason in REFUSE_REASON.words:
             self.admission_refused.labels(device, reason)
 
-    def _client_set(self, info: ev.ClientInfo) -> tuple[str, ...]:
-        who = tuple(value[:LABEL_VALUE_MAX] for value in (info.pod, info.namespace, info.program, info.user))
-        if who in self._client_sets:
-            return who
-        if len(self._client_sets) < CLIENT_LABEL_SETS:
-            self._client_sets.add(who)
-            return who
-        self.overflowed.labels("client").inc()
-        return _NOBODY
+    def _client_labels(self, device: str, client: str, counted: bool = True) -> tuple[str, ...]:
+        """The labels of a client metric of `client` on `device`; OVERFLOW for all of them
+        when the client's uid, or everyone, has as many series sets as it may."""
+        who = self._who.get(client)
+        labels = (self._device(device, counted), *(who or ()))
+        if who is not None and labels[0] != OVERFLOW:
+            placed, evicted = self._client_series.take(labels, self._uid.get(client), client)
+            for gone in evicted:
+                self._remove_client_series(gone)
+            if placed:
+                return labels
+            if client not in self._overflowed:
+                self._overflowed.add(client)
+                self.overflowed.labels("client").inc()
+        return (OVERFLOW,) * len(CLIENT_LABELS)
 
-    def _client_labels(self, device: str, client: str) -> tuple[str, ...]:
-        return (self._device(device), *self._who.get(client, _NOBODY))
+    def _remove_client_series(self, labels: object) -> None:
+        assert isinstance(labels, tuple)
+        self._remove_series(**dict(zip(CLIENT_LABELS, labels)))
+
+    def _remove_series(self, **labels: str) -> None:
+        """Forget every series whose labels include `labels`, in every metric that has them."""
+        for metric in vars(self).values():
+            if isinstance(metric, MetricWrapperBase):
+                try:
+                    metric.remove_by_labels(labels)
+                except ValueError:
+                    pass  # a metric without these labels
 
     # --- fed by the pump ------------------------------------------------------------------
 
@@ -259,7 +284,10 @@ class SchedulerMetrics:
         kind, device, client, now = entry.kind, entry.device, entry.client, entry.now
         if kind == "register":
             if type(event) is ev.Register:
-                self._who[client] = self._client_set(event.info)
+                info = event.info
+                self._who[client] = tuple(value[:LABEL_VALUE_MAX]
+                                          for value in (info.pod, info.namespace, info.program, info.user))
+                self._uid[client] = info.uid
         elif kind == "acquire":
             self._waiting[(client, device)] = (now, now)
         elif kind == "admit-wait":
@@ -287,6 +315,9 @@ class SchedulerMetrics:
                 self._end_admission(client, device, now)
             else:
                 self._who.pop(client, None)
+                self._uid.pop(client, None)
+                self._overflowed.discard(client)
+                self._client_series.release(client)
 
     def _on_grant(self, entry: ev.LockEvent) -> None:
         device, client, now = entry.device, entry.client, entry.now
@@ -370,11 +401,14 @@ class SchedulerMetrics:
                       self.client_memory, self.client_holding, self.client_resident, self.client_swapped,
                       self.client_weight, self.client_priority):
             gauge.clear()  # devices and clients that are gone leave no stale series
+        shown = {dev["device"] for dev in status["devices"]}
+        for device in list(self._device_ids):
+            if device not in shown:
+                self._device_ids.unused(device)  # the core forgot it: its place may be taken
         weights: dict[tuple[str, ...], tuple[int, int]] = {}
         for client in status["clients"]:
-            who = self._who.get(client["client"], _NOBODY)
             for device, pair in client["devices"].items():
-                labels = (self._device(device), *who)
+                labels = self._client_labels(device, client["client"], counted=False)
                 self.client_memory.labels(*labels).inc(pair["used"])
                 self.client_holding.labels(*labels).inc(1 if pair["state"] in ("holding", "draining") else 0)
                 self.client_resident.labels(*labels).inc(pair.get("resident", pair["used"]))
@@ -392,7 +426,7 @@ class SchedulerMetrics:
             self.admission_spill.set(admission["spill"] or 0)
             self.admission_waiters.set(len(admission["waiters"]))
         for dev in status["devices"]:
-            device = self._device(dev["device"])
+            device = self._device(dev["device"], counted=False)
             for mode in MODES:
                 self.device_mode.labels(device, mode).set(1 if dev["mode"] == mode else 0)
             self.device_tq.labels(device).set(dev["tq"])
@@ -428,102 +462,3 @@ def _pieces(registry: CollectorRegistry) -> Iterator[bytes]:
             if start:  # one family: its # HELP and # TYPE lines only once
                 text = text.split(b"\n", 2)[2]
             yield text
-
-
-# --- HTTP ----------------------------------------------------------------------------------
-
-
-def parse_address(address: str) -> tuple[str | None, int]:
-    """`HOST:PORT`, `[IPV6]:PORT` or `:PORT` (every interface); port 0 picks a free one (the
-    log says which). Raises ValueError."""
-    host, sep, port_text = address.rpartition(":")
-    if not sep or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
-        raise ValueError(f"{address!r} is not HOST:PORT or :PORT")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return (host or None), int(port_text)
-
-
-def bind_metrics(address: str) -> list[socket.socket]:
-    """Listening sockets for `address` (every address family the host name resolves to).
-    Synchronous, so that the daemon can refuse to start before it touches its socket directory;
-    raises ValueError for a malformed address and OSError when the port cannot be bound."""
-    host, port = parse_address(address)
-    bound: list[socket.socket] = []
-    try:
-        for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                                   flags=socket.AI_PASSIVE):
-            sock = socket.socket(family, kind, proto)
-            bound.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:  # ":PORT" binds IPv4 and IPv6 separately, as trio does
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(sockaddr)
-            sock.listen(CONNECTIONS_MAX)
-            sock.setblocking(False)
-    except BaseException:
-        for sock in bound:
-            sock.close()
-        raise
-    return bound
-
-
-async def serve_metrics(sockets: list[socket.socket], render: Callable[[], Awaitable[bytes]]) -> None:
-    """Answer `GET /metrics` (and `/`) on the sockets from bind_metrics until cancelled."""
-    limit = trio.CapacityLimiter(CONNECTIONS_MAX)
-    for sock in sockets:
-        host, port = sock.getsockname()[:2]
-        log.info("serving metrics address=%s", f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-    async with trio.open_nursery() as nursery:
-        for sock in sockets:
-            listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
-            nursery.start_soon(_accept, listener, render, limit, nursery)
-
-
-async def _accept(listener: trio.SocketListener, render: Callable[[], Awaitable[bytes]], limit: trio.CapacityLimiter,
-                  nursery: trio.Nursery) -> None:
-    async with listener:
-        while True:
-            stream = await listener.accept()
-            if limit.available_tokens == 0:
-                await stream.aclose()  # a scraper storm must not pile up connections
-                continue
-            nursery.start_soon(_answer, stream, render, limit)
-
-
-async def _answer(stream: trio.SocketStream, render: Callable[[], Awaitable[bytes]], limit: trio.CapacityLimiter) -> None:
-    async with limit, stream:
-        with trio.move_on_after(REQUEST_TIMEOUT):
-            request = b""
-            while b"\r\n\r\n" not in request and b"\n\n" not in request:
-                chunk = await stream.receive_some(REQUEST_MAX)
-                if not chunk:
-                    return
-                request += chunk
-                if len(request) > REQUEST_MAX:
-                    await _respond(stream, "431 Request Header Fields Too Large", b"request too large\n")
-                    return
-            method, _, rest = request.partition(b" ")
-            path = rest.split(b" ", 1)[0].split(b"?", 1)[0]
-            if method not in (b"GET", b"HEAD"):
-                await _respond(stream, "405 Method Not Allowed", b"GET only\n")
-            elif path not in (b"/metrics", b"/"):
-                await _respond(stream, "404 Not Found", b"metrics are at /metrics\n")
-            else:
-                try:
-                    body = await render()
-                except Exception:
-                    log.exception("cannot render metrics")
-                    await _respond(stream, "500 Internal Server Error", b"see the scheduler's log\n")
-                    return
-                await _respond(stream, "200 OK", body, CONTENT_TYPE_LATEST, head=method == b"HEAD")
-
-
-async def _respond(stream: trio.SocketStream, status: str, body: bytes,
-                   content_type: str = "text/plain; charset=utf-8", head: bool = False) -> None:
-    header = (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
-              "Connection: close\r\n\r\n").encode()
-    try:
-        await stream.send_all(header if head else header + body)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass  # the scraper left

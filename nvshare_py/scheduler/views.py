@@ -234,7 +234,7 @@ def user_name(uid: int | None) -> str:
         return ""
     try:
         return pwd.getpwuid(uid).pw_name
-    except KeyError:
+    except (KeyError, OverflowError):
         return str(uid)
 
 

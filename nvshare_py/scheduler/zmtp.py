@@ -1,6 +1,6 @@
 """The scheduler's side of ZMTP 3.1 (RFC 23/37, NULL mechanism), as a sans-I/O parser.
 
-Why the daemon speaks ZMTP itself on the client socket instead of using a libzmq ROUTER
+Why the daemon speaks ZMTP itself on its sockets instead of using a libzmq ROUTER
 (docs/scheduler.md, *Security model*): a ROUTER takes a connection's routing id from the
 peer's READY (`Identity` property) and aborts the whole process when its own next automatic
 id was taken that way; its listener aborts when accept() runs out of descriptors; and it says
@@ -8,7 +8,10 @@ nothing when a peer goes away. Here the daemon accepts every connection itself, 
 a number of its own, learns the peer's credentials from the kernel (SO_PEERCRED) at accept
 time, sees its end at once, and can refuse connections it has no room for.
 
-Peers are DEALER sockets (pyzmq) or the interceptor's ZMTP client (interceptor/transport.c).
+Peers are DEALER sockets (pyzmq) or the interceptor's ZMTP client (interceptor/transport.c)
+on the client socket, REQ or DEALER sockets (nvsharectl) on the control socket. Towards a REQ
+peer the server behaves as a ROUTER does: the request arrives behind an empty delimiter frame,
+and the reply must carry the same delimiter (`message`).
 Wire facts:
 
     greeting  64 bytes: 0xFF, 8 padding bytes, 0x7F, version major/minor, mechanism name padded
@@ -23,6 +26,7 @@ Wire facts:
 from __future__ import annotations
 
 import struct
+import sys
 from dataclasses import dataclass
 
 GREETING_SIZE = 64
@@ -34,6 +38,9 @@ HANDSHAKE = SERVER_GREETING + SERVER_READY
 _MORE, _LONG, _COMMAND, _RESERVED = 0x01, 0x02, 0x04, 0xF8
 # Commands are small (READY with a few properties, PING); a larger one is a protocol violation.
 COMMAND_MAX = 8192
+# What a message frame costs the daemon beyond its bytes (the bytes object, its place in the
+# message), counted against the message's limit.
+FRAME_COST = 64
 PING_CONTEXT_MAX = 16
 _PEER_TYPES = (b"DEALER", b"REQ")
 
@@ -58,10 +65,21 @@ class Ready:
 
 
 def frame(body: bytes) -> bytes:
-    """One final message frame (a message of one frame: all this protocol uses)."""
-    if len(body) < 256:
-        return bytes([0, len(body)]) + body
-    return bytes([_LONG]) + struct.pack(">Q", len(body)) + body
+    """A message of one frame (all the client protocol uses)."""
+    return message([body])
+
+
+def message(frames: list[bytes]) -> bytes:
+    """A message of several frames (every frame but the last marked MORE)."""
+    last = len(frames) - 1
+    parts = []
+    for number, body in enumerate(frames):
+        more = _MORE if number < last else 0
+        if len(body) < 256:
+            parts.append(bytes([more, len(body)]) + body)
+        else:
+            parts.append(bytes([more | _LONG]) + struct.pack(">Q", len(body)) + body)
+    return b"".join(parts)
 
 
 def pong(context: bytes) -> bytes:
@@ -70,10 +88,14 @@ def pong(context: bytes) -> bytes:
 
 
 class Parser:
-    """Feed it the bytes a peer sends; it returns what they contained, in order: first
-    `Ready` (after the greeting and READY were checked), then `Message`s and `Ping`s. Raises
-    Violation for anything a server must not accept, including a message (all its frames
-    together) larger than `max_message` bytes, before reading that message's body."""
+    """Give it the bytes a peer sends (`receive`) and take what they contained (`parse`), in
+    order: first `Ready` (after the greeting and READY were checked), then `Message`s and
+    `Ping`s. Raises Violation for anything a server must not accept, including a message
+    larger than `max_message`, before reading that message's body. A message's size counts
+    its bytes plus FRAME_COST per frame, so that a stream of empty MORE frames is bounded too.
+
+    `parse(limit)` reads at most `limit` frames (commands and frames that complete nothing
+    included), so that a caller can bound the work one call costs whatever the peer sent."""
 
     def __init__(self, max_message: int) -> None:
         self.max_message = max_message
@@ -81,19 +103,43 @@ class Parser:
         self._greeted = False
         self._ready = False
         self._frames: list[bytes] = []
-        self._pending = 0  # bytes of the message being assembled
+        self._pending = 0  # cost (bytes + FRAME_COST per frame) of the message being assembled
+        self.stopped = False  # the last parse() stopped at its limit: frames may be left
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held for this peer: received and not parsed, and the frames of a message
+        not complete yet."""
+        return len(self._buffer) + self._pending
+
+    @property
+    def partial(self) -> bool:
+        """Whether a greeting, frame or message has begun and is not complete."""
+        return bool(self._buffer) or bool(self._frames)
 
     def feed(self, data: bytes) -> list[Message | Ping | Ready]:
+        """`receive(data)`, then everything complete in what was received so far."""
+        self.receive(data)
+        return self.parse()
+
+    def receive(self, data: bytes) -> None:
+        self._buffer += data
+
+    def parse(self, limit: int = sys.maxsize) -> list[Message | Ping | Ready]:
         buffer = self._buffer
-        buffer += data
         out: list[Message | Ping | Ready] = []
+        self.stopped = False
         if not self._greeted:
             if not self._check_greeting():
                 return out
             del buffer[:GREETING_SIZE]
             self._greeted = True
         offset = 0
+        frames = 0
         while True:
+            if frames == limit:
+                self.stopped = True
+                break
             header = self._frame_header(offset)
             if header is None:
                 break
@@ -102,6 +148,7 @@ class Parser:
                 break
             body = bytes(buffer[start:start + size])
             offset = start + size
+            frames += 1
             if flags & _COMMAND:
                 item = self._command(body)
                 if item is not None:
@@ -110,7 +157,7 @@ class Parser:
             if not self._ready:
                 raise Violation("a message before READY")
             self._frames.append(body)
-            self._pending += size
+            self._pending += size + FRAME_COST
             if not flags & _MORE:
                 out.append(Message(tuple(self._frames)))
                 self._frames = []
@@ -151,7 +198,7 @@ class Parser:
         if flags & _COMMAND:
             if flags & _MORE or size > COMMAND_MAX:
                 raise Violation("command frame too large or marked MORE")
-        elif size > self.max_message - self._pending:
+        elif size + FRAME_COST > self.max_message - self._pending:
             # Checked on the header, so that such a body is never waited for.
             raise Violation(f"message larger than {self.max_message} bytes")
         return flags, size, start
