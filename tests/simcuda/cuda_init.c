@@ -180,6 +180,8 @@ static const struct error_text error_texts[] = {
     ERROR_TEXT(CUDA_ERROR_NOT_FOUND, "named symbol not found"),
     ERROR_TEXT(CUDA_ERROR_NOT_READY, "device not ready"),
     ERROR_TEXT(CUDA_ERROR_ILLEGAL_ADDRESS, "an illegal memory access was encountered"),
+    ERROR_TEXT(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, "part or all of the requested memory range is already mapped"),
+    ERROR_TEXT(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, "pointer does not correspond to a registered memory region"),
     ERROR_TEXT(CUDA_ERROR_LAUNCH_FAILED, "unspecified launch failure"),
     ERROR_TEXT(CUDA_ERROR_NOT_PERMITTED, "operation not permitted"),
     ERROR_TEXT(CUDA_ERROR_NOT_SUPPORTED, "operation not supported"),
