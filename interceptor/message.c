@@ -245,6 +245,18 @@ static const struct field_spec contended_fields[] = {
     STORED("grant", FIELD_UINT, grant, NULL),
     STORED("quantum_left_ms", FIELD_UINT, quantum_left_ms, NULL),
 };
+static const struct field_spec contended_optional[] = {
+    STORED("evict", FIELD_UINT, evict_bytes, NULL),
+    STORED("idle_ms", FIELD_UINT, idle_ms, NULL),
+};
+static const struct field_spec prepare_fields[] = {
+    STORED("device", FIELD_DEVICE, device, NULL),
+    STORED("bytes", FIELD_UINT, bytes, NULL),
+};
+static const struct field_spec prefetch_fields[] = {
+    STORED("device", FIELD_DEVICE, device, NULL),
+    STORED("resident", FIELD_UINT, resident, NULL),
+};
 static const struct field_spec revoke_fields[] = {
     STORED("device", FIELD_DEVICE, device, NULL),
     STORED("grant", FIELD_UINT, grant, NULL),
@@ -274,7 +286,9 @@ static const struct message_spec scheduler_messages[] = {
     {"GRANT", NVS_MSG_GRANT, FIELDS(grant_fields), FIELDS(grant_optional)},
     {"DROP", NVS_MSG_DROP, FIELDS(drop_fields), FIELDS(drop_optional)},
     {"EVICT", NVS_MSG_EVICT, FIELDS(evict_fields), NULL, 0},
-    {"CONTENDED", NVS_MSG_CONTENDED, FIELDS(contended_fields), NULL, 0},
+    {"CONTENDED", NVS_MSG_CONTENDED, FIELDS(contended_fields), FIELDS(contended_optional)},
+    {"PREPARE", NVS_MSG_PREPARE, FIELDS(prepare_fields), NULL, 0},
+    {"PREFETCH", NVS_MSG_PREFETCH, FIELDS(prefetch_fields), NULL, 0},
     {"REVOKE", NVS_MSG_REVOKE, FIELDS(revoke_fields), NULL, 0},
     {"MODE", NVS_MSG_MODE, FIELDS(mode_fields), NULL, 0},
     {"ADMITTED", NVS_MSG_ADMITTED, FIELDS(admitted_fields), NULL, 0},
@@ -624,14 +638,28 @@ size_t nvs_msg_device(char *buf, size_t cap, const char *device, uint64_t total,
     return writer_finish(&w);
 }
 
-size_t nvs_msg_memory(char *buf, size_t cap, const char *device, uint64_t used, const uint64_t *resident)
+size_t nvs_msg_memory(char *buf, size_t cap, const char *device, uint64_t used, const uint64_t *resident,
+                      const struct nvs_msg_swap *swap)
 {
     struct writer w = writer_start(buf, cap, "MEMORY");
+    static const char *const engines[] = {"copy", "migrate", NULL};
 
     put_device(&w, "device", device);
     put_uint(&w, "used", used);
     if (resident)
         put_uint(&w, "resident", *resident);
+    if (swap) {
+        struct span engine = {swap->engine, swap->engine ? strlen(swap->engine) : 0};
+        if (!swap->engine || choice_index(engine, engines) < 0)
+            return 0;
+        put_key(&w, "engine");
+        put_bytes(&w, swap->engine, engine.n);
+        put_uint(&w, "area", swap->area);
+        if (swap->out_bps)
+            put_uint(&w, "out_bps", swap->out_bps);
+        if (swap->in_bps)
+            put_uint(&w, "in_bps", swap->in_bps);
+    }
     return writer_finish(&w);
 }
 

@@ -23,6 +23,8 @@ enum nvs_msg_type {
     NVS_MSG_REFUSED,
     NVS_MSG_EVICT,  /* move bytes of a device's memory to the host now (a client not holding it) */
     NVS_MSG_LIMIT,  /* the scheduler's memory limit for this process on a device */
+    NVS_MSG_PREPARE,  /* swapping: keep a swap area of `bytes` ready for a device */
+    NVS_MSG_PREFETCH, /* swapping: bring memory back ahead of a grant, up to `resident` bytes resident */
 };
 
 /* A parsed scheduler message; only the fields of its type are meaningful. */
@@ -36,10 +38,14 @@ struct nvs_msg {
     uint64_t idle_release_ms;
     int admission;       /* WELCOME: 1 when the scheduler answers ADMIT */
     uint64_t request;    /* ADMITTED, REFUSED: the ADMIT answered */
-    uint64_t bytes;      /* ADMITTED: the admitted total; LIMIT: the scheduler's memory limit, 0: none */
+    uint64_t bytes;      /* ADMITTED: the admitted total; LIMIT: the scheduler's memory limit, 0: none;
+                          * PREPARE: the swap area to keep ready */
     uint64_t prefetch_bytes;  /* GRANT prefetch= (0 when absent): bring back up to this many bytes */
-    uint64_t evict_bytes;     /* DROP evict= (0 when absent), EVICT bytes=: move at least this many
-                               * bytes to the host */
+    uint64_t evict_bytes;     /* DROP evict= (0 when absent), EVICT bytes=, CONTENDED evict= (what
+                               * the release will be asked to move): move at least this many bytes
+                               * to the host */
+    uint64_t idle_ms;         /* CONTENDED idle_ms= (0 when absent): the shortest idle window now */
+    uint64_t resident;        /* PREFETCH resident= */
     char client[64];     /* WELCOME client id, cut at a character boundary if longer */
     char reason[32];     /* DROP / REVOKE / REFUSED reason */
     char code[32];       /* ERROR code */
@@ -78,7 +84,15 @@ size_t nvs_msg_hello(char *buf, size_t cap, const struct nvs_hello *hello);
 size_t nvs_msg_device(char *buf, size_t cap, const char *device, uint64_t total, const char *name);
 /* `resident` (MEMORY, RELEASE): the optional resident= field (bytes this process believes are
  * on the device, docs/protocol.md "Residency"); NULL omits it. */
-size_t nvs_msg_memory(char *buf, size_t cap, const char *device, uint64_t used, const uint64_t *resident);
+/* MEMORY's swap engine fields (docs/protocol.md "Residency"): `engine` "copy" (pinned copies and
+ * discards) or "migrate" (cuMemPrefetchAsync), the pinned area and the measured bandwidths (a 0
+ * bandwidth is omitted). */
+struct nvs_msg_swap {
+    const char *engine;
+    uint64_t area, out_bps, in_bps;
+};
+size_t nvs_msg_memory(char *buf, size_t cap, const char *device, uint64_t used, const uint64_t *resident,
+                      const struct nvs_msg_swap *swap);
 size_t nvs_msg_acquire(char *buf, size_t cap, const char *device);
 size_t nvs_msg_admit(char *buf, size_t cap, const char *device, uint64_t request, uint64_t bytes);
 size_t nvs_msg_release(char *buf, size_t cap, const char *device, uint64_t grant, const char *reason,

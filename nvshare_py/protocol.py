@@ -208,12 +208,20 @@ class Device(Message):
 @dataclass(frozen=True)
 class Memory(Message):
     """`resident` (optional): the client's converted bytes it believes are on the device; None
-    (absent) from a client that does not take part in residency (docs/protocol.md, Residency)."""
+    (absent) from a client that does not take part in residency (docs/protocol.md, Residency).
+    The swap engine's figures (optional, from a client that swaps): `engine` how it moves memory
+    ("copy": pinned copies and discards at link speed, "migrate": the driver's prefetch; any
+    other text is shown as it is), `area` the pinned bytes it has ready, `out_bps`/`in_bps` the
+    bandwidths its last moves reached (bytes per second)."""
 
     TYPE: ClassVar[str] = "MEMORY"
     device: str = field(metadata=_meta(_device))
     used: int = field(metadata=_meta(_uint))
     resident: int | None = field(default=None, metadata=_meta(_uint, False, omit=None))
+    engine: str = field(default="", metadata=_meta(_text, False))
+    area: int | None = field(default=None, metadata=_meta(_uint, False, omit=None))
+    out_bps: int = field(default=0, metadata=_meta(_uint, False, omit=0))
+    in_bps: int = field(default=0, metadata=_meta(_uint, False, omit=0))
 
 
 @dataclass(frozen=True)
@@ -322,12 +330,37 @@ class Evict(Message):
 @dataclass(frozen=True)
 class Contended(Message):
     """Others wait for the device while this grant's quantum runs: the holder may drain ahead
-    of its end so that the lock changes hands on time. A notice: nothing must be done."""
+    of its end so that the lock changes hands on time. A notice: nothing must be done.
+    `evict` (optional): the bytes its release will be asked to move to the host (a drain ahead of
+    time moves them before its RELEASE); `idle_ms` (optional): while others wait, release early
+    only after this long idle (what the handoff would cost in swapping)."""
 
     TYPE: ClassVar[str] = "CONTENDED"
     device: str = field(metadata=_meta(_device))
     grant: int = field(metadata=_meta(_uint))
     quantum_left_ms: int = field(metadata=_meta(_uint))
+    evict: int = field(default=0, metadata=_meta(_uint, False, omit=0))
+    idle_ms: int = field(default=0, metadata=_meta(_uint, False, omit=0))
+
+
+@dataclass(frozen=True)
+class Prepare(Message):
+    """Swapping: keep a pinned swap area of `bytes` ready for this device (the most of its
+    memory it may be asked to hold on the host at once); 0: none is needed any more."""
+
+    TYPE: ClassVar[str] = "PREPARE"
+    device: str = field(metadata=_meta(_device))
+    bytes: int = field(metadata=_meta(_uint))
+
+
+@dataclass(frozen=True)
+class Prefetch(Message):
+    """Swapping, to a waiter ahead of its GRANT: bring swapped-out memory back until `resident`
+    bytes of it are on the device (room others have made). Its gate stays closed."""
+
+    TYPE: ClassVar[str] = "PREFETCH"
+    device: str = field(metadata=_meta(_device))
+    resident: int = field(metadata=_meta(_uint))
 
 
 @dataclass(frozen=True)
@@ -425,7 +458,7 @@ CLIENT_MESSAGES = {m.TYPE: m for m in (Hello, Device, Memory, Acquire, Admit, Re
 # What a registered client may receive. STATUS is not among them: only a connection that sent
 # QUERY receives it, and it reads replies with QUERY_REPLIES.
 SCHEDULER_MESSAGES = {m.TYPE: m for m in (Welcome, Grant, Drop, Evict, Contended, Revoke, ModeNotice, Limit, Admitted,
-                                          Refused, Error)}
+                                          Refused, Error, Prepare, Prefetch)}
 QUERY_REPLIES = {m.TYPE: m for m in (Status, Error)}
 
 

@@ -24,6 +24,8 @@ FIELD_STRATEGIES = {
     # Residency: `resident` is absent (None) from clients that do not report it, except in EVICTED.
     "resident": st.none() | uints, "evict": uints, "prefetch": uints, "bytes": uints,
     "request": uints, "admission": st.booleans(),
+    # The swap engine's figures (MEMORY) and the pipelining fields (CONTENDED).
+    "area": st.none() | uints, "out_bps": uints, "in_bps": uints, "idle_ms": uints,
 }
 REASONS = {"Release": protocol.RELEASE_REASONS, "Drop": protocol.DROP_REASONS,
            "Revoke": protocol.REVOKE_REASONS, "Refused": protocol.REFUSE_REASONS}

@@ -232,7 +232,7 @@ static void command_build(char **tokens, int n_tokens)
     } else if (strcmp(type, "device") == 0) {
         len = nvs_msg_device(buf, cap, device, number ? to_u64(number) : 0, name);
     } else if (strcmp(type, "memory") == 0) {
-        len = nvs_msg_memory(buf, cap, device, number ? to_u64(number) : 0, resident ? &resident_bytes : NULL);
+        len = nvs_msg_memory(buf, cap, device, number ? to_u64(number) : 0, resident ? &resident_bytes : NULL, NULL);
     } else if (strcmp(type, "acquire") == 0) {
         len = nvs_msg_acquire(buf, cap, device);
     } else if (strcmp(type, "release") == 0) {

@@ -67,6 +67,9 @@ struct sim_device {
 extern struct sim_device sim_devices[SIM_MAX_DEVICES];
 extern int sim_device_count;
 
+/* The driver version it answers as (SIMCUDA_DRIVER_VERSION, at most SIM_DRIVER_VERSION); entry
+ * points newer than it are unknown to cuGetProcAddress. */
+int sim_driver_version(void);
 /* Returns CUDA_SUCCESS when the driver may be used by the calling process. */
 CUresult sim_check_init(void);
 #define SIM_ENTER()                          \
