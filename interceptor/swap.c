@@ -39,8 +39,8 @@
 /* What one step of a job moves at most before it says so: 512 MiB is 10 ms of an H200's link,
  * so the next holder's swap-in trails this one's swap-out by about that. */
 #define PIECE ((size_t)512 << 20)
-/* Moves shorter than this tell nothing about the bandwidth. */
-#define MEASURED_BYTES ((uint64_t)64 << 20)
+/* Moves shorter than this tell little about the bandwidth (they are mostly latency). */
+#define MEASURED_SECONDS 0.01
 
 typedef CUresult (*discard_fn)(CUdeviceptr *, size_t *, size_t, unsigned long long, CUstream);
 typedef CUresult (*discard_prefetch_fn)(CUdeviceptr *, size_t *, size_t, CUmemLocation *, size_t *, size_t,
@@ -88,7 +88,7 @@ static double load_rate(_Atomic uint64_t *bits) {
 }
 
 static void note_rate(_Atomic uint64_t *bits, uint64_t bytes, double seconds) {
-    if (bytes < MEASURED_BYTES || seconds <= 0) return;
+    if (bytes == 0 || seconds < MEASURED_SECONDS) return;
     double rate = (double)bytes / seconds, old = load_rate(bits);
     if (old > 0) rate = (old + rate) / 2; /* the recent moves, the last one weighing half */
     uint64_t raw;

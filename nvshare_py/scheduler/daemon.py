@@ -692,7 +692,8 @@ class Daemon:
         elif kind is protocol.Admit:
             event = ev.AdmitRequest(now, key, message.device, message.request, message.bytes)
         elif kind is protocol.Memory:
-            event = ev.MemoryReport(now, key, message.device, message.used, message.resident)
+            event = ev.MemoryReport(now, key, message.device, message.used, message.resident, message.engine,
+                                    message.area, message.out_bps, message.in_bps)
         elif kind is protocol.Evicted:
             event = ev.EvictedReport(now, key, message.device, message.resident)
         elif kind is protocol.Device:

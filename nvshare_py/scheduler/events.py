@@ -63,6 +63,11 @@ class MemoryReport:
     device: str
     used: int
     resident: int | None = None  # None: the client does not report residency
+    # Its swap engine, as MEMORY says (residency.py): "" when it says nothing.
+    engine: str = ""
+    area: int | None = None
+    out_bps: int = 0
+    in_bps: int = 0
 
 
 @dataclass(frozen=True)
