@@ -165,13 +165,30 @@ static void run_admission(struct nvs_core *c, struct nvs_core_device *d, double 
 
 /* --- small rules ------------------------------------------------------------------------------*/
 
-/* The idle window of a device: the process's (or the scheduler's default); while others wait,
- * at least what the scheduler says the handoff would cost (CONTENDED idle_ms=): releasing for
- * a shorter pause would swap both ways for less time than the swapping takes. 0: never. */
+/* The idle window of a device as the process (or the scheduler's default) sets it. 0: never. */
+static long base_idle_window_ms(const struct nvs_core *c) {
+    return c->config.idle_release_ms >= 0 ? c->config.idle_release_ms : c->scheduler_idle_ms;
+}
+
+/* The idle window in force. While others wait, at least what the scheduler says the handoff
+ * would cost (CONTENDED idle_ms=): releasing for a shorter pause would swap both ways for less
+ * time than the swapping takes. Unless this holder's last pause lasted at least that long: a
+ * program's pauses repeat (a training step's CPU phase), so waiting out the handoff's cost again
+ * would only waste that much of each. Waiting for the cost when the last pause was shorter, or
+ * none was seen, is the ski-rental rule: a release it lets happen wastes at most as much idle
+ * time as it costs. */
 static long idle_window_ms(const struct nvs_core *c, const struct nvs_core_device *d) {
-    long window = c->config.idle_release_ms >= 0 ? c->config.idle_release_ms : c->scheduler_idle_ms;
-    if (window > 0 && d->contended_idle_ms > (uint64_t)window) window = (long)d->contended_idle_ms;
+    long window = base_idle_window_ms(c);
+    if (window > 0 && d->contended_idle_ms > (uint64_t)window && d->last_pause * 1000.0 < (double)d->contended_idle_ms)
+        window = (long)d->contended_idle_ms;
     return window;
+}
+
+/* A pause of the application ended `now` (it submitted work): what idle_window_ms learns from
+ * it. Only pauses that reached the base window count (shorter ones never release anything). */
+static void note_pause(const struct nvs_core *c, struct nvs_core_device *d, double since, double now) {
+    long base = base_idle_window_ms(c);
+    if (base > 0 && now - since >= base / 1000.0) d->last_pause = now - since;
 }
 
 /* An idle check may run: a holder whose grant is known, no job out, no capture (a capture's
@@ -656,6 +673,7 @@ static uint64_t resident_of(const struct nvs_core_device *d) {
 static void finish_release(struct nvs_core *c, struct nvs_core_device *d, double now) {
     const char *reason = d->release_due ? d->release_reason : "idle";
     int answerable = d->grant_known && !d->release_unanswerable;
+    if (!d->release_due) d->idle_released_since = d->idle_since; /* its pause goes on: see note_pause */
     if (d->release_due) note_drain(d, now); /* the swap-out counts: the pre-drain must cover it */
     if (d->state == NVS_HOLDING || d->state == NVS_DRAINING) {
         d->state = NVS_IDLE;
@@ -924,6 +942,10 @@ static void run_due(struct nvs_core *c, double now) {
             send_memory(c, d, now);
         }
         if (wants) {
+            if (d->idle_released_since > 0) { /* the pause an idle release was made for ended */
+                note_pause(c, d, d->idle_released_since, now);
+                d->idle_released_since = 0;
+            }
             d->state = NVS_WAITING;
             send_message(c, NVS_OUT_ACQUIRE, i, 0, NULL, now);
         }
@@ -933,6 +955,10 @@ static void run_due(struct nvs_core *c, double now) {
          * capture: its synchronise would invalidate it, and a capturing process is not idle) */
         if (idle_check_possible(c, d) && now >= d->idle_next_check) {
             if (d->entered != d->idle_entered) {
+                /* A pause seen from its start while the device stayed quiet ended: it was idle,
+                 * as long as the window's probes said; one cut short by work still running
+                 * counts from the probe that saw that work end. */
+                note_pause(c, d, d->idle_since, now);
                 d->idle_entered = d->entered;
                 d->idle_since = now;
             } else if (now - d->idle_since >= window / 1000.0) {

@@ -124,6 +124,8 @@ struct nvs_core_device {
     uint64_t reported_bytes;  /* last MEMORY sent on the current connection */
     uint64_t idle_entered;    /* idle detection: `entered` at the last check */
     double idle_since, idle_next_check;
+    double idle_released_since; /* an idle release's pause began then and goes on (0: none) */
+    double last_pause;          /* seconds the last pause that reached the idle window lasted */
     double predrain_at;       /* after CONTENDED: when the drain starts (0: none due) */
     uint64_t quantum_ms;      /* of the current grant */
     uint64_t scheduler_limit; /* the memory limit the scheduler set (LIMIT), 0: none */

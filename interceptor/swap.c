@@ -15,7 +15,7 @@
  * thread reports as MEMORY resident=), so that the scheduler can let the next holder bring its
  * memory in while this one's goes out: the two directions of the link overlap.
  *
- * Fallback (engine "prefetch"): a driver without the discard entry points (resolved through
+ * Fallback (engine "migrate"): a driver without the discard entry points (resolved through
  * cuGetProcAddress at cudaVersion 13000: CUDA 13 drivers have them), and whatever does not fit
  * the area, move as before issue 18: cuMemPrefetchAsync to the host and back. VMM memory moves
  * only through the area (a prefetch cannot move it).

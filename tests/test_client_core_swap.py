@@ -325,6 +325,39 @@ def test_while_others_wait_an_idle_pause_shorter_than_the_handoff_keeps_the_lock
         raise AssertionError("no idle probe after the handoff's cost")
 
 
+def seconds_to_idle_probe(s: Script, step: float = 0.05, limit: float = 5.0) -> float:
+    """Ticks a holder that submits nothing until the core starts an idle probe; how long it took."""
+    start = s.now
+    while s.now - start < limit:
+        s.now += step
+        s.core.tick(s.now)
+        if [job for job, _ in jobs(s.actions())] == [JOB_PROBE]:
+            return s.now - start
+    raise AssertionError(f"no idle probe within {limit} s")
+
+
+def test_a_holder_whose_pauses_outlast_the_handoff_releases_after_the_short_window(lib):
+    """The idle window while others wait is the handoff's cost until a pause of this holder has
+    lasted that long; then the process's own window, until a pause is shorter again."""
+    s = Script(lib, used=8 * GIB, idle_release_ms=100)
+
+    def turn(grant: int, pause: float) -> float:
+        """A grant (asked for when the last pause ended), contended; the holder pauses for
+        `pause` s from now. How long it held the idle GPU before its release."""
+        assert any("ACQUIRE" in m for m in sent(s.want()))
+        granted(s, grant=grant)
+        s.receive("CONTENDED", device=DEVICE, grant=grant, quantum_left_ms=600_000, idle_ms=400)
+        waited = seconds_to_idle_probe(s)
+        assert any("reason=idle" in m for m in sent(s.job_done(RESULT_DRAINED)))
+        s.waiters = 0
+        s.now += pause - waited  # the pause goes on after the release
+        return waited
+
+    assert turn(1, pause=1.0) >= 0.4   # nothing known: the handoff's cost
+    assert turn(2, pause=0.2) < 0.4    # the last pause (1 s) outlasted it: the process's window
+    assert turn(3, pause=1.0) >= 0.4   # the last one (0.2 s) did not: the cost again
+
+
 # --- the paired world: swapping with the scheduler core, explored ---------------------------
 
 
