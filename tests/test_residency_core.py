@@ -456,6 +456,27 @@ def test_the_next_waiter_brings_its_memory_back_as_the_holder_moves_out():
     assert c.grant_of("b").prefetch == 0  # everything came back while a moved out
 
 
+def test_the_timeline_shows_what_a_grant_still_had_to_bring_back_and_when_it_was_back():
+    """A grant made while the grantee's memory is partly out says how much (swapped=); the
+    grantee's report that all of it is back is the event `restored` (its gate has opened): the
+    two events bound the handoff's stall."""
+    c = Cluster(budget=16 * GiB)
+    c.join("a", 12 * GiB, 12 * GiB)
+    c.join("b", 12 * GiB, 12 * GiB)
+    c.feed(MemoryReport(c.now, "b", DEV, 12 * GiB, 4 * GiB))  # b moved 8 GiB out earlier
+    c.feed(AcquireRequest(c.now, "a", DEV))
+    grant_a = c.grant_of("a")
+    c.feed(AcquireRequest(c.now, "b", DEV))
+    c.feed(ReleaseReport(c.now, "a", DEV, grant_a.grant, "quantum", 4 * GiB))  # nothing ahead of it
+    (grant,) = [a for a in c.actions if isinstance(a, LockEvent) and a.kind == "grant"]
+    assert f"swapped={8 * GiB}" in grant.detail.split()
+    c.feed(MemoryReport(c.now, "b", DEV, 12 * GiB, 8 * GiB))  # half of it back: the gate is still shut
+    assert not [a for a in c.actions if isinstance(a, LockEvent) and a.kind == "restored"]
+    c.feed(MemoryReport(c.now, "b", DEV, 12 * GiB, 12 * GiB))
+    (restored,) = [a for a in c.actions if isinstance(a, LockEvent) and a.kind == "restored"]
+    assert (restored.client, restored.grant) == (grant.client, grant.grant)
+
+
 def test_memory_allowed_in_flight_counts_against_the_budget():
     """A waiter told to bring memory back occupies it before it says it did: an idle client's
     growth cannot be let in on top of it."""

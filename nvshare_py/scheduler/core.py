@@ -551,8 +551,13 @@ class SchedulerCore:
         freed = max(0, pair.used - ev.used)
         dev.used += ev.used - pair.used
         pair.used = ev.used
+        in_flight = pair.swap.allowed
         if ev.resident is not None:
             residency.report(pair, ev.resident, freed)
+            if pair.hold is not None and in_flight and not pair.swap.allowed:
+                # A grant's memory is all back: its gate has opened (the handoff's stall ends).
+                out.append(LockEvent(ev.now, "restored", dev.id, client.cid, pair.hold.grant,
+                                     f"resident={ev.resident}"))
         residency.report_engine(pair, ev.engine, ev.area, ev.out_bps, ev.in_bps)
         # Swapping: a report may be a move's progress (the next waiter may bring its memory in
         # behind it), or change what a handoff costs (the quanta and contention notices).
@@ -1072,7 +1077,11 @@ class SchedulerCore:
         # Made while the budget is exceeded (a holder or an EVICT did not answer within the
         # grace, or nothing more could move): the event says by how much.
         over = max(0, residency.excess(dev, pair)) if self.config.swapping and dev.mode != "off" else 0
+        # swapped=: what the grantee still has to bring back before its gate opens (the rest came
+        # in ahead of the grant, behind the holder's swap-out).
+        swapped = pair.swapped if pair.swap.allowed else 0
         detail = " ".join(part for part in (f"prefetch={prefetch}" if prefetch else "",
+                                            f"swapped={swapped}" if swapped else "",
                                             f"over_budget={over}" if over else "") if part)
         out.append(Send(pair.client.key, self._grant_message(dev, hold.grant, prefetch)))
         out.append(LockEvent(now, "grant", dev.id, cid, hold.grant, detail))

@@ -240,7 +240,7 @@ static CUresult allocate(struct sim_ctx *ctx, size_t bytes, enum sim_family fami
         return result;
     }
     if (family == SIM_MEM_HOST)
-        sim_pin_cost(bytes);
+        sim_pin_cost(memory, bytes);
     *out = (CUdeviceptr)(uintptr_t)memory;
     return CUDA_SUCCESS;
 uncharge:
@@ -337,7 +337,7 @@ SIM_EXPORT CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int 
         result = CUDA_ERROR_OUT_OF_MEMORY;
     sim_mem_unlock();
     if (result == CUDA_SUCCESS)
-        sim_pin_cost(bytesize);
+        sim_pin_cost(p, bytesize);
     return result;
 }
 

@@ -238,11 +238,16 @@ CUresult sim_residency_open(void)
         {"SIMCUDA_PAGEABLE_US_PER_MIB", DEFAULT_PAGEABLE_US_PER_MIB, offsetof(struct costs, pageable)},
         {"SIMCUDA_PIN_US_PER_MIB", DEFAULT_PIN_US_PER_MIB, offsetof(struct costs, pin)},
     };
+    /* Every rate at once: a slower machine in the same proportions, so that what is modelled
+     * outweighs the real copying of the bytes on the host that runs the simulation. */
+    double scale;
+    if (read_double("SIMCUDA_COST_SCALE", 1, 0, 1, &scale) != 0)
+        return CUDA_ERROR_INVALID_VALUE;
     for (size_t i = 0; i < sizeof rates / sizeof rates[0]; i++) {
         double us_per_mib;
         if (read_double(rates[i].name, rates[i].fallback, 0, 0, &us_per_mib) != 0)
             return CUDA_ERROR_INVALID_VALUE;
-        *(double *)((char *)&costs + rates[i].offset) = us_per_mib * 1e-6 / MIB;
+        *(double *)((char *)&costs + rates[i].offset) = us_per_mib * scale * 1e-6 / MIB;
     }
     double slice_us;
     if (read_double("SIMCUDA_TIMESLICE_US", DEFAULT_TIMESLICE_US, 0, 1, &slice_us) != 0)
@@ -338,10 +343,29 @@ double sim_link_transfer(const struct sim_device *device, enum sim_engine direct
     return waited;
 }
 
-void sim_pin_cost(size_t bytes)
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
+#endif
+
+/* Gives [ptr, ptr + bytes) its host pages now, contents unchanged (where the kernel can: else
+ * they come at first touch, as before), so that what a later copy pays is what is modelled, not
+ * the simulating host's page faults. */
+void sim_host_populate(uintptr_t ptr, size_t bytes)
 {
-    if (modelled)
-        sim_sleep_until(sim_now() + (double)bytes * costs.pin);
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t first = ptr / page * page, last = (ptr + bytes + page - 1) / page * page;
+    if (last > first)
+        madvise((void *)first, last - first, MADV_POPULATE_WRITE);
+}
+
+/* Pinning: the real driver locks the pages in (populating them), which costs per byte. */
+void sim_pin_cost(void *ptr, size_t bytes)
+{
+    if (!modelled)
+        return;
+    double start = sim_now();
+    sim_host_populate((uintptr_t)ptr, bytes);
+    sim_sleep_until(start + (double)bytes * costs.pin);
 }
 
 /* ---- Per-allocation hints ---- */
