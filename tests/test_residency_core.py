@@ -62,8 +62,9 @@ class Cluster:
         if self.budget is not None:
             self.core.handle(SetBudget(self.now, DEV, self.budget))
         # A client that swaps says what its engine does: here a link so fast that a handoff's
-        # swapping costs nothing next to the quantum (tests of the cost say otherwise).
-        engine = {"engine": "copy", "out_bps": self.bps, "in_bps": self.bps} if resident is not None else {}
+        # swapping costs nothing next to the quantum, and a pinned area for all its memory
+        # (tests of the cost say otherwise).
+        engine = {"engine": "copy", "area": used, "out_bps": self.bps, "in_bps": self.bps} if resident is not None else {}
         self.feed(MemoryReport(self.now, key, DEV, used, resident, **engine))
 
     def sent(self, kind: type, to: str | None = None) -> list:
@@ -513,6 +514,26 @@ def test_under_a_budget_a_quantum_lasts_ten_times_its_handoff():
     fits.feed(AcquireRequest(fits.now, "b", DEV))
     fits.advance(1.0)
     assert fits.sent(protocol.Drop, "a")[0].evict == 0
+
+
+def test_while_the_holders_area_is_pinned_its_quantum_waits_for_it():
+    """What the pinned area cannot hold yet would leave by the driver's slow prefetch: the
+    handoff is priced so, and the quantum lasts on; once the area is ready (MEMORY area=), the
+    handoff costs the link's time and the quantum ends."""
+    c = Cluster(budget=16 * GiB, bps=50 * 10**9, tq=5.0)
+    c.join("a", 12 * GiB, 12 * GiB)
+    c.feed(MemoryReport(c.now, "a", DEV, 12 * GiB, 12 * GiB, engine="copy", area=0, out_bps=50 * 10**9,
+                        in_bps=50 * 10**9))
+    c.feed(AcquireRequest(c.now, "a", DEV))
+    c.join("b", 12 * GiB, 0)
+    c.feed(AcquireRequest(c.now, "b", DEV))
+    (contended,) = c.sent(protocol.Contended, "a")
+    assert contended.idle_ms >= 8 * GiB / residency.MIGRATE_OUT_BPS * 1000
+    c.advance(5.0)
+    assert not c.sent(protocol.Drop)  # 8 GiB by prefetch: over 2 s, so a floor of over 20 s
+    c.feed(MemoryReport(c.now, "a", DEV, 12 * GiB, 12 * GiB, engine="copy", area=8 * GiB, out_bps=50 * 10**9,
+                        in_bps=50 * 10**9))
+    assert c.sent(protocol.Drop, "a")[0].evict == 8 * GiB  # 0.22 s now: the TQ is long enough
 
 
 def test_prepare_sizes_swap_areas_within_the_hosts_spill():

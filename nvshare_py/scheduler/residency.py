@@ -32,9 +32,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-# Before a client has measured its swap engine: the old path's pace to the host on an H200
-# (11-15 GB/s once the host pages exist), so that costs are not underestimated.
-UNMEASURED_BPS = 12e9
+# Before a client has measured its swap engine: pinned copies at the pace of a PCIe 4.0 x16 link,
+# the slowest a data-centre GPU of recent years has (an H200's moved 52-55 GB/s), so that costs
+# are not underestimated.
+UNMEASURED_COPY_BPS = 25e9
+# Memory moved out by the driver's prefetch (an engine without the pinned path, or what its
+# pinned area cannot hold yet): a process's first eviction ran at 2.5-6.6 GB/s on an H200, later
+# ones at 11-15.
+MIGRATE_OUT_BPS = 4e9
 # Under a budget a quantum is long enough that a handoff's swapping takes at most this share of
 # it (issue 18).
 SWAP_SHARE_OF_QUANTUM = 0.10
@@ -197,10 +202,21 @@ def handoff_seconds(dev, holder, grantee) -> float:
     the two overlap, so the longer one counts. 0 when nothing moves."""
     if grantee is None or dev.mode == "off" or dev.budget <= 0:
         return 0.0
-    out = evict_on_drop(dev, holder, grantee) / (holder.swap.out_bps or UNMEASURED_BPS)
-    back = min(grantee.swapped, converted(grantee)) / (grantee.swap.in_bps or UNMEASURED_BPS)
+    out = _out_seconds(holder, evict_on_drop(dev, holder, grantee))
+    back = min(grantee.swapped, converted(grantee)) / (grantee.swap.in_bps or UNMEASURED_COPY_BPS)
     moves = max(out, back)
     return moves + HANDOFF_OVERHEAD_S if moves > 0 else 0.0
+
+
+def _out_seconds(pair, nbytes: int) -> float:
+    """How long `pair` takes to move `nbytes` more to the host: through what its pinned area has
+    free at its measured pace, the rest by the driver's prefetch. So while an area is still
+    being pinned, a handoff costs what the slow path costs, and the quanta and idle windows wait
+    for the area instead of paying that."""
+    if pair.swap.engine != "copy":
+        return nbytes / (pair.swap.out_bps or MIGRATE_OUT_BPS)
+    through_area = min(nbytes, max(0, pair.swap.area - pair.swapped))
+    return through_area / (pair.swap.out_bps or UNMEASURED_COPY_BPS) + (nbytes - through_area) / MIGRATE_OUT_BPS
 
 
 def quantum_floor(dev, holder, grantee) -> float:
