@@ -445,6 +445,8 @@ def _memory_cell(usage: dict) -> str:
     text = format_bytes(usage.get("used"))
     if usage.get("swapped"):
         text += f" ({format_bytes(usage['swapped'])} swapped out)"
+    if (usage.get("swap") or {}).get("engine") == "migrate":  # its driver lacks the pinned path
+        text += " (swaps by prefetch: slow to the host)"
     return text
 
 

@@ -195,6 +195,9 @@ def _pair_status(pair, now: float) -> dict:
         "wait_total": pair.wait_total + (now - pair.waiting_since if waiting else 0.0),
         "hold_total": pair.hold_total + (now - pair.hold.since if pair.hold is not None else 0.0),
         "grants": pair.grants,
+        # Its swap engine as it reported it (docs/interceptor.md, "Swapping"); None: it did not.
+        "swap": {"engine": pair.swap.engine, "area": pair.swap.area, "out_bps": pair.swap.out_bps,
+                 "in_bps": pair.swap.in_bps} if pair.swap.engine else None,
     }
 
 
