@@ -471,7 +471,6 @@ static void execute(struct sim_ctx *ctx, struct sim_op *op)
     } else if (op->kind == SIM_OP_PREFETCH && op->u.prefetch.discard) {
         /* Nothing is copied: the pages are made anew where they go, without the compute engine. */
         sim_residency_discard(ctx, op->u.prefetch.ptr, op->u.prefetch.bytes);
-        sim_host_populate(op->u.prefetch.ptr, op->u.prefetch.bytes);
         sim_residency_touch(ctx, op);
         error = run_memory_op(op);
     } else if (op->kind == SIM_OP_KERNEL || op->kind == SIM_OP_PREFETCH) {

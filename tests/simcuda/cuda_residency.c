@@ -350,7 +350,7 @@ double sim_link_transfer(const struct sim_device *device, enum sim_engine direct
 /* Gives [ptr, ptr + bytes) its host pages now, contents unchanged (where the kernel can: else
  * they come at first touch, as before), so that what a later copy pays is what is modelled, not
  * the simulating host's page faults. */
-void sim_host_populate(uintptr_t ptr, size_t bytes)
+static void host_populate(uintptr_t ptr, size_t bytes)
 {
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     uintptr_t first = ptr / page * page, last = (ptr + bytes + page - 1) / page * page;
@@ -364,7 +364,7 @@ void sim_pin_cost(void *ptr, size_t bytes)
     if (!modelled)
         return;
     double start = sim_now();
-    sim_host_populate((uintptr_t)ptr, bytes);
+    host_populate((uintptr_t)ptr, bytes);
     sim_sleep_until(start + (double)bytes * costs.pin);
 }
 
@@ -721,13 +721,15 @@ void sim_residency_touch(struct sim_ctx *ctx, const struct sim_op *op)
     pay(ctx, &moves, !prefetch ? MOVE_FAULT : op->u.prefetch.discard ? MOVE_DISCARD_PREFETCH : MOVE_PREFETCH);
 }
 
-/* Zeroes the whole pages of [ptr, ptr + bytes): a discarded range's contents are indeterminate. */
+/* Zeroes the whole pages of [ptr, ptr + bytes): a discarded range's contents are indeterminate.
+ * Written over rather than given back to the kernel: the simulating host then pays a write of the
+ * range here, not page faults at whatever touches it next (a copy back that the model prices). */
 static void forget_contents(uintptr_t ptr, size_t bytes)
 {
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     uintptr_t first = (ptr + page - 1) / page * page, last = (ptr + bytes) / page * page;
     if (last > first)
-        madvise((void *)first, last - first, MADV_DONTNEED);
+        memset((void *)first, 0, last - first);
 }
 
 size_t sim_residency_discard(struct sim_ctx *ctx, uintptr_t ptr, size_t bytes)

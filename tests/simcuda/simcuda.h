@@ -400,7 +400,6 @@ void sim_engine_leave(const struct sim_device *device);
 double sim_link_transfer(const struct sim_device *device, enum sim_engine direction, size_t bytes, int pageable);
 /* The calling thread pays for pinning `bytes` of host memory (when residency is modelled). */
 void sim_pin_cost(void *ptr, size_t bytes);
-void sim_host_populate(uintptr_t ptr, size_t bytes);
 /* With the registry write-locked: gives a new managed allocation its chunk hints (-1 when out
  * of host memory), and frees its chunks' slots when it goes. */
 int sim_residency_adopt(struct sim_alloc *alloc);
