@@ -20,6 +20,9 @@ minute on an H100) and on the simulated driver (tests/simcuda, to check the scri
 3. `vmm` (one process, `--gib`/2): cuMemCreate/Map/SetAccess memory copied to pinned, unmapped
    and released (cuMemGetInfo's free memory before and after), created again, mapped at the same
    address, copied back and checked.
+4. `pinning` (one process, `--gib`/2 in 64 MiB chunks): what pinning costs per GiB, as the swap
+   area pins it (cuMemHostAlloc), and what registering costs with ordinary pages, with
+   transparent huge pages, and from 4 threads at once. `--parts` picks parts (default: all).
 
 Safety: at most 2 x `--gib` of device memory at once (the engine part's managed buffer and its
 cuMemAlloc ceiling buffer), refused unless that is below a third of the free memory. Writes
@@ -279,6 +282,70 @@ def overlap(nbytes: int) -> dict:
     return out
 
 
+# --- part 4: how fast pinned memory can be had ---------------------------------------------------------
+
+
+def pinning(nbytes: int) -> dict:
+    """Seconds per GiB to pin `nbytes` in 64 MiB chunks: cuMemHostAlloc one after the other;
+    cuMemHostRegister of ordinary memory, of memory advised to transparent huge pages
+    (MADV_HUGEPAGE), and from 4 threads at once (each registering its own chunks)."""
+    import threading
+
+    cuda = Driver()
+    cuda.context(0)
+    api = Api()
+    chunk = 64 << 20
+    count = max(1, nbytes // chunk)
+    libc = ctypes.CDLL(None)
+    libc.mmap.restype = c_void_p
+    libc.mmap.argtypes = [c_void_p, c_size_t, c_int, c_int, c_int, ctypes.c_long]
+    libc.madvise.argtypes = [c_void_p, c_size_t, c_int]
+    libc.munmap.argtypes = [c_void_p, c_size_t]
+    per_gib = count * chunk / GIB
+    out: dict = {"bytes": count * chunk, "chunk": chunk}
+
+    start = time.perf_counter()
+    hosts = []
+    for _ in range(count):
+        host = c_void_p()
+        api.check("cuMemHostAlloc", byref(host), chunk, 1)  # PORTABLE, as the swap area
+        hosts.append(host)
+    out["host_alloc_s_per_gib"] = round((time.perf_counter() - start) / per_gib, 4)
+    for host in hosts:
+        api.check("cuMemFreeHost", host)
+
+    def register(huge: bool, threads: int) -> float:
+        regions = []
+        for _ in range(count):
+            region = libc.mmap(None, chunk, 3, 0x22, -1, 0)
+            if huge:
+                libc.madvise(c_void_p(region), chunk, 14)  # MADV_HUGEPAGE
+            regions.append(region)
+
+        def work(mine: list[int]) -> None:
+            cuda.context(0)  # current on this thread too
+            for region in mine:
+                api.check("cuMemHostRegister", c_void_p(region), chunk, 1)
+
+        start = time.perf_counter()
+        workers = [threading.Thread(target=work, args=(regions[k::threads],)) for k in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        seconds = time.perf_counter() - start
+        for region in regions:
+            api.check("cuMemHostUnregister", c_void_p(region))
+            libc.munmap(c_void_p(region), chunk)
+        return round(seconds / per_gib, 4)
+
+    out["register_s_per_gib"] = register(False, 1)
+    out["register_thp_s_per_gib"] = register(True, 1)
+    out["register_4_threads_s_per_gib"] = register(False, 4)
+    out["register_thp_4_threads_s_per_gib"] = register(True, 4)
+    return out
+
+
 # --- part 3: VMM memory out and back in --------------------------------------------------------
 
 
@@ -338,6 +405,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=8.0)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--parts", nargs="+", default=["engine", "overlap", "vmm", "pinning"],
+                        choices=("engine", "overlap", "vmm", "pinning"))
     parser.add_argument("--part", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--overlap-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -346,21 +415,20 @@ def main() -> None:
         return
     if args.part:
         part, nbytes = args.part[0], int(args.part[1])
-        print(json.dumps({"engine": engine, "overlap": overlap, "vmm": vmm}[part](nbytes)))
+        print(json.dumps({"engine": engine, "overlap": overlap, "vmm": vmm, "pinning": pinning}[part](nbytes)))
         return
     nbytes = int(args.gib * GIB) // (2 << 20) * (2 << 20)
     started = time.monotonic()
+    sizes = {"engine": nbytes, "overlap": nbytes // 2, "vmm": nbytes // 2, "pinning": nbytes // 2}
     document = {"benchmark": "swap-paths", "gib": args.gib,
-                "engine": in_child("engine", nbytes),
-                "overlap": in_child("overlap", nbytes // 2),
-                "vmm": in_child("vmm", nbytes // 2)}
+                **{part: in_child(part, sizes[part]) for part in args.parts}}
     document["elapsed_s"] = round(time.monotonic() - started, 1)
     text = json.dumps(document, indent=1)
     out = args.out or (Path(os.environ["OUT"]) / "swap-paths.json" if os.environ.get("OUT") else None)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
-    e = document["engine"]
+    e = document.get("engine", {"error": "not run"})
     if "error" not in e:
         print(f"ceiling pinned: d2h {e['ceiling']['d2h_GBps']} GB/s, h2d {e['ceiling']['h2d_GBps']} GB/s",
               file=sys.stderr)
@@ -369,7 +437,7 @@ def main() -> None:
                   f" s, discard+prefetch {r.get('discard_prefetch_s')} s, intact {r['intact']}", file=sys.stderr)
         print(f"prefetch: {e['prefetch']}; pinned alloc {e['host_alloc_s_per_gib']} s/GiB, register "
               f"{e['host_register_s_per_gib']} s/GiB", file=sys.stderr)
-    print(json.dumps({k: document[k] for k in ("overlap", "vmm")}, indent=1), file=sys.stderr)
+    print(json.dumps({k: document[k] for k in ("overlap", "vmm", "pinning") if k in document}, indent=1), file=sys.stderr)
     print(text)
 
 
