@@ -319,11 +319,20 @@ def gpu_jobs(argvs: list[list[str]], env: dict[str, str], timeout: float) -> flo
     processes = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for argv in argvs]
     spans = []
-    for process in processes:
-        out, err = process.communicate(timeout=timeout)
-        if process.returncode != 0:
-            raise RuntimeError(f"GPU job failed ({process.returncode}): {err[-2000:]}")
-        spans.append([float(x) for x in out.split()[-2:]])
+    deadline = time.monotonic() + timeout
+    try:
+        for process in processes:
+            out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if process.returncode != 0:
+                raise RuntimeError(f"GPU job failed ({process.returncode}): {err[-2000:]}")
+            spans.append([float(x) for x in out.split()[-2:]])
+    except subprocess.TimeoutExpired as expired:
+        raise RuntimeError(f"GPU jobs still running after {timeout} s: killed") from expired
+    finally:
+        for process in processes:  # none outlives its run (a failure or a timeout leaves others)
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     return max(end for _, end in spans) - min(start for start, _ in spans)
 
 
@@ -483,24 +492,32 @@ def link_traffic(lines: list[dict[str, Any]]) -> dict[str, float]:
             "prefetched_out": mib(moved(lines, cause="prefetch", direction="to_host"))}
 
 
-def working_set(args: argparse.Namespace, runs: WorkingSet) -> dict[str, Any]:
-    cases = {}
+def working_set(args: argparse.Namespace, runs: WorkingSet, save) -> dict[str, Any]:
+    """Every case in every mode; a run that fails is recorded with its error and the next one
+    runs. `save(cases)` after each run: what was measured survives a later failure."""
+    cases: dict[str, Any] = {}
     for name in args.working_set:
         jobs, footprint, budget, modes = WS_CASES[name]
         modes = tuple(args.ws_modes or modes)
         case: dict[str, Any] = {"jobs": jobs, "footprint_gib": footprint / GIB, "budget_gib": budget / GIB,
                                 "modes": {}}
+        cases[name] = case
         for mode in modes:
-            outcome = runs.run(jobs, footprint, mode, budget, args.timeout)
+            try:
+                outcome = runs.run(jobs, footprint, mode, budget, args.timeout)
+            except (RuntimeError, subprocess.SubprocessError) as failure:
+                case.setdefault("failed", {})[mode] = str(failure)[-3000:]
+                print(f"  {name} {mode:10} FAILED: {str(failure)[-500:]}", file=sys.stderr, flush=True)
+                continue
             case["modes"][mode] = outcome
             print(f"  {name} {mode:10} {outcome['makespan_s']} s, grants {outcome.get('grants')}", file=sys.stderr,
                   flush=True)
-        spans = {mode: outcome["makespan_s"] for mode, outcome in case["modes"].items()}
-        for mode, outcome in case["modes"].items():
-            for yardstick in ("sequential", "together", "on"):
-                if yardstick in spans and mode != yardstick:
-                    outcome[f"ratio_to_{yardstick}"] = round(outcome["makespan_s"] / spans[yardstick], 3)
-        cases[name] = case
+            spans = {mode: outcome["makespan_s"] for mode, outcome in case["modes"].items()}
+            for done, outcome in case["modes"].items():
+                for yardstick in ("sequential", "together", "on"):
+                    if yardstick in spans and done != yardstick:
+                        outcome[f"ratio_to_{yardstick}"] = round(outcome["makespan_s"] / spans[yardstick], 3)
+            save(cases)
     return cases
 
 
@@ -509,9 +526,9 @@ def working_set_table(cases: dict[str, Any]) -> str:
     for name, case in cases.items():
         for mode, o in case["modes"].items():
             stall = (o.get("stalls") or {}).get("max_stall_s")
-            lines.append(f"{name:6}{mode:12}{o['makespan_s']:>10.2f}{o.get('ratio_to_sequential', 1.0):>8.2f}"
-                         f"{o.get('ratio_to_together', 1.0) if mode != 'sequential' else float('nan'):>10.2f}"
-                         f"{o.get('ratio_to_on', float('nan')):>8.2f}{o.get('grants', 0):>8}"
+            nan = float("nan")
+            lines.append(f"{name:6}{mode:12}{o['makespan_s']:>10.2f}{o.get('ratio_to_sequential', nan):>8.2f}"
+                         f"{o.get('ratio_to_together', nan):>10.2f}{o.get('ratio_to_on', nan):>8.2f}{o.get('grants', 0):>8}"
                          f"{'' if stall is None else format(stall, '.3f'):>11}")
     return "\n".join(lines)
 
@@ -670,10 +687,10 @@ def main_working_set(args: argparse.Namespace) -> None:
     started = time.monotonic()
     try:
         runs = WorkingSet(work, args.gpu, args.steps, args.burst_s, args.tq, args.idle_release, args.library)
-        if args.gpu:
-            import torch
-
-            backend = f"real GPU {torch.cuda.get_device_name()} (torch {torch.__version__})"
+        if args.gpu:  # asked in a child: this process keeps no CUDA context during the runs
+            code = "import torch; print(torch.cuda.get_device_name(), '(torch', torch.__version__ + ')')"
+            backend = "real GPU " + subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                   check=True).stdout.strip()
             runs.link_bps = args.link_gbps * 1e9 if args.link_gbps else None
         else:
             backend = (f"simulated driver (tests/simcuda, residency modelled, H200 costs x {SIM_WS_COST_SCALE}, sizes / "
@@ -691,17 +708,21 @@ def main_working_set(args: argparse.Namespace) -> None:
             "targets": {"pair": "swap <= 0.80 x sequential and <= 1.10 x on (no budget); stretch <= 1.05 x together",
                         "four": "swap <= 0.80 x sequential"},
         }
+        out = args.out / (f"colocation-ws-{datetime.date.today().isoformat()}" + ("-gpu" if args.gpu else "-sim")
+                          + ".json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+
+        def save(cases: dict[str, Any]) -> None:
+            out.write_text(json.dumps({**document, "cases": cases, "partial": True}, indent=1) + "\n")
+
         try:
-            document["cases"] = working_set(args, runs)
+            document["cases"] = working_set(args, runs, save)
         finally:
             runs.schedulers.close()
         document["machine"]["load_after"] = machine_load()
         document["elapsed_s"] = round(time.monotonic() - started, 1)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    stem = f"colocation-ws-{datetime.date.today().isoformat()}" + ("-gpu" if args.gpu else "-sim")
-    out = args.out / f"{stem}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=1) + "\n")
     print(working_set_table(document["cases"]), file=sys.stderr)
     print(json.dumps(document, indent=1))

@@ -2,8 +2,11 @@
  * Virtual memory management (cuMemCreate / cuMemMap): physical device memory that the
  * application maps itself (PyTorch with expandable_segments:True, NCCL, JAX's default
  * allocator). nvshare cannot make it managed memory, so with NVSHARE_VMM=allow it is passed
- * through, counted in memory reports (and against limits and admission), and swapped handle by
- * handle (docs/interceptor.md, "Swapping"): its bytes are copied to the pinned swap area, it is
+ * through and counted in memory reports (and against limits and admission) as memory that cannot
+ * move; with NVSHARE_VMM=swap it is also swapped handle by handle (docs/interceptor.md,
+ * "Swapping"; opt-in: on its first real-GPU run PyTorch's expandable segments met
+ * CUDA_ERROR_NOT_SUPPORTED from a driver call after a swap-in, not explained yet, so every failing
+ * VMM call is logged as a warning): its bytes are copied to the pinned swap area, it is
  * unmapped and its physical handle released, so the device really has the room; before the
  * process runs again a new handle is created, mapped at the same address with the same access,
  * and the bytes are copied back.
@@ -89,7 +92,7 @@ static size_t mappings_of(CUmemGenericAllocationHandle app, struct mapping **onl
 /* Under vmm_mu: the handle and its one whole mapping when it may be swapped, else NULL. */
 static struct handle *movable(struct handle *h, struct mapping **where) {
     struct mapping *m = NULL;
-    if (h == NULL || h->exported || h->moving || mappings_of(h->app, &m) != 1) return NULL;
+    if (!nvs_config.vmm_swap || h == NULL || h->exported || h->moving || mappings_of(h->app, &m) != 1) return NULL;
     if (m->offset != 0 || m->size != h->size || m->n_access > NVS_VMM_ACCESS) return NULL;
     *where = m;
     return h;
@@ -107,7 +110,7 @@ static struct handle *settled(CUmemGenericAllocationHandle app) {
 static void forget_handle(struct handle *h) {
     struct nvs_device *d = h->device;
     if (d != NULL) {
-        if (!h->exported) atomic_fetch_sub(&d->converted, h->size);
+        if (!h->exported && nvs_config.vmm_swap) atomic_fetch_sub(&d->converted, h->size);
         if (h->swapped) atomic_fetch_sub(&d->swapped, h->size);
     }
     nvs_area_give(h->area);
@@ -128,6 +131,15 @@ static void wait_for_the_memory(struct nvs_device *d) {
     nvs_tls.device = d;
     nvs_gate_exit(nvs_gate_enter());
     nvs_tls = saved;
+}
+
+/* What the driver answered the application's call `call`: a refusal is logged (the application
+ * sees it too, but often only as a message without the call's name). Running out of memory is
+ * the application's to handle, and so are the refusals of a probe it expects to fail. */
+static CUresult answered(const char *call, CUresult r, int expected_refusal) {
+    if (r != CUDA_SUCCESS && r != CUDA_ERROR_OUT_OF_MEMORY && !expected_refusal)
+        nvs_warn("%s failed with CUresult %d (the application's call, passed to the driver)", call, r);
+    return r;
 }
 
 /* --- the hooks -------------------------------------------------------------------------------*/
@@ -157,7 +169,8 @@ NVS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
     for (int i = 0; i < n_aside; i++) nvs_real.cuMemRelease(aside[i]);
     if (r != CUDA_SUCCESS) {
         nvs_memory_uncharge(d, size);
-        return r;
+        /* PyTorch tries fabric handles first and expects a refusal where there is no fabric. */
+        return answered("cuMemCreate", r, prop != NULL && (prop->requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC));
     }
     pthread_mutex_lock(&vmm_mu);
     int failed = grow((void **)&handles, &cap_handles, n_handles, sizeof *handles);
@@ -172,15 +185,16 @@ NVS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
         return CUDA_SUCCESS;
     }
     if (d != NULL) {
-        atomic_fetch_add(&d->converted, size); /* physical, but nvshare can move it */
+        if (nvs_config.vmm_swap) atomic_fetch_add(&d->converted, size); /* physical, but nvshare can move it */
         nvs_client_memory_changed();
     }
     static _Atomic int explained; /* any thread; the first to set it explains, once */
     if (!atomic_exchange(&explained, 1))
-        nvs_info("cuMemCreate (virtual memory management) allocations stay physical device memory; nvshare swaps "
-                 "each one mapped once, whole, and not exported (NVSHARE_VMM=%s; 'hide' makes NCCL fall back to "
-                 "cuMemAlloc, which is converted)",
-                 nvs_config.vmm_hide ? "hide" : "allow");
+        nvs_info("cuMemCreate (virtual memory management) allocations stay physical device memory; %s "
+                 "(NVSHARE_VMM=%s; 'hide' makes NCCL fall back to cuMemAlloc, which is converted)",
+                 nvs_config.vmm_swap ? "nvshare swaps each one mapped once, whole, and not exported"
+                                     : "they never move ('swap' lets nvshare swap them)",
+                 nvs_config.vmm_hide ? "hide" : nvs_config.vmm_swap ? "swap" : "allow");
     return CUDA_SUCCESS;
 }
 
@@ -190,7 +204,7 @@ NVS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     struct handle *h = settled(handle);
     if (h == NULL) {
         pthread_mutex_unlock(&vmm_mu);
-        return nvs_real.cuMemRelease(handle);
+        return answered("cuMemRelease", nvs_real.cuMemRelease(handle), 0);
     }
     if (h->references <= 0) {
         pthread_mutex_unlock(&vmm_mu);
@@ -212,7 +226,7 @@ NVS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     pthread_cond_broadcast(&vmm_cv);
     pthread_mutex_unlock(&vmm_mu);
     nvs_client_memory_changed();
-    return r;
+    return answered("cuMemRelease", r, 0);
 }
 
 NVS_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
@@ -234,7 +248,7 @@ NVS_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
     CUmemGenericAllocationHandle real = h != NULL ? h->real : handle;
     if (h != NULL) h->moving = 1; /* no move and no release while the driver maps it */
     pthread_mutex_unlock(&vmm_mu);
-    CUresult r = nvs_real.cuMemMap(ptr, size, offset, real, flags);
+    CUresult r = answered("cuMemMap", nvs_real.cuMemMap(ptr, size, offset, real, flags), 0);
     if (h == NULL) return r;
     pthread_mutex_lock(&vmm_mu);
     h = find_handle(handle);
@@ -322,7 +336,7 @@ NVS_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     pthread_mutex_unlock(&vmm_mu);
     free(found);
     nvs_client_memory_changed();
-    return r;
+    return answered("cuMemUnmap", r, 0);
 }
 
 NVS_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
@@ -354,7 +368,7 @@ NVS_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcce
     }
     pthread_mutex_unlock(&vmm_mu);
     free(found);
-    return r;
+    return answered("cuMemSetAccess", r, 0);
 }
 
 NVS_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
@@ -395,12 +409,13 @@ NVS_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGen
     if (h != NULL) {
         real = h->real;
         /* Another process may map it from now on: it never moves again. */
-        if (!h->exported && h->device != NULL) atomic_fetch_sub(&h->device->converted, h->size);
+        if (!h->exported && h->device != NULL && nvs_config.vmm_swap) atomic_fetch_sub(&h->device->converted, h->size);
         h->exported = 1;
     }
     pthread_mutex_unlock(&vmm_mu);
     nvs_client_memory_changed();
-    return nvs_real.cuMemExportToShareableHandle(shareableHandle, real, handleType, flags);
+    return answered("cuMemExportToShareableHandle",
+                    nvs_real.cuMemExportToShareableHandle(shareableHandle, real, handleType, flags), 0);
 }
 
 /* --- swapping (swap.c) ------------------------------------------------------------------------*/

@@ -119,7 +119,7 @@ def test_a_pinned_area_makes_swapping_copies_and_every_access_path_finds_the_dat
     link, the VMM handle re-made at the same address, all before the gate opens: a copy, an
     async copy, a memset, a kernel, a graph and a host function all find the data."""
     env = {**scripted.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
-           "SIMCUDA_PIN_US_PER_MIB": "20"}
+           "SIMCUDA_PIN_US_PER_MIB": "20", "NVSHARE_VMM": "swap"}
     app = patterned_app(cuda_app, env)
     grant(scripted, 1)
     app.expect("waiting")
@@ -155,12 +155,32 @@ def test_a_pinned_area_makes_swapping_copies_and_every_access_path_finds_the_dat
                                                                                         ("release", 2 * MIB)]
 
 
+def test_vmm_memory_moves_only_when_the_process_says_swap(scripted, cuda_app, simcuda, tmp_path):
+    """NVSHARE_VMM's default (allow): VMM memory is counted as memory that cannot move; a DROP
+    that asks for everything moves the converted allocations and leaves the VMM handle mapped."""
+    env = {**scripted.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
+           "SIMCUDA_PIN_US_PER_MIB": "20"}
+    app = patterned_app(cuda_app, env)
+    grant(scripted, 1)
+    app.expect("waiting")
+    scripted.send("PREPARE", device=scripted.device, bytes=32 * MIB)
+    memory_until(scripted, lambda fields: int(fields.get("area", 0)) >= 32 * MIB)
+    scripted.send("DROP", device=scripted.device, grant=1, grace_ms=60_000, reason="quantum", evict=EVERYTHING)
+    assert scripted.expect("RELEASE")["resident"] == "0"  # of what can move: the VMM memory is not part of it
+    lines = simcuda.read_trace(cuda_app.trace)
+    assert [p["event"] for p in lines if p["op"] == "physical"] == ["reserve"]  # never released
+    app.continue_()
+    grant(scripted, 2, prefetch=EVERYTHING)
+    app.expect("verified 5")
+    assert app.wait() == 0, app.stderr
+
+
 def test_a_driver_without_discard_swaps_by_prefetch_and_says_so(scripted, cuda_app, simcuda, tmp_path):
     """A CUDA 12.8 driver has no cuMemDiscardBatchAsync: the engine says "migrate", converted
     memory moves by cuMemPrefetchAsync (the old path), VMM memory stays, and the data is there
     after the grant all the same."""
     env = {**scripted.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
-           "SIMCUDA_DRIVER_VERSION": "12080"}
+           "SIMCUDA_DRIVER_VERSION": "12080", "NVSHARE_VMM": "swap"}
     app = patterned_app(cuda_app, env)
     grant(scripted, 1)
     app.expect("waiting")

@@ -6,8 +6,8 @@ process included).
     python benchmarks/gpu/bench_swap_bandwidth.py --quick    # the simulated driver (tests/simcuda), at
                                                               # H200 costs x SIM_COST_SCALE
 
-Builds libnvshare.so from this tree (or uses $NVSHARE_LIBRARY). Three processes, one after the
-other, so that at most `--gib` of device memory is in use at once:
+Builds libnvshare.so from this tree (or uses $NVSHARE_LIBRARY). One process per part, one after
+the other, so that at most `--gib` of device memory is in use at once:
 
 1. `ceiling`, no nvshare: `--gib` of pinned host memory (cuMemHostAlloc, its cost per GiB), and
    cuMemAlloc memory copied into it and back (cuMemcpyDtoHAsync/HtoDAsync, the better of two
@@ -23,11 +23,17 @@ other, so that at most `--gib` of device memory is in use at once:
    gate reading one word (swap-in: until the read returns; the gate opens only once everything
    is back). Every round writes a new value first and checks it afterwards (1,024 words spread
    over the buffer). Round 0 is the process's first eviction.
-3. `vmm`: the same with `--vmm-gib` of VMM memory: PyTorch with
-   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True where PyTorch is installed (it reserves through
-   cuMemCreate/cuMemMap), else cuMemCreate/cuMemMap through nvshare_py.driver; checked in full
-   (min and max of the tensor) or sampled. On a real GPU, NVML's memory for the process before
-   the swap-out and after it (target: none of the buffer left on the device).
+3. `vmm` and `torch`: the same with `--vmm-gib` of VMM memory under NVSHARE_VMM=swap: one handle
+   made with cuMemCreate/cuMemMap through nvshare_py.driver (sampled check), then (where
+   PyTorch is installed, not with --quick) a PyTorch process with
+   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, whose allocator reserves through
+   cuMemCreate/cuMemMap in 20 MiB handles (checked in full: min and max of the tensor). On a real
+   GPU, NVML's memory for the process before each swap-out and after it (target: none of the
+   buffer left on the device). `--vmm-gib 0` skips both.
+
+Each part's result is printed (stderr) and written out as soon as it is measured; a part that
+fails is recorded with its error (the child's stderr, where the interceptor's warnings name a
+refused driver call) and the next part still runs.
 
 Prints a short table (stderr) and one JSON document (stdout), also written to --out, else to
 $OUT/swap_bandwidth.json when $OUT is set, else (with --quick) to
@@ -129,6 +135,9 @@ class Buffer:
 
             self.torch = torch
             self.tensor = torch.empty(nbytes // 4, dtype=torch.int32, device="cuda")
+            # The check's own allocations (the reductions' outputs and buffers) are made now, and
+            # stay cached: after a swap-in the check maps nothing new (`grow` below does).
+            self.holds(0)
             return
         from nvshare_py.driver import Driver
 
@@ -173,6 +182,14 @@ def child(kind: str, nbytes: int, rounds: int) -> None:
         first = buffer.first_word()   # waits at the gate for the GRANT's swap-in
         say("back", round_, f"first={first}")
         say("checked", round_, f"intact={int(first == round_ + 1 and buffer.holds(round_ + 1))}")
+    if kind == "torch":  # after the swap-ins: the allocator maps new memory beside the swapped one
+        try:
+            grown = buffer.torch.ones(64 << 20, dtype=buffer.torch.uint8, device="cuda")
+            ok = int(grown.sum().item()) == 64 << 20
+        except RuntimeError as failure:
+            print(f"growing after the swap-ins failed: {failure}", file=sys.stderr, flush=True)
+            ok = False
+        say("grow", f"ok={int(ok)}")
 
 
 def line_of(process: subprocess.Popen, prefix: str) -> tuple[dict[str, str], float]:
@@ -210,8 +227,8 @@ class Nvml:
 def handoffs(kind: str, nbytes: int, rounds: int, library: Path, env: dict[str, str], nvml: Nvml | None) -> dict:
     script = ScriptedScheduler(PATIENCE_MS)
     env = {**env, **script.env, "LD_PRELOAD": str(library), "NVSHARE_LOG": "warn"}
-    if kind == "torch":
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if kind == "torch":  # its allocator reserves through cuMemCreate/cuMemMap; a failure names its C++ frames
+        env.update(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", TORCH_SHOW_CPP_STACKTRACES="1")
     process = subprocess.Popen([sys.executable, __file__, "--child", kind, str(nbytes), str(rounds)], env=env,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     grant, measured = 1, []
@@ -245,6 +262,7 @@ def handoffs(kind: str, nbytes: int, rounds: int, library: Path, env: dict[str, 
                              "resident_after_release": int(release.get("resident", -1)),
                              "intact": checked["intact"] == "1",
                              "nvml_process_bytes_before_after_out": [on_device, after_out]})
+        grow = line_of(process, "grow")[0]["ok"] == "1" if kind == "torch" else None
         process.stdin.close()
         if process.wait(timeout=PATIENCE_MS / 1000) != 0:
             raise SystemExit(f"the process failed: {process.stderr.read()[-3000:]}")
@@ -262,6 +280,7 @@ def handoffs(kind: str, nbytes: int, rounds: int, library: Path, env: dict[str, 
         one["out_GBps"], one["in_GBps"] = gbps(nbytes, one["out_s"]), gbps(nbytes, one["in_s"])
     later = measured[1:] or measured
     return {"kind": kind, "bytes": nbytes, "area_ready_s": round(area_s, 3), "memory_report": figures,
+            "new_allocation_after_swap_ins_ok": grow,
             "rounds": measured,
             "out_first_GBps": measured[0]["out_GBps"], "in_first_GBps": measured[0]["in_GBps"],
             "out_later_GBps": round(statistics.median(r["out_GBps"] for r in later), 2),
@@ -282,10 +301,15 @@ def torch_available(env: dict[str, str]) -> bool:
                           capture_output=True).returncode == 0
 
 
+PARTS = ("engine", "vmm", "torch")  # the handoff parts, beside the ceiling
+
+
 def ratios(document: dict) -> None:
     top = document["ceiling"]
-    for part in ("engine", "vmm"):
-        measured = document[part]
+    for part in PARTS:
+        measured = document.get(part)
+        if not measured or "error" in measured or "error" in top:
+            continue
         for when in ("first", "later"):
             measured[f"out_{when}_vs_ceiling"] = round(measured[f"out_{when}_GBps"] / top["pinned_d2h_GBps"], 3)
             measured[f"in_{when}_vs_ceiling"] = round(measured[f"in_{when}_GBps"] / top["pinned_h2d_GBps"], 3)
@@ -294,31 +318,54 @@ def ratios(document: dict) -> None:
 
 
 def table(document: dict) -> str:
-    top, managed = document["ceiling"], document["ceiling"]["managed_prefetch"]
-    lines = [f"{'path':<34}{'out GB/s':>10}{'in GB/s':>10}{'out/ceil':>10}{'in/ceil':>10}",
-             f"{'pinned cudaMemcpy (ceiling)':<34}{top['pinned_d2h_GBps']:>10.2f}{top['pinned_h2d_GBps']:>10.2f}",
-             f"{'managed prefetch, first eviction':<34}{managed['to_host_first_GBps']:>10.2f}"
-             f"{managed['to_device_GBps']:>10.2f}",
-             f"{'managed prefetch, later':<34}{managed['to_host_later_GBps']:>10.2f}{managed['to_device_GBps']:>10.2f}"]
-    for part in ("engine", "vmm"):
-        m = document[part]
+    top = document["ceiling"]
+    lines = [f"{'path':<34}{'out GB/s':>10}{'in GB/s':>10}{'out/ceil':>10}{'in/ceil':>10}"]
+    if "error" in top:
+        lines.append(f"ceiling: FAILED {top['error'][-300:]}")
+    else:
+        managed = top["managed_prefetch"]
+        lines += [f"{'pinned cudaMemcpy (ceiling)':<34}{top['pinned_d2h_GBps']:>10.2f}{top['pinned_h2d_GBps']:>10.2f}",
+                  f"{'managed prefetch, first eviction':<34}{managed['to_host_first_GBps']:>10.2f}"
+                  f"{managed['to_device_GBps']:>10.2f}",
+                  f"{'managed prefetch, later':<34}{managed['to_host_later_GBps']:>10.2f}"
+                  f"{managed['to_device_GBps']:>10.2f}"]
+    for part in PARTS:
+        m = document.get(part)
+        if m is None:
+            continue
+        if "error" in m:
+            lines.append(f"{part}: FAILED {m['error'][-600:]}")
+            continue
         for when in ("first", "later"):
-            label = f"{part} ({m['kind']}), {when} eviction"
-            lines.append(f"{label:<34}{m[f'out_{when}_GBps']:>10.2f}"
-                         f"{m[f'in_{when}_GBps']:>10.2f}{m[f'out_{when}_vs_ceiling']:>10.2f}"
-                         f"{m[f'in_{when}_vs_ceiling']:>10.2f}")
+            label = f"{part}, {when} eviction"
+            lines.append(f"{label:<34}{m[f'out_{when}_GBps']:>10.2f}{m[f'in_{when}_GBps']:>10.2f}"
+                         f"{m.get(f'out_{when}_vs_ceiling', float('nan')):>10.2f}"
+                         f"{m.get(f'in_{when}_vs_ceiling', float('nan')):>10.2f}")
         lines.append(f"  {part}: intact {m['intact']}, area ready in {m['area_ready_s']} s, engine "
-                     f"{m['memory_report']['engine']}, target {'met' if m['target_met'] else 'MISSED'}")
-    vmm_nvml = [r["nvml_process_bytes_before_after_out"] for r in document["vmm"]["rounds"]]
-    lines.append(f"pinning {top['pin_s_per_gib']} s/GiB; vmm NVML bytes of the process before/after each swap-out: "
-                 f"{vmm_nvml}")
+                     f"{m['memory_report']['engine']}, target {'met' if m.get('target_met') else 'MISSED'}; NVML "
+                     f"bytes of the process before/after each swap-out "
+                     f"{[r['nvml_process_bytes_before_after_out'] for r in m['rounds']]}"
+                     + ("" if m.get("new_allocation_after_swap_ins_ok") is None else
+                        f"; a new allocation after the swap-ins {'worked' if m['new_allocation_after_swap_ins_ok'] else 'FAILED'}"))
+    if "error" not in top:
+        lines.append(f"pinning {top['pin_s_per_gib']} s/GiB")
     return "\n".join(lines)
+
+
+def attempt(name: str, measure) -> dict:
+    """One part; a failure is recorded (and the next part still runs)."""
+    try:
+        result = measure()
+    except (Exception, SystemExit) as failure:  # a child that failed, a driver that refused
+        result = {"error": f"{type(failure).__name__}: {failure}"}
+    print(f"{name}: {json.dumps(result)[:2000]}", file=sys.stderr, flush=True)
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=16.0)
-    parser.add_argument("--vmm-gib", type=float, default=4.0)
+    parser.add_argument("--vmm-gib", type=float, default=4.0, help="VMM memory for the vmm parts (0: none)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="the simulated driver, 256 MiB (64 MiB of VMM memory)")
     parser.add_argument("--out", type=Path)
@@ -343,27 +390,37 @@ def main() -> None:
                                               SIMCUDA_COST_SCALE=str(SIM_COST_SCALE))
     nbytes = int(args.gib * GIB) // (2 * MIB) * (2 * MIB)
     vmm_bytes = int(args.vmm_gib * GIB) // (2 * MIB) * (2 * MIB)
-    library = benchmark_library(work / "lib")
+    out = args.out
+    if out is None and os.environ.get("OUT"):
+        out = Path(os.environ["OUT"]) / "swap_bandwidth.json"
+    if out is None and args.quick:
+        out = ROOT / "benchmarks" / "results" / f"swap-bandwidth-{datetime.date.today().isoformat()}-quick.json"
     started = time.monotonic()
+    document: dict = {"benchmark": "swap-bandwidth", "quick": args.quick, "gib": args.gib, "vmm_gib": args.vmm_gib,
+                      "rounds": args.rounds, "date": datetime.date.today().isoformat()}
+
+    def record(name: str, measure) -> None:
+        document[name] = attempt(name, measure)
+        if out is not None:  # what was measured so far survives a later failure
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(document, indent=1) + "\n")
+
+    library = benchmark_library(work / "lib")
     nvml = None if args.quick else Nvml()
-    document = {"benchmark": "swap-bandwidth", "quick": args.quick, "gib": args.gib, "vmm_gib": args.vmm_gib,
-                "rounds": args.rounds, "date": datetime.date.today().isoformat(),
-                "ceiling": in_child("ceiling", nbytes, env),
-                "engine": handoffs("converted", nbytes, args.rounds, library, env, None),
-                "vmm": handoffs("torch" if not args.quick and torch_available(env) else "vmm", vmm_bytes,
-                                args.rounds, library, env, nvml)}
+    # VMM memory swaps only where the process asks for it (docs/interceptor.md, "Memory").
+    vmm_env = {**env, "NVSHARE_VMM": "swap"}
+    record("ceiling", lambda: in_child("ceiling", nbytes, env))
+    record("engine", lambda: handoffs("converted", nbytes, args.rounds, library, env, None))
+    if vmm_bytes:
+        record("vmm", lambda: handoffs("vmm", vmm_bytes, args.rounds, library, vmm_env, nvml))
+        if not args.quick and torch_available(env):
+            record("torch", lambda: handoffs("torch", vmm_bytes, args.rounds, library, vmm_env, nvml))
     document["elapsed_s"] = round(time.monotonic() - started, 1)
     ratios(document)
     print(table(document), file=sys.stderr)
     text = json.dumps(document, indent=1)
     print(text)
-    out = args.out
-    if out is None and os.environ.get("OUT"):
-        out = Path(os.environ["OUT"]) / "swap_bandwidth.json"
-    if out is None and args.quick:
-        out = ROOT / "benchmarks" / "results" / f"swap-bandwidth-{document['date']}-quick.json"
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
 
 

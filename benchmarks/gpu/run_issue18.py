@@ -39,13 +39,26 @@ GIB = 1 << 30
 NEEDED_FREE = 56 * GIB
 
 
-def run(argv: list[str], env: dict[str, str], timeout: float) -> None:
+def run(argv: list[str], env: dict[str, str], timeout: float) -> int:
+    """Runs one benchmark (its own output goes to stderr and its JSON file); its exit status
+    (124: killed at `timeout`). A failure does not stop the next benchmark."""
     print("+", " ".join(argv), file=sys.stderr, flush=True)
     started = time.monotonic()
-    result = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, timeout=timeout)
-    print(f"  ({time.monotonic() - started:.0f} s, exit {result.returncode})", file=sys.stderr, flush=True)
-    if result.returncode != 0:
-        raise SystemExit(f"{argv[1]} failed")
+    try:
+        code = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        code = 124
+    print(f"  ({time.monotonic() - started:.0f} s, exit {code})", file=sys.stderr, flush=True)
+    return code
+
+
+def gpu() -> dict:
+    """The card, asked in a process of its own (this one keeps no CUDA context during the runs)."""
+    code = ("import json, torch; free, total = torch.cuda.mem_get_info(); "
+            "print(json.dumps({'name': torch.cuda.get_device_name(), 'torch': torch.__version__, "
+            "'free': free, 'total': total}))")
+    return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                     check=True).stdout.splitlines()[-1])
 
 
 def main() -> None:
@@ -55,36 +68,43 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results")
     out.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    free, total = torch.cuda.mem_get_info()
-    if free < NEEDED_FREE:
-        raise SystemExit(f"{free / GIB:.1f} GiB free of {total / GIB:.1f}: these runs need {NEEDED_FREE // GIB} GiB")
+    card = gpu()
+    if card["free"] < NEEDED_FREE:
+        raise SystemExit(f"{card['free'] / GIB:.1f} GiB free of {card['total'] / GIB:.1f}: these runs need "
+                         f"{NEEDED_FREE // GIB} GiB")
     env = {**os.environ, "NVSHARE_LIBRARY": str(benchmark_library(Path(tempfile.mkdtemp(prefix="nvs-issue18-"))))}
     started = time.monotonic()
     bandwidth_json = out / "swap_bandwidth.json"
-    run([sys.executable, str(ROOT / "benchmarks/gpu/bench_swap_bandwidth.py"), "--gib", "16", "--vmm-gib", "4",
-         "--rounds", "3", "--out", str(bandwidth_json)], env, 300)
-    bandwidth = json.loads(bandwidth_json.read_text())
-    link = bandwidth["ceiling"]["pinned_h2d_GBps"]
+    bandwidth_json.unlink(missing_ok=True)
+    code = run([sys.executable, str(ROOT / "benchmarks/gpu/bench_swap_bandwidth.py"), "--gib", "16", "--vmm-gib", "4",
+                "--rounds", "3", "--out", str(bandwidth_json)], env, 300)
+    bandwidth = json.loads(bandwidth_json.read_text()) if bandwidth_json.exists() else {}
+    bandwidth.setdefault("ceiling", {"error": f"bench_swap_bandwidth.py exited {code} before measuring it"})
+    link = bandwidth["ceiling"].get("pinned_h2d_GBps")
     colocation, files = {"cases": {}}, [bandwidth_json.name]
     if args.cases:
-        run([sys.executable, str(ROOT / "benchmarks/bench_colocation.py"), "--gpu", "--working-set", *args.cases,
-             *(["--ws-modes", *args.modes] if args.modes else []), "--link-gbps", str(link), "--out", str(out)],
-            env, 480)
-        colocation_json = max(out.glob("colocation-ws-*-gpu.json"), key=lambda path: path.stat().st_mtime)
-        colocation = json.loads(colocation_json.read_text())
-        files.append(colocation_json.name)
+        before = {path: path.stat().st_mtime for path in out.glob("colocation-ws-*-gpu.json")}
+        code = run([sys.executable, str(ROOT / "benchmarks/bench_colocation.py"), "--gpu", "--working-set", *args.cases,
+                    *(["--ws-modes", *args.modes] if args.modes else []),
+                    *(["--link-gbps", str(link)] if link else []), "--out", str(out)], env, 480)
+        written = [path for path in out.glob("colocation-ws-*-gpu.json") if before.get(path) != path.stat().st_mtime]
+        if written:
+            colocation = json.loads(written[0].read_text())
+            files.append(written[0].name)
+        else:
+            colocation["error"] = f"bench_colocation.py exited {code} without results"
 
-    summary = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "driver": bandwidth["ceiling"]["driver"], "elapsed_s": round(time.monotonic() - started),
-               "bandwidth": {part: {key: bandwidth[part][key] for key in bandwidth[part]
-                                    if key.endswith(("GBps", "ceiling")) or key in ("intact", "target_met", "kind")}
-                             for part in ("engine", "vmm")},
-               "ceiling": {key: bandwidth["ceiling"][key] for key in ("pinned_d2h_GBps", "pinned_h2d_GBps",
-                                                                      "managed_prefetch", "pin_s_per_gib")},
-               "vmm_nvml_bytes_before_after_out": [r["nvml_process_bytes_before_after_out"]
-                                                   for r in bandwidth["vmm"]["rounds"]],
+    summary = {"gpu": card["name"], "torch": card["torch"], "driver": bandwidth["ceiling"].get("driver"),
+               "elapsed_s": round(time.monotonic() - started), "colocation_error": colocation.get("error"),
+               "bandwidth": {part: {key: value for key, value in bandwidth[part].items()
+                                    if key.endswith(("GBps", "ceiling")) or key in (
+                                        "intact", "target_met", "kind", "error", "new_allocation_after_swap_ins_ok")}
+                             for part in ("engine", "vmm", "torch") if part in bandwidth},
+               "ceiling": {key: bandwidth["ceiling"].get(key) for key in ("pinned_d2h_GBps", "pinned_h2d_GBps",
+                                                                          "managed_prefetch", "pin_s_per_gib", "error")},
+               "vmm_nvml_bytes_before_after_out": {part: [r["nvml_process_bytes_before_after_out"]
+                                                          for r in bandwidth[part]["rounds"]]
+                                                   for part in ("vmm", "torch") if "rounds" in bandwidth.get(part, {})},
                "working_set": {name: {mode: {key: o.get(key) for key in ("makespan_s", "ratio_to_sequential",
                                                                          "ratio_to_together", "ratio_to_on", "grants")}
                                       | {"max_stall_s": (o.get("stalls") or {}).get("max_stall_s"),
@@ -100,10 +120,15 @@ def main() -> None:
     print(f"ceiling: pinned d2h {c['pinned_d2h_GBps']} GB/s, h2d {c['pinned_h2d_GBps']} GB/s; managed prefetch "
           f"{c['managed_prefetch']}; pinning {c['pin_s_per_gib']} s/GiB")
     for part, b in summary["bandwidth"].items():
+        if "error" in b:
+            print(f"{part:7}: FAILED {b['error'][-400:]}")
+            continue
         print(f"{part:7} ({b['kind']}): out first {b['out_first_GBps']} ({b['out_first_vs_ceiling']}), later "
               f"{b['out_later_GBps']} ({b['out_later_vs_ceiling']}); in first {b['in_first_GBps']} "
               f"({b['in_first_vs_ceiling']}), later {b['in_later_GBps']} ({b['in_later_vs_ceiling']}); intact "
-              f"{b['intact']}; target (0.8) {'met' if b['target_met'] else 'MISSED'}")
+              f"{b['intact']}; target (0.8) {'met' if b.get('target_met') else 'MISSED'}"
+              + ("" if b.get("new_allocation_after_swap_ins_ok") is None else
+                 f"; new allocation after the swap-ins {'ok' if b['new_allocation_after_swap_ins_ok'] else 'FAILED'}"))
     print(f"vmm: NVML bytes of the process before/after each swap-out {summary['vmm_nvml_bytes_before_after_out']}")
     print(f"{'case':6}{'mode':12}{'makespan':>10}{'/seq':>7}{'/together':>10}{'/on':>7}{'grants':>8}{'max stall':>10}")
     for name, modes in summary["working_set"].items():
