@@ -1,6 +1,6 @@
 """Every real-GPU measurement of issue 18 in one run (about 7 minutes on an H100 80 GB).
 
-    OUT=/tmp/out python benchmarks/gpu/run_issue18.py [--cases pair four] [--modes MODE ...]
+    OUT=/tmp/out python benchmarks/gpu/run_issue18.py [--cases pair four] [--modes MODE ...] [--no-bandwidth]
 
 1. benchmarks/gpu/bench_swap_bandwidth.py --gib 16 --vmm-gib 4: the link's ceiling (pinned
    copies), the managed prefetch both ways (first and later eviction), and the swap engine's
@@ -65,6 +65,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="*", default=["pair", "four"], help="working-set cases (none: skip them)")
     parser.add_argument("--modes", nargs="+", help="working-set modes (default: each case's own)")
+    parser.add_argument("--no-bandwidth", action="store_true",
+                        help="skip the bandwidth part: reuse $OUT/swap_bandwidth.json of an earlier call")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results")
     out.mkdir(parents=True, exist_ok=True)
@@ -75,9 +77,11 @@ def main() -> None:
     env = {**os.environ, "NVSHARE_LIBRARY": str(benchmark_library(Path(tempfile.mkdtemp(prefix="nvs-issue18-"))))}
     started = time.monotonic()
     bandwidth_json = out / "swap_bandwidth.json"
-    bandwidth_json.unlink(missing_ok=True)
-    code = run([sys.executable, str(ROOT / "benchmarks/gpu/bench_swap_bandwidth.py"), "--gib", "16", "--vmm-gib", "4",
-                "--rounds", "3", "--out", str(bandwidth_json)], env, 300)
+    code = 0
+    if not args.no_bandwidth:
+        bandwidth_json.unlink(missing_ok=True)
+        code = run([sys.executable, str(ROOT / "benchmarks/gpu/bench_swap_bandwidth.py"), "--gib", "16", "--vmm-gib",
+                    "4", "--rounds", "3", "--out", str(bandwidth_json)], env, 300)
     bandwidth = json.loads(bandwidth_json.read_text()) if bandwidth_json.exists() else {}
     bandwidth.setdefault("ceiling", {"error": f"bench_swap_bandwidth.py exited {code} before measuring it"})
     link = bandwidth["ceiling"].get("pinned_h2d_GBps")
