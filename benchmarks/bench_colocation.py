@@ -708,8 +708,9 @@ def main_working_set(args: argparse.Namespace) -> None:
             "targets": {"pair": "swap <= 0.80 x sequential and <= 1.10 x on (no budget); stretch <= 1.05 x together",
                         "four": "swap <= 0.80 x sequential"},
         }
+        some = "" if set(args.working_set) == set(WS_CASES) else "-" + "-".join(args.working_set)
         out = args.out / (f"colocation-ws-{datetime.date.today().isoformat()}" + ("-gpu" if args.gpu else "-sim")
-                          + ".json")
+                          + some + ".json")
         out.parent.mkdir(parents=True, exist_ok=True)
 
         def save(cases: dict[str, Any]) -> None:
