@@ -16,7 +16,8 @@ Safety: at most 48 GiB of device memory at once (the jobs run together without n
 card must have 56 GiB free; refused otherwise. The pinned swap areas take up to 48 GiB of host
 memory (bounded by the scheduler's admission spill, half of MemAvailable). libnvshare.so is built
 once from this tree (or $NVSHARE_LIBRARY). Prints a short table; writes issue18.json, and each
-benchmark's own JSON, into $OUT (default: benchmarks/results).
+benchmark's own JSON, into $OUT (default: benchmarks/results); a call for some of the cases
+writes issue18-<cases>.json.
 """
 
 from __future__ import annotations
@@ -87,11 +88,11 @@ def main() -> None:
     link = bandwidth["ceiling"].get("pinned_h2d_GBps")
     colocation, files = {"cases": {}}, [bandwidth_json.name]
     if args.cases:
-        before = {path: path.stat().st_mtime for path in out.glob("colocation-ws-*-gpu.json")}
+        before = {path: path.stat().st_mtime for path in out.glob("colocation-ws-*-gpu*.json")}
         code = run([sys.executable, str(ROOT / "benchmarks/bench_colocation.py"), "--gpu", "--working-set", *args.cases,
                     *(["--ws-modes", *args.modes] if args.modes else []),
                     *(["--link-gbps", str(link)] if link else []), "--out", str(out)], env, 480)
-        written = [path for path in out.glob("colocation-ws-*-gpu.json") if before.get(path) != path.stat().st_mtime]
+        written = [path for path in out.glob("colocation-ws-*-gpu*.json") if before.get(path) != path.stat().st_mtime]
         if written:
             colocation = json.loads(written[0].read_text())
             files.append(written[0].name)
@@ -117,7 +118,8 @@ def main() -> None:
                                       for mode, o in case["modes"].items()}
                                for name, case in colocation["cases"].items()},
                "files": files}
-    (out / "issue18.json").write_text(json.dumps(summary, indent=1) + "\n")
+    name = "issue18.json" if set(args.cases) == {"pair", "four"} else "issue18-" + "-".join(args.cases or ["none"]) + ".json"
+    (out / name).write_text(json.dumps(summary, indent=1) + "\n")
 
     print(f"\n{summary['gpu']}, driver {summary['driver']}, torch {summary['torch']}, {summary['elapsed_s']} s")
     c = summary["ceiling"]
