@@ -21,7 +21,8 @@ FIELD_STRATEGIES = {
     "held": st.lists(devices, max_size=3).map(tuple), "wanted": st.lists(devices, max_size=3).map(tuple),
     "exclusive": st.booleans(), "mode": st.sampled_from(protocol.MODES),
     "code": st.sampled_from(protocol.ERROR_CODES),
-    # Residency: `resident` is absent (None) from clients that do not report it, except in EVICTED.
+    # Residency: `resident` is absent (None) from clients that do not report it, except in EVICTED
+    # (and in PREFETCH, the scheduler's).
     "resident": st.none() | uints, "evict": uints, "prefetch": uints, "bytes": uints,
     "request": uints, "admission": st.booleans(),
     # The swap engine's figures (MEMORY) and the pipelining fields (CONTENDED).
@@ -36,7 +37,7 @@ def message_strategy(cls):
     for f in dataclasses.fields(cls):
         if f.name == "reason":
             fields[f.name] = st.sampled_from(REASONS[cls.__name__])
-        elif cls is protocol.Evicted and f.name == "resident":
+        elif cls in (protocol.Evicted, protocol.Prefetch) and f.name == "resident":
             fields[f.name] = uints
         else:
             fields[f.name] = FIELD_STRATEGIES.get(f.name, texts)
