@@ -126,15 +126,7 @@ class Simulated:
         self.run_number = 0
 
     def job_steps(self, footprint: int, cpu_share: float) -> list[str]:
-        kernels = max(1, round(self.burst_s * 1e6 / self.kernel_us))
-        # A sync every few kernels, as a training loop's .item() would: the queue stays short,
-        # so a holder told to drain at its quantum's end hands over soon.
-        work = [f"kernel:{self.kernel_us}" + (",sync" if (i + 1) % SYNC_EVERY == 0 else "") for i in range(kernels)]
-        burst = ",".join(work + ([] if kernels % SYNC_EVERY == 0 else ["sync"]))
-        if cpu_share > 0:
-            cpu_ms = self.burst_s * cpu_share / (1 - cpu_share) * 1e3
-            burst += f",sleep:{cpu_ms:.3f}"
-        return [f"alloc:plain:{footprint}", f"repeat:{self.steps}:{burst}"]
+        return simapp_job(footprint, cpu_share, self.steps, self.burst_s, self.kernel_us)
 
     def run(self, footprints: list[int], cpu_share: float, mode: str, tq: float, timeout: float) -> dict[str, Any]:
         self.run_number += 1
@@ -215,6 +207,20 @@ def run_jobs(argvs: list[list[str]], env: dict[str, str], timeout: float) -> dic
     first = min(step["start"] for steps in outputs for step in steps if step["step"] != "init")
     last = max(step["end"] for steps in outputs for step in steps)
     return {"makespan_s": round(last - first, 4), "finished": True}
+
+
+def simapp_job(footprint: int, cpu_share: float, steps: int, burst_s: float, kernel_us: int) -> list[str]:
+    """simapp's steps for a job: `steps` bursts of kernels over all its memory (each simulated
+    kernel touches the process's whole working set), each followed by its CPU phase."""
+    kernels = max(1, round(burst_s * 1e6 / kernel_us))
+    # A sync every few kernels, as a training loop's .item() would: the queue stays short,
+    # so a holder told to drain at its quantum's end hands over soon.
+    work = [f"kernel:{kernel_us}" + (",sync" if (i + 1) % SYNC_EVERY == 0 else "") for i in range(kernels)]
+    burst = ",".join(work + ([] if kernels % SYNC_EVERY == 0 else ["sync"]))
+    if cpu_share > 0:
+        cpu_ms = burst_s * cpu_share / (1 - cpu_share) * 1e3
+        burst += f",sleep:{cpu_ms:.3f}"
+    return [f"alloc:plain:{footprint}", f"repeat:{steps}:{burst}"]
 
 
 # --- a real GPU ----------------------------------------------------------------------------
@@ -306,7 +312,7 @@ def lock_history(events: list[dict[str, Any]]) -> dict[str, Any]:
     grants = [e for e in events if e["kind"] == "grant"]
     return {
         "grants": len(grants),
-        "prefetch_granted_mib": sum(int(e["detail"].partition("prefetch=")[2] or 0) for e in grants) // MIB,
+        "prefetch_granted_mib": sum(int(detail_fields(e["detail"]).get("prefetch", 0)) for e in grants) // MIB,
         "evict_requests": sum(1 for e in events if e["kind"] == "evict"),
         "events": [[round(e["t"] - first, 3), e["client"], e["kind"], e["detail"]] for e in events
                    if e["kind"] not in ("register", "unregister")],
@@ -317,12 +323,218 @@ def gpu_jobs(argvs: list[list[str]], env: dict[str, str], timeout: float) -> flo
     processes = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for argv in argvs]
     spans = []
-    for process in processes:
-        out, err = process.communicate(timeout=timeout)
-        if process.returncode != 0:
-            raise RuntimeError(f"GPU job failed ({process.returncode}): {err[-2000:]}")
-        spans.append([float(x) for x in out.split()[-2:]])
+    deadline = time.monotonic() + timeout
+    try:
+        for process in processes:
+            out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if process.returncode != 0:
+                raise RuntimeError(f"GPU job failed ({process.returncode}): {err[-2000:]}")
+            spans.append([float(x) for x in out.split()[-2:]])
+    except subprocess.TimeoutExpired as expired:
+        raise RuntimeError(f"GPU jobs still running after {timeout} s: killed") from expired
+    finally:
+        for process in processes:  # none outlives its run (a failure or a timeout leaves others)
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     return max(end for _, end in spans) - min(start for start, _ in spans)
+
+
+# --- the working set touched every step (issue 18) ----------------------------------------
+#
+# Jobs like training loops that touch all their memory each step: `hold.add_(1)` over the
+# footprint, about `--ws-burst` seconds of matrix products, then a third of that on the CPU.
+# Modes: `sequential` and `together` (all at once, the card big enough) without nvshare, the
+# yardsticks; `on` (nvshare, no budget: nothing moves); `swap` (mode on with the case's budget,
+# swapping) and `auto` (mode auto, same budget). On the simulated driver the sizes are divided by
+# SIM_WS_DIVISOR (a GiB becomes 8 MiB on a 1 GiB device) and its costs multiplied by
+# SIM_WS_COST_SCALE, so that a handoff weighs against a step about as on an H100.
+
+GIB = 1 << 30
+WS_MODES = ("sequential", "together", "on", "swap", "auto")
+# name: (jobs, footprint per job, budget, modes run by default)
+WS_CASES = {"pair": (2, 24 * GIB, 32 * GIB, WS_MODES),
+            "four": (4, 12 * GIB, 24 * GIB, ("sequential", "together", "swap"))}
+SIM_WS_DIVISOR = 128
+SIM_WS_COST_SCALE = 64
+WS_CPU_SHARE = 1 / 3  # of a step: 1 s of CPU after 2 s of GPU work
+
+WS_GPU_JOB = r"""
+import sys, time, torch
+footprint, steps, iters, cpu_s = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.randn_like(a)
+hold = torch.zeros((footprint - 3 * a.nbytes) // 4, device="cuda")
+torch.cuda.synchronize()
+start = time.monotonic()
+for _ in range(steps):
+    hold.add_(1)              # the whole working set, every step
+    for _ in range(iters):
+        c = a @ b             # the step's compute
+    torch.cuda.synchronize()
+    time.sleep(cpu_s)         # the CPU phase
+end = time.monotonic()
+assert int(hold.min().item()) == steps == int(hold.max().item()), "memory lost"
+print(start, end, flush=True)
+"""
+
+
+def matmul_iterations(burst_s: float) -> int:
+    """8192x8192 bf16 products that take `burst_s` on this GPU alone."""
+    code = ("import time, torch\na = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16); b = torch.randn_like(a)\n"
+            "for _ in range(20): c = a @ b\ntorch.cuda.synchronize(); t = time.monotonic()\n"
+            "for _ in range(200): c = a @ b\ntorch.cuda.synchronize(); print((time.monotonic() - t) / 200)\n")
+    per = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1])
+    return max(1, round(burst_s / per))
+
+
+class WorkingSet:
+    """Runs a case's jobs in one mode, on a real GPU (PyTorch) or the simulated driver (simapp)."""
+
+    def __init__(self, work: Path, gpu: bool, steps: int, burst_s: float, tq: float, idle_release: float,
+                 library: Path | None) -> None:
+        self.work, self.gpu, self.steps, self.burst_s, self.tq = work, gpu, steps, burst_s, tq
+        self.cpu_s = burst_s * WS_CPU_SHARE / (1 - WS_CPU_SHARE)
+        self.idle_release = idle_release
+        self.library = library or build_interceptor(work / "lib")
+        self.schedulers = Schedulers()
+        self.run_number = 0
+        if gpu:
+            self.device = gpu_uuid()
+            self.iters = matmul_iterations(burst_s)
+            # The link as this card's pinned copies move it (--link-gbps, from
+            # bench_swap_bandwidth.py in the same run), for the stall bound; None: not known.
+            self.link_bps: float | None = None
+        else:
+            self.simcuda = build_simcuda(work / "sim")
+            probe = "from nvshare_py.driver import Driver; print(Driver().devices()[0].uuid)"
+            self.device = subprocess.run([sys.executable, "-c", probe], env=self.simcuda.env(), capture_output=True,
+                                         text=True, check=True).stdout.split()[-1]
+            self.link_bps = MIB / (19.07e-6 * SIM_WS_COST_SCALE)  # SIMCUDA_PINNED_US_PER_MIB's default, scaled
+
+    def size(self, nbytes: int) -> int:
+        return nbytes if self.gpu else nbytes // SIM_WS_DIVISOR
+
+    def run(self, jobs: int, footprint: int, mode: str, budget: int, timeout: float) -> dict[str, Any]:
+        footprint, budget = self.size(footprint), self.size(budget)
+        self.run_number += 1
+        state = self.work / f"ws{self.run_number}"
+        state.mkdir()
+        trace = state / "trace.jsonl"
+        if self.gpu:
+            env = child_env()
+            argv = [sys.executable, "-c", WS_GPU_JOB, str(footprint), str(self.steps), str(self.iters), str(self.cpu_s)]
+        else:
+            env = self.simcuda.env(trace=trace, memory=str(GIB), SIMCUDA_RESIDENCY_DIR=str(state),
+                                   SIMCUDA_TIMESLICE_US=str(SIM_TIMESLICE_US), SIMCUDA_COST_SCALE=str(SIM_WS_COST_SCALE))
+            argv = self.simcuda.simapp_argv(*simapp_job(footprint, WS_CPU_SHARE, self.steps, self.burst_s, 10000))
+        scheduler = None
+        if mode not in ("sequential", "together"):
+            scheduler = self.schedulers.get(mode, self.tq, idle_release=self.idle_release)
+            env = {**env, **scheduler.env, "LD_PRELOAD": str(self.library), "NVSHARE_LOG": "error"}
+            scheduler.request("set-budget", device=self.device, bytes=None if mode == "on" else budget)
+            since = scheduler.request("events", since=0, limit=10_000)["next"]
+        if mode == "sequential":
+            makespan = sum(self._jobs([argv], env, timeout) for _ in range(jobs))
+        else:
+            makespan = self._jobs([argv] * jobs, env, timeout)
+        outcome: dict[str, Any] = {"makespan_s": round(makespan, 3), "jobs": jobs, "footprint_mib": footprint // MIB,
+                                   "budget_mib": budget // MIB if mode in ("swap", "auto") else None}
+        if scheduler is not None:
+            events = scheduler.request("events", since=since, limit=10_000)["events"]
+            outcome.update(lock_history(events))
+            outcome["stalls"] = handoff_stalls(events, self.link_bps)
+        if not self.gpu:
+            outcome["link_mib"] = link_traffic(self.simcuda.read_trace(trace))
+        shutil.rmtree(state, ignore_errors=True)
+        return outcome
+
+    def _jobs(self, argvs: list[list[str]], env: dict[str, str], timeout: float) -> float:
+        if self.gpu:
+            return gpu_jobs(argvs, env, timeout)
+        result = run_jobs(argvs, env, timeout)
+        if not result["finished"]:
+            raise RuntimeError(f"simulated jobs did not finish within {timeout} s")
+        return result["makespan_s"]
+
+
+def detail_fields(detail: str) -> dict[str, str]:
+    """An event's detail (`key=value` words) as a dict."""
+    return dict(word.split("=", 1) for word in detail.split() if "=" in word)
+
+
+def handoff_stalls(events: list[dict[str, Any]], link_bps: float | None) -> dict[str, Any]:
+    """Per grant that still had memory to bring back (detail swapped=S): the time until the
+    grantee reported all of it back (event `restored`, its gate open), against issue 18's bound
+    S / (0.8 x link) + 50 ms."""
+    stalls = []
+    for index, event in enumerate(events):
+        swapped = int(detail_fields(event["detail"]).get("swapped", 0)) if event["kind"] == "grant" else 0
+        if not swapped:
+            continue
+        back = next((later for later in events[index + 1:] if later["kind"] == "restored"
+                     and later["client"] == event["client"] and later["grant"] == event["grant"]), None)
+        stall = round(back["t"] - event["t"], 4) if back else None
+        bound = round(swapped / (0.8 * link_bps) + 0.05, 4) if link_bps else None
+        stalls.append({"client": event["client"], "swapped_mib": swapped // MIB, "stall_s": stall, "bound_s": bound})
+    measured = [s for s in stalls if s["stall_s"] is not None]
+    return {"handoffs_with_memory_to_bring_back": len(stalls),
+            "max_stall_s": max((s["stall_s"] for s in measured), default=None),
+            "within_bound": sum(1 for s in measured if s["bound_s"] is not None and s["stall_s"] <= s["bound_s"]),
+            "each": stalls}
+
+
+def link_traffic(lines: list[dict[str, Any]]) -> dict[str, float]:
+    """What crossed the simulated link (MiB): the swap engine's copies each way, the pages it
+    discarded, and what the driver migrated by itself (faults, evictions) or by prefetch."""
+    def mib(n: int) -> float:
+        return round(n / MIB, 1)
+    return {"copied_out": mib(sum(line["bytes"] for line in lines if line.get("link") == "d2h")),
+            "copied_in": mib(sum(line["bytes"] for line in lines if line.get("link") == "h2d")),
+            "discarded": mib(sum(line.get("released", 0) for line in lines if line.get("op") == "discard")),
+            "faulted_in": mib(moved(lines, cause="fault", direction="to_device")),
+            "driver_evicted": mib(moved(lines, cause="evict")),
+            "prefetched_out": mib(moved(lines, cause="prefetch", direction="to_host"))}
+
+
+def working_set(args: argparse.Namespace, runs: WorkingSet, save) -> dict[str, Any]:
+    """Every case in every mode; a run that fails is recorded with its error and the next one
+    runs. `save(cases)` after each run: what was measured survives a later failure."""
+    cases: dict[str, Any] = {}
+    for name in args.working_set:
+        jobs, footprint, budget, modes = WS_CASES[name]
+        modes = tuple(args.ws_modes or modes)
+        case: dict[str, Any] = {"jobs": jobs, "footprint_gib": footprint / GIB, "budget_gib": budget / GIB,
+                                "modes": {}}
+        cases[name] = case
+        for mode in modes:
+            try:
+                outcome = runs.run(jobs, footprint, mode, budget, args.timeout)
+            except (RuntimeError, subprocess.SubprocessError) as failure:
+                case.setdefault("failed", {})[mode] = str(failure)[-3000:]
+                print(f"  {name} {mode:10} FAILED: {str(failure)[-500:]}", file=sys.stderr, flush=True)
+                continue
+            case["modes"][mode] = outcome
+            print(f"  {name} {mode:10} {outcome['makespan_s']} s, grants {outcome.get('grants')}", file=sys.stderr,
+                  flush=True)
+            spans = {mode: outcome["makespan_s"] for mode, outcome in case["modes"].items()}
+            for done, outcome in case["modes"].items():
+                for yardstick in ("sequential", "together", "on"):
+                    if yardstick in spans and done != yardstick:
+                        outcome[f"ratio_to_{yardstick}"] = round(outcome["makespan_s"] / spans[yardstick], 3)
+            save(cases)
+    return cases
+
+
+def working_set_table(cases: dict[str, Any]) -> str:
+    lines = [f"{'case':6}{'mode':12}{'makespan':>10}{'/seq':>8}{'/together':>10}{'/on':>8}{'grants':>8}{'max stall':>11}"]
+    for name, case in cases.items():
+        for mode, o in case["modes"].items():
+            stall = (o.get("stalls") or {}).get("max_stall_s")
+            nan = float("nan")
+            lines.append(f"{name:6}{mode:12}{o['makespan_s']:>10.2f}{o.get('ratio_to_sequential', nan):>8.2f}"
+                         f"{o.get('ratio_to_together', nan):>10.2f}{o.get('ratio_to_on', nan):>8.2f}{o.get('grants', 0):>8}"
+                         f"{'' if stall is None else format(stall, '.3f'):>11}")
+    return "\n".join(lines)
 
 
 # --- the experiments -----------------------------------------------------------------------
@@ -465,6 +677,62 @@ def machine_load() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "loadavg": [round(load1, 2), round(load5, 2), round(load15, 2)]}
 
 
+def main_working_set(args: argparse.Namespace) -> None:
+    """--working-set: issue 18's cases; defaults: the issue's steps (2 s of matrix products and
+    1 s of CPU) and TQ 10 s; 5 steps a job on a GPU, 4 simulated."""
+    args.working_set = args.working_set or list(WS_CASES)
+    steps, burst_s, tq, timeout = (5, 2.0, 10.0, 300.0) if args.gpu else (4, 2.0, 10.0, 180.0)
+    args.steps, args.burst_s, args.tq = args.steps or steps, args.burst or burst_s, args.tq or tq
+    args.timeout = args.timeout or timeout
+    # A short idle window, so that a job's CPU phase hands the GPU over; simulated, the tests'
+    # 0.3 s: on a busy small machine a simulated job can stall for a tenth of a second mid-burst.
+    args.idle_release = (0.1 if args.gpu else 0.3) if args.idle_release is None else args.idle_release
+    work = Path(tempfile.mkdtemp(prefix="nvs-ws-", dir="/tmp"))
+    started = time.monotonic()
+    try:
+        runs = WorkingSet(work, args.gpu, args.steps, args.burst_s, args.tq, args.idle_release, args.library)
+        if args.gpu:  # asked in a child: this process keeps no CUDA context during the runs
+            code = "import torch; print(torch.cuda.get_device_name(), '(torch', torch.__version__ + ')')"
+            backend = "real GPU " + subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                   check=True).stdout.strip()
+            runs.link_bps = args.link_gbps * 1e9 if args.link_gbps else None
+        else:
+            backend = (f"simulated driver (tests/simcuda, residency modelled, H200 costs x {SIM_WS_COST_SCALE}, sizes / "
+                       f"{SIM_WS_DIVISOR})")
+        document: dict[str, Any] = {
+            "benchmark": "colocation-working-set",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "backend": backend, "simulated": not args.gpu,
+            "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                        "load_before": machine_load()},
+            "settings": {"steps": args.steps, "gpu_burst_s": args.burst_s, "cpu_s": runs.cpu_s, "tq_s": args.tq,
+                         "idle_release_s": args.idle_release, "timeout_s": args.timeout,
+                         "link_GBps": runs.link_bps / 1e9 if runs.link_bps else None,
+                         "matmuls_per_step": getattr(runs, "iters", None)},
+            "targets": {"pair": "swap <= 0.80 x sequential and <= 1.10 x on (no budget); stretch <= 1.05 x together",
+                        "four": "swap <= 0.80 x sequential"},
+        }
+        some = "" if set(args.working_set) == set(WS_CASES) else "-" + "-".join(args.working_set)
+        out = args.out / (f"colocation-ws-{datetime.date.today().isoformat()}" + ("-gpu" if args.gpu else "-sim")
+                          + some + ".json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+
+        def save(cases: dict[str, Any]) -> None:
+            out.write_text(json.dumps({**document, "cases": cases, "partial": True}, indent=1) + "\n")
+
+        try:
+            document["cases"] = working_set(args, runs, save)
+        finally:
+            runs.schedulers.close()
+        document["machine"]["load_after"] = machine_load()
+        document["elapsed_s"] = round(time.monotonic() - started, 1)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out.write_text(json.dumps(document, indent=1) + "\n")
+    print(working_set_table(document["cases"]), file=sys.stderr)
+    print(json.dumps(document, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 jobs, short steps, 3-point TQ sweep")
@@ -484,7 +752,17 @@ def main() -> None:
     parser.add_argument("--idle-release", type=float,
                         help="the scheduler's --idle-release (default: half a burst, at most the scheduler's own "
                              "default; on the simulated driver at most the tests' 0.3 s)")
+    parser.add_argument("--working-set", nargs="*", choices=tuple(WS_CASES),
+                        help="instead of the paper's experiments, issue 18's: jobs that touch their whole working "
+                             "set every step (no case named: all of them; see WS_CASES)")
+    parser.add_argument("--ws-modes", nargs="+", choices=WS_MODES, help="modes of the working-set cases "
+                        "(default: each case's own)")
+    parser.add_argument("--link-gbps", type=float, help="--working-set --gpu: the link's pinned bandwidth (GB/s) "
+                        "measured in the same run (bench_swap_bandwidth.py), for the handoff stall bound")
     args = parser.parse_args()
+    if args.working_set is not None:
+        main_working_set(args)
+        return
     if args.quick:
         jobs, steps, burst_s, tq, tq_sweep, timeout = (2,), 3, 0.3, 2.0, (0.2, 0.6, 2.0), 10.0
     else:

@@ -149,6 +149,8 @@ def _memory(usage: dict) -> str:
     text = size(usage.get("used"))
     if usage.get("swapped"):
         text += f" ({size(usage['swapped'])} swapped out)"
+    if (usage.get("swap") or {}).get("engine") == "migrate":  # its driver lacks the pinned path
+        text += " (swaps by prefetch: slow to the host)"
     return text
 
 

@@ -138,6 +138,11 @@ static void observe_locked(double now) {
         if (d->known) nvs_core_add_device(&core, i, d->uuid, d->name, d->total);
     }
     synced_devices = nvs_n_devices;
+    struct nvs_swap_figures figures; /* atomics and the area's leaf lock: no CUDA, no I/O */
+    nvs_swap_figures(&figures);
+    struct nvs_core_swap swap = {.engine = figures.engine == NVS_SWAP_COPY ? 1 : figures.engine == NVS_SWAP_MIGRATE ? 2 : 0,
+                                 .area = figures.area, .out_bps = figures.out_bps, .in_bps = figures.in_bps};
+    nvs_core_observe_swap(&core, &swap);
     for (int i = 0; i < nvs_n_devices; i++) {
         struct nvs_device *d = &nvs_devices[i];
         if (!d->known) continue;
@@ -174,7 +179,10 @@ static int next_io_action_locked(struct nvs_action *a, char *buf, size_t cap) {
             nvs_admission_answer_locked(&nvs_devices[a->device], nvs_core_admitted(&core, a->device), a->value);
         else if (a->kind == NVS_ACT_SETTLED) /* after the device's LIMIT action, in order */
             nvs_admission_settled_locked(a->device >= 0 ? &nvs_devices[a->device] : NULL);
-        else
+        else if (a->kind == NVS_ACT_SWAP_AREA) { /* the worker pins (or gives back) the area between jobs */
+            nvs_area_want(a->device, a->bytes);
+            nvs_worker_wake_locked();
+        } else
             return 1;
     }
     publish_lease_locked();
@@ -386,6 +394,8 @@ static void fork_parent(void) {
  * the parent's registration stays the parent's (the scheduler watches the parent's pid). */
 static void fork_child(void) {
     nvs_memory_reset_after_fork();
+    nvs_vmm_reset_after_fork();
+    nvs_area_reset_after_fork();
     pthread_mutex_init(&nvs_mu, NULL);
     pthread_mutex_init(&nvs_ctx_mu, NULL);
     pthread_cond_init(&nvs_gate_cv, NULL);
@@ -410,6 +420,7 @@ static void fork_child(void) {
         atomic_store(&d->bytes, 0);
         atomic_store(&d->converted, 0);
         atomic_store(&d->swapped, 0);
+        atomic_store(&d->swap_epoch, 0);
         d->waiters = 0;
         d->captures = 0;
         d->job = NVS_JOB_NONE;

@@ -20,6 +20,10 @@
  * for drains that grow), at least PREDRAIN_LEAD_MIN_S, at most half the quantum. */
 #define PREDRAIN_LEAD_FACTOR 1.5
 #define PREDRAIN_LEAD_MIN_S 0.02
+/* What moving memory out costs ahead of a measurement: the swap engine's link bandwidth is
+ * about twice this, the old prefetch path a third (issue 18); the lead covers it with margin. */
+#define SWAP_OUT_BPS_UNMEASURED 25e9
+#define SWAP_LEAD_FACTOR 1.2
 /* Admission chunks: CHUNK_MIN and CHUNK_FRACTION of nvshare_py/scheduler/admission.py. */
 #define ADMISSION_CHUNK_MIN (64ULL << 20)
 #define ADMISSION_CHUNK_FRACTION 4
@@ -179,22 +183,44 @@ static void run_admission(struct nvs_core *c, struct nvs_core_device *d, double 
 
 /* --- small rules ------------------------------------------------------------------------------*/
 
-static long idle_window_ms(const struct nvs_core *c) {
+/* The idle window of a device as the process (or the scheduler's default) sets it. 0: never. */
+static long base_idle_window_ms(const struct nvs_core *c) {
     return c->config.idle_release_ms >= 0 ? c->config.idle_release_ms : c->scheduler_idle_ms;
+}
+
+/* The idle window in force. While others wait, at least what the scheduler says the handoff
+ * would cost (CONTENDED idle_ms=): releasing for a shorter pause would swap both ways for less
+ * time than the swapping takes. Unless this holder's last pause lasted at least that long: a
+ * program's pauses repeat (a training step's CPU phase), so waiting out the handoff's cost again
+ * would only waste that much of each. Waiting for the cost when the last pause was shorter, or
+ * none was seen, is the ski-rental rule: a release it lets happen wastes at most as much idle
+ * time as it costs. */
+static long idle_window_ms(const struct nvs_core *c, const struct nvs_core_device *d) {
+    long window = base_idle_window_ms(c);
+    if (window > 0 && d->contended_idle_ms > (uint64_t)window && d->last_pause * 1000.0 < (double)d->contended_idle_ms)
+        window = (long)d->contended_idle_ms;
+    return window;
+}
+
+/* A pause of the application ended `now` (it submitted work): what idle_window_ms learns from
+ * it. Only pauses that reached the base window count (shorter ones never release anything). */
+static void note_pause(const struct nvs_core *c, struct nvs_core_device *d, double since, double now) {
+    long base = base_idle_window_ms(c);
+    if (base > 0 && now - since >= base / 1000.0) d->last_pause = now - since;
 }
 
 /* An idle check may run: a holder whose grant is known, no job out, no capture (a capture's
  * process is not idle, and the probe's synchronise would invalidate it). */
 static int idle_check_possible(const struct nvs_core *c, const struct nvs_core_device *d) {
     return d->state == NVS_HOLDING && d->grant_known && d->job == NVS_JOB_NONE && !d->drain_wanted &&
-           !d->grant_swap_due && d->captures == 0 && idle_window_ms(c) > 0;
+           !d->grant_swap_due && d->captures == 0 && idle_window_ms(c, d) > 0;
 }
 
 static void reset_idle_tracking(struct nvs_core *c, struct nvs_core_device *d, double now) {
     d->idle_entered = d->entered;
     d->idle_bytes = d->bytes;
     d->idle_since = now;
-    long window = idle_window_ms(c);
+    long window = idle_window_ms(c, d);
     d->idle_next_check = now + (window > 0 ? window / 4000.0 : 1.0);
 }
 
@@ -205,12 +231,16 @@ static int grant_matches(const struct nvs_core_device *d, uint64_t grant) {
 }
 
 /* How long before the quantum's end a contended device's drain should start (see
- * PREDRAIN_LEAD_FACTOR); with no drain seen yet, the minimum. */
-static double predrain_lead(const struct nvs_core_device *d) {
+ * PREDRAIN_LEAD_FACTOR); with no drain seen yet, the minimum. When CONTENDED said the release
+ * will move memory out, at least the time that move takes at the measured bandwidth. */
+static double predrain_lead(const struct nvs_core *c, const struct nvs_core_device *d) {
     double longest = 0;
     for (int i = 0; i < d->drains_known; i++)
         if (d->drain_seconds[i] > longest) longest = d->drain_seconds[i];
     double lead = longest * PREDRAIN_LEAD_FACTOR;
+    double bps = c->swap.out_bps > 0 ? (double)c->swap.out_bps : SWAP_OUT_BPS_UNMEASURED;
+    double swap = PREDRAIN_LEAD_MIN_S + SWAP_LEAD_FACTOR * (double)d->contended_evict / bps;
+    if (lead < swap) lead = swap;
     if (lead < PREDRAIN_LEAD_MIN_S) lead = PREDRAIN_LEAD_MIN_S;
     double half_quantum = d->quantum_ms / 2000.0; /* a process never gives more of it to its queue */
     return lead < half_quantum ? lead : half_quantum;
@@ -280,6 +310,7 @@ static void forget_connection(struct nvs_core *c, const char *why, double now) {
         d->predrain_at = 0; /* so is contention: the scheduler tells a re-registered holder again */
         d->evicted_due = 0; /* and EVICT: the new connection's scheduler did not ask */
         d->evict_asked = 0;
+        d->prefetch_ahead = 0; /* and PREFETCH */
         if (d->state == NVS_WAITING) d->state = NVS_IDLE; /* asked again after re-registration */
     }
 }
@@ -407,6 +438,8 @@ void nvs_core_observe_residency(struct nvs_core *c, int device, uint64_t convert
     c->devices[device].swapped = swapped;
 }
 
+void nvs_core_observe_swap(struct nvs_core *c, const struct nvs_core_swap *swap) { c->swap = *swap; }
+
 static void run_due(struct nvs_core *c, double now);
 static void continue_grant(struct nvs_core *c, struct nvs_core_device *d, double now);
 static void handle_evict(struct nvs_core *c, struct nvs_core_device *d, uint64_t bytes, double now);
@@ -414,6 +447,7 @@ static void swap_job_done(struct nvs_core *c, struct nvs_core_device *d, enum nv
                           double now);
 static void start_swap_out(struct nvs_core *c, struct nvs_core_device *d);
 static void finish_release(struct nvs_core *c, struct nvs_core_device *d, double now);
+static void handle_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d, uint64_t resident);
 
 void nvs_core_connected(struct nvs_core *c, double now) {
     c->connecting = 0;
@@ -566,22 +600,30 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
         d->release_unanswerable = 0;
         d->quantum_ms = m->quantum_ms;
         d->predrain_at = 0; /* a CONTENDED follows when others wait */
+        d->contended_evict = 0;
+        d->contended_idle_ms = 0;
+        d->prefetch_ahead = 0; /* the grant's prefetch brings back the rest */
         reset_idle_tracking(c, d, now);
         core_log(c, LOG_DEBUG, "granted %s (grant %llu, prefetch %llu)", d->uuid, (unsigned long long)m->grant,
                  (unsigned long long)m->prefetch);
         d->grant_swap_due = 1;
+        d->prefetch_deferred = 0;
         d->prefetch_due = m->prefetch;
         continue_grant(c, d, now);
         break;
     case NVS_MSG_CONTENDED:
         if (d->state != NVS_HOLDING || !grant_matches(d, m->grant)) {
             core_log(c, LOG_DEBUG, "stale CONTENDED for grant %llu ignored", (unsigned long long)m->grant);
-        } else if (!c->config.predrain) {
+            break;
+        }
+        d->contended_evict = m->evict;
+        d->contended_idle_ms = m->idle_ms;
+        if (!c->config.predrain) {
             core_log(c, LOG_DEBUG, "others wait for %s; no pre-drain (NVSHARE_PREDRAIN=0)", d->uuid);
         } else {
             d->grant = m->grant;
             d->grant_known = 1;
-            double left = m->quantum_left_ms / 1000.0, lead = predrain_lead(d);
+            double left = m->quantum_left_ms / 1000.0, lead = predrain_lead(c, d);
             d->predrain_at = now + (left > lead ? left - lead : 0); /* due now at the latest */
             core_log(c, LOG_DEBUG, "others wait for %s: draining in %.3f s, %.3f s before the quantum ends", d->uuid,
                      d->predrain_at - now, lead);
@@ -612,6 +654,15 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
         break;
     case NVS_MSG_EVICT:
         handle_evict(c, d, m->bytes, now);
+        break;
+    case NVS_MSG_PREPARE:
+        if (d->announced) { /* the shell keeps a swap area of this size ready for the device */
+            struct nvs_core_queued *q = push(c, NVS_ACT_SWAP_AREA, (int)(d - c->devices), 0);
+            if (q != NULL) q->action.bytes = m->bytes;
+        }
+        break;
+    case NVS_MSG_PREFETCH:
+        handle_prefetch_ahead(c, d, m->resident);
         break;
     case NVS_MSG_MODE:
         d->quantum_ms = m->quantum_ms;
@@ -689,7 +740,7 @@ void nvs_core_job_done(struct nvs_core *c, int device, enum nvs_job_result resul
     struct nvs_core_device *d = &c->devices[device];
     enum nvs_job job = d->job;
     d->job = NVS_JOB_NONE;
-    if (job == NVS_JOB_SWAP_OUT || job == NVS_JOB_PREFETCH) {
+    if (job == NVS_JOB_SWAP_OUT || job == NVS_JOB_PREFETCH || job == NVS_JOB_PREFETCH_AHEAD) {
         swap_job_done(c, d, job, result, now);
     } else if (result == NVS_RESULT_ACTIVE || (job == NVS_JOB_PROBE && result == NVS_RESULT_DRAINED &&
                                                !d->release_due && d->admit_wanted > 0)) {
@@ -729,6 +780,7 @@ static uint64_t resident_of(const struct nvs_core_device *d) {
 static void finish_release(struct nvs_core *c, struct nvs_core_device *d, double now) {
     const char *reason = d->release_due ? d->release_reason : "idle";
     int answerable = d->grant_known && !d->release_unanswerable;
+    if (!d->release_due) d->idle_released_since = d->idle_since; /* its pause goes on: see note_pause */
     if (d->release_due) note_drain(d, now); /* the swap-out counts: the pre-drain must cover it */
     if (d->state == NVS_HOLDING || d->state == NVS_DRAINING) {
         d->state = NVS_IDLE;
@@ -787,11 +839,13 @@ static void handle_evict(struct nvs_core *c, struct nvs_core_device *d, uint64_t
  * The gate opens AFTER the prefetch, not with it: the application's streams cannot be ordered
  * after the internal one without touching each of them (non-blocking streams ignore the legacy
  * stream's implicit ordering), and kernels that run while their memory is still on its way
- * fault it in page by page, the cost the prefetch is there to avoid. The grantee's quantum pays
- * for its own prefetch. A capture in progress skips the prefetch (it could not be ordered
- * around the capture, and threads waiting at the gate may be what the capture waits for): the
- * gate opens and the memory faults back in. Memory that was never swapped moves nothing and
- * the gate opens at once, as before swapping existed. */
+ * would read it from the swap area's place, which is nowhere the device can see. The grantee's
+ * quantum pays for what could not come back before the grant (PREFETCH_AHEAD).
+ * A capture in progress does not stop the PREFETCH: the worker's copies on a stream of its own
+ * are no calls a capture forbids; memory the driver moved by prefetch faults back in, and only
+ * VMM memory (whose handles must be made again) waits for the capture's end, keeping the gate
+ * closed (DEFERRED). Memory that was never swapped moves nothing and the gate opens at once, as
+ * before swapping existed. */
 static void continue_grant(struct nvs_core *c, struct nvs_core_device *d, double now) {
     if (!d->grant_swap_due || d->job != NVS_JOB_NONE) return; /* the running job's end calls again */
     if (d->state != NVS_HOLDING) { /* the grant ended meanwhile (an idle probe released it) */
@@ -799,13 +853,15 @@ static void continue_grant(struct nvs_core *c, struct nvs_core_device *d, double
         d->prefetch_due = 0;
         return;
     }
-    if (d->swapped > 0 && d->captures == 0) {
+    if (d->swapped > 0 && d->prefetch_deferred && d->captures > 0) return; /* after the capture */
+    if (d->swapped > 0) {
         struct nvs_core_queued *q = start_job(c, d, NVS_JOB_PREFETCH);
         if (q != NULL) q->action.bytes = d->prefetch_due;
         return;
     }
     d->grant_swap_due = 0;
     d->prefetch_due = 0;
+    d->prefetch_deferred = 0;
     reset_idle_tracking(c, d, now);
     set_gate(d, c, 1);
 }
@@ -813,13 +869,21 @@ static void continue_grant(struct nvs_core *c, struct nvs_core_device *d, double
 static void swap_job_done(struct nvs_core *c, struct nvs_core_device *d, enum nvs_job job, enum nvs_job_result result,
                           double now) {
     if (job == NVS_JOB_PREFETCH) {
-        /* moved, or deferred by a capture that began: either way the gate opens now */
+        if (result == NVS_RESULT_DEFERRED && d->state == NVS_HOLDING && !d->release_due) {
+            d->prefetch_deferred = 1; /* VMM memory waits for the capture's end; so does the gate */
+            return;
+        }
         d->prefetch_due = 0;
         d->grant_swap_due = 0;
+        d->prefetch_deferred = 0;
         if (d->state == NVS_HOLDING && !d->release_due) {
             reset_idle_tracking(c, d, now);
             set_gate(d, c, 1);
         }
+        return;
+    }
+    if (job == NVS_JOB_PREFETCH_AHEAD) {
+        d->prefetch_ahead = 0; /* done what it could (a later PREFETCH asks again) */
         return;
     }
     if (result != NVS_RESULT_MOVED) return; /* a capture began: run_due starts it again after it */
@@ -830,6 +894,27 @@ static void swap_job_done(struct nvs_core *c, struct nvs_core_device *d, enum nv
     continue_grant(c, d, now); /* a GRANT that came while the swap-out ran */
 }
 
+/* PREFETCH (a waiter, ahead of its grant): room others made is room this process may fill
+ * while it waits, so that less of its memory is left to come back when the gate is to open.
+ * Only while it does not hold the device (a grant's own PREFETCH brings everything back). */
+static void start_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d) {
+    uint64_t resident = resident_of(d);
+    if (d->job != NVS_JOB_NONE || d->captures > 0 || d->evicted_due || d->prefetch_ahead <= resident ||
+        d->swapped == 0 || (d->state != NVS_WAITING && d->state != NVS_IDLE))
+        return;
+    struct nvs_core_queued *q = start_job(c, d, NVS_JOB_PREFETCH_AHEAD);
+    if (q != NULL) q->action.bytes = d->prefetch_ahead - resident;
+}
+
+static void handle_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d, uint64_t resident) {
+    if (d->state != NVS_WAITING && d->state != NVS_IDLE) {
+        core_log(c, LOG_DEBUG, "PREFETCH of %s ignored: it holds the device", d->uuid);
+        return;
+    }
+    if (resident > d->prefetch_ahead) d->prefetch_ahead = resident;
+    start_prefetch_ahead(c, d);
+}
+
 /* Swap work that waited for the worker or for a capture's end (run_due). */
 static void run_due_swaps(struct nvs_core *c, struct nvs_core_device *d, double now) {
     if (d->job != NVS_JOB_NONE) return;
@@ -837,6 +922,14 @@ static void run_due_swaps(struct nvs_core *c, struct nvs_core_device *d, double 
         start_swap_out(c, d);
     else if (d->grant_swap_due)
         continue_grant(c, d, now);
+    else if (d->prefetch_ahead > 0)
+        start_prefetch_ahead(c, d);
+}
+
+/* A swap job is moving the device's memory: its progress is reported as it goes, so that the
+ * scheduler can pipeline the next holder's swap-in behind this one's swap-out. */
+static int swap_running(const struct nvs_core_device *d) {
+    return d->job == NVS_JOB_SWAP_OUT || d->job == NVS_JOB_PREFETCH || d->job == NVS_JOB_PREFETCH_AHEAD;
 }
 
 /* A process takes part in residency once it has converted memory on the device (then the
@@ -847,10 +940,14 @@ static int reports_residency(const struct nvs_core_device *d) {
     return d->converted > 0 || d->reported_resident != UINT64_MAX;
 }
 
-/* A MEMORY report is due: the allocated bytes changed, or the resident bytes did. */
-static int memory_report_due(const struct nvs_core_device *d) {
+/* A MEMORY report is due: the allocated bytes changed, or the resident bytes did, or (for a
+ * process that takes part in residency) its swap engine became known or its area changed. */
+static int memory_report_due(const struct nvs_core *c, const struct nvs_core_device *d) {
     if (!d->announced) return 0;
-    return d->bytes != d->reported_bytes || (reports_residency(d) && resident_of(d) != d->reported_resident);
+    if (d->bytes != d->reported_bytes) return 1;
+    if (!reports_residency(d)) return 0;
+    return resident_of(d) != d->reported_resident ||
+           (c->swap.engine != 0 && (c->swap.engine != d->reported_engine || c->swap.area != d->reported_area));
 }
 
 static void send_memory(struct nvs_core *c, struct nvs_core_device *d, double now) {
@@ -859,9 +956,13 @@ static void send_memory(struct nvs_core *c, struct nvs_core_device *d, double no
     if (q != NULL && with_resident) {
         q->has_resident = 1;
         q->resident = resident_of(d);
+        q->has_swap = c->swap.engine != 0;
+        q->swap = c->swap;
     }
     d->reported_bytes = d->bytes;
     d->reported_resident = with_resident ? resident_of(d) : UINT64_MAX;
+    d->reported_engine = with_resident ? c->swap.engine : 0;
+    d->reported_area = c->swap.area;
 }
 
 void nvs_core_tick(struct nvs_core *c, double now) { run_due(c, now); }
@@ -907,10 +1008,10 @@ static void run_due(struct nvs_core *c, double now) {
         forget_connection(c, "no WELCOME from the scheduler", now);
         push(c, NVS_ACT_DISCONNECT, -1, 0);
     }
-    long window = idle_window_ms(c);
     for (int i = 0; i < c->n_devices; i++) {
         struct nvs_core_device *d = &c->devices[i];
         if (!d->known) continue;
+        long window = idle_window_ms(c, d);
 
         /* a drain that waited for the worker or for a capture's end */
         if (d->drain_wanted && d->job == NVS_JOB_NONE && d->captures == 0) request_drain(c, d);
@@ -923,6 +1024,8 @@ static void run_due(struct nvs_core *c, double now) {
                 core_log(c, LOG_DEBUG, "draining %s ahead of its quantum's end (grant %llu)", d->uuid,
                          (unsigned long long)d->grant);
                 begin_release(c, d, "quantum", now);
+                /* The release makes the room its waiter needs, as a DROP evict= would ask. */
+                if (d->contended_evict > d->evict_due) d->evict_due = d->contended_evict;
             }
         }
 
@@ -942,11 +1045,16 @@ static void run_due(struct nvs_core *c, double now) {
             d->reported_resident = UINT64_MAX;
             send_message(c, NVS_MSG_DEVICE, i, 0, NULL, now);
         }
-        if (memory_report_due(d) && (wants || now >= c->last_memory_report + MEMORY_REPORT_PERIOD_S)) {
+        if (memory_report_due(c, d) &&
+            (wants || swap_running(d) || now >= c->last_memory_report + MEMORY_REPORT_PERIOD_S)) {
             c->last_memory_report = now;
             send_memory(c, d, now);
         }
         if (wants) {
+            if (d->idle_released_since > 0) { /* the pause an idle release was made for ended */
+                note_pause(c, d, d->idle_released_since, now);
+                d->idle_released_since = 0;
+            }
             d->state = NVS_WAITING;
             send_message(c, NVS_MSG_ACQUIRE, i, 0, NULL, now);
         }
@@ -958,6 +1066,10 @@ static void run_due(struct nvs_core *c, double now) {
             /* An allocation, or one waiting for admission, is activity too: a burst that
              * allocates as it goes must not lose the lock in its middle. */
             if (d->entered != d->idle_entered || d->bytes != d->idle_bytes || d->admit_wanted > 0) {
+                /* A pause seen from its start while the device stayed quiet ended: it was idle,
+                 * as long as the window's probes said; one cut short by work still running
+                 * counts from the probe that saw that work end. */
+                note_pause(c, d, d->idle_since, now);
                 d->idle_entered = d->entered;
                 d->idle_bytes = d->bytes;
                 d->idle_since = now;
@@ -1011,7 +1123,7 @@ double nvs_core_next_deadline(const struct nvs_core *c, double now) {
         for (int i = 0; i < c->n_devices; i++) {
             const struct nvs_core_device *d = &c->devices[i];
             if (!d->known) continue;
-            if (memory_report_due(d) && memory < due) due = memory;
+            if (memory_report_due(c, d) && memory < due) due = memory;
             if (d->surplus && d->surplus_since + GIVE_BACK_AFTER_S < due) due = d->surplus_since + GIVE_BACK_AFTER_S;
             if (idle_check_possible(c, d) && d->idle_next_check < due) due = d->idle_next_check;
             if (d->predrain_at > 0 && d->predrain_at < due) due = d->predrain_at;
@@ -1046,6 +1158,12 @@ static size_t encode(const struct nvs_core *c, const struct nvs_core_queued *q, 
         .reason = q->reason,
         .resident = q->resident,
         .has_resident = q->has_resident,
+        /* MEMORY: the swap engine's figures, from a process that swaps */
+        .engine = q->has_swap ? (q->swap.engine == 2 ? "migrate" : "copy") : "",
+        .area = q->swap.area,
+        .has_area = q->has_swap,
+        .out_bps = q->has_swap ? q->swap.out_bps : 0,
+        .in_bps = q->has_swap ? q->swap.in_bps : 0,
     };
     for (int i = 0; q->message == NVS_MSG_HELLO && i < NVS_CORE_MAX_DEVICES; i++) {
         if (q->held & (1ULL << i)) held[out.n_held++] = c->devices[i].uuid;

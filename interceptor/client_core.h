@@ -35,18 +35,24 @@ enum nvs_lock_state {
 };
 
 /* Work for the worker thread (it needs the GPU). The swap jobs (docs/interceptor.md, "Swapping")
- * move converted memory in bulk on an internal stream and synchronise it:
+ * move swappable memory in bulk on an internal stream and synchronise it:
  * SWAP_OUT: at least `bytes` (of the action) to the host, least recently used first; after the
- *   drain of a DROP that asked for evict=, before its RELEASE, or for an EVICT (non-holder);
- * PREFETCH: up to `bytes` back to the device, most recently used first, before the gate of a
- *   GRANT opens; afterwards all of the process's memory counts as resident again. */
-enum nvs_job { NVS_JOB_NONE = 0, NVS_JOB_DRAIN, NVS_JOB_PROBE, NVS_JOB_SWAP_OUT, NVS_JOB_PREFETCH };
+ *   drain of a DROP that asked for evict= (or of a pre-drain told evict= by CONTENDED), before its
+ *   RELEASE, or for an EVICT (non-holder);
+ * PREFETCH: back to the device before the gate of a GRANT opens: everything in the swap area, of
+ *   the rest up to `bytes`, most recently used first; afterwards all of the process's memory
+ *   counts as resident again;
+ * PREFETCH_AHEAD: up to `bytes` back to the device ahead of a grant (the scheduler's PREFETCH to a
+ *   waiter), the gate staying closed. */
+enum nvs_job { NVS_JOB_NONE = 0, NVS_JOB_DRAIN, NVS_JOB_PROBE, NVS_JOB_SWAP_OUT, NVS_JOB_PREFETCH, NVS_JOB_PREFETCH_AHEAD };
 /* What a job found: DRAINED = nothing in flight and every context synchronised (the gate is
  * closed); ACTIVE = an idle probe saw submissions (the gate may have been closed by the probe:
  * the core says whether to reopen it); DEFERRED = a drain found a stream capture begun on the
  * device and synchronised nothing (it runs again once the capture ends). */
 /* MOVED = a swap job moved what it could (the shell observes the swapped bytes before it
- * reports the result); a swap job that met a capture reports DEFERRED and moved nothing. */
+ * reports the result); a swap job that met a capture reports DEFERRED: a SWAP_OUT or a
+ * PREFETCH_AHEAD moved nothing, a PREFETCH brought back what it could and leaves VMM memory
+ * for after the capture. */
 enum nvs_job_result { NVS_RESULT_NONE = 0, NVS_RESULT_DRAINED, NVS_RESULT_ACTIVE, NVS_RESULT_DEFERRED, NVS_RESULT_MOVED };
 
 enum nvs_action_kind {
@@ -62,6 +68,7 @@ enum nvs_action_kind {
     NVS_ACT_SETTLED,    /* memory calls on the device may go on (device -1: on every device, now
                          * and later): this registration's limits are applied (a LIMIT action
                          * before it said so), or no scheduler answers for now */
+    NVS_ACT_SWAP_AREA,  /* keep a swap area of `bytes` ready for the device (the scheduler's PREPARE) */
 };
 
 struct nvs_action {
@@ -69,8 +76,8 @@ struct nvs_action {
     int device; /* -1 when the action is not about one device */
     int value;
     size_t len; /* SEND, LOG: bytes written to buf */
-    uint64_t bytes; /* JOB SWAP_OUT: at least this many bytes to move; PREFETCH: at most; LIMIT: the
-                     * scheduler's memory limit, 0: none */
+    uint64_t bytes; /* JOB SWAP_OUT: at least this many bytes to move; PREFETCH, PREFETCH_AHEAD: at
+                     * most; LIMIT: the scheduler's memory limit, 0: none; SWAP_AREA: its size */
 };
 
 /* Read once at nvs_core_init. */
@@ -120,6 +127,8 @@ struct nvs_core_device {
     uint64_t reported_bytes;  /* last MEMORY sent on the current connection */
     uint64_t idle_entered;    /* idle detection: `entered` at the last check */
     double idle_since, idle_next_check;
+    double idle_released_since; /* an idle release's pause began then and goes on (0: none) */
+    double last_pause;          /* seconds the last pause that reached the idle window lasted */
     double predrain_at;       /* after CONTENDED: when the drain starts (0: none due) */
     uint64_t quantum_ms;      /* of the current grant */
     uint64_t scheduler_limit; /* the memory limit the scheduler set (LIMIT), 0: none */
@@ -143,7 +152,23 @@ struct nvs_core_device {
     int evicted_due;           /* an EVICTED answer is owed on the current connection */
     int grant_swap_due;        /* a GRANT's gate waits for its PREFETCH (or a running swap job) */
     uint64_t prefetch_due;     /* of that GRANT: bring back up to this many bytes */
+    int prefetch_deferred;     /* its PREFETCH left VMM memory out for a capture: wait for its end */
     uint64_t reported_resident; /* resident= of the last MEMORY; UINT64_MAX: none sent */
+    /* Pipelined handoffs (issue 18): CONTENDED's evict= (moved out by a pre-drain before its
+     * RELEASE) and idle_ms= (the shortest idle window while others wait) for the current grant;
+     * a waiter's PREFETCH (the resident bytes it may reach ahead of its grant, 0: none). */
+    uint64_t contended_evict;
+    uint64_t contended_idle_ms;
+    uint64_t prefetch_ahead;
+    int reported_engine;       /* the swap figures of the last MEMORY (engine 0: none sent) */
+    uint64_t reported_area;
+};
+
+/* The swap engine of the process (docs/interceptor.md, "Swapping"), as the shell observes it. */
+struct nvs_core_swap {
+    int engine;                /* 0 not known yet, 1 copy (pinned copies and discards), 2 migrate */
+    uint64_t area;             /* pinned bytes ready */
+    uint64_t out_bps, in_bps;  /* the last moves through the area (0: none yet) */
 };
 
 /* The admitted total while admission is not in force (no scheduler, or one without it). */
@@ -166,6 +191,8 @@ struct nvs_core_queued {
     uint64_t request;     /* ADMIT */
     int has_resident;     /* MEMORY, RELEASE: resident= is sent (EVICTED: always) */
     uint64_t resident;
+    int has_swap;         /* MEMORY: the swap engine's figures are sent */
+    struct nvs_core_swap swap;
     const char *reason;   /* RELEASE */
     uint64_t held, wanted; /* HELLO: device bit sets */
     int log;              /* LOG: slot in logs[] */
@@ -182,6 +209,7 @@ struct nvs_core {
     int was_registered;  /* registered at least once: a HELLO is a re-registration */
     int exiting;         /* BYE sent: nothing more */
     int admission;       /* the scheduler answers ADMIT (WELCOME admission=1) */
+    struct nvs_core_swap swap; /* observed (nvs_core_observe_swap) */
     uint64_t admit_numbers;
     /* The scheduler's memory limits told since the last HELLO (they come before WELCOME, which
      * applies them; later ones apply at once): for every device, and devices' own, by id, also
@@ -231,6 +259,9 @@ void nvs_core_observe(struct nvs_core *c, int device, int waiters, int captures,
  * memory says resident= (converted - swapped) in every MEMORY; one without (NVSHARE_MANAGED=0)
  * takes no part in residency. */
 void nvs_core_observe_residency(struct nvs_core *c, int device, uint64_t converted, uint64_t swapped);
+/* The process's swap engine (struct nvs_core_swap); level-triggered like nvs_core_observe. MEMORY
+ * reports of a process with converted memory carry it once the engine is known. */
+void nvs_core_observe_swap(struct nvs_core *c, const struct nvs_core_swap *swap);
 
 void nvs_core_connected(struct nvs_core *c, double now);
 void nvs_core_connect_failed(struct nvs_core *c, int err, int path_too_long, double now);

@@ -55,6 +55,11 @@
     X(GATED, cuLaunchGridAsync, (CUfunction f, int grid_width, int grid_height, CUstream s),    \
       (f, grid_width, grid_height, s))                                                          \
     X(GATED, cuGraphLaunch, (CUgraphExec hGraphExec, CUstream hStream), (hGraphExec, hStream))  \
+    /* a host function runs in stream order and may read (converted, managed) memory */         \
+    X(GATED, cuLaunchHostFunc, (CUstream hStream, CUhostFn fn, void *userData),                 \
+      (hStream, fn, userData))                                                                  \
+    X(GATED, cuLaunchHostFunc_ptsz, (CUstream hStream, CUhostFn fn, void *userData),            \
+      (hStream, fn, userData))                                                                  \
     X(GATED, cuGraphLaunch_ptsz, (CUgraphExec hGraphExec, CUstream hStream),                    \
       (hGraphExec, hStream))                                                                    \
     /* --- copies --- */                                                                       \
@@ -282,11 +287,25 @@
     X(CUSTOM, cuMemGetInfo_v2, (size_t *free_bytes, size_t *total_bytes),                       \
       (free_bytes, total_bytes))                                                                \
     X(CUSTOM, cuDeviceTotalMem_v2, (size_t *bytes, CUdevice dev), (bytes, dev))                  \
+    /* --- virtual memory management (vmm.c) --- */                                            \
     X(CUSTOM, cuMemCreate,                                                                      \
       (CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,      \
        unsigned long long flags),                                                               \
       (handle, size, prop, flags))                                                              \
     X(CUSTOM, cuMemRelease, (CUmemGenericAllocationHandle handle), (handle))                    \
+    X(CUSTOM, cuMemMap,                                                                         \
+      (CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,        \
+       unsigned long long flags),                                                               \
+      (ptr, size, offset, handle, flags))                                                       \
+    X(CUSTOM, cuMemUnmap, (CUdeviceptr ptr, size_t size), (ptr, size))                          \
+    X(CUSTOM, cuMemSetAccess, (CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count), \
+      (ptr, size, desc, count))                                                                 \
+    X(CUSTOM, cuMemRetainAllocationHandle, (CUmemGenericAllocationHandle *handle, void *addr),  \
+      (handle, addr))                                                                           \
+    X(CUSTOM, cuMemExportToShareableHandle,                                                     \
+      (void *shareableHandle, CUmemGenericAllocationHandle handle,                              \
+       CUmemAllocationHandleType handleType, unsigned long long flags),                         \
+      (shareableHandle, handle, handleType, flags))                                             \
     X(CUSTOM, cuIpcGetMemHandle, (CUipcMemHandle *handle, CUdeviceptr dptr), (handle, dptr))    \
     X(CUSTOM, cuDeviceGetAttribute, (int *value, CUdevice_attribute attrib, CUdevice dev),      \
       (value, attrib, dev))                                                                     \
@@ -349,7 +368,10 @@
     X(cuMemAdvise_v2, (CUdeviceptr ptr, size_t count, CUmem_advise advice, CUmemLocation location)) \
     X(cuStreamCreate, (CUstream * phStream, unsigned int flags))                                 \
     X(cuStreamSynchronize, (CUstream hStream))                                                  \
-    X(cuStreamDestroy_v2, (CUstream hStream))
+    X(cuStreamDestroy_v2, (CUstream hStream))                                                   \
+    /* the swap area (area.c) */                                                                \
+    X(cuMemHostAlloc, (void **pp, size_t bytesize, unsigned int flags))                          \
+    X(cuMemFreeHost, (void *p))
 
 /*
  * NVML (nvml.c): the memory queries of libnvidia-ml.so.1, so that nvidia-smi and pynvml inside a

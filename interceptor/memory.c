@@ -19,35 +19,40 @@ enum alloc_kind {
     ALLOC_CONVERTED = 1, /* a device allocation nvshare turned into a managed one */
     ALLOC_MANAGED,       /* the application's own cuMemAllocManaged */
     ALLOC_DEVICE,        /* passed through (NVSHARE_MANAGED=0): physical device memory */
-    ALLOC_VMM,           /* cuMemCreate handle: physical, never converted */
 };
 
-struct alloc {
-    uint64_t key; /* device pointer, or VMM handle */
-    size_t size;
-    struct nvs_device *device;
-    enum alloc_kind kind;
-    /* Swapping (converted allocations): moved to the host by a swap-out and not brought back,
-     * and the device's swap epoch when it was allocated or last brought back (see "Swapping"). */
+/* Swapping moves converted allocations in blocks of NVS_SWAP_BLOCK bytes (swap.c): each block is
+ * moved to the host by a swap-out and not brought back (its bytes in the pinned area, or area
+ * NULL when the driver's prefetch moved them), or not, and remembers the device's swap epoch of
+ * when it was allocated or last brought back. */
+struct block {
     int swapped;
+    struct nvs_extent *area;
     uint64_t last_used;
 };
 
-/* Open-addressing hash table of live allocations; under mem_mu. Keys are never 0. Pointers
- * and VMM handles live in separate tables because their values may coincide. */
+struct alloc {
+    uint64_t key; /* device pointer */
+    size_t size;
+    struct nvs_device *device;
+    enum alloc_kind kind;
+    struct block *blocks; /* converted: one per NVS_SWAP_BLOCK bytes (NULL: it never moves) */
+};
+
+static size_t blocks_of(size_t size) { return (size + NVS_SWAP_BLOCK - 1) / NVS_SWAP_BLOCK; }
+
+/* Open-addressing hash table of live allocations; under mem_mu. Keys are never 0. (VMM handles
+ * are vmm.c's.) */
 struct alloc_table {
     struct alloc *slots;
     size_t cap, used, tombstones;
 };
 #define TOMBSTONE UINT64_MAX
 
-/* Guards the tables and the pending-free list; any thread. A leaf lock: taken after nvs_ctx_mu
+/* Guards the table and the pending-free list; any thread. A leaf lock: taken after nvs_ctx_mu
  * and nvs_mu (fork prepare), never held across a CUDA call, I/O or another lock. */
 static pthread_mutex_t mem_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct alloc_table pointers, vmm_handles;
-/* Per device (by its index in nvs_devices), under mem_mu: advances at each PREFETCH job, that
- * is at each grant after swapping (see "Swapping"). */
-static uint64_t swap_epoch[NVS_MAX_DEVICES];
+static struct alloc_table pointers;
 
 static size_t slot_of(uint64_t key, size_t cap) {
     key ^= key >> 33;
@@ -131,15 +136,22 @@ static enum charge_outcome charge(struct nvs_device *d, size_t size, uint64_t *u
 
 /* A converted allocation is freed: it leaves its device's converted (and swapped) counts, at
  * the moment its bytes are uncharged, so that resident = converted - swapped never moves
- * without `bytes` moving with it (the scheduler tells a free from a swap-out by that). */
-static void converted_gone(struct nvs_device *d, size_t size, int swapped) {
+ * without `bytes` moving with it (the scheduler tells a free from a swap-out by that); its
+ * bytes in the swap area are given back. */
+static void converted_gone(struct nvs_device *d, size_t size, struct block *blocks) {
+    if (blocks == NULL) return; /* never counted */
+    uint64_t swapped = 0;
+    for (size_t i = 0; i < blocks_of(size); i++) {
+        nvs_area_give(blocks[i].area);
+        if (blocks[i].swapped) swapped += i + 1 < blocks_of(size) ? NVS_SWAP_BLOCK : size - i * NVS_SWAP_BLOCK;
+    }
+    free(blocks);
     if (d == NULL) return;
     atomic_fetch_sub(&d->converted, size);
-    if (swapped) atomic_fetch_sub(&d->swapped, size);
+    atomic_fetch_sub(&d->swapped, swapped);
 }
 
-/* Give back a charge: a free, or an allocation the driver refused after it was charged. */
-static void uncharge(struct nvs_device *d, size_t size) {
+void nvs_memory_uncharge(struct nvs_device *d, size_t size) {
     if (d == NULL) return;
     atomic_fetch_sub(&d->bytes, size);
     nvs_client_memory_changed();
@@ -153,7 +165,7 @@ static void settle_device_frees(struct nvs_device *d);
  * stream-ordered allocator. Past the admitted total the thread waits for the scheduler
  * (admission.c) and tries again; a refusal is CUDA_ERROR_OUT_OF_MEMORY. No lock is held here
  * (the waits and the log lines need none). */
-static CUresult charge_or_refuse(struct nvs_device *d, size_t size, const char *call) {
+CUresult nvs_memory_charge(struct nvs_device *d, size_t size, const char *call) {
     uint64_t used = 0, limit = 0;
     int settled = 0;
     nvs_admission_await_registration(d); /* the first one: its limits from the scheduler first */
@@ -177,14 +189,20 @@ static CUresult charge_or_refuse(struct nvs_device *d, size_t size, const char *
 /* A charged allocation succeeded: record it (the MEMORY report follows). */
 static void remember(struct alloc_table *t, uint64_t key, size_t size, struct nvs_device *d, enum alloc_kind kind) {
     struct alloc a = {.key = key, .size = size, .device = d, .kind = kind};
+    if (kind == ALLOC_CONVERTED && d != NULL && size > 0) {
+        a.blocks = calloc(blocks_of(size), sizeof *a.blocks);
+        uint64_t epoch = atomic_load(&d->swap_epoch);
+        for (size_t i = 0; a.blocks != NULL && i < blocks_of(size); i++) a.blocks[i].last_used = epoch;
+        if (a.blocks == NULL) nvs_warn("out of memory recording an allocation of %zu bytes; it will not be swapped", size);
+    }
     pthread_mutex_lock(&mem_mu);
-    if (d != NULL) a.last_used = swap_epoch[d - nvs_devices];
     int failed = table_put(t, &a);
     pthread_mutex_unlock(&mem_mu);
-    if (!failed && kind == ALLOC_CONVERTED && d != NULL) atomic_fetch_add(&d->converted, size);
+    if (!failed && a.blocks != NULL) atomic_fetch_add(&d->converted, size);
     if (failed) {
+        free(a.blocks);
         nvs_error("out of memory recording an allocation of %zu bytes; it is not counted", size);
-        uncharge(d, size); /* a free of it will find nothing to uncharge */
+        nvs_memory_uncharge(d, size); /* a free of it will find nothing to uncharge */
         return;
     }
     if (d != NULL) nvs_client_memory_changed();
@@ -196,18 +214,8 @@ static CUresult settle_charge(CUresult result, struct alloc_table *t, uint64_t k
     if (result == CUDA_SUCCESS)
         remember(t, key, size, d, kind);
     else
-        uncharge(d, size);
+        nvs_memory_uncharge(d, size);
     return result;
-}
-
-/* A swap job changes an allocation's mark: its device's swapped count follows. */
-static void count_swapped(const struct alloc *a, int sign) {
-    if (a->swapped && a->device != NULL) {
-        if (sign > 0)
-            atomic_fetch_add(&a->device->swapped, a->size);
-        else
-            atomic_fetch_sub(&a->device->swapped, a->size);
-    }
 }
 
 /* Remove `key` from `t`; returns 1 and fills `out` if it was there. */
@@ -260,7 +268,7 @@ static void advise_onto_device(CUdeviceptr ptr, size_t size, struct nvs_device *
 static CUresult allocate_converted(CUdeviceptr *dptr, size_t size, const char *call) {
     if (nvs_real.cuMemAllocManaged == NULL) return CUDA_ERROR_NOT_FOUND;
     struct nvs_device *d = nvs_current_device();
-    CUresult r = charge_or_refuse(d, size, call);
+    CUresult r = nvs_memory_charge(d, size, call);
     if (r != CUDA_SUCCESS) return r;
     r = nvs_real.cuMemAllocManaged(dptr, size, CU_MEM_ATTACH_GLOBAL);
     if (settle_charge(r, &pointers, r == CUDA_SUCCESS ? *dptr : 0, size, d, ALLOC_CONVERTED) == CUDA_SUCCESS)
@@ -273,7 +281,7 @@ NVS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
     allocation_prologue();
     if (nvs_config.managed) return allocate_converted(dptr, size, "cuMemAlloc_v2");
     struct nvs_device *d = nvs_current_device();
-    CUresult r = charge_or_refuse(d, size, "cuMemAlloc_v2");
+    CUresult r = nvs_memory_charge(d, size, "cuMemAlloc_v2");
     if (r != CUDA_SUCCESS) return r;
     r = nvs_real.cuMemAlloc_v2(dptr, size);
     return settle_charge(r, &pointers, r == CUDA_SUCCESS ? *dptr : 0, size, d, ALLOC_DEVICE);
@@ -289,7 +297,7 @@ NVS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t 
         CUresult r = nvs_real.cuMemAllocPitch_v2(dptr, pitch, width, height, elemSize);
         if (r != CUDA_SUCCESS) return r;
         struct nvs_device *d = nvs_current_device();
-        r = charge_or_refuse(d, *pitch * height, "cuMemAllocPitch_v2");
+        r = nvs_memory_charge(d, *pitch * height, "cuMemAllocPitch_v2");
         if (r == CUDA_SUCCESS) {
             remember(&pointers, *dptr, *pitch * height, d, ALLOC_DEVICE);
         } else {
@@ -326,7 +334,7 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t size, CUstream s, int per_
     allocation_prologue();
     if (nvs_config.managed) return allocate_converted(dptr, size, call);
     struct nvs_device *d = nvs_current_device();
-    CUresult r = charge_or_refuse(d, size, call);
+    CUresult r = nvs_memory_charge(d, size, call);
     if (r != CUDA_SUCCESS) return r;
     r = per_thread ? nvs_real.cuMemAllocAsync_ptsz(dptr, size, s) : nvs_real.cuMemAllocAsync(dptr, size, s);
     return settle_charge(r, &pointers, r == CUDA_SUCCESS ? *dptr : 0, size, d, ALLOC_DEVICE);
@@ -348,7 +356,7 @@ static CUresult alloc_from_pool(CUdeviceptr *dptr, size_t size, CUmemoryPool poo
     if (nvs_config.managed) return allocate_converted(dptr, size, call);
     /* Charged to the current device, not the pool's: nvshare does not ask the pool where it lives. */
     struct nvs_device *d = nvs_current_device();
-    CUresult r = charge_or_refuse(d, size, call);
+    CUresult r = nvs_memory_charge(d, size, call);
     if (r != CUDA_SUCCESS) return r;
     r = per_thread ? nvs_real.cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, s)
                    : nvs_real.cuMemAllocFromPoolAsync(dptr, size, pool, s);
@@ -369,7 +377,7 @@ NVS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned i
     NVS_REAL_OR_FAIL(cuMemAllocManaged);
     allocation_prologue();
     struct nvs_device *d = nvs_current_device();
-    CUresult r = charge_or_refuse(d, size, "cuMemAllocManaged");
+    CUresult r = nvs_memory_charge(d, size, "cuMemAllocManaged");
     if (r != CUDA_SUCCESS) return r;
     r = nvs_real.cuMemAllocManaged(dptr, size, flags);
     return settle_charge(r, &pointers, r == CUDA_SUCCESS ? *dptr : 0, size, d, ALLOC_MANAGED);
@@ -381,8 +389,8 @@ NVS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     struct alloc a;
     int known = forget(&pointers, dptr, &a);
     CUresult r = nvs_real.cuMemFree_v2(dptr);
-    if (known && r == CUDA_SUCCESS && a.kind == ALLOC_CONVERTED) converted_gone(a.device, a.size, a.swapped);
-    if (known && r == CUDA_SUCCESS) uncharge(a.device, a.size);
+    if (known && r == CUDA_SUCCESS) converted_gone(a.device, a.size, a.blocks);
+    if (known && r == CUDA_SUCCESS) nvs_memory_uncharge(a.device, a.size);
     if (known && r != CUDA_SUCCESS) { /* still allocated: keep it */
         pthread_mutex_lock(&mem_mu);
         table_put(&pointers, &a);
@@ -402,7 +410,7 @@ struct pending_free {
     CUdeviceptr ptr;
     size_t size;
     struct nvs_device *device;
-    int swapped;    /* it was on the host by a swap-out (counted until the free completes) */
+    struct block *blocks; /* its swap state (counted until the free completes) */
     CUcontext ctx;  /* the allocating context (current at cuMemFreeAsync), NULL: none */
     CUevent event;  /* recorded on the freeing stream, in `ctx` */
 };
@@ -456,8 +464,8 @@ static void complete_free(struct pending_free *p) {
         nvs_real.cuCtxPopCurrent_v2(&popped);
     }
     if (r != CUDA_SUCCESS) nvs_warn("deferred free of %#llx failed (%d)", (unsigned long long)p->ptr, r);
-    converted_gone(p->device, p->size, p->swapped);
-    uncharge(p->device, p->size);
+    converted_gone(p->device, p->size, p->blocks);
+    nvs_memory_uncharge(p->device, p->size);
     atomic_fetch_sub(&n_pending, 1);
     free(p);
 }
@@ -524,7 +532,7 @@ static CUresult free_async(CUdeviceptr dptr, CUstream s, int per_thread) {
     if (kind != ALLOC_CONVERTED) {
         CUresult r = per_thread ? nvs_real.cuMemFreeAsync_ptsz(dptr, s) : nvs_real.cuMemFreeAsync(dptr, s);
         struct alloc a;
-        if (r == CUDA_SUCCESS && kind != 0 && forget(&pointers, dptr, &a)) uncharge(a.device, a.size);
+        if (r == CUDA_SUCCESS && kind != 0 && forget(&pointers, dptr, &a)) nvs_memory_uncharge(a.device, a.size);
         return r;
     }
     /* The per-thread variant's stream 0 is the per-thread default stream. */
@@ -552,7 +560,7 @@ static CUresult free_async(CUdeviceptr dptr, CUstream s, int per_thread) {
     p->ptr = dptr;
     p->size = a.size;
     p->device = a.device;
-    p->swapped = a.swapped;
+    p->blocks = a.blocks;
     if (nvs_real.cuCtxGetCurrent(&p->ctx) != CUDA_SUCCESS) p->ctx = NULL;
     atomic_fetch_add(&n_pending, 1);
     give_back_pending(p);
@@ -619,35 +627,6 @@ NVS_EXPORT CUresult cuDeviceGetAttribute(int *value, CUdevice_attribute attrib, 
     return r;
 }
 
-/* --- virtual memory management: passed through, physical, counted ---------------------------*/
-
-NVS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
-                                unsigned long long flags) {
-    NVS_REAL_OR_FAIL(cuMemCreate);
-    allocation_prologue();
-    struct nvs_device *d = NULL;
-    if (prop != NULL && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE) d = nvs_device_get(prop->location.id);
-    CUresult r = charge_or_refuse(d, size, "cuMemCreate");
-    if (r != CUDA_SUCCESS) return r;
-    r = nvs_real.cuMemCreate(handle, size, prop, flags);
-    if (settle_charge(r, &vmm_handles, r == CUDA_SUCCESS ? *handle : 0, size, d, ALLOC_VMM) != CUDA_SUCCESS) return r;
-    static _Atomic int explained; /* any thread; the first to set it explains, once */
-    if (!atomic_exchange(&explained, 1))
-        nvs_warn("cuMemCreate (virtual memory management) allocations are passed through unconverted: they "
-                 "are physical device memory and cannot be oversubscribed (NVSHARE_VMM=%s; 'hide' makes "
-                 "NCCL and PyTorch fall back to cuMemAlloc, which is converted)",
-                 nvs_config.vmm_hide ? "hide" : "allow");
-    return r;
-}
-
-NVS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
-    NVS_REAL_OR_FAIL(cuMemRelease);
-    CUresult r = nvs_real.cuMemRelease(handle);
-    struct alloc a;
-    if (r == CUDA_SUCCESS && forget(&vmm_handles, handle, &a)) uncharge(a.device, a.size);
-    return r;
-}
-
 /* --- CUDA IPC: the driver refuses managed memory; say why ---------------------------------*/
 
 NVS_EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr dptr) {
@@ -668,191 +647,57 @@ NVS_EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr dptr) 
     return r;
 }
 
-/* --- swapping: bulk moves of converted memory (worker.c's SWAP_OUT and PREFETCH jobs) -------
- * The scheduler says how much (DROP evict=, EVICT bytes=, GRANT prefetch=); this says which
- * allocations and moves them with cuMemPrefetchAsync on an internal stream of the device,
- * synchronised before the job reports: bulk migration runs at the copy engines' bandwidth,
- * about 5x what the same bytes cost when kernels fault them back page by page.
- *
- * Which allocations: nvshare sees allocations and grants, not which memory a kernel touches.
- * The best evidence of use it has is time: an allocation made, or brought back, during the
- * latest grant belongs to the current working set more likely than one that has stayed out
- * since earlier grants. So each converted allocation carries the device's swap epoch of when
- * it was allocated or last brought back (the epoch advances at each PREFETCH, i.e. at each grant
- * after swapping), and
- *   - a swap-out takes the least recently used first (oldest epoch), among equals the largest
- *     first: the fewest operations reach the amount asked, and an older allocation that had
- *     stayed out is still on the host, so moving it costs next to nothing;
- *   - a prefetch brings back the most recently used first, among equals the largest first, as
- *     long as it stays within the amount the scheduler allows (what does not fit stays out and
- *     faults in if a kernel touches it).
- * Whole allocations move: a swap-out moves at least what was asked, at most one allocation
- * more. After a prefetch every allocation counts as resident again (the holder may touch any of
- * it; the next swap-out starts with the ones that were not brought back).
- *
- * Locks: mem_mu only to choose and to mark (never across a CUDA call); nvs_ctx_mu for the whole
- * move, as a drain holds it: no context is destroyed under the internal stream and no capture
- * begins meanwhile (a capture already running defers a job: moves are as unsafe then as a
- * drain's synchronise). */
+/* --- swapping: what swap.c may move (docs/interceptor.md, "Swapping") -------------------------*/
 
-struct move {
-    CUdeviceptr ptr;
-    size_t size;
-    uint64_t last_used;
-};
-
-static int least_recent_first(const void *x, const void *y) {
-    const struct move *a = x, *b = y;
-    if (a->last_used != b->last_used) return a->last_used < b->last_used ? -1 : 1;
-    return a->size > b->size ? -1 : a->size < b->size;
-}
-
-static int most_recent_first(const void *x, const void *y) {
-    const struct move *a = x, *b = y;
-    if (a->last_used != b->last_used) return a->last_used > b->last_used ? -1 : 1;
-    return a->size > b->size ? -1 : a->size < b->size;
-}
-
-/* d's converted allocations that are (swapped = 1) or are not (0) on the host by a swap-out,
- * copied out of the table (NULL with *n = 0 when there are none or no memory). */
-static struct move *collect(struct nvs_device *d, int swapped, size_t *n) {
-    *n = 0;
+size_t nvs_memory_swappable(struct nvs_device *d, int swapped, struct nvs_swappable **out) {
+    size_t n = 0, cap = 0;
+    struct nvs_swappable *items = NULL;
     pthread_mutex_lock(&mem_mu);
-    struct move *moves = pointers.used > 0 ? malloc(pointers.used * sizeof *moves) : NULL;
-    for (size_t i = 0; moves != NULL && i < pointers.cap; i++) {
+    for (size_t i = 0; i < pointers.cap; i++) {
         const struct alloc *a = &pointers.slots[i];
-        if (a->key != 0 && a->key != TOMBSTONE && a->device == d && a->kind == ALLOC_CONVERTED && a->swapped == swapped)
-            moves[(*n)++] = (struct move){a->key, a->size, a->last_used};
-    }
-    pthread_mutex_unlock(&mem_mu);
-    return moves;
-}
-
-/* Set the swapped mark of the moved allocations that are still there (the application may have
- * freed one meanwhile) and keep d's count; `epoch` (NULL: unchanged) becomes their last use. */
-static void mark_moved(struct nvs_device *d, const struct move *moves, size_t n, int swapped, const uint64_t *epoch) {
-    pthread_mutex_lock(&mem_mu);
-    for (size_t i = 0; i < n; i++) {
-        struct alloc *a = table_find(&pointers, moves[i].ptr);
-        if (a == NULL || a->device != d || a->size != moves[i].size || a->kind != ALLOC_CONVERTED) continue;
-        if (epoch != NULL) a->last_used = *epoch;
-        if (a->swapped == swapped) continue;
-        count_swapped(a, -1);
-        a->swapped = swapped;
-        count_swapped(a, 1);
-    }
-    pthread_mutex_unlock(&mem_mu);
-}
-
-/* Prefetch each of `moves` to the host or to d on a new internal stream in one of d's contexts,
- * then synchronise it. Moves that fail (an allocation freed meanwhile) are zeroed in `moves`.
- * The caller holds nvs_ctx_mu. -1: a capture runs on d (nothing moved). */
-static int move_in_bulk(struct nvs_device *d, struct move *moves, size_t n, int to_host) {
-    pthread_mutex_lock(&nvs_mu);
-    int capturing = d->captures > 0;
-    CUcontext ctx = d->n_contexts > 0 ? d->contexts[0] : NULL;
-    pthread_mutex_unlock(&nvs_mu);
-    if (capturing) return -1;
-    if (n == 0) return 0;
-    /* Managed memory is one address space for every context of the device: one will do. */
-    if (ctx == NULL || nvs_real.cuStreamCreate == NULL || nvs_real.cuStreamSynchronize == NULL ||
-        nvs_real.cuStreamDestroy_v2 == NULL || nvs_real.cuCtxPushCurrent_v2(ctx) != CUDA_SUCCESS) {
-        for (size_t i = 0; i < n; i++) moves[i].size = 0;
-        return 0;
-    }
-    CUstream stream;
-    /* Non-blocking: never ordered with the application's legacy default stream (the gate is
-     * closed meanwhile; the synchronise below is the only ordering needed). */
-    CUresult r = nvs_real.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING);
-    for (size_t i = 0; i < n; i++) {
-        if (r == CUDA_SUCCESS) {
-            CUresult moved;
-            if (nvs_real.cuMemPrefetchAsync_v2 != NULL) {
-                CUmemLocation where = {.type = to_host ? CU_MEM_LOCATION_TYPE_HOST : CU_MEM_LOCATION_TYPE_DEVICE,
-                                       .id = to_host ? 0 : d->ordinal};
-                moved = nvs_real.cuMemPrefetchAsync_v2(moves[i].ptr, moves[i].size, where, 0, stream);
-            } else {
-                moved = nvs_real.cuMemPrefetchAsync(moves[i].ptr, moves[i].size, to_host ? CU_DEVICE_CPU : d->ordinal,
-                                                    stream);
+        if (a->key == 0 || a->key == TOMBSTONE || a->device != d || a->blocks == NULL) continue;
+        for (size_t k = 0; k < blocks_of(a->size); k++) {
+            if (a->blocks[k].swapped != swapped) continue;
+            if (n == cap) {
+                cap = cap ? 2 * cap : 64;
+                struct nvs_swappable *grown = realloc(items, cap * sizeof *items);
+                if (grown == NULL) break;
+                items = grown;
             }
-            if (moved == CUDA_SUCCESS) continue;
-            nvs_debug("prefetching %#llx (%zu bytes) to the %s failed (%d)", (unsigned long long)moves[i].ptr,
-                      moves[i].size, to_host ? "host" : "device", moved);
+            size_t offset = k * NVS_SWAP_BLOCK;
+            items[n++] = (struct nvs_swappable){.key = a->key, .ptr = a->key + offset,
+                                                .size = a->size - offset < NVS_SWAP_BLOCK ? a->size - offset : NVS_SWAP_BLOCK,
+                                                .last_used = a->blocks[k].last_used, .area = a->blocks[k].area};
         }
-        moves[i].size = 0;
     }
-    if (r == CUDA_SUCCESS) {
-        CUresult synced = nvs_real.cuStreamSynchronize(stream);
-        if (synced != CUDA_SUCCESS) nvs_warn("waiting for a swap of device %d returned %d", d->ordinal, synced);
-        nvs_real.cuStreamDestroy_v2(stream);
-    } else {
-        nvs_warn("no stream to swap memory of device %d (%d): nothing moved", d->ordinal, r);
-    }
-    CUcontext popped;
-    nvs_real.cuCtxPopCurrent_v2(&popped);
-    return 0;
+    pthread_mutex_unlock(&mem_mu);
+    *out = items;
+    return n;
 }
 
-/* The moves of `moves` that are still wanted (move_in_bulk zeroes the failed ones). */
-static size_t compact(struct move *moves, size_t n) {
-    size_t kept = 0;
-    for (size_t i = 0; i < n; i++)
-        if (moves[i].size > 0) moves[kept++] = moves[i];
-    return kept;
-}
-
-int nvs_memory_swap_out(struct nvs_device *d, uint64_t at_least) {
-    size_t n;
-    struct move *moves = collect(d, 0, &n);
-    if (n > 1) qsort(moves, n, sizeof *moves, least_recent_first);
-    size_t chosen = 0;
-    for (uint64_t total = 0; chosen < n && total < at_least; chosen++) total += moves[chosen].size;
-    pthread_mutex_lock(&nvs_ctx_mu);
-    int r = move_in_bulk(d, moves, chosen, 1);
-    pthread_mutex_unlock(&nvs_ctx_mu);
-    if (r == 0) mark_moved(d, moves, compact(moves, chosen), 1, NULL);
-    free(moves);
-    return r;
-}
-
-int nvs_memory_prefetch(struct nvs_device *d, uint64_t up_to) {
-    size_t n;
-    struct move *moves = collect(d, 1, &n);
-    if (n > 1) qsort(moves, n, sizeof *moves, most_recent_first);
-    size_t chosen = 0;
-    uint64_t total = 0;
-    for (size_t i = 0; i < n; i++) /* most recent first, skipping what no longer fits */
-        if (moves[i].size <= up_to - total) {
-            total += moves[i].size;
-            moves[chosen++] = moves[i];
-        }
-    pthread_mutex_lock(&nvs_ctx_mu);
-    int r = move_in_bulk(d, moves, chosen, 0);
-    pthread_mutex_unlock(&nvs_ctx_mu);
-    if (r == 0) {
-        pthread_mutex_lock(&mem_mu);
-        uint64_t epoch = ++swap_epoch[d - nvs_devices];
-        pthread_mutex_unlock(&mem_mu);
-        mark_moved(d, moves, compact(moves, chosen), 0, &epoch);
-        /* The rest counts as resident too, keeping its last use: the holder may touch any of it
-         * (it faults in), and the next swap-out takes it first. */
-        free(moves);
-        moves = collect(d, 1, &n);
-        mark_moved(d, moves, n, 0, NULL);
+int nvs_memory_mark(struct nvs_device *d, const struct nvs_swappable *item, int swapped, uint64_t last_used) {
+    pthread_mutex_lock(&mem_mu);
+    struct alloc *a = table_find(&pointers, item->key);
+    size_t k = (item->ptr - item->key) / NVS_SWAP_BLOCK;
+    int present = a != NULL && a->device == d && a->blocks != NULL && item->ptr >= a->key && k < blocks_of(a->size) &&
+                  item->size == (a->size - k * NVS_SWAP_BLOCK < NVS_SWAP_BLOCK ? a->size - k * NVS_SWAP_BLOCK : NVS_SWAP_BLOCK);
+    if (present) {
+        a->blocks[k].swapped = swapped;
+        a->blocks[k].area = item->area;
+        a->blocks[k].last_used = last_used;
     }
-    free(moves);
-    return r;
+    pthread_mutex_unlock(&mem_mu);
+    return present ? 0 : -1;
 }
 
 /* --- fork ----------------------------------------------------------------------------------*/
 
 void nvs_memory_reset_after_fork(void) {
     pthread_mutex_init(&mem_mu, NULL);
+    for (size_t i = 0; i < pointers.cap; i++)
+        if (pointers.slots[i].key != 0 && pointers.slots[i].key != TOMBSTONE) free(pointers.slots[i].blocks);
     free(pointers.slots);
-    free(vmm_handles.slots);
     memset(&pointers, 0, sizeof pointers);
-    memset(&vmm_handles, 0, sizeof vmm_handles);
-    memset(swap_epoch, 0, sizeof swap_epoch);
     while (pending != NULL) {
         struct pending_free *p = pending;
         pending = p->next;

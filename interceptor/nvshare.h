@@ -39,6 +39,7 @@ struct nvs_config {
     long idle_release_ms;      /* NVSHARE_IDLE_RELEASE_MS, -1: take the scheduler's */
     int managed;               /* NVSHARE_MANAGED (default 1): convert allocations */
     int vmm_hide;              /* NVSHARE_VMM=hide */
+    int vmm_swap;              /* NVSHARE_VMM=swap: VMM memory is swapped too (vmm.c) */
     int predrain;              /* NVSHARE_PREDRAIN (default 1): drain ahead of a contended quantum's end */
     int advise;                /* NVSHARE_ADVISE (default 0): advise converted memory onto its device */
     char pod[256];             /* NVSHARE_POD_NAME */
@@ -92,11 +93,16 @@ struct nvs_device {
     /* 1 once memory calls on the device may go on: the scheduler's limits for it are applied,
      * or no scheduler answers for now (admission.c). Written like `admission`. */
     _Atomic int memory_ready;
-    /* Of them, converted (made managed by nvshare), and of those, moved to the host by the
-     * worker's swap jobs and not brought back (memory.c, any thread; the client thread reads
-     * them for the core: resident = converted - swapped). */
+    /* Of them, what nvshare can move (memory.c: converted allocations, made managed by nvshare;
+     * vmm.c: VMM memory not exported), and of that, what the worker's swap jobs moved to the host
+     * and did not bring back (swap.c, as each piece moves; memory.c and vmm.c when such memory is
+     * freed). Any thread; the client thread reads them for the core: resident = converted -
+     * swapped. */
     _Atomic uint64_t converted;
     _Atomic uint64_t swapped;
+    /* The device's swap epoch (swap.c): advances at each grant that brings memory back; an
+     * allocation remembers the one it was made or last brought back in. Any thread. */
+    _Atomic uint64_t swap_epoch;
 
     /* Identity: written once under nvs_mu before `known` is set, constant afterwards. */
     int ordinal;
@@ -222,17 +228,87 @@ int nvs_memory_frees_pending(void);
 /* The caller holds nvs_ctx_mu, before a context may be destroyed: complete the pending frees made in
  * `ctx` (NULL: every one on `device`), waiting for the work queued before them. */
 void nvs_memory_settle_frees(CUcontext ctx, struct nvs_device *device);
-/* Swapping (the worker's swap jobs, docs/interceptor.md "Swapping"); the caller holds no lock.
- * Move at least `at_least` bytes of d's converted memory to the host, least recently used first
- * (-1 and nothing moved while a stream capture runs on d), or bring up to `up_to` bytes of what
- * was moved out back to d, most recently used first, and count all of it resident again. Both
- * synchronise their internal stream before they return. */
-int nvs_memory_swap_out(struct nvs_device *d, uint64_t at_least);
-int nvs_memory_prefetch(struct nvs_device *d, uint64_t up_to);
+/* Charge `call`'s allocation of `size` bytes on d before it is made (limits, admission), or
+ * refuse it with CUDA_ERROR_OUT_OF_MEMORY; give a charge back. No lock held (both may wait). */
+CUresult nvs_memory_charge(struct nvs_device *d, size_t size, const char *call);
+void nvs_memory_uncharge(struct nvs_device *d, size_t size);
 /* Fork child: forget every allocation (the child has no device memory of its own). */
 void nvs_memory_reset_after_fork(void);
 void nvs_memory_fork_prepare(void);
 void nvs_memory_fork_parent(void);
+
+/* ---------------------------------------------------------------- swapping: area.c, vmm.c, swap.c */
+
+/* Converted allocations move in blocks of this size: a swap-out moves at least what it was asked,
+ * at most a block more, and a block brought back ahead of a grant is as much as there is room. */
+#define NVS_SWAP_BLOCK ((size_t)64 << 20)
+/* What a swap may move: a block of a converted allocation (memory.c) or a VMM handle's one
+ * mapping (vmm.c). */
+struct nvs_swappable {
+    int vmm;                 /* a VMM handle (key: the application's handle), else a block of a
+                              * converted allocation (key: the allocation's device pointer) */
+    uint64_t key;
+    CUdeviceptr ptr;         /* where its bytes are */
+    size_t size;
+    uint64_t last_used;      /* the device's swap epoch when it was made or last brought back */
+    struct nvs_extent *area; /* swapped out: its bytes in the area (NULL: moved by the driver's
+                              * prefetch, the bytes are in its managed memory on the host) */
+};
+/* d's swappable memory that is (1) or is not (0) swapped out, copied (NULL with 0 when none);
+ * the caller frees *out. Any thread, no lock held. */
+size_t nvs_memory_swappable(struct nvs_device *d, int swapped, struct nvs_swappable **out);
+size_t nvs_vmm_swappable(struct nvs_device *d, int swapped, struct nvs_swappable **out);
+/* A converted allocation is now swapped out (1) or resident (0), its bytes in item->area: 0, or
+ * -1 when it is gone (freed meanwhile). The swapped count is the caller's (swap.c). */
+int nvs_memory_mark(struct nvs_device *d, const struct nvs_swappable *item, int swapped, uint64_t last_used);
+/* VMM memory whose bytes were copied to item->area: unmapped and its physical handle released,
+ * marked swapped (0), or -1 when it can no longer move (unmapped, exported meanwhile). */
+int nvs_vmm_release_physical(const struct nvs_swappable *item);
+/* Swapped-out VMM memory: a new physical handle mapped at the same address with the same access
+ * (0, its bytes' place handed over in *area; the bytes are copied back next, and
+ * nvs_vmm_restored ends the move), or -1. */
+int nvs_vmm_restore_physical(const struct nvs_swappable *item, struct nvs_extent **area);
+void nvs_vmm_restored(const struct nvs_swappable *item, uint64_t last_used);
+void nvs_vmm_reset_after_fork(void);
+
+/* The pinned swap area (area.c), any thread. A run of it: `bytes` at `host`. */
+struct nvs_area_run {
+    char *host;
+    size_t bytes;
+    uint32_t chunk, page;
+};
+struct nvs_extent;
+/* Room for `bytes` (0, in *out), or -1 when the area has less free. */
+int nvs_area_take(size_t bytes, struct nvs_extent **out);
+void nvs_area_give(struct nvs_extent *e); /* NULL: nothing */
+size_t nvs_area_runs(const struct nvs_extent *e, const struct nvs_area_run **runs);
+/* What device `index` may want out at once (the scheduler's PREPARE); the area follows the sum. */
+void nvs_area_want(int index, uint64_t bytes);
+uint64_t nvs_area_pinned(void);
+/* 1: the area should grow, -1: shrink (a whole chunk is free above the target), 0: neither. */
+int nvs_area_change_due(void);
+/* Pin or give back one chunk (a context current); 1 when it changed, -1 on failure. */
+int nvs_area_change_step(void);
+void nvs_area_reset_after_fork(void);
+
+/* The swap engine (swap.c), for the worker; no lock held. */
+enum nvs_swap_engine { NVS_SWAP_UNRESOLVED = 0, NVS_SWAP_COPY, NVS_SWAP_MIGRATE };
+void nvs_swap_resolve(void);
+/* Move at least `at_least` bytes of d's swappable memory to the host, least recently used first
+ * (-1 and nothing moved while a stream capture runs on d). */
+int nvs_swap_out(struct nvs_device *d, uint64_t at_least);
+/* Bring back what was moved out, most recently used first: up to `up_to` bytes ahead of a grant
+ * (`for_grant` 0); for a grant everything in the area and of the rest up to `up_to`, and all of
+ * it counts as resident again (-1: some VMM memory waits for a capture's end). */
+int nvs_swap_in(struct nvs_device *d, uint64_t up_to, int for_grant);
+/* Between jobs: grow or shrink the area by a chunk; 1 when it did. */
+int nvs_swap_prepare_step(void);
+struct nvs_swap_figures {
+    int engine;       /* enum nvs_swap_engine */
+    uint64_t area;    /* bytes pinned */
+    uint64_t out_bps, in_bps; /* the last moves through the area, bytes per second (0: none yet) */
+};
+void nvs_swap_figures(struct nvs_swap_figures *out);
 
 /* ---------------------------------------------------------------- admission.c */
 
@@ -324,6 +400,8 @@ int nvs_worker_spawn(void);
 /* Under nvs_mu: hand the worker a job for the device. */
 void nvs_worker_assign_locked(struct nvs_device *d, enum nvs_job job, uint64_t bytes);
 void nvs_worker_signal(void);
+/* Under nvs_mu: the worker looks for work again (the swap area's target changed). */
+void nvs_worker_wake_locked(void);
 /* Set at process exit: the worker stops calling CUDA (the driver may be torn down). */
 void nvs_worker_stop_for_exit(void);
 /* Fork child: no worker thread, no job. */

@@ -85,6 +85,8 @@
     M(DROP)                       \
     M(EVICT)                      \
     M(CONTENDED)                  \
+    M(PREPARE)                    \
+    M(PREFETCH)                   \
     M(REVOKE)                     \
     M(MODE)                       \
     M(ADMITTED)                   \
@@ -127,6 +129,12 @@
     F(CONTENDED, device, DEVICE, REQUIRED, device, 0, "")                \
     F(CONTENDED, grant, UINT, REQUIRED, grant, 0, 0)                     \
     F(CONTENDED, quantum_left_ms, UINT, REQUIRED, quantum_left_ms, 0, 0) \
+    F(CONTENDED, evict, UINT, OPTIONAL, evict, 0, 0)                     \
+    F(CONTENDED, idle_ms, UINT, OPTIONAL, idle_ms, 0, 0)                 \
+    F(PREPARE, device, DEVICE, REQUIRED, device, 0, "")                  \
+    F(PREPARE, bytes, UINT, REQUIRED, bytes, 0, 0)                       \
+    F(PREFETCH, device, DEVICE, REQUIRED, device, 0, "")                 \
+    F(PREFETCH, resident, UINT, REQUIRED, resident, 0, 0)                \
     F(REVOKE, device, DEVICE, REQUIRED, device, 0, "")                   \
     F(REVOKE, grant, UINT, REQUIRED, grant, 0, 0)                        \
     F(REVOKE, reason, WORD, REQUIRED, reason, revoke_reason, "")         \
@@ -162,6 +170,10 @@
     F(MEMORY, device, DEVICE, REQUIRED, device, 0, "")                 \
     F(MEMORY, used, UINT, REQUIRED, used, 0, 0)                        \
     F(MEMORY, resident, UINT, NULLABLE, resident, 0, 0)                \
+    F(MEMORY, engine, TEXT, OPTIONAL, engine, 0, "")                   \
+    F(MEMORY, area, UINT, NULLABLE, area, 0, 0)                        \
+    F(MEMORY, out_bps, UINT, OPTIONAL, out_bps, 0, 0)                  \
+    F(MEMORY, in_bps, UINT, OPTIONAL, in_bps, 0, 0)                    \
     F(ACQUIRE, device, DEVICE, REQUIRED, device, 0, "")                \
     F(ADMIT, device, DEVICE, REQUIRED, device, 0, "")                  \
     F(ADMIT, request, UINT, REQUIRED, request, 0, 0)                   \
@@ -192,6 +204,8 @@
     X(UINT, evict, 0)                \
     X(UINT, bytes, 0)                \
     X(UINT, quantum_left_ms, 0)      \
+    X(UINT, idle_ms, 0)              \
+    X(UINT, resident, 0)             \
     X(WORD_NUMBER, revoke_reason, 0) \
     X(UINT, request, 0)              \
     X(WORD_NUMBER, refuse_reason, 0) \
@@ -216,6 +230,11 @@
     X(UINT, used, 0)          \
     X(UINT, resident, 0)      \
     X(HAS, has_resident, 0)   \
+    X(TEXT, engine, 0)        \
+    X(UINT, area, 0)          \
+    X(HAS, has_area, 0)       \
+    X(UINT, out_bps, 0)       \
+    X(UINT, in_bps, 0)        \
     X(UINT, request, 0)       \
     X(UINT, bytes, 0)         \
     X(UINT, grant, 0)         \

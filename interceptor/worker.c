@@ -7,9 +7,12 @@
  * - PROBE: an idle check of a holder: release early only if nothing was submitted since the
  *   last look, everything submitted before had already finished (the device was idle, not
  *   just quiet on the host side), and nothing entered while the gate was being closed.
- * - SWAP_OUT / PREFETCH: move converted memory to the host or back in bulk (memory.c); the
- *   gate is closed meanwhile (the core opens it after a PREFETCH).
+ * - SWAP_OUT / PREFETCH / PREFETCH_AHEAD: move swappable memory to the host, back for a grant, or back
+ *   ahead of one (swap.c); the gate is closed meanwhile (the core opens it after a PREFETCH).
  * - deferred stream-ordered frees (memory.c), polled while any are pending.
+ * - between jobs, the swap area grows (or shrinks) by a chunk at a time towards what the
+ *   scheduler said to prepare (swap.c), so that pinning it never delays a handoff by more than
+ *   one chunk.
  *
  * Jobs come in struct nvs_device (job, under nvs_mu); results go back there (job_result) and
  * the client thread is woken to feed them to the core. Nothing here decides lock state.
@@ -26,6 +29,11 @@ void nvs_worker_assign_locked(struct nvs_device *d, enum nvs_job job, uint64_t b
     d->job = job;
     d->job_bytes = bytes;
     d->job_result = NVS_RESULT_NONE;
+    worker_kicked = 1;
+    pthread_cond_signal(&worker_cv);
+}
+
+void nvs_worker_wake_locked(void) {
     worker_kicked = 1;
     pthread_cond_signal(&worker_cv);
 }
@@ -76,9 +84,10 @@ static enum nvs_job_result run_job(struct nvs_device *d, enum nvs_job job, uint6
     case NVS_JOB_PROBE:
         return run_probe(d);
     case NVS_JOB_SWAP_OUT:
-        return nvs_memory_swap_out(d, bytes) == 0 ? NVS_RESULT_MOVED : NVS_RESULT_DEFERRED;
+        return nvs_swap_out(d, bytes) == 0 ? NVS_RESULT_MOVED : NVS_RESULT_DEFERRED;
     case NVS_JOB_PREFETCH:
-        return nvs_memory_prefetch(d, bytes) == 0 ? NVS_RESULT_MOVED : NVS_RESULT_DEFERRED;
+    case NVS_JOB_PREFETCH_AHEAD:
+        return nvs_swap_in(d, bytes, job == NVS_JOB_PREFETCH) == 0 ? NVS_RESULT_MOVED : NVS_RESULT_DEFERRED;
     default:
         return run_drain(d);
     }
@@ -92,6 +101,7 @@ static int any_capture_locked(void) {
 
 static void *worker_main(void *unused) {
     (void)unused;
+    nvs_swap_resolve(); /* which swap engine the driver allows, once, before any job */
     pthread_mutex_lock(&nvs_mu);
     for (;;) {
         struct nvs_device *d = NULL;
@@ -111,6 +121,13 @@ static void *worker_main(void *unused) {
             nvs_client_wake(); /* a pipe write: not under nvs_mu */
             pthread_mutex_lock(&nvs_mu);
             continue;
+        }
+        /* Nothing else to do: a step towards the swap area the scheduler asked for. */
+        if (!worker_kicked && !atomic_load(&exiting)) {
+            pthread_mutex_unlock(&nvs_mu);
+            int changed = nvs_swap_prepare_step();
+            pthread_mutex_lock(&nvs_mu);
+            if (changed) continue;
         }
         /* Event queries of deferred frees are unsafe API calls during a global-mode capture. */
         if (nvs_memory_frees_pending() && !atomic_load(&exiting) && !any_capture_locked()) {

@@ -394,12 +394,19 @@ class Memory(Message):
     device's measured size counts as that size. Sent when it changes, at most every 100 ms, and just
     before an `ACQUIRE`. `resident`, from a client that swaps (see *Residency*): its converted bytes
     it believes are on the device (all of them once it ran after a grant, less after it evicted).
-    Absent: the client takes no part in residency, and all of `used` counts as resident."""
+    Absent: the client takes no part in residency, and all of `used` counts as resident. `engine`,
+    `area`, `out_bps`, `in_bps`, from a client that swaps: its swap engine (docs/interceptor.md,
+    *Swapping*), shown in `nvsharectl status` and used to price a handoff."""
 
     TYPE: ClassVar[str] = "MEMORY"
     device: str
     used: int  # bytes
     resident: int | None = None  # bytes
+    # how its swap engine moves memory: copy (pinned copies and discards) or migrate (the driver's prefetch)
+    engine: str = ""
+    area: int | None = None  # the pinned bytes its swap area has ready
+    out_bps: int = 0  # bytes per second its last move out reached
+    in_bps: int = 0  # bytes per second its last move in reached
 
 
 @dataclass(frozen=True, slots=True)
@@ -489,8 +496,10 @@ class Welcome(Message):
 @dataclass(frozen=True, slots=True)
 class Grant(Message):
     """The lock is yours. Open the gate. `prefetch`: bring up to this many bytes of your evicted
-    memory back to the device in bulk (most recently used first) as the gate opens. A client that
-    does not know the `mode` acts as in mode `on`."""
+    memory back to the device in bulk (most recently used first) before the gate opens. Memory held
+    in the pinned swap area comes back whatever `prefetch` says (it is nowhere else); what moved by
+    the driver's prefetch beyond `prefetch` faults in as touched. A client that does not know the
+    `mode` acts as in mode `on`."""
 
     TYPE: ClassVar[str] = "GRANT"
     device: str
@@ -535,12 +544,42 @@ class Contended(Message):
     """A notice: others wait for the device, and this grant's quantum ends in `quantum_left_ms`
     (then `DROP` follows). A holder with a long queue of GPU work may drain it ahead of time and
     release with reason `quantum`, so that the lock changes hands when the quantum ends instead of a
-    drain later (docs/interceptor.md). Ignoring it is correct."""
+    drain later (docs/interceptor.md). `evict`: what the `DROP` will ask to move out (see
+    *Residency*): a holder that drains ahead of time moves it before its `RELEASE`, starting early
+    enough for the move too. `idle_ms`: what the handoff would cost in swapping; a holder should not
+    release early for idleness shorter than that. Sent again when either figure changes noticeably.
+    Ignoring it is correct."""
 
     TYPE: ClassVar[str] = "CONTENDED"
     device: str
     grant: int
     quantum_left_ms: int
+    evict: int = 0  # bytes its release will be asked to move to the host
+    idle_ms: int = 0  # while others wait, release early only after this long idle
+
+
+@dataclass(frozen=True, slots=True)
+class Prepare(Message):
+    """Swapping (see *Residency*): keep a pinned host swap area of `bytes` ready for this device
+    (the most of your memory on it that you may be asked to hold on the host at once). Grow or
+    shrink it between handoffs, never on one; `MEMORY area=` says what is ready. Sent when it
+    changes by at least 64 MiB or an eighth (or to or from 0)."""
+
+    TYPE: ClassVar[str] = "PREPARE"
+    device: str
+    bytes: int  # 0: none is needed any more
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch(Message):
+    """Swapping, to the waiter that will be granted next: bring swapped-out memory back, keeping the
+    gate closed, until `resident` bytes of your swappable memory are on the device (room the
+    holder's swap-out has made, reported piece by piece). Sent again as the room grows. Memory in
+    flight counts against the budget from this moment."""
+
+    TYPE: ClassVar[str] = "PREFETCH"
+    device: str
+    resident: int  # bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -626,8 +665,8 @@ class Status(_StatusDocument):
 
 MESSAGE_CLASSES: Final[tuple[type[Message], ...]] = (Hello, DeviceAnnouncement, Memory, Acquire, Admit, Release,
                                                     Evicted, Heartbeat, Bye, Query, Welcome, Grant, Drop, Evict,
-                                                    Contended, Revoke, ModeNotice, Admitted, Refused, Limit, Error,
-                                                    Status)
+                                                    Contended, Prepare, Prefetch, Revoke, ModeNotice, Admitted,
+                                                    Refused, Limit, Error, Status)
 
 
 # end of generated: messages

@@ -172,11 +172,17 @@ MESSAGES: Final[tuple[Message, ...]] = (
         required("device", DEVICE),
         required("used", UINT, "bytes"),
         optional("resident", UINT, None, "bytes"),
+        optional("engine", TEXT, "", "how its swap engine moves memory: `copy` (pinned copies and discards) or `migrate` (the driver's prefetch)"),
+        optional("area", UINT, None, "the pinned bytes its swap area has ready"),
+        optional("out_bps", UINT, 0, "bytes per second its last move out reached"),
+        optional("in_bps", UINT, 0, "bytes per second its last move in reached"),
     ), "Bytes this client has allocated on the device (managed + unconverted); a figure above the "
        "device's measured size counts as that size. Sent when it changes, at most every 100 ms, and just before an `ACQUIRE`. `resident`, from a client "
        "that swaps (see *Residency*): its converted bytes it believes are on the device (all of "
        "them once it ran after a grant, less after it evicted). Absent: the client takes no part "
-       "in residency, and all of `used` counts as resident."),
+       "in residency, and all of `used` counts as resident. `engine`, `area`, `out_bps`, `in_bps`, "
+       "from a client that swaps: its swap engine (docs/interceptor.md, *Swapping*), shown in "
+       "`nvsharectl status` and used to price a handoff."),
     Message("ACQUIRE", "Acquire", CLIENT, (
         required("device", DEVICE),
     ), "Ask for the device's lock. Idempotent while waiting or holding."),
@@ -232,8 +238,10 @@ MESSAGES: Final[tuple[Message, ...]] = (
         required("quantum_ms", UINT),
         optional("prefetch", UINT, 0, "bytes"),
     ), "The lock is yours. Open the gate. `prefetch`: bring up to this many bytes of your evicted "
-       "memory back to the device in bulk (most recently used first) as the gate opens. A client "
-       "that does not know the `mode` acts as in mode `on`."),
+       "memory back to the device in bulk (most recently used first) before the gate opens. Memory "
+       "held in the pinned swap area comes back whatever `prefetch` says (it is nowhere else); "
+       "what moved by the driver's prefetch beyond `prefetch` faults in as touched. A client that "
+       "does not know the `mode` acts as in mode `on`."),
     Message("DROP", "Drop", SCHEDULER, (
         required("device", DEVICE),
         required("grant", UINT),
@@ -257,10 +265,30 @@ MESSAGES: Final[tuple[Message, ...]] = (
         required("device", DEVICE),
         required("grant", UINT),
         required("quantum_left_ms", UINT),
+        optional("evict", UINT, 0, "bytes its release will be asked to move to the host"),
+        optional("idle_ms", UINT, 0, "while others wait, release early only after this long idle"),
     ), "A notice: others wait for the device, and this grant's quantum ends in `quantum_left_ms` "
        "(then `DROP` follows). A holder with a long queue of GPU work may drain it ahead of time "
        "and release with reason `quantum`, so that the lock changes hands when the quantum ends "
-       "instead of a drain later (docs/interceptor.md). Ignoring it is correct."),
+       "instead of a drain later (docs/interceptor.md). `evict`: what the `DROP` will ask to move out "
+       "(see *Residency*): a holder that drains ahead of time moves it before its `RELEASE`, "
+       "starting early enough for the move too. `idle_ms`: what the handoff would cost in "
+       "swapping; a holder should not release early for idleness shorter than that. Sent again "
+       "when either figure changes noticeably. Ignoring it is correct."),
+    Message("PREPARE", "Prepare", SCHEDULER, (
+        required("device", DEVICE),
+        required("bytes", UINT, "`0`: none is needed any more"),
+    ), "Swapping (see *Residency*): keep a pinned host swap area of `bytes` ready for this device "
+       "(the most of your memory on it that you may be asked to hold on the host at once). Grow or "
+       "shrink it between handoffs, never on one; `MEMORY area=` says what is ready. Sent when it "
+       "changes by at least 64 MiB or an eighth (or to or from 0)."),
+    Message("PREFETCH", "Prefetch", SCHEDULER, (
+        required("device", DEVICE),
+        required("resident", UINT, "bytes"),
+    ), "Swapping, to the waiter that will be granted next: bring swapped-out memory back, keeping "
+       "the gate closed, until `resident` bytes of your swappable memory are on the device (room "
+       "the holder's swap-out has made, reported piece by piece). Sent again as the room grows. "
+       "Memory in flight counts against the budget from this moment."),
     Message("REVOKE", "Revoke", SCHEDULER, (
         required("device", DEVICE),
         required("grant", UINT),

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
-from fixtures.client_core import (ACT_GATE, ACT_JOB, ACT_SEND, HOLDING, IDLE, JOB_DRAIN, JOB_PREFETCH, JOB_PROBE,
-                                  JOB_SWAP_OUT,
+from fixtures.client_core import (ACT_GATE, ACT_JOB, ACT_SEND, ACT_SWAP_AREA, HOLDING, IDLE, JOB_DRAIN, JOB_PREFETCH,
+                                  JOB_PREFETCH_AHEAD, JOB_PROBE, JOB_SWAP_OUT,
                                   RESULT_DEFERRED, RESULT_DRAINED, RESULT_MOVED, ClientCore, World,
                                   build_client_core, load)
 from test_client_core_stateful import DEVICES, Sharing
@@ -152,12 +152,23 @@ def test_a_grant_opens_the_gate_at_once_when_nothing_was_swapped(lib):
     assert jobs(actions) == [] and gates(actions) == [1]
 
 
-def test_a_prefetch_met_by_a_capture_opens_the_gate_without_moving(lib):
+def test_a_grant_during_a_capture_still_brings_memory_back_before_the_gate_opens(lib):
+    """The swap area's bytes are nowhere else: a capture does not skip the grant's PREFETCH. What
+    it must leave for the capture's end (VMM memory, DEFERRED) keeps the gate closed until then."""
     s = Script(lib, used=GIB)
     s.swapped = GIB
-    assert jobs(granted(s, prefetch=GIB)) == [(JOB_PREFETCH, GIB)]
     s.captures = 1
-    assert gates(s.job_done(RESULT_DEFERRED)) == [1]  # the memory faults back in instead
+    assert jobs(granted(s, prefetch=GIB)) == [(JOB_PREFETCH, GIB)]
+    actions = s.job_done(RESULT_DEFERRED)
+    assert gates(actions) == [] and jobs(actions) == []
+    s.core.tick(s.now)
+    assert jobs(s.actions()) == []  # not while the capture runs
+    s.captures = 0
+    s.observe()
+    s.core.tick(s.now)
+    assert jobs(s.actions()) == [(JOB_PREFETCH, GIB)]
+    s.swapped = 0
+    assert gates(s.job_done(RESULT_MOVED)) == [1]
 
 
 def test_a_drop_during_the_prefetch_drains_after_it(lib):
@@ -227,6 +238,124 @@ def test_a_process_without_converted_memory_sends_memory_as_before(lib):
     s = Script(lib, used=GIB, converted=False)  # NVSHARE_MANAGED=0: nothing it has can be swapped
     [memory] = [m for m in sent(s.registration + s.want()) if "MEMORY" in m]
     assert memory == f"NVSHARE/1 MEMORY\ndevice={DEVICE}\nused={GIB}"
+
+
+# --- pipelined handoffs (issue 18) ------------------------------------------------------------
+
+
+def test_prepare_asks_the_shell_for_a_swap_area(lib):
+    s = Script(lib, used=8 * GIB)
+    s.want()  # announced
+    actions = s.receive("PREPARE", device=DEVICE, bytes=6 * GIB)
+    assert [(a.device, a.bytes) for a in actions if a.kind == ACT_SWAP_AREA] == [(0, 6 * GIB)]
+
+
+def test_memory_reports_say_what_the_swap_engine_is_and_has_ready(lib):
+    s = Script(lib, used=GIB)
+    assert "engine" not in [m for m in sent(s.registration) if "MEMORY" in m][-1]  # nothing known yet
+    s.core.observe_swap(engine=1, area=512 << 20, out_bps=52 * 10**9, in_bps=51 * 10**9)
+    [memory] = [m for m in sent(s.want()) if "MEMORY" in m]  # the engine is known: reported
+    assert memory.splitlines()[1:] == [f"device={DEVICE}", f"used={GIB}", f"resident={GIB}", "engine=copy",
+                                       f"area={512 << 20}", f"out_bps={52 * 10**9}", f"in_bps={51 * 10**9}"]
+
+
+def test_a_waiter_told_to_prefetch_brings_memory_back_with_its_gate_closed(lib):
+    s = Script(lib, used=8 * GIB)
+    s.swapped = 6 * GIB
+    s.want()
+    actions = s.receive("PREFETCH", device=DEVICE, resident=5 * GIB)
+    assert jobs(actions) == [(JOB_PREFETCH_AHEAD, 3 * GIB)] and gates(actions) == []
+    s.swapped = 4 * GIB
+    # its progress is reported as it goes, without waiting for the reports' period
+    s.observe()
+    s.core.tick(s.now)
+    assert [m for m in sent(s.actions()) if f"resident={4 * GIB}" in m]
+    s.swapped = 3 * GIB
+    assert gates(s.job_done(RESULT_MOVED)) == [] and s.core.state(0) != HOLDING
+    # more room: asked again
+    assert jobs(s.receive("PREFETCH", device=DEVICE, resident=8 * GIB)) == [(JOB_PREFETCH_AHEAD, 3 * GIB)]
+
+
+def test_a_holder_ignores_prefetch(lib):
+    s = Script(lib, used=8 * GIB)
+    granted(s)
+    s.swapped = GIB
+    assert jobs(s.receive("PREFETCH", device=DEVICE, resident=8 * GIB)) == []
+
+
+def test_a_pre_drain_moves_out_what_contended_announced_before_its_release(lib):
+    """CONTENDED evict=: the drain ahead of the quantum's end moves that much out before the
+    RELEASE (which says what stays), and starts early enough to cover the move at the measured
+    bandwidth."""
+    s = Script(lib, used=8 * GIB)
+    s.core.observe_swap(engine=1, out_bps=4 * GIB, in_bps=4 * GIB)  # 1.5 s for 6 GiB
+    s.want()
+    s.receive("GRANT", device=DEVICE, grant=1, mode="on", exclusive=1, quantum_ms=30_000)
+    s.waiters = 0
+    s.receive("CONTENDED", device=DEVICE, grant=1, quantum_left_ms=10_000, evict=6 * GIB)
+    s.now += 10.0 - 1.2 * 1.5 - 0.02 - 0.01
+    s.core.tick(s.now)
+    assert jobs(s.actions()) == []  # not yet: the move's lead is 1.2 x 1.5 s + 20 ms
+    s.now += 0.02
+    s.core.tick(s.now)
+    actions = s.actions()
+    assert gates(actions) == [0] and jobs(actions) == [(JOB_DRAIN, 0)]
+    assert jobs(s.job_done(RESULT_DRAINED)) == [(JOB_SWAP_OUT, 6 * GIB)]
+    s.swapped = 6 * GIB
+    [release] = [m for m in sent(s.job_done(RESULT_MOVED)) if "RELEASE" in m]
+    assert release.splitlines()[1:] == [f"device={DEVICE}", "grant=1", "reason=quantum", f"resident={2 * GIB}"]
+
+
+def test_while_others_wait_an_idle_pause_shorter_than_the_handoff_keeps_the_lock(lib):
+    """CONTENDED idle_ms= (what the handoff would cost) lengthens the idle window: a pause of 1 s
+    releases nothing when the handoff costs 3 s."""
+    s = Script(lib, used=8 * GIB, idle_release_ms=500)
+    granted(s)
+    s.receive("CONTENDED", device=DEVICE, grant=1, quantum_left_ms=600_000, idle_ms=3000)
+    for _ in range(10):  # 2.5 s without a submission
+        s.now += 0.25
+        s.core.tick(s.now)
+        assert [job for job, _ in jobs(s.actions())] == []
+    for _ in range(4):
+        s.now += 0.25
+        s.core.tick(s.now)
+        if [job for job, _ in jobs(s.actions())] == [JOB_PROBE]:
+            break
+    else:
+        raise AssertionError("no idle probe after the handoff's cost")
+
+
+def seconds_to_idle_probe(s: Script, step: float = 0.05, limit: float = 5.0) -> float:
+    """Ticks a holder that submits nothing until the core starts an idle probe; how long it took."""
+    start = s.now
+    while s.now - start < limit:
+        s.now += step
+        s.core.tick(s.now)
+        if [job for job, _ in jobs(s.actions())] == [JOB_PROBE]:
+            return s.now - start
+    raise AssertionError(f"no idle probe within {limit} s")
+
+
+def test_a_holder_whose_pauses_outlast_the_handoff_releases_after_the_short_window(lib):
+    """The idle window while others wait is the handoff's cost until a pause of this holder has
+    lasted that long; then the process's own window, until a pause is shorter again."""
+    s = Script(lib, used=8 * GIB, idle_release_ms=100)
+
+    def turn(grant: int, pause: float) -> float:
+        """A grant (asked for when the last pause ended), contended; the holder pauses for
+        `pause` s from now. How long it held the idle GPU before its release."""
+        assert any("ACQUIRE" in m for m in sent(s.want()))
+        granted(s, grant=grant)
+        s.receive("CONTENDED", device=DEVICE, grant=grant, quantum_left_ms=600_000, idle_ms=400)
+        waited = seconds_to_idle_probe(s)
+        assert any("reason=idle" in m for m in sent(s.job_done(RESULT_DRAINED)))
+        s.waiters = 0
+        s.now += pause - waited  # the pause goes on after the release
+        return waited
+
+    assert turn(1, pause=1.0) >= 0.4   # nothing known: the handoff's cost
+    assert turn(2, pause=0.2) < 0.4    # the last pause (1 s) outlasted it: the process's window
+    assert turn(3, pause=1.0) >= 0.4   # the last one (0.2 s) did not: the cost again
 
 
 # --- the paired world: swapping with the scheduler core, explored ---------------------------

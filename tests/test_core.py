@@ -854,10 +854,10 @@ def test_status_document_lists_devices_holders_waiters_and_client_statistics():
     assert (a["weight"], a["priority"]) == (1, 0)
     # Equal weights: each of the two contenders is entitled to half; a alone held the lock so far.
     assert a["devices"] == {GPU0: {"used": 3 * GiB, "resident": 3 * GiB, "swapped": 0, "state": "holding",
-                                   "wait_total": 0.0, "hold_total": 3.0, "grants": 1,
+                                   "wait_total": 0.0, "hold_total": 3.0, "grants": 1, "swap": None,
                                    "limit": None, "share": 0.5, "achieved": 1.0, "outranked_by": []}}
     assert b["devices"][GPU0] == {"used": 1 * GiB, "resident": 1 * GiB, "swapped": 0, "state": "waiting",
-                                  "wait_total": 1.0, "hold_total": 0.0, "grants": 0,
+                                  "wait_total": 1.0, "hold_total": 0.0, "grants": 0, "swap": None,
                                   "limit": None, "share": 0.5, "achieved": 0.0, "outranked_by": []}
     h.at(11).tick()  # a's quantum is over and b waits
     h.at(12).release("a", grant, reason="drop")

@@ -49,12 +49,16 @@ def test_a_handoff_over_budget_evicts_in_bulk_and_prefetches_back(scheduler_fact
         a = Wire(context, scheduler.paths.client_endpoint, "00000000000000a1")
         b = Wire(context, scheduler.paths.client_endpoint, "00000000000000b2")
         scheduler.request("set-budget", device=GPU, bytes=16 * GiB)
-        a.send(protocol.Memory(device=GPU, used=12 * GiB, resident=0))
+        # Their swap engines say they move memory fast enough for a TQ of 0.2 s (a through its
+        # pinned area, b by the driver's prefetch, which status points out).
+        a_engine = {"engine": "copy", "area": 12 * GiB, "out_bps": 10**13, "in_bps": 10**13}
+        b_engine = {"engine": "migrate", "out_bps": 10**13, "in_bps": 10**13}
+        a.send(protocol.Memory(device=GPU, used=12 * GiB, resident=0, **a_engine))
         a.send(protocol.Acquire(device=GPU))
         first = a.expect(protocol.Grant)
         assert first.prefetch == 0
-        a.send(protocol.Memory(device=GPU, used=12 * GiB, resident=12 * GiB))
-        b.send(protocol.Memory(device=GPU, used=12 * GiB, resident=0))
+        a.send(protocol.Memory(device=GPU, used=12 * GiB, resident=12 * GiB, **a_engine))
+        b.send(protocol.Memory(device=GPU, used=12 * GiB, resident=0, **b_engine))
         # Two connections: make sure the daemon has read both reports before b asks.
         wait_for(lambda: scheduler.device(GPU)["used"] == 24 * GiB, what="both memory reports")
         b.send(protocol.Acquire(device=GPU))
@@ -62,7 +66,7 @@ def test_a_handoff_over_budget_evicts_in_bulk_and_prefetches_back(scheduler_fact
         assert drop.evict == 8 * GiB  # b's 12 GiB need 8 of a's 12 to go
         a.send(protocol.Release(device=GPU, grant=first.grant, reason="drop", resident=4 * GiB))
         second = b.expect(protocol.Grant)
-        b.send(protocol.Memory(device=GPU, used=12 * GiB, resident=12 * GiB))
+        b.send(protocol.Memory(device=GPU, used=12 * GiB, resident=12 * GiB, **b_engine))
         wait_for(lambda: scheduler.device(GPU)["swapped"] == 8 * GiB and scheduler.device(GPU)["resident"] == 16 * GiB,
                  what="b's report of its memory brought in")
 
@@ -70,6 +74,7 @@ def test_a_handoff_over_budget_evicts_in_bulk_and_prefetches_back(scheduler_fact
         assert (client_a["devices"][GPU]["resident"], client_a["devices"][GPU]["swapped"]) == (4 * GiB, 8 * GiB)
         shown = scheduler.ctl("status", env={**scheduler.env, "COLUMNS": "200"})
         assert "12.0 GiB (8.0 GiB swapped out)" in shown.stdout, shown.stdout
+        assert shown.stdout.count("swaps by prefetch") == 1, shown.stdout  # b's engine, not a's
 
         # b leaves without evicting: a's turn needs room, so EVICT goes to b, now idle.
         a.send(protocol.Acquire(device=GPU))

@@ -15,9 +15,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nvshare_py import protocol
-from nvshare_py.scheduler import views
+from nvshare_py.scheduler import residency, views
+from nvshare_py.scheduler.admission import AdmissionConfig
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
 from nvshare_py.scheduler.events import (
+    LockEvent,
     AcquireRequest,
     ClientInfo,
     DeviceInfo,
@@ -36,15 +38,19 @@ from nvshare_py.scheduler.events import (
 GiB = 1 << 30
 DEV = "GPU-5151ad00-0000-4000-8000-00000000000a"
 TOTAL = 16 * GiB
+FAST = 10**15  # bytes per second: swapping that costs nothing
 
 
 class Cluster:
     """One core, one device, clients named by key; `sent(type)` lists what the last event sent."""
 
-    def __init__(self, mode: str = "on", budget: int | None = None, grace: float = 2.0, tq: float = 1.0) -> None:
+    def __init__(self, mode: str = "on", budget: int | None = None, grace: float = 2.0, tq: float = 1.0,
+                 bps: int = FAST, spill: int | None = None) -> None:
         self.now = 0.0
+        self.bps = bps
         self.core = SchedulerCore(CoreConfig(mode=mode, tq=tq, grace=grace, heartbeat_timeout=1e6,
-                                             heartbeat_interval=1e5), self.now)
+                                             heartbeat_interval=1e5, admission=AdmissionConfig(spill=spill)),
+                                  self.now)
         self.actions: list = []
         self.budget = budget
 
@@ -58,7 +64,11 @@ class Cluster:
         self.feed(DeviceInfo(self.now, key, DEV, TOTAL))
         if self.budget is not None:
             self.core.handle(SetBudget(self.now, DEV, self.budget))
-        self.feed(MemoryReport(self.now, key, DEV, used, resident))
+        # A client that swaps says what its engine does: here a link so fast that a handoff's
+        # swapping costs nothing next to the quantum, and a pinned area for all its memory
+        # (tests of the cost say otherwise).
+        engine = {"engine": "copy", "area": used, "out_bps": self.bps, "in_bps": self.bps} if resident is not None else {}
+        self.feed(MemoryReport(self.now, key, DEV, used, resident, **engine))
 
     def sent(self, kind: type, to: str | None = None) -> list:
         return [a.message for a in self.actions
@@ -242,6 +252,7 @@ class Swapper:
     waiting: bool = False
     held_once: bool = False
     moved_out: int = 0  # bytes it moved to the host and has not brought back
+    allowed: int = 0  # PREFETCH: resident bytes it may reach while it waits
 
     def move_out(self, amount: int) -> None:
         amount = min(amount, self.on_device)
@@ -258,6 +269,7 @@ class ResidencyMachine(RuleBasedStateMachine):
                 sizes=st.lists(st.integers(1, 10), min_size=2, max_size=4))
     def start(self, mode, fits, grace, sizes):
         self.grace = grace
+        self.timed_out = False  # a grant was made without room once: the budget is no promise now
         self.c = Cluster(mode=mode, grace=grace)
         self.budget = max(sum(sizes), 12) * GiB if fits else 12 * GiB
         self.fits = fits
@@ -269,6 +281,11 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.queue: list[Swapper] = []
         self.head_blocked_since: float | None = None
 
+    def committed(self, client: Swapper) -> int:
+        """What the client occupies or may occupy: its memory on the device, or what it was
+        allowed to bring back while it waits, whichever is more."""
+        return max(client.on_device, client.allowed if client.waiting else 0)
+
     def by_key(self, key) -> Swapper:
         return next(client for client in self.clients if client.key == key)
 
@@ -276,6 +293,7 @@ class ResidencyMachine(RuleBasedStateMachine):
         """Check the last actions and play them onto the simulated clients (a grantee's
         report of what it brought in is fed in turn)."""
         timed_out = any(isinstance(a, Log) and a.what == "evict-timeout" for a in self.c.actions)
+        self.timed_out |= timed_out
         follow_ups = []
         for action in self.c.actions:
             if not isinstance(action, Send):
@@ -287,13 +305,13 @@ class ResidencyMachine(RuleBasedStateMachine):
             if isinstance(message, protocol.Grant):
                 assert self.queue and self.queue[0] is client, "FCFS: the head is granted"
                 self.queue.pop(0)
-                others = sum(other.on_device for other in self.clients if other is not client)
+                others = sum(self.committed(other) for other in self.clients if other is not client)
                 if not timed_out:
                     assert others + min(client.used, self.budget) <= self.budget, \
                         "a grant is made only once the others' resident memory leaves room"
                 if client.held_once:
                     assert message.prefetch <= client.used - client.on_device
-                client.grant, client.waiting, client.held_once = message.grant, False, True
+                client.grant, client.waiting, client.held_once, client.allowed = message.grant, False, True, 0
                 # The grantee runs: what it prefetched and what it faults in is all of it, as
                 # far as the budget lets it.
                 client.bring_in(min(client.used, max(client.on_device, self.budget - others)))
@@ -306,6 +324,16 @@ class ResidencyMachine(RuleBasedStateMachine):
                 assert client.grant is None, "EVICT goes to clients that do not hold the lock"
                 assert 0 < message.bytes <= client.on_device
                 client.evict_asked = message.bytes
+            elif isinstance(message, protocol.Prefetch):
+                assert not self.fits, "memory that fits never moves"
+                assert client.waiting and client.grant is None, "PREFETCH goes to a waiter"
+                assert client.on_device < message.resident <= client.used
+                client.allowed = message.resident
+                if not self.timed_out:
+                    assert sum(self.committed(other) for other in self.clients) <= self.budget, \
+                        "memory in flight never takes the device past its budget"
+            elif isinstance(message, protocol.Contended):
+                assert message.evict <= client.on_device
         for event in follow_ups:
             self.c.feed(event)
             self.observe()
@@ -331,6 +359,28 @@ class ResidencyMachine(RuleBasedStateMachine):
             client.move_out(client.dropped_evict)
         grant, client.grant, client.dropped_evict = client.grant, None, None
         self.c.feed(ReleaseReport(self.c.now, client.key, DEV, grant, "drop", client.on_device))
+        self.observe()
+
+    @rule(i=st.integers(0, 3))
+    def move_out_in_part(self, i):
+        """A dropped holder reports part of its move out before it releases (pipelining)."""
+        client = self.clients[i % len(self.clients)]
+        if client.grant is None or not client.dropped_evict:
+            return
+        part = min(client.dropped_evict, max(GiB, client.dropped_evict // 2))
+        client.move_out(part)
+        client.dropped_evict -= part
+        self.c.feed(MemoryReport(self.c.now, client.key, DEV, client.used, client.on_device))
+        self.observe()
+
+    @rule(i=st.integers(0, 3))
+    def bring_in_ahead(self, i):
+        """A waiter brings back what PREFETCH allowed it, and says so."""
+        client = self.clients[i % len(self.clients)]
+        if not client.waiting or client.allowed <= client.on_device:
+            return
+        client.bring_in(client.allowed)
+        self.c.feed(MemoryReport(self.c.now, client.key, DEV, client.used, client.on_device))
         self.observe()
 
     @rule(i=st.integers(0, 3))
@@ -398,3 +448,154 @@ def test_with_swapping_off_a_handoff_over_budget_moves_nothing():
     assert c.sent(protocol.Drop, "a")[0].evict == 0
     c.feed(ReleaseReport(c.now, "a", DEV, grant.grant, "drop", 12 * GiB))
     assert c.grant_of("b").prefetch == 0 and not c.sent(protocol.Evict)
+
+
+# --- pipelined handoffs and the swap-cost policy (issue 18) ---------------------------------------
+
+
+def test_a_contended_holder_is_told_what_its_release_will_move_and_what_the_handoff_costs():
+    """CONTENDED carries the DROP's evict= ahead of time (a pre-drain moves it before its
+    RELEASE) and idle_ms=: the handoff's swapping at the holder's measured pace, below which it
+    is not released for idleness."""
+    c = Cluster(budget=16 * GiB, bps=10**10)
+    c.join("a", 12 * GiB, 12 * GiB)
+    c.feed(AcquireRequest(c.now, "a", DEV))
+    c.join("b", 12 * GiB, 0)
+    c.feed(AcquireRequest(c.now, "b", DEV))
+    (contended,) = c.sent(protocol.Contended, "a")
+    assert contended.evict == 8 * GiB
+    assert contended.idle_ms == round((8 * GiB / 10**10 + residency.HANDOFF_OVERHEAD_S) * 1000)
+
+
+def test_the_next_waiter_brings_its_memory_back_as_the_holder_moves_out():
+    """b was swapped out; a holds and moves 8 GiB out at its quantum's end, reporting as it goes.
+    Each report makes room that b is told to fill while it waits (PREFETCH), never more than the
+    budget; the GRANT then has nothing left to bring back."""
+    c = Cluster(budget=16 * GiB)
+    c.join("a", 12 * GiB, 12 * GiB)
+    c.join("b", 12 * GiB, 12 * GiB)
+    c.feed(MemoryReport(c.now, "b", DEV, 12 * GiB, 4 * GiB))  # b moved 8 GiB out at an earlier handoff
+    c.feed(AcquireRequest(c.now, "a", DEV))
+    grant_a = c.grant_of("a")
+    c.feed(AcquireRequest(c.now, "b", DEV))
+    assert not c.sent(protocol.Prefetch)  # a's 12 and b's 4 fill the 16: no room yet
+    told = []
+    for resident in (10 * GiB, 8 * GiB, 6 * GiB, 4 * GiB):  # a's move, piece by piece
+        c.feed(MemoryReport(c.now, "a", DEV, 12 * GiB, resident))
+        told += [m.resident for m in c.sent(protocol.Prefetch, "b")]
+        assert not c.sent(protocol.Grant)  # a still holds
+        if told:
+            c.feed(MemoryReport(c.now, "b", DEV, 12 * GiB, told[-1]))  # b brought it back
+    assert told == [6 * GiB, 8 * GiB, 10 * GiB, 12 * GiB]
+    c.feed(ReleaseReport(c.now, "a", DEV, grant_a.grant, "quantum", 4 * GiB))
+    assert c.grant_of("b").prefetch == 0  # everything came back while a moved out
+
+
+def test_the_timeline_shows_what_a_grant_still_had_to_bring_back_and_when_it_was_back():
+    """A grant made while the grantee's memory is partly out says how much (swapped=); the
+    grantee's report that all of it is back is the event `restored` (its gate has opened): the
+    two events bound the handoff's stall."""
+    c = Cluster(budget=16 * GiB)
+    c.join("a", 12 * GiB, 12 * GiB)
+    c.join("b", 12 * GiB, 12 * GiB)
+    c.feed(MemoryReport(c.now, "b", DEV, 12 * GiB, 4 * GiB))  # b moved 8 GiB out earlier
+    c.feed(AcquireRequest(c.now, "a", DEV))
+    grant_a = c.grant_of("a")
+    c.feed(AcquireRequest(c.now, "b", DEV))
+    c.feed(ReleaseReport(c.now, "a", DEV, grant_a.grant, "quantum", 4 * GiB))  # nothing ahead of it
+    (grant,) = [a for a in c.actions if isinstance(a, LockEvent) and a.kind == "grant"]
+    assert f"swapped={8 * GiB}" in grant.detail.split()
+    c.feed(MemoryReport(c.now, "b", DEV, 12 * GiB, 8 * GiB))  # half of it back: the gate is still shut
+    assert not [a for a in c.actions if isinstance(a, LockEvent) and a.kind == "restored"]
+    c.feed(MemoryReport(c.now, "b", DEV, 12 * GiB, 12 * GiB))
+    (restored,) = [a for a in c.actions if isinstance(a, LockEvent) and a.kind == "restored"]
+    assert (restored.client, restored.grant) == (grant.client, grant.grant)
+
+
+def test_memory_allowed_in_flight_counts_against_the_budget():
+    """A waiter told to bring memory back occupies it before it says it did: an idle client's
+    growth cannot be let in on top of it."""
+    c = Cluster(budget=16 * GiB)
+    c.join("a", 8 * GiB, 8 * GiB)
+    c.join("b", 8 * GiB, 8 * GiB)
+    c.feed(MemoryReport(c.now, "b", DEV, 8 * GiB, 0))  # b swapped out entirely
+    c.feed(AcquireRequest(c.now, "a", DEV))
+    c.feed(AcquireRequest(c.now, "b", DEV))
+    (prefetch,) = c.sent(protocol.Prefetch, "b")
+    assert prefetch.resident == 8 * GiB
+    (dev,) = c.core.devices()
+    assert sum(residency.occupied(pair) for pair in dev.pairs) == 16 * GiB
+
+
+def test_under_a_budget_a_quantum_lasts_ten_times_its_handoff():
+    """At 1 GB/s the 8 GiB a must move out cost 8.6 s: a's quantum (TQ 1 s) becomes ten times
+    that, so that swapping takes a tenth of it; memory that fits keeps the TQ."""
+    c = Cluster(budget=16 * GiB, bps=10**9, tq=1.0)
+    c.join("a", 12 * GiB, 12 * GiB)
+    c.feed(AcquireRequest(c.now, "a", DEV))
+    c.join("b", 12 * GiB, 0)
+    c.feed(AcquireRequest(c.now, "b", DEV))
+    handoff = 8 * GiB / 10**9 + residency.HANDOFF_OVERHEAD_S
+    c.advance(1.0)
+    assert not c.sent(protocol.Drop)
+    c.advance(handoff / residency.SWAP_SHARE_OF_QUANTUM - 1.0)
+    assert c.sent(protocol.Drop, "a")[0].evict == 8 * GiB
+
+    fits = Cluster(budget=32 * GiB, bps=10**9, tq=1.0)
+    fits.join("a", 12 * GiB, 12 * GiB)
+    fits.feed(AcquireRequest(fits.now, "a", DEV))
+    fits.join("b", 12 * GiB, 0)
+    fits.feed(AcquireRequest(fits.now, "b", DEV))
+    fits.advance(1.0)
+    assert fits.sent(protocol.Drop, "a")[0].evict == 0
+
+
+def test_while_the_holders_area_is_pinned_its_quantum_waits_for_it():
+    """What the pinned area cannot hold yet would leave by the driver's slow prefetch: the
+    handoff is priced so, and the quantum lasts on; once the area is ready (MEMORY area=), the
+    handoff costs the link's time and the quantum ends."""
+    c = Cluster(budget=16 * GiB, bps=50 * 10**9, tq=5.0)
+    c.join("a", 12 * GiB, 12 * GiB)
+    c.feed(MemoryReport(c.now, "a", DEV, 12 * GiB, 12 * GiB, engine="copy", area=0, out_bps=50 * 10**9,
+                        in_bps=50 * 10**9))
+    c.feed(AcquireRequest(c.now, "a", DEV))
+    c.join("b", 12 * GiB, 0)
+    c.feed(AcquireRequest(c.now, "b", DEV))
+    (contended,) = c.sent(protocol.Contended, "a")
+    assert contended.idle_ms >= 8 * GiB / residency.MIGRATE_OUT_BPS * 1000
+    c.advance(5.0)
+    assert not c.sent(protocol.Drop)  # 8 GiB by prefetch: over 2 s, so a floor of over 20 s
+    c.feed(MemoryReport(c.now, "a", DEV, 12 * GiB, 12 * GiB, engine="copy", area=8 * GiB, out_bps=50 * 10**9,
+                        in_bps=50 * 10**9))
+    assert c.sent(protocol.Drop, "a")[0].evict == 8 * GiB  # 0.22 s now: the TQ is long enough
+
+
+def test_prepare_sizes_swap_areas_within_the_hosts_spill():
+    """Over the budget by 8 GiB, each swapping client is told to keep an area for 8 GiB; with
+    6 GiB of host spill the two areas share it; once memory fits, the areas are given back."""
+    c = Cluster(budget=16 * GiB)
+    c.join("a", 12 * GiB, 12 * GiB)
+    c.join("b", 12 * GiB, 12 * GiB)
+    prepared = {a.client: a.message.bytes for a in c.actions if isinstance(a, Send)
+                and isinstance(a.message, protocol.Prepare)}
+    assert prepared == {"a": 8 * GiB, "b": 8 * GiB}
+
+    tight = Cluster(budget=16 * GiB, spill=6 * GiB)
+    tight.join("a", 12 * GiB, 12 * GiB)
+    tight.join("b", 12 * GiB, 12 * GiB)
+    assert [m.bytes for m in tight.sent(protocol.Prepare)] == [3 * GiB, 3 * GiB]
+
+    c.feed(MemoryReport(c.now, "b", DEV, 4 * GiB, 4 * GiB))  # b freed: 16 GiB fit
+    assert [(a.client, a.message.bytes) for a in c.actions if isinstance(a, Send)
+            and isinstance(a.message, protocol.Prepare)] == [("a", 0), ("b", 0)]
+
+
+def test_a_grant_made_without_room_says_how_far_over_budget_it_is():
+    """The holder releases without moving what it was asked and never answers EVICT: after the
+    grace the waiter is granted anyway, and the event says by how much the budget is exceeded."""
+    c = two_swappers()
+    c.advance(1.0)
+    c.feed(ReleaseReport(c.now, "a", DEV, c.a_grant, "drop", 12 * GiB))
+    c.advance(2.0)
+    (event,) = [a for a in c.actions if isinstance(a, LockEvent) and a.kind == "grant"]
+    assert "over_budget=8589934592" in event.detail

@@ -772,9 +772,9 @@ def test_launches_into_a_capturing_stream_are_recorded_not_executed(simcuda, tmp
 
 
 def test_batch_prefetches_discards_and_old_launch_entry_points(simcuda, tmp_path):
-    """The CUDA 13 batch prefetch/discard entry points queue one traced prefetch per range on
-    managed memory (and refuse other memory); the multi-device cooperative launch launches each
-    entry; the execution control API of CUDA 2.x exists but is not simulated."""
+    """The CUDA 13 batch prefetch/discard entry points queue one traced prefetch (or discard) per
+    range on managed memory (and refuse other memory); the multi-device cooperative launch
+    launches each entry; the execution control API of CUDA 2.x exists but is not simulated."""
     trace = tmp_path / "trace.jsonl"
     result = probe(simcuda, """
         init_context()
@@ -814,8 +814,8 @@ def test_batch_prefetches_discards_and_old_launch_entry_points(simcuda, tmp_path
                       "discard device memory": CUDA_ERROR_INVALID_VALUE, "bad location index": CUDA_ERROR_INVALID_VALUE,
                       "multi-device": 0, "cuLaunch": [CUDA_ERROR_NOT_SUPPORTED] * 3, "sync": 0}
     assert [(line["op"], line["api"]) for line in simcuda.read_trace(trace)] == [
-        ("prefetch", "cuMemPrefetchBatchAsync")] * 3 + [("prefetch", "cuMemDiscardAndPrefetchBatchAsync_ptsz"),
-                                                         ("kernel", "cuLaunchCooperativeKernelMultiDevice")]
+        ("prefetch", "cuMemPrefetchBatchAsync")] * 3 + [("prefetch", "cuMemDiscardAndPrefetchBatchAsync_ptsz")] + [
+        ("discard", "cuMemDiscardBatchAsync")] * 2 + [("kernel", "cuLaunchCooperativeKernelMultiDevice")]
 
 
 @pytest.mark.parametrize("entry, ptds", [("gpa", False), ("direct", True)])

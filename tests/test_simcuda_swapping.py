@@ -88,3 +88,110 @@ def test_evict_moves_the_largest_of_the_oldest_allocations_first(scripted, cuda_
     assert app.wait() == 0, app.stderr
     out = migrations(simcuda.read_trace(cuda_app.trace), direction="to_host", owner=app.pid)
     assert [(m["cause"], m["bytes"]) for m in out] == [("prefetch", 16 * MIB)]
+
+
+# --- the swap engine: a pinned swap area, copies at link speed, discard (issue 18) --------------
+
+FAMILIES = [("plain", 4 * MIB), ("pitch", MIB), ("async", 2 * MIB), ("pool", 2 * MIB), ("vmm", 2 * MIB)]
+CONVERTED = 4 * MIB + 3 * MIB + 2 * MIB + 2 * MIB  # the pitched one is 3 rows of 1 MiB
+EVERYTHING = CONVERTED + 2 * MIB
+
+
+def memory_until(scheduler: ScriptedScheduler, ready) -> dict[str, str]:
+    """The MEMORY reports until one satisfies `ready`."""
+    while not ready(fields := scheduler.expect("MEMORY")):
+        pass
+    return fields
+
+
+def patterned_app(cuda_app, env):
+    steps = ["init"] + [f"pattern:{family}:{size}" for family, size in FAMILIES] + ["sync", "wait", "verify",
+                                                                                   "unpattern"]
+    return cuda_app(env, *steps)
+
+
+def test_a_pinned_area_makes_swapping_copies_and_every_access_path_finds_the_data_back(scripted, cuda_app, simcuda,
+                                                                                       tmp_path):
+    """PREPARE: the process pins a swap area (in the background). DROP evict=: every converted
+    allocation (plain, pitched, async, pool) is copied to it over the device-to-host link and
+    discarded, the VMM memory copied and its physical handle released; nothing migrates. GRANT:
+    the pages are made resident again without copying, the bytes copied back over the other
+    link, the VMM handle re-made at the same address, all before the gate opens: a copy, an
+    async copy, a memset, a kernel, a graph and a host function all find the data."""
+    env = {**scripted.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
+           "SIMCUDA_PIN_US_PER_MIB": "20", "NVSHARE_VMM": "swap"}
+    app = patterned_app(cuda_app, env)
+    grant(scripted, 1)
+    app.expect("waiting")
+    scripted.send("PREPARE", device=scripted.device, bytes=32 * MIB)
+    ready = memory_until(scripted, lambda fields: int(fields.get("area", 0)) >= 32 * MIB)
+    assert ready["engine"] == "copy"
+    before = len(scripted.seen)
+    scripted.send("DROP", device=scripted.device, grant=1, grace_ms=60_000, reason="quantum", evict=EVERYTHING)
+    release = scripted.expect("RELEASE")
+    assert release["resident"] == "0"
+    # The move said how far it got as it went: resident falling, step by step, before the RELEASE.
+    progress = [int(text.split("resident=")[1].split("\n")[0]) for text in scripted.seen[before:-1]
+                if text.startswith("NVSHARE/1 MEMORY") and "resident=" in text]
+    assert len(progress) >= 3 and progress == sorted(progress, reverse=True), progress
+    lines = simcuda.read_trace(cuda_app.trace)
+    out = [c for c in lines if c["op"] == "memcpy" and c.get("link") == "d2h" and c["pid"] == app.pid]
+    assert sum(c["bytes"] for c in out) == EVERYTHING
+    assert sum(d["bytes"] for d in lines if d["op"] == "discard") == CONVERTED
+    assert [(p["event"], p["bytes"]) for p in lines if p["op"] == "physical"] == [("reserve", 2 * MIB),
+                                                                                  ("release", 2 * MIB)]
+    assert migrations(lines, direction="to_host") == []  # nothing went the slow way
+
+    app.continue_()
+    grant(scripted, 2, prefetch=EVERYTHING)
+    app.expect("verified 5")
+    assert app.wait() == 0, app.stderr
+    lines = simcuda.read_trace(cuda_app.trace)
+    back = [c for c in lines if c["op"] == "memcpy" and c.get("link") == "h2d" and c["pid"] == app.pid]
+    assert sum(c["bytes"] for c in back) == EVERYTHING
+    assert moved(lines, owner=app.pid, cause="populate") == CONVERTED
+    # The VMM memory was made again at its address, and the application's own handle frees it.
+    assert [(p["event"], p["bytes"]) for p in lines if p["op"] == "physical"][-2:] == [("reserve", 2 * MIB),
+                                                                                        ("release", 2 * MIB)]
+
+
+def test_vmm_memory_moves_only_when_the_process_says_swap(scripted, cuda_app, simcuda, tmp_path):
+    """NVSHARE_VMM's default (allow): VMM memory is counted as memory that cannot move; a DROP
+    that asks for everything moves the converted allocations and leaves the VMM handle mapped."""
+    env = {**scripted.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
+           "SIMCUDA_PIN_US_PER_MIB": "20"}
+    app = patterned_app(cuda_app, env)
+    grant(scripted, 1)
+    app.expect("waiting")
+    scripted.send("PREPARE", device=scripted.device, bytes=32 * MIB)
+    memory_until(scripted, lambda fields: int(fields.get("area", 0)) >= 32 * MIB)
+    scripted.send("DROP", device=scripted.device, grant=1, grace_ms=60_000, reason="quantum", evict=EVERYTHING)
+    assert scripted.expect("RELEASE")["resident"] == "0"  # of what can move: the VMM memory is not part of it
+    lines = simcuda.read_trace(cuda_app.trace)
+    assert [p["event"] for p in lines if p["op"] == "physical"] == ["reserve"]  # never released
+    app.continue_()
+    grant(scripted, 2, prefetch=EVERYTHING)
+    app.expect("verified 5")
+    assert app.wait() == 0, app.stderr
+
+
+def test_a_driver_without_discard_swaps_by_prefetch_and_says_so(scripted, cuda_app, simcuda, tmp_path):
+    """A CUDA 12.8 driver has no cuMemDiscardBatchAsync: the engine says "migrate", converted
+    memory moves by cuMemPrefetchAsync (the old path), VMM memory stays, and the data is there
+    after the grant all the same."""
+    env = {**scripted.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
+           "SIMCUDA_DRIVER_VERSION": "12080", "NVSHARE_VMM": "swap"}
+    app = patterned_app(cuda_app, env)
+    grant(scripted, 1)
+    app.expect("waiting")
+    report = memory_until(scripted, lambda fields: "engine" in fields)
+    assert report["engine"] == "migrate"
+    scripted.send("DROP", device=scripted.device, grant=1, grace_ms=60_000, reason="quantum", evict=EVERYTHING)
+    assert scripted.expect("RELEASE")["resident"] == str(2 * MIB)  # the VMM memory could not move
+    lines = simcuda.read_trace(cuda_app.trace)
+    assert moved(lines, owner=app.pid, cause="prefetch", direction="to_host") == CONVERTED
+    assert not [line for line in lines if line["op"] == "discard"]
+    app.continue_()
+    grant(scripted, 2, prefetch=EVERYTHING)
+    app.expect("verified 5")
+    assert app.wait() == 0, app.stderr

@@ -142,7 +142,8 @@ class _Hold:
     wait (when granted, if it did not wait), so that it ages on as a waiter would: a waiter of a
     higher effective class cuts its quantum short (SchedulerCore.quantum_end)."""
 
-    __slots__ = ("grant", "since", "state", "deadline", "reason", "contended", "told_end", "klass", "aged_from")
+    __slots__ = ("grant", "since", "state", "deadline", "reason", "contended", "told_end", "klass", "aged_from",
+                 "told_swap")
 
     def __init__(self, grant: int, since: float, klass: int, aged_from: int) -> None:
         self.grant = grant
@@ -154,6 +155,7 @@ class _Hold:
         self.told_end = 0.0  # the quantum end CONTENDED announced
         self.klass = klass
         self.aged_from = aged_from
+        self.told_swap = (0, 0)  # CONTENDED's evict= and idle_ms= as last told (residency.py)
 
 
 class _Client:
@@ -224,7 +226,7 @@ class _Device:
 class _Pair:
     __slots__ = ("client", "device", "used", "hold", "overdue", "waiting_since", "wait_total", "hold_total",
                  "grants", "blocked_by", "last_wait", "resident", "swapped", "last_held", "queued_seq", "queued_grants",
-                 "queued_class", "recent")
+                 "queued_class", "recent", "swap")
 
     def __init__(self, client: _Client, device: _Device) -> None:
         self.client = client  # changes when a reconnecting process takes its pairs over
@@ -246,6 +248,7 @@ class _Pair:
         self.resident: int | None = None
         self.swapped = 0
         self.last_held = -math.inf
+        self.swap = residency.SwapState()  # its swap engine, and what it was told to prepare and prefetch
         # While waiting: its place in ACQUIRE order, the device's grants_made then, and the
         # priority class it waits in.
         self.queued_seq = 0
@@ -393,10 +396,14 @@ class SchedulerCore:
         contenders = itertools.chain(dev.holders.values(), dev.queue)
         heaviest = max((self.weight(other.client) for other in contenders), default=1)
         length = fairshare.quantum(dev.tq, self.weight(pair.client), heaviest, self.config.min_quantum)
+        best = self._next_waiter(dev)
+        if self.config.swapping and best is not None and best is not pair:
+            # Over a budget the handoff swaps: the quantum is long enough that this takes at
+            # most a tenth of it (residency.py), beyond the TQ if need be.
+            length = max(length, residency.quantum_floor(dev, pair, best))
         # The holder ages as if it still waited: one that queued before a waiter of its own
         # class has aged at least as much, so ageing never makes equals cut each other's quanta
         # (it only lifts a lower class past a higher one).
-        best = self._next_waiter(dev)
         holder_rank = fairshare.effective_class(hold.klass, dev.grants_made - hold.aged_from, self.config.ageing)
         if best is not None and self._rank(best) > holder_rank:
             length = min(length, self.config.min_quantum, dev.tq)
@@ -564,10 +571,19 @@ class SchedulerCore:
         dev.used += used - pair.used
         pair.used = used
         self._admission.report(pair, self.principal(client), used)
+        in_flight = pair.swap.allowed
         if ev.resident is not None:
             residency.report(pair, min(ev.resident, used), freed)
-        if dev.mode == "auto" or dev.evict_awaited:
+            if pair.hold is not None and in_flight and not pair.swap.allowed:
+                # A grant's memory is all back: its gate has opened (the handoff's stall ends).
+                out.append(LockEvent(ev.now, "restored", dev.id, client.cid, pair.hold.grant,
+                                     f"resident={ev.resident}"))
+        residency.report_engine(pair, ev.engine, ev.area, ev.out_bps, ev.in_bps)
+        # Swapping: a report may be a move's progress (the next waiter may bring its memory in
+        # behind it), or change what a handoff costs (the quanta and contention notices).
+        if dev.mode == "auto" or dev.evict_awaited or (self.config.swapping and (dev.queue or ev.resident is not None)):
             self._settle(dev, ev.now, out)
+        self._prepare_areas(out)
         self._settle_admission(ev.now, out)
 
     def _acquire(self, client: _Client, ev: AcquireRequest, out: list[Action]) -> None:
@@ -605,7 +621,7 @@ class SchedulerCore:
         out.append(LockEvent(ev.now, "evicted", dev.id, client.cid, detail=f"resident={ev.resident}"))
         if pair in dev.evict_awaited:
             del dev.evict_awaited[pair]
-            self._settle(dev, ev.now, out)
+        self._settle(dev, ev.now, out)
 
     def _heartbeat(self, client: _Client, ev: Alive, out: list[Action]) -> None:
         pass  # liveness was refreshed in handle()
@@ -645,6 +661,7 @@ class SchedulerCore:
         for dev in dict.fromkeys(devices):
             self._settle(dev, now, out)
             self._forget_if_unused(dev)
+        self._prepare_areas(out)
         self._settle_admission(now, out)
 
     # --- time ----------------------------------------------------------------------------
@@ -841,6 +858,7 @@ class SchedulerCore:
                 break
         if dev.evict_deadline is not None and (not dev.queue or now >= dev.evict_deadline):
             self._end_eviction_wait(dev)  # nobody waits for the room any more, or not longer
+        self._prefetch_ahead(dev, now, out)
         self._notify_contention(dev, now, out)
         self._refresh_deadline(dev)
 
@@ -960,15 +978,23 @@ class SchedulerCore:
             hold = pair.hold
             if not contended:
                 hold.contended = False
-            elif hold.state == "holding" and (not hold.contended or self.quantum_end(pair) != hold.told_end):
-                # Again when the quantum's end moved (a heavier or higher-class waiter came).
+                continue
+            if hold.state != "holding":
+                continue
+            swap = self._contended_swap(pair)
+            if (not hold.contended or self.quantum_end(pair) != hold.told_end
+                    or residency.swap_notice_changed(hold.told_swap, swap)):
+                # Again when the quantum's end moved (a heavier or higher-class waiter came), or
+                # what the handoff will move or cost did.
                 hold.contended = True
                 hold.told_end = self.quantum_end(pair)
+                hold.told_swap = swap
                 left = _ms(hold.told_end - now)
                 out.append(Send(pair.client.key, protocol.Contended(device=dev.id, grant=hold.grant,
-                                                                    quantum_left_ms=left)))
+                                                                    quantum_left_ms=left, evict=swap[0],
+                                                                    idle_ms=swap[1])))
                 out.append(Log("debug", "contended", {"client": pair.client.cid, "device": dev.id, "grant": hold.grant,
-                                            "quantum_left_ms": left}))
+                                            "quantum_left_ms": left, "evict": swap[0], "idle_ms": swap[1]}))
 
     def _serialised_against(self, dev: _Device, pair: _Pair) -> bool:
         """Whether `pair` may not run beside the device's current (non-empty) holders."""
@@ -1005,10 +1031,11 @@ class SchedulerCore:
 
     def _budget_changed(self, dev: _Device, before: int, now: float, out: list[Action]) -> None:
         """A device's budget changed from `before`: the capacity follows, and what depends on
-        the budget is settled again (auto mode, room for a grant, admission)."""
+        the budget is settled again (auto mode, room for a grant, swap areas, admission)."""
         self._budgets += dev.budget - before
         self._admission.set_capacity(self._budgets + (self._admission.config.spill or 0))
         self._settle(dev, now, out)
+        self._prepare_areas(out)
         self._settle_admission(now, out)
 
     def _admit(self, client: _Client, ev: AdmitRequest, out: list[Action]) -> None:
@@ -1097,9 +1124,22 @@ class SchedulerCore:
             self._leave_queue(pair, now)
         cid = pair.client.cid
         prefetch = residency.prefetch_on_grant(dev, pair) if self.config.swapping else 0
+        # The grant brings the rest back: until the grantee says it has, all of it counts as in
+        # flight (nobody else is let into its room meanwhile).
+        pair.swap.allowed = residency.converted(pair) if pair.resident is not None and pair.swapped else 0
+        # Made while the budget is exceeded (a holder or an EVICT did not answer within the
+        # grace, or nothing more could move): the event says by how much.
+        over = max(0, residency.excess(dev, pair)) if self.config.swapping and dev.mode != "off" else 0
+        # swapped=: what the grantee still has to bring back before its gate opens (the rest came
+        # in ahead of the grant, behind the holder's swap-out).
+        swapped = pair.swapped if pair.swap.allowed else 0
+        detail = " ".join(part for part in (f"prefetch={prefetch}" if prefetch else "",
+                                            f"swapped={swapped}" if swapped else "",
+                                            f"over_budget={over}" if over else "") if part)
         out.append(Send(pair.client.key, self._grant_message(dev, hold.grant, prefetch)))
-        out.append(LockEvent(now, "grant", dev.id, cid, hold.grant, f"prefetch={prefetch}" if prefetch else ""))
-        out.append(Log("debug", "granted", {"client": cid, "device": dev.id, "grant": hold.grant, "prefetch": prefetch}))
+        out.append(LockEvent(now, "grant", dev.id, cid, hold.grant, detail))
+        out.append(Log("debug", "granted", {"client": cid, "device": dev.id, "grant": hold.grant, "prefetch": prefetch,
+                                            "over_budget": over}))
 
     def _grant_message(self, dev: _Device, grant: int, prefetch: int = 0) -> protocol.Grant:
         return protocol.Grant(device=dev.id, grant=grant, mode=dev.mode, exclusive=dev.mode == "on",
@@ -1140,6 +1180,43 @@ class SchedulerCore:
         dev.evict_deadline = None
         dev.evict_for = None
 
+    def _prefetch_ahead(self, dev: _Device, now: float, out: list[Action]) -> None:
+        """PREFETCH to the waiter served next: room others made (or that was free) it may fill
+        with its swapped-out memory while it waits, so that its gate opens sooner after the
+        grant (residency.prefetch_ahead)."""
+        if not self.config.swapping or dev.mode == "off":
+            return
+        waiter = self._next_waiter(dev)
+        if waiter is None or waiter.hold is not None:
+            return
+        allowed = residency.prefetch_ahead(dev, waiter)
+        if allowed:
+            waiter.swap.allowed = allowed
+            out.append(Send(waiter.client.key, protocol.Prefetch(device=dev.id, resident=allowed)))
+            out.append(LockEvent(now, "prefetch", dev.id, waiter.client.cid, detail=f"resident={allowed}"))
+            out.append(Log("debug", "prefetch-ahead", {"client": waiter.client.cid, "device": dev.id,
+                                                       "resident": allowed}))
+
+    def _contended_swap(self, pair: _Pair) -> tuple[int, int]:
+        """CONTENDED's evict= and idle_ms= for the holder `pair` (residency.py)."""
+        if not self.config.swapping:
+            return (0, 0)
+        dev = pair.device
+        return (self._evict_on_drop(pair), residency.idle_ms(dev, pair, self._next_other_waiter(pair)))
+
+    def _prepare_areas(self, out: list[Action]) -> None:
+        """PREPARE to the clients whose swap area should change (residency.area_targets)."""
+        if not self.config.swapping:
+            return
+        targets = residency.area_targets(self._devices.values(), self._admission.config.spill)
+        for dev in self._devices.values():
+            for pair in dev.pairs:
+                target = targets.get(pair, 0)
+                if residency.prepare_due(pair, target):
+                    pair.swap.prepared = target
+                    out.append(Send(pair.client.key, protocol.Prepare(device=dev.id, bytes=target)))
+                    out.append(Log("debug", "prepare", {"client": pair.client.cid, "device": dev.id, "bytes": target}))
+
     def _drop(self, pair: _Pair, now: float, reason: str, out: list[Action], grace: float | None = None) -> None:
         dev = pair.device
         hold = pair.hold
@@ -1159,11 +1236,16 @@ class SchedulerCore:
         """DROP's `evict=` for the holder `pair`: room for the queue's head (residency.py)."""
         if not self.config.swapping or pair.hold.reason == "conflict":  # a refused claim holds nothing
             return 0
+        return residency.evict_on_drop(pair.device, pair, self._next_other_waiter(pair))
+
+    def _next_other_waiter(self, pair: _Pair) -> _Pair | None:
+        """The waiter served next after `pair`'s release (priority classes, then ACQUIRE order);
+        None when that is `pair` itself."""
         dev = pair.device
-        grantee = self._next_waiter(dev)  # served next (priority classes, then ACQUIRE order)
-        if grantee is pair:  # it asked again and is served next: a handoff to itself moves nothing
-            return 0
-        return residency.evict_on_drop(dev, pair, grantee)
+        grantee = self._next_waiter(dev)
+        # It asked again and is served next: a handoff to itself moves nothing, and no room is
+        # made for anyone behind it.
+        return None if grantee is pair else grantee
 
     def _enqueue(self, pair: _Pair, now: float, out: list[Action]) -> bool:
         """ACQUIRE: idempotent while waiting or holding; a draining holder is queued behind
@@ -1184,6 +1266,7 @@ class SchedulerCore:
         return True
 
     def _leave_queue(self, pair: _Pair, now: float) -> None:
+        pair.swap.allowed = 0
         del pair.device.queue[pair]
         del pair.device.classes[pair.queued_class][pair]
         waited = now - pair.waiting_since

@@ -114,6 +114,11 @@ class MemoryReport:
     device: str
     used: int
     resident: int | None = None  # None: the client does not report residency
+    # Its swap engine, as MEMORY says (residency.py): "" when it says nothing.
+    engine: str = ""
+    area: int | None = None
+    out_bps: int = 0
+    in_bps: int = 0
 
 
 @dataclass(frozen=True)
@@ -330,7 +335,8 @@ def _release(now: float, client: ClientKey, message: protocol.Release) -> Releas
 # message class -> its event, given the time it arrived and the connection's key.
 FROM_CLIENT: Final[Mapping[type[protocol.Message], Translation]] = dict([
     _row(protocol.DeviceAnnouncement, lambda now, client, m: DeviceInfo(now, client, m.device, m.total, m.name)),
-    _row(protocol.Memory, lambda now, client, m: MemoryReport(now, client, m.device, m.used, m.resident)),
+    _row(protocol.Memory, lambda now, client, m: MemoryReport(now, client, m.device, m.used, m.resident, m.engine,
+                                                               m.area, m.out_bps, m.in_bps)),
     _row(protocol.Acquire, lambda now, client, m: AcquireRequest(now, client, m.device)),
     _row(protocol.Admit, lambda now, client, m: AdmitRequest(now, client, m.device, m.request, m.bytes)),
     _row(protocol.Release, _release),

@@ -1,25 +1,65 @@
-"""Residency rules of the lock core: how much memory moves at a handoff (docs/scheduler.md,
-"Budgets and swapping"). Pure functions over the core's pairs and devices; core.py decides when
-they are asked and carries out what they say.
+"""Residency rules of the lock core: how much memory moves at a handoff, when, and what it costs
+(docs/scheduler.md, "Budgets and swapping"). Pure functions over the core's pairs and devices;
+core.py decides when they are asked and carries out what they say.
 
 What the scheduler knows of a pair (one client on one device):
 - `used`: MEMORY.used, all the client's allocations on the device (converted and unconverted);
 - `resident`: the latest `resident=` the client reported (MEMORY, RELEASE, EVICTED): its
-  converted bytes it believes are on the device; None while it never reported one (a client
+  swappable bytes it believes are on the device; None while it never reported one (a client
   that does not swap: nothing of it is ever asked to move);
 - `swapped`: bytes the scheduler saw it move to the host (drops of `resident` that a free does
-  not explain) and not yet bring back.
+  not explain) and not yet bring back;
+- `swap` (a SwapState): what its swap engine said of itself (MEMORY engine=, area=, out_bps=,
+  in_bps=) and what the scheduler told it to prepare (PREPARE) and to bring back ahead of its
+  grant (PREFETCH).
 
 A pair's *footprint*, what it occupies of the device now, is `used - swapped`: unconverted
 allocations can never move and count in full, and a client that reports no residency counts
-with all it allocated. The budget holds the footprints of a device's clients. When the lock
-passes to a *grantee*, it wants all of its memory back (`used`, at most the budget); the
-*excess* is what the others' footprints leave short of that.
+with all it allocated. What it *occupies* also holds what it was allowed to bring back and has
+not reported yet (memory in flight). The budget holds what the device's clients occupy. When the
+lock passes to a *grantee*, it wants all of its memory back (`used`, at most the budget); the
+*excess* is what the others leave short of that.
+
+Handoffs are pipelined (issue 18): the holder is told with CONTENDED what its release will move
+out, so that it moves it as its quantum ends; as it reports the move (MEMORY resident=, piece by
+piece), the next waiter is allowed to bring its own memory back into the room made (PREFETCH),
+over the other direction of the link; its gate opens once the rest came back after the GRANT. A
+handoff thus stalls the grantee for about the larger of the two moves, not their sum.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
+
+# Before a client has measured its swap engine: pinned copies at the pace of a PCIe 4.0 x16 link,
+# the slowest a data-centre GPU of recent years has (an H200's moved 52-55 GB/s), so that costs
+# are not underestimated.
+UNMEASURED_COPY_BPS = 25e9
+# Memory moved out by the driver's prefetch (an engine without the pinned path, or what its
+# pinned area cannot hold yet): a process's first eviction ran at 2.5-6.6 GB/s on an H200, later
+# ones at 11-15.
+MIGRATE_OUT_BPS = 4e9
+# Under a budget a quantum is long enough that a handoff's swapping takes at most this share of
+# it (issue 18).
+SWAP_SHARE_OF_QUANTUM = 0.10
+# What a handoff costs besides moving memory: the drain, the messages, the copies' start-up.
+HANDOFF_OVERHEAD_S = 0.05
+# PREPARE and PREFETCH are sent again only when what they say moved by this much (or to 0, or
+# to everything): the clients' areas grow in chunks of this size and their moves in blocks.
+STEP_BYTES = 64 << 20
+
+
+@dataclass
+class SwapState:
+    """A pair's swap engine as its client reported it, and what the scheduler told it."""
+
+    engine: str = ""     # "copy" (pinned copies at link speed), "migrate" (the driver's prefetch), "" unknown
+    area: int = 0        # pinned bytes it has ready
+    out_bps: int = 0     # its last moves to the host and back, bytes per second (0: not measured)
+    in_bps: int = 0
+    prepared: int = 0    # the last PREPARE's bytes
+    allowed: int = 0     # the last PREFETCH's resident= in the current wait (0: none)
 
 
 def footprint(pair) -> int:
@@ -27,8 +67,21 @@ def footprint(pair) -> int:
     return max(0, pair.used - pair.swapped)
 
 
+def converted(pair) -> int:
+    """Bytes of the pair a swap can move, on the device or not."""
+    return (pair.resident or 0) + pair.swapped if pair.resident is not None else 0
+
+
+def occupied(pair) -> int:
+    """What the budget holds of the pair: its footprint, or what it was allowed to bring back
+    ahead of its grant when that is more (memory in flight counts before it arrives)."""
+    if not pair.swap.allowed or pair.resident is None:
+        return footprint(pair)
+    return max(footprint(pair), min(pair.used, pair.swap.allowed + pair.used - converted(pair)))
+
+
 def movable(pair) -> int:
-    """Bytes the pair could move to the host if asked: its converted memory on the device."""
+    """Bytes the pair could move to the host if asked: its swappable memory on the device."""
     return pair.resident or 0
 
 
@@ -40,23 +93,23 @@ def excess(dev, grantee) -> int:
     if budget <= 0:
         return 0
     wanted = min(grantee.used, budget)
-    # Every footprint is at most its `used`, whose sum the device keeps: when even that fits,
-    # the answer needs no walk over the clients (every handoff asks, most of them fit).
+    # What any pair occupies is at most its `used`, whose sum the device keeps: when even that
+    # fits, the answer needs no walk over the clients (every handoff asks, most of them fit).
     bound = dev.used - footprint(grantee) + wanted - budget
     if bound <= 0:
         return bound
-    others = sum(footprint(pair) for pair in dev.pairs if pair is not grantee)
+    others = sum(occupied(pair) for pair in dev.pairs if pair is not grantee)
     return others + wanted - budget
 
 
 def evict_on_drop(dev, holder, grantee) -> int:
-    """DROP's `evict=`: what `holder` moves out before its release so that `grantee` fits.
+    """DROP's (and CONTENDED's) `evict=`: what `holder` moves out before its release so that
+    `grantee` fits.
 
     Exactly the excess, never more: memory the holder keeps resident is memory it need not
-    bring back at its next turn (a move each way costs about 8 GiB / 0.2 s on an H200), so the
-    smallest eviction that makes room is the cheapest handoff. Whatever the holder cannot cover
-    (its converted memory on the device is less than the excess) is asked of the idle clients
-    with EVICT at grant time."""
+    bring back at its next turn, so the smallest eviction that makes room is the cheapest
+    handoff. Whatever the holder cannot cover (its swappable memory on the device is less than
+    the excess) is asked of the idle clients with EVICT at grant time."""
     if grantee is None or dev.mode == "off":
         return 0
     return max(0, min(movable(holder), excess(dev, grantee)))
@@ -67,8 +120,28 @@ def prefetch_on_grant(dev, grantee) -> int:
     budget = dev.budget
     if dev.mode == "off" or budget <= 0 or not grantee.swapped:
         return 0
-    room = budget - sum(footprint(pair) for pair in dev.pairs)
+    room = budget - sum(occupied(pair) for pair in dev.pairs if pair is not grantee) - footprint(grantee)
     return max(0, min(grantee.swapped, room))
+
+
+def prefetch_ahead(dev, waiter) -> int:
+    """PREFETCH's `resident=` for `waiter`, the next one to be granted: how much of its swappable
+    memory may be on the device while it still waits, in the room the others leave (0: nothing
+    to say). It rises as the holder reports its memory going out, and the waiter's moves in run
+    meanwhile on the other direction of the link."""
+    budget = dev.budget
+    if dev.mode == "off" or budget <= 0 or waiter.resident is None or not waiter.swapped:
+        return 0
+    others = sum(occupied(pair) for pair in dev.pairs if pair is not waiter)
+    unconverted = waiter.used - converted(waiter)
+    allowed = min(converted(waiter), budget - others - unconverted)
+    if allowed <= waiter.resident:
+        return 0
+    told = waiter.swap.allowed
+    step = min(STEP_BYTES, max(1, converted(waiter) // 8))
+    if allowed < converted(waiter) and allowed - told < step:
+        return 0  # wait until there is a block's worth more (or an eighth of it all, or all of it)
+    return allowed if allowed > told else 0
 
 
 def eviction_plan(dev, grantee, asked: Iterable) -> list[tuple[object, int]]:
@@ -104,3 +177,92 @@ def report(pair, resident: int, freed: int = 0) -> None:
             pair.swapped -= change
     pair.swapped = max(0, min(pair.swapped, pair.used))
     pair.resident = resident
+    if pair.swap.allowed and resident >= min(pair.swap.allowed, converted(pair)):
+        pair.swap.allowed = 0  # arrived: it occupies it now
+
+
+def report_engine(pair, engine: str, area: int | None, out_bps: int, in_bps: int) -> None:
+    """Apply what a MEMORY report says of the client's swap engine (an empty engine: nothing)."""
+    if not engine:
+        return
+    pair.swap.engine = engine
+    pair.swap.area = area or 0
+    if out_bps:
+        pair.swap.out_bps = out_bps
+    if in_bps:
+        pair.swap.in_bps = in_bps
+
+
+# --- what swapping costs, and the policy that weighs it -----------------------------------------
+
+
+def handoff_seconds(dev, holder, grantee) -> float:
+    """How long a handoff from `holder` to `grantee` stalls the grantee for swapping: the holder's
+    eviction at its measured pace out, the grantee's swapped memory at its pace in; pipelined,
+    the two overlap, so the longer one counts. 0 when nothing moves."""
+    if grantee is None or dev.mode == "off" or dev.budget <= 0:
+        return 0.0
+    out = _out_seconds(holder, evict_on_drop(dev, holder, grantee))
+    back = min(grantee.swapped, converted(grantee)) / (grantee.swap.in_bps or UNMEASURED_COPY_BPS)
+    moves = max(out, back)
+    return moves + HANDOFF_OVERHEAD_S if moves > 0 else 0.0
+
+
+def _out_seconds(pair, nbytes: int) -> float:
+    """How long `pair` takes to move `nbytes` more to the host: through what its pinned area has
+    free at its measured pace, the rest by the driver's prefetch. So while an area is still
+    being pinned, a handoff costs what the slow path costs, and the quanta and idle windows wait
+    for the area instead of paying that."""
+    if pair.swap.engine != "copy":
+        return nbytes / (pair.swap.out_bps or MIGRATE_OUT_BPS)
+    through_area = min(nbytes, max(0, pair.swap.area - pair.swapped))
+    return through_area / (pair.swap.out_bps or UNMEASURED_COPY_BPS) + (nbytes - through_area) / MIGRATE_OUT_BPS
+
+
+def quantum_floor(dev, holder, grantee) -> float:
+    """Under a budget, the shortest quantum for `holder` while `grantee` is next: long enough
+    that the handoff's swapping is at most SWAP_SHARE_OF_QUANTUM of it (0: no floor)."""
+    return handoff_seconds(dev, holder, grantee) / SWAP_SHARE_OF_QUANTUM
+
+
+def idle_ms(dev, holder, grantee) -> int:
+    """CONTENDED's `idle_ms=`: a holder is not released for idleness shorter than its handoff
+    would cost (0: the client's own window applies)."""
+    return round(handoff_seconds(dev, holder, grantee) * 1000)
+
+
+def area_targets(devices, spill: int | None) -> dict:
+    """PREPARE's bytes for every pair that swaps: the most of its memory it may be asked to
+    hold on the host at once on its device, i.e. its swappable memory, but no more than what
+    the device's clients have beyond its budget. Within the node's host-memory policy: with
+    admission's spill set, the areas together take at most the spill (each is cut in the same
+    proportion)."""
+    targets = {}
+    for dev in devices:
+        budget = dev.budget
+        over = dev.used - budget if budget > 0 and dev.mode != "off" else 0
+        for pair in dev.pairs:
+            if pair.resident is None or pair.swap.engine == "migrate":
+                continue  # does not swap, or needs no area
+            targets[pair] = max(0, min(converted(pair), over))
+    total = sum(targets.values())
+    if spill is not None and total > spill:
+        targets = {pair: bytes_ * spill // total for pair, bytes_ in targets.items()}
+    return targets
+
+
+def _moved(told: int, now: int, step: int) -> bool:
+    """Whether a figure the client was told moved enough to tell it again: from or to nothing,
+    or by `step`, or by an eighth of itself when that is less."""
+    return now != told and (told == 0 or now == 0 or abs(now - told) >= min(step, max(now, told) // 8))
+
+
+def swap_notice_changed(told: tuple[int, int], now: tuple[int, int]) -> bool:
+    """Whether CONTENDED should be sent again for what a handoff moves and costs (evict=,
+    idle_ms=)."""
+    return _moved(told[0], now[0], STEP_BYTES) or _moved(told[1], now[1], 100)
+
+
+def prepare_due(pair, target: int) -> bool:
+    """Whether PREPARE should say `target` now."""
+    return _moved(pair.swap.prepared, target, STEP_BYTES)

@@ -214,6 +214,9 @@ def _pair_status(pair, now: float) -> dict:
         "wait_total": pair.wait_total + (now - pair.waiting_since if waiting else 0.0),
         "hold_total": pair.hold_total + (now - pair.hold.since if pair.hold is not None else 0.0),
         "grants": pair.grants,
+        # Its swap engine as it reported it (docs/interceptor.md, "Swapping"); None: it did not.
+        "swap": {"engine": pair.swap.engine, "area": pair.swap.area, "out_bps": pair.swap.out_bps,
+                 "in_bps": pair.swap.in_bps} if pair.swap.engine else None,
     }
 
 
@@ -277,6 +280,9 @@ WORDING: dict[str, Callable[[dict], str]] = {
                                 f"(EVICTED not received from {f['silent'] or 'nobody'}, or what moved was not enough): "
                                 "granting anyway, the driver's faults share the memory"),
     "evicted-stale": lambda f: f"{f['client']} answered EVICT for {f['device']}, which it does not use",
+    "prepare": lambda f: f"{f['client']} told to keep a swap area of {f['bytes']} bytes ready for {f['device']}",
+    "prefetch-ahead": lambda f: (f"{f['client']} may bring memory of {f['device']} back ahead of its grant, up to "
+                                 f"{f['resident']} bytes resident"),
     "weight-set": lambda f: f"weight of {f['target']}: {f['weight']}",
     "priority-set": lambda f: f"priority class of {f['target']}: {f['priority']}",
     "limit-set": lambda f: f"memory limit of {f['target']} on {f['device'] or 'every device'}: {_size(f['bytes'])}",

@@ -28,16 +28,32 @@ enum side { SIDE_HOST, SIDE_DEVICE, SIDE_UNIFIED };
 struct endpoint_use {
     int known;                    /* driver memory; otherwise pageable host memory */
     int host;                     /* pinned host, managed or pageable memory */
+    int device_side;              /* memory on the device's side of the link (managed included) */
 };
 
 static CUresult classify(uintptr_t ptr, size_t bytes, enum side side, struct endpoint_use *use)
 {
-    enum sim_family family;
+    enum sim_family family = SIM_MEM_HOST;
     use->known = sim_mem_range_known(ptr, bytes, &family);
     if (side == SIDE_DEVICE && !use->known)
         return CUDA_ERROR_INVALID_VALUE;
     use->host = !use->known || family == SIM_MEM_HOST || family == SIM_MEM_MANAGED;
+    use->device_side = use->known && family != SIM_MEM_HOST;
     return CUDA_SUCCESS;
+}
+
+/* The link a copy crosses, for the residency model's copy engines: device-side memory to host
+ * memory is device-to-host, and the other way round; anything else crosses none. */
+static void set_link(struct sim_copy *copy, const struct endpoint_use *dst, const struct endpoint_use *src)
+{
+    copy->link = SIM_ENGINE_COMPUTE;
+    if (src->device_side && !dst->device_side) {
+        copy->link = SIM_ENGINE_D2H;
+        copy->pageable = !dst->known;
+    } else if (dst->device_side && !src->device_side) {
+        copy->link = SIM_ENGINE_H2D;
+        copy->pageable = !src->known;
+    }
 }
 
 static CUresult submit_copy(struct sim_copy copy, enum side dst_side, enum side src_side, CUstream hStream,
@@ -61,6 +77,7 @@ static CUresult submit_copy(struct sim_copy copy, enum side dst_side, enum side 
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     copy.check_dst = dst.known;
     copy.check_src = src.known;
+    set_link(&copy, &dst, &src);
     struct sim_op *op = sim_op_new(SIM_OP_MEMCPY, api);
     int wait = synchronous ? dst.host || src.host : !dst.known;
     if (!synchronous && !src.known) {
@@ -276,8 +293,12 @@ static CUresult copy_batch(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, 
         struct sim_copy *copy = &op->u.batch.copies[i];
         *copy = (struct sim_copy){.dst = (uintptr_t)dsts[i], .src = (uintptr_t)srcs[i], .width = sizes[i],
                                   .height = 1, .depth = 1};
-        copy->check_dst = sim_mem_range_known(copy->dst, copy->width, NULL);
-        copy->check_src = sim_mem_range_known(copy->src, copy->width, NULL);
+        struct endpoint_use dst, src;
+        classify(copy->dst, copy->width, SIDE_UNIFIED, &dst);
+        classify(copy->src, copy->width, SIDE_UNIFIED, &src);
+        copy->check_dst = dst.known;
+        copy->check_src = src.known;
+        set_link(copy, &dst, &src);
         pageable |= !copy->check_dst || !copy->check_src;
     }
     if (pageable && sim_stream_capturing(stream)) {

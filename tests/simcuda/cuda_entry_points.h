@@ -76,6 +76,8 @@ CU_ENTRY(cuMemAllocHost, cuMemAllocHost, 2000, 0, (void **pp, unsigned int bytes
 CU_ENTRY(cuMemAllocHost_v2, cuMemAllocHost, 3020, 0, (void **pp, size_t bytesize))
 CU_ENTRY(cuMemHostAlloc, cuMemHostAlloc, 2020, 0, (void **pp, size_t bytesize, unsigned int Flags))
 CU_ENTRY(cuMemFreeHost, cuMemFreeHost, 2000, 0, (void *p))
+CU_ENTRY(cuMemHostRegister_v2, cuMemHostRegister, 6050, 0, (void *p, size_t bytesize, unsigned int Flags))
+CU_ENTRY(cuMemHostUnregister, cuMemHostUnregister, 4000, 0, (void *p))
 CU_ENTRY(cuMemAllocAsync, cuMemAllocAsync, 11020, 0, (CUdeviceptr *dptr, size_t bytesize, CUstream hStream))
 CU_ENTRY(cuMemAllocAsync_ptsz, cuMemAllocAsync, 11020, 1, (CUdeviceptr *dptr, size_t bytesize, CUstream hStream))
 CU_ENTRY(cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync, 11020, 0, (CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream))
@@ -115,6 +117,8 @@ CU_ENTRY(cuMemAddressFree, cuMemAddressFree, 10020, 0, (CUdeviceptr ptr, size_t 
 CU_ENTRY(cuMemMap, cuMemMap, 10020, 0, (CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle, unsigned long long flags))
 CU_ENTRY(cuMemUnmap, cuMemUnmap, 10020, 0, (CUdeviceptr ptr, size_t size))
 CU_ENTRY(cuMemSetAccess, cuMemSetAccess, 10020, 0, (CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count))
+CU_ENTRY(cuMemRetainAllocationHandle, cuMemRetainAllocationHandle, 11000, 0, (CUmemGenericAllocationHandle *handle, void *addr))
+CU_ENTRY(cuMemExportToShareableHandle, cuMemExportToShareableHandle, 10020, 0, (void *shareableHandle, CUmemGenericAllocationHandle handle, CUmemAllocationHandleType handleType, unsigned long long flags))
 
 /* Streams */
 CU_ENTRY(cuStreamCreate, cuStreamCreate, 2000, 0, (CUstream *phStream, unsigned int Flags))

@@ -295,6 +295,7 @@ static size_t op_bytes(const struct sim_op *op)
     case SIM_OP_MEMSET:
         return op->u.set.width * op->u.set.height * op->u.set.element_size;
     case SIM_OP_PREFETCH:
+    case SIM_OP_DISCARD:
         return op->u.prefetch.bytes;
     case SIM_OP_KERNEL:
         return op->u.kernel.count * 4; /* nvshare_fill */
@@ -319,7 +320,16 @@ static void json_escape(char *out, size_t size, const char *text)
     out[used] = '\0';
 }
 
-static void trace(const struct sim_ctx *ctx, const struct sim_op *op, double start, double end, CUresult error)
+/* What an operation did beyond its kind, for its trace line: the link a copy crossed and how
+ * long it waited for its turns there, what a discard gave up. */
+struct outcome {
+    enum sim_engine link;         /* SIM_ENGINE_COMPUTE: none */
+    double link_wait;
+    size_t released;
+};
+
+static void trace(const struct sim_ctx *ctx, const struct sim_op *op, double start, double end, CUresult error,
+                  const struct outcome *outcome)
 {
     if (trace_fd < 0)
         return;
@@ -342,6 +352,9 @@ static void trace(const struct sim_ctx *ctx, const struct sim_op *op, double sta
     case SIM_OP_HOST_FN:
         kind = "host";
         break;
+    case SIM_OP_DISCARD:
+        kind = "discard";
+        break;
     default:
         return; /* events, waits and frees are bookkeeping, not GPU work */
     }
@@ -352,6 +365,11 @@ static void trace(const struct sim_ctx *ctx, const struct sim_op *op, double sta
     if (op->kind != SIM_OP_HOST_FN && !(op->kind == SIM_OP_KERNEL && op->u.kernel.kind == SIM_KERNEL_SLEEP))
         length += snprintf(fields + length, sizeof fields - (size_t)length, ", \"bytes\": %zu", op_bytes(op));
     length += snprintf(fields + length, sizeof fields - (size_t)length, ", \"api\": \"%s\"", op->api);
+    if (outcome->link != SIM_ENGINE_COMPUTE)
+        length += snprintf(fields + length, sizeof fields - (size_t)length, ", \"link\": \"%s\", \"link_wait\": %.6f",
+                           outcome->link == SIM_ENGINE_D2H ? "d2h" : "h2d", outcome->link_wait);
+    if (op->kind == SIM_OP_DISCARD)
+        length += snprintf(fields + length, sizeof fields - (size_t)length, ", \"released\": %zu", outcome->released);
     if (op->tag[0]) {
         json_escape(tag, sizeof tag, op->tag);
         length += snprintf(fields + length, sizeof fields - (size_t)length, ", \"tag\": \"%s\"", tag);
@@ -407,6 +425,23 @@ static void run_sleep(struct sim_ctx *ctx, const struct sim_op *op, double start
     } while (duration > 0);
 }
 
+/* With residency modelled, a copy between device-side memory and host memory first takes its
+ * turns on the link (cuda_residency.c) for its cost; the bytes move when it has paid. */
+static void cross_link(struct sim_ctx *ctx, const struct sim_op *op, struct outcome *outcome)
+{
+    if (!sim_residency_models(ctx->device))
+        return;
+    const struct sim_copy *copies = op->kind == SIM_OP_BATCH ? op->u.batch.copies : &op->u.copy;
+    size_t count = op->kind == SIM_OP_BATCH ? op->u.batch.count : 1;
+    for (size_t i = 0; i < count; i++) {
+        if (copies[i].link == SIM_ENGINE_COMPUTE)
+            continue;
+        if (outcome->link == SIM_ENGINE_COMPUTE)
+            outcome->link = copies[i].link;
+        outcome->link_wait += sim_link_transfer(ctx->device, copies[i].link, copy_bytes(&copies[i]), copies[i].pageable);
+    }
+}
+
 static void execute(struct sim_ctx *ctx, struct sim_op *op)
 {
     if (op->kind == SIM_OP_WAIT) {
@@ -426,23 +461,34 @@ static void execute(struct sim_ctx *ctx, struct sim_op *op)
         return;
     double start = sim_now();
     CUresult error = CUDA_SUCCESS;
-    if (op->kind == SIM_OP_KERNEL && op->u.kernel.kind == SIM_KERNEL_SLEEP)
+    struct outcome outcome = {.link = SIM_ENGINE_COMPUTE};
+    if (op->kind == SIM_OP_KERNEL && op->u.kernel.kind == SIM_KERNEL_SLEEP) {
         run_sleep(ctx, op, start);
-    else if (op->kind == SIM_OP_HOST_FN)
+    } else if (op->kind == SIM_OP_HOST_FN) {
         op->u.host.fn(op->u.host.data);
-    else if (op->kind == SIM_OP_KERNEL || op->kind == SIM_OP_PREFETCH) {
+    } else if (op->kind == SIM_OP_DISCARD) {
+        outcome.released = sim_residency_discard(ctx, op->u.prefetch.ptr, op->u.prefetch.bytes);
+    } else if (op->kind == SIM_OP_PREFETCH && op->u.prefetch.discard) {
+        /* Nothing is copied: the pages are made anew where they go, without the compute engine. */
+        sim_residency_discard(ctx, op->u.prefetch.ptr, op->u.prefetch.bytes);
+        sim_residency_touch(ctx, op);
+        error = run_memory_op(op);
+    } else if (op->kind == SIM_OP_KERNEL || op->kind == SIM_OP_PREFETCH) {
         sim_engine_enter(ctx->device);
         sim_residency_touch(ctx, op);
         error = run_memory_op(op);
         sim_engine_leave(ctx->device);
-    } else
+    } else {
+        if (op->kind == SIM_OP_MEMCPY || op->kind == SIM_OP_BATCH)
+            cross_link(ctx, op, &outcome);
         error = run_memory_op(op);
+    }
     double end = sim_now();
     if (error != CUDA_SUCCESS) {
         int expected = CUDA_SUCCESS;
         atomic_compare_exchange_strong(&ctx->sticky, &expected, error);
     }
-    trace(ctx, op, start, end, error);
+    trace(ctx, op, start, end, error, &outcome);
 }
 
 static void *executor_main(void *argument)

@@ -146,11 +146,37 @@ SIM_EXPORT CUresult cuInit(unsigned int Flags)
     return init_result;
 }
 
+/* SIMCUDA_DRIVER_VERSION (CUDA version numbers: 12080 for a 12.8 driver), at most the simulated
+ * driver's own; read on first use (lookups happen before cuInit). An unusable value is the
+ * driver's own version, with a message. */
+static pthread_once_t version_once = PTHREAD_ONCE_INIT;
+static int driver_version = SIM_DRIVER_VERSION;
+
+static void read_driver_version(void)
+{
+    const char *text = getenv("SIMCUDA_DRIVER_VERSION");
+    if (!text)
+        return;
+    char *end;
+    long value = strtol(text, &end, 10);
+    if (end == text || *end || value < 2000 || value > SIM_DRIVER_VERSION)
+        fprintf(stderr, "simcuda: SIMCUDA_DRIVER_VERSION=%s is not a CUDA version from 2000 to %d\n", text,
+                SIM_DRIVER_VERSION);
+    else
+        driver_version = (int)value;
+}
+
+int sim_driver_version(void)
+{
+    pthread_once(&version_once, read_driver_version);
+    return driver_version;
+}
+
 SIM_EXPORT CUresult cuDriverGetVersion(int *driverVersion)
 {
     if (!driverVersion)
         return CUDA_ERROR_INVALID_VALUE;
-    *driverVersion = SIM_DRIVER_VERSION;
+    *driverVersion = sim_driver_version();
     return CUDA_SUCCESS;
 }
 
@@ -180,6 +206,8 @@ static const struct error_text error_texts[] = {
     ERROR_TEXT(CUDA_ERROR_NOT_FOUND, "named symbol not found"),
     ERROR_TEXT(CUDA_ERROR_NOT_READY, "device not ready"),
     ERROR_TEXT(CUDA_ERROR_ILLEGAL_ADDRESS, "an illegal memory access was encountered"),
+    ERROR_TEXT(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, "part or all of the requested memory range is already mapped"),
+    ERROR_TEXT(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, "pointer does not correspond to a registered memory region"),
     ERROR_TEXT(CUDA_ERROR_LAUNCH_FAILED, "unspecified launch failure"),
     ERROR_TEXT(CUDA_ERROR_NOT_PERMITTED, "operation not permitted"),
     ERROR_TEXT(CUDA_ERROR_NOT_SUPPORTED, "operation not supported"),

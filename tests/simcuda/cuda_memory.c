@@ -102,6 +102,12 @@ int sim_mem_range_ok(uintptr_t ptr, size_t bytes)
     return alloc && alloc->accessible;
 }
 
+int sim_mem_overlaps(uintptr_t ptr, size_t bytes)
+{
+    ptrdiff_t index = registry_floor(ptr + bytes - 1);
+    return index >= 0 && registry[index]->start + registry[index]->size > ptr;
+}
+
 int sim_mem_range_known(uintptr_t ptr, size_t bytes, enum sim_family *family)
 {
     sim_mem_read_lock();
@@ -170,11 +176,16 @@ static void pool_release(struct sim_pool *pool, size_t bytes)
     }
 }
 
-/* Unmaps and forgets an allocation of any family but VMM (registry write-locked). */
+/* Unmaps and forgets an allocation of any family but VMM (registry write-locked). Registered
+ * host memory is the application's: it stays mapped. */
 static void release(struct sim_alloc *alloc)
 {
-    sim_residency_forget(alloc);
-    munmap((void *)alloc->start, alloc->size);
+    if (alloc->family == SIM_MEM_MANAGED)
+        sim_residency_forget(alloc);
+    else
+        sim_residency_unfix(alloc->device, (uint64_t)alloc->start, alloc->size, &alloc->chunks);
+    if (!alloc->registered)
+        munmap((void *)alloc->start, alloc->size);
     if (alloc->shared_fd >= 0)
         close(alloc->shared_fd);
     if (alloc->charged)
@@ -218,9 +229,20 @@ static CUresult allocate(struct sim_ctx *ctx, size_t bytes, enum sim_family fami
         if (pool->used > pool->used_high)
             pool->used_high = pool->used;
     }
+    sim_mem_unlock();
+    /* Physical device memory takes its place on the modelled device (evicting managed chunks,
+     * which this thread pays for); a device full of physical memory refuses it. */
+    result = charged ? sim_residency_fix(device, (uint64_t)alloc->start, bytes, &alloc->chunks) : CUDA_SUCCESS;
+    if (result != CUDA_SUCCESS) {
+        sim_mem_write_lock();
+        release(alloc);
+        sim_mem_unlock();
+        return result;
+    }
+    if (family == SIM_MEM_HOST)
+        sim_pin_cost(memory, bytes);
     *out = (CUdeviceptr)(uintptr_t)memory;
-    result = CUDA_SUCCESS;
-    goto out;
+    return CUDA_SUCCESS;
 uncharge:
     if (charged)
         sim_mem_uncharge(device, bytes);
@@ -289,6 +311,46 @@ SIM_EXPORT CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flag
 SIM_EXPORT CUresult cuMemAllocHost_v2(void **pp, size_t bytesize)
 {
     return cuMemHostAlloc(pp, bytesize, 0);
+}
+
+/* Pins the application's own memory: it becomes pinned host memory to copies (and pays for the
+ * pinning as cuMemHostAlloc does), and stays the application's to unmap after cuMemHostUnregister. */
+SIM_EXPORT CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags)
+{
+    SIM_ENTER();
+    if (!p || bytesize == 0 ||
+        (Flags & ~(unsigned int)(CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP)))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_ctx *ctx;
+    CUresult result = sim_ctx_require(&ctx);
+    if (result != CUDA_SUCCESS)
+        return result;
+    struct sim_alloc prototype = {
+        .start = (uintptr_t)p, .size = bytesize, .family = SIM_MEM_HOST, .device = ctx->device, .ctx = ctx,
+        .accessible = 1, .shared_fd = -1, .registered = 1,
+    };
+    sim_mem_write_lock();
+    /* Overlapping what the driver already knows (registered or allocated) is refused. */
+    if (sim_mem_overlaps((uintptr_t)p, bytesize))
+        result = CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+    else if (!sim_mem_add(&prototype))
+        result = CUDA_ERROR_OUT_OF_MEMORY;
+    sim_mem_unlock();
+    if (result == CUDA_SUCCESS)
+        sim_pin_cost(p, bytesize);
+    return result;
+}
+
+SIM_EXPORT CUresult cuMemHostUnregister(void *p)
+{
+    SIM_ENTER();
+    sim_mem_write_lock();
+    struct sim_alloc *alloc = sim_mem_find_start((uintptr_t)p);
+    CUresult result = alloc && alloc->registered ? CUDA_SUCCESS : CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+    if (result == CUDA_SUCCESS)
+        release(alloc);
+    sim_mem_unlock();
+    return result;
 }
 
 #define FAMILY(family) (1u << (family))
@@ -603,12 +665,13 @@ static CUmemLocation device_location(CUdevice device)
     return location;
 }
 
-/* A traced operation on the stream; it moves chunks when residency is modelled. */
-static CUresult prefetch(CUdeviceptr devPtr, size_t count, CUmemLocation location, unsigned int flags,
-                         CUstream hStream, const char *api)
+/* A traced operation on the stream; it moves chunks when residency is modelled. `discard`: the
+ * range's contents are discarded first and nothing is copied. */
+static CUresult prefetch(CUdeviceptr devPtr, size_t count, CUmemLocation location, int discard, CUstream hStream,
+                         const char *api)
 {
     SIM_ENTER();
-    if (flags != 0 || !valid_location(location))
+    if (!valid_location(location))
         return CUDA_ERROR_INVALID_VALUE;
     struct sim_ctx *ctx;
     struct sim_stream *stream;
@@ -621,6 +684,7 @@ static CUresult prefetch(CUdeviceptr devPtr, size_t count, CUmemLocation locatio
     op->u.prefetch.ptr = (uintptr_t)devPtr;
     op->u.prefetch.bytes = count;
     op->u.prefetch.target = location.type == CU_MEM_LOCATION_TYPE_DEVICE ? sim_device_get(location.id) : NULL;
+    op->u.prefetch.discard = discard;
     return sim_submit(ctx, stream, op, 0);
 }
 
@@ -629,13 +693,14 @@ SIM_WITH_TWIN(cuMemPrefetchAsync, cuMemPrefetchAsync_ptsz,
               return prefetch(devPtr, count, device_location(dstDevice), 0, hStream, __func__);)
 SIM_WITH_TWIN(cuMemPrefetchAsync_v2, cuMemPrefetchAsync_v2_ptsz,
               (CUdeviceptr devPtr, size_t count, CUmemLocation location, unsigned int flags, CUstream hStream),
-              return prefetch(devPtr, count, location, flags, hStream, __func__);)
+              return flags != 0 ? CUDA_ERROR_INVALID_VALUE : prefetch(devPtr, count, location, 0, hStream, __func__);)
 
 /* Range i goes to prefetchLocs[j], j the last index with prefetchLocIdxs[j] <= i (the first is 0),
- * as batch copies pick their attributes. A discard changes nothing in the simulation. */
+ * as batch copies pick their attributes. With `discard`, the ranges' contents are discarded first
+ * and nothing is copied (cuMemDiscardAndPrefetchBatchAsync): the pages are made where they go. */
 static CUresult prefetch_batch(CUdeviceptr *dptrs, size_t *sizes, size_t count, CUmemLocation *locations,
                                size_t *location_indices, size_t n_locations, unsigned long long flags, CUstream hStream,
-                               const char *api)
+                               int discard, const char *api)
 {
     SIM_ENTER();
     if (!dptrs || !sizes || count == 0 || !locations || !location_indices || n_locations == 0 || n_locations > count ||
@@ -645,22 +710,39 @@ static CUresult prefetch_batch(CUdeviceptr *dptrs, size_t *sizes, size_t count, 
     for (size_t i = 0, j = 0; i < count && result == CUDA_SUCCESS; i++) {
         while (j + 1 < n_locations && location_indices[j + 1] <= i)
             j++;
-        result = prefetch(dptrs[i], sizes[i], locations[j], 0, hStream, api);
+        result = prefetch(dptrs[i], sizes[i], locations[j], discard, hStream, api);
     }
     return result;
 }
 
-static CUresult discard_batch(CUdeviceptr *dptrs, size_t *sizes, size_t count, unsigned long long flags, CUstream hStream)
+/* Checks a batch of ranges to discard: every one managed memory. */
+static CUresult check_discard(CUdeviceptr *dptrs, size_t *sizes, size_t count, unsigned long long flags,
+                              CUstream hStream, struct sim_ctx **ctx, struct sim_stream **stream)
 {
     SIM_ENTER();
     if (!dptrs || !sizes || count == 0 || flags != 0)
         return CUDA_ERROR_INVALID_VALUE;
-    struct sim_ctx *ctx;
-    struct sim_stream *stream;
-    CUresult result = sim_stream_resolve(hStream, &ctx, &stream);
+    CUresult result = sim_stream_resolve(hStream, ctx, stream);
     for (size_t i = 0; i < count && result == CUDA_SUCCESS; i++)
         if (!is_managed_range(dptrs[i], sizes[i]))
             result = CUDA_ERROR_INVALID_VALUE;
+    return result;
+}
+
+/* One traced discard per range, in stream order: the process's chunks there leave the device
+ * without being moved, and the contents become indeterminate (cuda_residency.c). */
+static CUresult discard_batch(CUdeviceptr *dptrs, size_t *sizes, size_t count, unsigned long long flags,
+                              CUstream hStream, const char *api)
+{
+    struct sim_ctx *ctx;
+    struct sim_stream *stream;
+    CUresult result = check_discard(dptrs, sizes, count, flags, hStream, &ctx, &stream);
+    for (size_t i = 0; i < count && result == CUDA_SUCCESS; i++) {
+        struct sim_op *op = sim_op_new(SIM_OP_DISCARD, api);
+        op->u.prefetch.ptr = (uintptr_t)dptrs[i];
+        op->u.prefetch.bytes = sizes[i];
+        result = sim_submit(ctx, stream, op, 0);
+    }
     return result;
 }
 
@@ -669,16 +751,17 @@ static CUresult discard_batch(CUdeviceptr *dptrs, size_t *sizes, size_t count, u
      size_t numPrefetchLocs, unsigned long long flags, CUstream hStream)
 SIM_WITH_TWIN(cuMemPrefetchBatchAsync, cuMemPrefetchBatchAsync_ptsz, SIM_PREFETCH_BATCH_PARAMS,
               return prefetch_batch(dptrs, sizes, count, prefetchLocs, prefetchLocIdxs, numPrefetchLocs, flags, hStream,
-                                    __func__);)
+                                    0, __func__);)
 SIM_WITH_TWIN(cuMemDiscardAndPrefetchBatchAsync, cuMemDiscardAndPrefetchBatchAsync_ptsz, SIM_PREFETCH_BATCH_PARAMS,
-              CUresult result = discard_batch(dptrs, sizes, count, flags, hStream);
+              struct sim_ctx *ctx; struct sim_stream *stream;
+              CUresult result = check_discard(dptrs, sizes, count, flags, hStream, &ctx, &stream);
               if (result != CUDA_SUCCESS) return result;
               return prefetch_batch(dptrs, sizes, count, prefetchLocs, prefetchLocIdxs, numPrefetchLocs, flags, hStream,
-                                    __func__);)
+                                    1, __func__);)
 #undef SIM_PREFETCH_BATCH_PARAMS
 SIM_WITH_TWIN(cuMemDiscardBatchAsync, cuMemDiscardBatchAsync_ptsz,
               (CUdeviceptr *dptrs, size_t *sizes, size_t count, unsigned long long flags, CUstream hStream),
-              return discard_batch(dptrs, sizes, count, flags, hStream);)
+              return discard_batch(dptrs, sizes, count, flags, hStream, __func__);)
 
 static const char *const advice_names[] = {
     [CU_MEM_ADVISE_SET_READ_MOSTLY] = "set_read_mostly",

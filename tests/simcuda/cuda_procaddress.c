@@ -10,6 +10,7 @@
  * - a known name without an entry old enough: CUDA_SUCCESS, status VERSION_NOT_SUFFICIENT;
  * - an unknown name: CUDA_SUCCESS, status SYMBOL_NOT_FOUND (both with *pfn = NULL);
  * - cudaVersion above the driver's version, or an unknown flag: CUDA_ERROR_INVALID_VALUE.
+ * SIMCUDA_DRIVER_VERSION makes it an older driver: entry points newer than it are unknown.
  * The library is linked with -Bsymbolic, so these addresses are the driver's own even when a
  * preloaded library exports the same names (an interceptor relies on that to reach the real
  * functions).
@@ -36,7 +37,8 @@ static const struct entry_point entry_points[] = {
 static CUresult lookup(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
                        CUdriverProcAddressQueryResult *symbolStatus)
 {
-    if (!symbol || !pfn || cudaVersion > SIM_DRIVER_VERSION ||
+    int driver = sim_driver_version();
+    if (!symbol || !pfn || cudaVersion > driver ||
         (flags & ~(cuuint64_t)(CU_GET_PROC_ADDRESS_LEGACY_STREAM | CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM)))
         return CUDA_ERROR_INVALID_VALUE;
     int per_thread = 0;
@@ -47,7 +49,7 @@ static CUresult lookup(const char *symbol, void **pfn, int cudaVersion, cuuint64
     int known = 0;
     for (size_t i = 0; i < ENTRY_POINT_COUNT; i++) {
         const struct entry_point *entry = &entry_points[i];
-        if (entry->per_thread != per_thread || strcmp(entry->base, symbol) != 0)
+        if (entry->per_thread != per_thread || entry->version > driver || strcmp(entry->base, symbol) != 0)
             continue;
         known = 1;
         if (entry->version <= cudaVersion && (!best || entry->version > best->version))

@@ -1,10 +1,15 @@
 /*
  * Virtual memory management: cuMemAddressReserve reserves inaccessible address space,
- * cuMemCreate makes a "physical" allocation (a memfd, counted against the device budget),
- * cuMemMap maps it into a reservation, cuMemSetAccess makes the mapping usable. Two mappings of
- * one allocation share their bytes, as on a GPU.
+ * cuMemCreate makes a "physical" allocation (a memfd, counted against the device budget and,
+ * with residency modelled, holding fixed slots of the device), cuMemMap maps it into a
+ * reservation, cuMemSetAccess makes the mapping usable. Two mappings of one allocation share
+ * their bytes, as on a GPU. A handle counts references (cuMemCreate and each
+ * cuMemRetainAllocationHandle one, each cuMemRelease gives one back); the memory goes when the
+ * last reference and the last mapping are gone. cuMemExportToShareableHandle hands out a file
+ * descriptor of the memory for handle types it was created with.
  */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -16,8 +21,10 @@ struct sim_phys {
     int fd;
     size_t size;
     struct sim_device *device;
+    int handle_types;             /* CUmemAllocationHandleType bits it may be exported as */
+    struct sim_chunks chunks;     /* residency: the fixed slots it holds */
     /* Guarded by the registry lock. */
-    int released;                 /* cuMemRelease was called */
+    int references;              /* cuMemCreate and retains, less releases */
     int mappings;                 /* live cuMemMap ranges */
 };
 
@@ -40,8 +47,9 @@ static struct reservation *find_reservation(uintptr_t ptr, size_t size)
 /* Frees the memory of a released, unmapped allocation (registry write-locked). */
 static void phys_destroy_if_unused(struct sim_phys *phys)
 {
-    if (!phys->released || phys->mappings > 0)
+    if (phys->references > 0 || phys->mappings > 0)
         return;
+    sim_residency_unfix(phys->device, (uint64_t)(uintptr_t)phys, phys->size, &phys->chunks);
     close(phys->fd);
     sim_mem_uncharge(phys->device, phys->size);
     phys->magic = SIM_MAGIC_DEAD;
@@ -90,6 +98,8 @@ SIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
     phys->magic = SIM_MAGIC_PHYS;
     phys->size = size;
     phys->device = device;
+    phys->handle_types = prop->requestedHandleTypes;
+    phys->references = 1;
     phys->fd = memfd_create("simcuda-vmm", MFD_CLOEXEC);
     if (phys->fd < 0 || ftruncate(phys->fd, (off_t)size) != 0) {
         if (phys->fd >= 0)
@@ -100,10 +110,18 @@ SIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
     sim_mem_write_lock();
     int charged = sim_mem_charge(device, size) == 0;
     sim_mem_unlock();
-    if (!charged) {
+    /* On the modelled device it takes its room now (not when mapped), as physical memory does. */
+    result = charged ? sim_residency_fix(device, (uint64_t)(uintptr_t)phys, size, &phys->chunks)
+                     : CUDA_ERROR_OUT_OF_MEMORY;
+    if (result != CUDA_SUCCESS) {
+        if (charged) {
+            sim_mem_write_lock();
+            sim_mem_uncharge(device, size);
+            sim_mem_unlock();
+        }
         close(phys->fd);
         free(phys);
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        return result;
     }
     *handle = (CUmemGenericAllocationHandle)(uintptr_t)phys;
     return CUDA_SUCCESS;
@@ -112,7 +130,7 @@ SIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
 static CUresult check_phys(CUmemGenericAllocationHandle handle, struct sim_phys **out)
 {
     struct sim_phys *phys = (struct sim_phys *)(uintptr_t)handle;
-    if (!phys || phys->magic != SIM_MAGIC_PHYS || phys->released)
+    if (!phys || phys->magic != SIM_MAGIC_PHYS || phys->references == 0)
         return CUDA_ERROR_INVALID_VALUE;
     *out = phys;
     return CUDA_SUCCESS;
@@ -126,10 +144,48 @@ SIM_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
     struct sim_phys *phys;
     CUresult result = check_phys(handle, &phys);
     if (result == CUDA_SUCCESS) {
-        phys->released = 1;
+        phys->references--;
         phys_destroy_if_unused(phys);
     }
     sim_mem_unlock();
+    return result;
+}
+
+/* The handle of the allocation mapped at `addr`, with one more reference to give back. */
+SIM_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr)
+{
+    SIM_ENTER();
+    if (!handle)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_mem_write_lock();
+    struct sim_alloc *alloc = sim_mem_find_range((uintptr_t)addr, 1);
+    CUresult result = alloc && alloc->family == SIM_MEM_VMM ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (result == CUDA_SUCCESS) {
+        alloc->phys->references++;
+        *handle = (CUmemGenericAllocationHandle)(uintptr_t)alloc->phys;
+    }
+    sim_mem_unlock();
+    return result;
+}
+
+/* A POSIX file descriptor of the memory (the only type simulated), for a handle created with it. */
+SIM_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                                 CUmemAllocationHandleType handleType, unsigned long long flags)
+{
+    SIM_ENTER();
+    if (!shareableHandle || flags != 0 || handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_mem_read_lock();
+    struct sim_phys *phys;
+    CUresult result = check_phys(handle, &phys);
+    if (result == CUDA_SUCCESS && !(phys->handle_types & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+        result = CUDA_ERROR_INVALID_VALUE;
+    int fd = result == CUDA_SUCCESS ? fcntl(phys->fd, F_DUPFD_CLOEXEC, 0) : -1;
+    sim_mem_unlock();
+    if (result == CUDA_SUCCESS && fd < 0)
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    if (result == CUDA_SUCCESS)
+        *(int *)shareableHandle = fd;
     return result;
 }
 

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -64,8 +65,12 @@ static void (*set_tag)(const char *); /* simcudaSetTag, when the driver has it *
 #define MAX_BUFFERS 4096
 #define SCRATCH_BYTES (64u << 10)
 
-enum family { FAMILY_PLAIN, FAMILY_PITCH, FAMILY_ASYNC, FAMILY_POOL, FAMILY_MANAGED, FAMILY_VMM, FAMILY_HOST, FAMILY_IPC };
-static const char *const family_names[] = {"plain", "pitch", "async", "pool", "managed", "vmm", "host", "ipc"};
+enum family {
+    FAMILY_PLAIN, FAMILY_PITCH, FAMILY_ASYNC, FAMILY_POOL, FAMILY_MANAGED, FAMILY_VMM, FAMILY_VMM_SHAREABLE,
+    FAMILY_HOST, FAMILY_REGISTERED, FAMILY_IPC
+};
+static const char *const family_names[] = {"plain", "pitch",       "async", "pool",       "managed",
+                                           "vmm",   "vmm-shareable", "host", "registered", "ipc"};
 
 struct buffer {
     CUdeviceptr ptr;
@@ -376,6 +381,8 @@ static int allocate_vmm(struct buffer *buffer)
 {
     CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
                                 .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = current_device}};
+    if (buffer->family == FAMILY_VMM_SHAREABLE) /* exportable as a file descriptor, as PyTorch asks */
+        prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     size_t granularity;
     int rc = CALL(FN(cuMemGetAllocationGranularity), &granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
     if (rc != CUDA_SUCCESS)
@@ -417,7 +424,8 @@ static void step_alloc(char **args, int count, struct outcome *out)
         if (strcmp(args[1], family_names[i]) == 0)
             family = i;
     if (family < 0)
-        usage_error("unknown allocation family %s (plain, pitch, async, pool, managed, vmm, host)", args[1]);
+        usage_error("unknown allocation family %s (plain, pitch, async, pool, managed, vmm, vmm-shareable, host, "
+                    "registered)", args[1]);
     buffer.family = (enum family)family;
     size_t pitch = 0;
     CUmemoryPool pool;
@@ -441,11 +449,20 @@ static void step_alloc(char **args, int count, struct outcome *out)
         out->rc = CALL(FN(cuMemAllocManaged), &buffer.ptr, buffer.bytes, CU_MEM_ATTACH_GLOBAL);
         break;
     case FAMILY_VMM:
+    case FAMILY_VMM_SHAREABLE:
         out->rc = allocate_vmm(&buffer);
         break;
     case FAMILY_HOST: {
         void *host = NULL;
         out->rc = CALL(FN(cuMemAllocHost_v2), &host, buffer.bytes);
+        buffer.ptr = (CUdeviceptr)(uintptr_t)host;
+        break;
+    }
+    case FAMILY_REGISTERED: {
+        void *host = mmap(NULL, buffer.bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (host == MAP_FAILED)
+            usage_error("cannot map %s of host memory", args[2]);
+        out->rc = CALL(FN(cuMemHostRegister_v2), host, buffer.bytes, 0);
         buffer.ptr = (CUdeviceptr)(uintptr_t)host;
         break;
     }
@@ -472,7 +489,13 @@ static void step_free(char **args, int count, int async, struct outcome *out)
     case FAMILY_HOST:
         out->rc = CALL(FN(cuMemFreeHost), (void *)(uintptr_t)buffer->ptr);
         break;
+    case FAMILY_REGISTERED:
+        out->rc = CALL(FN(cuMemHostUnregister), (void *)(uintptr_t)buffer->ptr);
+        if (out->rc == CUDA_SUCCESS)
+            munmap((void *)(uintptr_t)buffer->ptr, buffer->bytes);
+        break;
     case FAMILY_VMM:
+    case FAMILY_VMM_SHAREABLE:
         out->rc = CALL(FN(cuMemUnmap), buffer->ptr, buffer->vmm_bytes);
         if (out->rc == CUDA_SUCCESS)
             out->rc = CALL(FN(cuMemAddressFree), buffer->ptr, buffer->vmm_bytes);
@@ -869,6 +892,63 @@ static void step_copy(char **args, int count, struct outcome *out)
     free(actual);
 }
 
+/* ---- Moving memory the way a swap engine does ---- */
+
+/* dtoh:<from>:<to> and htod:<from>:<to>: cuMemcpyDtoHAsync_v2 / cuMemcpyHtoDAsync_v2 of the smaller
+ * buffer's size on the current stream (the host side is buffer <to> or <from>, pinned or not). */
+static void step_transfer(int to_host, char **args, int count, struct outcome *out)
+{
+    if (count != 3)
+        usage_error("dtoh|htod:<from>:<to> expected, got %s", args[0]);
+    struct buffer *from = get_buffer(args[1]), *to = get_buffer(args[2]);
+    size_t bytes = from->bytes < to->bytes ? from->bytes : to->bytes;
+    if (to_host)
+        out->rc = CALL(STREAM_FN(cuMemcpyDtoHAsync_v2, cuMemcpyDtoHAsync_v2_ptsz), (void *)(uintptr_t)to->ptr,
+                       from->ptr, bytes, current_stream);
+    else
+        out->rc = CALL(STREAM_FN(cuMemcpyHtoDAsync_v2, cuMemcpyHtoDAsync_v2_ptsz), to->ptr,
+                       (const void *)(uintptr_t)from->ptr, bytes, current_stream);
+    add(&out->fields, ", \"bytes\": %zu", bytes);
+}
+
+/* discard:<i> and discard-prefetch:<i>: cuMemDiscardBatchAsync of the buffer, or
+ * cuMemDiscardAndPrefetchBatchAsync of it to the current device, on the current stream. */
+static void step_discard(int prefetch, char **args, int count, struct outcome *out)
+{
+    if (count != 2)
+        usage_error("discard|discard-prefetch:<index> expected, got %s", args[0]);
+    struct buffer *buffer = get_buffer(args[1]);
+    CUdeviceptr pointers[] = {buffer->ptr};
+    size_t sizes[] = {buffer->bytes}, first[] = {0};
+    CUmemLocation here_location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = current_device};
+    if (prefetch)
+        out->rc = CALL(STREAM_FN(cuMemDiscardAndPrefetchBatchAsync, cuMemDiscardAndPrefetchBatchAsync_ptsz), pointers,
+                       sizes, 1, &here_location, first, 1, 0, current_stream);
+    else
+        out->rc = CALL(STREAM_FN(cuMemDiscardBatchAsync, cuMemDiscardBatchAsync_ptsz), pointers, sizes, 1, 0,
+                       current_stream);
+}
+
+/* retain:<i>: cuMemRetainAllocationHandle of a VMM buffer's address (prints whether it is the
+ * handle cuMemCreate gave); export:<i>: cuMemExportToShareableHandle as a file descriptor. */
+static void step_vmm_handle(int export, char **args, int count, struct outcome *out)
+{
+    if (count != 2)
+        usage_error("retain|export:<index> expected, got %s", args[0]);
+    struct buffer *buffer = get_buffer(args[1]);
+    if (export) {
+        int fd = -1;
+        out->rc = CALL(FN(cuMemExportToShareableHandle), &fd, buffer->vmm_handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+        if (out->rc == CUDA_SUCCESS)
+            add(&out->fields, ", \"fd\": %d", fd);
+        return;
+    }
+    CUmemGenericAllocationHandle handle = 0;
+    out->rc = CALL(FN(cuMemRetainAllocationHandle), &handle, (void *)(uintptr_t)buffer->ptr);
+    if (out->rc == CUDA_SUCCESS)
+        add(&out->fields, ", \"same\": %s", handle == buffer->vmm_handle ? "true" : "false");
+}
+
 /* ---- Other steps ---- */
 
 static void step_ptr(char **args, int count, struct outcome *out)
@@ -1233,6 +1313,12 @@ static void run_step(char *text, int *number)
         step_fill_or_check(1, args, count, &out);
     else if (strcmp(name, "copy") == 0)
         step_copy(args, count, &out);
+    else if (strcmp(name, "dtoh") == 0 || strcmp(name, "htod") == 0)
+        step_transfer(name[0] == 'd', args, count, &out);
+    else if (strcmp(name, "discard") == 0 || strcmp(name, "discard-prefetch") == 0)
+        step_discard(name[7] == '-', args, count, &out);
+    else if (strcmp(name, "retain") == 0 || strcmp(name, "export") == 0)
+        step_vmm_handle(name[0] == 'e', args, count, &out);
     else if (strcmp(name, "sync") == 0 && count == 1)
         out.rc = CALL(FN(cuCtxSynchronize));
     else if (strcmp(name, "stream-sync") == 0 && count == 1)

@@ -67,6 +67,9 @@ struct sim_device {
 extern struct sim_device sim_devices[SIM_MAX_DEVICES];
 extern int sim_device_count;
 
+/* The driver version it answers as (SIMCUDA_DRIVER_VERSION, at most SIM_DRIVER_VERSION); entry
+ * points newer than it are unknown to cuGetProcAddress. */
+int sim_driver_version(void);
 /* Returns CUDA_SUCCESS when the driver may be used by the calling process. */
 CUresult sim_check_init(void);
 #define SIM_ENTER()                          \
@@ -154,12 +157,21 @@ static inline size_t sim_extent(size_t width, size_t height, size_t depth, size_
 }
 
 /* A strided 3D copy; 1D and 2D copies have depth (and height) 1. */
+/* The engines of a device's residency model (cuda_residency.c): the compute engine, and the
+ * link's copy engine in each direction. */
+enum sim_engine { SIM_ENGINE_COMPUTE, SIM_ENGINE_D2H, SIM_ENGINE_H2D, SIM_ENGINE_COUNT };
+
 struct sim_copy {
     uintptr_t dst, src;
     size_t width, height, depth;
     size_t dst_pitch, src_pitch;  /* bytes between rows */
     size_t dst_slice, src_slice;  /* bytes between slices */
     int check_dst, check_src;     /* side must lie in driver memory when the copy executes */
+    /* The link the copy crosses (device-side memory on one end, host memory on the other):
+     * SIM_ENGINE_D2H or SIM_ENGINE_H2D, SIM_ENGINE_COMPUTE when it crosses none; `pageable`:
+     * its host side is not pinned. */
+    enum sim_engine link;
+    int pageable;
 };
 
 struct sim_set {
@@ -186,6 +198,7 @@ enum sim_op_kind {
     SIM_OP_EVENT,                 /* stamps an event */
     SIM_OP_WAIT,                  /* waits for another context's sequence number */
     SIM_OP_FREE,                  /* stream-ordered free */
+    SIM_OP_DISCARD,               /* cuMemDiscardBatchAsync of one range */
 };
 
 struct sim_event;
@@ -212,7 +225,8 @@ struct sim_op {
             uintptr_t ptr;
             size_t bytes;
             struct sim_device *target; /* NULL: the host */
-        } prefetch;
+            int discard;               /* cuMemDiscardAndPrefetchBatchAsync: nothing is copied */
+        } prefetch;                    /* also SIM_OP_DISCARD (ptr, bytes) */
         struct {
             CUhostFn fn;
             void *data;
@@ -311,6 +325,13 @@ enum sim_family {
 
 struct sim_phys;
 
+/* Residency hints of a range of device memory (cuda_residency.c), per 2 MiB chunk: the slot of
+ * the device's shared table it was last put in, and what is known of its host pages. */
+struct sim_chunks {
+    int32_t *slots;
+    uint8_t *state;
+};
+
 struct sim_alloc {
     uintptr_t start;
     size_t size;
@@ -323,8 +344,9 @@ struct sim_alloc {
     int accessible;               /* VMM ranges become accessible with cuMemSetAccess */
     int free_queued;              /* a cuMemFreeAsync for it is queued */
     int shared_fd;                /* memfd backing once exported with cuIpcGetMemHandle, or -1 */
-    int32_t *chunk_slots;         /* managed memory with residency modelled: per chunk, its last
-                                     slot in the device's shared table (cuda_residency.c) */
+    int registered;               /* SIM_MEM_HOST: pageable memory pinned by cuMemHostRegister */
+    struct sim_chunks chunks;     /* residency modelled: managed memory (where each chunk is) and
+                                     physical device memory (the fixed slots it holds) */
 };
 
 /* The registry lock. Executors hold it for reading while they touch driver memory, so that
@@ -342,6 +364,8 @@ void sim_mem_remove(struct sim_alloc *alloc);
 int sim_mem_charge(struct sim_device *device, size_t bytes);
 void sim_mem_uncharge(struct sim_device *device, size_t bytes);
 
+/* With the lock held: whether any allocation overlaps [ptr, ptr + bytes). */
+int sim_mem_overlaps(uintptr_t ptr, size_t bytes);
 /* With the lock held: whether [ptr, ptr + bytes) may be accessed by the device. */
 int sim_mem_range_ok(uintptr_t ptr, size_t bytes);
 /* Without the lock: whether [ptr, ptr + bytes) lies in driver memory; and whether it is pinned
@@ -370,10 +394,25 @@ double sim_residency_timeslice(void);
  * residency is not modelled). */
 void sim_engine_enter(const struct sim_device *device);
 void sim_engine_leave(const struct sim_device *device);
+/* Executor, no lock held: moves `bytes` over the device's link in `direction` (SIM_ENGINE_D2H or
+ * _H2D) at the pinned or pageable rate, taking turns with other copies in that direction;
+ * returns the seconds spent waiting for turns (0 when residency is not modelled). */
+double sim_link_transfer(const struct sim_device *device, enum sim_engine direction, size_t bytes, int pageable);
+/* The calling thread pays for pinning `bytes` of host memory (when residency is modelled). */
+void sim_pin_cost(void *ptr, size_t bytes);
 /* With the registry write-locked: gives a new managed allocation its chunk hints (-1 when out
  * of host memory), and frees its chunks' slots when it goes. */
 int sim_residency_adopt(struct sim_alloc *alloc);
 void sim_residency_forget(struct sim_alloc *alloc);
+/* No lock held: physical device memory of `size` bytes (identified by `key`, an address of the
+ * process) takes fixed slots, evicting managed chunks for room (the calling thread pays);
+ * CUDA_ERROR_OUT_OF_MEMORY when the device is full of physical memory. unfix gives them back. */
+CUresult sim_residency_fix(struct sim_device *device, uint64_t key, size_t size, struct sim_chunks *chunks);
+void sim_residency_unfix(struct sim_device *device, uint64_t key, size_t size, struct sim_chunks *chunks);
+/* Executor, no lock held: cuMemDiscardBatchAsync of [ptr, ptr + bytes): the process's chunks there
+ * leave the device without being moved, and the range's contents become indeterminate (zero).
+ * Returns the resident bytes given up. */
+size_t sim_residency_discard(struct sim_ctx *ctx, uintptr_t ptr, size_t bytes);
 /* Executor, holding the engine, no lock held: makes the memory `op` (a kernel or a prefetch)
  * touches resident (or, for a prefetch to the host, not), sleeping for the cost and tracing
  * the migrations. */

@@ -1,0 +1,445 @@
+"""What the CUDA driver offers a swap engine (issue 18), measured through the driver API itself.
+
+    OUT=/tmp/out python benchmarks/gpu/bench_swap_paths.py [--gib 8]
+
+No nvshare involved: plain processes calling libcuda through ctypes (nvshare_py.driver for the
+context, the allocations and the fill kernel; the rest resolved with cuGetProcAddress at
+cudaVersion 13000, as the interceptor's swap engine resolves it). Runs on a real GPU (about a
+minute on an H100) and on the simulated driver (tests/simcuda, to check the script itself).
+
+1. `engine` (one process, `--gib` of managed memory resident on the device, the same of pinned
+   host memory): what allocating and registering pinned memory costs per GiB; device-resident
+   managed memory -> pinned (cuMemcpyDtoHAsync), cuMemDiscardBatchAsync (and cuMemGetInfo's
+   free memory before and after), cuMemDiscardAndPrefetchBatchAsync back to the device, pinned
+   -> managed (cuMemcpyHtoDAsync), every word checked; twice (into freshly allocated pinned
+   memory, then reused); the ceiling (cuMemAlloc memory <-> the same pinned memory) and the
+   managed prefetch both ways, in the same process.
+2. `overlap` (two processes, `--gib`/2 of device memory and as much pinned memory each): each
+   direction alone, then one process's device->host copy beside the other's host->device copy,
+   two device->host copies at once, and a device->host copy beside the other process's kernels.
+3. `vmm` (one process, `--gib`/2): cuMemCreate/Map/SetAccess memory copied to pinned, unmapped
+   and released (cuMemGetInfo's free memory before and after), created again, mapped at the same
+   address, copied back and checked.
+4. `pinning` (one process, `--gib`/2 in 64 MiB chunks): what pinning costs per GiB, as the swap
+   area pins it (cuMemHostAlloc), and what registering costs with ordinary pages, with
+   transparent huge pages, and from 4 threads at once. `--parts` picks parts (default: all).
+
+Safety: at most 2 x `--gib` of device memory at once (the engine part's managed buffer and its
+cuMemAlloc ceiling buffer), refused unless that is below a third of the free memory. Writes
+swap-paths.json into $OUT (or --out); prints a short table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+from ctypes import POINTER, byref, c_int, c_size_t, c_uint, c_uint64, c_ulonglong, c_void_p
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from nvshare_py.driver import Driver  # noqa: E402
+
+GIB = 1 << 30
+CU_MEM_LOCATION_TYPE_DEVICE, CU_MEM_LOCATION_TYPE_HOST = 1, 2
+CU_MEMHOSTREGISTER_PORTABLE = 1
+
+
+class Location(ctypes.Structure):
+    _fields_ = [("type", c_int), ("id", c_int)]
+
+
+class AllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class AllocationProp(ctypes.Structure):
+    _fields_ = [("type", c_int), ("requestedHandleTypes", c_int), ("location", Location),
+                ("win32HandleMetaData", c_void_p), ("allocFlags", AllocFlags)]
+
+
+class AccessDesc(ctypes.Structure):
+    _fields_ = [("location", Location), ("flags", c_int)]
+
+
+SIGNATURES = {  # name: (cudaVersion of this ABI, argtypes)
+    "cuMemcpyDtoHAsync": (3020, [c_void_p, c_uint64, c_size_t, c_void_p]),
+    "cuMemcpyHtoDAsync": (3020, [c_uint64, c_void_p, c_size_t, c_void_p]),
+    "cuMemHostAlloc": (2020, [POINTER(c_void_p), c_size_t, c_uint]),
+    "cuMemHostRegister": (6050, [c_void_p, c_size_t, c_uint]),
+    "cuMemHostUnregister": (4000, [c_void_p]),
+    "cuMemFreeHost": (2000, [c_void_p]),
+    "cuMemPrefetchAsync": (12020, [c_uint64, c_size_t, Location, c_uint, c_void_p]),
+    "cuMemDiscardBatchAsync": (13000, [POINTER(c_uint64), POINTER(c_size_t), c_size_t, c_ulonglong, c_void_p]),
+    "cuMemDiscardAndPrefetchBatchAsync": (13000, [POINTER(c_uint64), POINTER(c_size_t), c_size_t, POINTER(Location),
+                                                  POINTER(c_size_t), c_size_t, c_ulonglong, c_void_p]),
+    "cuMemCreate": (10020, [POINTER(c_uint64), c_size_t, POINTER(AllocationProp), c_ulonglong]),
+    "cuMemRelease": (10020, [c_uint64]),
+    "cuMemMap": (10020, [c_uint64, c_size_t, c_size_t, c_uint64, c_ulonglong]),
+    "cuMemUnmap": (10020, [c_uint64, c_size_t]),
+    "cuMemSetAccess": (10020, [c_uint64, c_size_t, POINTER(AccessDesc), c_size_t]),
+    "cuMemAddressReserve": (10020, [POINTER(c_uint64), c_size_t, c_size_t, c_uint64, c_ulonglong]),
+    "cuMemAddressFree": (10020, [c_uint64, c_size_t]),
+}
+
+
+class Api:
+    """The functions above, resolved with cuGetProcAddress_v2 (None: the driver has none)."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        gpa = lib.cuGetProcAddress_v2
+        gpa.argtypes = [ctypes.c_char_p, POINTER(c_void_p), c_int, c_uint64, POINTER(c_int)]
+        self.status: dict[str, str] = {}
+        for name, (version, argtypes) in SIGNATURES.items():
+            address, status = c_void_p(), c_int()
+            result = gpa(name.encode(), byref(address), version, 0, byref(status))
+            found = result == 0 and address.value
+            self.status[name] = "found" if found else f"missing (CUresult {result}, status {status.value})"
+            setattr(self, name, ctypes.CFUNCTYPE(c_int, *argtypes)(address.value) if found else None)
+
+    def check(self, name: str, *args) -> None:
+        function = getattr(self, name)
+        if function is None:
+            raise RuntimeError(f"{name}: {self.status[name]}")
+        result = function(*args)
+        if result != 0:
+            raise RuntimeError(f"{name} failed with CUresult {result}")
+
+
+def timed(cuda: Driver, stream: int, action) -> float:
+    cuda.synchronize()
+    start = time.perf_counter()
+    action()
+    cuda.stream_synchronize(stream)
+    return time.perf_counter() - start
+
+
+def check_words(cuda: Driver, ptr: int, nbytes: int, first: int, second: int) -> bool:
+    """The buffer's first half holds `first`, its second half `second` (sampled at 64 places)."""
+    for k in range(64):
+        offset = (nbytes // 64) * k // 4 * 4
+        want = first if offset < nbytes // 2 else second
+        if int.from_bytes(cuda.memcpy_dtoh(ptr + offset, 4), "little") != want:
+            return False
+    return True
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 2) if seconds > 0 else float("inf")
+
+
+# --- part 1: the engine's path in one process --------------------------------------------------
+
+
+def engine(nbytes: int) -> dict:
+    cuda = Driver()
+    cuda.context(0)
+    api = Api()
+    free, total = cuda.mem_get_info()
+    if 2 * nbytes > free // 3:
+        raise SystemExit(f"2 x {nbytes} bytes is more than a third of the free memory ({free})")
+    out: dict = {"driver": cuda.version, "api": api.status, "bytes": nbytes}
+    stream = cuda.create_stream()
+    words = nbytes // 4
+
+    start = time.perf_counter()
+    pinned = c_void_p()
+    api.check("cuMemHostAlloc", byref(pinned), nbytes, 0)
+    out["host_alloc_s_per_gib"] = round((time.perf_counter() - start) / (nbytes / GIB), 4)
+    # Registration of ordinary memory: what an area grown in place would pay.
+    libc = ctypes.CDLL(None)
+    libc.mmap.restype = c_void_p
+    libc.mmap.argtypes = [c_void_p, c_size_t, c_int, c_int, c_int, ctypes.c_long]
+    area = libc.mmap(None, nbytes, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
+    start = time.perf_counter()
+    registered = api.cuMemHostRegister is not None and api.cuMemHostRegister(c_void_p(area), nbytes, 0) == 0
+    out["host_register_s_per_gib"] = round((time.perf_counter() - start) / (nbytes / GIB), 4) if registered else None
+
+    managed = cuda.alloc(nbytes, "managed")
+    device = cuda.alloc(nbytes, "plain")
+    ptrs, sizes = (c_uint64 * 1)(managed), (c_size_t * 1)(nbytes)
+    here = (Location * 1)(Location(CU_MEM_LOCATION_TYPE_DEVICE, 0))
+    index = (c_size_t * 1)(0)
+
+    # The ceiling: device memory <-> pinned memory, both directions.
+    cuda.fill(device, 7, words)
+    d2h = timed(cuda, stream, lambda: api.check("cuMemcpyDtoHAsync", pinned, device, nbytes, c_void_p(stream)))
+    h2d = timed(cuda, stream, lambda: api.check("cuMemcpyHtoDAsync", device, pinned, nbytes, c_void_p(stream)))
+    out["ceiling"] = {"d2h_GBps": gbps(nbytes, d2h), "h2d_GBps": gbps(nbytes, h2d)}
+
+    rounds = []
+    for round_ in range(2):
+        cuda.fill(managed, 0x11110000 + round_, words // 2)
+        cuda.fill(managed + nbytes // 2, 0x22220000 + round_, words - words // 2)
+        cuda.synchronize()
+        one = {}
+        one["out_s"] = timed(cuda, stream, lambda: api.check("cuMemcpyDtoHAsync", pinned, managed, nbytes,
+                                                              c_void_p(stream)))
+        free_before = cuda.mem_get_info()[0]
+        if api.cuMemDiscardBatchAsync is not None:
+            one["discard_s"] = timed(cuda, stream, lambda: api.check("cuMemDiscardBatchAsync", ptrs, sizes, 1, 0,
+                                                                      c_void_p(stream)))
+            one["free_gib_before_after_discard"] = [round(free_before / GIB, 2), round(cuda.mem_get_info()[0] / GIB, 2)]
+            one["discard_prefetch_s"] = timed(cuda, stream, lambda: api.check(
+                "cuMemDiscardAndPrefetchBatchAsync", ptrs, sizes, 1, here, index, 1, 0, c_void_p(stream)))
+        one["in_s"] = timed(cuda, stream, lambda: api.check("cuMemcpyHtoDAsync", managed, pinned, nbytes,
+                                                             c_void_p(stream)))
+        one["intact"] = check_words(cuda, managed, nbytes, 0x11110000 + round_, 0x22220000 + round_)
+        one["out_GBps"], one["in_GBps"] = gbps(nbytes, one["out_s"]), gbps(nbytes, one["in_s"])
+        rounds.append(one)
+    out["engine"] = rounds
+
+    # The managed prefetch both ways (the old swap path), twice: the first to-host pays for the
+    # host pages.
+    prefetches = []
+    for _ in range(2):
+        to_host = timed(cuda, stream, lambda: api.check("cuMemPrefetchAsync", managed, nbytes,
+                                                         Location(CU_MEM_LOCATION_TYPE_HOST, 0), 0, c_void_p(stream)))
+        to_device = timed(cuda, stream, lambda: api.check("cuMemPrefetchAsync", managed, nbytes,
+                                                           Location(CU_MEM_LOCATION_TYPE_DEVICE, 0), 0,
+                                                           c_void_p(stream)))
+        prefetches.append({"to_host_GBps": gbps(nbytes, to_host), "to_device_GBps": gbps(nbytes, to_device)})
+    out["prefetch"] = prefetches
+    if registered:
+        reg = timed(cuda, stream, lambda: api.check("cuMemcpyDtoHAsync", c_void_p(area), device, nbytes,
+                                                     c_void_p(stream)))
+        out["registered_d2h_GBps"] = gbps(nbytes, reg)
+        api.check("cuMemHostUnregister", c_void_p(area))
+    cuda.free(managed)
+    cuda.free(device)
+    api.check("cuMemFreeHost", pinned)
+    return out
+
+
+# --- part 2: two processes on the link ----------------------------------------------------------
+
+
+def overlap_child(nbytes: int) -> None:
+    """Told on stdin what to do and when (a CLOCK_MONOTONIC time), prints seconds per action."""
+    cuda = Driver()
+    cuda.context(0)
+    api = Api()
+    stream = cuda.create_stream()
+    pinned = c_void_p()
+    api.check("cuMemHostAlloc", byref(pinned), nbytes, 0)
+    device = cuda.alloc(nbytes, "plain")
+    cuda.fill(device, 3, nbytes // 4)
+    cuda.synchronize()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        action, at = line.split()
+        while time.monotonic() < float(at):
+            pass
+        start = time.perf_counter()
+        if action == "d2h":
+            api.check("cuMemcpyDtoHAsync", pinned, device, nbytes, c_void_p(stream))
+        elif action == "h2d":
+            api.check("cuMemcpyHtoDAsync", device, pinned, nbytes, c_void_p(stream))
+        elif action == "kernels":  # about as long as a copy alone: 40 kernels of 10 ms
+            for _ in range(40):
+                cuda.launch_sleep(10_000, stream)
+        cuda.stream_synchronize(stream)
+        print(time.perf_counter() - start, flush=True)
+
+
+def overlap(nbytes: int) -> dict:
+    children = [subprocess.Popen([sys.executable, __file__, "--overlap-child", str(nbytes)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    for child in children:
+        if child.stdout.readline().strip() != "ready":
+            raise SystemExit("an overlap child failed")
+
+    def run(first: str, second: str | None) -> list[float]:
+        at = time.monotonic() + 0.2
+        plan = [(children[0], first)] + ([(children[1], second)] if second else [])
+        for child, action in plan:
+            child.stdin.write(f"{action} {at}\n")
+            child.stdin.flush()
+        return [float(child.stdout.readline()) for child, _ in plan]
+
+    out = {"bytes_each": nbytes}
+    out["d2h_alone_GBps"] = gbps(nbytes, run("d2h", None)[0])
+    out["h2d_alone_GBps"] = gbps(nbytes, run("h2d", None)[0])
+    d2h, h2d = run("d2h", "h2d")
+    out["d2h_beside_h2d_GBps"], out["h2d_beside_d2h_GBps"] = gbps(nbytes, d2h), gbps(nbytes, h2d)
+    one, two = run("d2h", "d2h")
+    out["two_d2h_GBps"] = [gbps(nbytes, one), gbps(nbytes, two)]
+    kernels_alone = run("kernels", None)[0]
+    d2h, kernels = run("d2h", "kernels")
+    out["d2h_beside_kernels_GBps"] = gbps(nbytes, d2h)
+    out["kernels_alone_s"], out["kernels_beside_d2h_s"] = round(kernels_alone, 4), round(kernels, 4)
+    for child in children:
+        child.stdin.close()
+        child.wait(timeout=60)
+    return out
+
+
+# --- part 4: how fast pinned memory can be had ---------------------------------------------------------
+
+
+def pinning(nbytes: int) -> dict:
+    """Seconds per GiB to pin `nbytes` in 64 MiB chunks: cuMemHostAlloc one after the other;
+    cuMemHostRegister of ordinary memory, of memory advised to transparent huge pages
+    (MADV_HUGEPAGE), and from 4 threads at once (each registering its own chunks)."""
+    import threading
+
+    cuda = Driver()
+    cuda.context(0)
+    api = Api()
+    chunk = 64 << 20
+    count = max(1, nbytes // chunk)
+    libc = ctypes.CDLL(None)
+    libc.mmap.restype = c_void_p
+    libc.mmap.argtypes = [c_void_p, c_size_t, c_int, c_int, c_int, ctypes.c_long]
+    libc.madvise.argtypes = [c_void_p, c_size_t, c_int]
+    libc.munmap.argtypes = [c_void_p, c_size_t]
+    per_gib = count * chunk / GIB
+    out: dict = {"bytes": count * chunk, "chunk": chunk}
+
+    start = time.perf_counter()
+    hosts = []
+    for _ in range(count):
+        host = c_void_p()
+        api.check("cuMemHostAlloc", byref(host), chunk, 1)  # PORTABLE, as the swap area
+        hosts.append(host)
+    out["host_alloc_s_per_gib"] = round((time.perf_counter() - start) / per_gib, 4)
+    for host in hosts:
+        api.check("cuMemFreeHost", host)
+
+    def register(huge: bool, threads: int) -> float:
+        regions = []
+        for _ in range(count):
+            region = libc.mmap(None, chunk, 3, 0x22, -1, 0)
+            if huge:
+                libc.madvise(c_void_p(region), chunk, 14)  # MADV_HUGEPAGE
+            regions.append(region)
+
+        def work(mine: list[int]) -> None:
+            cuda.context(0)  # current on this thread too
+            for region in mine:
+                api.check("cuMemHostRegister", c_void_p(region), chunk, 1)
+
+        start = time.perf_counter()
+        workers = [threading.Thread(target=work, args=(regions[k::threads],)) for k in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        seconds = time.perf_counter() - start
+        for region in regions:
+            api.check("cuMemHostUnregister", c_void_p(region))
+            libc.munmap(c_void_p(region), chunk)
+        return round(seconds / per_gib, 4)
+
+    out["register_s_per_gib"] = register(False, 1)
+    out["register_thp_s_per_gib"] = register(True, 1)
+    out["register_4_threads_s_per_gib"] = register(False, 4)
+    out["register_thp_4_threads_s_per_gib"] = register(True, 4)
+    return out
+
+
+# --- part 3: VMM memory out and back in --------------------------------------------------------
+
+
+def vmm(nbytes: int) -> dict:
+    cuda = Driver()
+    cuda.context(0)
+    api = Api()
+    stream = cuda.create_stream()
+    prop = AllocationProp(type=1, location=Location(CU_MEM_LOCATION_TYPE_DEVICE, 0))
+    access = AccessDesc(Location(CU_MEM_LOCATION_TYPE_DEVICE, 0), 3)  # PROT_READWRITE
+    size = nbytes // (2 << 20) * (2 << 20)
+    pinned = c_void_p()
+    api.check("cuMemHostAlloc", byref(pinned), size, 0)
+    handle, ptr = c_uint64(), c_uint64()
+    api.check("cuMemCreate", byref(handle), size, byref(prop), 0)
+    api.check("cuMemAddressReserve", byref(ptr), size, 0, 0, 0)
+    api.check("cuMemMap", ptr.value, size, 0, handle.value, 0)
+    api.check("cuMemSetAccess", ptr.value, size, byref(access), 1)
+    cuda.fill(ptr.value, 0x33330000, size // 8)
+    cuda.fill(ptr.value + size // 2, 0x44440000, size // 4 - size // 8)
+    cuda.synchronize()
+    out: dict = {"bytes": size}
+    free_mapped = cuda.mem_get_info()[0]
+    out["out_s"] = timed(cuda, stream, lambda: api.check("cuMemcpyDtoHAsync", pinned, ptr.value, size,
+                                                          c_void_p(stream)))
+    start = time.perf_counter()
+    api.check("cuMemUnmap", ptr.value, size)
+    api.check("cuMemRelease", handle.value)
+    out["release_s"] = time.perf_counter() - start
+    out["free_gib_mapped_released"] = [round(free_mapped / GIB, 2), round(cuda.mem_get_info()[0] / GIB, 2)]
+    start = time.perf_counter()
+    api.check("cuMemCreate", byref(handle), size, byref(prop), 0)
+    api.check("cuMemMap", ptr.value, size, 0, handle.value, 0)
+    api.check("cuMemSetAccess", ptr.value, size, byref(access), 1)
+    out["recreate_s"] = time.perf_counter() - start
+    out["in_s"] = timed(cuda, stream, lambda: api.check("cuMemcpyHtoDAsync", ptr.value, pinned, size,
+                                                         c_void_p(stream)))
+    out["intact"] = check_words(cuda, ptr.value, size, 0x33330000, 0x44440000)
+    out["out_GBps"], out["in_GBps"] = gbps(size, out["out_s"]), gbps(size, out["in_s"])
+    api.check("cuMemUnmap", ptr.value, size)
+    api.check("cuMemRelease", handle.value)
+    api.check("cuMemAddressFree", ptr.value, size)
+    api.check("cuMemFreeHost", pinned)
+    return out
+
+
+def in_child(part: str, nbytes: int) -> dict:
+    """Each part in a process of its own: a clean context, and its memory gone afterwards."""
+    run = subprocess.run([sys.executable, __file__, "--part", part, str(nbytes)], capture_output=True, text=True,
+                         timeout=300)
+    if run.returncode != 0:
+        return {"error": run.stderr[-3000:]}
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gib", type=float, default=8.0)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--parts", nargs="+", default=["engine", "overlap", "vmm", "pinning"],
+                        choices=("engine", "overlap", "vmm", "pinning"))
+    parser.add_argument("--part", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--overlap-child", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.overlap_child:
+        overlap_child(args.overlap_child)
+        return
+    if args.part:
+        part, nbytes = args.part[0], int(args.part[1])
+        print(json.dumps({"engine": engine, "overlap": overlap, "vmm": vmm, "pinning": pinning}[part](nbytes)))
+        return
+    nbytes = int(args.gib * GIB) // (2 << 20) * (2 << 20)
+    started = time.monotonic()
+    sizes = {"engine": nbytes, "overlap": nbytes // 2, "vmm": nbytes // 2, "pinning": nbytes // 2}
+    document = {"benchmark": "swap-paths", "gib": args.gib,
+                **{part: in_child(part, sizes[part]) for part in args.parts}}
+    document["elapsed_s"] = round(time.monotonic() - started, 1)
+    text = json.dumps(document, indent=1)
+    out = args.out or (Path(os.environ["OUT"]) / "swap-paths.json" if os.environ.get("OUT") else None)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    e = document.get("engine", {"error": "not run"})
+    if "error" not in e:
+        print(f"ceiling pinned: d2h {e['ceiling']['d2h_GBps']} GB/s, h2d {e['ceiling']['h2d_GBps']} GB/s",
+              file=sys.stderr)
+        for i, r in enumerate(e["engine"]):
+            print(f"engine round {i}: out {r['out_GBps']} GB/s, in {r['in_GBps']} GB/s, discard {r.get('discard_s')}"
+                  f" s, discard+prefetch {r.get('discard_prefetch_s')} s, intact {r['intact']}", file=sys.stderr)
+        print(f"prefetch: {e['prefetch']}; pinned alloc {e['host_alloc_s_per_gib']} s/GiB, register "
+              f"{e['host_register_s_per_gib']} s/GiB", file=sys.stderr)
+    print(json.dumps({k: document[k] for k in ("overlap", "vmm", "pinning") if k in document}, indent=1), file=sys.stderr)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

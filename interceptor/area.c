@@ -1,0 +1,235 @@
+/*
+ * The swap area: pinned host memory of the process that swapped-out device memory is copied
+ * into (docs/interceptor.md, "Swapping"). Pinning costs about 0.45 s per GiB on an H200, so the
+ * area is pinned once, ahead of handoffs, in chunks of AREA_CHUNK (the worker pins one chunk at a
+ * time between its jobs, see swap.c), and reused: a swapped-out allocation holds a list of runs
+ * of AREA_PAGE pages and gives them back when it is brought back or freed.
+ *
+ * How much is pinned follows a target per device (the scheduler's PREPARE, summed over the
+ * devices): chunks are added while the area is below it and whole free chunks are given back
+ * while it is above it.
+ */
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <string.h>
+
+#include "nvshare.h"
+
+#define AREA_CHUNK ((size_t)64 << 20)
+#define AREA_PAGE ((size_t)64 << 10)
+#define PAGES_PER_CHUNK (AREA_CHUNK / AREA_PAGE)
+#define MAX_CHUNKS 16384 /* 1 TiB of pinned memory */
+
+struct chunk {
+    char *host;                              /* cuMemHostAlloc'd, AREA_CHUNK bytes */
+    uint64_t used[PAGES_PER_CHUNK / 64];     /* a bit per page: taken */
+    size_t free_pages;
+};
+
+struct nvs_extent {
+    size_t bytes;
+    size_t n;
+    struct nvs_area_run runs[];
+};
+
+/* Guards the chunk table, the page bits and the targets; any thread. A leaf lock: never held
+ * across a CUDA call, I/O or another lock. */
+static pthread_mutex_t area_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct chunk *chunks[MAX_CHUNKS]; /* NULL: an empty place */
+static size_t n_chunks;                  /* places used, the highest + 1 */
+static size_t pinned_chunks;
+static uint64_t targets[NVS_MAX_DEVICES]; /* bytes each device may want swapped out at once */
+
+static int page_taken(const struct chunk *c, size_t page) { return (c->used[page / 64] >> (page % 64)) & 1; }
+
+static void mark_pages(struct chunk *c, size_t first, size_t count, int taken) {
+    for (size_t page = first; page < first + count; page++) {
+        if (taken)
+            c->used[page / 64] |= 1ULL << (page % 64);
+        else
+            c->used[page / 64] &= ~(1ULL << (page % 64));
+    }
+    c->free_pages = taken ? c->free_pages - count : c->free_pages + count;
+}
+
+static size_t pages_for(size_t bytes) { return (bytes + AREA_PAGE - 1) / AREA_PAGE; }
+
+/* Under area_mu: the first free run of chunk c of at least `wanted` pages, or else its longest
+ * one; its length (its start in *first). Whole taken words are skipped at once. */
+static size_t find_run(const struct chunk *c, size_t wanted, size_t *first) {
+    size_t best = 0, run = 0;
+    for (size_t page = 0; page < PAGES_PER_CHUNK;) {
+        if (run == 0 && page % 64 == 0 && c->used[page / 64] == ~0ULL) {
+            page += 64;
+            continue;
+        }
+        run = page_taken(c, page) ? 0 : run + 1;
+        page++;
+        if (run > best) {
+            best = run;
+            *first = page - run;
+            if (best >= wanted) break;
+        }
+    }
+    return best;
+}
+
+static uint64_t free_bytes_locked(void) {
+    uint64_t pages = 0;
+    for (size_t i = 0; i < n_chunks; i++)
+        if (chunks[i] != NULL) pages += chunks[i]->free_pages;
+    return pages * AREA_PAGE;
+}
+
+/* Under area_mu: the chunk with the longest free run, at least `wanted` pages long if there is
+ * one (the first such). */
+static size_t pick_run(size_t wanted, size_t *chunk, size_t *first) {
+    size_t best = 0;
+    for (size_t i = 0; i < n_chunks && best < wanted; i++) {
+        size_t start = 0, length;
+        if (chunks[i] == NULL || chunks[i]->free_pages <= best) continue;
+        length = find_run(chunks[i], wanted, &start);
+        if (length > best) best = length, *chunk = i, *first = start;
+    }
+    return best;
+}
+
+int nvs_area_take(size_t bytes, struct nvs_extent **out) {
+    size_t wanted = pages_for(bytes);
+    *out = NULL;
+    if (bytes == 0) return -1;
+    pthread_mutex_lock(&area_mu);
+    if (free_bytes_locked() < wanted * AREA_PAGE) {
+        pthread_mutex_unlock(&area_mu);
+        return -1;
+    }
+    /* As few runs as possible: each run is one copy. */
+    size_t cap = 8, n = 0;
+    struct nvs_extent *e = malloc(sizeof *e + cap * sizeof e->runs[0]);
+    while (e != NULL && wanted > 0) {
+        size_t chunk = 0, first = 0;
+        size_t take = pick_run(wanted, &chunk, &first);
+        if (take > wanted) take = wanted;
+        if (n == cap) {
+            cap *= 2;
+            struct nvs_extent *grown = realloc(e, sizeof *e + cap * sizeof e->runs[0]);
+            if (grown == NULL) break;
+            e = grown;
+        }
+        mark_pages(chunks[chunk], first, take, 1);
+        e->runs[n++] = (struct nvs_area_run){.host = chunks[chunk]->host + first * AREA_PAGE, .bytes = take * AREA_PAGE,
+                                             .chunk = (uint32_t)chunk, .page = (uint32_t)first};
+        wanted -= take;
+    }
+    if (e != NULL && wanted == 0) {
+        e->n = n;
+        e->bytes = bytes;
+        e->runs[n - 1].bytes -= pages_for(bytes) * AREA_PAGE - bytes; /* the last run ends with the data */
+        pthread_mutex_unlock(&area_mu);
+        *out = e;
+        return 0;
+    }
+    for (size_t i = 0; e != NULL && i < n; i++)
+        mark_pages(chunks[e->runs[i].chunk], e->runs[i].page, pages_for(e->runs[i].bytes), 0);
+    pthread_mutex_unlock(&area_mu);
+    free(e);
+    return -1;
+}
+
+void nvs_area_give(struct nvs_extent *e) {
+    if (e == NULL) return;
+    pthread_mutex_lock(&area_mu);
+    for (size_t i = 0; i < e->n; i++)
+        mark_pages(chunks[e->runs[i].chunk], e->runs[i].page, pages_for(e->runs[i].bytes), 0);
+    pthread_mutex_unlock(&area_mu);
+    free(e);
+}
+
+size_t nvs_area_runs(const struct nvs_extent *e, const struct nvs_area_run **runs) {
+    *runs = e->runs;
+    return e->n;
+}
+
+void nvs_area_want(int device, uint64_t bytes) {
+    if (device < 0 || device >= NVS_MAX_DEVICES) return;
+    pthread_mutex_lock(&area_mu);
+    targets[device] = bytes;
+    pthread_mutex_unlock(&area_mu);
+}
+
+static uint64_t target_locked(void) {
+    uint64_t sum = 0;
+    for (int i = 0; i < NVS_MAX_DEVICES; i++) sum += targets[i];
+    return sum;
+}
+
+uint64_t nvs_area_pinned(void) {
+    pthread_mutex_lock(&area_mu);
+    uint64_t bytes = (uint64_t)pinned_chunks * AREA_CHUNK;
+    pthread_mutex_unlock(&area_mu);
+    return bytes;
+}
+
+int nvs_area_change_due(void) {
+    pthread_mutex_lock(&area_mu);
+    uint64_t target = target_locked(), pinned = (uint64_t)pinned_chunks * AREA_CHUNK;
+    int grow = pinned < target && n_chunks < MAX_CHUNKS;
+    int shrink = 0;
+    for (size_t i = 0; i < n_chunks && !grow && pinned >= target + AREA_CHUNK; i++)
+        shrink = chunks[i] != NULL && chunks[i]->free_pages == PAGES_PER_CHUNK;
+    pthread_mutex_unlock(&area_mu);
+    return grow ? 1 : shrink ? -1 : 0;
+}
+
+int nvs_area_change_step(void) {
+    int due = nvs_area_change_due();
+    if (due > 0) {
+        struct chunk *c = calloc(1, sizeof *c);
+        void *host = NULL;
+        /* PORTABLE: pinned for every context of the process, whichever is current here. */
+        CUresult r = c == NULL || nvs_real.cuMemHostAlloc == NULL
+                         ? CUDA_ERROR_OUT_OF_MEMORY
+                         : nvs_real.cuMemHostAlloc(&host, AREA_CHUNK, CU_MEMHOSTALLOC_PORTABLE);
+        if (r != CUDA_SUCCESS) {
+            free(c);
+            nvs_warn("pinning %zu bytes of the swap area failed (%d): it stays at %llu bytes, and what does not fit "
+                     "in it is swapped the slow way (cuMemPrefetchAsync)",
+                     AREA_CHUNK, r, (unsigned long long)nvs_area_pinned());
+            return -1;
+        }
+        c->host = host;
+        c->free_pages = PAGES_PER_CHUNK;
+        pthread_mutex_lock(&area_mu);
+        size_t place = 0;
+        while (place < n_chunks && chunks[place] != NULL) place++;
+        chunks[place] = c;
+        if (place == n_chunks) n_chunks++;
+        pinned_chunks++;
+        pthread_mutex_unlock(&area_mu);
+        return 1;
+    }
+    if (due < 0) {
+        struct chunk *c = NULL;
+        pthread_mutex_lock(&area_mu);
+        for (size_t i = 0; i < n_chunks && c == NULL; i++)
+            if (chunks[i] != NULL && chunks[i]->free_pages == PAGES_PER_CHUNK) {
+                c = chunks[i];
+                chunks[i] = NULL;
+                pinned_chunks--;
+            }
+        pthread_mutex_unlock(&area_mu);
+        if (c != NULL && nvs_real.cuMemFreeHost != NULL) nvs_real.cuMemFreeHost(c->host);
+        free(c);
+        return c != NULL;
+    }
+    return 0;
+}
+
+void nvs_area_reset_after_fork(void) {
+    /* The child has no device memory swapped out; the pinned pages are the parent's business. */
+    pthread_mutex_init(&area_mu, NULL);
+    for (size_t i = 0; i < n_chunks; i++) free(chunks[i]);
+    memset(chunks, 0, sizeof chunks);
+    memset(targets, 0, sizeof targets);
+    n_chunks = pinned_chunks = 0;
+}
