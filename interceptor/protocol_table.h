@@ -52,7 +52,8 @@
     W(NVS_DROP_REASON_QUANTUM, "quantum")   \
     W(NVS_DROP_REASON_MODE, "mode")         \
     W(NVS_DROP_REASON_MEMORY, "memory")     \
-    W(NVS_DROP_REASON_CONFLICT, "conflict")
+    W(NVS_DROP_REASON_CONFLICT, "conflict") \
+    W(NVS_DROP_REASON_GANG, "gang")
 
 #define NVS_REVOKE_REASON_WORDS(W)                      \
     W(NVS_REVOKE_REASON_GRACE_EXPIRED, "grace-expired")
@@ -164,6 +165,8 @@
     F(HELLO, program, TEXT, OPTIONAL, program, 0, "")                  \
     F(HELLO, held, DEVICES, OPTIONAL, held, 0, 0)                      \
     F(HELLO, wanted, DEVICES, OPTIONAL, wanted, 0, 0)                  \
+    F(HELLO, gang, TEXT, OPTIONAL, gang, 0, "")                        \
+    F(HELLO, gang_size, UINT, OPTIONAL, gang_size, 0, 0)               \
     F(DEVICE, device, DEVICE, REQUIRED, device, 0, "")                 \
     F(DEVICE, total, UINT, REQUIRED, total, 0, 0)                      \
     F(DEVICE, name, TEXT, OPTIONAL, name, 0, "")                       \
@@ -224,6 +227,8 @@
     X(TEXT, program, 0)       \
     X(DEVICES, held, 0)       \
     X(DEVICES, wanted, 0)     \
+    X(TEXT, gang, 0)          \
+    X(UINT, gang_size, 0)     \
     X(DEVICE, device, 0)      \
     X(UINT, total, 0)         \
     X(TEXT, name, 0)          \

@@ -372,6 +372,10 @@ class Hello(Message):
     program: str = ""
     held: tuple[str, ...] = ()
     wanted: tuple[str, ...] = ()
+    # the multi-GPU job this process belongs to (docs/scheduler.md, *Gangs*): its members are granted their devices together; "": none
+    gang: str = ""
+    # how many processes the gang has (0: not said; the scheduler waits for the members it has been told of)
+    gang_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)

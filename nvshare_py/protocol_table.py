@@ -154,6 +154,10 @@ MESSAGES: Final[tuple[Message, ...]] = (
         optional("program", TEXT, ""),
         optional("held", DEVICES, ()),
         optional("wanted", DEVICES, ()),
+        optional("gang", TEXT, "", "the multi-GPU job this process belongs to (docs/scheduler.md, *Gangs*): "
+                 "its members are granted their devices together; `\"\"`: none"),
+        optional("gang_size", UINT, 0, "how many processes the gang has (`0`: not said; the scheduler "
+                 "waits for the members it has been told of)"),
     ), "Register this connection. `held`/`wanted` are sent after a reconnection: devices whose lock "
        "the client still holds (its gate is open, or it is still draining its work) and devices it "
        "is waiting for. Answered by `WELCOME`. At most 64 devices in each list and together "

@@ -93,12 +93,13 @@ def is_release_reason(word: str) -> TypeGuard[ReleaseReason]:
     return word in RELEASE_REASON
 
 
-DropReason = Literal["quantum", "mode", "memory", "conflict"]
+DropReason = Literal["quantum", "mode", "memory", "conflict", "gang"]
 DROP_REASON: Final = _vocabulary("drop_reason", DropReason, {
     "quantum": "the holder's quantum ran out while others wait",
     "mode": "the device's mode changed so that holders no longer run side by side",
     "memory": "in mode auto, the holders' memory no longer fits the budget",
     "conflict": "a claim (HELLO held=) that is not honoured",
+    "gang": "another member of the holder's gang ended the gang's hold (it released, left or died)",
 })
 
 RevokeReason = Literal["grace-expired"]
