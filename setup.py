@@ -1,6 +1,7 @@
 """Builds the C parts with make, so `pip install .` ships them inside the package.
 
-- nvshare_py/_lib/libnvshare.so: the interceptor (interceptor/).
+- nvshare_py/_lib/libnvshare.so: the interceptor (interceptor/);
+- nvshare_py/_lib/libnvshare_core.so: its client core alone, which nvshare_py.client drives;
 - nvshare_py/_lib/simcuda/libcuda.so.1 and libnvidia-ml.so.1: the simulated driver
   (tests/simcuda/), which the demo and the tests use on machines without a GPU.
 """
@@ -18,6 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # extension name -> (directory with a Makefile, the file it builds and we install)
 LIBRARIES = {
     "nvshare_py._lib.libnvshare": ("interceptor", "libnvshare.so"),
+    "nvshare_py._lib.libnvshare_core": ("interceptor", "libnvshare_core.so"),
     "nvshare_py._lib.simcuda.libcuda": ("tests/simcuda", "libcuda.so.1"),
     "nvshare_py._lib.simcuda.libnvidia_ml": ("tests/simcuda", "libnvidia-ml.so.1"),
 }

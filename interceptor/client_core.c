@@ -409,7 +409,16 @@ static int valid_device(const struct nvs_core *c, int device) {
 int nvs_core_add_device(struct nvs_core *c, int device, const char *uuid, const char *name, uint64_t total) {
     if (device < 0 || device >= NVS_CORE_MAX_DEVICES || uuid == NULL || strlen(uuid) > NVS_DEVICE_ID_MAX) return -1;
     struct nvs_core_device *d = &c->devices[device];
-    if (d->known) return 0;
+    if (d->known) {
+        if (strcmp(d->uuid, uuid) != 0) return -1;
+        /* A program that names its device's size later (nvshare_py.client's announce): DEVICE again. */
+        if (name != NULL && (total != d->total || strcmp(name, d->name) != 0)) {
+            snprintf(d->name, sizeof d->name, "%s", name);
+            d->total = total;
+            d->announced = 0;
+        }
+        return 0;
+    }
     snprintf(d->uuid, sizeof d->uuid, "%s", uuid);
     snprintf(d->name, sizeof d->name, "%s", name ? name : "");
     d->total = total;
@@ -967,6 +976,20 @@ static void send_memory(struct nvs_core *c, struct nvs_core_device *d, double no
 
 void nvs_core_tick(struct nvs_core *c, double now) { run_due(c, now); }
 
+static const char *const program_release_reasons[] = {"user", "quantum"};
+
+int nvs_core_release(struct nvs_core *c, int device, const char *reason, double now) {
+    const char *known = NULL;
+    for (size_t i = 0; i < sizeof program_release_reasons / sizeof *program_release_reasons; i++)
+        if (reason != NULL && strcmp(reason, program_release_reasons[i]) == 0) known = program_release_reasons[i];
+    if (!valid_device(c, device) || known == NULL) return -1;
+    struct nvs_core_device *d = &c->devices[device];
+    if (d->state != NVS_HOLDING) return 0;
+    begin_release(c, d, known, now);
+    run_due(c, now);
+    return 0;
+}
+
 void nvs_core_exit(struct nvs_core *c, double now) {
     if (c->exiting || !c->registered) return;
     /* A holder's last kernels may still run while atexit handlers do (nothing here may call
@@ -1220,6 +1243,15 @@ int nvs_core_gate(const struct nvs_core *c, int device) {
 int nvs_core_registered(const struct nvs_core *c) { return c->registered; }
 
 double nvs_core_lease_until(const struct nvs_core *c) { return c->registered ? c->lease_until : 0; }
+
+uint64_t nvs_core_limit(const struct nvs_core *c, const char *uuid) {
+    for (int i = 0; i < c->n_devices; i++)
+        if (c->devices[i].known && strcmp(c->devices[i].uuid, uuid) == 0) return c->devices[i].scheduler_limit;
+    uint64_t bytes = c->limit_every;
+    for (int i = 0; i < c->n_limits; i++)
+        if (strcmp(c->limits[i].device, uuid) == 0) bytes = c->limits[i].bytes;
+    return bytes;
+}
 
 uint64_t nvs_core_admitted(const struct nvs_core *c, int device) {
     return valid_device(c, device) ? c->devices[device].admitted : NVS_CORE_UNADMITTED;

@@ -7,8 +7,9 @@
  * Events in, actions out. Nothing in client_core.c takes a lock, reads a clock, touches a file
  * descriptor or calls CUDA: every event carries `now` (seconds, monotonic), and the caller
  * carries out the actions popped with nvs_core_pop() in order. In libnvshare.so the caller is
- * client.c (under nvs_mu, see there); in the tests it is tests/client_core_harness.py through
- * ctypes, paired with the scheduler's SchedulerCore on virtual time.
+ * client.c (under nvs_mu, see there); built alone as libnvshare_core.so, it is driven through
+ * ctypes (nvshare_py/client_core.py) by nvshare_py.client and, paired with the scheduler's
+ * SchedulerCore on virtual time, by the tests (tests/fixtures/client_core.py).
  *
  * Devices are numbered by the caller (the CUDA ordinal in libnvshare.so), 0..NVS_CORE_MAX_DEVICES-1.
  */
@@ -248,7 +249,8 @@ void nvs_core_init(struct nvs_core *c, const struct nvs_core_config *config);
  * state with the child's pid and a new session; the devices stay known. */
 void nvs_core_forked(struct nvs_core *c, long pid, const char *session);
 
-/* A device's identity (once, before other events name it). 0, or -1 for a bad index/id. */
+/* A device's identity (before other events name it). Again for a known device: a new name or
+ * total is announced again (DEVICE); another uuid is -1. 0, or -1 for a bad index/id. */
 int nvs_core_add_device(struct nvs_core *c, int device, const char *uuid, const char *name, uint64_t total);
 /* What the gate and the allocator counted. Level-triggered: report the current values before
  * every other event (cheap; nothing happens until the next event or tick). */
@@ -275,6 +277,11 @@ void nvs_core_observe_admission(struct nvs_core *c, int device, uint64_t wanted)
 void nvs_core_job_done(struct nvs_core *c, int device, enum nvs_job_result result, double now);
 /* Time passed: whatever is due (reconnection, heartbeat, reports, idle checks, pre-drain). */
 void nvs_core_tick(struct nvs_core *c, double now);
+/* The program gives the device back itself (a library client, nvshare_py.client, whose program
+ * says when its GPU work is done instead of the gate's idle detection): as for a DROP, the gate
+ * closes and the drain job follows, then RELEASE with `reason` ("user" or "quantum"). Nothing
+ * unless the device is held; -1 for a bad device or reason. */
+int nvs_core_release(struct nvs_core *c, int device, const char *reason, double now);
 /* Clean exit: BYE, so that the scheduler takes this process out of its queues at once, and
  * the gates open (a late call from a destructor must not wait forever). Not while it holds a
  * lock (its last kernels may still run: the scheduler's process-exit watch passes that lock on
@@ -303,5 +310,7 @@ int nvs_core_gate(const struct nvs_core *c, int device);
 int nvs_core_registered(const struct nvs_core *c);
 int nvs_core_any_waiters(const struct nvs_core *c);
 uint64_t nvs_core_admitted(const struct nvs_core *c, int device);
+/* The scheduler's memory limit of a device by id (0: none), also of one not added yet. */
+uint64_t nvs_core_limit(const struct nvs_core *c, const char *uuid);
 
 #endif
