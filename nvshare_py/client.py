@@ -30,21 +30,35 @@ repeats its DEVICE and MEMORY reports: a holder keeps its lock, a waiter its pla
 After `os.fork()` the child must not touch the parent's connection: every Client that exists
 at the fork is unusable in the child (RuntimeError); create a new one there.
 
-Threads. ZeroMQ sockets are not thread-safe, so every call on the DEALER socket is made under
-`_io_lock`, which nobody holds while blocking. Sending needs nothing else: API methods send
-their ACQUIRE/RELEASE themselves, without waking another thread. Receiving is a role, the
-*reader* (`_reader`, a try-lock): its holder drains the monitor and the socket and dispatches
-what arrived. A background I/O thread holds the role by default, sends heartbeats and memory
-reports and runs callbacks; but a thread blocked in acquire() takes the role while it waits,
-so the GRANT wakes it directly rather than waking the I/O thread that would then wake it
-(one thread switch and one GIL hand-over less on the lock handoff path). The lock state is
-shared under `_cond`; when both are needed, `_cond` is taken before `_io_lock`.
+One state machine. The protocol's rules (registration and reconnection, heartbeats and the
+lease, memory reports, when to ACQUIRE and RELEASE, what a DROP, REVOKE, EVICT or lost
+registration asks) are the C client core's (interceptor/client_core.c, driven through ctypes:
+nvshare_py/client_core.py), the same code libnvshare.so runs in CUDA programs. This module is
+its I/O shell: it feeds the core what happens (messages, connection events, the program's
+calls and the time) and carries out what the core asks (send, connect, disconnect, log, and
+the worker's jobs). The program's calls are the interceptor's threads: a thread in acquire()
+is an application thread waiting at the closed gate, the gate opening is its grant; the
+drain of a DROP is the program's (on_drop, then release()), that of its own release() or of
+a void grant is done at once; the program converts no memory, so a swap job moves nothing.
+What only the program sees (a grant's mode and quantum, the callbacks' arguments, the client
+id) is read from the decoded messages.
+
+Threads. The core, the connection and the lock state are shared under `_cond`; nothing blocks
+under it (the socket is non-blocking). Sending needs nothing else: API methods feed the core
+themselves and send what it asks, without waking another thread. Receiving is a role, the
+*reader* (`_reader`, a try-lock): its holder sleeps in poll() on the socket and feeds what
+arrives. A background I/O thread holds the role by default, runs the core's timers and the
+callbacks; but a thread blocked in acquire() takes the role while it waits, so the GRANT wakes
+it directly rather than waking the I/O thread that would then wake it (one thread switch and
+one GIL hand-over less on the lock handoff path). The transport is ZMTP over the Unix socket
+(nvshare_py/scheduler/zmtp.py's parser, the DEALER side), as the interceptor speaks it.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -59,21 +73,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-import zmq
-from zmq.utils.monitor import recv_monitor_message
-
-from . import protocol, vocabulary
+from . import client_core, protocol, vocabulary
+from .client_core import ClientCore
 from .paths import SocketPaths
+from .scheduler import zmtp
 
 log = logging.getLogger("nvshare.client")
 
-# docs/protocol.md: MEMORY reports are coalesced to at most one per device every 100 ms.
-MEMORY_REPORT_INTERVAL = 0.1
-# How long close() lets the BYE reach the scheduler.
-CLOSE_LINGER_MS = 1000
+# How long close() lets the BYE reach the scheduler (seconds).
+CLOSE_LINGER = 1.0
 # While an acquire() reads in its place, the I/O thread still looks at its timers and queued
 # callbacks this often (seconds).
 READER_SLICE = 0.05
+# Bytes the scheduler may leave unread before the connection is given up as hung.
+OUTGOING_MAX = 4 << 20
+# What one wake-up of the reader takes from the socket at most (bytes).
+READ_CHUNK = 1 << 16
+_LOG_LEVELS = {client_core.LOG_ERROR: logging.ERROR, client_core.LOG_WARN: logging.WARNING,
+               client_core.LOG_INFO: logging.INFO, client_core.LOG_DEBUG: logging.DEBUG}
 
 
 class SchedulerUnavailable(ConnectionError):
@@ -90,17 +107,16 @@ class Grant:
 
 
 @dataclass
-class _DeviceState:
-    grant: Grant | None = None  # valid grant the program holds
-    waiting: bool = False  # an ACQUIRE is outstanding
-    acquirers: int = 0  # threads blocked in acquire(); 0 while waiting = abandoned request
-    total: int | None = None
-    name: str = ""
-    used: int | None = None
-    used_dirty: bool = False
-    used_sent_at: float = 0.0
-    # The current grant's DROP asked for an eviction: the RELEASE says what stays resident.
-    evict_asked: bool = False
+class _Device:
+    """What the shell keeps of a device beside the core's state: the core's number for it,
+    what the program does with it, and the terms of its grant."""
+
+    index: int
+    acquirers: int = 0  # threads blocked in acquire(): the core's waiters at the gate
+    used: int = 0  # the program's last memory figure
+    offered: Grant | None = None  # the terms of the device's last GRANT
+    grant: Grant | None = None  # the grant the program holds (the gate opened for it)
+    draining: bool = False  # a DROP's drain is the program's: it ends with its release()
 
 
 _live_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
@@ -113,7 +129,6 @@ def _disown_after_fork() -> None:
         # held at the fork stays held for ever in the child: fresh ones let every method reach
         # its RuntimeError instead of hanging.
         client._cond = threading.Condition()
-        client._io_lock = threading.Lock()
         client._reader = threading.Lock()
 
 
@@ -191,37 +206,29 @@ class Client:
         self.connect_timeout = connect_timeout
         self.session = os.urandom(8).hex()
         self.client_id: str | None = None  # "c12", from WELCOME
-        # Memory limits the scheduler set for this registration (LIMIT; docs/protocol.md): on
-        # every device (0: none), and devices' own. This library allocates nothing itself: it
-        # keeps them for its user to read (limit()).
-        self._limit_every = 0
-        self._device_limits: dict[str, int] = {}
-        self.heartbeat_interval = 1.0
+        self.heartbeat_interval = 1.0  # from WELCOME, seconds
         self.idle_release = 1.0
-        # What a newer scheduler sends that this library cannot read is said once (docs/protocol.md,
-        # "Unknown words, unknown types").
-        self._unknown_said = protocol.WarnOnce()
+        # The program says itself when it is done (release()): no idle detection, no pre-drain
+        # (on_contended lets the program drain early).
+        self._core = ClientCore(client_core.default_library(), os.getpid(), self.session, idle_release_ms=0,
+                                predrain=False, socket_path=os.fspath(self.paths.client_socket), **self.identity)
 
-        self._cond = threading.Condition()  # guards the lock state and the flags below
-        self._devices: dict[str, _DeviceState] = {}
-        self._registered = False
-        self._connected = False
+        self._cond = threading.Condition()  # guards the core, the connection and the state below
+        self._devices: dict[str, _Device] = {}
+        self._by_index: list[_Device] = []
+        self._incoming: protocol.Message | None = None  # the message the core is reading
         self._refused: str | None = None  # why the scheduler rejected our HELLO
         self._failure: str | None = None  # why the I/O thread stopped on its own
         self._closing = False
         self._bye_sent = False
         self._closed = False
         self._inherited = False  # set in a forked child (register_at_fork)
-        # When the I/O thread next has housekeeping to do; 0 makes it look at once.
-        self._next_due = 0.0
+        self._next_due = 0.0  # when the core's timers are due next; 0: at once
 
-        self._io_lock = threading.Lock()  # guards every call on _sock, and _last_sent
-        self._context: zmq.Context | None = None
-        self._sock: zmq.Socket | None = None
-        self._last_sent = 0.0
+        self._sock: socket.socket | None = None  # the connection the core asked for
+        self._parser: zmtp.Parser | None = None
+        self._outgoing = bytearray()  # what the socket did not take yet
         self._reader = threading.Lock()  # the receiving role (see the module docstring)
-        self._monitor: zmq.Socket | None = None  # used by the reader only
-        self._wait_fds: tuple[int, int] = (-1, -1)  # the descriptors of _sock and _monitor
         self._callbacks: collections.deque[tuple[Callable, tuple]] = collections.deque()
         # Two eventfds: one wakes the I/O thread, one wakes a thread reading in acquire().
         self._io_wake_fd = -1
@@ -243,25 +250,16 @@ class Client:
         # as this object, so such a late write can never reach a reused descriptor number.
         weakref.finalize(self, os.close, self._io_wake_fd)
         weakref.finalize(self, os.close, self._reader_wake_fd)
-        self._context = zmq.Context()
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self._wait_fds = (sock.getsockopt(zmq.FD), self._monitor.getsockopt(zmq.FD))
-        sock.connect(self.paths.client_endpoint)
-        with self._io_lock:
-            self._sock = sock
         self._thread = threading.Thread(target=self._io_main, name="nvshare-client-io", daemon=True)
-        self._thread.start()
+        self._thread.start()  # its first tick: the core asks to connect
         deadline = time.monotonic() + self.connect_timeout
         with self._cond:
-            while not self._registered and self._refused is None and self._failure is None:
+            while not self._core.registered and self._refused is None and self._failure is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
-            refused, registered = self._refused or self._failure, self._registered
+            refused, registered = self._refused or self._failure, self._core.registered
         if not registered:
             self._shutdown(send_bye=False)
             if refused is not None:
@@ -287,11 +285,11 @@ class Client:
         """The memory limit the scheduler set for this client on `device` in bytes (None: none):
         the device's own, else the one for every device (nvsharectl set-limit)."""
         with self._cond:
-            value = self._device_limits.get(device, self._limit_every)
+            value = self._core.limit(device)
         return value or None
 
     def _probe_socket(self) -> None:
-        """Tell 'no scheduler' from 'no permission' before ZeroMQ starts retrying silently."""
+        """Tell 'no scheduler' from 'no permission' at once, with what to do."""
         path = self.paths.client_socket
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -313,10 +311,14 @@ class Client:
         with self._cond:
             if self._closing:
                 return
-            if send_bye and self._registered and self._connected:
-                self._transmit(protocol.Bye())
-                self._bye_sent = True
             self._closing = True
+            if send_bye and self._thread is not None and self._failure is None:
+                # What the program holds goes back first: the core says BYE only when nothing
+                # is held (a process that exits holding has its lock passed on by its exit).
+                for dev in self._by_index:
+                    self._step(lambda now, dev=dev: self._give_back(dev, "user", now))
+                self._bye_sent = self._core.registered
+                self._step(self._core.exit)
             self._cond.notify_all()
         if self._thread is not None:
             self._wake_all()
@@ -324,10 +326,9 @@ class Client:
                 self._thread.join()
         with self._cond:
             self._closed = True
-            self._registered = False
-            for state in self._devices.values():
-                state.grant = None
-                state.waiting = False
+            for dev in self._devices.values():
+                dev.grant = None
+                dev.draining = False
             self._cond.notify_all()
 
     def _check_usable(self, *, connected: bool = True) -> None:
@@ -346,83 +347,75 @@ class Client:
 
     def announce(self, device: str, total: int, name: str = "") -> None:
         """Tell the scheduler a device's memory size (DEVICE)."""
-        message = protocol.DeviceAnnouncement(device=device, total=total, name=name)
-        message.encode()  # reject bad values here, not on the I/O thread
+        protocol.DeviceAnnouncement(device=device, total=total, name=name).encode()  # bad values fail here
         with self._cond:
             self._check_usable()
-            state = self._state(device)
-            state.total, state.name = total, name
-            self._transmit(message)
+            dev = self._device(device)
+            self._core.add_device(dev.index, device, total, name)
+            self._step(self._core.tick)
 
     def report_memory(self, device: str, used: int) -> None:
         """Bytes this program has allocated on the device (MEMORY, coalesced)."""
         protocol.Memory(device=device, used=used).encode()
         with self._cond:
             self._check_usable()
-            state = self._state(device)
-            if state.used != used:
-                state.used, state.used_dirty = used, True
-                self._next_due = 0.0
-        self._wake_io()  # the I/O thread sends it when due
+            self._device(device).used = used
+            self._step(self._core.tick)
 
     def acquire(self, device: str, timeout: float | None = None) -> Grant:
         """Block until this program holds the device's lock. On timeout the request stays
         queued at the scheduler until a later acquire() takes the grant; a grant nobody waits
         for any more is released at once."""
-        request = protocol.Acquire(device=device)
-        request.encode()
+        protocol.Acquire(device=device).encode()
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._check_usable()
-            state = self._state(device)
-            if state.grant is not None:
-                return state.grant
-            if not state.waiting:
-                state.waiting = True
-                # The latest memory figure goes just before the ACQUIRE.
-                self._transmit(*self._memory_reports(time.monotonic(), device), request)
-            state.acquirers += 1
+            dev = self._device(device)
+            if dev.grant is not None:
+                return dev.grant
+            dev.acquirers += 1
+            self._step(self._core.tick)  # the latest memory figure, then ACQUIRE
         try:
             while True:
                 with self._cond:
                     self._check_usable()
-                    if state.grant is not None:
-                        return state.grant
+                    if dev.grant is not None:
+                        return dev.grant
                     if time.monotonic() >= deadline:
                         raise TimeoutError(f"no grant for {device} within {timeout:g} s")
                 if self._reader.acquire(blocking=False):
                     try:
-                        unread = self._read_while_waiting(state, deadline)
+                        self._read_while_waiting(dev, deadline)
                     finally:
                         # Handing the role back wakes the I/O thread without an eventfd
                         # write, which would give the GIL away just before we return.
                         self._reader.release()
-                    if unread:
+                    if self._callbacks:
                         self._wake_io()
                 else:
                     # The I/O thread (or another acquire()) is reading; it will notify us.
                     with self._cond:
-                        if state.grant is None and not self._closing:
+                        if dev.grant is None and not self._closing:
                             remaining = deadline - time.monotonic()
                             self._cond.wait(None if remaining == math.inf else max(0.0, remaining))
         finally:
             with self._cond:
-                state.acquirers -= 1
+                dev.acquirers -= 1
 
     def release(self, device: str, reason: str = "user") -> bool:
-        """Give the device's lock back; False when this program did not hold it."""
+        """Give the device's lock back; False when this program did not hold it. `reason`:
+        "user", or "quantum" when answering on_contended; after a DROP the release answers it."""
+        if not vocabulary.is_release_reason(reason):
+            raise ValueError(f"{reason!r} is not a release reason ({', '.join(vocabulary.RELEASE_REASON.words)})")
         with self._cond:
             if self._inherited:
                 self._check_usable()
-            state = self._devices.get(device)
-            if state is None or state.grant is None or self._closed:
+            dev = self._devices.get(device)
+            if dev is None or dev.grant is None or self._closed:
                 return False
-            grant, state.grant = state.grant, None
-            # This client converts no memory (docs/protocol.md, Residency): nothing of it is
-            # ever resident in the scheduler's sense, so it has nothing to move and says so.
-            resident = 0 if state.evict_asked else None
-            state.evict_asked = False
-            self._transmit(protocol.Release(device=device, grant=grant.id, reason=reason, resident=resident))
+            # The drain of a DROP says "drop" whatever the program calls it; otherwise the
+            # program either hands over early (quantum) or is done (user).
+            self._step(lambda now: self._give_back(dev, "quantum" if reason == "quantum" else "user", now))
             return True
 
     @contextlib.contextmanager
@@ -436,135 +429,315 @@ class Client:
     def grant(self, device: str) -> Grant | None:
         """The grant this program holds on `device` now, if any."""
         with self._cond:
-            state = self._devices.get(device)
-            return None if state is None else state.grant
+            dev = self._devices.get(device)
+            return None if dev is None else dev.grant
 
-    # --- sending (any thread) --------------------------------------------------------------
+    # --- the core (everything here runs with _cond held) ------------------------------------
 
-    def _state(self, device: str) -> _DeviceState:
-        state = self._devices.get(device)
-        if state is None:
-            state = self._devices[device] = _DeviceState()
-        return state
+    def _device(self, device: str) -> _Device:
+        """The device's record, the device made known to the core on first use."""
+        dev = self._devices.get(device)
+        if dev is None:
+            if len(self._by_index) == client_core.MAX_DEVICES:
+                raise ValueError(f"a client uses at most {client_core.MAX_DEVICES} devices")
+            dev = _Device(len(self._by_index))
+            self._core.add_device(dev.index, device, 0, "")
+            self._devices[device] = dev
+            self._by_index.append(dev)
+        return dev
 
-    def _transmit(self, *messages: protocol.Message) -> None:
-        """Send now, from whichever thread (call with `_cond` held, so that the order on the
-        wire is the order of the state changes). While disconnected nothing is sent: HELLO
-        carries the state on reconnection."""
-        if not self._connected:
+    def _give_back(self, dev: _Device, reason: str, now: float) -> None:
+        """The program releases: a DROP's drain ends; else the core starts the release."""
+        if dev.grant is None:
             return
-        with self._io_lock:
-            sock = self._sock
-            if sock is None:
+        dev.grant = None
+        if dev.draining:
+            dev.draining = False
+            self._core.job_done(dev.index, client_core.RESULT_DRAINED, now)
+        else:
+            self._core.release(dev.index, reason, now)
+
+    def _step(self, event: Callable[[float], None], message: protocol.Message | None = None) -> None:
+        """Feed one event to the core (what it observes first), then carry out what it asks."""
+        now = time.monotonic()
+        core = self._core
+        for dev in self._by_index:
+            core.observe(dev.index, dev.acquirers, 0, 0, dev.used)
+        registered = core.registered
+        self._incoming = message
+        try:
+            event(now)
+            if message is not None:
+                self._read(message, registered, now)
+            self._carry_out(now)
+        finally:
+            self._incoming = None
+        due, self._next_due = self._next_due, core.next_deadline(now)
+        if self._next_due < due:
+            self._wake_io()
+        self._cond.notify_all()
+
+    def _carry_out(self, now: float) -> None:
+        core = self._core
+        while (action := core.pop_one()) is not None:
+            kind = action.kind
+            if kind == client_core.ACT_SEND:
+                self._send(action.data, now)
+            elif kind == client_core.ACT_GATE:
+                self._gate(self._by_index[action.device], bool(action.value), now)
+            elif kind == client_core.ACT_JOB:
+                self._job(self._by_index[action.device], action.value, now)
+            elif kind == client_core.ACT_LOG:
+                log.log(_LOG_LEVELS.get(action.value, logging.DEBUG), "%s", action.data.decode(errors="replace"))
+            elif kind == client_core.ACT_CONNECT:
+                self._open(now)
+            elif kind == client_core.ACT_DISCONNECT:
+                self._hang_up()
+            # ADMISSION, LIMIT, SETTLED, SWAP_AREA are for an allocator: this library allocates
+            # nothing (limit() reads the core's limits for the program).
+
+    def _gate(self, dev: _Device, open_: bool, now: float) -> None:
+        """The gate opens for a grant (a GRANT, or one confirming a held lock after a restart)."""
+        if not open_ or self._closing or dev.offered is None:
+            return
+        if dev.grant is None and dev.acquirers == 0:
+            # Nobody wants it any more (an acquire() that timed out): hand it straight back.
+            self._core.release(dev.index, "user", now)
+            return
+        dev.grant = dev.offered
+
+    def _job(self, dev: _Device, job: int, now: float) -> None:
+        """The worker's part. A drain after a DROP is the program's; any other ends at once: the
+        program's own release has nothing left to drain, a void grant is given up, and this
+        library converts no memory, so a swap job moves nothing."""
+        core = self._core
+        if job == client_core.JOB_DRAIN:
+            message = self._incoming
+            if dev.grant is not None and isinstance(message, protocol.Drop):
+                dev.draining = True
+                if self.on_drop is None:
+                    self._give_back(dev, "user", now)
+                else:
+                    self._callback(self.on_drop, message.device, dev.grant)
                 return
-            for message in messages:
-                try:
-                    sock.send(message.encode(), flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    log.warning("nvshare scheduler is not reading; %s dropped", message.TYPE)
-            self._last_sent = time.monotonic()
-            # The send may have used up the descriptor's signal that the reader sleeps on.
-            incoming = sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
-        if incoming:
+            voided, dev.grant = dev.grant, None
+            core.job_done(dev.index, client_core.RESULT_DRAINED, now)
+            if voided is not None:
+                self._voided(voided, message.reason if isinstance(message, protocol.Revoke) else "lost")
+        elif job == client_core.JOB_PROBE:
+            core.job_done(dev.index, client_core.RESULT_ACTIVE, now)
+        else:
+            core.job_done(dev.index, client_core.RESULT_MOVED, now)
+
+    def _voided(self, grant: Grant, reason: str) -> None:
+        if self.on_revoke is not None:
+            self._callback(self.on_revoke, grant.device, grant, reason)
+
+    def _read(self, message: protocol.Message, registered: bool, now: float) -> None:
+        """What the program learns from a message the core has just read."""
+        if isinstance(message, protocol.Welcome):
+            self.client_id = message.client
+            self.heartbeat_interval = message.heartbeat_ms / 1000
+            self.idle_release = message.idle_release_ms / 1000
+        elif isinstance(message, protocol.Grant):
+            # A mode this library does not know counts as exclusive: the program may use the
+            # device as if it were alone on it, as in mode on.
+            exclusive = message.exclusive or message.mode not in vocabulary.MODE
+            dev = self._devices.get(message.device)
+            if dev is not None:
+                dev.offered = Grant(message.device, message.grant, message.mode, exclusive, message.quantum_ms / 1000)
+        elif isinstance(message, protocol.Revoke):
+            dev = self._devices.get(message.device)
+            if dev is not None and dev.draining and dev.grant is not None and dev.grant.id == message.grant:
+                # The program did not finish its drain in time: the grant is void (the core
+                # sends the RELEASE once the drain it waited for is given up).
+                voided, dev.grant, dev.draining = dev.grant, None, False
+                self._core.job_done(dev.index, client_core.RESULT_DRAINED, now)
+                self._voided(voided, message.reason)
+        elif isinstance(message, protocol.Contended):
+            dev = self._devices.get(message.device)
+            grant = dev.grant if dev is not None else None
+            if self.on_contended is not None and grant is not None and grant.id == message.grant:
+                self._callback(self.on_contended, message.device, grant, message.quantum_left_ms / 1000)
+        elif isinstance(message, protocol.ModeNotice):
+            if self.on_mode is not None:
+                self._callback(self.on_mode, message.device, message.mode, message.quantum_ms / 1000)
+        elif isinstance(message, protocol.Error):
+            if message.type == "HELLO" and message.code != "already-registered":
+                self._refused = f"{message.code}: {message.detail}"
+            elif registered and not self._core.registered:
+                # The scheduler lost this registration: drains the program still owes are void.
+                for dev in self._by_index:
+                    if dev.draining and dev.grant is not None:
+                        voided, dev.grant, dev.draining = dev.grant, None, False
+                        self._core.job_done(dev.index, client_core.RESULT_DRAINED, now)
+                        self._voided(voided, "lost")
+
+    def _callback(self, function: Callable, *args) -> None:
+        """Run a user callback on the I/O thread, after the step that called for it."""
+        self._callbacks.append((function, args))
+        if threading.current_thread() is not self._thread:
+            self._wake_io()
+
+    def _run_callbacks(self) -> None:
+        while self._callbacks:
+            function, args = self._callbacks.popleft()
+            try:
+                function(*args)
+            except Exception:
+                log.exception("nvshare client callback %r failed", function)
+
+    # --- the connection (with _cond held) ---------------------------------------------------
+
+    def _open(self, now: float) -> None:
+        """The core asks for a connection: a Unix socket, then ZMTP's greeting and READY
+        (nothing we send depends on the scheduler's, so the HELLO may follow at once)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(os.fspath(self.paths.client_socket))
+        except OSError as exc:
+            sock.close()
+            self._core.connect_failed(now, exc.errno or errno.ECONNREFUSED)
+            return
+        sock.setblocking(False)
+        self._sock = sock
+        self._parser = zmtp.Parser(protocol.MAX_MESSAGE + zmtp.FRAME_COST, peer_types=zmtp.SERVER_TYPES)
+        self._outgoing = bytearray(zmtp.CLIENT_HANDSHAKE)
+        self._core.connected(now)  # HELLO
+        self._wake_all()  # readers poll the new socket
+
+    def _hang_up(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            self._parser = None
+            self._outgoing.clear()
             self._wake_all()
 
+    def _lost(self, why: str, now: float) -> None:
+        """The connection failed under us: the core hears of it, and asks again later."""
+        self._hang_up()
+        self._core.disconnected(why, now)
+
+    def _send(self, data: bytes, now: float) -> None:
+        if self._sock is None:
+            return  # the core counts the connection as closed already
+        self._outgoing += zmtp.frame(data)
+        self._flush(now)
+
+    def _flush(self, now: float) -> None:
+        sock, outgoing = self._sock, self._outgoing
+        try:
+            while outgoing and sock is not None:
+                del outgoing[: sock.send(outgoing)]
+        except BlockingIOError:
+            if len(outgoing) > OUTGOING_MAX:
+                self._lost("the scheduler does not read", now)
+            else:
+                self._wake_all()  # readers poll for room
+        except OSError as exc:
+            self._lost(exc.strerror or str(exc), now)
+
+    def _pump(self) -> None:
+        """Take what arrived on the connection and feed it to the core (the reader's work)."""
+        with self._cond:
+            sock, parser = self._sock, self._parser
+            if sock is None or parser is None:
+                return
+            if self._outgoing:
+                self._step(self._flush)
+                if sock is not self._sock:
+                    return
+            try:
+                data = sock.recv(READ_CHUNK)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self._step(lambda now: self._lost(exc.strerror or str(exc), now))
+                return
+            if not data:
+                self._step(lambda now: self._lost("closed by the scheduler", now))
+                return
+            try:
+                items = parser.feed(data)
+            except zmtp.Violation as exc:
+                self._step(lambda now: self._lost(f"ZMTP: {exc}", now))
+                return
+            for item in items:
+                if sock is not self._sock:
+                    return  # the core hung up while reading what came before
+                if isinstance(item, zmtp.Ping):
+                    self._outgoing += zmtp.pong(item.context)
+                    self._step(self._flush)
+                elif isinstance(item, zmtp.Message):
+                    self._on_frames(item.frames)
+
+    def _on_frames(self, frames: tuple[bytes, ...]) -> None:
+        if len(frames) != 1:
+            log.warning("nvshare scheduler sent a %d-frame message; ignored", len(frames))
+            return
+        data = frames[0]
+        try:
+            message: protocol.Message | None = protocol.decode(data, protocol.SCHEDULER_MESSAGES)
+        except protocol.ProtocolError:
+            message = None  # the core says what it cannot read
+        self._step(lambda now: self._core.receive(data, now), message)
+
+    # --- threads -------------------------------------------------------------------------
+
     def _wake_io(self) -> None:
-        os.eventfd_write(self._io_wake_fd, 1)
+        if self._io_wake_fd >= 0:
+            os.eventfd_write(self._io_wake_fd, 1)
 
     def _wake_all(self) -> None:
-        os.eventfd_write(self._io_wake_fd, 1)
-        os.eventfd_write(self._reader_wake_fd, 1)
+        if self._io_wake_fd >= 0:
+            os.eventfd_write(self._io_wake_fd, 1)
+            os.eventfd_write(self._reader_wake_fd, 1)
 
-    def _memory_reports(self, now: float, device: str | None) -> list[protocol.Memory]:
-        """MEMORY for `device` if its figure changed, or (None) for every device whose
-        changed figure is due. Called with `_cond` held."""
-        if device is not None:
-            state = self._devices.get(device)
-            candidates = [(device, state)] if state is not None and state.used_dirty else []
-        else:
-            candidates = [
-                (name, state)
-                for name, state in self._devices.items()
-                if state.used_dirty and now - state.used_sent_at >= MEMORY_REPORT_INTERVAL
-            ]
-        reports = []
-        for name, state in candidates:
-            reports.append(protocol.Memory(device=name, used=state.used))
-            state.used_dirty, state.used_sent_at = False, now
-        return reports
-
-    # --- receiving (the holder of _reader) --------------------------------------------------
-
-    def _pump(self) -> bool:
-        """Dispatch everything that arrived; True if more is waiting already."""
-        monitor, sock = self._monitor, self._sock
-        # Connection events first: a re-HELLO must be on its way before we judge any
-        # 'not-registered' answer to what was sent before a restart.
-        while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._on_connection_event(recv_monitor_message(monitor, flags=zmq.NOBLOCK)["event"])
-        with self._io_lock:
-            received = []
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                received.append(sock.recv_multipart(flags=zmq.NOBLOCK))
-        for frames in received:
-            self._on_frames(frames)
-        # Their descriptors signal changes, not readiness: sleep only when nothing is left.
-        with self._io_lock:
-            pending = sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
-        return bool(pending or monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-
-    def _read_while_waiting(self, state: _DeviceState, deadline: float) -> bool:
-        """acquire()'s thread as the reader, until its grant (or a reason to stop) arrives.
-        Returns whether messages are left for the I/O thread."""
-        if self._sock is None:
-            return False  # the I/O thread has closed it (the client is closing or failed)
+    def _sleep(self, wake_fd: int, until: float) -> None:
+        """poll() on the connection (and for room to write when output waits) until `until`."""
         sleeper = select.poll()
-        for fd in (*self._wait_fds, self._reader_wake_fd):
-            sleeper.register(fd, select.POLLIN)
+        sleeper.register(wake_fd, select.POLLIN)
+        sock = self._sock
+        fd = sock.fileno() if sock is not None else -1
+        if fd >= 0:  # else closed meanwhile: the wake-up is on its way
+            sleeper.register(fd, select.POLLIN | (select.POLLOUT if self._outgoing else 0))
+        timeout = until - time.monotonic()
+        sleeper.poll(None if timeout == math.inf else max(0, math.ceil(timeout * 1000)))
+        _drain_eventfd(wake_fd)
+
+    def _read_while_waiting(self, dev: _Device, deadline: float) -> None:
+        """acquire()'s thread as the reader, until its grant (or a reason to stop) arrives."""
         while True:
-            more = self._pump()
+            self._pump()
             with self._cond:
-                if state.grant is not None or self._closing or self._failure is not None:
-                    return more
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return more
-            if not more:
-                sleeper.poll(None if remaining == math.inf else max(1, math.ceil(remaining * 1000)))
-                _drain_eventfd(self._reader_wake_fd)
+                if dev.grant is not None or self._closing or self._failure is not None:
+                    return
+            if time.monotonic() >= deadline:
+                return
+            self._sleep(self._reader_wake_fd, deadline)  # the timers are the I/O thread's
 
     def _io_main(self) -> None:
-        sock, monitor = self._sock, self._monitor
-        sleeper = select.poll()
-        for fd in (*self._wait_fds, self._io_wake_fd):
-            sleeper.register(fd, select.POLLIN)
-        linger = 0
         try:
             while True:
                 # Waiting on the lock (not spinning) while an acquire() holds the role; the
-                # slice bounds how late housekeeping and queued callbacks can run meanwhile.
+                # slice bounds how late timers and queued callbacks can run meanwhile.
                 now = time.monotonic()
                 reading = self._reader.acquire(timeout=max(0.001, min(READER_SLICE, self._next_due - now)))
-                more = False
                 if reading:
                     try:
-                        more = self._pump()
+                        self._pump()
                     finally:
                         self._reader.release()
-                while self._callbacks:
-                    function, args = self._callbacks.popleft()
-                    self._run_callback(function, args)
+                self._run_callbacks()
                 if self._closing:
-                    if self._bye_sent:
-                        linger = CLOSE_LINGER_MS  # let the BYE reach the scheduler
                     break
-                now = time.monotonic()
-                if now >= self._next_due:
-                    self._send_due(now)
-                if reading and not more:
-                    timeout = self._next_due - now
-                    sleeper.poll(None if timeout == math.inf else max(1, math.ceil(timeout * 1000)))
-                    _drain_eventfd(self._io_wake_fd)
+                if time.monotonic() >= self._next_due:
+                    with self._cond:
+                        self._step(self._core.tick)
+                    self._run_callbacks()
+                if reading:
+                    self._sleep(self._io_wake_fd, self._next_due)
         except Exception as exc:
             log.exception("nvshare client I/O thread failed")
             with self._cond:
@@ -572,211 +745,22 @@ class Client:
                 self._cond.notify_all()
             self._wake_all()
         finally:
-            with self._reader:
-                sock.disable_monitor()
-                monitor.close(linger=0)
-                with self._io_lock:
-                    self._sock = None
-                    sock.close(linger=linger)
-            self._context.term()
+            self._linger()
 
-    def _send_due(self, now: float) -> None:
-        """Memory reports whose time has come and a heartbeat when nothing else was sent;
-        then when to look again (`_next_due`)."""
-        with self._cond:
-            if not self._registered:
-                self._next_due = math.inf  # until WELCOME
-                return
-            outgoing: list[protocol.Message] = self._memory_reports(now, None)
-            if not outgoing and now - self._last_sent >= self.heartbeat_interval:
-                outgoing.append(protocol.Heartbeat())
-            if outgoing:
-                self._transmit(*outgoing)
-            due = self._last_sent + self.heartbeat_interval
-            for state in self._devices.values():
-                if state.used_dirty:
-                    due = min(due, state.used_sent_at + MEMORY_REPORT_INTERVAL)
-            self._next_due = due
-
-    def _on_connection_event(self, event: int) -> None:
-        if event == zmq.EVENT_DISCONNECTED:
-            with self._cond:
-                self._connected = False
-                self._registered = False
-            log.info("nvshare scheduler connection lost; reconnecting")
-        elif event == zmq.EVENT_CONNECTED:
-            self._register()
-
-    def _register(self) -> None:
-        """(Re)send HELLO with the devices held and wanted, then the DEVICE and MEMORY reports."""
-        with self._cond:
-            self._connected = True
-            self._registered = False
-            # A new registration: its limits come before its WELCOME.
-            self._limit_every = 0
-            self._device_limits.clear()
-            held = tuple(d for d, s in self._devices.items() if s.grant is not None)
-            wanted = tuple(d for d, s in self._devices.items() if s.waiting)
-            outgoing: list[protocol.Message] = [
-                protocol.Hello(pid=os.getpid(), session=self.session, held=held, wanted=wanted, **self.identity)
-            ]
-            now = time.monotonic()
-            for device, state in self._devices.items():
-                if state.total is not None:
-                    outgoing.append(protocol.DeviceAnnouncement(device=device, total=state.total, name=state.name))
-                if state.used is not None:
-                    outgoing.append(protocol.Memory(device=device, used=state.used))
-                    state.used_dirty, state.used_sent_at = False, now
-            self._transmit(*outgoing)
-
-    def _on_frames(self, frames: list[bytes]) -> None:
-        if len(frames) != 1:
-            log.warning("nvshare scheduler sent a %d-frame message; ignored", len(frames))
-            return
-        try:
-            message = protocol.decode(frames[0], protocol.SCHEDULER_MESSAGES)
-        except protocol.ProtocolError as exc:
-            if exc.code != "unknown-type":
-                log.warning("nvshare scheduler sent an unreadable message: %s", exc)
-            elif self._unknown_said.first(exc.msg_type):
-                log.warning("nvshare scheduler sent a %s message, a type this nvshare_py does not know: ignored",
-                            exc.msg_type)
-            return
-        for key, word in protocol.unknown_words(message):
-            # Acted on all the same: each handler does what the message requires whatever the word.
-            if self._unknown_said.first((message.TYPE, key, word)):
-                log.warning("nvshare scheduler sent %s %s=%s, a word this nvshare_py does not know: acting on the "
-                            "%s as usual", message.TYPE, key, word, message.TYPE)
-        handler = self._handlers.get(type(message))
-        if handler is not None:  # none: a message for clients that take part in what it is about (ADMITTED)
-            handler(self, message)
-
-    def _on_welcome(self, message: protocol.Welcome) -> None:
-        with self._cond:
-            self.client_id = message.client
-            self.heartbeat_interval = message.heartbeat_ms / 1000
-            self.idle_release = message.idle_release_ms / 1000
-            self._registered = True
-            self._next_due = 0.0
-            self._cond.notify_all()
-        self._wake_io()  # heartbeats start now
-
-    def _on_grant(self, message: protocol.Grant) -> None:
-        # A mode this library does not know counts as exclusive: the program may use the device
-        # as if it were alone on it, as in mode on.
-        exclusive = message.exclusive or message.mode not in vocabulary.MODE
-        grant = Grant(message.device, message.grant, message.mode, exclusive, message.quantum_ms / 1000)
-        with self._cond:
-            state = self._state(message.device)
-            if state.grant is not None or (state.waiting and state.acquirers):
-                # A new grant, or the scheduler confirming a held one after a restart.
-                state.grant, state.waiting = grant, False
-                self._cond.notify_all()
-                return
-            # Nobody wants it (an acquire() that timed out): hand it straight back.
-            state.waiting = False
-            self._transmit(protocol.Release(device=message.device, grant=message.grant, reason="user"))
-
-    def _on_drop(self, message: protocol.Drop) -> None:
-        with self._cond:
-            state = self._devices.get(message.device)
-            grant = state.grant if state is not None else None
-            if grant is not None and grant.id == message.grant and message.evict:
-                state.evict_asked = True
-        if grant is None or grant.id != message.grant:
-            return
-        if self.on_drop is None:
-            self.release(message.device, reason="drop")
-        else:
-            self._callback(self.on_drop, message.device, grant)
-
-    def _on_evict(self, message: protocol.Evict) -> None:
-        """Answered at once: with no converted memory there is nothing to move, and a grant
-        to another client waits for this answer."""
-        with self._cond:
-            self._transmit(protocol.Evicted(device=message.device, resident=0))
-
-    def _on_contended(self, message: protocol.Contended) -> None:
-        if self.on_contended is None:
-            return
-        with self._cond:
-            state = self._devices.get(message.device)
-            grant = state.grant if state is not None else None
-        if grant is not None and grant.id == message.grant:
-            self._callback(self.on_contended, message.device, grant, message.quantum_left_ms / 1000)
-
-    def _on_revoke(self, message: protocol.Revoke) -> None:
-        with self._cond:
-            state = self._devices.get(message.device)
-            grant = state.grant if state is not None else None
-            if grant is None or grant.id != message.grant:
-                return
-            state.grant = None
-            # Ignored by the scheduler, but it keeps both sides' state in step.
-            self._transmit(protocol.Release(device=message.device, grant=message.grant, reason="revoke"))
-        if self.on_revoke is not None:
-            self._callback(self.on_revoke, message.device, grant, message.reason)
-
-    def _on_mode(self, message: protocol.ModeNotice) -> None:
-        if self.on_mode is not None:
-            self._callback(self.on_mode, message.device, message.mode, message.quantum_ms / 1000)
-
-    def _on_limit(self, message: protocol.Limit) -> None:
-        with self._cond:
-            if message.device:
-                self._device_limits[message.device] = message.bytes
-            else:
-                self._limit_every = message.bytes
-        log.info("nvshare scheduler set the memory limit on %s to %s", message.device or "every device",
-                 f"{message.bytes} bytes" if message.bytes else "none")
-
-    def _on_error(self, message: protocol.Error) -> None:
-        if message.type == "HELLO" and message.code != "already-registered":
-            with self._cond:
-                self._refused = f"{message.code}: {message.detail}"
-                self._cond.notify_all()
-            log.error("nvshare scheduler refused registration: %s %s", message.code, message.detail)
-            return
-        if message.code != "not-registered":
-            log.warning("nvshare scheduler rejected %s: %s %s", message.type or "a message", message.code, message.detail)
-            return
-        with self._cond:
-            if not self._registered:
-                return  # an answer to something sent before our HELLO; WELCOME follows
-            # The scheduler dropped our registration while we stayed connected (we were
-            # silent past its heartbeat timeout): our grants are void. Register again.
-            lost = [s.grant for s in self._devices.values() if s.grant is not None]
-            for state in self._devices.values():
-                state.grant = None
-        log.warning("nvshare scheduler dropped this client's registration; registering again")
-        self._register()
-        if self.on_revoke is not None:
-            for grant in lost:
-                self._callback(self.on_revoke, grant.device, grant, "lost")
-
-    def _callback(self, function: Callable, *args) -> None:
-        """Run a user callback on the I/O thread (now, or soon when another thread reads)."""
-        if threading.current_thread() is self._thread:
-            self._run_callback(function, args)
-        else:
-            self._callbacks.append((function, args))
-            self._wake_io()
-
-    @staticmethod
-    def _run_callback(function: Callable, args: tuple) -> None:
-        try:
-            function(*args)
-        except Exception:
-            log.exception("nvshare client callback %r failed", function)
-
-    _handlers = {
-        protocol.Welcome: _on_welcome,
-        protocol.Grant: _on_grant,
-        protocol.Drop: _on_drop,
-        protocol.Evict: _on_evict,
-        protocol.Contended: _on_contended,
-        protocol.Revoke: _on_revoke,
-        protocol.ModeNotice: _on_mode,
-        protocol.Limit: _on_limit,
-        protocol.Error: _on_error,
-    }
+    def _linger(self) -> None:
+        """Let what is still to be sent (the BYE) reach the scheduler, then hang up."""
+        give_up = time.monotonic() + CLOSE_LINGER
+        with self._reader:
+            while True:
+                with self._cond:
+                    if not self._outgoing or self._sock is None or not self._bye_sent:
+                        self._hang_up()
+                        return
+                    self._step(self._flush)
+                    sock = self._sock
+                if time.monotonic() >= give_up:
+                    with self._cond:
+                        self._hang_up()
+                    return
+                if sock is not None:
+                    select.select([], [sock], [], max(0.0, give_up - time.monotonic()))

@@ -1,4 +1,5 @@
-"""The scheduler's side of ZMTP 3.1 (RFC 23/37, NULL mechanism), as a sans-I/O parser.
+"""ZMTP 3.1 (RFC 23/37, NULL mechanism) as a sans-I/O parser: the scheduler's side, and the
+DEALER side of nvshare_py.client (`Parser(..., peer_types=SERVER_TYPES)`, CLIENT_HANDSHAKE).
 
 Why the daemon speaks ZMTP itself on its sockets instead of using a libzmq ROUTER
 (docs/scheduler.md, *Security model*): a ROUTER takes a connection's routing id from the
@@ -34,6 +35,10 @@ SERVER_GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 1]) + b"NULL".ljust(2
 _READY_PROPERTY = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"ROUTER"
 SERVER_READY = bytes([0x04, 6 + len(_READY_PROPERTY)]) + b"\x05READY" + _READY_PROPERTY
 HANDSHAKE = SERVER_GREETING + SERVER_READY
+# A DEALER's greeting (as-server 0) and READY without Identity: the server names the connection.
+_CLIENT_READY_PROPERTY = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+CLIENT_HANDSHAKE = (SERVER_GREETING[:32] + bytes(32) + bytes([0x04, 6 + len(_CLIENT_READY_PROPERTY)]) + b"\x05READY"
+                    + _CLIENT_READY_PROPERTY)
 
 _MORE, _LONG, _COMMAND, _RESERVED = 0x01, 0x02, 0x04, 0xF8
 # Commands are small (READY with a few properties, PING); a larger one is a protocol violation.
@@ -42,7 +47,8 @@ COMMAND_MAX = 8192
 # message), counted against the message's limit.
 FRAME_COST = 64
 PING_CONTEXT_MAX = 16
-_PEER_TYPES = (b"DEALER", b"REQ")
+CLIENT_TYPES = (b"DEALER", b"REQ")  # the peers a server serves
+SERVER_TYPES = (b"ROUTER",)  # the peer a DEALER client talks to
 
 
 class Violation(Exception):
@@ -97,8 +103,9 @@ class Parser:
     `parse(limit)` reads at most `limit` frames (commands and frames that complete nothing
     included), so that a caller can bound the work one call costs whatever the peer sent."""
 
-    def __init__(self, max_message: int) -> None:
+    def __init__(self, max_message: int, peer_types: tuple[bytes, ...] = CLIENT_TYPES) -> None:
         self.max_message = max_message
+        self.peer_types = peer_types
         self._buffer = bytearray()
         self._greeted = False
         self._ready = False
@@ -212,8 +219,8 @@ class Parser:
             if name != b"READY":
                 raise Violation("the first command must be READY")
             socket_type = _socket_type(data)
-            if socket_type not in _PEER_TYPES:
-                raise Violation(f"a ROUTER does not serve socket type {socket_type!r}")
+            if socket_type not in self.peer_types:
+                raise Violation(f"socket type {socket_type!r} is not a peer of this side")
             self._ready = True
             return Ready(socket_type)
         if name == b"PING":
