@@ -228,6 +228,10 @@ class Client:
         self._sock: socket.socket | None = None  # the connection the core asked for
         self._parser: zmtp.Parser | None = None
         self._outgoing = bytearray()  # what the socket did not take yet
+        # Messages wait for the scheduler's READY: libzmq drops a connection whose first
+        # message arrives with the handshake.
+        self._handshaken = False
+        self._held = bytearray()
         self._reader = threading.Lock()  # the receiving role (see the module docstring)
         self._callbacks: collections.deque[tuple[Callable, tuple]] = collections.deque()
         # Two eventfds: one wakes the I/O thread, one wakes a thread reading in acquire().
@@ -590,8 +594,8 @@ class Client:
     # --- the connection (with _cond held) ---------------------------------------------------
 
     def _open(self, now: float) -> None:
-        """The core asks for a connection: a Unix socket, then ZMTP's greeting and READY
-        (nothing we send depends on the scheduler's, so the HELLO may follow at once)."""
+        """The core asks for a connection: a Unix socket, then ZMTP's greeting and READY; the
+        HELLO follows the scheduler's READY."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.connect(os.fspath(self.paths.client_socket))
@@ -603,6 +607,7 @@ class Client:
         self._sock = sock
         self._parser = zmtp.Parser(protocol.MAX_MESSAGE + zmtp.FRAME_COST, peer_types=zmtp.SERVER_TYPES)
         self._outgoing = bytearray(zmtp.CLIENT_HANDSHAKE)
+        self._handshaken = False
         self._core.connected(now)  # HELLO
         self._wake_all()  # readers poll the new socket
 
@@ -612,6 +617,7 @@ class Client:
             self._sock = None
             self._parser = None
             self._outgoing.clear()
+            self._held.clear()
             self._wake_all()
 
     def _lost(self, why: str, now: float) -> None:
@@ -622,6 +628,9 @@ class Client:
     def _send(self, data: bytes, now: float) -> None:
         if self._sock is None:
             return  # the core counts the connection as closed already
+        if not self._handshaken:
+            self._held += zmtp.frame(data)
+            return
         self._outgoing += zmtp.frame(data)
         self._flush(now)
 
@@ -666,7 +675,12 @@ class Client:
             for item in items:
                 if sock is not self._sock:
                     return  # the core hung up while reading what came before
-                if isinstance(item, zmtp.Ping):
+                if isinstance(item, zmtp.Ready):
+                    self._handshaken = True
+                    self._outgoing += self._held
+                    self._held.clear()
+                    self._step(self._flush)
+                elif isinstance(item, zmtp.Ping):
                     self._outgoing += zmtp.pong(item.context)
                     self._step(self._flush)
                 elif isinstance(item, zmtp.Message):

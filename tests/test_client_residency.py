@@ -66,6 +66,7 @@ def connected():
 
 def test_evict_is_answered_at_once_with_nothing_resident(connected):
     scheduler, client = connected
+    client.announce(GPU, 16 << 30)  # the scheduler asks only clients that use the device
     scheduler.send(protocol.Evict(device=GPU, bytes=1 << 30))
     assert scheduler.expect(protocol.Evicted) == protocol.Evicted(device=GPU, resident=0)
 
