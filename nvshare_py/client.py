@@ -59,6 +59,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import functools
 import logging
 import math
 import os
@@ -210,8 +211,11 @@ class Client:
         self.idle_release = 1.0
         # The program says itself when it is done (release()): no idle detection, no pre-drain
         # (on_contended lets the program drain early).
+        named = self.identity.get
         self._core = ClientCore(client_core.default_library(), os.getpid(), self.session, idle_release_ms=0,
-                                predrain=False, socket_path=os.fspath(self.paths.client_socket), **self.identity)
+                                predrain=False, host=named("host", ""), container=named("container", ""),
+                                pod=named("pod", ""), namespace=named("namespace", ""), program=named("program", ""),
+                                socket_path=os.fspath(self.paths.client_socket))
 
         self._cond = threading.Condition()  # guards the core, the connection and the state below
         self._devices: dict[str, _Device] = {}
@@ -320,7 +324,7 @@ class Client:
                 # What the program holds goes back first: the core says BYE only when nothing
                 # is held (a process that exits holding has its lock passed on by its exit).
                 for dev in self._by_index:
-                    self._step(lambda now, dev=dev: self._give_back(dev, "user", now))
+                    self._step(functools.partial(self._give_back, dev, "user"))
                 self._bye_sent = self._core.registered
                 self._step(self._core.exit)
             self._cond.notify_all()
@@ -419,7 +423,7 @@ class Client:
                 return False
             # The drain of a DROP says "drop" whatever the program calls it; otherwise the
             # program either hands over early (quantum) or is done (user).
-            self._step(lambda now: self._give_back(dev, "quantum" if reason == "quantum" else "user", now))
+            self._step(functools.partial(self._give_back, dev, "quantum" if reason == "quantum" else "user"))
             return True
 
     @contextlib.contextmanager

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Final, Hashable, Mapping
+from typing import Any, Callable, ClassVar, Final, Mapping
 
 from . import vocabulary
 from .protocol_table import BY_TYPE, Field, Kind, Sender
@@ -244,21 +244,6 @@ def unknown_words(message: Message) -> list[tuple[str, str]]:
     not read."""
     return [(name, getattr(message, name)) for name, words in message._SCHEMA.words
             if getattr(message, name) not in words]
-
-
-class WarnOnce:
-    """Says yes the first time it sees a key, for at most `limit` different keys: warnings a
-    peer can provoke at will (unknown words, unknown message types) stay few."""
-
-    def __init__(self, limit: int = 64) -> None:
-        self._seen: set[Hashable] = set()
-        self._limit = limit
-
-    def first(self, key: Hashable) -> bool:
-        if key in self._seen or len(self._seen) >= self._limit:
-            return False
-        self._seen.add(key)
-        return True
 
 
 class _StatusDocument(Message):

@@ -166,11 +166,6 @@ def test_every_client_message_becomes_a_core_event_but_those_the_daemon_answers_
     assert ev.FROM_CLIENT[protocol.Bye](2.0, "k", protocol.Bye()) == ev.Unregister(2.0, "k", "bye")
 
 
-def test_warnings_a_peer_can_provoke_stay_few():
-    once = protocol.WarnOnce(limit=2)
-    assert [once.first(key) for key in ("a", "a", "b", "c", "b")] == [True, False, True, False, False]
-
-
 def test_the_vocabularies_are_words_and_their_types_agree():
     for words in vocabulary.VOCABULARIES:
         assert all(vocabulary.WORD_FORM.match(word) for word in words.words)
