@@ -1,5 +1,9 @@
 """A cooperating program's side of the client protocol (docs/protocol.md).
 
+(Some 700 lines, most of them the public API with what its user must know, the identity HELLO
+gives, and the threads' hand-over of the reader role; the protocol's rules are not here but in
+the C client core, and the connection is nvshare_py/client_link.py.)
+
     from nvshare_py.client import Client
 
     with Client() as client:                      # HELLO/WELCOME; SchedulerUnavailable if none
@@ -50,15 +54,14 @@ themselves and send what it asks, without waking another thread. Receiving is a 
 arrives. A background I/O thread holds the role by default, runs the core's timers and the
 callbacks; but a thread blocked in acquire() takes the role while it waits, so the GRANT wakes
 it directly rather than waking the I/O thread that would then wake it (one thread switch and
-one GIL hand-over less on the lock handoff path). The transport is ZMTP over the Unix socket
-(nvshare_py/scheduler/zmtp.py's parser, the DEALER side), as the interceptor speaks it.
+one GIL hand-over less on the lock handoff path). The connection is nvshare_py/client_link.py:
+ZMTP over the Unix socket, as the interceptor speaks it.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import functools
 import logging
 import math
@@ -76,8 +79,8 @@ from typing import Callable, Iterator
 
 from . import client_core, protocol, vocabulary
 from .client_core import ClientCore
+from .client_link import Link, LinkLost
 from .paths import SocketPaths
-from .scheduler import zmtp
 
 log = logging.getLogger("nvshare.client")
 
@@ -86,10 +89,6 @@ CLOSE_LINGER = 1.0
 # While an acquire() reads in its place, the I/O thread still looks at its timers and queued
 # callbacks this often (seconds).
 READER_SLICE = 0.05
-# Bytes the scheduler may leave unread before the connection is given up as hung.
-OUTGOING_MAX = 4 << 20
-# What one wake-up of the reader takes from the socket at most (bytes).
-READ_CHUNK = 1 << 16
 _LOG_LEVELS = {client_core.LOG_ERROR: logging.ERROR, client_core.LOG_WARN: logging.WARNING,
                client_core.LOG_INFO: logging.INFO, client_core.LOG_DEBUG: logging.DEBUG}
 
@@ -229,13 +228,7 @@ class Client:
         self._inherited = False  # set in a forked child (register_at_fork)
         self._next_due = 0.0  # when the core's timers are due next; 0: at once
 
-        self._sock: socket.socket | None = None  # the connection the core asked for
-        self._parser: zmtp.Parser | None = None
-        self._outgoing = bytearray()  # what the socket did not take yet
-        # Messages wait for the scheduler's READY: libzmq drops a connection whose first
-        # message arrives with the handshake.
-        self._handshaken = False
-        self._held = bytearray()
+        self._link: Link | None = None  # the connection the core asked for
         self._reader = threading.Lock()  # the receiving role (see the module docstring)
         self._callbacks: collections.deque[tuple[Callable, tuple]] = collections.deque()
         # Two eventfds: one wakes the I/O thread, one wakes a thread reading in acquire().
@@ -598,30 +591,19 @@ class Client:
     # --- the connection (with _cond held) ---------------------------------------------------
 
     def _open(self, now: float) -> None:
-        """The core asks for a connection: a Unix socket, then ZMTP's greeting and READY; the
-        HELLO follows the scheduler's READY."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        """The core asks for a connection."""
         try:
-            sock.connect(os.fspath(self.paths.client_socket))
+            self._link = Link(os.fspath(self.paths.client_socket))
         except OSError as exc:
-            sock.close()
-            self._core.connect_failed(now, exc.errno or errno.ECONNREFUSED)
+            self._core.connect_failed(now, exc.errno or client_core.ECONNREFUSED)
             return
-        sock.setblocking(False)
-        self._sock = sock
-        self._parser = zmtp.Parser(protocol.MAX_MESSAGE + zmtp.FRAME_COST, peer_types=zmtp.SERVER_TYPES)
-        self._outgoing = bytearray(zmtp.CLIENT_HANDSHAKE)
-        self._handshaken = False
-        self._core.connected(now)  # HELLO
-        self._wake_all()  # readers poll the new socket
+        self._core.connected(now)  # HELLO, sent after the scheduler's READY
+        self._wake_all()  # readers poll the new connection
 
     def _hang_up(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-            self._parser = None
-            self._outgoing.clear()
-            self._held.clear()
+        if self._link is not None:
+            self._link.close()
+            self._link = None
             self._wake_all()
 
     def _lost(self, why: str, now: float) -> None:
@@ -630,65 +612,38 @@ class Client:
         self._core.disconnected(why, now)
 
     def _send(self, data: bytes, now: float) -> None:
-        if self._sock is None:
+        if self._link is None:
             return  # the core counts the connection as closed already
-        if not self._handshaken:
-            self._held += zmtp.frame(data)
+        try:
+            self._link.send(data)
+        except LinkLost as lost:
+            self._lost(str(lost), now)
             return
-        self._outgoing += zmtp.frame(data)
-        self._flush(now)
+        if self._link.wants_to_write:
+            self._wake_all()  # readers poll for room
 
     def _flush(self, now: float) -> None:
-        sock, outgoing = self._sock, self._outgoing
-        try:
-            while outgoing and sock is not None:
-                del outgoing[: sock.send(outgoing)]
-        except BlockingIOError:
-            if len(outgoing) > OUTGOING_MAX:
-                self._lost("the scheduler does not read", now)
-            else:
-                self._wake_all()  # readers poll for room
-        except OSError as exc:
-            self._lost(exc.strerror or str(exc), now)
+        if self._link is not None:
+            try:
+                self._link.flush()
+            except LinkLost as lost:
+                self._lost(str(lost), now)
 
     def _pump(self) -> None:
         """Take what arrived on the connection and feed it to the core (the reader's work)."""
         with self._cond:
-            sock, parser = self._sock, self._parser
-            if sock is None or parser is None:
-                return
-            if self._outgoing:
-                self._step(self._flush)
-                if sock is not self._sock:
-                    return
-            try:
-                data = sock.recv(READ_CHUNK)
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                self._step(lambda now: self._lost(exc.strerror or str(exc), now))
-                return
-            if not data:
-                self._step(lambda now: self._lost("closed by the scheduler", now))
+            link = self._link
+            if link is None:
                 return
             try:
-                items = parser.feed(data)
-            except zmtp.Violation as exc:
-                self._step(lambda now: self._lost(f"ZMTP: {exc}", now))
+                messages = link.receive()
+            except LinkLost as lost:
+                self._step(functools.partial(self._lost, str(lost)))
                 return
-            for item in items:
-                if sock is not self._sock:
+            for frames in messages:
+                if link is not self._link:
                     return  # the core hung up while reading what came before
-                if isinstance(item, zmtp.Ready):
-                    self._handshaken = True
-                    self._outgoing += self._held
-                    self._held.clear()
-                    self._step(self._flush)
-                elif isinstance(item, zmtp.Ping):
-                    self._outgoing += zmtp.pong(item.context)
-                    self._step(self._flush)
-                elif isinstance(item, zmtp.Message):
-                    self._on_frames(item.frames)
+                self._on_frames(frames)
 
     def _on_frames(self, frames: tuple[bytes, ...]) -> None:
         if len(frames) != 1:
@@ -716,10 +671,9 @@ class Client:
         """poll() on the connection (and for room to write when output waits) until `until`."""
         sleeper = select.poll()
         sleeper.register(wake_fd, select.POLLIN)
-        sock = self._sock
-        fd = sock.fileno() if sock is not None else -1
-        if fd >= 0:  # else closed meanwhile: the wake-up is on its way
-            sleeper.register(fd, select.POLLIN | (select.POLLOUT if self._outgoing else 0))
+        link = self._link
+        if link is not None and link.fileno() >= 0:  # else closed meanwhile: a wake-up is on its way
+            sleeper.register(link.fileno(), select.POLLIN | (select.POLLOUT if link.wants_to_write else 0))
         timeout = until - time.monotonic()
         sleeper.poll(None if timeout == math.inf else max(0, math.ceil(timeout * 1000)))
         _drain_eventfd(wake_fd)
@@ -771,14 +725,14 @@ class Client:
         with self._reader:
             while True:
                 with self._cond:
-                    if not self._outgoing or self._sock is None or not self._bye_sent:
+                    if self._link is None or not self._link.wants_to_write or not self._bye_sent:
                         self._hang_up()
                         return
                     self._step(self._flush)
-                    sock = self._sock
+                    link = self._link
                 if time.monotonic() >= give_up:
                     with self._cond:
                         self._hang_up()
                     return
-                if sock is not None:
-                    select.select([], [sock], [], max(0.0, give_up - time.monotonic()))
+                if link is not None:
+                    select.select([], [link], [], max(0.0, give_up - time.monotonic()))
