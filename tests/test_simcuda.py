@@ -112,7 +112,7 @@ def test_cuGetProcAddress_returns_each_exported_address_for_its_own_version(simc
     assert NEWER_THAN_DRIVER == {"cuMemcpyWithAttributesAsync", "cuMemcpy3DWithAttributesAsync"}
 
 
-# (base, cudaVersion, flags) -> exported symbol; measured on driver 580 unless the brief said it.
+# (base, cudaVersion, flags) -> exported symbol; measured on driver 580 (the version rules of cuGetProcAddress).
 LOOKUPS = [
     ("cuMemAlloc", 3020, 0, "cuMemAlloc_v2"),
     ("cuMemAlloc", 13000, 0, "cuMemAlloc_v2"),

@@ -12,9 +12,9 @@ Words used below:
 - an *active holder* holds a grant in state `holding` or `draining` (after a DROP); active
   holders are what the mode rules count;
 - a grant revoked after its grace ran out but not yet released is *overdue*: it is listed in
-  the status so the operator sees it, but it no longer counts for granting. (The task brief's
-  "draining/overdue holders count" for mode `on` means holders past their quantum, which are
-  still active; a revoked grant never blocks the lock, or one hung client would stop a device.)
+  the status so the operator sees it, but it no longer counts for granting. (For mode `on`,
+  "draining and overdue holders count" means holders past their quantum, which are still
+  active; a revoked grant never blocks the lock, or one hung client would stop a device.)
 
 Time comparisons use `>=` throughout: a deadline is due at the very tick `next_deadline()`
 announced, so after `handle(Tick(now))` the next deadline always lies after `now`.
