@@ -8,6 +8,7 @@ import os
 import pty
 import re
 import select
+import shlex
 import shutil
 import signal
 import struct
@@ -19,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.scheduler import CHILD_CWD, PATIENCE, child_env, nvsharectl_command, run_child, short_socket_dir, wait_for
 from nvshare_py.paths import ENV_SOCKET_DIR, ENV_SYSTEM_SOCKET_DIR, connect_error
 from nvshare_py.scheduler.views import user_name
+from nvshare_py.testing.scheduler import CHILD_CWD, PATIENCE, child_env, nvsharectl_command, run_child, short_socket_dir, wait_for
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 
@@ -51,8 +52,8 @@ def test_status_table(busy):
     assert f"held by {holder.client_id} {user} (" in out  # with its quantum left, as someone waits
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split() and line.split()[0] in
             (holder.client_id, waiter.client_id)}
-    assert rows[holder.client_id][1:5] == [user, "scheduler.py", str(holder.pid), "holding"]
-    assert rows[waiter.client_id][1:5] == [user, "scheduler.py", str(waiter.pid), "waiting"]
+    assert rows[holder.client_id][1:5] == [user, "agent.py", str(holder.pid), "holding"]
+    assert rows[waiter.client_id][1:5] == [user, "agent.py", str(waiter.pid), "waiting"]
     assert "1.0 GiB of 16.0 GiB" in out
 
     for wide in (scheduler.ctl("status", "--wide"), scheduler.ctl("status", "-o", "wide")):
@@ -395,7 +396,7 @@ def test_the_readmes_recipe_without_a_gpu_runs_as_written(libnvshare, simcuda, t
     tools.mkdir()
     shims = {
         "nvshare-scheduler": f'exec "{sys.executable}" -m nvshare_py.scheduler "$@"',
-        "nvsharectl": f'exec "{sys.executable}" -m ctl "$@"',
+        "nvsharectl": f'exec {shlex.join(nvsharectl_command())} "$@"',
         "nvshare-run": (f'if [ "$1" = --print-simulated-driver ]; then echo "{simcuda.lib_dir}"; exit 0; fi\n'
                         f'exec "{sys.executable}" -m nvshare_py.run "$@"'),
         "python": f'exec "{sys.executable}" "$@"',
@@ -448,7 +449,7 @@ def test_kubectl_habits_output_since_negative_numbers_and_gpu_numbers(busy):
     assert any(f"device=GPU0 client={holder.client_id}" in line for line in lines) and GPU not in "".join(lines)
     assert f"device=GPU0 ({GPU})" in scheduler.ctl("events", "-o", "wide").stdout
     registered = next(line for line in lines if f"register   client={holder.client_id}" in line)
-    assert f"user={user_name(os.geteuid())} program=scheduler.py" in registered
+    assert f"user={user_name(os.geteuid())} program=agent.py" in registered
 
     every = json.loads(scheduler.ctl("events", "-o", "json").stdout)["events"]
     recent = json.loads(scheduler.ctl("events", "-o", "json", "--since", "10m").stdout)["events"]

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from fixtures.interceptor import line_time, overlaps
-from fixtures.scheduler import short_socket_dir, wait_for
+from nvshare_py.testing.scheduler import short_socket_dir, wait_for
 
 DEVICE0 = "GPU-5151ad00-0000-4000-8000-000000000000"
 DEVICE1 = "GPU-5151ad00-0000-4000-8000-000000000001"
