@@ -19,6 +19,7 @@ from typing import Callable
 
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
+from jupyter_client.provisioning import LocalProvisioner
 
 from nvshare_py.testing.scheduler import CHILD_CWD, PATIENCE
 
@@ -58,7 +59,9 @@ class Kernel:
 
     @property
     def pid(self) -> int:
-        return self.manager.provisioner.pid
+        provisioner = self.manager.provisioner
+        assert isinstance(provisioner, LocalProvisioner) and provisioner.pid is not None, "a started local kernel"
+        return provisioner.pid
 
     def submit(self, code: str) -> str:
         return self.client.execute(code)

@@ -174,6 +174,8 @@ class SchedulerProcess:
 
     @property
     def pid(self) -> int:
+        if self.process is None:
+            raise RuntimeError("the scheduler was never started")
         return self.process.pid
 
     @property
@@ -276,13 +278,15 @@ class ClientAgent:
             text=True,
             bufsize=1,
         )
+        assert self.process.stdin is not None and self.process.stdout is not None  # both are pipes
+        self._stdin, self._stdout = self.process.stdin, self.process.stdout
         self.lines: list[str] = []
         self._unread: queue.Queue[str | None] = queue.Queue()
         self.client_id = ""
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        for line in self.process.stdout:
+        for line in self._stdout:
             line = line.rstrip("\n")
             self.lines.append(line)
             self._unread.put(line)
@@ -293,8 +297,8 @@ class ClientAgent:
         return self.process.pid
 
     def send(self, command: str) -> None:
-        self.process.stdin.write(command + "\n")
-        self.process.stdin.flush()
+        self._stdin.write(command + "\n")
+        self._stdin.flush()
 
     def expect(self, prefix: str, timeout: float = PATIENCE) -> str:
         """The next line starting with `prefix` (earlier other lines are skipped)."""
