@@ -45,6 +45,7 @@ from .events import (
     Event,
     EvictedReport,
     Forget,
+    FromClient,
     Alive,
     LockEvent,
     Log,
@@ -275,10 +276,6 @@ def _same_process(old: ClientInfo, new: ClientInfo) -> bool:
 
 # --- the core ------------------------------------------------------------------------------
 
-# The events a client's connection sends: handle() finds their client first.
-_FromClient = (DeviceInfo | MemoryReport | AcquireRequest | AdmitRequest | ReleaseReport | EvictedReport | Alive
-               | Unregister)
-
 
 class SchedulerCore:
     """Events in, actions out. Not thread-safe: the daemon calls it from one task."""
@@ -303,7 +300,7 @@ class SchedulerCore:
         self._admission: AdmissionBook[_Pair] = AdmissionBook(config.admission)
         self._budgets = 0  # the sum of the devices' budgets (known ones): the capacity less the spill
         self._admission.set_capacity(config.admission.spill or 0)
-        self._client_handlers: dict[type[_FromClient], Callable[[_Client, Any, list[Action]], None]] = {
+        self._client_handlers: dict[type[FromClient], Callable[[_Client, Any, list[Action]], None]] = {
             DeviceInfo: self._device_info,
             MemoryReport: self._memory,
             AcquireRequest: self._acquire,
@@ -332,7 +329,7 @@ class SchedulerCore:
         """Apply one event. Raises ControlError only for control requests (SetMode, SetQuantum,
         SetBudget) it refuses, before changing anything."""
         out: list[Action] = []
-        if isinstance(event, _FromClient):
+        if isinstance(event, FromClient):
             client = self._clients.get(event.client)
             if client is None:
                 out.append(Log("debug", "from-unregistered", {"client": repr(event.client), "type": type(event).__name__}))
