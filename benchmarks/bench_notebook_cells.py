@@ -1,5 +1,6 @@
 """What the IPython extension costs a notebook cell (nvshare_py.ipython, docs/notebooks.md).
 
+    pip install '.[jupyter]'    # the kernels are driven through jupyter_client
     python benchmarks/bench_notebook_cells.py [--cells N] [--output FILE]
 
 Runs the real scheduler and real kernels from the "Python 3 (nvshare)" kernelspec on the
