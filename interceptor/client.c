@@ -22,8 +22,20 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "nvshare.h"
+#include "admission.h"
+#include "area.h"
+#include "client_core.h"
+#include "compiler.h"
+#include "config.h"
+#include "gate.h"
+#include "limits.h"
+#include "log.h"
+#include "memory.h"
+#include "notify.h"
+#include "swap.h"
 #include "transport.h"
+#include "vmm.h"
+#include "worker.h"
 
 #define CONNECT_TIMEOUT_MS 1000
 #define SEND_TIMEOUT_MS 2000
