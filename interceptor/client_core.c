@@ -1,7 +1,9 @@
 /*
  * The client's lock logic (client_core.h): no locks, no clock, no I/O, no CUDA. The rules are
  * those of docs/protocol.md ("Client behaviour") and docs/interceptor.md ("The client");
- * the comments say why each one is there.
+ * the comments say why each one is there. It is long (some 1,300 lines) because it is every rule
+ * of one state machine, which must stay one file to be read whole: events, the rules that follow
+ * the state, the timer table (everything done at a time), swapping, the output.
  */
 #include "client_core.h"
 
@@ -1025,8 +1027,8 @@ static void run_device_rules(struct nvs_core *c, struct nvs_core_device *d, doub
         d->reported_resident = UINT64_MAX;
         send_message(c, NVS_MSG_DEVICE, i, 0, NULL, now);
     }
-    /* The scheduler needs the use before an ACQUIRE, and while memory moves (MEMORY_REPORT
-     * coalesces the other reports). */
+    /* The scheduler needs the use before an ACQUIRE, and while memory moves (the memory-report
+     * timer spaces out the other reports). */
     if (memory_report_due(c, d) && (wants || swap_running(d))) {
         c->last_memory_report = now;
         send_memory(c, d, now);
