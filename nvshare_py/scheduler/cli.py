@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Optional, cast
 
 import trio
+
+if sys.version_info < (3, 11):  # the builtin arrived in 3.11; trio brings the backport before
+    from exceptiongroup import BaseExceptionGroup
 import typer
 
 from ..clikit import (

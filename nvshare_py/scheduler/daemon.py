@@ -46,10 +46,14 @@ import math
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Hashable
 
 import trio
+
+if sys.version_info < (3, 11):  # the builtin arrived in 3.11; trio brings the backport before
+    from exceptiongroup import BaseExceptionGroup
 
 from .. import __version__, protocol
 from ..paths import SocketPaths, check_socket_path
