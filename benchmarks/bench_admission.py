@@ -52,6 +52,7 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
 from bench_memory_limit import build  # noqa: E402  (the same three builds)
 
 from nvshare_py.paths import CLIENT_SOCKET  # noqa: E402
+from nvshare_py.testing.simcuda import build_simcuda  # noqa: E402
 
 SMALL, LARGE = 4096, 1 << 30
 SETTLE_MS = "300"  # time to register before the timing starts (alloc_loop's third argument)
@@ -271,8 +272,7 @@ class Innocent:
 
 def attacks(work: Path, attack_seconds: float, baseline_seconds: float, names: list[str]) -> dict:
     work.mkdir(parents=True, exist_ok=True)
-    sim = work / "sim"
-    subprocess.run(["make", "-s", "-C", str(ROOT / "tests/simcuda"), f"BUILD={sim}"], check=True)
+    sim = build_simcuda(ROOT, work / "sim").lib_dir
     if os.geteuid() != 0 or subprocess.run(["setpriv", "--version"], capture_output=True).returncode != 0:
         raise SystemExit("the attacks run as another user: run as root, with setpriv (util-linux)")
     socket_dir = work / "attacks"

@@ -57,13 +57,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))  # this tree's nvshare_py, without installing
 
-from fixtures.interceptor import build_interceptor  # noqa: E402
-from fixtures.residency import handoffs, moved  # noqa: E402
-from fixtures.scheduler import DEFAULT_OPTIONS, SchedulerProcess, child_env, short_socket_dir  # noqa: E402
-from fixtures.simcuda import build_simcuda, parse_steps  # noqa: E402
+from nvshare_py.testing.interceptor import build_interceptor  # noqa: E402
+from nvshare_py.testing.residency import handoffs, moved  # noqa: E402
+from nvshare_py.testing.scheduler import DEFAULT_OPTIONS, SchedulerProcess, child_env, short_socket_dir  # noqa: E402
+from nvshare_py.testing.simcuda import build_simcuda, parse_steps  # noqa: E402
 
 MIB = 1 << 20
 MODES = ("sequential", "off", "on", "swap", "auto")
@@ -120,8 +119,8 @@ class Simulated:
         self.steps = steps
         self.burst_s = burst_s
         self.kernel_us = kernel_us
-        self.simcuda = build_simcuda(work / "sim")
-        self.library = build_interceptor(work / "lib")
+        self.simcuda = build_simcuda(REPO, work / "sim")
+        self.library = build_interceptor(REPO, work / "lib")
         self.schedulers = Schedulers()
         self.run_number = 0
 
@@ -395,7 +394,7 @@ class WorkingSet:
         self.work, self.gpu, self.steps, self.burst_s, self.tq = work, gpu, steps, burst_s, tq
         self.cpu_s = burst_s * WS_CPU_SHARE / (1 - WS_CPU_SHARE)
         self.idle_release = idle_release
-        self.library = library or build_interceptor(work / "lib")
+        self.library = library or build_interceptor(REPO, work / "lib")
         self.schedulers = Schedulers()
         self.run_number = 0
         if gpu:
@@ -405,7 +404,7 @@ class WorkingSet:
             # bench_swap_bandwidth.py in the same run), for the stall bound; None: not known.
             self.link_bps: float | None = None
         else:
-            self.simcuda = build_simcuda(work / "sim")
+            self.simcuda = build_simcuda(REPO, work / "sim")
             probe = "from nvshare_py.driver import Driver; print(Driver().devices()[0].uuid)"
             self.device = subprocess.run([sys.executable, "-c", probe], env=self.simcuda.env(), capture_output=True,
                                          text=True, check=True).stdout.split()[-1]
@@ -785,7 +784,7 @@ def main() -> None:
             free, total = torch.cuda.mem_get_info()
             # A small "device": the jobs together stay far below the card's free memory.
             args.capacity = min(4 << 30, free // 8)
-            library = args.library or build_interceptor(work / "lib")
+            library = args.library or build_interceptor(REPO, work / "lib")
             backend = RealGpu(work, args.capacity, args.steps, args.burst_s, args.idle_release, library)
             name = f"real GPU {torch.cuda.get_device_name()} (torch {torch.__version__})"
         else:

@@ -22,17 +22,21 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this tree's nvshare_py, without installing
+
+from nvshare_py.testing.interceptor import build_interceptor  # noqa: E402
+from nvshare_py.testing.simcuda import build_simcuda  # noqa: E402
+
 VARIANTS = {"no limit": None, "limit never reached": "64G"}
 
 
 def build(work: Path) -> tuple[Path, Path, Path]:
-    sim, nvs = work / "sim", work / "nvs"
-    subprocess.run(["make", "-s", "-C", str(ROOT / "tests/simcuda"), f"BUILD={sim}"], check=True)
-    subprocess.run(["make", "-s", "-C", str(ROOT / "interceptor"), f"BUILD={nvs}"], check=True, stdout=subprocess.DEVNULL)
+    sim = build_simcuda(ROOT, work / "sim").lib_dir
+    library = build_interceptor(ROOT, work / "nvs")
     loop = work / "alloc_loop"
     subprocess.run(["cc", "-O2", "-o", str(loop), str(ROOT / "benchmarks/c/alloc_loop.c"), f"-L{sim}", "-l:libcuda.so.1"],
                    check=True)
-    return sim, nvs / "libnvshare.so", loop
+    return sim, library, loop
 
 
 def main() -> None:

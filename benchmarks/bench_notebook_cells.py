@@ -1,5 +1,6 @@
 """What the IPython extension costs a notebook cell (nvshare_py.ipython, docs/notebooks.md).
 
+    pip install '.[jupyter]'    # the kernels are driven through jupyter_client
     python benchmarks/bench_notebook_cells.py [--cells N] [--output FILE]
 
 Runs the real scheduler and real kernels from the "Python 3 (nvshare)" kernelspec on the
@@ -33,12 +34,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]  # a source tree, and the test helpers reused here
+sys.path.insert(0, str(REPO))  # this tree's nvshare_py, without installing
 
-from fixtures.interceptor import build_interceptor  # noqa: E402
-from fixtures.scheduler import DEFAULT_OPTIONS, SchedulerProcess, child_env, short_socket_dir  # noqa: E402
-from fixtures.simcuda import build_simcuda  # noqa: E402
-from test_jupyter_kernels import SETUP, Kernel  # noqa: E402
+from nvshare_py.testing.interceptor import build_interceptor  # noqa: E402
+from nvshare_py.testing.notebook import SETUP, Kernel  # noqa: E402
+from nvshare_py.testing.scheduler import DEFAULT_OPTIONS, SchedulerProcess, child_env, short_socket_dir  # noqa: E402
+from nvshare_py.testing.simcuda import build_simcuda  # noqa: E402
 
 HOOK_TIMING = """
 import time
@@ -81,8 +82,8 @@ def main() -> None:
     scheduler = SchedulerProcess(socket_dir, {**DEFAULT_OPTIONS, "log_level": "info", "idle_release": 1.0})
     kernels: list[Kernel] = []
     try:
-        library = build_interceptor(work)
-        simcuda = build_simcuda(work)
+        library = build_interceptor(REPO, work)
+        simcuda = build_simcuda(REPO, work)
         scheduler.start()
         prefix = work / "jupyter"
         install(prefix, library)

@@ -20,9 +20,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this tree's nvshare_py and the tests' fixtures
+sys.path.insert(0, str(ROOT))  # this tree's nvshare_py, without installing
 
-from fixtures.scheduler import SchedulerProcess  # noqa: E402
+from nvshare_py.testing.interceptor import build_interceptor  # noqa: E402
+from nvshare_py.testing.scheduler import SchedulerProcess  # noqa: E402
 
 
 def run_json(argv: list[str], env: dict[str, str]) -> dict:
@@ -49,11 +50,11 @@ def main() -> None:
     if "launch" in args.parts:
         subprocess.run(["nvcc", "-O2", "-o", str(work / "launch_bench"), str(ROOT / "benchmarks/gpu/launch_bench.cu")],
                        check=True)
-    subprocess.run(["make", "-s", "-C", str(ROOT / "interceptor"), f"BUILD={work}"], check=True)
+    library = build_interceptor(ROOT, work)
     (work / "s").mkdir()
     scheduler = SchedulerProcess(work / "s", {"log_level": "info"})
     env = scheduler.env
-    variants = {"native": env, "nvshare": dict(env, LD_PRELOAD=str(work / "libnvshare.so"))}
+    variants = {"native": env, "nvshare": dict(env, LD_PRELOAD=str(library))}
     if args.gate_only:
         variants["nvshare-gate-only"] = dict(variants["nvshare"], NVSHARE_MANAGED="0")
     commands = {"launch": ([str(work / "launch_bench")], args.rounds, ("launch_ns_median", "alloc_1MiB_ns",

@@ -217,7 +217,7 @@ class CClients:
 def build_lock_client(directory: Path) -> Path:
     binary = directory / "lock_client"
     sources = [REPO / "benchmarks/c/lock_client.c", REPO / "interceptor/transport.c", REPO / "interceptor/message.c"]
-    subprocess.run(["cc", "-O2", f"-I{REPO / 'interceptor'}", "-o", str(binary), *map(str, sources)], check=True)
+    subprocess.run(["cc", "-O2", "-iquote", str(REPO / 'interceptor'), "-o", str(binary), *map(str, sources)], check=True)
     return binary
 
 

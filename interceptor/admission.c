@@ -8,7 +8,12 @@
  * While no scheduler answers ADMIT (none reachable, fail-open, or one without admission) a
  * device's admitted total is "none": nothing waits, and allocations cost one more atomic load.
  */
-#include "nvshare.h"
+#include "admission.h"
+#include "compiler.h"
+#include "gate.h"
+#include "limits.h"
+#include "log.h"
+#include "notify.h"
 
 /* With nvs_mu: broadcast whenever a device's admitted total changes, a refusal comes, or memory
  * calls may go on. */

@@ -10,10 +10,14 @@
  * while it is above it.
  */
 #define _GNU_SOURCE
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "nvshare.h"
+#include "area.h"
+#include "gate.h"
+#include "loader.h"
+#include "log.h"
 
 #define AREA_CHUNK ((size_t)64 << 20)
 #define AREA_PAGE ((size_t)64 << 10)

@@ -22,8 +22,20 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "nvshare.h"
+#include "admission.h"
+#include "area.h"
+#include "client_core.h"
+#include "compiler.h"
+#include "config.h"
+#include "gate.h"
+#include "limits.h"
+#include "log.h"
+#include "memory.h"
+#include "notify.h"
+#include "swap.h"
 #include "transport.h"
+#include "vmm.h"
+#include "worker.h"
 
 #define CONNECT_TIMEOUT_MS 1000
 #define SEND_TIMEOUT_MS 2000
@@ -170,7 +182,7 @@ static void publish_lease_locked(void) {
 /* Carry out the core's gate and job actions (under nvs_mu: an atomic store and a broadcast, a
  * mailbox) up to the first one that needs I/O, which is returned (0: none left). */
 static int next_io_action_locked(struct nvs_action *a, char *buf, size_t cap) {
-    while (nvs_core_pop(&core, a, buf, cap)) {
+    while (nvs_core_pop(&core, a, buf, cap, nvs_now())) {
         if (a->kind == NVS_ACT_GATE)
             nvs_gate_set_locked(&nvs_devices[a->device], a->value);
         else if (a->kind == NVS_ACT_JOB)

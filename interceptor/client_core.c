@@ -1,10 +1,13 @@
 /*
  * The client's lock logic (client_core.h): no locks, no clock, no I/O, no CUDA. The rules are
  * those of docs/protocol.md ("Client behaviour") and docs/interceptor.md ("The client");
- * the comments say why each one is there.
+ * the comments say why each one is there. It is long (some 1,300 lines) because it is every rule
+ * of one state machine, which must stay one file to be read whole: events, the rules that follow
+ * the state, the timer table (everything done at a time), swapping, the output.
  */
 #include "client_core.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -145,8 +148,9 @@ static void handle_admission_answer(struct nvs_core *c, struct nvs_core_device *
     push(c, NVS_ACT_ADMISSION, (int)(d - c->devices), 0);
 }
 
-/* Ask for what blocked allocations wait for; give back what a fallen use no longer needs, once
- * it has not been needed for GIVE_BACK_AFTER_S. */
+/* Ask for what blocked allocations wait for, and note since when the admitted total has been a
+ * surplus (more than a chunk above the use, nobody waiting): the give-back timer (give_back_due)
+ * hands it back once that has lasted GIVE_BACK_AFTER_S. */
 static void run_admission(struct nvs_core *c, struct nvs_core_device *d, double now) {
     int device = (int)(d - c->devices);
     int surplus = d->admit_wanted == 0 && d->admitted != NVS_CORE_UNADMITTED &&
@@ -166,17 +170,6 @@ static void run_admission(struct nvs_core *c, struct nvs_core_device *d, double 
         q->message = NVS_MSG_ADMIT;
         q->number = d->admit_wanted;
         q->request = d->admit_request;
-        note_sent(c, now);
-    } else if (surplus && now >= d->surplus_since + GIVE_BACK_AFTER_S) {
-        /* Half a chunk stays: a use that moves by less than that either way neither asks nor
-         * gives back again. */
-        d->surplus = 0;
-        set_admitted(c, d, d->bytes + nvs_core_headroom(d->bytes) / 2);
-        struct nvs_core_queued *q = push(c, NVS_ACT_SEND, device, 0);
-        if (q == NULL) return;
-        q->message = NVS_MSG_ADMIT;
-        q->number = d->admitted;
-        q->request = 0; /* a give-back: no answer */
         note_sent(c, now);
     }
 }
@@ -292,11 +285,13 @@ static void schedule_reconnect(struct nvs_core *c, double now) {
 }
 
 static void forget_connection(struct nvs_core *c, const char *why, double now) {
-    if (c->registered)
+    if (c->registered) {
         core_log(c, LOG_WARN,
                  "lost the scheduler at %s (%s); reconnecting. Processes holding a GPU lock keep running, the "
                  "others wait (NVSHARE_FAIL_MODE=%s)",
                  c->config.socket_path, why, c->config.fail_open ? "open" : "closed");
+        c->lost_warned = 1; /* the reconnection is said too */
+    }
     c->connected = 0;
     c->registered = 0;
     c->lease_until = 0;
@@ -559,6 +554,11 @@ static void settle_devices(struct nvs_core *c) {
 }
 
 static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double now) {
+    /* After a warning that the scheduler was missing, say that it is here: "again" only if this
+     * process had been registered before (not when it started before the scheduler). */
+    if (c->lost_warned || c->fail_open_warned)
+        core_log(c, LOG_WARN, "connected to the scheduler at %s%s", c->config.socket_path,
+                 c->was_registered ? " again" : "");
     c->registered = 1;
     c->was_registered = 1;
     c->heartbeat_ms = m->heartbeat_ms > 0 ? (long)m->heartbeat_ms : DEFAULT_HEARTBEAT_MS;
@@ -566,7 +566,6 @@ static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double n
     c->ping_sent = 0;
     c->scheduler_idle_ms = (long)m->idle_release_ms;
     snprintf(c->client_id, sizeof c->client_id, "%s", m->client);
-    if (c->lost_warned || c->fail_open_warned) core_log(c, LOG_WARN, "connected to the scheduler at %s again", c->config.socket_path);
     core_log(c, LOG_INFO, "registered with the scheduler as %s", c->client_id);
     c->outage_since = 0;
     c->lost_warned = 0;
@@ -1016,140 +1015,245 @@ void nvs_core_exit(struct nvs_core *c, double now) {
     }
 }
 
-/* Everything due at `now`, in the order the protocol needs it. Each timed rule compares `now`
- * with the very sum nvs_core_next_deadline returns, so a deadline reached is always acted on
- * (a rounding difference would make the shell spin). */
-static void run_due(struct nvs_core *c, double now) {
-    if (c->exiting) return;
+/* --- what is due: the rules that follow what was observed, then the timers -----------------
+ * Level rules act on the state as it is (a drain or swap that waited, DEVICE, an ACQUIRE for a
+ * new waiter, an ADMIT); they need no clock. Every rule that waits for a time is a timer in
+ * the table below: when it is due (NO_DEADLINE: not pending) and what it does then.
+ * nvs_core_next_deadline is the earliest `due` over the table and run_due fires each entry whose
+ * `due` has come, both through timer_due, so the two cannot disagree (a deadline reported but not
+ * acted on would make the shell spin; a rule acted on with no deadline reported would be late). */
+
+#define NO_DEADLINE INFINITY
+/* The shell looks again at least this often: what it observes (waiters, allocations) is read
+ * when it looks, and application threads wake it only for some of it. */
+#define LOOK_AGAIN_S 1.0
+
+/* Things the process's devices need now, whatever the time (see above). */
+static void run_device_rules(struct nvs_core *c, struct nvs_core_device *d, double now) {
+    int i = (int)(d - c->devices);
+    /* a drain that waited for the worker or for a capture's end */
+    if (d->drain_wanted && d->job == NVS_JOB_NONE && d->captures == 0) request_drain(c, d);
+    run_due_swaps(c, d, now);
+
+    if (!c->registered) {
+        /* fail-open: with no scheduler, nothing is scheduled */
+        if (c->config.fail_open && c->outage_since != 0 && d->state == NVS_IDLE) {
+            d->state = NVS_UNSCHEDULED;
+            set_gate(d, c, 1);
+        }
+        return;
+    }
+    int wants = d->state == NVS_IDLE && d->waiters > 0;
+    if (!d->announced) { /* once the process has resolved the device, before any memory call */
+        d->announced = 1;
+        d->reported_bytes = UINT64_MAX;
+        d->reported_resident = UINT64_MAX;
+        send_message(c, NVS_MSG_DEVICE, i, 0, NULL, now);
+    }
+    /* The scheduler needs the use before an ACQUIRE, and while memory moves (the memory-report
+     * timer spaces out the other reports). */
+    if (memory_report_due(c, d) && (wants || swap_running(d))) {
+        c->last_memory_report = now;
+        send_memory(c, d, now);
+    }
+    if (wants) {
+        if (d->idle_released_since > 0) { /* the pause an idle release was made for ended */
+            note_pause(c, d, d->idle_released_since, now);
+            d->idle_released_since = 0;
+        }
+        d->state = NVS_WAITING;
+        send_message(c, NVS_MSG_ACQUIRE, i, 0, NULL, now);
+    }
+    run_admission(c, d, now);
+}
+
+/* The timers. `device` is NULL for the process's own; a device timer is asked for every known
+ * device. In table order: the connection first, then the devices, then the registration's
+ * keep-alive (a message sent for a device counts as one), then the outage warning. */
+
+static double reconnect_due(const struct nvs_core *c, const struct nvs_core_device *d) {
+    return !c->connected && !c->connecting ? c->next_attempt : NO_DEADLINE;
+}
+static void reconnect_fire(struct nvs_core *c, struct nvs_core_device *d, double now) {
+    c->connecting = 1;
+    push(c, NVS_ACT_CONNECT, -1, 0);
+}
+
+static double welcome_timeout_due(const struct nvs_core *c, const struct nvs_core_device *d) {
+    return c->connected && !c->registered ? c->connected_at + WELCOME_TIMEOUT_S : NO_DEADLINE;
+}
+static void welcome_timeout_fire(struct nvs_core *c, struct nvs_core_device *d, double now) {
+    forget_connection(c, "no WELCOME from the scheduler", now);
+    push(c, NVS_ACT_DISCONNECT, -1, 0);
+}
+
+/* others wait and the quantum is nearly over: drain now, so the handoff is on time */
+static double predrain_due(const struct nvs_core *c, const struct nvs_core_device *d) {
+    return d->predrain_at > 0 ? d->predrain_at : NO_DEADLINE;
+}
+static void predrain_fire(struct nvs_core *c, struct nvs_core_device *d, double now) {
+    d->predrain_at = 0;
+    if (d->state != NVS_HOLDING || !d->grant_known || !c->registered) return;
+    core_log(c, LOG_DEBUG, "draining %s ahead of its quantum's end (grant %llu)", d->uuid, (unsigned long long)d->grant);
+    begin_release(c, d, "quantum", now);
+    /* The release makes the room its waiter needs, as a DROP evict= would ask. */
+    if (d->contended_evict > d->evict_due) d->evict_due = d->contended_evict;
+}
+
+/* A changed use is reported at most every MEMORY_REPORT_PERIOD_S (over all devices). */
+static double memory_report_timer_due(const struct nvs_core *c, const struct nvs_core_device *d) {
+    return c->registered && memory_report_due(c, d) ? c->last_memory_report + MEMORY_REPORT_PERIOD_S : NO_DEADLINE;
+}
+static void memory_report_fire(struct nvs_core *c, struct nvs_core_device *d, double now) {
+    c->last_memory_report = now;
+    send_memory(c, d, now);
+}
+
+/* Admission more than a chunk above the use, nobody waiting, for GIVE_BACK_AFTER_S: given back
+ * down to half a chunk above it, so that a use that moves by less neither asks nor gives back. */
+static double give_back_due(const struct nvs_core *c, const struct nvs_core_device *d) {
+    return c->registered && d->surplus && d->admit_asked == 0 && d->admitted != NVS_CORE_UNADMITTED
+               ? d->surplus_since + GIVE_BACK_AFTER_S
+               : NO_DEADLINE;
+}
+static void give_back_fire(struct nvs_core *c, struct nvs_core_device *d, double now) {
+    d->surplus = 0;
+    set_admitted(c, d, d->bytes + nvs_core_headroom(d->bytes) / 2);
+    struct nvs_core_queued *q = push(c, NVS_ACT_SEND, (int)(d - c->devices), 0);
+    if (q == NULL) return;
+    q->message = NVS_MSG_ADMIT;
+    q->number = d->admitted;
+    q->request = 0; /* a give-back: no answer */
+    note_sent(c, now);
+}
+
+/* early release of an idle holder; the worker does the GPU part (never during a capture: its
+ * synchronise would invalidate it, and a capturing process is not idle) */
+static double idle_check_due(const struct nvs_core *c, const struct nvs_core_device *d) {
+    return c->registered && idle_check_possible(c, d) ? d->idle_next_check : NO_DEADLINE;
+}
+static void idle_check_fire(struct nvs_core *c, struct nvs_core_device *d, double now) {
+    long window = idle_window_ms(c, d);
+    /* An allocation, or one waiting for admission, is activity too: a burst that allocates as
+     * it goes must not lose the lock in its middle. */
+    if (d->entered != d->idle_entered || d->bytes != d->idle_bytes || d->admit_wanted > 0) {
+        /* A pause seen from its start while the device stayed quiet ended: it was idle, as long
+         * as the window's probes said; one cut short by work still running counts from the
+         * probe that saw that work end. */
+        note_pause(c, d, d->idle_since, now);
+        d->idle_entered = d->entered;
+        d->idle_bytes = d->bytes;
+        d->idle_since = now;
+    } else if (now - d->idle_since >= window / 1000.0) {
+        start_job(c, d, NVS_JOB_PROBE);
+    }
+    d->idle_next_check = now + window / 4000.0;
+}
+
+/* The lease lapsed (the process was stopped or starved): ask whether the scheduler still knows
+ * this process. Heartbeats (below) keep it from lapsing while this thread runs. */
+static double lease_check_due(const struct nvs_core *c, const struct nvs_core_device *d) {
+    return c->registered && c->ping_sent == 0 ? c->lease_until : NO_DEADLINE;
+}
+static void lease_check_fire(struct nvs_core *c, struct nvs_core_device *d, double now) {
+    core_log(c, LOG_INFO, "silent for %.3f s: checking that the scheduler still knows this process", now - c->last_sent);
+    c->ping_sent = now;
+    send_message(c, NVS_MSG_HEARTBEAT, -1, 0, NULL, now);
+    send_message(c, NVS_MSG_QUERY, -1, 0, NULL, now);
+}
+
+/* Heartbeats at half the interval keep the lease (one interval) from lapsing. */
+static double heartbeat_due(const struct nvs_core *c, const struct nvs_core_device *d) {
+    return c->registered ? c->last_sent + c->heartbeat_ms / 2000.0 : NO_DEADLINE;
+}
+static void heartbeat_fire(struct nvs_core *c, struct nvs_core_device *d, double now) {
+    send_message(c, NVS_MSG_HEARTBEAT, -1, 0, NULL, now);
+}
+
+/* An outage with fail-closed: waiters are told why they wait, every WAIT_WARNING_PERIOD_S. */
+static double wait_warning_due(const struct nvs_core *c, const struct nvs_core_device *d) {
+    return !c->registered && c->outage_since != 0 && !c->config.fail_open && nvs_core_any_waiters(c)
+               ? c->last_wait_warning + WAIT_WARNING_PERIOD_S
+               : NO_DEADLINE;
+}
+static void wait_warning_fire(struct nvs_core *c, struct nvs_core_device *d, double now) {
+    core_log(c, LOG_WARN,
+             "waiting for the scheduler at %s: GPU work is held until it is reachable "
+             "(NVSHARE_FAIL_MODE=closed; set NVSHARE_FAIL_MODE=open to run unscheduled meanwhile)",
+             c->config.socket_path);
+    c->last_wait_warning = now;
+    c->lost_warned = 1;
+}
+
+static const struct core_timer {
+    int per_device;
+    double (*due)(const struct nvs_core *c, const struct nvs_core_device *d);
+    void (*fire)(struct nvs_core *c, struct nvs_core_device *d, double now);
+} timers[] = {
+    {0, reconnect_due, reconnect_fire},
+    {0, welcome_timeout_due, welcome_timeout_fire},
+    {1, predrain_due, predrain_fire},
+    {1, memory_report_timer_due, memory_report_fire},
+    {1, give_back_due, give_back_fire},
+    {1, idle_check_due, idle_check_fire},
+    {0, lease_check_due, lease_check_fire},
+    {0, heartbeat_due, heartbeat_fire},
+    {0, wait_warning_due, wait_warning_fire},
+};
+
+#define N_TIMERS (sizeof timers / sizeof timers[0])
+
+/* A timer's subjects: the process once (subject NULL), or each device slot. */
+static int n_subjects(const struct nvs_core *c, const struct core_timer *t) { return t->per_device ? c->n_devices : 1; }
+
+/* When the timer is due for subject k; nothing is after BYE, nothing for an unknown device. */
+static double timer_due(const struct nvs_core *c, const struct core_timer *t, int k) {
+    const struct nvs_core_device *d = t->per_device ? &c->devices[k] : NULL;
+    return c->exiting || (d != NULL && !d->known) ? NO_DEADLINE : t->due(c, d);
+}
+
+/* The rules that follow the state, for every device and the process. */
+static void run_rules(struct nvs_core *c, double now) {
     settle_devices(c);
-    if (!c->connected && !c->connecting && now >= c->next_attempt) {
-        c->connecting = 1;
-        push(c, NVS_ACT_CONNECT, -1, 0);
-        return; /* the rest follows the connection's outcome */
-    }
-    if (c->connected && !c->registered && now >= c->connected_at + WELCOME_TIMEOUT_S) {
-        forget_connection(c, "no WELCOME from the scheduler", now);
-        push(c, NVS_ACT_DISCONNECT, -1, 0);
-    }
-    for (int i = 0; i < c->n_devices; i++) {
-        struct nvs_core_device *d = &c->devices[i];
-        if (!d->known) continue;
-        long window = idle_window_ms(c, d);
-
-        /* a drain that waited for the worker or for a capture's end */
-        if (d->drain_wanted && d->job == NVS_JOB_NONE && d->captures == 0) request_drain(c, d);
-        run_due_swaps(c, d, now);
-
-        /* others wait and the quantum is nearly over: drain now, so the handoff is on time */
-        if (d->predrain_at > 0 && now >= d->predrain_at) {
-            d->predrain_at = 0;
-            if (d->state == NVS_HOLDING && d->grant_known && c->registered) {
-                core_log(c, LOG_DEBUG, "draining %s ahead of its quantum's end (grant %llu)", d->uuid,
-                         (unsigned long long)d->grant);
-                begin_release(c, d, "quantum", now);
-                /* The release makes the room its waiter needs, as a DROP evict= would ask. */
-                if (d->contended_evict > d->evict_due) d->evict_due = d->contended_evict;
-            }
-        }
-
-        if (!c->registered) {
-            /* fail-open: with no scheduler, nothing is scheduled */
-            if (c->config.fail_open && c->outage_since != 0 && d->state == NVS_IDLE) {
-                d->state = NVS_UNSCHEDULED;
-                set_gate(d, c, 1);
-            }
-            continue;
-        }
-
-        int wants = d->state == NVS_IDLE && d->waiters > 0;
-        if (!d->announced) { /* once the process has resolved the device, before any memory call */
-            d->announced = 1;
-            d->reported_bytes = UINT64_MAX;
-            d->reported_resident = UINT64_MAX;
-            send_message(c, NVS_MSG_DEVICE, i, 0, NULL, now);
-        }
-        if (memory_report_due(c, d) &&
-            (wants || swap_running(d) || now >= c->last_memory_report + MEMORY_REPORT_PERIOD_S)) {
-            c->last_memory_report = now;
-            send_memory(c, d, now);
-        }
-        if (wants) {
-            if (d->idle_released_since > 0) { /* the pause an idle release was made for ended */
-                note_pause(c, d, d->idle_released_since, now);
-                d->idle_released_since = 0;
-            }
-            d->state = NVS_WAITING;
-            send_message(c, NVS_MSG_ACQUIRE, i, 0, NULL, now);
-        }
-        run_admission(c, d, now);
-
-        /* early release of an idle holder; the worker does the GPU part (never during a
-         * capture: its synchronise would invalidate it, and a capturing process is not idle) */
-        if (idle_check_possible(c, d) && now >= d->idle_next_check) {
-            /* An allocation, or one waiting for admission, is activity too: a burst that
-             * allocates as it goes must not lose the lock in its middle. */
-            if (d->entered != d->idle_entered || d->bytes != d->idle_bytes || d->admit_wanted > 0) {
-                /* A pause seen from its start while the device stayed quiet ended: it was idle,
-                 * as long as the window's probes said; one cut short by work still running
-                 * counts from the probe that saw that work end. */
-                note_pause(c, d, d->idle_since, now);
-                d->idle_entered = d->entered;
-                d->idle_bytes = d->bytes;
-                d->idle_since = now;
-            } else if (now - d->idle_since >= window / 1000.0) {
-                start_job(c, d, NVS_JOB_PROBE);
-            }
-            d->idle_next_check = now + window / 4000.0;
-        }
-    }
-    /* Heartbeats at half the interval keep the lease (one interval) from lapsing while this
-     * thread runs; when it has lapsed anyway (the process was stopped or starved), ask. */
-    if (c->registered && c->ping_sent == 0 && now >= c->lease_until) {
-        core_log(c, LOG_INFO, "silent for %.3f s: checking that the scheduler still knows this process",
-                 now - c->last_sent);
-        c->ping_sent = now;
-        send_message(c, NVS_MSG_HEARTBEAT, -1, 0, NULL, now);
-        send_message(c, NVS_MSG_QUERY, -1, 0, NULL, now);
-    } else if (c->registered && now >= c->last_sent + c->heartbeat_ms / 2000.0) {
-        send_message(c, NVS_MSG_HEARTBEAT, -1, 0, NULL, now);
-    }
-
-    /* an outage: say so, once in fail-open mode, every WAIT_WARNING_PERIOD_S to waiters otherwise */
-    if (!c->registered && c->outage_since != 0) {
-        if (c->config.fail_open) {
-            if (!c->fail_open_warned)
-                core_log(c, LOG_WARN, "no scheduler at %s: running unscheduled (NVSHARE_FAIL_MODE=open) until it is reachable",
-                         c->config.socket_path);
-            c->fail_open_warned = 1;
-        } else if (nvs_core_any_waiters(c) && now - c->last_wait_warning >= WAIT_WARNING_PERIOD_S) {
-            core_log(c, LOG_WARN,
-                     "waiting for the scheduler at %s: GPU work is held until it is reachable "
-                     "(NVSHARE_FAIL_MODE=closed; set NVSHARE_FAIL_MODE=open to run unscheduled meanwhile)",
-                     c->config.socket_path);
-            c->last_wait_warning = now;
-            c->lost_warned = 1;
-        }
+    for (int i = 0; i < c->n_devices; i++)
+        if (c->devices[i].known) run_device_rules(c, &c->devices[i], now);
+    if (!c->registered && c->outage_since != 0 && c->config.fail_open && !c->fail_open_warned) {
+        core_log(c, LOG_WARN, "no scheduler at %s: running unscheduled (NVSHARE_FAIL_MODE=open) until it is reachable",
+                 c->config.socket_path);
+        c->fail_open_warned = 1;
     }
 }
 
+/* Fire every timer due at `now`, in table order; 1 if one fired. A timer's due is asked again
+ * right before it fires, after the ones before it ran (a lease check that sent a HEARTBEAT makes
+ * the heartbeat not due), and a timer that fires moves its own deadline past `now`. */
+static int fire_due_timers(struct nvs_core *c, double now) {
+    int fired = 0;
+    for (const struct core_timer *t = timers; t < timers + N_TIMERS; t++) {
+        for (int k = 0; k < n_subjects(c, t); k++) {
+            if (timer_due(c, t, k) > now) continue;
+            t->fire(c, t->per_device ? &c->devices[k] : NULL, now);
+            fired = 1;
+        }
+    }
+    return fired;
+}
+
+/* Everything due at `now`: the rules, the timers, and the rules again for what the timers
+ * changed (a WELCOME timeout's outage lets fail-open devices run and memory calls go on), so
+ * that nothing waits for the next deadline. */
+static void run_due(struct nvs_core *c, double now) {
+    if (c->exiting) return;
+    run_rules(c, now);
+    if (fire_due_timers(c, now)) run_rules(c, now);
+}
+
 double nvs_core_next_deadline(const struct nvs_core *c, double now) {
-    double due = now + 1.0;
-    if (c->exiting) return due;
-    if (!c->connected && !c->connecting && c->next_attempt < due) due = c->next_attempt;
-    if (c->connected && !c->registered && c->connected_at + WELCOME_TIMEOUT_S < due)
-        due = c->connected_at + WELCOME_TIMEOUT_S;
-    if (c->registered) {
-        double heartbeat = c->last_sent + c->heartbeat_ms / 2000.0;
-        if (heartbeat < due) due = heartbeat;
-        if (c->ping_sent == 0 && c->lease_until < due) due = c->lease_until;
-        double memory = c->last_memory_report + MEMORY_REPORT_PERIOD_S;
-        for (int i = 0; i < c->n_devices; i++) {
-            const struct nvs_core_device *d = &c->devices[i];
-            if (!d->known) continue;
-            if (memory_report_due(c, d) && memory < due) due = memory;
-            if (d->surplus && d->surplus_since + GIVE_BACK_AFTER_S < due) due = d->surplus_since + GIVE_BACK_AFTER_S;
-            if (idle_check_possible(c, d) && d->idle_next_check < due) due = d->idle_next_check;
-            if (d->predrain_at > 0 && d->predrain_at < due) due = d->predrain_at;
+    double due = now + LOOK_AGAIN_S;
+    for (const struct core_timer *t = timers; t < timers + N_TIMERS; t++) {
+        for (int k = 0; k < n_subjects(c, t); k++) {
+            double when = timer_due(c, t, k);
+            if (when < due) due = when;
         }
     }
     return due;
@@ -1195,14 +1299,14 @@ static size_t encode(const struct nvs_core *c, const struct nvs_core_queued *q, 
     return nvs_msg_build(buf, cap, q->message, &out); /* it reads the fields of q->message's type */
 }
 
-int nvs_core_pop(struct nvs_core *c, struct nvs_action *out, char *buf, size_t cap) {
+int nvs_core_pop(struct nvs_core *c, struct nvs_action *out, char *buf, size_t cap, double now) {
     if (c->dropped_actions > 0) {
         /* Never expected (every event queues a bounded number of actions); say so loudly. */
         snprintf(buf, cap, "internal error: %u client actions lost; reconnecting", c->dropped_actions);
         c->dropped_actions = 0;
         *out = (struct nvs_action){.kind = NVS_ACT_LOG, .device = -1, .value = LOG_ERROR, .len = strlen(buf)};
         if (c->connected) {
-            forget_connection(c, "internal error", 0);
+            forget_connection(c, "internal error", now);
             push(c, NVS_ACT_DISCONNECT, -1, 0);
         }
         return 1;
@@ -1222,7 +1326,7 @@ int nvs_core_pop(struct nvs_core *c, struct nvs_action *out, char *buf, size_t c
             snprintf(buf, cap, "could not encode a protocol message (a bug); dropping the connection");
             *out = (struct nvs_action){.kind = NVS_ACT_LOG, .device = -1, .value = LOG_ERROR, .len = strlen(buf)};
             if (c->connected) {
-                forget_connection(c, "encoding failed", c->last_sent);
+                forget_connection(c, "encoding failed", now);
                 push(c, NVS_ACT_DISCONNECT, -1, 0);
             }
         }

@@ -288,12 +288,15 @@ int nvs_core_release(struct nvs_core *c, int device, const char *reason, double 
  * once the process, and its contexts, are gone); then nothing changes. */
 void nvs_core_exit(struct nvs_core *c, double now);
 
-/* When nvs_core_tick is due next (at most 1 s ahead). */
+/* When nvs_core_tick is due next: the earliest of the core's timers (client_core.c's table: the
+ * reconnection, the WELCOME timeout, each device's pre-drain, memory report, admission
+ * give-back and idle check, the lease check, the heartbeat, the outage warning), and at most
+ * 1 s ahead. A tick before it does nothing a timer does; a tick at it fires that timer. */
 double nvs_core_next_deadline(const struct nvs_core *c, double now);
 /* Take the oldest action: 1 and *out filled (SEND: the message in buf, LOG: the text), 0 when
  * none is left. A SEND whose message cannot be encoded comes out as a LOG (error) followed by
- * DISCONNECT: a bug, never a silent drop. */
-int nvs_core_pop(struct nvs_core *c, struct nvs_action *out, char *buf, size_t cap);
+ * DISCONNECT: a bug, never a silent drop (the connection counts as lost at `now`). */
+int nvs_core_pop(struct nvs_core *c, struct nvs_action *out, char *buf, size_t cap, double now);
 
 /* Until when the open gates may be used without hearing from the scheduler (seconds, same
  * clock as `now`; 0: no limit, the gates alone decide). The scheduler forgets a client that is

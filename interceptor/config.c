@@ -5,6 +5,7 @@
  * the exception (load_memory_limits says why).
  */
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,9 +13,11 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "nvshare.h"
+#include "client_core.h"
+#include "config.h"
+#include "log.h"
 
-/* Written once by nvs_config_load, inside its pthread_once (see nvshare.h). */
+/* Written once by nvs_config_load, inside its pthread_once (see config.h). */
 struct nvs_config nvs_config;
 
 static int is_directory(const char *path) {
@@ -137,10 +140,10 @@ static int parse_limit_rule(const char *text, size_t len, struct nvs_memory_limi
     } else {
         int ordinal = 0;
         for (size_t i = 0; i < key_len; i++) {
-            if (text[i] < '0' || text[i] > '9' || ordinal >= NVS_MAX_DEVICES) return -1;
+            if (text[i] < '0' || text[i] > '9' || ordinal >= NVS_CORE_MAX_DEVICES) return -1;
             ordinal = ordinal * 10 + (text[i] - '0');
         }
-        if (ordinal >= NVS_MAX_DEVICES) return -1;
+        if (ordinal >= NVS_CORE_MAX_DEVICES) return -1;
         rule->ordinal = ordinal;
     }
     return parse_size(equals + 1, len - key_len - 1, &rule->bytes);

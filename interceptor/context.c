@@ -9,7 +9,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "nvshare.h"
+#include "compiler.h"
+#include "gate.h"
+#include "hook_table.h"
+#include "loader.h"
+#include "memory.h"
 
 NVS_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) {
     NVS_REAL_OR_FAIL(cuCtxDestroy_v2);

@@ -2,7 +2,7 @@
  * The per-device gate and the context bookkeeping behind it.
  *
  * A submission does fetch_add(entered), load(gate_open), the real call, fetch_add(exited)
- * (nvshare.h, nvs_gate_enter/exit). Closing is store(gate_open = 0) followed by waiting until
+ * (gate.h, nvs_gate_enter/exit). Closing is store(gate_open = 0) followed by waiting until
  * exited == entered. All of these are seq_cst, so either the submitter sees the gate closed
  * (and backs out) or the closer sees its `entered` (and waits for it): a release never overlaps
  * a submission that passed the gate.
@@ -18,9 +18,14 @@
 #include <string.h>
 #include <time.h>
 
-#include "nvshare.h"
+#include "compiler.h"
+#include "gate.h"
+#include "hook_table.h"
+#include "loader.h"
+#include "log.h"
+#include "notify.h"
 
-/* Who writes these, under which lock: nvshare.h, where they are declared. */
+/* Who writes these, under which lock: gate.h, where they are declared. */
 pthread_mutex_t nvs_mu = PTHREAD_MUTEX_INITIALIZER;
 pthread_cond_t nvs_gate_cv = PTHREAD_COND_INITIALIZER;
 pthread_mutex_t nvs_ctx_mu = PTHREAD_MUTEX_INITIALIZER;

@@ -13,7 +13,11 @@
 #include <stddef.h>
 #include <string.h>
 
-#include "nvshare.h"
+#include "compiler.h"
+#include "gate.h"
+#include "hook_table.h"
+#include "loader.h"
+#include "nvml.h"
 
 /* --- generated wrappers of the GATED and CONTEXT hooks -------------------------------------*/
 

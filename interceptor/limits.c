@@ -8,7 +8,11 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "nvshare.h"
+#include "compiler.h"
+#include "config.h"
+#include "gate.h"
+#include "limits.h"
+#include "log.h"
 
 /* A device's limit, by ordinal, stored as limit + 1 so that 0 means "not decided yet": the
  * first reader decides it from the configuration with a compare-and-swap, and nvs_limit_set

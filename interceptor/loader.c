@@ -1,6 +1,6 @@
 /*
  * The driver loader: finds the real libcuda.so.1 and the real dlsym, and fills nvs_real with the
- * driver's own functions. It knows the names of the hooks (hooks.h's X-macro list) but not the
+ * driver's own functions. It knows the names of the hooks (hook_table.h's X-macro list) but not the
  * wrappers: swapping a driver address for a wrapper is hooks.c's business. Nothing here calls
  * into the rest of libnvshare except configuration and the fork handlers it registers.
  *
@@ -15,7 +15,12 @@
 #include <pthread.h>
 #include <stddef.h>
 
-#include "nvshare.h"
+#include "compiler.h"
+#include "config.h"
+#include "hook_table.h"
+#include "loader.h"
+#include "log.h"
+#include "notify.h"
 
 /* Written once by load_driver (each slot stored with release), read everywhere. */
 struct nvs_real_table nvs_real;

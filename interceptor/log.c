@@ -6,7 +6,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "nvshare.h"
+#include "log.h"
 
 /* Written once by nvs_config_load, inside its pthread_once, which the loader runs before the
  * driver table is published (release): every thread that reached a wrapper reads the final value

@@ -13,7 +13,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "nvshare.h"
+#include "admission.h"
+#include "area.h"
+#include "compiler.h"
+#include "config.h"
+#include "gate.h"
+#include "hook_table.h"
+#include "limits.h"
+#include "loader.h"
+#include "log.h"
+#include "memory.h"
+#include "notify.h"
 
 enum alloc_kind {
     ALLOC_CONVERTED = 1, /* a device allocation nvshare turned into a managed one */
@@ -417,7 +427,7 @@ struct pending_free {
 
 /* Pending frees: the list under mem_mu; n_pending counts them (any thread, atomically) so that
  * polling costs one load when there are none. Their contexts are pushed and their events
- * queried only under nvs_ctx_mu (nvshare.h): cuCtxDestroy_v2 and the primary-context hooks hold
+ * queried only under nvs_ctx_mu (gate.h): cuCtxDestroy_v2 and the primary-context hooks hold
  * it while they settle a context's frees and destroy it, so no free outlives its context. */
 static struct pending_free *pending;
 static _Atomic int n_pending;

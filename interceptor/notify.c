@@ -5,7 +5,10 @@
  * functions from a constructor (a pointer store: nothing heavy at load time); until then, and
  * in a build without a runtime, every notification is a no-op.
  */
-#include "nvshare.h"
+#include <stdatomic.h>
+#include <stddef.h>
+
+#include "notify.h"
 
 static const struct nvs_runtime_ops *_Atomic runtime_ops;
 

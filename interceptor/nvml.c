@@ -1,5 +1,5 @@
 /*
- * NVML's memory queries (hooks.h, NVS_FOR_EACH_NVML_HOOK): nvidia-smi or pynvml inside a process
+ * NVML's memory queries (nvml.h, NVS_FOR_EACH_NVML_HOOK): nvidia-smi or pynvml inside a process
  * with a memory limit see a device of the limit's size. They are substituted in every process,
  * since the scheduler may set a limit at any time after the lookup (pynvml looks a function up
  * once); without a limit NVML's figures are handed on unchanged.
@@ -15,7 +15,12 @@
 #include <pthread.h>
 #include <string.h>
 
-#include "nvshare.h"
+#include "admission.h"
+#include "config.h"
+#include "gate.h"
+#include "limits.h"
+#include "loader.h"
+#include "nvml.h"
 
 #define NVML_SUCCESS 0
 

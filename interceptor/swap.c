@@ -34,7 +34,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "nvshare.h"
+#include "area.h"
+#include "gate.h"
+#include "loader.h"
+#include "log.h"
+#include "memory.h"
+#include "notify.h"
+#include "swap.h"
+#include "vmm.h"
 
 /* What one step of a job moves at most before it says so: 512 MiB is 10 ms of an H200's link,
  * so the next holder's swap-in trails this one's swap-out by about that. */

@@ -27,7 +27,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "nvshare.h"
+#include "area.h"
+#include "compiler.h"
+#include "config.h"
+#include "gate.h"
+#include "hook_table.h"
+#include "loader.h"
+#include "log.h"
+#include "memory.h"
+#include "notify.h"
+#include "vmm.h"
 
 #define NVS_VMM_ACCESS 4
 

@@ -19,7 +19,12 @@
  */
 #include <time.h>
 
-#include "nvshare.h"
+#include "gate.h"
+#include "log.h"
+#include "memory.h"
+#include "notify.h"
+#include "swap.h"
+#include "worker.h"
 
 static pthread_cond_t worker_cv = PTHREAD_COND_INITIALIZER; /* with nvs_mu */
 static int worker_kicked;                                    /* under nvs_mu */

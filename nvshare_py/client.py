@@ -480,7 +480,7 @@ class Client:
 
     def _carry_out(self, now: float) -> None:
         core = self._core
-        while (action := core.pop_one()) is not None:
+        while (action := core.pop_one(now)) is not None:
             kind = action.kind
             if kind == client_core.ACT_SEND:
                 self._send(action.data, now)

@@ -85,7 +85,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "nvs_core_tick": ([_p, _d], None),
     "nvs_core_exit": ([_p, _d], None),
     "nvs_core_next_deadline": ([_p, _d], _d),
-    "nvs_core_pop": ([_p, ctypes.POINTER(_Action), _str, ctypes.c_size_t], _int),
+    "nvs_core_pop": ([_p, ctypes.POINTER(_Action), _str, ctypes.c_size_t, _d], _int),
     "nvs_core_state": ([_p, _int], _int),
     "nvs_core_gate": ([_p, _int], _int),
     "nvs_core_registered": ([_p], _int),
@@ -144,6 +144,17 @@ class ClientCore:
         lib.nvs_core_init(self.buf, ctypes.byref(config))
         self._action = _Action()
         self._data = ctypes.create_string_buffer(protocol.MAX_MESSAGE + 1)
+
+    def copy(self) -> "ClientCore":
+        """An independent core in the same state (struct nvs_core holds no pointer of its own),
+        to try what an event would do without doing it."""
+        twin = object.__new__(ClientCore)
+        twin.lib = self.lib
+        twin.buf = ctypes.create_string_buffer(len(self.buf))
+        ctypes.memmove(twin.buf, self.buf, len(self.buf))
+        twin._action = _Action()
+        twin._data = ctypes.create_string_buffer(len(self._data))
+        return twin
 
     def add_device(self, index: int, uuid: str, total: int = 1 << 34, name: str = "Sim GPU") -> None:
         if self.lib.nvs_core_add_device(self.buf, index, uuid.encode(), name.encode(), total) != 0:
@@ -215,16 +226,16 @@ class ClientCore:
     def registered(self) -> bool:
         return bool(self.lib.nvs_core_registered(self.buf))
 
-    def pop_one(self) -> Action | None:
+    def pop_one(self, now: float) -> Action | None:
         """The oldest action, None when none is left."""
         action, data = self._action, self._data
-        if not self.lib.nvs_core_pop(self.buf, ctypes.byref(action), data, len(data)):
+        if not self.lib.nvs_core_pop(self.buf, ctypes.byref(action), data, len(data), now):
             return None
         return Action(action.kind, action.device, action.value, data.raw[: action.len], action.bytes)
 
-    def pop(self) -> list[Action]:
+    def pop(self, now: float) -> list[Action]:
         """Every action queued, oldest first."""
         out = []
-        while (action := self.pop_one()) is not None:
+        while (action := self.pop_one(now)) is not None:
             out.append(action)
         return out

@@ -31,6 +31,7 @@ import ctypes
 import threading
 from ctypes import POINTER, byref, c_char, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_p
 from dataclasses import dataclass
+from typing import Callable
 
 from .vocabulary import gpu_uuid
 
@@ -206,6 +207,11 @@ _FUNCTIONS: dict[str, tuple[str, int, int | None, list]] = {
 _GetProcAddress = ctypes.CFUNCTYPE(c_int, c_char_p, POINTER(c_void_p), c_int, c_uint64, POINTER(c_int))
 
 
+def _address(handle: c_void_p) -> int:
+    """The address or handle a driver call wrote (ctypes reads NULL as None)."""
+    return handle.value or 0
+
+
 class DriverNotFound(OSError):
     """The CUDA driver library could not be loaded."""
 
@@ -270,7 +276,9 @@ class Driver:
         self.resolved: dict[str, int] = {}
         """Address each function resolved to, by the name of the ABI this module calls."""
 
-        self._lookup = self._scope = None
+        # Exactly one of the two is set: where each function's address is found.
+        self._lookup: Callable[..., int] | None = None
+        self._scope: ctypes.CDLL | None = None
         if bootstrap is not None:
             self._lookup = self._get_proc_address(bootstrap)
         else:  # dlsym looks in the library's own handle, export in the process's global scope
@@ -293,19 +301,20 @@ class Driver:
     def _resolve(self, name: str, base: str, version: int, per_thread_version: int | None) -> int:
         if self._scope is not None:
             try:
-                return ctypes.cast(getattr(self._scope, name), c_void_p).value
+                return _address(ctypes.cast(getattr(self._scope, name), c_void_p))
             except AttributeError as error:
                 raise DriverNotFound(f"{self.library}: {name} not found through {self.via}: {error}") from error
         flags, wanted = _CU_GET_PROC_ADDRESS_DEFAULT, version
         if self.via == "gpa-ptds" and per_thread_version is not None:
             flags, wanted = _CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, per_thread_version
+        assert self._lookup is not None  # no scope: a lookup
         address, status = c_void_p(), c_int()
         result = self._lookup(base.encode(), byref(address), wanted, flags, byref(status))
         if result != 0 or not address.value:
             raise DriverNotFound(
                 f"{self.library}: cuGetProcAddress({base!r}, {wanted}) failed (CUresult {result}, status {status.value})"
             )
-        return address.value
+        return _address(address)
 
     # ---- plumbing ----
 
@@ -380,7 +389,7 @@ class Driver:
             if ctx is None:
                 handle = c_void_p()
                 self._call("cuDevicePrimaryCtxRetain", byref(handle), device)
-                ctx = self._contexts[device] = handle.value
+                ctx = self._contexts[device] = _address(handle)
         self._call("cuCtxSetCurrent", c_void_p(ctx))
         return ctx
 
@@ -419,7 +428,7 @@ class Driver:
         if family == "host":
             host = c_void_p()
             self._call("cuMemAllocHost_v2", byref(host), nbytes)
-            ptr = host.value
+            ptr = _address(host)
         elif family == "vmm":
             ptr, size, handle = self._alloc_vmm(nbytes)
         else:
@@ -454,7 +463,7 @@ class Driver:
         if pool is None:
             handle = c_void_p()
             self._call("cuDeviceGetDefaultMemPool", byref(handle), device)
-            pool = handle.value
+            pool = _address(handle)
             with self._lock:
                 self._pools[device] = pool
         return pool
@@ -532,7 +541,7 @@ class Driver:
     def create_stream(self, non_blocking: bool = True) -> int:
         stream = c_void_p()
         self._call("cuStreamCreate", byref(stream), 1 if non_blocking else 0)
-        return stream.value
+        return _address(stream)
 
     def destroy_stream(self, stream: int) -> None:
         self._call("cuStreamDestroy_v2", c_void_p(stream))
@@ -556,7 +565,7 @@ class Driver:
             for kernel_name in _KERNEL_NAMES:
                 function = c_void_p()
                 self._call("cuModuleGetFunction", byref(function), module, kernel_name.encode())
-                kernels[kernel_name] = function.value
+                kernels[kernel_name] = _address(function)
             with self._lock:
                 self._kernels[ctx] = kernels
         return kernels[name]

@@ -29,9 +29,11 @@ _QUIET = tempfile.mkdtemp(prefix="nvs-quiet-")
 atexit.register(shutil.rmtree, _QUIET, True)
 os.environ["NVSHARE_SYSTEM_SOCKET_DIR"] = os.path.join(_QUIET, "no-system-scheduler")
 
+# fixtures.interceptor first: the others import it (REPO_ROOT), and pytest rewrites a plugin's
+# asserts only when it loads the plugin before anything imports it.
 pytest_plugins = [
+    "fixtures.interceptor",
     "fixtures.simcuda",
     "fixtures.scheduler",
-    "fixtures.interceptor",
     "fixtures.client_core",
 ]

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from fixtures.scheduler import PATIENCE, wait_for
+from nvshare_py.testing.scheduler import PATIENCE, wait_for
 
 MiB, GiB = 1 << 20, 1 << 30
 OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.scheduler import CHILD_CWD, child_env, run_child
 from nvshare_py import __version__
 from nvshare_py.run import SIMULATED_DRIVER_DIR
+from nvshare_py.testing.scheduler import CHILD_CWD, child_env, run_child
 
 TOOLS = {  # the tool's name -> the module that runs it
     "nvshare-scheduler": "nvshare_py.scheduler",

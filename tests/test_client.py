@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.scheduler import PATIENCE, short_socket_dir, wait_for
 from nvshare_py.client import Client, Grant, SchedulerUnavailable, container_id, default_identity
+from nvshare_py.testing.scheduler import PATIENCE, short_socket_dir, wait_for
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 GPU2 = "GPU-5151ad00-0000-4000-8000-000000000001"

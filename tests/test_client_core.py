@@ -11,10 +11,12 @@ from nvshare_py import protocol_table as table
 from nvshare_py.scheduler import events as ev
 
 from fixtures.client_core import (
+    ACT_CONNECT,
     ACT_GATE,
     ACT_LOG,
     ACT_SEND,
     RESULT_DRAINED,
+    SIM_SOCKET,
     DRAINING,
     HOLDING,
     IDLE,
@@ -22,6 +24,7 @@ from fixtures.client_core import (
     JOB_NONE,
     JOB_PROBE,
     WAITING,
+    ClientCore,
     SafetyViolation,
     World,
 )
@@ -378,3 +381,69 @@ def test_every_word_field_of_the_scheduler_is_open(client_core_lib, msg_type, fi
               for f in table.BY_TYPE[msg_type].fields if not f.optional}
     actions = s.receive(msg_type, **values)
     assert [w for w in _warnings(actions) if f"{msg_type} {field}=not-yet-invented" in w]
+
+
+# --- what the process says about its connection ------------------------------------------------
+
+WELCOME = b"NVSHARE/1 WELCOME\nclient=c1\nheartbeat_ms=1000\nidle_release_ms=1000\nversion=1"
+
+
+def _connections(actions) -> list[str]:
+    return [w for w in _warnings(actions) if w.startswith(("connected to the scheduler", "lost the scheduler"))]
+
+
+def _connect(core: ClientCore, now: float) -> list:
+    """The core asks for a connection (at its deadline), gets one and is welcomed."""
+    now = max(now, core.next_deadline(now))
+    core.tick(now)
+    actions = core.pop(now)
+    assert [a for a in actions if a.kind == ACT_CONNECT], actions
+    core.connected(now)
+    core.receive(WELCOME, now)
+    return actions + core.pop(now)
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_a_process_started_before_the_scheduler_says_connected_and_only_a_reconnection_says_again(
+        client_core_lib, fail_open):
+    """It warned that no scheduler was there (waiting, or running unscheduled); when one comes
+    it says so, without calling its first connection a return. A connection lost and made
+    again is said both ways."""
+    core = ClientCore(client_core_lib, 4242, "00000000000000aa", fail_open=fail_open, socket_path=SIM_SOCKET)
+    core.add_device(0, SCRIPTED_DEVICE)
+    core.observe(0, 1, 0, 0, 0)  # a thread waits for the device
+    core.tick(10.0)
+    assert [a for a in core.pop(10.0) if a.kind == ACT_CONNECT]
+    core.connect_failed(10.0)
+    outage = _warnings(core.pop(10.0))
+    assert [w for w in outage if "running unscheduled" in w or "waiting for the scheduler" in w], outage
+
+    first = _connections(_connect(core, 12.0))
+    assert first == ["connected to the scheduler at /sim/client/scheduler.sock"]
+
+    core.disconnected("the scheduler closed the connection", 12.5)
+    lost = _connections(core.pop(12.5))
+    assert len(lost) == 1 and lost[0].startswith("lost the scheduler at /sim/client/scheduler.sock")
+    assert _connections(_connect(core, 12.5)) == ["connected to the scheduler at /sim/client/scheduler.sock again"]
+
+
+def test_a_first_connection_without_an_outage_is_not_announced(client_core_lib):
+    core = ClientCore(client_core_lib, 4242, "00000000000000aa")
+    core.add_device(0, SCRIPTED_DEVICE)
+    assert _connections(_connect(core, 10.0)) == []
+
+
+def test_a_quiet_process_sleeps_until_its_heartbeat_and_sends_it_then(client_core_lib):
+    """The shell sleeps until the core's next deadline: for a registered process with nothing
+    to do, half the heartbeat interval after what it last sent (WELCOME heartbeat_ms=1000)."""
+    core = ClientCore(client_core_lib, 4242, "00000000000000aa")
+    core.add_device(0, SCRIPTED_DEVICE)
+    _connect(core, 10.0)
+    core.tick(10.0)
+    core.pop(10.0)  # DEVICE went out at 10.0
+    assert core.next_deadline(10.0) == pytest.approx(10.5)
+    core.tick(10.499)
+    assert core.pop(10.499) == []
+    core.tick(10.5)
+    assert _sent(core.pop(10.5)) == ["NVSHARE/1 HEARTBEAT"]
+    assert core.next_deadline(10.5) == pytest.approx(11.0)

@@ -140,6 +140,26 @@ class Sharing(RuleBasedStateMachine):
                     assert cid in queued.get(world.uuids[index], set()), (
                         f"{process.name} waits for device {index} but the scheduler does not queue it")
 
+    @invariant()
+    def every_deadline_is_kept_and_none_fires_early(self):
+        """The shell sleeps until the core's next deadline (client.c). On a copy of each core,
+        settled at the current time: a tick half-way to the deadline does nothing (no timer fires
+        early), and one at the deadline acts on it, so the next deadline is later (the shell never
+        spins on a deadline that stays)."""
+        for process in self.world.live():
+            core, now = process.core.copy(), self.world.now
+            core.tick(now)
+            core.pop(now)
+            deadline = core.next_deadline(now)
+            assert now < deadline <= now + 1.0, f"{process.name}: next deadline {deadline} at {now}"
+            halfway = (now + deadline) / 2
+            core.tick(halfway)
+            early = core.pop(halfway)
+            assert early == [], f"{process.name}: {early} at {halfway}, before the deadline {deadline}"
+            core.tick(deadline)
+            core.pop(deadline)
+            assert core.next_deadline(deadline) > deadline, f"{process.name}: the deadline {deadline} stays"
+
     def teardown(self):
         """Everyone finishes and resumes; after a while every waiting thread got through."""
         world = self.world

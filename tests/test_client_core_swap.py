@@ -63,7 +63,7 @@ class Script:
         return self.actions()
 
     def actions(self) -> list:
-        return self.core.pop()
+        return self.core.pop(self.now)
 
     def want(self) -> list:
         self.waiters = 1

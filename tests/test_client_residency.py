@@ -11,10 +11,10 @@ import threading
 import pytest
 import zmq
 
-from fixtures.scheduler import PATIENCE, short_socket_dir
 from nvshare_py import protocol
 from nvshare_py.client import Client
 from nvshare_py.paths import SocketPaths
+from nvshare_py.testing.scheduler import PATIENCE, short_socket_dir
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from fixtures.scheduler import PATIENCE
 from nvshare_py import protocol
+from nvshare_py.testing.scheduler import PATIENCE
 from test_client_residency import GPU, FakeScheduler, connected  # noqa: F401  (the fixture)
 
 

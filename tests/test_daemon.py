@@ -15,10 +15,10 @@ import trio
 import trio.testing
 import zmq
 
-from fixtures.scheduler import PATIENCE, SchedulerProcess, short_socket_dir, wait_for
 from nvshare_py.scheduler import events as ev
 from nvshare_py.scheduler.core import SchedulerCore
 from nvshare_py.scheduler.daemon import CoreFailure, Daemon, DaemonConfig
+from nvshare_py.testing.scheduler import PATIENCE, SchedulerProcess, short_socket_dir, wait_for
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 

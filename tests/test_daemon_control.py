@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from fixtures.scheduler import OTHER_UID, as_other_user, can_run, nvsharectl_command, run_child, wait_for
+from fixtures.scheduler import OTHER_UID, as_other_user, can_run
 from nvshare_py import protocol
 from nvshare_py.scheduler.podcgroup import pod_uid_from_cgroup
+from nvshare_py.testing.scheduler import nvsharectl_command, run_child, wait_for
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 
@@ -164,7 +165,7 @@ def test_status_shows_who_the_clients_are(scheduler):
     (client,) = status["clients"]
     assert client["client"] == agent.client_id
     assert client["pid"] == agent.pid and client["host_pid"] == agent.pid and client["uid"] == os.geteuid()
-    assert (client["pod"], client["namespace"], client["program"]) == ("nb-0", "team-a", "scheduler.py")
+    assert (client["pod"], client["namespace"], client["program"]) == ("nb-0", "team-a", "agent.py")
     # The pod UID comes from the process's cgroup, whatever pod it names itself ("" here,
     # unless the suite itself runs in a pod).
     assert client["pod_uid"] == pod_uid_from_cgroup(Path(f"/proc/{agent.pid}/cgroup").read_text())
@@ -283,7 +284,7 @@ def test_every_local_user_reads_who_holds_and_waits_and_sees_its_own_clients_in_
     assert status["viewer"]["uid"] == OTHER_UID
     (holding,) = status["devices"][0]["holders"]
     assert holding["client"] == holder.client_id and holding["user"] == "root"
-    assert holding["program"] == "scheduler.py" and holding["host_pid"] == holder.pid
+    assert holding["program"] == "agent.py" and holding["host_pid"] == holder.pid
     assert holding["since"] > 0 and holding["quantum_left"] > 0
     clients = {client["client"]: client for client in status["clients"]}
     root_client = clients[holder.client_id]

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from fixtures.scheduler import PATIENCE, SchedulerProcess, wait_for
+from nvshare_py.testing.scheduler import PATIENCE, SchedulerProcess, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import floodkit  # noqa: E402
@@ -41,7 +41,7 @@ class LimitedScheduler(SchedulerProcess):
 
 @pytest.fixture
 def limited_scheduler(scheduler_factory):
-    from fixtures.scheduler import DEFAULT_OPTIONS, short_socket_dir
+    from nvshare_py.testing.scheduler import DEFAULT_OPTIONS, short_socket_dir
 
     process = LimitedScheduler(short_socket_dir(), dict(DEFAULT_OPTIONS, heartbeat_timeout=300))
     process.start()
@@ -443,7 +443,7 @@ def test_slow_and_silent_peers_are_closed_after_their_deadlines(monkeypatch):
     # deadlines shortened.
     from nvshare_py.scheduler import connections, daemon as daemon_module
     from nvshare_py.scheduler.daemon import Daemon, DaemonConfig
-    from fixtures.scheduler import short_socket_dir
+    from nvshare_py.testing.scheduler import short_socket_dir
 
     monkeypatch.setattr(connections, "HANDSHAKE_TIMEOUT", 0.5)
     monkeypatch.setattr(connections, "FRAME_TIMEOUT", 0.5, raising=False)

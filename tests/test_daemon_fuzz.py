@@ -11,9 +11,9 @@ import zmq.utils.monitor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fixtures.scheduler import DEFAULT_OPTIONS, PATIENCE, SchedulerProcess, short_socket_dir
 from nvshare_py import protocol, vocabulary
 from nvshare_py.client import Client
+from nvshare_py.testing.scheduler import DEFAULT_OPTIONS, PATIENCE, SchedulerProcess, short_socket_dir
 
 GOOD_GPU = "GPU-5151ad00-0000-4000-8000-0000000000aa"
 FUZZ_DEVICES = st.sampled_from(["GPU-fuzz-0", "GPU-fuzz-1", "MIG-fuzz-2"])

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import zmq
 
-from fixtures.scheduler import PATIENCE, wait_for
 from nvshare_py import protocol
+from nvshare_py.testing.scheduler import PATIENCE, wait_for
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 GiB = 1 << 30

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.scheduler import CHILD_CWD, child_env, wait_for
+from nvshare_py.testing.scheduler import CHILD_CWD, child_env, wait_for
 
 from nvshare_py import demo
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from fixtures.scheduler import wait_for
+from nvshare_py.testing.scheduler import wait_for
 
 MiB = 1 << 20
 OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from fixtures.interceptor import gated_hook_names, line_time
-from fixtures.scheduler import wait_for
+from nvshare_py.testing.scheduler import wait_for
 
 GiB = 1 << 30
 SIM_TOTAL = 16 * GiB  # simcuda's default SIMCUDA_MEMORY

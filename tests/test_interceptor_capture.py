@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import subprocess
 
-from fixtures.simcuda import parse_steps
+from nvshare_py.testing.simcuda import parse_steps
 
 
 def test_a_capture_survives_the_end_of_its_quantum(scheduler_factory, simcuda, libnvshare):

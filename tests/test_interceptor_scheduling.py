@@ -13,7 +13,7 @@ import time
 import pytest
 
 from fixtures.interceptor import line_time, overlaps
-from fixtures.scheduler import short_socket_dir, wait_for
+from nvshare_py.testing.scheduler import short_socket_dir, wait_for
 
 DEVICE0 = "GPU-5151ad00-0000-4000-8000-000000000000"
 DEVICE1 = "GPU-5151ad00-0000-4000-8000-000000000001"
@@ -196,6 +196,7 @@ def test_scheduler_restart_mid_run(scheduler_factory, cuda_app):
         assert app.wait() == 0, app.stderr  # nobody died
     for app in apps:
         assert any(op["start"] > restarted for op in app.kernels()), "work continued after the restart"
+        assert "lost the scheduler at " in app.stderr and "/client/scheduler.sock again\n" in app.stderr, app.stderr
     a, b = (app.kernels() for app in apps)
     assert overlaps(a, b) == []
 
@@ -213,6 +214,8 @@ def test_fail_closed_waits_for_a_scheduler(scheduler_factory, cuda_app):
     assert app.wait() == 0, app.stderr
     assert line_time(app.expect("synced")) > starting
     assert app.kernels()[0]["start"] > starting
+    # its first connection, not a return
+    assert f"connected to the scheduler at {socket_dir}/client/scheduler.sock\n" in app.stderr, app.stderr
 
 
 def test_fail_open_runs_without_a_scheduler(cuda_app):

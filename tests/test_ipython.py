@@ -16,10 +16,10 @@ import zmq
 from IPython.core.events import EventManager, available_events
 
 import nvshare_py
-from fixtures.scheduler import PATIENCE, short_socket_dir, wait_for
 from nvshare_py import ipython, protocol
 from nvshare_py.client import Client
 from nvshare_py.devicenames import DeviceNames
+from nvshare_py.testing.scheduler import PATIENCE, short_socket_dir, wait_for
 from nvshare_py.ipython import (
     NOT_UNDER_NVSHARE,
     CellNote,
@@ -265,7 +265,7 @@ def test_a_cell_that_waited_gets_a_note_naming_the_holder_and_others_get_none(sc
         extension.post_run_cell()
         note = capsys.readouterr().out
         assert note.startswith("nvshare: this cell waited ")
-        assert f"for the GPU held by {holder.client_id} ({ipython_user()}, scheduler.py)" in note
+        assert f"for the GPU held by {holder.client_id} ({ipython_user()}, agent.py)" in note
         assert note.endswith(")\n")  # one line, ended
         seconds = float(note.split("waited ")[1].split(" s")[0])
         assert seconds >= 0.6

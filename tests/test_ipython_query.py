@@ -12,13 +12,13 @@ import threading
 import pytest
 import zmq
 
-from fixtures.scheduler import PATIENCE, run_child, wait_for
 from nvshare_py import protocol
 from nvshare_py.client import Client
 from nvshare_py.scheduler import views
-from nvshare_py.scheduler.views import user_name
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
 from nvshare_py.scheduler.events import AcquireRequest, ClientInfo, DeviceInfo, DeviceMeasured, MemoryReport, Register, ReleaseReport, Send
+from nvshare_py.scheduler.views import user_name
+from nvshare_py.testing.scheduler import PATIENCE, run_child, wait_for
 
 GPU0 = "GPU-5151ad00-0000-4000-8000-000000000000"
 GPU1 = "GPU-5151ad00-0000-4000-8000-000000000001"
@@ -203,7 +203,7 @@ def test_query_reports_this_process_holding_then_waiting_behind_another(schedule
         assert waiting["position"] == 1
         (holder,) = waiting["holders"]
         assert holder.pop("quantum_left") > 0
-        assert holder == {"client": other.client_id, "user": user_name(os.geteuid()), "program": "scheduler.py",
+        assert holder == {"client": other.client_id, "user": user_name(os.geteuid()), "program": "agent.py",
                           "pod": "", "namespace": ""}
         other.send(f"release {GPU0}")
         assert granted.wait(PATIENCE)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 
-from fixtures.scheduler import child_env, run_child
+from nvshare_py.testing.scheduler import child_env, run_child
 
 CLI = [sys.executable, "-m", "nvshare_py.jupyter"]
 

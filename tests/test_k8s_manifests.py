@@ -10,9 +10,9 @@ import pytest
 import typer.main
 import yaml
 
-from fixtures.scheduler import nvsharectl_command, run_child
 from nvshare_py.deviceplugin import cli, config
 from nvshare_py.paths import SocketPaths
+from nvshare_py.testing.scheduler import nvsharectl_command, run_child
 
 K8S = Path(__file__).resolve().parents[1] / "k8s"
 # The oldest Kubernetes these manifests promise to work with, and the newest the schemas know.

@@ -25,7 +25,7 @@ def readelf(*args: str) -> str:
 
 
 def hook_names() -> set[str]:
-    text = (INTERCEPTOR_DIR / "hooks.h").read_text()
+    text = (INTERCEPTOR_DIR / "hook_table.h").read_text()
     return set(re.findall(r"X\((?:GATED|CONTEXT|CUSTOM),\s*(\w+),", text))
 
 
@@ -310,7 +310,7 @@ def interceptor_functions() -> dict[str, tuple[str, str]]:
 
 @pytest.mark.parametrize("lock, files", [("nvs_mu", LOCK_CHECKED_FILES), ("mem_mu", ["memory.c"])])
 def test_no_cuda_call_or_io_while_a_lock_is_held(lock, files):
-    """nvshare.h: nvs_mu is never held across a CUDA call or I/O. A stderr pipe nobody reads, or a
+    """gate.h: nvs_mu is never held across a CUDA call or I/O. A stderr pipe nobody reads, or a
     driver call that blocks, would otherwise stall every thread that needs the lock state (the
     client thread, every waiter at a closed gate). mem_mu, taken by every allocation and free, is a
     leaf lock under the same rule."""
@@ -369,7 +369,7 @@ def test_the_prototype_check_fails_on_a_wrong_parameter_type(tmp_path):
         pytest.skip(f"no CUDA toolkit headers at {CUDA_HOME}/include/cuda.h (set CUDA_HOME)")
     copy = tmp_path / "interceptor"
     shutil.copytree(INTERCEPTOR_DIR, copy)
-    hooks = copy / "hooks.h"
+    hooks = copy / "hook_table.h"
     text = hooks.read_text()
     wrong = text.replace("X(GATED, cuMemsetD8_v2, (CUdeviceptr d, unsigned char v, size_t n)",
                          "X(GATED, cuMemsetD8_v2, (CUdeviceptr d, unsigned int v, size_t n)")
@@ -475,3 +475,55 @@ def test_rtld_next_still_finds_the_next_definition_on_aarch64(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "1"
+
+
+# --- layering: which module includes which module's header ---------------------------------------
+
+INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([\w.]+)\.h"', re.M)
+
+
+def include_graph() -> dict[str, set[str]]:
+    """Module -> the modules whose header it includes. A module is a name: its .c and its .h
+    (gate.c and gate.h are `gate`); a header without a .c (hook_table.h, cuda_types.h) is a
+    module of its own."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted([*INTERCEPTOR_DIR.glob("*.c"), *INTERCEPTOR_DIR.glob("*.h")]):
+        if path.name == "signatures.c":  # not part of the library (make signatures)
+            continue
+        included = set(INCLUDE.findall(path.read_text())) - {path.stem}
+        graph.setdefault(path.stem, set()).update(included)
+    return graph
+
+
+def test_modules_include_each_other_one_way():
+    """Every header declares one module's interface, and the includes between modules point one
+    way: a change to a module's header rebuilds only the modules above it, and each module can be
+    read knowing only those below it. With one header for everything (the old nvshare.h) every
+    unit saw every other one, and gate -> hooks -> nvml -> gate was a circle."""
+    import graphlib
+
+    graph = include_graph()
+    assert {"gate", "memory", "hooks", "loader", "hook_table"} <= set(graph)  # the files were read
+    order = list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a cycle
+    # The hook table is data: the driver's types and nothing else of nvshare.
+    assert graph["hook_table"] == {"cuda_types"}
+    # The loader knows the hook table, not the wrappers; the hooks sit above the gate and NVML.
+    assert order.index("hook_table") < order.index("loader") < order.index("gate") < order.index("hooks")
+    assert order.index("nvml") < order.index("hooks")
+    # The client core is pure: the protocol codec only.
+    assert graph["client_core"] == {"message"}
+    # Nothing includes the shells' files; the lower units reach them through notify.h.
+    assert not any({"client", "hooks", "context"} & included for included in graph.values())
+
+
+def test_includes_and_links_point_the_same_way(libnvshare):
+    """A module includes the headers of what it uses: together with the link graph (which object
+    uses which object's symbols) the dependencies still have no circle, so a header is never
+    included against the direction of the calls."""
+    import graphlib
+
+    graph = {module: set(included) for module, included in include_graph().items()}
+    for (user, provider), symbols in object_dependencies(libnvshare.parent).items():
+        if not symbols <= NOTIFY_SYMBOLS:
+            graph.setdefault(user.removesuffix(".c"), set()).add(provider.removesuffix(".c"))
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError on a cycle

@@ -242,7 +242,9 @@ RUNTIME_SET = r"""
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include "nvshare.h"
+#include "config.h"
+#include "gate.h"
+#include "limits.h"
 
 static struct nvs_device devices[3];
 
@@ -274,7 +276,7 @@ def test_a_limit_set_at_run_time_wins_over_the_configured_one(compile_c, setting
 
     sources = [str(INTERCEPTOR_DIR / name) for name in ("limits.c", "config.c", "log.c")]
     program = compile_c(RUNTIME_SET, "limits_runtime_set",
-                        flags=[*sources, f"-I{INTERCEPTOR_DIR}", "-std=gnu11", "-include", "glibc_compat.h"])
+                        flags=[*sources, "-iquote", str(INTERCEPTOR_DIR), "-std=gnu11", "-include", "glibc_compat.h"])
     env = {"PATH": "/usr/bin:/bin", "NVSHARE_LOG": "info"}
     if setting is not None:
         env["NVSHARE_MEMORY_LIMIT"] = setting

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.scheduler import (
-    CHILD_CWD, OTHER_UID, PATIENCE, as_other_user, child_env, run_child, short_socket_dir, wait_for,
-)
+from fixtures.scheduler import OTHER_UID, as_other_user
 from nvshare_py.paths import ENV_SOCKET_DIR, ENV_SYSTEM_SOCKET_DIR, connect_error
+from nvshare_py.testing.scheduler import (CHILD_CWD, PATIENCE, child_env, nvsharectl_command, run_child, short_socket_dir,
+                                          wait_for)
 
 
 @pytest.fixture
@@ -135,7 +135,7 @@ def test_a_user_who_is_not_root_sees_who_holds_and_waits(system_scheduler):
     holder = system_scheduler.agent(env={"NVSHARE_PROGRAM": "train.py"})
     holder.send("acquire GPU-5151ad00-0000-4000-8000-000000000000")
     holder.expect("granted GPU-")
-    ctl = [*other, sys.executable, "-m", "ctl"]
+    ctl = [*other, *nvsharectl_command()]
     status = run_child([*ctl, "status"], env)
     assert status.returncode == 0, status.stderr
     assert "read-only view" in status.stdout and f"held by {holder.client_id}" in status.stdout

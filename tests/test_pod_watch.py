@@ -21,12 +21,12 @@ import pytest
 import zmq
 
 from apiserver_standin import ApiServerStandin
-from fixtures.scheduler import wait_for
 from nvshare_py.control import ControlFailure
 from nvshare_py.deviceplugin.kubeapi import ApiServer
 from nvshare_py.deviceplugin.podsettings import MEMORY_LIMIT, PRIORITY, WEIGHT
 from nvshare_py.deviceplugin.podwatch import PodSettingsSync
 from nvshare_py.paths import SocketPaths
+from nvshare_py.testing.scheduler import wait_for
 
 NODE = "gpu-node-1"
 PATIENCE = 60.0  # an upper guard only

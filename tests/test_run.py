@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from fixtures.scheduler import CHILD_CWD, child_env, run_child
+from nvshare_py.testing.scheduler import CHILD_CWD, child_env, run_child
 
 RUN = [sys.executable, "-m", "nvshare_py.run"]
 SHOW = ("import os, json; print(json.dumps({'pid': os.getpid(), 'preload': os.environ.get('LD_PRELOAD', ''), "

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fixtures.scheduler import wait_for
 from nvshare_py.scheduler import events as ev
 from nvshare_py.scheduler import metrics as m
 from nvshare_py.scheduler import views
 from nvshare_py.scheduler.admission import AdmissionConfig
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
 from nvshare_py.scheduler.metrics import SchedulerMetrics
+from nvshare_py.testing.scheduler import wait_for
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"

@@ -14,8 +14,11 @@ import time
 
 import pytest
 
-from fixtures.simcuda import SIMCUDA_SOURCE, SimCuda, parse_steps
+from fixtures.interceptor import REPO_ROOT
+from nvshare_py.testing import CHECKOUT_SIMCUDA
+from nvshare_py.testing.simcuda import SimCuda, parse_steps
 
+SIMCUDA_SOURCE = REPO_ROOT / CHECKOUT_SIMCUDA
 ENTRY_RE = re.compile(r"^CU_ENTRY\((\w+), (\w+), (\d+), ([01]),", re.M)
 ENTRIES = [(m[0], m[1], int(m[2]), m[3] == "1") for m in ENTRY_RE.findall((SIMCUDA_SOURCE / "cuda_entry_points.h").read_text())]
 COPY_SYMBOLS = [symbol for symbol, *_ in ENTRIES if symbol.startswith(("cuMemcpy", "cuMemset"))]
@@ -112,7 +115,7 @@ def test_cuGetProcAddress_returns_each_exported_address_for_its_own_version(simc
     assert NEWER_THAN_DRIVER == {"cuMemcpyWithAttributesAsync", "cuMemcpy3DWithAttributesAsync"}
 
 
-# (base, cudaVersion, flags) -> exported symbol; measured on driver 580 unless the brief said it.
+# (base, cudaVersion, flags) -> exported symbol; measured on driver 580 (the version rules of cuGetProcAddress).
 LOOKUPS = [
     ("cuMemAlloc", 3020, 0, "cuMemAlloc_v2"),
     ("cuMemAlloc", 13000, 0, "cuMemAlloc_v2"),

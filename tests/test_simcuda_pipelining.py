@@ -7,8 +7,8 @@ piece by piece how much room there is (PREFETCH)."""
 
 from __future__ import annotations
 
-from fixtures.residency import MIB, migrations
-from fixtures.scheduler import wait_for
+from nvshare_py.testing.residency import MIB, migrations
+from nvshare_py.testing.scheduler import wait_for
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 

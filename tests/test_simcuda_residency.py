@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.residency import MIB, handoffs, migrations, moved, residency_env, turns
-from fixtures.scheduler import wait_for
+from nvshare_py.testing.residency import MIB, handoffs, migrations, moved, residency_env, turns
+from nvshare_py.testing.scheduler import wait_for
 
 def run(simcuda, env, *steps, timeout=60):
     result = simcuda.run_simapp(*steps, env=env, timeout=timeout)

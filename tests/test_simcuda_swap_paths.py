@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import subprocess
 
-from fixtures.residency import MIB, migrations, residency_env
-from fixtures.simcuda import parse_steps
+from nvshare_py.testing.residency import MIB, migrations, residency_env
+from nvshare_py.testing.simcuda import parse_steps
 
 SLACK = 1e-6  # the trace's 9 decimals
 

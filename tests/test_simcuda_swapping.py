@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.residency import MIB, migrations, moved
-from fixtures.scripted import ScriptedScheduler
+from nvshare_py.testing.residency import MIB, migrations, moved
+from nvshare_py.testing.scripted import ScriptedScheduler
 
 
 @pytest.fixture

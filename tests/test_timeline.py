@@ -11,9 +11,9 @@ import sys
 import pytest
 from rich.console import Console
 
-from fixtures.scheduler import wait_for
 from nvshare_py import timeline as tl
 from nvshare_py.scheduler.views import user_name
+from nvshare_py.testing.scheduler import wait_for
 
 DEV = "GPU-5151ad00-0000-4000-8000-000000000000"
 T0 = 1_763_725_200.0
@@ -312,7 +312,7 @@ def test_ctl_timeline_draws_both_clients(handed_over):
     rows = {line.split()[0]: line for line in result.stdout.splitlines() if re.match(r"c\d+ .*│", line)}
     assert set(rows) == {first.client_id, second.client_id}
     user = user_name(os.geteuid())
-    assert rows[first.client_id].startswith(f"{first.client_id} {user} scheduler.py ")  # who, by name
+    assert rows[first.client_id].startswith(f"{first.client_id} {user} agent.py ")  # who, by name
     assert "Q" in rows[first.client_id].split("│")[1]  # handed over at the end of its quantum
     assert "█" in rows[second.client_id].split("│")[1]
     assert f"GPU0 ({DEV})" in result.stdout and "hand-" in result.stdout  # the summary table

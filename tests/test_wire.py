@@ -59,7 +59,7 @@ def _compiler() -> str:
 
 
 def _compile(compiler: str, output: Path, extra: list[str]) -> None:
-    command = [compiler, *STRICT_FLAGS, "-O2", "-g", *extra, f"-I{REPO / 'interceptor'}",
+    command = [compiler, *STRICT_FLAGS, "-O2", "-g", *extra, "-iquote", str(REPO / 'interceptor'),
                *map(str, SOURCES), str(HARNESS_SOURCE), "-o", str(output)]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr}"

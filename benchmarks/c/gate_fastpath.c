@@ -1,15 +1,15 @@
 /*
- * The gate's lock-held fast path (interceptor/nvshare.h: nvs_gate_enter/nvs_gate_exit) in a
+ * The gate's lock-held fast path (interceptor/gate.h: nvs_gate_enter/nvs_gate_exit) in a
  * loop, against the same loop without the registration lease check, and the coarse clock alone.
  * Prints one JSON line (ns per call, median of 7 rounds). Build and run:
- *   cc -O2 -pthread -I interceptor -include interceptor/glibc_compat.h benchmarks/c/gate_fastpath.c \
+ *   cc -O2 -pthread -iquote interceptor -include interceptor/glibc_compat.h benchmarks/c/gate_fastpath.c \
  *      -o /tmp/gate_fastpath && /tmp/gate_fastpath
  */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "nvshare.h"
+#include "gate.h"
 
 /* What the fast path links against; the slow paths are never taken here. */
 __thread struct nvs_thread_state nvs_tls __attribute__((tls_model("initial-exec")));

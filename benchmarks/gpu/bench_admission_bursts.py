@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this tree's nvshare_py and the tests' fixtures
+sys.path.insert(0, str(ROOT))  # this tree's nvshare_py, without installing
 
-from fixtures.interceptor import benchmark_library  # noqa: E402
-from fixtures.scheduler import SchedulerProcess  # noqa: E402
+from nvshare_py.testing.interceptor import benchmark_library  # noqa: E402
+from nvshare_py.testing.scheduler import SchedulerProcess  # noqa: E402
 
 SIZE = 4096
 BURST_S = 1.0
@@ -170,7 +170,7 @@ def main() -> None:
     if args.child:
         worker(args.bursts, args.gap)
         return
-    library = benchmark_library(Path(tempfile.mkdtemp(prefix="nvs-bursts-lib-", dir="/tmp")))
+    library = benchmark_library(ROOT, Path(tempfile.mkdtemp(prefix="nvs-bursts-lib-", dir="/tmp")))
     runs = [one_run(library, args.bursts, args.gap) for _ in range(args.runs)]
     met = all(all(run[w]["targets"].values()) for run in runs for w in ("first", "second"))
     result = {"what": "two PyTorch processes bursting 1 s of 4096x4096 matrix products, "

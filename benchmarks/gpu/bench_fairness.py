@@ -6,7 +6,7 @@ weights 1:2:4, measured in the seed paper's own terms (formula 5: over each wind
 
 Real GPU only; finishes in about 2.5 minutes with the defaults (warm-up + 2 windows of 60 s).
 Builds libnvshare.so from this tree with make (or uses $NVSHARE_LIBRARY), starts a scheduler
-(tests/fixtures/scheduler.py's SchedulerProcess; --tq 1, --min-quantum 0.1, early release off: the quanta are 0.25, 0.5 and 1 s, so a
+(nvshare_py/testing/scheduler.py's SchedulerProcess; --tq 1, --min-quantum 0.1, early release off: the quanta are 0.25, 0.5 and 1 s, so a
 window's edge cuts at most 1 s of one client's turn, under 2 points of 60 s), starts three worker processes under LD_PRELOAD
 that each keep the GPU busy with bf16 matrix products (about 100 MiB each: far below any card's
 free memory, so the safety rule holds), sets their weights with `nvsharectl set-weight`, and
@@ -34,10 +34,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this tree's nvshare_py and the tests' fixtures
+sys.path.insert(0, str(ROOT))  # this tree's nvshare_py, without installing
 
-from fixtures.interceptor import benchmark_library  # noqa: E402
-from fixtures.scheduler import SchedulerProcess  # noqa: E402
+from nvshare_py.testing.interceptor import benchmark_library  # noqa: E402
+from nvshare_py.testing.scheduler import SchedulerProcess  # noqa: E402
 
 WEIGHTS = (1, 2, 4)
 WINDOW = 60.0
@@ -89,7 +89,7 @@ def main() -> None:
     out_path = args.out or (Path(os.environ["OUT"]) / "fairness.json" if os.environ.get("OUT") else None)
 
     work = Path(tempfile.mkdtemp(prefix="nvs-fair-", dir="/tmp"))
-    preload = benchmark_library(work)
+    preload = benchmark_library(ROOT, work)
     scheduler = SchedulerProcess(work / "s", {"tq": args.tq, "min_quantum": args.min_quantum, "idle_release": 0,
                                               "log_level": "info"})
     base = dict(scheduler.env)

@@ -40,10 +40,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this tree's nvshare_py and the tests' fixtures
+sys.path.insert(0, str(ROOT))  # this tree's nvshare_py, without installing
 
-from fixtures.interceptor import benchmark_library  # noqa: E402
-from fixtures.scheduler import SchedulerProcess  # noqa: E402
+from nvshare_py.testing.interceptor import benchmark_library  # noqa: E402
+from nvshare_py.testing.scheduler import SchedulerProcess  # noqa: E402
 VARIANTS = {
     "native": None,
     "nvshare": {},
@@ -188,7 +188,7 @@ def main() -> None:
     if "native" not in args.variants:
         raise SystemExit("overheads are measured against `native`: keep it among --variants")
     work = Path(tempfile.mkdtemp(prefix="nvs-advice-", dir="/tmp"))
-    preload = benchmark_library(work)
+    preload = benchmark_library(ROOT, work)
     scheduler = SchedulerProcess(work / "s", {"log_level": "info"})
     base = dict(scheduler.env)
     base.pop("LD_PRELOAD", None)

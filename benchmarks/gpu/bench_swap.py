@@ -45,11 +45,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]  # this tree's nvshare_py, the tests' fixtures, bench_colocation
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this tree's nvshare_py, bench_colocation
 
 from bench_colocation import GPU_JOB, gpu_jobs, gpu_uuid  # noqa: E402  (the paper's pytorch-add job, one copy)
-from fixtures.interceptor import benchmark_library  # noqa: E402
-from fixtures.scheduler import SchedulerProcess, child_env  # noqa: E402
+from nvshare_py.testing.interceptor import benchmark_library  # noqa: E402
+from nvshare_py.testing.scheduler import SchedulerProcess, child_env  # noqa: E402
 
 GiB = 1 << 30
 CU_MEM_ATTACH_GLOBAL = 1
@@ -278,7 +278,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="nvs-swap-", dir="/tmp"))
     base_env = child_env()
     base_env.pop("LD_PRELOAD", None)
-    preload = benchmark_library(work)
+    preload = benchmark_library(ROOT, work)
     started = time.monotonic()
     print("(a) bulk prefetch vs fault-driven paging", file=sys.stderr, flush=True)
     child = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child-bandwidth", "--buffer-gib",

@@ -57,10 +57,10 @@ from ctypes import byref, c_void_p
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this tree's nvshare_py and the tests' fixtures
+sys.path.insert(0, str(ROOT))  # this tree's nvshare_py, without installing
 
-from fixtures.interceptor import benchmark_library  # noqa: E402
-from fixtures.scripted import ScriptedScheduler  # noqa: E402
+from nvshare_py.testing.interceptor import benchmark_library  # noqa: E402
+from nvshare_py.testing.scripted import ScriptedScheduler  # noqa: E402
 
 GIB, MIB = 1 << 30, 1 << 20
 PATIENCE_MS = 120_000
@@ -382,11 +382,11 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="nvs-swap-bw-"))
     env = dict(os.environ)
     if args.quick:
-        from fixtures.simcuda import build_simcuda
+        from nvshare_py.testing.simcuda import build_simcuda
 
         args.gib, args.vmm_gib = 0.25, 0.0625
         (work / "machine").mkdir()
-        env = build_simcuda(work / "sim").env(memory="2G", SIMCUDA_RESIDENCY_DIR=str(work / "machine"),
+        env = build_simcuda(ROOT, work / "sim").env(memory="2G", SIMCUDA_RESIDENCY_DIR=str(work / "machine"),
                                               SIMCUDA_COST_SCALE=str(SIM_COST_SCALE))
     nbytes = int(args.gib * GIB) // (2 * MIB) * (2 * MIB)
     vmm_bytes = int(args.vmm_gib * GIB) // (2 * MIB) * (2 * MIB)
@@ -405,7 +405,7 @@ def main() -> None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(document, indent=1) + "\n")
 
-    library = benchmark_library(work / "lib")
+    library = benchmark_library(ROOT, work / "lib")
     nvml = None if args.quick else Nvml()
     # VMM memory swaps only where the process asks for it (docs/interceptor.md, "Memory").
     vmm_env = {**env, "NVSHARE_VMM": "swap"}

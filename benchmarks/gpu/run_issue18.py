@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))  # this tree's nvshare_py, without installing
 
-from fixtures.interceptor import benchmark_library  # noqa: E402
+from nvshare_py.testing.interceptor import benchmark_library  # noqa: E402
 
 GIB = 1 << 30
 NEEDED_FREE = 56 * GIB
@@ -75,7 +75,7 @@ def main() -> None:
     if card["free"] < NEEDED_FREE:
         raise SystemExit(f"{card['free'] / GIB:.1f} GiB free of {card['total'] / GIB:.1f}: these runs need "
                          f"{NEEDED_FREE // GIB} GiB")
-    env = {**os.environ, "NVSHARE_LIBRARY": str(benchmark_library(Path(tempfile.mkdtemp(prefix="nvs-issue18-"))))}
+    env = {**os.environ, "NVSHARE_LIBRARY": str(benchmark_library(ROOT, Path(tempfile.mkdtemp(prefix="nvs-issue18-"))))}
     started = time.monotonic()
     bandwidth_json = out / "swap_bandwidth.json"
     code = 0

@@ -36,7 +36,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import typer
 from rich.console import Console, Group
@@ -314,6 +314,7 @@ class Demo:
 
     def poll(self) -> list[dict]:
         """New lock events (also kept in self.events) and a fresh status document."""
+        assert self.control is not None, "poll() before start()"
         fresh, self.next_seq = self.control.events_since(self.next_seq)
         self.events.extend(fresh)
         roles = self.roles_by_pid
@@ -573,8 +574,8 @@ def checks(demo: Demo, timeline: tl.Timeline) -> list[Check]:
         roles = demo.roles_by_pid
         count, overlapping = kernel_overlaps(demo.trace, roles)
         if overlapping:
-            first, second = overlapping[0]
-            text = f"the simulated GPU ran kernels of {roles[first['pid']]} and {roles[second['pid']]} at once"
+            kernel, other = overlapping[0]
+            text = f"the simulated GPU ran kernels of {roles[kernel['pid']]} and {roles[other['pid']]} at once"
         else:
             text = f"the simulated GPU never ran their kernels at the same time ({count} kernels)"
         found.append(Check("kernels-apart", text, count > 0 and not overlapping))
@@ -673,11 +674,14 @@ def demo(
         with LiveOutput(console) if live else LogOutput(console) as output:
             run_demo(running, output)
         running.stop()
-        ok = report(running, console, live, json_path, png_path)
+        if not report(running, console, live, json_path, png_path):
+            _exit(f"a check failed (logs kept in {running.workdir})", EXIT_FAILED)
+        running.remove_workdir()
     except DemoFailure as failure:
         kept = f"\n(logs kept in {running.workdir})" if running is not None else ""
         _exit(f"{failure}{kept}", failure.exit_code)
     except ControlFailure as failure:
+        assert running is not None  # only a started demo talks to the scheduler
         _exit(f"lost the scheduler: {failure}\n{running.log_tail('scheduler.log')}\n"
               f"(logs kept in {running.workdir})", EXIT_FAILED)
     except KeyboardInterrupt:
@@ -688,12 +692,9 @@ def demo(
     finally:
         if running is not None:
             running.stop()  # however it ended, no process of the demo's outlives it
-    if not ok:
-        _exit(f"a check failed (logs kept in {running.workdir})", EXIT_FAILED)
-    running.remove_workdir()
 
 
-def _exit(message: str, code: int) -> None:
+def _exit(message: str, code: int) -> NoReturn:
     typer.echo(f"nvshare-demo: {message}", err=True)
     raise typer.Exit(code)
 

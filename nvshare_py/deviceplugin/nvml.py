@@ -90,7 +90,7 @@ class Nvml:
 
     def pending_xids(self) -> list[tuple[str, int]]:
         """(GPU UUID, Xid) of every critical Xid event NVML has queued since the last call."""
-        events = []
+        events: list[tuple[str, int]] = []
         while self._event_set is not None:
             try:
                 data = pynvml.nvmlEventSetWait_v2(self._event_set, 0)

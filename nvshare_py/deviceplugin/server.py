@@ -259,7 +259,7 @@ class Plugin:
         self.changes = Changes()
         self.nvml_thread = NvmlThread()
         self.pod_settings = pod_settings
-        self._socket_identity = None
+        self._socket_identity: tuple[int, int, int] | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.check_health()

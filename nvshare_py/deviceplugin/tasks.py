@@ -17,5 +17,6 @@ async def run_until_first_exits(*awaitables: Awaitable) -> None:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     for task in done:
-        if not task.cancelled() and task.exception() is not None:
-            raise task.exception()
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            raise error

@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Optional, cast
 
 import trio
+
+if sys.version_info < (3, 11):  # the builtin arrived in 3.11; trio brings the backport before
+    from exceptiongroup import BaseExceptionGroup
 import typer
 
 from ..clikit import (
@@ -222,7 +225,7 @@ async def watch_for_the_system_scheduler(root: Path, said: str | None) -> None:
     with watch:
         while True:
             watch.watch(next(path for path in (*socket_path.parents, Path("/")) if _is_directory(path)))
-            serving = False
+            serving: bool | None = False
             for pause in (SPLIT_BRAIN_RECHECKS if said is None else (0.0,)):
                 await trio.sleep(pause)
                 serving = await serves(socket_path)

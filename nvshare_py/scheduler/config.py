@@ -57,7 +57,7 @@ class DaemonConfig:
             recovery=self.recovery if restarted else 0.0,
             swapping=self.swapping,
             admission=AdmissionConfig(
-                spill=auto_spill if self.admission_spill == "auto" else self.admission_spill,
+                spill=auto_spill if isinstance(self.admission_spill, str) else self.admission_spill,  # "auto"
                 policy=self.admission_policy,
                 timeout=self.admission_timeout,
                 share=self.admission_share,

@@ -12,9 +12,9 @@ Words used below:
 - an *active holder* holds a grant in state `holding` or `draining` (after a DROP); active
   holders are what the mode rules count;
 - a grant revoked after its grace ran out but not yet released is *overdue*: it is listed in
-  the status so the operator sees it, but it no longer counts for granting. (The task brief's
-  "draining/overdue holders count" for mode `on` means holders past their quantum, which are
-  still active; a revoked grant never blocks the lock, or one hung client would stop a device.)
+  the status so the operator sees it, but it no longer counts for granting. (For mode `on`,
+  "draining and overdue holders count" means holders past their quantum, which are still
+  active; a revoked grant never blocks the lock, or one hung client would stop a device.)
 
 Time comparisons use `>=` throughout: a deadline is due at the very tick `next_deadline()`
 announced, so after `handle(Tick(now))` the next deadline always lies after `now`.
@@ -26,7 +26,7 @@ import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Any, Callable, Hashable, Iterator
 
 from .. import protocol
 from ..vocabulary import GPU_UUID, MODE
@@ -45,6 +45,7 @@ from .events import (
     Event,
     EvictedReport,
     Forget,
+    FromClient,
     Alive,
     LockEvent,
     Log,
@@ -256,6 +257,12 @@ class _Pair:
         self.queued_class = 0
         self.recent = fairshare.new_recent()  # finished holds (since, until) in the share window
 
+    @property
+    def held(self) -> _Hold:
+        """The current grant of a pair known to hold one (a holder of its device)."""
+        assert self.hold is not None, "not a holder"
+        return self.hold
+
 
 def _same_process(old: ClientInfo, new: ClientInfo) -> bool:
     """A reconnection: same random session, and the kernel-verified host pid and uid do not
@@ -293,7 +300,7 @@ class SchedulerCore:
         self._admission: AdmissionBook[_Pair] = AdmissionBook(config.admission)
         self._budgets = 0  # the sum of the devices' budgets (known ones): the capacity less the spill
         self._admission.set_capacity(config.admission.spill or 0)
-        self._client_handlers = {
+        self._client_handlers: dict[type[FromClient], Callable[[_Client, Any, list[Action]], None]] = {
             DeviceInfo: self._device_info,
             MemoryReport: self._memory,
             AcquireRequest: self._acquire,
@@ -303,7 +310,7 @@ class SchedulerCore:
             Alive: self._heartbeat,
             Unregister: self._unregister,
         }
-        self._other_handlers = {
+        self._other_handlers: dict[type[Event], Callable[[Any, list[Action]], None]] = {
             Register: self._register,
             DeviceMeasured: self._device_measured,
             Tick: self._tick,
@@ -322,15 +329,14 @@ class SchedulerCore:
         """Apply one event. Raises ControlError only for control requests (SetMode, SetQuantum,
         SetBudget) it refuses, before changing anything."""
         out: list[Action] = []
-        handler = self._client_handlers.get(type(event))
-        if handler is not None:
+        if isinstance(event, FromClient):
             client = self._clients.get(event.client)
             if client is None:
                 out.append(Log("debug", "from-unregistered", {"client": repr(event.client), "type": type(event).__name__}))
                 return out
             client.last_seen = event.now
             self._silence.move_to_end(client.key)
-            handler(client, event, out)
+            self._client_handlers[type(event)](client, event, out)
             return out
         try:
             handler = self._other_handlers[type(event)]
@@ -392,7 +398,7 @@ class SchedulerCore:
         """When the quantum of the pair's current grant ends (it matters only while others
         wait): its weighted quantum, cut to the floor while a waiter outranks it."""
         dev = pair.device
-        hold = pair.hold
+        hold = pair.held
         contenders = itertools.chain(dev.holders.values(), dev.queue)
         heaviest = max((self.weight(other.client) for other in contenders), default=1)
         length = fairshare.quantum(dev.tq, self.weight(pair.client), heaviest, self.config.min_quantum)
@@ -479,8 +485,8 @@ class SchedulerCore:
         for dev in touched:
             self._settle(dev, now, out)
 
-    def _take_over(self, old: _Client, new: _Client, held: dict, wanted: dict, now: float,
-                   out: list[Action], touched: dict) -> None:
+    def _take_over(self, old: _Client, new: _Client, held: dict[str, None], wanted: dict[str, None], now: float,
+                   out: list[Action], touched: dict[_Device, None]) -> None:
         """`new` is `old` reconnected: it inherits the holds it still claims (same grant) and the
         queue places it still wants; everything else of `old` is given up."""
         for device_id, pair in old.pairs.items():
@@ -744,7 +750,7 @@ class SchedulerCore:
             out.append(LockEvent(ev.now, "tq", dev.id, detail=f"{ev.seconds:g}"))
             self._notify_settings(dev, out)
             for pair in dev.holders.values():
-                pair.hold.contended = False  # the quantum left changed: tell it again
+                pair.held.contended = False  # the quantum left changed: tell it again
             self._settle(dev, ev.now, out)
         if ev.device is not None:
             self._forget_if_unused(targets[0])
@@ -862,14 +868,14 @@ class SchedulerCore:
         self._notify_contention(dev, now, out)
         self._refresh_deadline(dev)
 
-    def _timers(self, dev: _Device):
+    def _timers(self, dev: _Device) -> Iterator[tuple[float, _Pair, str]]:
         """(when, pair, what) for each holder's timer that matters now: a DROP'd grant is
         revoked when its grace ends; while others wait (outside mode off), a holding grant is
         dropped when its quantum ends. The one source of what a Tick does and of
         next_deadline()."""
         contended = self._contended(dev)
         for pair in dev.holders.values():
-            hold = pair.hold
+            hold = pair.held
             if hold.state == "draining":
                 yield hold.deadline, pair, "revoke"
             elif contended:
@@ -880,7 +886,7 @@ class SchedulerCore:
 
     def _revoke_due(self, dev: _Device, now: float, out: list[Action]) -> None:
         for pair in self._revocations_due(dev, now):
-            hold = pair.hold
+            hold = pair.held
             cid = pair.client.cid
             del dev.holders[hold.grant]
             pair.hold_total += now - hold.since
@@ -907,7 +913,7 @@ class SchedulerCore:
             reason = "memory"
         else:
             reason = "mode"
-        later = [pair for pair in list(dev.holders.values())[1:] if pair.hold.state == "holding"]
+        later = [pair for pair in list(dev.holders.values())[1:] if pair.held.state == "holding"]
         for pair in later:
             self._drop(pair, now, reason, out)
         return bool(later)
@@ -920,6 +926,7 @@ class SchedulerCore:
             return  # only claims of reconnecting holders are granted until recovery ends
         while dev.queue:
             pair = dev.evict_for or self._next_waiter(dev)  # room is being made for the former
+            assert pair is not None  # the queue is not empty
             if pair.hold is not None:
                 break  # a draining holder that asked again waits for its own release
             if dev.holders and self._serialised_against(dev, pair):
@@ -975,7 +982,7 @@ class SchedulerCore:
         the quantum's end. Holders whose quantum has run out were dropped instead."""
         contended = self._contended(dev)
         for pair in dev.holders.values():
-            hold = pair.hold
+            hold = pair.held
             if not contended:
                 hold.contended = False
                 continue
@@ -1219,7 +1226,7 @@ class SchedulerCore:
 
     def _drop(self, pair: _Pair, now: float, reason: str, out: list[Action], grace: float | None = None) -> None:
         dev = pair.device
-        hold = pair.hold
+        hold = pair.held
         grace = self.config.grace if grace is None else grace
         hold.state = "draining"
         hold.deadline = now + grace
@@ -1234,7 +1241,7 @@ class SchedulerCore:
 
     def _evict_on_drop(self, pair: _Pair) -> int:
         """DROP's `evict=` for the holder `pair`: room for the queue's head (residency.py)."""
-        if not self.config.swapping or pair.hold.reason == "conflict":  # a refused claim holds nothing
+        if not self.config.swapping or pair.held.reason == "conflict":  # a refused claim holds nothing
             return 0
         return residency.evict_on_drop(pair.device, pair, self._next_other_waiter(pair))
 
@@ -1269,6 +1276,7 @@ class SchedulerCore:
         pair.swap.allowed = 0
         del pair.device.queue[pair]
         del pair.device.classes[pair.queued_class][pair]
+        assert pair.waiting_since is not None  # a waiter
         waited = now - pair.waiting_since
         pair.wait_total += waited
         pair.last_wait = (waited, pair.blocked_by)
@@ -1276,7 +1284,7 @@ class SchedulerCore:
         pair.waiting_since = None
 
     def _end_hold(self, pair: _Pair, now: float) -> None:
-        hold = pair.hold
+        hold = pair.held
         del pair.device.holders[hold.grant]
         pair.hold_total += now - hold.since
         fairshare.remember_hold(pair.recent, hold.since, now, now)

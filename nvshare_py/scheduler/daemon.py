@@ -46,10 +46,14 @@ import math
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Hashable
 
 import trio
+
+if sys.version_info < (3, 11):  # the builtin arrived in 3.11; trio brings the backport before
+    from exceptiongroup import BaseExceptionGroup
 
 from .. import __version__, protocol
 from ..paths import SocketPaths, check_socket_path
@@ -58,7 +62,7 @@ from . import events as ev
 from .config import DaemonConfig
 from .connections import ByteBudget, Connection, ConnectionLimits, ConnectionServer, listen_unix
 from . import control
-from .control import ControlProtocol
+from .control import ControlProtocol, JsonObject
 from .core import SchedulerCore
 from .measure import measure_devices
 from .podcgroup import process_start_time
@@ -92,6 +96,13 @@ CLIENT_IDLE_TIMEOUT = 120.0
 _WATCHED_FROM = frozenset({"acquire", "grant", "admit-wait"})
 
 
+def _connection(client: ev.ClientKey) -> int:
+    """The connection of a registration: the key the daemon gives the core for each client is
+    its connection's number (opaque to the core)."""
+    assert isinstance(client, int), client
+    return client
+
+
 def client_limits(nofile: int) -> ConnectionLimits:
     """The client socket's limits under the descriptor limit `nofile`, after what the other
     sockets' connections may need."""
@@ -108,22 +119,22 @@ class Daemon:
         self.config = config
         self.paths = SocketPaths.resolve(config.socket_dir)
         self.restarted = False  # a previous daemon's client socket was found: clients may come back
-        self.core: SchedulerCore | None = None
+        self.core: SchedulerCore  # made by serve(), which everything below runs in
         self._lock_fd: int | None = None
         self._listener: socket.socket | None = None
         self._control_listener: socket.socket | None = None
         self._status_listener: socket.socket | None = None
-        self._nursery: trio.Nursery | None = None
+        self._nursery: trio.Nursery  # serve()'s
         self._timer: trio.CancelScope | None = None
         self._stopping = False
         self.limits = client_limits(runtime.descriptor_limit())
-        self._clients: ConnectionServer | None = None
+        self._clients: ConnectionServer  # made by serve()
         self._turns = Turns(on_throttled=self._throttled)
         self._quota = DeviceQuota()
         self._keys: dict[str, ev.ClientKey] = {}  # display id of each registration -> its connection
         self._cids: dict[ev.ClientKey, str] = {}  # and back
         self._watchers: dict[ev.ClientKey, _Watch] = {}
-        self._events: collections.deque[dict] = collections.deque(maxlen=protocol.CONTROL_EVENTS_MAX)
+        self._events: collections.deque[JsonObject] = collections.deque(maxlen=protocol.CONTROL_EVENTS_MAX)
         self._next_seq = 1
         self._started = 0.0
         self._wall_offset = 0.0
@@ -134,7 +145,7 @@ class Daemon:
         self._query_fail_log = RateLimit()
         self._throttle_log = RateLimit()
         self._metrics: SchedulerMetrics | None = None
-        self._metrics_sockets: list = []
+        self._metrics_sockets: list[socket.socket] = []
         # The core's lines: most are caused by clients (registrations, drops, ...).
         self._core_log = RateLimit(rate=20.0, burst=200.0)
 
@@ -187,6 +198,9 @@ class Daemon:
         """Serve until SIGTERM/SIGINT. Raises CoreFailure when the lock core failed on an
         event (see `_feed`)."""
         config = self.config
+        listener, control_listener, status_listener = self._listener, self._control_listener, self._status_listener
+        if listener is None or control_listener is None or status_listener is None:
+            raise RuntimeError("serve() before open()")
         self.core = SchedulerCore(config.core_config(self.restarted), trio.current_time())
         self._feed_measurements()
         self._started = time.time()
@@ -199,17 +213,17 @@ class Daemon:
                 await nursery.start(self._stop_on_signal, nursery.cancel_scope)
                 nursery.start_soon(self._run_timer)
                 self._clients = ConnectionServer(
-                    "client", self._listener, self.limits, CLIENT_WIRE_MAX, self._on_client_message,
+                    "client", listener, self.limits, CLIENT_WIRE_MAX, self._on_client_message,
                     self._on_client_closed, turns=self._turns,
                     budget=ByteBudget(CLIENT_BYTES_PER_PRINCIPAL, CLIENT_BYTES), idle_timeout=CLIENT_IDLE_TIMEOUT,
                     stays_idle=self._registered)
                 nursery.start_soon(self._clients.serve)
                 now = trio.current_time
                 controlling = ControlProtocol(self, control.OPS, control.controller(self._uid, self._pid_namespace), now)
-                nursery.start_soon(control.control_server(self._control_listener, controlling, self._turns).serve)
+                nursery.start_soon(control.control_server(control_listener, controlling, self._turns).serve)
                 reading = ControlProtocol(self, control.read_only_ops(control.StatusCache(self, now)),
                                           control.local_user(self._pid_namespace), now, "status request refused")
-                nursery.start_soon(control.status_server(self._status_listener, reading, self._turns).serve)
+                nursery.start_soon(control.status_server(status_listener, reading, self._turns).serve)
                 if self._metrics_sockets:
                     metrics = self._metrics = SchedulerMetrics(restarted=self.restarted, started=self._started)
                     snapshot = Snapshot(lambda: metrics.render_in_steps(self.status()))
@@ -309,12 +323,11 @@ class Daemon:
         if self._metrics is not None:
             self._metrics.observe(event, actions)
         for action in actions:
-            kind = type(action)
-            if kind is ev.LockEvent:
+            if isinstance(action, ev.LockEvent):
                 self._record(action)
                 if action.kind in _WATCHED_FROM:
                     self._watch(action.client)
-            elif kind is ev.Log:
+            elif isinstance(action, ev.Log):
                 # Nearly every line the core writes is caused by some client: rate-limited.
                 level = LOG_LEVELS.get(action.level, logging.INFO)
                 if not log.isEnabledFor(level):
@@ -323,10 +336,11 @@ class Daemon:
                 if suppressed is not None:
                     fields = dict(action.fields, suppressed=suppressed) if suppressed else action.fields
                     emit(level, views.describe(action), **fields)
-            elif kind is ev.Forget:
+            elif isinstance(action, ev.Forget):
                 self._forget(action.client)
 
-    def _send(self, key: ev.ClientKey, message: protocol.Message) -> None:
+    def _send(self, client: ev.ClientKey, message: protocol.Message) -> None:
+        key = _connection(client)
         if key not in self._clients.connections:
             return  # gone; its Unregister is on its way or done
         try:
@@ -464,7 +478,7 @@ class Daemon:
         key = self._keys.get(cid)
         if key is None or key in self._watchers:
             return
-        connection = self._clients.connections.get(key)
+        connection = self._clients.connections.get(_connection(key))
         pid = connection.credentials.pid if connection is not None else 0
         if not pid:
             return  # not visible: heartbeats tell
@@ -500,7 +514,7 @@ class Daemon:
         if cid is not None:
             del self._keys[cid]
         if not self._stopping:
-            self._clients.restart_idle(key)
+            self._clients.restart_idle(_connection(key))
 
     def _forget_pidfd(self, key: ev.ClientKey) -> None:
         watch = self._watchers.pop(key, None)
@@ -514,12 +528,12 @@ class Daemon:
     def apply(self, event: ev.Event) -> None:
         self._feed(event)
 
-    def admission_settings(self) -> dict:
+    def admission_settings(self) -> JsonObject:
         config = self.core.admission
         return {"spill": config.spill, "policy": config.policy, "timeout": config.timeout, "share": config.share}
 
-    def status(self) -> dict:
-        document = {
+    def status(self) -> JsonObject:
+        document: JsonObject = {
             "scheduler": {
                 "version": __version__,
                 "pid": os.getpid(),
@@ -545,7 +559,7 @@ class Daemon:
         document["admission"] = views.admission_status(self.core, now, self._wall)
         return document
 
-    def events(self, since: int, limit: int) -> dict:
+    def events(self, since: int, limit: int) -> JsonObject:
         first = self._next_seq - len(self._events)
         start = max(since, first) - first
         chosen = list(itertools.islice(self._events, start, start + limit))

@@ -253,9 +253,12 @@ class SetLimit:
     pod_uid: str | None = None
 
 
+# The events of a registered client's connection (FROM_CLIENT's, and Unregister when it goes):
+# the core finds their client first.
+FromClient = DeviceInfo | MemoryReport | AcquireRequest | AdmitRequest | ReleaseReport | EvictedReport | Alive | Unregister
 
 Event = (
-    Register | DeviceInfo | DeviceMeasured | MemoryReport | AcquireRequest | AdmitRequest | ReleaseReport | EvictedReport | Alive | Unregister
+    Register | DeviceMeasured | FromClient
     | Tick | SetMode | SetQuantum | SetBudget | SetAdmission | SetWeight | SetPriority | SetLimit
 )
 
@@ -318,10 +321,10 @@ class ControlError(ValueError):
 # the peer, and answers a QUERY itself.
 
 _M = TypeVar("_M", bound=protocol.Message)
-Translation = Callable[[float, ClientKey, Any], Event]
+Translation = Callable[[float, ClientKey, Any], FromClient]
 
 
-def _row(kind: type[_M], translate: Callable[[float, ClientKey, _M], Event]) -> tuple[type[protocol.Message], Translation]:
+def _row(kind: type[_M], translate: Callable[[float, ClientKey, _M], FromClient]) -> tuple[type[protocol.Message], Translation]:
     return kind, translate
 
 

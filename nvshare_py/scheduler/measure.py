@@ -26,7 +26,7 @@ class MeasuredDevice:
 def measure_devices() -> tuple[list[MeasuredDevice], str | None]:
     """The GPUs NVML shows, and why it could not be asked (None when it answered)."""
     try:
-        import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no type information
+        import pynvml  # untyped (nvidia-ml-py ships no type information): pyproject.toml's [tool.mypy]
     except ImportError:
         return [], "nvidia-ml-py is not installed"
     try:

@@ -33,7 +33,7 @@ kernel-verified uid (ClientInfo.user).
 from __future__ import annotations
 
 import math
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -268,13 +268,12 @@ class SchedulerMetrics:
             elif type(action) is ev.Send:
                 self._on_message(action.message)
 
-    def _on_message(self, message) -> None:
-        kind = type(message)
-        if kind is protocol.Drop and message.evict:
+    def _on_message(self, message: protocol.Message) -> None:
+        if isinstance(message, protocol.Drop) and message.evict:
             self.swap_requested.labels(self._device(message.device), "out").inc(message.evict)
-        elif kind is protocol.Evict:
+        elif isinstance(message, protocol.Evict):
             self.swap_requested.labels(self._device(message.device), "out").inc(message.bytes)
-        elif kind is protocol.Grant and message.prefetch:
+        elif isinstance(message, protocol.Grant) and message.prefetch:
             self.swap_requested.labels(self._device(message.device), "in").inc(message.prefetch)
 
     def rejected_message(self, code: str) -> None:
@@ -377,13 +376,13 @@ class SchedulerMetrics:
 
     # --- a scrape -------------------------------------------------------------------------
 
-    def render(self, status: dict) -> bytes:
+    def render(self, status: dict[str, Any]) -> bytes:
         """The exposition text, gauges set from `status` (the control protocol's status
         document, docs/protocol.md), in one go."""
         self._set_gauges(status)
         return b"".join(_pieces(self.registry))
 
-    async def render_in_steps(self, status: dict) -> bytes:
+    async def render_in_steps(self, status: dict[str, Any]) -> bytes:
         """As render(), letting the other tasks (the pump) run after every RENDER_STEP lines:
         formatting a few thousand series takes tens of milliseconds on a busy small machine,
         which must not sit in front of a handoff."""
@@ -394,7 +393,7 @@ class SchedulerMetrics:
             await trio.lowlevel.checkpoint()
         return b"".join(pieces)
 
-    def _set_gauges(self, status: dict) -> None:
+    def _set_gauges(self, status: dict[str, Any]) -> None:
         self._count_time_so_far()
         for gauge in (self.device_mode, self.device_tq, self.device_total, self.device_budget, self.device_used,
                       self.device_resident, self.device_swapped, self.device_holders, self.device_waiters,

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from ..sizes import format_size
 from . import fairshare, residency
-from .core import AHEAD_REMEMBERED, SchedulerCore
+from .core import AHEAD_REMEMBERED, SchedulerCore, _Client, _Device, _Hold, _Pair
 from .events import Log
 
 # QUERY answers must fit one message: they name at most this many clients per list, and cut
@@ -23,7 +23,7 @@ QUERY_NAMES_SHOWN = AHEAD_REMEMBERED
 QUERY_TEXT_MAX = 48
 
 
-def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> dict:
+def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> dict[str, Any]:
     """The "devices" and "clients" parts of the status document (docs/protocol.md)."""
     devices = []
     for dev in core.devices():
@@ -84,7 +84,7 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
     return {"devices": devices, "clients": clients}
 
 
-def admission_status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> dict:
+def admission_status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> dict[str, Any]:
     """The "admission" part of the status document: the node's capacity, what is reserved of
     it, and who waits for how much (in the order they asked)."""
     config = core.admission
@@ -113,12 +113,12 @@ def admission_status(core: SchedulerCore, now: float, wall: Callable[[float], fl
 _NO_SHARE: dict[str, Any] = {"share": None, "achieved": None, "outranked_by": []}
 
 
-def _quantum_end(core: SchedulerCore, pair, hold) -> float:
+def _quantum_end(core: SchedulerCore, pair: _Pair, hold: _Hold) -> float:
     """The current grant's weighted quantum end; a revoked grant's plain one."""
     return core.quantum_end(pair) if pair.hold is hold else hold.since + pair.device.tq
 
 
-def _shares(core: SchedulerCore, dev, now: float) -> dict:
+def _shares(core: SchedulerCore, dev: _Device, now: float) -> dict[_Pair, dict[str, Any]]:
     """Per pair of the device: `share`, the part of the lock time its weight entitles it to
     among those holding or waiting now (None when it does neither), `achieved`, its part of the
     time the device was held in the last SHARE_WINDOW seconds (None when nobody held it then),
@@ -153,7 +153,7 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
-def query(core: SchedulerCore, host_pid: int, now: float) -> dict:
+def query(core: SchedulerCore, host_pid: int, now: float) -> dict[str, Any]:
     """The answer to QUERY (docs/protocol.md): the devices of every registration whose
     kernel-verified host pid is `host_pid` (0: not visible, nothing to match), those the
     process holds or waits for first."""
@@ -168,7 +168,7 @@ def query(core: SchedulerCore, host_pid: int, now: float) -> dict:
         "devices": [_pair_query(core, pair, now) for pair in pairs],
     }
 
-def _pair_query(core: SchedulerCore, pair, now: float) -> dict:
+def _pair_query(core: SchedulerCore, pair: _Pair, now: float) -> dict[str, Any]:
     dev = pair.device
     status = _pair_status(pair, now)
     waiting = pair.waiting_since is not None
@@ -185,7 +185,7 @@ def _pair_query(core: SchedulerCore, pair, now: float) -> dict:
         "state": status["state"],
         "position": next(i for i, waiter in enumerate(dev.queue, 1) if waiter is pair) if waiting else 0,
         "waiters": len(dev.queue),
-        "waiting_for": round(now - pair.waiting_since, 3) if waiting else 0.0,
+        "waiting_for": round(now - pair.waiting_since, 3) if pair.waiting_since is not None else 0.0,
         "wait_total": round(status["wait_total"], 3),
         "hold_total": round(status["hold_total"], 3),
         "grants": status["grants"],
@@ -196,7 +196,7 @@ def _pair_query(core: SchedulerCore, pair, now: float) -> dict:
         "last_wait": last_wait,
     }
 
-def _pair_status(pair, now: float) -> dict:
+def _pair_status(pair: _Pair, now: float) -> dict[str, Any]:
     waiting = pair.waiting_since is not None
     if pair.hold is not None:
         state = pair.hold.state
@@ -211,7 +211,7 @@ def _pair_status(pair, now: float) -> dict:
         "resident": residency.footprint(pair),
         "swapped": pair.swapped,
         "state": state,
-        "wait_total": pair.wait_total + (now - pair.waiting_since if waiting else 0.0),
+        "wait_total": pair.wait_total + (now - pair.waiting_since if pair.waiting_since is not None else 0.0),
         "hold_total": pair.hold_total + (now - pair.hold.since if pair.hold is not None else 0.0),
         "grants": pair.grants,
         # Its swap engine as it reported it (docs/interceptor.md, "Swapping"); None: it did not.
@@ -220,7 +220,7 @@ def _pair_status(pair, now: float) -> dict:
     }
 
 
-def _named(client) -> dict:
+def _named(client: _Client) -> dict[str, Any]:
     """How QUERY names another client: its display id, its user (from the kernel's uid) and
     what it says it is."""
     info = client.info
@@ -251,12 +251,12 @@ def _size(value: object) -> str:
     return "none" if value is None else str(value)
 
 
-def _target(fields: dict) -> str:
+def _target(fields: dict[str, Any]) -> str:
     return fields["device"] or "every device"
 
 
 # One sentence per `Log.what` of the core; the fields follow each line as key=value.
-WORDING: dict[str, Callable[[dict], str]] = {
+WORDING: dict[str, Callable[[dict[str, Any]], str]] = {
     "from-unregistered": lambda f: f"{f['type']} from an unregistered client ignored",
     "second-registration": lambda f: "second registration on one connection ignored",
     "registered": lambda f: f"client {f['client']} registered (pid {f['pid']}, {f['program'] or '?'})",

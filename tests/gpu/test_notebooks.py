@@ -14,12 +14,12 @@ import sys
 
 import pytest
 
-from fixtures.scheduler import child_env, run_child, wait_for
+from nvshare_py.testing.scheduler import child_env, run_child, wait_for
 
 pytest.importorskip("jupyter_client", reason="jupyter_client is not installed here")
 pytest.importorskip("ipykernel", reason="ipykernel is not installed here")
 
-from test_jupyter_kernels import Kernel  # noqa: E402  (tests/ is on sys.path, as for fixtures)
+from nvshare_py.testing.notebook import Kernel  # noqa: E402  (needs jupyter_client)
 
 pytestmark = pytest.mark.gpu
 

@@ -18,13 +18,12 @@
  *
  * NVS_FOR_EACH_REAL lists functions nvshare only calls (never exported, never wrapped).
  */
-#ifndef NVSHARE_HOOKS_H
-#define NVSHARE_HOOKS_H
+#ifndef NVSHARE_HOOK_TABLE_H
+#define NVSHARE_HOOK_TABLE_H
 
 #include <stddef.h>
 
 #include "cuda_types.h"
-#include "nvml_types.h"
 
 #define NVS_LAUNCH_PARAMS                                                                       \
     CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,          \
@@ -373,30 +372,6 @@
     X(cuMemHostAlloc, (void **pp, size_t bytesize, unsigned int flags))                          \
     X(cuMemFreeHost, (void *p))
 
-/*
- * NVML (nvml.c): the memory queries of libnvidia-ml.so.1, so that nvidia-smi and pynvml inside a
- * process with a memory limit report the limit. Kept apart from the driver's hooks: they are not
- * exported and reached only through dlsym (nvidia-smi and pynvml dlopen NVML and look each
- * function up), and only in a process with a limit; without one, dlsym hands out NVML's own
- * functions and nothing of NVML is touched.
- *
- *   N(name, (parameters), (arguments))   the wrapper is nvs_nvml_<name>, hand-written in nvml.c
- *
- * NVS_FOR_EACH_NVML_REAL lists NVML functions nvshare only calls.
- */
-typedef int nvmlReturn_t;
-
-#define NVS_FOR_EACH_NVML_HOOK(N)                                                               \
-    N(nvmlDeviceGetMemoryInfo, (nvmlDevice_t device, nvmlMemory_t *memory), (device, memory))   \
-    N(nvmlDeviceGetMemoryInfo_v2, (nvmlDevice_t device, nvmlMemory_v2_t *memory), (device, memory))
-
-#define NVS_FOR_EACH_NVML_REAL(N)                                                               \
-    N(nvmlDeviceGetUUID, (nvmlDevice_t device, char *uuid, unsigned int length))
-
-#define NVS_DECLARE_NVML_HOOK(name, params, args) nvmlReturn_t nvs_nvml_##name params;
-NVS_FOR_EACH_NVML_HOOK(NVS_DECLARE_NVML_HOOK)
-#undef NVS_DECLARE_NVML_HOOK
-
 /* `make` lists the exported names for the version script with this. */
 #ifdef NVS_LIST_HOOK_NAMES
 #define NVS_HOOK_NAME(kind, name, params, args) @name@
@@ -408,46 +383,5 @@ NVS_FOR_EACH_HOOK(NVS_HOOK_NAME)
 #define NVS_DECLARE_HOOK(kind, name, params, args) CUresult name params;
 NVS_FOR_EACH_HOOK(NVS_DECLARE_HOOK)
 #undef NVS_DECLARE_HOOK
-
-/* ---------------------------------------------------------------- loader.c */
-
-/* The real driver's functions, resolved once from libcuda.so.1 (loader.c). A pointer stays
- * NULL when the installed driver lacks the symbol. Each slot is written once, with release
- * semantics, by the thread that loads the driver; read a slot that may not have been published
- * to the calling thread with NVS_REAL_OR_FAIL (acquire) or after nvs_real_load() returned 0. */
-struct nvs_real_table {
-#define NVS_REAL_FIELD(kind, name, params, args) CUresult(*name) params;
-    NVS_FOR_EACH_HOOK(NVS_REAL_FIELD)
-#undef NVS_REAL_FIELD
-#define NVS_REAL_ONLY_FIELD(name, params) CUresult(*name) params;
-    NVS_FOR_EACH_REAL(NVS_REAL_ONLY_FIELD)
-#undef NVS_REAL_ONLY_FIELD
-};
-
-extern struct nvs_real_table nvs_real;
-
-/* Resolve the real driver once (dlopen libcuda.so.1). Cheap after the first call. Returns 0
- * when the driver could be loaded. Safe before cuInit and from any thread. */
-int nvs_real_load(void);
-/* nvs_real_load(), but only if the process has loaded libcuda.so.1 itself (-1 otherwise). */
-int nvs_real_load_if_present(void);
-/* The slot of nvs_real at `offset` (offsetof(struct nvs_real_table, name)), loaded with acquire. */
-void *nvs_real_slot(size_t offset);
-
-typedef void *(*nvs_dlsym_fn)(void *, const char *);
-/* glibc's dlsym (the one after libnvshare's), found with dlvsym. */
-nvs_dlsym_fn nvs_real_dlsym(void);
-
-/* First line of every wrapper: the error a caller expects when the driver cannot be loaded, or
- * when the installed driver lacks this entry point. Checks the pointer first: once the driver
- * is loaded this is one load (acquire: it pairs with the loader's release store, so the thread
- * sees what the loading thread wrote before it) and one branch. */
-#define NVS_REAL_OR_FAIL(name)                                                                  \
-    do {                                                                                        \
-        if (NVS_UNLIKELY(__atomic_load_n(&nvs_real.name, __ATOMIC_ACQUIRE) == NULL) &&          \
-            nvs_real_load() != 0)                                                               \
-            return CUDA_ERROR_NOT_INITIALIZED;                                                  \
-        if (NVS_UNLIKELY(nvs_real.name == NULL)) return CUDA_ERROR_NOT_FOUND;                   \
-    } while (0)
 
 #endif
