@@ -215,8 +215,17 @@ def test_the_last_member_to_come_starts_the_gangs_turn():
     h.acquire("r0", GPU0)
     assert h.grants() == []
     h.at(1).register("r1", gang="job", gang_size=2)
+    assert h.grants() == []  # a member counts once it says which device it uses
+    h.device("r1", GPU1)
+    assert granted(h) == [("r0", GPU0), ("r1", GPU1)]
+
+
+def test_a_device_announced_during_the_turn_joins_it_when_free():
+    h = quiet()
+    member(h, "r0", GPU0, size=0)
+    h.acquire("r0", GPU0)
     assert granted(h) == [("r0", GPU0)]
-    h.device("r1", GPU1)  # it announces its device: free, so it joins the turn at once
+    member(h, "r1", GPU1, size=0)  # it came after the turn began; nobody uses GPU1
     assert granted(h) == [("r1", GPU1)]
 
 

@@ -1001,7 +1001,8 @@ class SchedulerCore:
         later = [pair for pair in rest if pair.hold.state == "holding"
                  and (first.hold.turn is None or pair.hold.turn is not first.hold.turn)]
         for pair in later:
-            self._drop(pair, now, reason, out)
+            if pair.hold.state == "holding":  # not dropped meanwhile with the rest of its gang
+                self._drop(pair, now, reason, out)
         return bool(later)
 
     def _recovering(self, now: float) -> bool:
@@ -1061,7 +1062,8 @@ class SchedulerCore:
     def _drop_expired(self, dev: _Device, now: float, out: list[Action]) -> bool:
         expired = [pair for when, pair, what in self._timers(dev) if what == "drop" and now >= when]
         for pair in expired:
-            self._drop(pair, now, "quantum", out)
+            if pair.hold.state == "holding":  # not dropped meanwhile with the rest of its gang
+                self._drop(pair, now, "quantum", out)
         return bool(expired)
 
     def _refresh_deadline(self, dev: _Device) -> None:
@@ -1169,9 +1171,9 @@ class SchedulerCore:
         gang.formed = True
         gang.asked_at = None
         out.append(LockEvent(now, "gang", detail=key_values(
-            {"gang": gang.display, "incomplete": gang.name, "members": len(gang.members), "size": gang.size})))
+            {"gang": gang.display, "incomplete": gang.name, "members": gang.present(), "size": gang.size})))
         out.append(Log("warning", "gang-incomplete", {"gang": gang.display, "name": gang.name,
-                                                      "members": len(gang.members), "size": gang.size,
+                                                      "members": gang.present(), "size": gang.size,
                                                       "waited": self.config.gang_wait}))
         self._request_turn(gang, now, out)
 
@@ -1181,9 +1183,10 @@ class SchedulerCore:
         joins the turn); on any other device the turn ends (DROP `gang`), since holding some of
         a gang's devices while waiting for another is how gangs deadlock. Otherwise the whole
         gang asks for its next turn (after its members came, or the wait for them ran out)."""
+        gang = pair.client.gang
+        self._check_formed(gang, now, out)
         if pair.waiting_since is not None or (pair.hold is not None and pair.hold.state == "holding"):
             return
-        gang = pair.client.gang
         turn = gang.turn
         if turn is not None and not turn.ending:
             if self._joins_turn(turn, pair):
@@ -1195,7 +1198,7 @@ class SchedulerCore:
                 gang.asked_at = now
                 self._gang_deadlines[gang] = now + self.config.gang_wait
                 out.append(Log("info", "gang-waits", {"gang": gang.display, "client": pair.client.cid,
-                                                      "members": len(gang.members), "size": gang.size}))
+                                                      "members": gang.present(), "size": gang.size}))
             return
         self._request_turn(gang, now, out)
 
@@ -1205,9 +1208,10 @@ class SchedulerCore:
         the request; while its turn runs, the device joins the turn if nobody holds, reserves
         or waits for it (the member is granted it unasked). Otherwise it waits for the
         member's ACQUIRE (_gang_acquire)."""
+        gang = pair.client.gang
+        self._check_formed(gang, now, out)  # the member is present now (gangs.Gang.present)
         if pair.waiting_since is not None or pair.hold is not None:
             return
-        gang = pair.client.gang
         turn = gang.turn
         if turn is not None and not turn.ending:
             if self._joins_turn(turn, pair):

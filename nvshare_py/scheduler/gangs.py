@@ -69,8 +69,9 @@ class Turn:
 
 class Gang:
     """A unit (see the module's words). `size`: the members it waits for (0: not said, it waits
-    for none); `formed`: it has had them all, or the wait for them ran out (then it never waits
-    again); `asked_at`: a member asked while it was not formed (the wait runs from there)."""
+    for none), each present once it has named a device; `formed`: it has had them all, or the
+    wait for them ran out (then it never waits again); `asked_at`: a member asked while it was
+    not formed (the wait runs from there)."""
 
     __slots__ = ("key", "name", "display", "size", "members", "formed", "asked_at", "turn", "turns")
 
@@ -98,6 +99,11 @@ class Gang:
             return True
         return any(len(member.pairs) > 1 for member in self.members)
 
+    def present(self) -> int:
+        """Members that have said which device they use: a rank that registered has not yet
+        (its DEVICE follows its HELLO), and a turn granted before would leave it out."""
+        return sum(1 for member in self.members if member.pairs)
+
     def complete(self) -> bool:
-        return self.formed or len(self.members) >= self.size
+        return self.formed or self.present() >= self.size
 
