@@ -206,7 +206,8 @@ def test_a_gang_waits_for_its_missing_members_up_to_the_bound_then_runs_and_says
     assert granted(h) == [("r0", GPU0), ("r1", GPU1)]
     (warning,) = [log for log in h.logs("warning") if log.what == "gang-incomplete"]
     assert (warning.fields["members"], warning.fields["size"]) == (2, 3)
-    assert any("incomplete" in event.detail for event in h.events("gang"))
+    (event,) = h.events("gang-incomplete")
+    assert event.detail == "gang=g1 members=2 size=3 name=job"
 
 
 def test_the_last_member_to_come_starts_the_gangs_turn():

@@ -1149,8 +1149,8 @@ class SchedulerCore:
         del client.gang.members[client]
         client.gang = gang
         gang.members[client] = None
-        out.append(LockEvent(ev.now, "gang", client=client.cid, detail=key_values(
-            {"gang": gang.display, "joined": gang.name, "members": len(gang.members), "size": gang.size})))
+        out.append(LockEvent(ev.now, "gang-join", client=client.cid, detail=key_values(
+            {"gang": gang.display, "name": gang.name, "members": len(gang.members), "size": gang.size})))
         out.append(Log("info", "gang-joined", {"client": client.cid, "gang": gang.display, "name": gang.name,
                                                "members": len(gang.members), "size": gang.size}))
 
@@ -1170,8 +1170,8 @@ class SchedulerCore:
         del self._gang_deadlines[gang]
         gang.formed = True
         gang.asked_at = None
-        out.append(LockEvent(now, "gang", detail=key_values(
-            {"gang": gang.display, "incomplete": gang.name, "members": gang.present(), "size": gang.size})))
+        out.append(LockEvent(now, "gang-incomplete", detail=key_values(
+            {"gang": gang.display, "members": gang.present(), "size": gang.size, "name": gang.name})))
         out.append(Log("warning", "gang-incomplete", {"gang": gang.display, "name": gang.name,
                                                       "members": gang.present(), "size": gang.size,
                                                       "waited": self.config.gang_wait}))
@@ -1286,7 +1286,7 @@ class SchedulerCore:
                 turn.grants[hold.grant] = pair
                 turn.devices[pair.device] = None
                 pair.device.reserved = turn
-        out.append(LockEvent(now, "gang", detail=key_values(
+        out.append(LockEvent(now, "gang-turn", detail=key_values(
             {"gang": gang.display, "turn": turn.number, "members": ",".join(m.cid for m in gang.members),
              "devices": len(turn.devices)})))
         out.append(Log("info", "turn-granted", {"gang": gang.display, "turn": turn.number,
@@ -1343,7 +1343,7 @@ class SchedulerCore:
         for pair in gang.pairs():  # its next request may now start
             if pair.gang_queued:
                 self._settle(pair.device, now, out)
-        out.append(LockEvent(now, "gang", detail=key_values({"gang": gang.display, "turn-ended": turn.number})))
+        out.append(LockEvent(now, "gang-end", detail=key_values({"gang": gang.display, "turn": turn.number})))
         for dev in turn.devices:
             self._forget_if_unused(dev)
 
