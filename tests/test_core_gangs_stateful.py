@@ -47,6 +47,7 @@ from nvshare_py.scheduler.events import (
     Register,
     ReleaseReport,
     Send,
+    SetPriority,
     Tick,
     Unregister,
 )
@@ -84,6 +85,7 @@ class Proc:
     unit: Unit
     devices: tuple
     stubborn: bool = False  # ignores DROPs (and is revoked)
+    cid: str = ""
     grants: dict = field(default_factory=dict)  # device -> grant id outstanding (GRANT..RELEASE/REVOKE)
     asked: dict = field(default_factory=dict)  # device -> (time, units then, units created then)
 
@@ -111,6 +113,7 @@ class GangCoreMachine(RuleBasedStateMachine):
         self.units_created = 0
         self.outstanding: dict[str, dict[int, Outstanding]] = {d: {} for d in DEVICES}
         self.numbers = itertools.count(1)
+        self.prioritised = False  # priority classes were set: the FCFS wait bound (5.) no longer applies
         # A 2-rank job on the first two devices beside a single on the first: issue 19's case.
         self.job(list(DEVICES[:2]), said=True, late=0)
         self.single(DEVICES[0], two=False, other=DEVICES[0])
@@ -127,7 +130,9 @@ class GangCoreMachine(RuleBasedStateMachine):
                 proc = self.procs.get(action.client)
                 assert proc is not None, f"{action.message} sent to {action.client}, which is gone"
                 message = action.message
-                if isinstance(message, protocol.Grant):
+                if isinstance(message, protocol.Welcome):
+                    proc.cid = message.client
+                elif isinstance(message, protocol.Grant):
                     self.on_grant(proc, message)
                     batch_grants.append((proc, message.device))
                 elif isinstance(message, protocol.Drop):
@@ -293,6 +298,13 @@ class GangCoreMachine(RuleBasedStateMachine):
             self.units.remove(proc.unit)
         self.feed(Unregister(self.now, proc.key, "exited"), expect_forgets=[proc.key])
 
+    @precondition(lambda self: self.procs)
+    @rule(index=pick, priority=st.integers(0, 2))
+    def prioritise(self, index, priority):
+        """nvsharectl set-priority: a class per process; a gang's members queue in their highest."""
+        self.prioritised = True
+        self.feed(SetPriority(self.now, priority, client=self.choose(index).cid))
+
     @rule(dt=st.sampled_from([0.1, 0.5, 1.0, 2.5, 4.0]))
     def advance(self, dt):
         target = self.now + dt
@@ -326,8 +338,23 @@ class GangCoreMachine(RuleBasedStateMachine):
             assert len(drops) <= 1, f"{unit.name}: grants dropped at {sorted(map(str, drops))}"
 
     @invariant()
+    def nothing_idles_while_someone_may_run(self):
+        """No deadlock: with no grant outstanding anywhere, nobody who may run still waits
+        (a gang still waiting for its members within the gang-wait may)."""
+        if self.core is None or any(self.outstanding.values()):
+            return
+        for proc in self.procs.values():
+            if not proc.asked:
+                continue
+            unit = proc.unit
+            asks = [since for member in unit.members for since, _, _ in member.asked.values()]
+            if unit.size and len(unit.members) < unit.size and self.now < min(asks) + GANG_WAIT:
+                continue
+            raise AssertionError(f"{proc.key} ({unit.name}) waits for {sorted(proc.asked)} though no GPU is held")
+
+    @invariant()
     def waiting_is_bounded(self):
-        if self.core is None:
+        if self.core is None or self.prioritised:
             return
         for proc in self.procs.values():
             for device, (since, units_then, created_then) in proc.asked.items():

@@ -860,7 +860,7 @@ class SchedulerCore:
         for dev in list(self._devices.values()):
             moved = set()
             for pair in dev.queue:
-                klass = self.priority(pair.client)
+                klass = self._queue_class(pair.client.gang) if pair.gang_queued else self.priority(pair.client)
                 if klass != pair.queued_class:
                     del dev.classes[pair.queued_class][pair]
                     moved.add(klass)
@@ -1225,6 +1225,11 @@ class SchedulerCore:
         dev = pair.device
         return dev in turn.devices or (dev.reserved is None and not dev.queue and not self._blocked(dev, pair))
 
+    def _queue_class(self, gang: gangs.Gang) -> int:
+        """The priority class a gang's waiters queue in: its members' highest, one for all of
+        them, so that the gang ranks alike on every device."""
+        return max(self.priority(member) for member in gang.members)
+
     def _request_of(self, gang: gangs.Gang) -> _Pair | None:
         """A pair of the gang's pending request for a turn (its place and class), if any."""
         return next((pair for pair in gang.pairs() if pair.gang_queued), None)
@@ -1243,7 +1248,7 @@ class SchedulerCore:
             seq, klass = first.queued_seq, first.queued_class
         else:
             self._queue_numbers += 1
-            seq, klass = self._queue_numbers, max(self.priority(member) for member in gang.members)
+            seq, klass = self._queue_numbers, self._queue_class(gang)
         touched: dict[_Device, None] = {}
         for pair in waiting:
             if not pair.gang_queued:  # it waited on its own: it waits with its gang now
