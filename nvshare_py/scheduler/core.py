@@ -482,7 +482,6 @@ class SchedulerCore:
         self._clients[client.key] = client
         self._sessions.setdefault(ev.info.session, []).append(client)
         self._silence[client.key] = client
-        self._join_gang(client, ev, out)
         # The process keeps what was set for it: from the registration it reconnects as, or
         # from one it ended (BYE, a closed connection) while it lived on.
         for old in predecessors:
@@ -502,6 +501,7 @@ class SchedulerCore:
         out.append(LockEvent(now, "register", client=client.cid, detail=register_detail(ev.info)))
         out.append(Log("info", "registered", {"client": client.cid, "pid": ev.info.pid, "host_pid": ev.info.host_pid,
                                            "program": ev.info.program}))
+        self._join_gang(client, ev, out)
 
         held = dict.fromkeys(ev.held)
         wanted = dict.fromkeys(ev.wanted)
