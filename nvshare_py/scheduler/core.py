@@ -455,7 +455,7 @@ class SchedulerCore:
         """The registrations in registration order (c1, c2, ...), for views.py to read."""
         return list(self._clients.values())
 
-    def gangs(self) -> list[gangs.Gang]:
+    def gang_units(self) -> list[gangs.Gang]:
         """The named gangs and the processes that are gangs of one (several devices), in the
         order they formed, for views.py to read."""
         solo = [client.gang for client in self._clients.values() if client.gang.solo and client.gang.ganged]
@@ -743,8 +743,8 @@ class SchedulerCore:
             silent_devices += self._unlink_removed(client, "heartbeat-timeout", now, out)
         if silent_devices:
             self._settle_after_removal(silent_devices, now, out)
-        for gang, due in list(self._gang_deadlines.items()):
-            if due <= now:
+        for gang, wait_end in list(self._gang_deadlines.items()):
+            if wait_end <= now:
                 self._gang_waited_out(gang, now, out)
         if recovered:
             due = list(self._devices.values())

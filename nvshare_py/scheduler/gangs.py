@@ -18,7 +18,7 @@ Words used here and in the core:
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Any, Hashable
 
 from .events import ClientInfo
 
@@ -61,8 +61,8 @@ class Turn:
         self.unit = unit
         self.number = number
         self.since = since
-        self.grants: dict[int, object] = {}
-        self.devices: dict[object, None] = {}
+        self.grants: dict[int, Any] = {}  # of core._Pair (this module knows nothing of the core's types)
+        self.devices: dict[Any, None] = {}  # of core._Device
         self.ending = False
         self.told: tuple[bool, float] = (False, 0.0)
 
@@ -80,7 +80,7 @@ class Gang:
         self.name = name
         self.display = display  # "g3" for a named gang, the client's id for a solo process
         self.size = size
-        self.members: dict = {}  # _Client -> None, in joining order
+        self.members: dict[Any, None] = {}  # core._Client -> None, in joining order
         self.formed = size <= 1
         self.asked_at: float | None = None
         self.turn: Turn | None = None
