@@ -18,6 +18,11 @@ Words used below:
 
 Time comparisons use `>=` throughout: a deadline is due at the very tick `next_deadline()`
 announced, so after `handle(Tick(now))` the next deadline always lies after `now`.
+
+The module is long because it is one state machine: every rule reads and changes the same lock
+state (holds, queues, turns), and split across files the rules would no longer be read
+together. What stands on its own lives beside it: admission.py, residency.py, fairshare.py,
+gangs.py.
 """
 
 from __future__ import annotations
