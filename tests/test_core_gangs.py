@@ -363,3 +363,20 @@ def test_in_mode_auto_a_gang_runs_beside_others_while_memory_fits_but_only_with_
     assert granted(h) == [("r0", GPU0), ("r1", GPU1)]
     h.acquire("s", GPU1)  # 8 + 12 GiB: waits for the gang
     assert h.grants() == []
+
+
+def test_a_device_that_joins_a_running_turn_goes_to_the_asker_and_every_member_that_announced_it():
+    """A previous attempt granted a device joining a turn to a member that had only announced
+    it, and not to the member that asked."""
+    h = quiet(tq=10.0)
+    h.register("s")
+    h.device("s", GPU1)
+    h.acquire("s", GPU1)
+    member(h, "k1", GPU0, size=0)
+    h.acquire("k1", GPU0)
+    member(h, "k2", GPU1, size=0)  # GPU1 is busy: k2 is not granted it yet
+    member(h, "k3", GPU1, size=0)
+    assert h.grants() == []
+    h.at(1).release("s", grant_on(h, GPU1), GPU1, "user")
+    h.acquire("k3", GPU1)  # GPU1 is free now: it joins the turn
+    assert granted(h) == [("k2", GPU1), ("k3", GPU1)]

@@ -1195,7 +1195,7 @@ class SchedulerCore:
         turn = gang.turn
         if turn is not None and not turn.ending:
             if self._joins_turn(turn, pair):
-                self._grant_in_turn(turn, pair, now, out)
+                self._join_turn(turn, pair, now, out)
                 return
             self._end_turn(turn, "gang", now, out)
         if not gang.complete():
@@ -1220,7 +1220,7 @@ class SchedulerCore:
         turn = gang.turn
         if turn is not None and not turn.ending:
             if self._joins_turn(turn, pair):
-                self._grant_in_turn(turn, pair, now, out)
+                self._join_turn(turn, pair, now, out)
             return
         request = self._request_of(gang)
         if request is not None and self._enqueue(pair, now, out, request.queued_seq, request.queued_class):
@@ -1302,6 +1302,14 @@ class SchedulerCore:
         out.append(Log("info", "turn-granted", {"gang": gang.display, "turn": turn.number,
                                                 "members": len(gang.members), "devices": len(turn.devices)}))
         return True
+
+    def _join_turn(self, turn: gangs.Turn, pair: _Pair, now: float, out: list[Action]) -> None:
+        """`pair` (the member that asked or announced) is granted its device within the running
+        turn, and so is every other member that announced the device and has no grant of it."""
+        self._grant_in_turn(turn, pair, now, out)
+        for other in turn.unit.pairs():
+            if other.device is pair.device and other.hold is None and other.waiting_since is None:
+                self._grant_in_turn(turn, other, now, out)
 
     def _grant_in_turn(self, turn: gangs.Turn, pair: _Pair, now: float, out: list[Action]) -> None:
         self._grant(pair, now, out)
