@@ -115,7 +115,7 @@ def test_a_member_that_releases_ends_the_gangs_hold_and_its_device_waits_for_the
     h.register("s")
     h.device("s", GPU0)
     h.at(1).acquire("s", GPU0)
-    h.at(2).release("r0", grant_on(h, GPU0), GPU0, "idle")
+    h.at(2).release("r0", grant_on(h, GPU0), GPU0, "user")
     assert drops(h) == [("r1", GPU1, "gang")]
     assert h.grants() == []  # GPU0 is free, but r1 may still run a collective with it
     h.release("r1", grant_on(h, GPU1), GPU1, "drop")
@@ -380,3 +380,32 @@ def test_a_device_that_joins_a_running_turn_goes_to_the_asker_and_every_member_t
     h.at(1).release("s", grant_on(h, GPU1), GPU1, "user")
     h.acquire("k3", GPU1)  # GPU1 is free now: it joins the turn
     assert granted(h) == [("k2", GPU1), ("k3", GPU1)]
+
+
+def test_a_member_idle_for_a_while_pauses_within_the_turn_and_gets_its_device_back_at_once():
+    """Its partners may be waiting in a collective for it: dropping them could not drain."""
+    h = quiet(tq=10.0)
+    two_rank_job(h)
+    h.acquire("r0", GPU0)
+    h.register("s")
+    h.device("s", GPU0)
+    h.at(1).acquire("s", GPU0)
+    h.at(2).release("r0", grant_on(h, GPU0), GPU0, "idle")
+    assert h.sent(protocol.Drop) == [] and h.grants() == []  # GPU0 stays with the gang
+    h.at(3).acquire("r0", GPU0)
+    assert granted(h) == [("r0", GPU0)]
+    h.at(10).tick()  # the gang's one quantum, from its turn's start
+    assert drops(h) == [("r0", GPU0, "quantum"), ("r1", GPU1, "quantum")]
+
+
+def test_a_turn_whose_members_all_went_idle_ends_and_its_devices_pass_on():
+    h = quiet(tq=10.0)
+    two_rank_job(h)
+    h.acquire("r0", GPU0)
+    h.register("s")
+    h.device("s", GPU1)
+    h.at(1).acquire("s", GPU1)
+    h.at(2).release("r0", grant_on(h, GPU0), GPU0, "idle")
+    h.release("r1", grant_on(h, GPU1), GPU1, "idle")
+    assert granted(h) == [("s", GPU1)]
+    assert [e.detail for e in h.events("gang-end")] == ["gang=g1 turn=1"]

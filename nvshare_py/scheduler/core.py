@@ -666,6 +666,9 @@ class SchedulerCore:
             dev = pair.device
             out.append(LockEvent(ev.now, "release", dev.id, client.cid, ev.grant, ev.reason))
             out.append(Log("debug", "released", dict(fields, reason=ev.reason)))
+            turn = pair.hold.turn
+            if turn is not None and ev.reason == "idle":
+                turn.idle.add(ev.grant)  # it pauses within its gang's turn (_check_turn)
             self._end_hold(pair, ev.now)
             self._settle(dev, ev.now, out)
         elif pair is not None and ev.grant in pair.overdue:
@@ -1305,9 +1308,10 @@ class SchedulerCore:
 
     def _join_turn(self, turn: gangs.Turn, pair: _Pair, now: float, out: list[Action]) -> None:
         """`pair` (the member that asked or announced) is granted its device within the running
-        turn, and so is every other member that announced the device and has no grant of it."""
+        turn; a device new to the turn goes also to every other member that announced it."""
+        new = pair.device not in turn.devices
         self._grant_in_turn(turn, pair, now, out)
-        for other in turn.unit.pairs():
+        for other in turn.unit.pairs() if new else ():
             if other.device is pair.device and other.hold is None and other.waiting_since is None:
                 self._grant_in_turn(turn, other, now, out)
 
@@ -1344,10 +1348,15 @@ class SchedulerCore:
             self._settle(dev, now, out)
 
     def _check_turn(self, turn: gangs.Turn, now: float, out: list[Action]) -> None:
-        """A member released, left or died, or was revoked: the gang's hold ends (DROP `gang`
-        to the others); once none of its grants is left, its devices are free together."""
+        """A member released (other than for idleness), left or died, or was revoked: the
+        gang's hold ends (DROP `gang` to the others); once none of its grants is left, its
+        devices are free together. A member that released for idleness only pauses: its
+        device stays with the turn, and it is granted it again at once when it asks (its
+        partners may wait in a collective for it); the turn ends with its quantum, or when
+        every member has released."""
         live = self._live(turn)
-        if live and len(live) < len(turn.grants) and not turn.ending:
+        ended = len(turn.grants) - len(live) - len(turn.idle)
+        if live and ended > 0 and not turn.ending:
             self._end_turn(turn, "gang", now, out)
         if live:
             return

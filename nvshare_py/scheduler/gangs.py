@@ -50,12 +50,13 @@ def key(name: str, info: ClientInfo) -> Hashable:
 
 class Turn:
     """One grant of a ganged unit. `grants`: every grant made in it (grant id -> pair), the
-    first ones at the same moment, later ones to members that asked again or joined while it
-    ran; `devices`: what it reserves; `ending`: it was dropped (a member released, left or
-    was dropped), so nothing more is granted in it; `told`: (contended, quantum end) as its
-    devices were last settled, to settle them all again when that changes."""
+    first ones at the same moment, later ones to members that asked again (after an idle
+    release) or joined while it ran; `devices`: what it reserves; `ending`: it was dropped (a
+    member released, left or was dropped), so nothing more is granted in it; `told`:
+    (contended, quantum end) as its devices were last settled, to settle them all again when
+    that changes."""
 
-    __slots__ = ("unit", "number", "since", "grants", "devices", "ending", "told")
+    __slots__ = ("unit", "number", "since", "grants", "devices", "ending", "told", "idle")
 
     def __init__(self, unit: "Gang", number: int, since: float) -> None:
         self.unit = unit
@@ -65,6 +66,7 @@ class Turn:
         self.devices: dict[Any, None] = {}  # of core._Device
         self.ending = False
         self.told: tuple[bool, float] = (False, 0.0)
+        self.idle: set[int] = set()  # grants released for idleness: a pause, not the turn's end
 
 
 class Gang:
