@@ -409,3 +409,15 @@ def test_a_turn_whose_members_all_went_idle_ends_and_its_devices_pass_on():
     h.release("r1", grant_on(h, GPU1), GPU1, "idle")
     assert granted(h) == [("s", GPU1)]
     assert [e.detail for e in h.events("gang-end")] == ["gang=g1 turn=1"]
+
+
+def test_a_member_that_leaves_while_its_gang_waits_lets_the_rest_of_the_gang_run():
+    h = quiet(tq=10.0)
+    h.register("s")
+    h.device("s", GPU1)
+    h.acquire("s", GPU1)
+    two_rank_job(h)
+    h.acquire("r0", GPU0)
+    assert h.grants() == []  # GPU1 is busy
+    h.at(1).bye("r1", "exited")  # the rank on GPU1 is gone: r0 needs GPU0 only
+    assert granted(h) == [("r0", GPU0)]

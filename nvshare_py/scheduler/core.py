@@ -705,6 +705,7 @@ class SchedulerCore:
         device's agreed size: auto mode's budget)."""
         per_device_kind = "unregister" if reason == "bye" else "lost"
         devices = [pair.device for pair in client.pairs.values()]
+        gang = client.gang
         for pair in client.pairs.values():
             dev = pair.device
             if pair.hold is not None or pair.waiting_since is not None or pair.overdue:
@@ -715,6 +716,8 @@ class SchedulerCore:
         # A process that exited is gone for good; any other may register again, and keeps its
         # settings then (Settings.park).
         self._unlink_client(client, park=reason != "exited")
+        # Its gang may have waited for its devices too: the rest may be granted now.
+        devices += [pair.device for pair in gang.pairs() if pair.gang_queued]
         out.append(Forget(client.key, reason))
         out.append(LockEvent(now, "unregister", client=client.cid, detail=reason))
         if reason == "heartbeat-timeout":
