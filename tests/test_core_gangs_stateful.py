@@ -84,6 +84,8 @@ class Proc:
     key: str
     unit: Unit
     devices: tuple
+    session: str = ""
+    host_pid: int = 0
     stubborn: bool = False  # ignores DROPs (and is revoked)
     cid: str = ""
     grants: dict = field(default_factory=dict)  # device -> grant id outstanding (GRANT..RELEASE/REVOKE)
@@ -113,6 +115,7 @@ class GangCoreMachine(RuleBasedStateMachine):
         self.units_created = 0
         self.outstanding: dict[str, dict[int, Outstanding]] = {d: {} for d in DEVICES}
         self.numbers = itertools.count(1)
+        self.reconnecting: Proc | None = None
         self.prioritised = False  # priority classes were set: the FCFS wait bound (5.) no longer applies
         # A 2-rank job on the first two devices beside a single on the first: issue 19's case.
         self.job(list(DEVICES[:2]), said=True, late=0)
@@ -164,6 +167,8 @@ class GangCoreMachine(RuleBasedStateMachine):
 
     def on_grant(self, proc: Proc, msg: protocol.Grant) -> None:
         assert msg.device in proc.devices, f"GRANT of {msg.device} to {proc.key}, which did not announce it"
+        if proc is self.reconnecting and proc.grants.get(msg.device) == msg.grant:
+            return  # its grant, confirmed to its new connection
         assert msg.device not in proc.grants, "a process never holds two grants of one device"
         for other in self.units:  # drains wait for the whole gang
             if other is not proc.unit and self.held(other):
@@ -181,6 +186,8 @@ class GangCoreMachine(RuleBasedStateMachine):
     def on_drop(self, proc: Proc, msg: protocol.Drop) -> None:
         held = self.outstanding[msg.device].get(msg.grant)
         assert held is not None and held.proc is proc, "DROP of a grant that is not outstanding"
+        if proc is self.reconnecting and held.dropped_at is not None:
+            return  # the DROP again, to its new connection
         assert held.dropped_at is None, "DROP twice"
         assert msg.reason in ("quantum", "gang"), msg.reason
         held.dropped_at = self.now
@@ -197,13 +204,33 @@ class GangCoreMachine(RuleBasedStateMachine):
 
     # --- processes -----------------------------------------------------------------------
 
+    @precondition(lambda self: self.procs)
+    @rule(index=pick)
+    def reconnect(self, index):
+        """The same process on a new connection, saying what it holds and waits for."""
+        proc = self.choose(index)
+        old_key = proc.key
+        del self.procs[old_key]
+        proc.key = f"k{next(self.numbers)}"
+        self.procs[proc.key] = proc
+        session = proc.session
+        held = tuple(sorted(proc.grants))
+        wanted = tuple(sorted(d for d in proc.asked if d not in proc.grants))
+        gang = proc.unit.name if proc.unit.name.startswith("job") else ""
+        self.reconnecting = proc
+        self.feed(Register(self.now, proc.key, ClientInfo(pid=1, session=session, host_pid=proc.host_pid, uid=1000),
+                           held, wanted, gang, proc.unit.size), expect_forgets=[old_key])
+        self.reconnecting = None
+        for device in proc.devices:
+            self.feed(DeviceInfo(self.now, proc.key, device, 0))
+
     def start_proc(self, unit: Unit, devices: tuple) -> Proc:
         number = next(self.numbers)
-        proc = Proc(f"k{number}", unit, devices)
+        proc = Proc(f"k{number}", unit, devices, session=f"{number:016x}", host_pid=number)
         self.procs[proc.key] = proc
         unit.members.append(proc)
         gang = unit.name if unit.name.startswith("job") else ""
-        self.feed(Register(self.now, proc.key, ClientInfo(pid=number, session=f"{number:016x}", host_pid=number,
+        self.feed(Register(self.now, proc.key, ClientInfo(pid=number, session=proc.session, host_pid=number,
                                                           uid=1000), gang=gang, gang_size=unit.size))
         for device in devices:
             self.feed(DeviceInfo(self.now, proc.key, device, 0))

@@ -529,7 +529,15 @@ class SchedulerCore:
                 self._gang_acquire(pair, now, out)
             else:
                 self._enqueue(pair, now, out)
-        self._check_formed(client.gang, now, out)
+        gang = client.gang
+        self._check_formed(gang, now, out)
+        if gang.ganged and self._request_of(gang) is not None:
+            # The gang asked for a turn before the reconnection: it still asks for all its
+            # devices, also those the process did not ask for itself (it does not list them).
+            self._request_turn(gang, now, out)
+        for pair in gang.pairs():  # a place its predecessor gave up may let its gang run
+            if pair.gang_queued:
+                touched[pair.device] = None
         for dev in touched:
             self._settle(dev, now, out)
 
