@@ -3,8 +3,9 @@
 Hypothesis drives data-parallel jobs (named gangs of one to three ranks, some ranks coming late,
 some gangs not saying their size), processes that use two devices (gangs of one) and
 single-device processes against one SchedulerCore in mode on, over three devices: they ask,
-release (also early, while the rest of their gang runs), ignore DROPs (and are revoked), and
-exit; time advances the way the daemon advances it (a Tick at every `next_deadline()`).
+release (also early or for idleness, while the rest of their gang runs), ignore DROPs (and are
+revoked), reconnect, exit, and get priority classes; time advances the way the daemon advances
+it (a Tick at every `next_deadline()`).
 
 The model knows only what the core's actions told the processes and checks, after every event:
 
@@ -18,7 +19,9 @@ The model knows only what the core's actions told the processes and checks, afte
    were dropped at the same moment (so they are revoked together).
 4. Drains wait for the whole gang: no GRANT goes to anyone else on a device of a gang's turn
    while any grant of that turn is outstanding (not released or revoked).
-5. Bounded waiting (progress, fairness between gangs and singles): an ACQUIRE is granted within
+5. No deadlock: with no grant outstanding anywhere, nobody waits who may run.
+6. Bounded waiting (progress, fairness between gangs and singles; without priority classes,
+   which let a higher class go first): an ACQUIRE is granted within
    (units + 2) x (TQ + grace) + gang-wait, `units` counting those alive when it was sent and
    those that came since. Within that, every unit that asked before it is served at most once
    ahead of it (one place in the queue for all of a gang's devices); each turn ends within TQ +
@@ -29,6 +32,7 @@ The model knows only what the core's actions told the processes and checks, afte
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, settings
@@ -116,7 +120,7 @@ class GangCoreMachine(RuleBasedStateMachine):
         self.outstanding: dict[str, dict[int, Outstanding]] = {d: {} for d in DEVICES}
         self.numbers = itertools.count(1)
         self.reconnecting: Proc | None = None
-        self.prioritised = False  # priority classes were set: the FCFS wait bound (5.) no longer applies
+        self.prioritised = False  # priority classes were set: the FCFS wait bound (6.) no longer applies
         # A 2-rank job on the first two devices beside a single on the first: issue 19's case.
         self.job(list(DEVICES[:2]), said=True, late=0)
         self.single(DEVICES[0], two=False, other=DEVICES[0])
@@ -392,7 +396,9 @@ class GangCoreMachine(RuleBasedStateMachine):
 
 
 GangCoreMachine.TestCase.settings = settings(
-    max_examples=int(__import__("os").environ.get("GANG_EXAMPLES", 1000)),  # issue 19: 1,000 random interleavings in CI
+    # Issue 19: 1,000 random interleavings in CI (about 30 s on a 2-core machine);
+    # GANG_EXAMPLES=n runs more, or fewer while working on the core.
+    max_examples=int(os.environ.get("GANG_EXAMPLES", 1000)),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
