@@ -398,6 +398,10 @@ def test_a_status_too_large_for_one_reply_is_cut_and_says_so():
     shown_devices, shown_clients = len(result["devices"]), len(result["clients"])
     assert shown_devices > 0 and shown_clients > 0
     assert result["truncated"] == {"devices": 40_000 - shown_devices, "clients": 40_000 - shown_clients}
+    # Gangs (one per client at most) are cut with the clients.
+    gangs = [{"gang": f"g{n}", "name": "z" * 100, "members": [f"c{n}"]} for n in range(40_000)]
+    with_gangs = json.loads(fitted(dict(reply, result=dict(reply["result"], gangs=gangs))))["result"]
+    assert with_gangs["truncated"]["gangs"] == 40_000 - len(with_gangs["gangs"]) > 0
     assert result["devices"] == devices[:shown_devices]
 
 

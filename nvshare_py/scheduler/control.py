@@ -318,7 +318,7 @@ def fitted(reply: JsonObject, limit: int = protocol.CONTROL_REPLY_MAX) -> bytes:
         return data
     result = reply.get("result")
     if isinstance(result, dict) and "devices" in result and "clients" in result:
-        devices, clients = result["devices"], result["clients"]
+        devices, clients, gangs = result["devices"], result["clients"], result.get("gangs")
         shown = len(devices) + len(clients)
         while shown > 0:
             shown = shown * 3 // 4
@@ -327,6 +327,9 @@ def fitted(reply: JsonObject, limit: int = protocol.CONTROL_REPLY_MAX) -> bytes:
             cut = dict(result, devices=kept_devices, clients=kept_clients,
                        truncated={"devices": len(devices) - len(kept_devices),
                                   "clients": len(clients) - len(kept_clients)})
+            if gangs is not None:  # every gang has a client: no more gangs than clients
+                cut["gangs"] = gangs[:shown]
+                cut["truncated"]["gangs"] = len(gangs) - len(cut["gangs"])
             data = json.dumps(dict(reply, result=cut), separators=(",", ":")).encode()
             if len(data) <= limit:
                 return data
