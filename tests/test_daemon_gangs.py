@@ -10,7 +10,7 @@ import time
 import pytest
 import zmq
 
-from fixtures.scheduler import PATIENCE, wait_for
+from nvshare_py.testing.scheduler import PATIENCE, wait_for
 from nvshare_py import protocol
 
 GPU0 = "GPU-5151ad00-0000-4000-8000-000000000000"
