@@ -17,8 +17,10 @@ model*):
   and queued, and what all connections of one principal hold together (`ByteBudget`);
 - time: the handshake, a started frame and an unregistered connection's silence each have
   a deadline;
-- the daemon's thread: every read and its messages run in a fair turn (fairness.py), and a
-  connection whose peer does not read its answers is not read either until it does.
+- the daemon's thread: every read and its messages run in a fair turn of the connection's
+  principal (fairness.py), and so do setting the connection up and ending it; accepting runs
+  in turns of the socket's `Door`; a connection whose peer does not read its answers is not
+  read either until it does.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any, Callable
 import trio
 
 from . import zmtp
-from .fairness import Turns
+from .fairness import Turn, Turns
 from .logs import RateLimit, note
 from .podcgroup import pod_uid_of_process
 
@@ -52,9 +54,10 @@ FRAME_TIMEOUT = 10.0
 # read; its messages are not read while more than READ_PAUSE bytes wait for it.
 OUTGOING_MAX = 256 * 1024
 READ_PAUSE = 16 * 1024
-# Connections accepted in one go before the other tasks run; the listen backlog holds the
-# rest (the kernel caps it at net.core.somaxconn).
+# Connections accepted in one turn of the door, and the thread time after which the turn ends
+# sooner; the listen backlog holds the rest (the kernel caps it at net.core.somaxconn).
 ACCEPT_BATCH = 16
+ACCEPT_TURN = 0.001
 LISTEN_BACKLOG = 4096
 # Seconds to wait before accepting again after running out of descriptors (or memory).
 ACCEPT_RETRY = 0.1
@@ -62,6 +65,14 @@ _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 # Who is limited together: a uid and the Kubernetes pod ("" outside one) of the process.
 Principal = tuple[int | None, str]
+
+
+@dataclass(frozen=True)
+class Door:
+    """The principal whose turns (fairness.py) the accept loop of one listening socket takes:
+    accepting runs before anyone knows whose connection it is."""
+
+    server: str
 
 
 @dataclass(frozen=True)
@@ -234,27 +245,45 @@ class ConnectionServer:
         self._resource_log = RateLimit()
 
     async def serve(self) -> None:
-        """Accept connections, each served by its own task. Running out of descriptors is
-        not fatal: the connections wait in the listen backlog meanwhile."""
+        """Accept connections, each served by its own task, in turns of the socket's door
+        (fairness.py): however fast connections come, accepting them takes no more of the
+        thread than one principal may, and a message of a connection already served waits
+        for one batch at most. Running out of descriptors is not fatal: the connections wait
+        in the listen backlog meanwhile."""
         listener = self.listener
+        door = Door(self.name)
+        self.turns.join(door)
         async with trio.open_nursery() as connections:
             while True:
                 await trio.lowlevel.wait_readable(listener)
-                for _ in range(ACCEPT_BATCH):
-                    try:
-                        sock, _ = listener.accept()
-                    except BlockingIOError:
-                        break
-                    except OSError as exc:
-                        if exc.errno not in _OUT_OF_RESOURCES:
-                            raise
-                        note(f"cannot accept a {self.name} connection", self._resource_log, error=exc.strerror)
-                        await trio.sleep(ACCEPT_RETRY)
-                        break
-                    connection = self._admit(sock)
-                    if connection is not None:
-                        connections.start_soon(self._serve_connection, connection)
+                turn = await self.turns.take(door)
+                try:
+                    exhausted = self._accept_batch(turn, connections)
+                finally:
+                    turn.release()
+                if exhausted:
+                    await trio.sleep(ACCEPT_RETRY)
                 await trio.lowlevel.checkpoint()
+
+    def _accept_batch(self, turn: Turn, connections: trio.Nursery) -> bool:
+        """Accept up to ACCEPT_BATCH connections, or what ACCEPT_TURN allows; True when out of
+        descriptors (or memory)."""
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                return False
+            except OSError as exc:
+                if exc.errno not in _OUT_OF_RESOURCES:
+                    raise
+                note(f"cannot accept a {self.name} connection", self._resource_log, error=exc.strerror)
+                return True
+            connection = self._admit(sock)
+            if connection is not None:
+                connections.start_soon(self._serve_connection, connection)
+            if turn.spent() > ACCEPT_TURN:
+                break
+        return False
 
     def _admit(self, sock: socket.socket) -> Connection | None:
         """Serve or refuse a connection just accepted; the time it took is its principal's
@@ -279,29 +308,49 @@ class ConnectionServer:
 
     async def _serve_connection(self, connection: Connection) -> None:
         parser = zmtp.Parser(self.max_message)
-        sock = connection.sock
         try:
             with trio.CancelScope() as scope:
                 connection.scope = scope
                 self._set_deadline(connection, parser)
-                self.write(connection, zmtp.HANDSHAKE)
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._flush, connection)
+                    # Setting up is its principal's work, done in its turn: a user opening
+                    # connections in a loop waits for its share like one sending frames.
+                    turn = await self.turns.take(connection.principal)
+                    try:
+                        self.write(connection, zmtp.HANDSHAKE)
+                        nursery.start_soon(self._flush, connection)
+                    finally:
+                        turn.release()
                     await self._read(connection, parser)
                     nursery.cancel_scope.cancel()
             if scope.cancelled_caught and not connection.closing:
                 note(f"{self.name} connection closed", self._bad_input_log, reason=connection.expiry,
                      uid=connection.credentials.uid)
         finally:
-            del self.connections[connection.key]
-            self.counts.add(connection.principal, -1)
-            self.turns.leave(connection.principal)
-            self.budget.charge(connection.principal, -connection.charged)
-            connection.charged = 0
-            connection.outgoing = bytearray()
-            trio.lowlevel.notify_closing(sock)
-            sock.close()
-            self.on_closed(connection)
+            await self._end(connection)
+
+    async def _end(self, connection: Connection) -> None:
+        """Free the connection's place, bytes and descriptor at once; what its end costs the
+        owner (`on_closed`: for a registered client, the core's Unregister) is its principal's
+        work, done in its turn. When the daemon stops (the wait for a turn is cancelled) the
+        owner is told all the same."""
+        del self.connections[connection.key]
+        self.counts.add(connection.principal, -1)
+        self.budget.charge(connection.principal, -connection.charged)
+        connection.charged = 0
+        connection.outgoing = bytearray()
+        trio.lowlevel.notify_closing(connection.sock)
+        connection.sock.close()
+        turn = None
+        try:
+            turn = await self.turns.take(connection.principal)
+        finally:
+            try:
+                self.on_closed(connection)
+            finally:
+                if turn is not None:
+                    turn.release()
+                self.turns.leave(connection.principal)
 
     async def _read(self, connection: Connection, parser: zmtp.Parser) -> None:
         sock = connection.sock

@@ -56,7 +56,7 @@ from ..paths import SocketPaths, check_socket_path
 from . import runtime, views, zmtp
 from . import events as ev
 from .config import DaemonConfig
-from .connections import ByteBudget, Connection, ConnectionLimits, ConnectionServer, listen_unix
+from .connections import ByteBudget, Connection, ConnectionLimits, ConnectionServer, Door, listen_unix
 from . import control
 from .control import ControlProtocol
 from .core import SchedulerCore
@@ -302,10 +302,17 @@ class Daemon:
             self._feed(ev.Tick(trio.current_time()))
 
     def _carry_out(self, event: ev.Event, actions: list[ev.Action]) -> None:
-        # Messages first: a GRANT is on the waiter's handoff path, the bookkeeping is not.
+        # Messages first: a GRANT is on the waiter's handoff path, the bookkeeping is not. Each
+        # connection's messages go out in one write (a HELLO claiming 64 devices is answered
+        # with over a hundred).
+        outgoing: dict[ev.ClientKey, list[bytes]] = {}
         for action in actions:
             if type(action) is ev.Send:
-                self._send(action.client, action.message)
+                data = self._encode(action.client, action.message)
+                if data is not None:
+                    outgoing.setdefault(action.client, []).append(zmtp.frame(data))
+        for key, frames in outgoing.items():
+            self._clients.send(key, b"".join(frames))
         if self._metrics is not None:
             self._metrics.observe(event, actions)
         for action in actions:
@@ -327,14 +334,20 @@ class Daemon:
                 self._forget(action.client)
 
     def _send(self, key: ev.ClientKey, message: protocol.Message) -> None:
+        data = self._encode(key, message)
+        if data is not None:
+            self._clients.send(key, zmtp.frame(data))
+
+    def _encode(self, key: ev.ClientKey, message: protocol.Message) -> bytes | None:
+        """`message` for the connection numbered `key`; None when it is gone (its Unregister is
+        on its way or done) or the message cannot be encoded."""
         if key not in self._clients.connections:
-            return  # gone; its Unregister is on its way or done
+            return None
         try:
-            data = message.encode()
+            return message.encode()
         except ValueError as exc:
             log.error("cannot encode %s for a client: %s", message.TYPE, exc)
-            return
-        self._clients.send(key, zmtp.frame(data))
+            return None
 
     def _record(self, event: ev.LockEvent) -> None:
         """Timeline entry for `nvsharectl events`. Not logged: the core's Log actions already
@@ -353,6 +366,10 @@ class Daemon:
     # --- client messages ----------------------------------------------------------------------
 
     def _throttled(self, principal: Hashable) -> None:
+        if isinstance(principal, Door):
+            note("accepting connections slowed down: over its share of the daemon's time", self._throttle_log,
+                 socket=principal.server)
+            return
         uid, pod = principal if isinstance(principal, tuple) else (principal, "")
         note("connections slowed down: over their share of the daemon's time", self._throttle_log, uid=uid,
              **({"pod_uid": pod} if pod else {}))

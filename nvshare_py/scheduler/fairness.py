@@ -11,12 +11,22 @@ malformed frames from one user costs the daemon at most CPU_SHARE of its thread,
 users' messages (a RELEASE on a handoff path, an ACQUIRE) wait at most one batch of each other
 busy principal.
 
+Everything a principal's connections cost the thread is its own: reading and handling their
+messages, and also setting a connection up and ending it (for a registered client, the core's
+Unregister), done in its turns too, and accepting or refusing it (charged to its meter). A
+principal's meter outlives its last connection while it is in debt, so that closing every
+connection and opening new ones does not make the debt go away. The accept loop of each
+listening socket takes turns as well, under a principal of its own (connections.Door): what
+accepting costs before the daemon knows whose connection it is (accept(), the peer's
+credentials and pod) is bounded by one share, whoever floods the listen backlog.
+
 When nobody else waits, taking a turn costs a comparison and a clock read: no task switch.
 """
 
 from __future__ import annotations
 
 import collections
+import heapq
 import time
 from collections.abc import Callable, Hashable
 
@@ -28,6 +38,9 @@ import trio
 # attacker's own processes take CPU from the daemon too: a quarter keeps room for both.
 CPU_SHARE = 0.25
 CPU_BURST = 0.05
+# The most debt a principal carries (seconds of thread time): the longest it waits for a turn
+# is DEBT_MAX / CPU_SHARE, even when it was charged for far more (refused connections).
+DEBT_MAX = 1.0
 
 
 class _Meter:
@@ -52,6 +65,10 @@ class Turn:
         self.principal = principal
         self.started = 0.0
         self.held = False
+
+    def spent(self) -> float:
+        """Seconds of the thread this turn has taken so far."""
+        return self.turns.clock() - self.started
 
     def release(self) -> None:
         if self.held:
@@ -78,11 +95,16 @@ class Turns:
         self._busy = False  # a turn is running, or granted to a task that has not run yet
         self._waiting: collections.OrderedDict[Hashable, collections.deque[trio.Event]] = collections.OrderedDict()
         self._meters: dict[Hashable, _Meter] = {}
+        # Principals without connections whose meter is kept until its debt is repaid:
+        # (when it is repaid, principal), earliest first.
+        self._indebted: list[tuple[float, int, Hashable]] = []
+        self._order = 0  # ties in _indebted are broken by this, never by the principals
 
     # --- who is served ---------------------------------------------------------------------
 
     def join(self, principal: Hashable) -> None:
-        """A connection of `principal` opened (its meter lives while it has any)."""
+        """A connection of `principal` opened (its meter lives while it has any, and after
+        that while it is in debt)."""
         meter = self._meters.get(principal)
         if meter is None:
             meter = self._meters[principal] = _Meter(self.clock())
@@ -90,17 +112,43 @@ class Turns:
         meter.connections += 1
 
     def leave(self, principal: Hashable) -> None:
+        """A connection of `principal` ended. Its meter goes with its last connection, unless
+        it is in debt: then it stays until the debt is repaid, and a connection opened
+        meanwhile finds it."""
         meter = self._meters[principal]
         meter.connections -= 1
-        if not meter.connections:
+        self._forget_repaid()
+        if meter.connections:
+            return
+        now = self.clock()
+        self._refill(meter, now)
+        if meter.tokens >= 0:
             del self._meters[principal]
+        else:
+            self._order += 1
+            heapq.heappush(self._indebted, (now - meter.tokens / self.share, self._order, principal))
+
+    def _forget_repaid(self) -> None:
+        now = self.clock()
+        while self._indebted and self._indebted[0][0] <= now:
+            _, _, principal = heapq.heappop(self._indebted)
+            meter = self._meters.get(principal)
+            if meter is None or meter.connections:
+                continue
+            self._refill(meter, now)
+            if meter.tokens >= 0:  # else it came back and left again: a later entry is due
+                del self._meters[principal]
 
     def charge(self, principal: Hashable, seconds: float) -> None:
         """Count `seconds` of the daemon's time spent for `principal` outside a turn (accepting
         or refusing its connections)."""
         meter = self._meters.get(principal)
         if meter is not None:
-            meter.tokens -= seconds
+            meter.tokens = max(-DEBT_MAX, meter.tokens - seconds)
+
+    def _refill(self, meter: _Meter, now: float) -> None:
+        meter.tokens = min(self.burst, meter.tokens + (now - meter.stamp) * self.share)
+        meter.stamp = now
 
     def throttled(self, principal: Hashable) -> int:
         """How many turns of `principal` waited for its CPU share (0 when unknown)."""
@@ -117,9 +165,7 @@ class Turns:
 
     async def _begin(self, turn: Turn) -> None:
         meter = self._meters[turn.principal]
-        now = self.clock()
-        meter.tokens = min(self.burst, meter.tokens + (now - meter.stamp) * self.share)
-        meter.stamp = now
+        self._refill(meter, self.clock())
         if meter.tokens < 0:
             meter.throttled += 1
             if self.on_throttled is not None:
@@ -145,8 +191,8 @@ class Turns:
         now = self.clock()
         meter = self._meters.get(turn.principal)
         if meter is not None:
-            meter.tokens = min(self.burst, meter.tokens + (now - meter.stamp) * self.share) - (now - turn.started)
-            meter.stamp = now
+            self._refill(meter, now)
+            meter.tokens = max(-DEBT_MAX, meter.tokens - (now - turn.started))
         self._pass_on()
 
     def _pass_on(self) -> None:
