@@ -330,12 +330,12 @@ class ConnectionServer:
             await self._end(connection)
 
     async def _end(self, connection: Connection) -> None:
-        """Free the connection's place, bytes and descriptor at once; what its end costs the
-        owner (`on_closed`: for a registered client, the core's Unregister) is its principal's
-        work, done in its turn. When the daemon stops (the wait for a turn is cancelled) the
-        owner is told all the same."""
+        """Free the connection's bytes and socket at once; what its end costs the owner
+        (`on_closed`: for a registered client, the core's Unregister) is its principal's work,
+        done in its turn. Its place stays taken until then: what the owner keeps for it (a
+        registration, a pidfd) counts against its principal's limits until it is let go. When
+        the daemon stops (the wait for a turn is cancelled) the owner is told all the same."""
         del self.connections[connection.key]
-        self.counts.add(connection.principal, -1)
         self.budget.charge(connection.principal, -connection.charged)
         connection.charged = 0
         connection.outgoing = bytearray()
@@ -350,6 +350,7 @@ class ConnectionServer:
             finally:
                 if turn is not None:
                     turn.release()
+                self.counts.add(connection.principal, -1)
                 self.turns.leave(connection.principal)
 
     async def _read(self, connection: Connection, parser: zmtp.Parser) -> None:
