@@ -312,7 +312,7 @@ class Daemon:
                 if data is not None:
                     outgoing.setdefault(action.client, []).append(zmtp.frame(data))
         for key, frames in outgoing.items():
-            self._clients.send(key, b"".join(frames))
+            self._write(key, b"".join(frames))
         if self._metrics is not None:
             self._metrics.observe(event, actions)
         for action in actions:
@@ -336,7 +336,10 @@ class Daemon:
     def _send(self, key: ev.ClientKey, message: protocol.Message) -> None:
         data = self._encode(key, message)
         if data is not None:
-            self._clients.send(key, zmtp.frame(data))
+            self._write(key, zmtp.frame(data))
+
+    def _write(self, key: ev.ClientKey, data: bytes) -> None:
+        self._clients.send(key, data)
 
     def _encode(self, key: ev.ClientKey, message: protocol.Message) -> bytes | None:
         """`message` for the connection numbered `key`; None when it is gone (its Unregister is
@@ -482,9 +485,9 @@ class Daemon:
         if key is None or key in self._watchers:
             return
         connection = self._clients.connections.get(key)
-        pid = connection.credentials.pid if connection is not None else 0
-        if not pid:
-            return  # not visible: heartbeats tell
+        if connection is None or not connection.credentials.pid:
+            return  # gone (its Unregister is on its way), or not visible: heartbeats tell
+        pid = connection.credentials.pid
         try:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
@@ -495,7 +498,7 @@ class Daemon:
             note("cannot watch client process; relying on heartbeats", self._resource_log,
                  pid=pid, error=exc.strerror)
             return
-        watch = self._watchers[key] = _Watch(pidfd)
+        watch = self._watchers[key] = _Watch(pidfd, connection.principal)
         self._nursery.start_soon(self._watch_pidfd, key, watch)
 
     async def _watch_pidfd(self, key: ev.ClientKey, watch: "_Watch") -> None:
@@ -505,8 +508,16 @@ class Daemon:
             await trio.lowlevel.wait_readable(watch.pidfd)
         except trio.ClosedResourceError:
             return  # the registration ended first (_forget closed it)
-        self._forget_pidfd(key)
-        self._feed(ev.Unregister(trio.current_time(), key, "exited"))
+        # Its user's work, as when its connection closes: in its turn (its connection counts
+        # for the principal until the registration ends, so the principal's meter is there).
+        turn = await self._turns.take(watch.principal)
+        try:
+            if watch.closed:
+                return  # its connection's end came first
+            self._forget_pidfd(key)
+            self._feed(ev.Unregister(trio.current_time(), key, "exited"))
+        finally:
+            turn.release()
 
     def _forget(self, key: ev.ClientKey) -> None:
         """A registration ended: its pidfd is closed now, its quota freed, and its connection,
@@ -571,13 +582,14 @@ class Daemon:
 
 
 class _Watch:
-    """A pidfd being watched; `closed` once the daemon closed it (its task must not wait on
-    the number then, which a new descriptor may have taken)."""
+    """A pidfd being watched, for a connection of `principal`; `closed` once the daemon closed
+    it (its task must not wait on the number then, which a new descriptor may have taken)."""
 
-    __slots__ = ("pidfd", "closed")
+    __slots__ = ("pidfd", "principal", "closed")
 
-    def __init__(self, pidfd: int) -> None:
+    def __init__(self, pidfd: int, principal: Hashable) -> None:
         self.pidfd = pidfd
+        self.principal = principal
         self.closed = False
 
 
