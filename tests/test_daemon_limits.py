@@ -128,6 +128,28 @@ def test_a_principal_over_its_share_waits_and_others_do_not():
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+def test_a_debt_is_kept_after_the_last_connection_until_it_is_repaid():
+    async def main() -> None:
+        clock = FakeClock()
+        turns = Turns(share=0.5, burst=0.1, clock=clock)
+        turns.join("busy")
+        turn = await turns.take("busy")
+        clock.now += 1.0  # far over its share
+        turn.release()
+        turns.leave("busy")  # its last connection
+        turns.join("busy")  # and a new one at once: the debt is still there
+        with trio.move_on_after(0.05):
+            await turns.take("busy")
+            raise AssertionError("a principal that reconnected was served with its debt unpaid")
+        turns.leave("busy")
+        clock.now += 10.0  # time enough to repay it
+        turns.join("busy")
+        (await turns.take("busy")).release()  # served at once
+        assert turns.throttled("busy") == 0  # a fresh meter: the old one was let go
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
 # --- quotas --------------------------------------------------------------------------------------
 
 

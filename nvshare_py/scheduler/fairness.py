@@ -96,7 +96,7 @@ class Turns:
         self._waiting: collections.OrderedDict[Hashable, collections.deque[trio.Event]] = collections.OrderedDict()
         self._meters: dict[Hashable, _Meter] = {}
         # Principals without connections whose meter is kept until its debt is repaid:
-        # (when it is repaid, principal), earliest first.
+        # (when it is repaid, a number, principal), earliest first.
         self._indebted: list[tuple[float, int, Hashable]] = []
         self._order = 0  # ties in _indebted are broken by this, never by the principals
 
@@ -105,6 +105,7 @@ class Turns:
     def join(self, principal: Hashable) -> None:
         """A connection of `principal` opened (its meter lives while it has any, and after
         that while it is in debt)."""
+        self._forget_repaid()
         meter = self._meters.get(principal)
         if meter is None:
             meter = self._meters[principal] = _Meter(self.clock())
