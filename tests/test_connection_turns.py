@@ -40,7 +40,7 @@ class Clock:
 
 
 class Harness:
-    """A ConnectionServer on a socket in `directory`. Connections are assigned principals in the
+    """A ConnectionServer on a socket in `directory`. Connections are given principals in the
     order they are made (accept takes them in that order); the flooding user's connections
     cost COST to end (its registration's Unregister, say) and, with `costly_arrival`, to
     accept (its credentials and pod looked up). The innocent's messages are answered `pong`,
@@ -52,6 +52,8 @@ class Harness:
         self.costly_arrival = costly_arrival
         self.turns = Turns(share=0.01, burst=0.05, clock=self.clock)
         self.arriving: collections.deque[tuple[int, str]] = collections.deque()
+        self.pids = 0
+        self.principals: dict[int, tuple[int, str]] = {}
         self.flood_ended = 0
         self.ended_at_answers: list[int] = []
         self.server = ConnectionServer(
@@ -59,8 +61,15 @@ class Harness:
             self._on_message, self._on_closed, turns=self.turns, budget=ByteBudget(1 << 20, 1 << 26),
             idle_timeout=600.0, stays_idle=lambda connection: True)
 
+    def peer_credentials(self, sock: socket.socket) -> connections.PeerCredentials:
+        """Credentials of the test's own: every connection here comes from this process, so
+        each is given a pid of its own, through which `principal` finds whose it is."""
+        self.pids += 1
+        self.principals[self.pids] = self.arriving.popleft()
+        return connections.PeerCredentials(self.principals[self.pids][0], 0, self.pids)
+
     def principal(self, credentials: connections.PeerCredentials) -> tuple[int, str]:
-        who = self.arriving.popleft()
+        who = self.principals[credentials.pid]
         if who == FLOOD and self.costly_arrival:
             self.clock.now += COST
         return who
@@ -112,6 +121,7 @@ def run(monkeypatch, test, costly_arrival: bool = False) -> None:
     """`test(harness)` against a server that serves meanwhile."""
     directory = Path(tempfile.mkdtemp(prefix="nvs-turns-", dir="/tmp"))  # short: a socket path
     harness = Harness(directory, costly_arrival)
+    monkeypatch.setattr(connections, "peer_credentials", harness.peer_credentials)
     monkeypatch.setattr(connections, "principal", harness.principal)
 
     async def main() -> None:

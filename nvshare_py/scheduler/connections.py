@@ -268,6 +268,11 @@ class ConnectionServer:
     def _accept_batch(self, turn: Turn, connections: trio.Nursery) -> bool:
         """Accept up to ACCEPT_BATCH connections, or what ACCEPT_TURN allows; True when out of
         descriptors (or memory)."""
+        # Whose each peer is, looked up once a batch per process: a flood comes from a few
+        # processes, and reading a process's cgroup costs more than accepting. (The pid may
+        # have been reused by the time its cgroup is read, one batch later at most instead of
+        # at once: the same race, no longer.)
+        seen: dict[PeerCredentials, Principal] = {}
         for _ in range(ACCEPT_BATCH):
             try:
                 sock, _ = self.listener.accept()
@@ -278,19 +283,22 @@ class ConnectionServer:
                     raise
                 note(f"cannot accept a {self.name} connection", self._resource_log, error=exc.strerror)
                 return True
-            connection = self._admit(sock)
+            connection = self._admit(sock, seen)
             if connection is not None:
                 connections.start_soon(self._serve_connection, connection)
             if turn.spent() > ACCEPT_TURN:
                 break
         return False
 
-    def _admit(self, sock: socket.socket) -> Connection | None:
-        """Serve or refuse a connection just accepted; the time it took is its principal's
-        (fairness.py), so that a user opening connections in a loop pays for them."""
+    def _admit(self, sock: socket.socket, seen: dict[PeerCredentials, Principal]) -> Connection | None:
+        """Serve or refuse a connection just accepted (`seen`: the principals of the peers
+        seen in this batch); the time it took is its principal's (fairness.py), so that a
+        user opening connections in a loop pays for them."""
         started = self.turns.clock()
         credentials = peer_credentials(sock)
-        who = principal(credentials)
+        who = seen.get(credentials)
+        if who is None:
+            who = seen[credentials] = principal(credentials)
         refusal = self.limits.refusal(who, self.counts)
         if refusal is not None:
             sock.close()
