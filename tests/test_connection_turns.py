@@ -194,3 +194,31 @@ def test_a_flood_of_connections_takes_one_share_of_accepting(monkeypatch):
         assert not any(greeted(sock) for sock in flood)
 
     run(monkeypatch, test, costly_arrival=True)
+
+
+def test_what_a_connection_costs_outside_its_turns_is_its_users_too(monkeypatch):
+    # Was: only the turns were charged, while starting a connection's task, its cancel scopes
+    # and its end cost the daemon several times what the turns did; a user connecting in a
+    # loop had that much of the thread uncounted. Here setting the flood's connections'
+    # deadlines (outside any turn) is what costs.
+    async def test(harness: Harness) -> None:
+        set_deadline = ConnectionServer._set_deadline
+        seen: set[int] = set()
+
+        def costly_set_deadline(server, connection, parser) -> None:
+            if connection.principal == FLOOD and connection.key not in seen:
+                seen.add(connection.key)
+                harness.clock.now += COST
+            set_deadline(server, connection, parser)
+
+        monkeypatch.setattr(ConnectionServer, "_set_deadline", costly_set_deadline)
+        innocent = await harness.connect(INNOCENT)
+        await harness.ping(innocent)
+        flood = [await harness.connect(FLOOD, greet=False) for _ in range(10)]
+        for _ in range(3):
+            await harness.ping(innocent)
+        # The first connection's task spent the flood's burst and more (charged when its step
+        # ended, after its turn): the others' setting up waits for the flood's share.
+        assert sum(greeted(sock) for sock in flood) == 1
+
+    run(monkeypatch, test)

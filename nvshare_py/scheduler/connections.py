@@ -183,7 +183,7 @@ class Connection:
     """One connection. `key` is the daemon's own number for it (the core's ClientKey):
     nothing the peer sends chooses or changes it."""
 
-    __slots__ = ("key", "sock", "credentials", "principal", "outgoing", "writable", "drained", "scope",
+    __slots__ = ("key", "sock", "credentials", "principal", "outgoing", "flushing", "drained", "scope",
                  "closing", "charged", "ready", "accepted", "last_message", "partial_since", "expiry")
 
     def __init__(self, key: int, sock: socket.socket, credentials: PeerCredentials, principal: Principal,
@@ -193,7 +193,9 @@ class Connection:
         self.credentials = credentials
         self.principal = principal
         self.outgoing = bytearray()
-        self.writable = trio.Event()
+        # The task sending what `outgoing` holds once the socket takes it, while there is any
+        # (most connections never need one): its cancel scope.
+        self.flushing: trio.CancelScope | None = None
         self.drained: trio.Event | None = None  # set when `outgoing` falls to READ_PAUSE
         self.scope: trio.CancelScope | None = None
         self.closing = False
@@ -243,6 +245,7 @@ class ConnectionServer:
         self._numbers = itertools.count(1)
         self._bad_input_log = RateLimit()
         self._resource_log = RateLimit()
+        self._nursery: trio.Nursery | None = None  # the connections' tasks
 
     async def serve(self) -> None:
         """Accept connections, each served by its own task, in turns of the socket's door
@@ -254,6 +257,7 @@ class ConnectionServer:
         door = Door(self.name)
         self.turns.join(door)
         async with trio.open_nursery() as connections:
+            self._nursery = connections
             while True:
                 await trio.lowlevel.wait_readable(listener)
                 turn = await self.turns.take(door)
@@ -315,22 +319,20 @@ class ConnectionServer:
         return connection
 
     async def _serve_connection(self, connection: Connection) -> None:
+        self.turns.own(trio.lowlevel.current_task(), connection.principal)
         parser = zmtp.Parser(self.max_message)
         try:
             with trio.CancelScope() as scope:
                 connection.scope = scope
                 self._set_deadline(connection, parser)
-                async with trio.open_nursery() as nursery:
-                    # Setting up is its principal's work, done in its turn: a user opening
-                    # connections in a loop waits for its share like one sending frames.
-                    turn = await self.turns.take(connection.principal)
-                    try:
-                        self.write(connection, zmtp.HANDSHAKE)
-                        nursery.start_soon(self._flush, connection)
-                    finally:
-                        turn.release()
-                    await self._read(connection, parser)
-                    nursery.cancel_scope.cancel()
+                # Setting up is its principal's work, done in its turn: a user opening
+                # connections in a loop waits for its share like one sending frames.
+                turn = await self.turns.take(connection.principal)
+                try:
+                    self.write(connection, zmtp.HANDSHAKE)
+                finally:
+                    turn.release()
+                await self._read(connection, parser)
             if scope.cancelled_caught and not connection.closing:
                 note(f"{self.name} connection closed", self._bad_input_log, reason=connection.expiry,
                      uid=connection.credentials.uid)
@@ -344,6 +346,8 @@ class ConnectionServer:
         registration, a pidfd) counts against its principal's limits until it is let go. When
         the daemon stops (the wait for a turn is cancelled) the owner is told all the same."""
         del self.connections[connection.key]
+        if connection.flushing is not None:
+            connection.flushing.cancel()
         self.budget.charge(connection.principal, -connection.charged)
         connection.charged = 0
         connection.outgoing = bytearray()
@@ -359,6 +363,7 @@ class ConnectionServer:
                 if turn is not None:
                     turn.release()
                 self.counts.add(connection.principal, -1)
+                self.turns.disown(trio.lowlevel.current_task())
                 self.turns.leave(connection.principal)
 
     async def _read(self, connection: Connection, parser: zmtp.Parser) -> None:
@@ -485,13 +490,15 @@ class ConnectionServer:
             self.close(connection)
             return
         del out[:sent]
-        if out:
-            connection.writable.set()
+        if out and connection.flushing is None and self._nursery is not None:
+            connection.flushing = trio.CancelScope()
+            self._nursery.start_soon(self._flush, connection, connection.flushing)
 
-    async def _flush(self, connection: Connection) -> None:
-        while True:
-            await connection.writable.wait()
-            connection.writable = trio.Event()
+    async def _flush(self, connection: Connection, scope: trio.CancelScope) -> None:
+        """Send what `write` could not, as the socket takes it; ends when all is sent or the
+        connection ends (`_end` cancels it). A task of the server's, started only for
+        connections whose peer reads slower than the daemon writes."""
+        with scope:
             out = connection.outgoing
             while out:
                 await trio.lowlevel.wait_writable(connection.sock)
@@ -501,11 +508,12 @@ class ConnectionServer:
                     continue
                 except OSError:
                     self.close(connection)
-                    return
+                    break
                 del out[:sent]
                 if connection.drained is not None and len(out) <= READ_PAUSE:
                     connection.drained.set()
                     connection.drained = None
+        connection.flushing = None
 
     def close(self, connection: Connection) -> None:
         connection.closing = True

@@ -84,6 +84,25 @@ class Turn:
         await self.turns._begin(self)
 
 
+class _StepMeter(trio.abc.Instrument):
+    """Charges each step of a task that works for a principal (Turns.own) to the principal,
+    less the turns taken in the step (charged when they end): what Trio itself spends on a
+    connection (starting its task, cancelling, tearing down) is its principal's too."""
+
+    def __init__(self, turns: "Turns") -> None:
+        self.turns = turns
+        self.started = 0.0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.started = self.turns.clock()
+        self.turns._in_turns = 0.0
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        principal = self.turns._owners.get(task)
+        if principal is not None:
+            self.turns.charge(principal, self.turns.clock() - self.started - self.turns._in_turns)
+
+
 class Turns:
     def __init__(self, share: float = CPU_SHARE, burst: float = CPU_BURST,
                  clock: Callable[[], float] = time.perf_counter,
@@ -99,6 +118,9 @@ class Turns:
         # (when it is repaid, a number, principal), earliest first.
         self._indebted: list[tuple[float, int, Hashable]] = []
         self._order = 0  # ties in _indebted are broken by this, never by the principals
+        self._owners: dict[trio.lowlevel.Task, Hashable] = {}  # tasks that work for a principal
+        self._in_turns = 0.0  # time of the turns that ended in the task step running
+        self.step_meter = _StepMeter(self)  # to install in the Trio run (`own`)
 
     # --- who is served ---------------------------------------------------------------------
 
@@ -139,6 +161,15 @@ class Turns:
             self._refill(meter, now)
             if meter.tokens >= 0:  # else it came back and left again: a later entry is due
                 del self._meters[principal]
+
+    def own(self, task: trio.lowlevel.Task, principal: Hashable) -> None:
+        """`task` works for `principal` (a connection's): all its steps are charged to it, not
+        only its turns, until `disown`."""
+        trio.lowlevel.add_instrument(self.step_meter)  # once: adding it again does nothing
+        self._owners[task] = principal
+
+    def disown(self, task: trio.lowlevel.Task) -> None:
+        self._owners.pop(task, None)
 
     def charge(self, principal: Hashable, seconds: float) -> None:
         """Count `seconds` of the daemon's time spent for `principal` outside a turn (accepting
@@ -191,6 +222,7 @@ class Turns:
     def _end(self, turn: Turn) -> None:
         now = self.clock()
         meter = self._meters.get(turn.principal)
+        self._in_turns += now - turn.started
         if meter is not None:
             self._refill(meter, now)
             meter.tokens = max(-DEBT_MAX, meter.tokens - (now - turn.started))
