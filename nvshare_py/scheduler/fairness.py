@@ -13,7 +13,8 @@ busy principal.
 
 Everything a principal's connections cost the thread is its own: reading and handling their
 messages, and also setting a connection up and ending it (for a registered client, the core's
-Unregister), done in its turns too, and accepting or refusing it (charged to its meter). A
+Unregister), done in its turns too, accepting or refusing it (charged to its meter), and what
+its task costs between turns (each step of a connection's task is measured: _StepMeter). A
 principal's meter outlives its last connection while it is in debt, so that closing every
 connection and opening new ones does not make the debt go away. The accept loop of each
 listening socket takes turns as well, under a principal of its own (connections.Door): what
@@ -92,6 +93,16 @@ class _StepMeter(trio.abc.Instrument):
     def __init__(self, turns: "Turns") -> None:
         self.turns = turns
         self.started = 0.0
+        self.run: trio.lowlevel.Task | None = None  # the root task of the run it is installed in
+
+    def install(self) -> None:
+        """Into the Trio run going on (once); the step running now is measured from now."""
+        root = trio.lowlevel.current_root_task()
+        if self.run is not root:
+            self.run = root
+            self.started = self.turns.clock()
+            self.turns._in_turns = 0.0
+            trio.lowlevel.add_instrument(self)
 
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
         self.started = self.turns.clock()
@@ -100,7 +111,7 @@ class _StepMeter(trio.abc.Instrument):
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
         principal = self.turns._owners.get(task)
         if principal is not None:
-            self.turns.charge(principal, self.turns.clock() - self.started - self.turns._in_turns)
+            self.turns.charge(principal, max(0.0, self.turns.clock() - self.started - self.turns._in_turns))
 
 
 class Turns:
@@ -120,7 +131,7 @@ class Turns:
         self._order = 0  # ties in _indebted are broken by this, never by the principals
         self._owners: dict[trio.lowlevel.Task, Hashable] = {}  # tasks that work for a principal
         self._in_turns = 0.0  # time of the turns that ended in the task step running
-        self.step_meter = _StepMeter(self)  # to install in the Trio run (`own`)
+        self.step_meter = _StepMeter(self)  # installed in the Trio run by the first `own`
 
     # --- who is served ---------------------------------------------------------------------
 
@@ -165,7 +176,7 @@ class Turns:
     def own(self, task: trio.lowlevel.Task, principal: Hashable) -> None:
         """`task` works for `principal` (a connection's): all its steps are charged to it, not
         only its turns, until `disown`."""
-        trio.lowlevel.add_instrument(self.step_meter)  # once: adding it again does nothing
+        self.step_meter.install()
         self._owners[task] = principal
 
     def disown(self, task: trio.lowlevel.Task) -> None:
