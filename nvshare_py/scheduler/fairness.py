@@ -42,6 +42,8 @@ CPU_BURST = 0.05
 # The most debt a principal carries (seconds of thread time): the longest it waits for a turn
 # is DEBT_MAX / CPU_SHARE, even when it was charged for far more (refused connections).
 DEBT_MAX = 1.0
+# The shortest wait for a share (seconds).
+THROTTLE_MIN = 0.001
 
 
 class _Meter:
@@ -208,13 +210,18 @@ class Turns:
 
     async def _begin(self, turn: Turn) -> None:
         meter = self._meters[turn.principal]
-        self._refill(meter, self.clock())
-        if meter.tokens < 0:
-            meter.throttled += 1
-            if self.on_throttled is not None:
-                self.on_throttled(turn.principal)
-            await trio.sleep(-meter.tokens / self.share)
-        if self._busy or self._waiting:
+        while True:
+            self._refill(meter, self.clock())
+            if meter.tokens < 0:
+                meter.throttled += 1
+                if self.on_throttled is not None:
+                    self.on_throttled(turn.principal)
+                # (at least THROTTLE_MIN: a debt of rounding errors would not advance the clock)
+                await trio.sleep(max(-meter.tokens / self.share, THROTTLE_MIN))
+                continue  # its other tasks may have spent meanwhile
+            if not (self._busy or self._waiting):
+                self._busy = True
+                break
             granted = trio.Event()
             self._waiting.setdefault(turn.principal, collections.deque()).append(granted)
             try:
@@ -225,8 +232,12 @@ class Turns:
                 else:
                     self._withdraw(turn.principal, granted)
                 raise
-        else:
-            self._busy = True
+            self._refill(meter, self.clock())
+            if meter.tokens >= 0:
+                break
+            # Its principal's other tasks spent its share while this one waited in the round:
+            # the turn goes on, and this task waits for the share to come back.
+            self._pass_on()
         turn.held = True
         turn.started = self.clock()
 
