@@ -1,6 +1,6 @@
 """Flood benchmark (issues 12 and 23): what hostile local users cost the daemon and everyone else.
 
-    python benchmarks/bench_floods.py [--seconds 60] [--attacks a,b,...] [--output FILE]
+    python benchmarks/bench_floods.py [--seconds 60] [--attacks a b ...] [--output FILE] [--where TEXT]
 
 For each attack the real daemon runs with its defaults and --metrics on loopback; an attacker
 process runs the attack for `--seconds` as an unprivileged user (uid 1001, a second one as
@@ -17,8 +17,11 @@ the middle and once after, that another uid (1003) can register and get the lock
 - the daemon's log output < 1 MB per minute;
 - no lock ever granted to two holders (replayed from the lock timeline).
 
-Prints JSON and writes benchmarks/results/floods-<date>.json with the machine's load average
-before and after. Attacks (python benchmarks/bench_floods.py --list):
+Each attack also records the daemon's CPU time during it (`daemon_cpu_during`, in cores) and
+the load average before and after it: on a machine shared with other work, latencies mean
+little without the load. Prints JSON and writes benchmarks/results/floods-<date>.json (or
+--output) with the machine (--where, its cores) and its load average before and after the
+run. Attacks (python benchmarks/bench_floods.py --list):
 """
 
 from __future__ import annotations
@@ -268,6 +271,13 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
+def cpu_seconds(pid: int) -> float:
+    """The thread time process `pid` has used (user and system), in seconds."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def as_user(uid: int) -> list[str]:
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         return []
@@ -423,6 +433,8 @@ def run_attack(kind: str, seconds: float) -> dict:
             time.sleep(SETTLE)
             baseline_rss = rss_kib(daemon.pid)
             log_before = log_path.stat().st_size
+            load_before = os.getloadavg()
+            cpu_before, attack_start = cpu_seconds(daemon.pid), time.monotonic()
             watcher = Watcher(paths, metrics, daemon.pid)
             prober.phase = "during"
             uids = [ATTACKER, SECOND_ATTACKER] if kind == "two-users" else [ATTACKER]
@@ -432,6 +444,8 @@ def run_attack(kind: str, seconds: float) -> dict:
             time.sleep(seconds / 2)
             newcomer_during = another_user_registers(socket_dir)
             rounds = sum(int(a.communicate(timeout=seconds + 120)[0].strip() or 0) for a in attackers)
+            daemon_cpu = (cpu_seconds(daemon.pid) - cpu_before) / (time.monotonic() - attack_start)
+            load_after = os.getloadavg()
             log_bytes = log_path.stat().st_size - log_before
             peak_rss = max(watcher.peak_rss, rss_kib(daemon.pid))
             prober.phase = "after"
@@ -452,6 +466,10 @@ def run_attack(kind: str, seconds: float) -> dict:
         "attacker_uids": uids if as_user(ATTACKER) else [os.geteuid()],
         "attacker_rounds": rounds,
         "daemon_alive": alive,
+        # The daemon's thread time during the attack, per second (1.0: a whole core); with the
+        # other users' share (fairness.py) it bounds what the attack could take.
+        "daemon_cpu_during": round(daemon_cpu, 3),
+        "load_average": {"before": load_before, "after": load_after},
         "acquire_before": percentiles(prober.samples["before"]),
         "acquire_during": during,
         "acquire_after": after,
@@ -480,13 +498,14 @@ def run_attack(kind: str, seconds: float) -> dict:
         "log_under_1MB_per_min": result["log_bytes_per_minute"] < 1_000_000,
         "never_two_holders": not watcher.two_holders,
     }
-    print(json.dumps({kind: result["targets_met"], "p99_during": during.get("p99_ms")}), file=sys.stderr, flush=True)
+    print(json.dumps({kind: result["targets_met"], "p99_during": during.get("p99_ms"), "daemon_cpu_during": result["daemon_cpu_during"],
+                      "load": load_before[0]}), file=sys.stderr, flush=True)
     return result
 
 
-def machine() -> dict:
+def machine(where: str) -> dict:
     cpus = len(os.sched_getaffinity(0))
-    return {"cpus": os.cpu_count(), "cpus_usable": cpus, "python": platform.python_version(),
+    return {"where": where, "cpus": os.cpu_count(), "cpus_usable": cpus, "python": platform.python_version(),
             "kernel": platform.release(), "load_before": os.getloadavg()}
 
 
@@ -496,9 +515,10 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=60.0, help="length of each attack")
-    parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument("--attacks", nargs="+", default=list(ATTACKS), help="attacks to run (names, or name,name,...)")
     parser.add_argument("--list", action="store_true", help="list the attacks and exit")
     parser.add_argument("--output", type=Path)
+    parser.add_argument("--where", default="", help="the machine, in words (recorded with its cores and load)")
     args = parser.parse_args()
     if args.list:
         for name, what in ATTACKS.items():
@@ -506,8 +526,8 @@ def main() -> None:
         return
     results = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": machine(),
-        "attacks": [run_attack(kind, args.seconds) for kind in args.attacks.split(",")],
+        "host": machine(args.where),
+        "attacks": [run_attack(kind, args.seconds) for kind in ",".join(args.attacks).split(",")],
     }
     results["host"]["load_after"] = os.getloadavg()
     results["all_targets_met"] = {attack["attack"]: all(attack["targets_met"].values()) for attack in results["attacks"]}

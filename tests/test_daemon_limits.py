@@ -128,6 +128,57 @@ def test_a_principal_over_its_share_waits_and_others_do_not():
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+def test_a_debt_is_kept_after_the_last_connection_until_it_is_repaid():
+    async def main() -> None:
+        clock = FakeClock()
+        turns = Turns(share=0.5, burst=0.1, clock=clock)
+        turns.join("busy")
+        turn = await turns.take("busy")
+        clock.now += 1.0  # far over its share
+        turn.release()
+        turns.leave("busy")  # its last connection
+        turns.join("busy")  # and a new one at once: the debt is still there
+        with trio.move_on_after(0.05):
+            await turns.take("busy")
+            raise AssertionError("a principal that reconnected was served with its debt unpaid")
+        turns.leave("busy")
+        clock.now += 10.0  # time enough to repay it
+        turns.join("busy")
+        (await turns.take("busy")).release()  # served at once
+        assert turns.throttled("busy") == 0  # a fresh meter: the old one was let go
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_principals_tasks_that_waited_for_its_share_take_turns_within_it():
+    # Was: each task checked the share once, before it waited; a user's 64 connections that
+    # all found it in debt slept together and then all ran, however much each cost.
+    async def main() -> None:
+        mock = trio.lowlevel.current_clock()
+        assert isinstance(mock, trio.testing.MockClock)
+        turns = Turns(share=0.5, burst=0.1, clock=trio.current_time)
+        turns.join("busy")
+        first = await turns.take("busy")
+        mock.jump(0.3)  # over its burst: in debt
+        first.release()
+        ran: list[float] = []
+
+        async def work() -> None:
+            turn = await turns.take("busy")
+            ran.append(trio.current_time())
+            mock.jump(0.3)  # each turn costs more than the share gives back at once
+            turn.release()
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(work)
+        # (virtual time: MockClock) each waited for what the one before it spent
+        gaps = [later - earlier for earlier, later in zip(ran, ran[1:])]
+        assert len(ran) == 3 and all(gap >= 0.3 / 0.5 for gap in gaps), gaps
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
 # --- quotas --------------------------------------------------------------------------------------
 
 

@@ -17,8 +17,10 @@ model*):
   and queued, and what all connections of one principal hold together (`ByteBudget`);
 - time: the handshake, a started frame and an unregistered connection's silence each have
   a deadline;
-- the daemon's thread: every read and its messages run in a fair turn (fairness.py), and a
-  connection whose peer does not read its answers is not read either until it does.
+- the daemon's thread: every read and its messages run in a fair turn of the connection's
+  principal (fairness.py), and so do setting the connection up and ending it; accepting runs
+  in turns of the socket's `Door`; a connection whose peer does not read its answers is not
+  read either until it does.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any, Callable
 import trio
 
 from . import zmtp
-from .fairness import Turns
+from .fairness import Turn, Turns
 from .logs import RateLimit, note
 from .podcgroup import pod_uid_of_process
 
@@ -52,9 +54,10 @@ FRAME_TIMEOUT = 10.0
 # read; its messages are not read while more than READ_PAUSE bytes wait for it.
 OUTGOING_MAX = 256 * 1024
 READ_PAUSE = 16 * 1024
-# Connections accepted in one go before the other tasks run; the listen backlog holds the
-# rest (the kernel caps it at net.core.somaxconn).
+# Connections accepted in one turn of the door, and the thread time after which the turn ends
+# sooner; the listen backlog holds the rest (the kernel caps it at net.core.somaxconn).
 ACCEPT_BATCH = 16
+ACCEPT_TURN = 0.001
 LISTEN_BACKLOG = 4096
 # Seconds to wait before accepting again after running out of descriptors (or memory).
 ACCEPT_RETRY = 0.1
@@ -62,6 +65,14 @@ _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 # Who is limited together: a uid and the Kubernetes pod ("" outside one) of the process.
 Principal = tuple[int | None, str]
+
+
+@dataclass(frozen=True)
+class Door:
+    """The principal whose turns (fairness.py) the accept loop of one listening socket takes:
+    accepting runs before anyone knows whose connection it is."""
+
+    server: str
 
 
 @dataclass(frozen=True)
@@ -172,7 +183,7 @@ class Connection:
     """One connection. `key` is the daemon's own number for it (the core's ClientKey):
     nothing the peer sends chooses or changes it."""
 
-    __slots__ = ("key", "sock", "credentials", "principal", "outgoing", "writable", "drained", "scope",
+    __slots__ = ("key", "sock", "credentials", "principal", "outgoing", "flushing", "drained", "scope",
                  "closing", "charged", "ready", "accepted", "last_message", "partial_since", "expiry")
 
     def __init__(self, key: int, sock: socket.socket, credentials: PeerCredentials, principal: Principal,
@@ -182,7 +193,9 @@ class Connection:
         self.credentials = credentials
         self.principal = principal
         self.outgoing = bytearray()
-        self.writable = trio.Event()
+        # The task sending what `outgoing` holds once the socket takes it, while there is any
+        # (most connections never need one): its cancel scope.
+        self.flushing: trio.CancelScope | None = None
         self.drained: trio.Event | None = None  # set when `outgoing` falls to READ_PAUSE
         self.scope: trio.CancelScope | None = None
         self.closing = False
@@ -232,36 +245,64 @@ class ConnectionServer:
         self._numbers = itertools.count(1)
         self._bad_input_log = RateLimit()
         self._resource_log = RateLimit()
+        self._nursery: trio.Nursery | None = None  # the connections' tasks
 
     async def serve(self) -> None:
-        """Accept connections, each served by its own task. Running out of descriptors is
-        not fatal: the connections wait in the listen backlog meanwhile."""
+        """Accept connections, each served by its own task, in turns of the socket's door
+        (fairness.py): however fast connections come, accepting them takes no more of the
+        thread than one principal may, and a message of a connection already served waits
+        for one batch at most. Running out of descriptors is not fatal: the connections wait
+        in the listen backlog meanwhile."""
         listener = self.listener
+        door = Door(self.name)
+        self.turns.join(door)
         async with trio.open_nursery() as connections:
+            self._nursery = connections
             while True:
                 await trio.lowlevel.wait_readable(listener)
-                for _ in range(ACCEPT_BATCH):
-                    try:
-                        sock, _ = listener.accept()
-                    except BlockingIOError:
-                        break
-                    except OSError as exc:
-                        if exc.errno not in _OUT_OF_RESOURCES:
-                            raise
-                        note(f"cannot accept a {self.name} connection", self._resource_log, error=exc.strerror)
-                        await trio.sleep(ACCEPT_RETRY)
-                        break
-                    connection = self._admit(sock)
-                    if connection is not None:
-                        connections.start_soon(self._serve_connection, connection)
+                turn = await self.turns.take(door)
+                try:
+                    exhausted = self._accept_batch(turn, connections)
+                finally:
+                    turn.release()
+                if exhausted:
+                    await trio.sleep(ACCEPT_RETRY)
                 await trio.lowlevel.checkpoint()
 
-    def _admit(self, sock: socket.socket) -> Connection | None:
-        """Serve or refuse a connection just accepted; the time it took is its principal's
-        (fairness.py), so that a user opening connections in a loop pays for them."""
+    def _accept_batch(self, turn: Turn, connections: trio.Nursery) -> bool:
+        """Accept up to ACCEPT_BATCH connections, or what ACCEPT_TURN allows; True when out of
+        descriptors (or memory)."""
+        # Whose each peer is, looked up once a batch per process: a flood comes from a few
+        # processes, and reading a process's cgroup costs more than accepting. (The pid may
+        # have been reused by the time its cgroup is read, one batch later at most instead of
+        # at once: the same race, no longer.)
+        seen: dict[PeerCredentials, Principal] = {}
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                return False
+            except OSError as exc:
+                if exc.errno not in _OUT_OF_RESOURCES:
+                    raise
+                note(f"cannot accept a {self.name} connection", self._resource_log, error=exc.strerror)
+                return True
+            connection = self._admit(sock, seen)
+            if connection is not None:
+                connections.start_soon(self._serve_connection, connection)
+            if turn.spent() > ACCEPT_TURN:
+                break
+        return False
+
+    def _admit(self, sock: socket.socket, seen: dict[PeerCredentials, Principal]) -> Connection | None:
+        """Serve or refuse a connection just accepted (`seen`: the principals of the peers
+        seen in this batch); the time it took is its principal's (fairness.py), so that a
+        user opening connections in a loop pays for them."""
         started = self.turns.clock()
         credentials = peer_credentials(sock)
-        who = principal(credentials)
+        who = seen.get(credentials)
+        if who is None:
+            who = seen[credentials] = principal(credentials)
         refusal = self.limits.refusal(who, self.counts)
         if refusal is not None:
             sock.close()
@@ -278,30 +319,52 @@ class ConnectionServer:
         return connection
 
     async def _serve_connection(self, connection: Connection) -> None:
+        self.turns.own(trio.lowlevel.current_task(), connection.principal)
         parser = zmtp.Parser(self.max_message)
-        sock = connection.sock
         try:
             with trio.CancelScope() as scope:
                 connection.scope = scope
                 self._set_deadline(connection, parser)
-                self.write(connection, zmtp.HANDSHAKE)
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._flush, connection)
-                    await self._read(connection, parser)
-                    nursery.cancel_scope.cancel()
+                # Setting up is its principal's work, done in its turn: a user opening
+                # connections in a loop waits for its share like one sending frames.
+                turn = await self.turns.take(connection.principal)
+                try:
+                    self.write(connection, zmtp.HANDSHAKE)
+                finally:
+                    turn.release()
+                await self._read(connection, parser)
             if scope.cancelled_caught and not connection.closing:
                 note(f"{self.name} connection closed", self._bad_input_log, reason=connection.expiry,
                      uid=connection.credentials.uid)
         finally:
-            del self.connections[connection.key]
-            self.counts.add(connection.principal, -1)
-            self.turns.leave(connection.principal)
-            self.budget.charge(connection.principal, -connection.charged)
-            connection.charged = 0
-            connection.outgoing = bytearray()
-            trio.lowlevel.notify_closing(sock)
-            sock.close()
-            self.on_closed(connection)
+            await self._end(connection)
+
+    async def _end(self, connection: Connection) -> None:
+        """Free the connection's bytes and socket at once; what its end costs the owner
+        (`on_closed`: for a registered client, the core's Unregister) is its principal's work,
+        done in its turn. Its place stays taken until then: what the owner keeps for it (a
+        registration, a pidfd) counts against its principal's limits until it is let go. When
+        the daemon stops (the wait for a turn is cancelled) the owner is told all the same."""
+        del self.connections[connection.key]
+        if connection.flushing is not None:
+            connection.flushing.cancel()
+        self.budget.charge(connection.principal, -connection.charged)
+        connection.charged = 0
+        connection.outgoing = bytearray()
+        trio.lowlevel.notify_closing(connection.sock)
+        connection.sock.close()
+        turn = None
+        try:
+            turn = await self.turns.take(connection.principal)
+        finally:
+            try:
+                self.on_closed(connection)
+            finally:
+                if turn is not None:
+                    turn.release()
+                self.counts.add(connection.principal, -1)
+                self.turns.disown(trio.lowlevel.current_task())
+                self.turns.leave(connection.principal)
 
     async def _read(self, connection: Connection, parser: zmtp.Parser) -> None:
         sock = connection.sock
@@ -427,13 +490,15 @@ class ConnectionServer:
             self.close(connection)
             return
         del out[:sent]
-        if out:
-            connection.writable.set()
+        if out and connection.flushing is None and self._nursery is not None:
+            connection.flushing = trio.CancelScope()
+            self._nursery.start_soon(self._flush, connection, connection.flushing)
 
-    async def _flush(self, connection: Connection) -> None:
-        while True:
-            await connection.writable.wait()
-            connection.writable = trio.Event()
+    async def _flush(self, connection: Connection, scope: trio.CancelScope) -> None:
+        """Send what `write` could not, as the socket takes it; ends when all is sent or the
+        connection ends (`_end` cancels it). A task of the server's, started only for
+        connections whose peer reads slower than the daemon writes."""
+        with scope:
             out = connection.outgoing
             while out:
                 await trio.lowlevel.wait_writable(connection.sock)
@@ -443,11 +508,12 @@ class ConnectionServer:
                     continue
                 except OSError:
                     self.close(connection)
-                    return
+                    break
                 del out[:sent]
                 if connection.drained is not None and len(out) <= READ_PAUSE:
                     connection.drained.set()
                     connection.drained = None
+        connection.flushing = None
 
     def close(self, connection: Connection) -> None:
         connection.closing = True

@@ -35,6 +35,10 @@ All of them feed the core through one function, `_feed`, which carries out the a
 core returns (sends, timeline entries, logs, forgetting clients) and moves the timer: the one
 place to observe what the scheduler does. It never awaits, so events are applied one at a
 time. Nothing here blocks and there are no threads; the daemon does not use libzmq at all.
+
+About 600 lines: the pump and the translation table are one room on purpose (every event and
+every action passes `_feed` and `_carry_out`), and the pid watchers and the split-brain watch
+are a few lines each beside the state they read.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from ..paths import SocketPaths, check_socket_path
 from . import runtime, views, zmtp
 from . import events as ev
 from .config import DaemonConfig
-from .connections import ByteBudget, Connection, ConnectionLimits, ConnectionServer, listen_unix
+from .connections import ByteBudget, Connection, ConnectionLimits, ConnectionServer, Door, listen_unix
 from . import control
 from .control import ControlProtocol, JsonObject
 from .core import SchedulerCore
@@ -316,10 +320,17 @@ class Daemon:
             self._feed(ev.Tick(trio.current_time()))
 
     def _carry_out(self, event: ev.Event, actions: list[ev.Action]) -> None:
-        # Messages first: a GRANT is on the waiter's handoff path, the bookkeeping is not.
+        # Messages first: a GRANT is on the waiter's handoff path, the bookkeeping is not. Each
+        # connection's messages go out in one write (a HELLO claiming 64 devices is answered
+        # with over a hundred).
+        outgoing: dict[ev.ClientKey, list[bytes]] = {}
         for action in actions:
             if type(action) is ev.Send:
-                self._send(action.client, action.message)
+                data = self._encode(action.client, action.message)
+                if data is not None:
+                    outgoing.setdefault(action.client, []).append(zmtp.frame(data))
+        for key, frames in outgoing.items():
+            self._write(key, b"".join(frames))
         if self._metrics is not None:
             self._metrics.observe(event, actions)
         for action in actions:
@@ -340,15 +351,23 @@ class Daemon:
                 self._forget(action.client)
 
     def _send(self, client: ev.ClientKey, message: protocol.Message) -> None:
-        key = _connection(client)
-        if key not in self._clients.connections:
-            return  # gone; its Unregister is on its way or done
+        data = self._encode(client, message)
+        if data is not None:
+            self._write(client, zmtp.frame(data))
+
+    def _write(self, client: ev.ClientKey, data: bytes) -> None:
+        self._clients.send(_connection(client), data)
+
+    def _encode(self, client: ev.ClientKey, message: protocol.Message) -> bytes | None:
+        """`message` for the registration `client`; None when its connection is gone (its
+        Unregister is on its way or done) or the message cannot be encoded."""
+        if _connection(client) not in self._clients.connections:
+            return None
         try:
-            data = message.encode()
+            return message.encode()
         except ValueError as exc:
             log.error("cannot encode %s for a client: %s", message.TYPE, exc)
-            return
-        self._clients.send(key, zmtp.frame(data))
+            return None
 
     def _record(self, event: ev.LockEvent) -> None:
         """Timeline entry for `nvsharectl events`. Not logged: the core's Log actions already
@@ -367,6 +386,10 @@ class Daemon:
     # --- client messages ----------------------------------------------------------------------
 
     def _throttled(self, principal: Hashable) -> None:
+        if isinstance(principal, Door):
+            note("accepting connections slowed down: over its share of the daemon's time", self._throttle_log,
+                 socket=principal.server)
+            return
         uid, pod = principal if isinstance(principal, tuple) else (principal, "")
         note("connections slowed down: over their share of the daemon's time", self._throttle_log, uid=uid,
              **({"pod_uid": pod} if pod else {}))
@@ -479,9 +502,9 @@ class Daemon:
         if key is None or key in self._watchers:
             return
         connection = self._clients.connections.get(_connection(key))
-        pid = connection.credentials.pid if connection is not None else 0
-        if not pid:
-            return  # not visible: heartbeats tell
+        if connection is None or not connection.credentials.pid:
+            return  # gone (its Unregister is on its way), or not visible: heartbeats tell
+        pid = connection.credentials.pid
         try:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
@@ -492,7 +515,7 @@ class Daemon:
             note("cannot watch client process; relying on heartbeats", self._resource_log,
                  pid=pid, error=exc.strerror)
             return
-        watch = self._watchers[key] = _Watch(pidfd)
+        watch = self._watchers[key] = _Watch(pidfd, connection.principal)
         self._nursery.start_soon(self._watch_pidfd, key, watch)
 
     async def _watch_pidfd(self, key: ev.ClientKey, watch: "_Watch") -> None:
@@ -502,8 +525,16 @@ class Daemon:
             await trio.lowlevel.wait_readable(watch.pidfd)
         except trio.ClosedResourceError:
             return  # the registration ended first (_forget closed it)
-        self._forget_pidfd(key)
-        self._feed(ev.Unregister(trio.current_time(), key, "exited"))
+        # Its user's work, as when its connection closes: in its turn (its connection counts
+        # for the principal until the registration ends, so the principal's meter is there).
+        turn = await self._turns.take(watch.principal)
+        try:
+            if watch.closed:
+                return  # its connection's end came first
+            self._forget_pidfd(key)
+            self._feed(ev.Unregister(trio.current_time(), key, "exited"))
+        finally:
+            turn.release()
 
     def _forget(self, key: ev.ClientKey) -> None:
         """A registration ended: its pidfd is closed now, its quota freed, and its connection,
@@ -568,13 +599,14 @@ class Daemon:
 
 
 class _Watch:
-    """A pidfd being watched; `closed` once the daemon closed it (its task must not wait on
-    the number then, which a new descriptor may have taken)."""
+    """A pidfd being watched, for a connection of `principal`; `closed` once the daemon closed
+    it (its task must not wait on the number then, which a new descriptor may have taken)."""
 
-    __slots__ = ("pidfd", "closed")
+    __slots__ = ("pidfd", "principal", "closed")
 
-    def __init__(self, pidfd: int) -> None:
+    def __init__(self, pidfd: int, principal: Hashable) -> None:
         self.pidfd = pidfd
+        self.principal = principal
         self.closed = False
 
 

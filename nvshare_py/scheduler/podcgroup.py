@@ -29,6 +29,8 @@ _CGROUPFS_POD = re.compile(rf"pod({_UID})")
 def pod_uid_from_cgroup(text: str) -> str:
     """The pod UID in the contents of a /proc/<pid>/cgroup file (v1: one line per hierarchy;
     v2: the single `0::` line), with dashes as the API server writes it; "" outside a pod."""
+    if "kubepods" not in text:
+        return ""  # both drivers' names have it: outside Kubernetes, skip the patterns (one a connection)
     for line in text.splitlines():
         _, _, path = line.partition(":")
         _, _, path = path.partition(":")
