@@ -37,8 +37,8 @@ place to observe what the scheduler does. It never awaits, so events are applied
 time. Nothing here blocks and there are no threads; the daemon does not use libzmq at all.
 
 About 600 lines: the pump and the translation table are one room on purpose (every event and
-every action passes `_feed` and `_carry_out`), and the pid watchers and the split-brain watch
-are a few lines each beside the state they read.
+every action passes `_feed` and `_carry_out`), and the pid watchers are a few lines each beside
+the registrations they follow.
 """
 
 from __future__ import annotations
