@@ -1039,7 +1039,13 @@ static void run_due(struct nvs_core *c, double now) {
         }
 
         int wants = d->state == NVS_IDLE && d->waiters > 0;
-        if (!d->announced) { /* once the process has resolved the device, before any memory call */
+        /* Announced once used, not once resolved: PyTorch resolves every device at start-up,
+         * and the scheduler counts a process as a member of each device it announced (a gang
+         * is granted all of its members' devices together). Before the first MEMORY or ACQUIRE. */
+        if (!d->used)
+            d->used = d->bytes > 0 || d->entered > 0 || d->waiters > 0 || d->admit_wanted > 0 ||
+                      d->state == NVS_WAITING || d->state == NVS_HOLDING || d->state == NVS_DRAINING;
+        if (d->used && !d->announced) {
             d->announced = 1;
             d->reported_bytes = UINT64_MAX;
             d->reported_resident = UINT64_MAX;
@@ -1147,6 +1153,8 @@ static size_t encode(const struct nvs_core *c, const struct nvs_core_queued *q, 
         .pod = k->pod,
         .namespace_ = k->pod_namespace,
         .program = k->program,
+        .gang = k->gang,
+        .gang_size = k->gang_size,
         .held = held,
         .wanted = wanted,
         .total = d != NULL ? d->total : 0,
