@@ -581,6 +581,18 @@ static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double n
     }
 }
 
+/* A gang member, or a process holding several devices (a gang of one): its devices must stop
+ * together. A pre-drain starts each device's drain at its own lead (its own drain history), so
+ * one device would close its gate while work on another still runs, and a collective launched
+ * on that other one would spin for a partner that cannot launch. They drain at the DROP, which
+ * the scheduler sends to all of them at once (docs/interceptor.md, "Gangs"). */
+static int drains_with_others(const struct nvs_core *c) {
+    if (c->config.gang[0] != '\0') return 1;
+    int held = 0;
+    for (int i = 0; i < c->n_devices; i++) held += c->devices[i].state == NVS_HOLDING || c->devices[i].state == NVS_DRAINING;
+    return held > 1;
+}
+
 static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d, const struct nvs_msg *m, double now) {
     switch (m->type) {
     case NVS_MSG_GRANT:
@@ -620,6 +632,9 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
         d->contended_idle_ms = m->idle_ms;
         if (!c->config.predrain) {
             core_log(c, LOG_DEBUG, "others wait for %s; no pre-drain (NVSHARE_PREDRAIN=0)", d->uuid);
+        } else if (drains_with_others(c)) {
+            core_log(c, LOG_DEBUG, "others wait for %s; no pre-drain (a gang's devices drain together at its DROP)",
+                     d->uuid);
         } else {
             d->grant = m->grant;
             d->grant_known = 1;

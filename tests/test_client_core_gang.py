@@ -145,3 +145,21 @@ def test_a_holder_that_resolved_a_device_it_never_used_claims_only_what_it_used(
     rank.core.connected(rank.now)
     hello = messages(rank.core.pop())[0]
     assert hello.held == (DEVICES[0],) and hello.gang == gang
+
+
+@pytest.mark.parametrize("gang, devices", [("job", 1), ("", 2), ("", 1)])
+def test_gang_members_and_holders_of_several_devices_drain_at_the_drop_not_ahead(client_core_lib, gang, devices):
+    """A pre-drain starts at a lead learnt per device: the devices of a gang would stop one by
+    one, and a collective on one would spin for a partner that cannot launch. A process alone
+    on one device still pre-drains."""
+    rank = Rank(client_core_lib, gang=gang, gang_size=2 if gang else 0)
+    rank.used = [1 << 20] * devices + [0] * (2 - devices)
+    rank.waiters = [1] * devices + [0] * (2 - devices)
+    rank.tick(0.2)
+    for index in range(devices):
+        rank.receive("GRANT", device=DEVICES[index], grant=index + 1, mode="on", exclusive=1, quantum_ms=1000)
+    rank.waiters = [0, 0]
+    rank.entered = [1] * devices + [0] * (2 - devices)
+    rank.receive("CONTENDED", device=DEVICES[0], grant=1, quantum_left_ms=100)
+    drains = [a for a in rank.tick(0.2) if a.kind == ACT_JOB and a.value == JOB_DRAIN]
+    assert len(drains) == (1 if not gang and devices == 1 else 0)
