@@ -57,12 +57,12 @@ class Harness:
         self.now = t
         return self
 
-    def register(self, key, *, session=None, host_pid=None, uid=1000, held=(), wanted=()):
+    def register(self, key, *, session=None, host_pid=None, uid=1000, held=(), wanted=(), gang="", gang_size=0):
         session = session or f"{len(self.sessions) + 1:016x}"
         self.sessions[key] = session
         pid = 100 + len(self.sessions) if host_pid is None else host_pid
         info = ClientInfo(pid=pid, session=session, host_pid=pid, uid=uid, program="python")
-        return self.feed(Register(self.now, key, info, tuple(held), tuple(wanted)))
+        return self.feed(Register(self.now, key, info, tuple(held), tuple(wanted), gang, gang_size))
 
     def device(self, key, device=GPU0, total=16 * GiB, name="sim"):
         """The client names the device, which the daemon measured as `total` (0: it could not)."""
@@ -151,7 +151,7 @@ def test_events_of_unregistered_clients_are_ignored_with_a_debug_log():
                   MemoryReport(0, "ghost", GPU0, 5), DeviceInfo(0, "ghost", GPU0, 5), Unregister(0, "ghost", "bye")):
         actions = h.feed(event)
         assert [type(a) for a in actions] == [Log] and actions[0].level == "debug"
-    assert h.status() == {"devices": [], "clients": []}
+    assert h.status() == {"devices": [], "clients": [], "gangs": []}
 
 
 # --- mode on: handoff, FCFS, quantum, grace --------------------------------------------------
@@ -690,20 +690,23 @@ def test_reconnect_replaces_the_old_registration_and_keeps_hold_and_queue_place(
     h.register("a1", host_pid=42)
     h.register("b")
     h.register("c")
+    h.register("d1", host_pid=43)
     h.acquire("b", GPU1)
     h.acquire("a1")
     grant = h.grant_of("a1")
-    h.acquire("a1", GPU1)  # a1 waits on GPU1 behind b...
+    h.acquire("d1", GPU1)  # d1 waits on GPU1 behind b...
     h.acquire("c", GPU1)  # ...and ahead of c
-    h.register("a2", session=h.sessions["a1"], host_pid=42, held=[GPU0], wanted=[GPU1])
+    h.register("a2", session=h.sessions["a1"], host_pid=42, held=[GPU0])
     assert Forget("a1", "replaced") in h.actions
     ((_, regrant),) = h.sent(protocol.Grant, "a2")
     assert regrant.grant == grant  # same grant, confirmed to the new connection
-    assert h.holders(GPU0) == [("c4", "holding")]
-    assert h.waiters(GPU1) == ["c4", "c3"]
+    assert h.holders(GPU0) == [("c5", "holding")]
+    h.register("d2", session=h.sessions["d1"], host_pid=43, wanted=[GPU1])
+    assert Forget("d1", "replaced") in h.actions
+    assert h.waiters(GPU1) == ["c6", "c3"]
     assert h.core.client_id("a1") is None
     # Statistics carry over to the new registration.
-    assert h.status()["clients"][-1]["devices"][GPU0]["grants"] == 1
+    assert h.status()["clients"][-2]["devices"][GPU0]["grants"] == 1
 
 
 def test_reconnect_of_a_draining_holder_repeats_the_drop_with_the_grace_left():
@@ -850,7 +853,7 @@ def test_status_document_lists_devices_holders_waiters_and_client_statistics():
     a, b = status["clients"]
     assert a["client"] == "c1" and a["connected"] == wall(0) and a["program"] == "python"
     assert set(a) == {"client", "pid", "host_pid", "uid", "user", "host", "container", "pod", "namespace", "program",
-                      "connected", "last_seen", "silent", "devices", "pod_uid", "weight", "priority"}
+                      "connected", "last_seen", "silent", "devices", "pod_uid", "weight", "priority", "gang"}
     assert (a["weight"], a["priority"]) == (1, 0)
     # Equal weights: each of the two contenders is entitled to half; a alone held the lock so far.
     assert a["devices"] == {GPU0: {"used": 3 * GiB, "resident": 3 * GiB, "swapped": 0, "state": "holding",

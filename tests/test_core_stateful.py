@@ -1,7 +1,8 @@
 """Stateful property tests of the lock core.
 
-Hypothesis drives a population of simulated client processes against one SchedulerCore: they
-register, announce devices, report memory, acquire, release (or ignore DROPs and keep the lock),
+Hypothesis drives a population of simulated client processes against one SchedulerCore, each
+using one device (a process that uses several is a gang of one, which tests/test_core_gangs.py
+drives): they register, announce devices, report memory, acquire, release (or ignore DROPs and keep the lock),
 fall silent, die, reconnect under a new connection, and talk after they were removed; the
 operator switches modes, time quanta and budgets; time advances the way the daemon advances it
 (a Tick at every `next_deadline()`, heartbeats from the clients that are not silent).
@@ -88,6 +89,11 @@ pick = st.integers(min_value=0, max_value=1000)  # index into the live processes
 device_choice = st.sampled_from((DEVICES[0], DEVICES[0], DEVICES[1]))  # contention on the first
 
 
+def home_of(number: int) -> str:
+    """The device process `number` uses: two of three use the first (contention there)."""
+    return DEVICES[1] if number % 3 == 0 else DEVICES[0]
+
+
 @dataclass(eq=False)
 class Proc:
     """One simulated client process, as it sees itself."""
@@ -95,6 +101,7 @@ class Proc:
     session: str
     host_pid: int
     key: str
+    home: str = DEVICES[0]  # the one device it uses
     cid: str = ""
     silent: bool = False
     last_sent: float = 0.0
@@ -358,7 +365,7 @@ class LockCoreMachine(RuleBasedStateMachine):
 
     def register_one(self) -> None:
         number = next(self.numbers)
-        proc = Proc(session=f"{number:016x}", host_pid=1000 + number, key=f"k{number}")
+        proc = Proc(session=f"{number:016x}", host_pid=1000 + number, key=f"k{number}", home=home_of(number))
         self.live[proc.key] = proc
         self.sent_by(proc)
         self.feed(Register(self.now, proc.key, ClientInfo(pid=number, session=proc.session,
@@ -371,11 +378,12 @@ class LockCoreMachine(RuleBasedStateMachine):
         self.register_one()
 
     @precondition(lambda self: self.live)
-    @rule(index=pick, device=device_choice, gib=st.integers(0, 12), announce=st.booleans())
-    def report(self, index, device, gib, announce):
+    @rule(index=pick, gib=st.integers(0, 12), announce=st.booleans())
+    def report(self, index, gib, announce):
         """DEVICE and MEMORY (its own use), as a client sends before ACQUIRE; `announce`: the
         daemon measured the device too (a client's DEVICE never sizes it)."""
         proc = self.choose(index)
+        device = proc.home
         self.sent_by(proc, device)
         if announce:
             self.device(device).measured = True
@@ -386,9 +394,10 @@ class LockCoreMachine(RuleBasedStateMachine):
         self.feed(MemoryReport(self.now, proc.key, device, gib * GiB))
 
     @precondition(lambda self: self.live)
-    @rule(index=pick, device=device_choice)
-    def acquire(self, index, device):
+    @rule(index=pick)
+    def acquire(self, index):
         proc = self.choose(index)
+        device = proc.home
         self.sent_by(proc, device)
         dev = self.devices[device]
         grant = proc.grants.get(device)
@@ -482,7 +491,7 @@ class LockCoreMachine(RuleBasedStateMachine):
         must be refused at once: the wait bound (property 3) has no room for it."""
         number = next(self.numbers)
         session = self.choose(victim).session if borrow and self.live else f"{number:016x}"
-        proc = Proc(session=session, host_pid=1000 + number, key=f"k{number}")
+        proc = Proc(session=session, host_pid=1000 + number, key=f"k{number}", home=device)
         self.live[proc.key] = proc
         self.sent_by(proc, device)
         self.claiming = proc
@@ -679,8 +688,8 @@ def test_bound_is_not_vacuous():
     holder ahead, a waiter has to be served within TQ + grace."""
     machine = LockCoreMachine()
     machine.start(mode="on", tq=1.0, grace=0.5, recovery=0.0, clients=2)
-    machine.acquire(0, DEVICES[0])
-    machine.acquire(1, DEVICES[0])
+    machine.acquire(0)
+    machine.acquire(1)
     (waiter,) = machine.devices[DEVICES[0]].queue
     assert machine.bound(waiter) == 1.5
     machine.advance(1.0)  # quantum over: the holder is dropped...

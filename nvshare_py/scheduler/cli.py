@@ -122,6 +122,9 @@ def serve(
                                       help="Shortest quantum in seconds: of a light holder under weights, and of a holder a higher priority class waits behind"),
     ageing: int = typer.Option(4, parser=whole_number(0, 1_000_000),
                                help="A waiter rises one priority class per this many grants made while it waits (0: never)"),
+    gang_wait: float = typer.Option(30.0, parser=number_between(0, DAY),
+                                    help="Seconds a gang (a multi-GPU job) that said its size waits for missing members "
+                                    "once one asks, before it runs with those present (docs/scheduler.md, Gangs)"),
     log_level: str = typer.Option("info", metavar="|".join(LOG_LEVELS), parser=one_of(LOG_LEVELS, "a log level"),
                                   help="Log verbosity"),
     metrics: Optional[str] = typer.Option(None, metavar="ADDRESS", help="Serve Prometheus metrics on HOST:PORT or :PORT (every interface), e.g. 127.0.0.1:9415 (docs/metrics.md) [default: off]"),
@@ -160,6 +163,7 @@ def serve(
             swapping=swapping == "on",
             min_quantum=min_quantum,
             ageing=ageing,
+            gang_wait=gang_wait,
             metrics=metrics,
             admission_spill=admission_spill,
             admission_policy=admission_policy,

@@ -27,6 +27,7 @@ class DaemonConfig:
     swapping: bool = True  # budgets move memory at handoffs (docs/scheduler.md, "Budgets and swapping")
     min_quantum: float = 1.0  # the shortest quantum of a light or outranked holder (fairshare.py)
     ageing: int = 4  # grants waited per priority class a waiter rises; 0: no ageing
+    gang_wait: float = 30.0  # seconds a gang waits for missing members once one asks (gangs.py)
     metrics: str | None = None  # HOST:PORT or :PORT to serve Prometheus metrics on; None: off
     # Admission (docs/scheduler.md): host bytes allowed beyond the devices' budgets; "auto":
     # admission.DEFAULT_SPILL_FRACTION of the host's MemAvailable when the daemon starts; None: off.
@@ -65,6 +66,7 @@ class DaemonConfig:
             auto_spill=auto_spill,
             min_quantum=self.min_quantum,
             ageing=self.ageing,
+            gang_wait=self.gang_wait,
         )
 
 

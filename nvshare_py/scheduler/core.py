@@ -30,7 +30,7 @@ from typing import Hashable
 
 from .. import protocol
 from ..vocabulary import GPU_UUID, MODE
-from . import residency
+from . import gangs, residency
 from .admission import Admit, AdmissionBook, AdmissionConfig, Decision, Refuse, Waiter
 from . import fairshare
 from .events import (
@@ -62,6 +62,7 @@ from .events import (
     SetWeight,
     Tick,
     Unregister,
+    key_values,
     register_detail,
 )
 
@@ -114,6 +115,9 @@ class CoreConfig:
     # gets, and grants per class of ageing (0: none).
     min_quantum: float = 1.0
     ageing: int = 4
+    # How long a gang that said its size waits for missing members after one of them asked
+    # (gangs.py): then it runs with those present, and says so.
+    gang_wait: float = 30.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODE:
@@ -127,6 +131,7 @@ class CoreConfig:
         _check_seconds("idle_release", self.idle_release, allow_zero=True)
         _check_seconds("recovery", self.recovery, allow_zero=True)
         _check_seconds("min_quantum", self.min_quantum, allow_zero=False)
+        _check_seconds("gang_wait", self.gang_wait, allow_zero=True)
         if isinstance(self.ageing, bool) or not isinstance(self.ageing, int) or not 0 <= self.ageing <= 1_000_000:
             raise ValueError(f"ageing must be a whole number of grants from 0 to 1000000, not {self.ageing!r}")
 
@@ -143,7 +148,7 @@ class _Hold:
     higher effective class cuts its quantum short (SchedulerCore.quantum_end)."""
 
     __slots__ = ("grant", "since", "state", "deadline", "reason", "contended", "told_end", "klass", "aged_from",
-                 "told_swap")
+                 "told_swap", "turn")
 
     def __init__(self, grant: int, since: float, klass: int, aged_from: int) -> None:
         self.grant = grant
@@ -156,10 +161,11 @@ class _Hold:
         self.klass = klass
         self.aged_from = aged_from
         self.told_swap = (0, 0)  # CONTENDED's evict= and idle_ms= as last told (residency.py)
+        self.turn: gangs.Turn | None = None  # the gang's turn it was granted in (gangs.py)
 
 
 class _Client:
-    __slots__ = ("key", "cid", "info", "connected", "last_seen", "pairs", "told_every", "told")
+    __slots__ = ("key", "cid", "info", "connected", "last_seen", "pairs", "told_every", "told", "gang")
 
     def __init__(self, key: ClientKey, cid: str, info: ClientInfo, now: float) -> None:
         self.key = key
@@ -172,6 +178,8 @@ class _Client:
         # and for the devices it was told of one by one (those override the former).
         self.told_every = 0
         self.told: dict[str, int] = {}
+        self.gang = gangs.Gang(("solo", key), "", cid, 0)  # its unit: itself until it joins a named gang
+        self.gang.members[self] = None
 
     @property
     def process(self) -> Hashable | None:
@@ -183,7 +191,7 @@ class _Client:
 class _Device:
     __slots__ = ("id", "name", "total", "budget_override", "mode", "tq", "holders", "overdue", "queue",
                  "pairs", "used", "evict_asked", "evict_awaited", "evict_deadline", "evict_for", "classes",
-                 "grants_made")
+                 "grants_made", "reserved", "gang_waiters")
 
     def __init__(self, device_id: str, mode: Mode, tq: float) -> None:
         self.id = device_id
@@ -202,6 +210,10 @@ class _Device:
         self.classes: list[OrderedDict[_Pair, None]] = [
             OrderedDict() for _ in range(fairshare.PRIORITY_MAX + 1)]
         self.grants_made = 0  # grants ever made on the device: waiters age by them
+        # The gang turn that has the device until all of the gang has released (gangs.py), and
+        # how many of the waiters queued as part of a gang.
+        self.reserved: gangs.Turn | None = None
+        self.gang_waiters = 0
         self.pairs: dict[_Pair, None] = {}  # every client that knows the device (MODE notices)
         self.used = 0  # sum of the pairs' used bytes
         # The current wait for room (residency.py): who was sent EVICT in it and for how many
@@ -226,7 +238,7 @@ class _Device:
 class _Pair:
     __slots__ = ("client", "device", "used", "hold", "overdue", "waiting_since", "wait_total", "hold_total",
                  "grants", "blocked_by", "last_wait", "resident", "swapped", "last_held", "queued_seq", "queued_grants",
-                 "queued_class", "recent", "swap")
+                 "queued_class", "recent", "swap", "gang_queued")
 
     def __init__(self, client: _Client, device: _Device) -> None:
         self.client = client  # changes when a reconnecting process takes its pairs over
@@ -254,6 +266,7 @@ class _Pair:
         self.queued_seq = 0
         self.queued_grants = 0
         self.queued_class = 0
+        self.gang_queued = False  # it waits as part of its gang's request for a turn
         self.recent = fairshare.new_recent()  # finished holds (since, until) in the share window
 
 
@@ -293,6 +306,15 @@ class SchedulerCore:
         self._admission: AdmissionBook[_Pair] = AdmissionBook(config.admission)
         self._budgets = 0  # the sum of the devices' budgets (known ones): the capacity less the spill
         self._admission.set_capacity(config.admission.spill or 0)
+        # Named gangs by gangs.key (a gang lives while it has members), their display numbers,
+        # the turn numbers, and when each gang that waits for members stops waiting.
+        self._gangs: dict[Hashable, gangs.Gang] = {}
+        self._gang_numbers = 0
+        self._turn_numbers = 0
+        self._gang_deadlines: dict[gangs.Gang, float] = {}
+        # Devices to settle (see _settle): a gang's grant or drop on one device changes others.
+        self._unsettled: dict[_Device, None] = {}
+        self._settling = False
         self._client_handlers = {
             DeviceInfo: self._device_info,
             MemoryReport: self._memory,
@@ -355,6 +377,10 @@ class SchedulerCore:
         admission_due = self._admission.next_deadline()
         if admission_due is not None and (best is None or admission_due < best):
             best = admission_due
+        if self._gang_deadlines:
+            gang_due = min(self._gang_deadlines.values())
+            if best is None or gang_due < best:
+                best = gang_due
         return best
 
     @property
@@ -390,7 +416,15 @@ class SchedulerCore:
 
     def quantum_end(self, pair: _Pair) -> float:
         """When the quantum of the pair's current grant ends (it matters only while others
-        wait): its weighted quantum, cut to the floor while a waiter outranks it."""
+        wait): its weighted quantum, cut to the floor while a waiter outranks it. A gang's
+        grants share one quantum (gangs.py): from the turn's start, the shortest of its
+        members' on their devices."""
+        turn = pair.hold.turn
+        if turn is not None:
+            return turn.since + min(self._quantum_length(member) for member in self._live(turn))
+        return pair.hold.since + self._quantum_length(pair)
+
+    def _quantum_length(self, pair: _Pair) -> float:
         dev = pair.device
         hold = pair.hold
         contenders = itertools.chain(dev.holders.values(), dev.queue)
@@ -407,7 +441,7 @@ class SchedulerCore:
         holder_rank = fairshare.effective_class(hold.klass, dev.grants_made - hold.aged_from, self.config.ageing)
         if best is not None and self._rank(best) > holder_rank:
             length = min(length, self.config.min_quantum, dev.tq)
-        return hold.since + length
+        return length
 
     def client_id(self, key: ClientKey) -> str | None:
         client = self._clients.get(key)
@@ -420,6 +454,16 @@ class SchedulerCore:
     def clients(self) -> list[_Client]:
         """The registrations in registration order (c1, c2, ...), for views.py to read."""
         return list(self._clients.values())
+
+    def gangs(self) -> list[gangs.Gang]:
+        """The named gangs and the processes that are gangs of one (several devices), in the
+        order they formed, for views.py to read."""
+        solo = [client.gang for client in self._clients.values() if client.gang.solo and client.gang.ganged]
+        return list(self._gangs.values()) + solo
+
+    def live_grants(self, turn: gangs.Turn) -> list[_Pair]:
+        """The pairs whose current grant belongs to `turn` (views.py)."""
+        return self._live(turn)
 
     # --- registration --------------------------------------------------------------------
 
@@ -438,6 +482,7 @@ class SchedulerCore:
         self._clients[client.key] = client
         self._sessions.setdefault(ev.info.session, []).append(client)
         self._silence[client.key] = client
+        self._join_gang(client, ev, out)
         # The process keeps what was set for it: from the registration it reconnects as, or
         # from one it ended (BYE, a closed connection) while it lived on.
         for old in predecessors:
@@ -475,7 +520,11 @@ class SchedulerCore:
             if pair is None:
                 continue
             touched[pair.device] = None
-            self._enqueue(pair, now, out)
+            if client.gang.ganged:
+                self._gang_acquire(pair, now, out)
+            else:
+                self._enqueue(pair, now, out)
+        self._check_formed(client.gang, now, out)
         for dev in touched:
             self._settle(dev, now, out)
 
@@ -483,6 +532,12 @@ class SchedulerCore:
                    out: list[Action], touched: dict) -> None:
         """`new` is `old` reconnected: it inherits the holds it still claims (same grant) and the
         queue places it still wants; everything else of `old` is given up."""
+        if old.gang.solo and new.gang.solo:  # the process's own unit goes on, with its turn
+            del new.gang.members[new]
+            new.gang = old.gang
+            del old.gang.members[old]
+            new.gang.members[new] = None
+            new.gang.display = new.cid
         for device_id, pair in old.pairs.items():
             dev = pair.device
             touched[dev] = None
@@ -547,6 +602,8 @@ class SchedulerCore:
         pair = self._pair(client, ev.device, ev, out)
         if pair is not None and ev.name and not pair.device.name:
             pair.device.name = ev.name
+        if pair is not None and client.gang.ganged:
+            self._gang_announced(pair, ev.now, out)
 
     def _device_measured(self, ev: DeviceMeasured, out: list[Action]) -> None:
         dev = self._device(ev.device)
@@ -590,7 +647,9 @@ class SchedulerCore:
         pair = self._pair(client, ev.device, ev, out)
         if pair is None:
             return
-        if self._enqueue(pair, ev.now, out):
+        if client.gang.ganged:
+            self._gang_acquire(pair, ev.now, out)
+        elif self._enqueue(pair, ev.now, out):
             self._settle(pair.device, ev.now, out)
 
     def _release(self, client: _Client, ev: ReleaseReport, out: list[Action]) -> None:
@@ -684,6 +743,9 @@ class SchedulerCore:
             silent_devices += self._unlink_removed(client, "heartbeat-timeout", now, out)
         if silent_devices:
             self._settle_after_removal(silent_devices, now, out)
+        for gang, due in list(self._gang_deadlines.items()):
+            if due <= now:
+                self._gang_waited_out(gang, now, out)
         if recovered:
             due = list(self._devices.values())
         else:
@@ -844,11 +906,29 @@ class SchedulerCore:
     # --- the lock rules ------------------------------------------------------------------
 
     def _settle(self, dev: _Device, now: float, out: list[Action]) -> None:
-        """Bring one device in line with the rules after anything about it changed: revoke
-        holders whose grace ran out, drop holders that may no longer run together, grant what
-        the queue allows, drop holders whose quantum ended while someone waits."""
+        """Bring the device in line with the rules after anything about it changed. A gang's
+        grant, drop or end on one device changes its others: those are settled too, in the
+        same call (a device is queued here while another is being settled)."""
+        self._unsettled[dev] = None
+        if self._settling:
+            return
+        self._settling = True
+        try:
+            while self._unsettled:
+                next_dev = next(iter(self._unsettled))
+                del self._unsettled[next_dev]
+                self._settle_device(next_dev, now, out)
+        finally:
+            self._settling = False
+
+    def _settle_device(self, dev: _Device, now: float, out: list[Action]) -> None:
+        """Revoke holders whose grace ran out, end a gang's turn that lost a member, drop
+        holders that may no longer run together, grant what the queue allows, drop holders
+        whose quantum ended while someone waits."""
         while True:
             self._revoke_due(dev, now, out)
+            if dev.reserved is not None:
+                self._check_turn(dev.reserved, now, out)
             dropped = self._enforce_exclusion(dev, now, out)
             self._grant_waiters(dev, now, out)
             dropped |= self._drop_expired(dev, now, out)
@@ -861,18 +941,27 @@ class SchedulerCore:
         self._prefetch_ahead(dev, now, out)
         self._notify_contention(dev, now, out)
         self._refresh_deadline(dev)
+        turn = dev.reserved
+        if turn is not None and not turn.ending:
+            # Contention on one device of a turn moves the quantum of all: tell them all.
+            live = self._live(turn)
+            told = (self._turn_contended(turn), self.quantum_end(live[0]) if live else 0.0)
+            if told != turn.told:
+                turn.told = told
+                for other in turn.devices:
+                    if other is not dev:
+                        self._settle(other, now, out)
 
     def _timers(self, dev: _Device):
         """(when, pair, what) for each holder's timer that matters now: a DROP'd grant is
         revoked when its grace ends; while others wait (outside mode off), a holding grant is
         dropped when its quantum ends. The one source of what a Tick does and of
         next_deadline()."""
-        contended = self._contended(dev)
         for pair in dev.holders.values():
             hold = pair.hold
             if hold.state == "draining":
                 yield hold.deadline, pair, "revoke"
-            elif contended:
+            elif self._holder_contended(pair):
                 yield self.quantum_end(pair), pair, "drop"
 
     def _revocations_due(self, dev: _Device, now: float) -> list[_Pair]:
@@ -907,7 +996,10 @@ class SchedulerCore:
             reason = "memory"
         else:
             reason = "mode"
-        later = [pair for pair in list(dev.holders.values())[1:] if pair.hold.state == "holding"]
+        first, *rest = dev.holders.values()
+        # A gang's members on one device hold it together, as one holder.
+        later = [pair for pair in rest if pair.hold.state == "holding"
+                 and (first.hold.turn is None or pair.hold.turn is not first.hold.turn)]
         for pair in later:
             self._drop(pair, now, reason, out)
         return bool(later)
@@ -922,21 +1014,34 @@ class SchedulerCore:
             pair = dev.evict_for or self._next_waiter(dev)  # room is being made for the former
             if pair.hold is not None:
                 break  # a draining holder that asked again waits for its own release
-            if dev.holders and self._serialised_against(dev, pair):
+            if pair.gang_queued:
+                if not self._start_turn(pair.client.gang, now, out):
+                    break  # the gang reserves the device until it has all of its devices
+                continue
+            if self._blocked(dev, pair):
                 break  # FCFS within the class: nobody overtakes the next one
             if not self._room_made(dev, pair, now, out):
                 break  # the next one waits for EVICTED answers; FCFS again
             self._grant(pair, now, out)
 
     def _rank(self, pair: _Pair) -> int:
-        """A waiter's effective priority class (fairshare.effective_class)."""
-        return fairshare.effective_class(pair.queued_class, pair.device.grants_made - pair.queued_grants,
-                                         self.config.ageing)
+        """A waiter's effective priority class (fairshare.effective_class). A gang's waiters
+        share one: it ages by the grants on whichever of its devices saw most, so that the gang
+        ranks alike on all of them (one order between gangs on every device: no deadlock) and
+        never falls behind a waiter that queued after it on any of them."""
+        waited = pair.device.grants_made - pair.queued_grants
+        if pair.gang_queued:
+            waited = max(other.device.grants_made - other.queued_grants
+                         for other in pair.client.gang.pairs() if other.gang_queued)
+        return fairshare.effective_class(pair.queued_class, waited, self.config.ageing)
 
     def _next_waiter(self, dev: _Device) -> _Pair | None:
         """The waiter served next: the highest effective class, the earliest ACQUIRE among
         equals. Ageing keeps ACQUIRE order within a class (an earlier waiter has seen at least
-        as many grants), so only the head of each class can be next."""
+        as many grants), so only the head of each class can be next; where gangs wait (whose
+        ageing is the gang's, _rank) every waiter is compared."""
+        if dev.gang_waiters:
+            return max(dev.queue, key=lambda pair: (self._rank(pair), -pair.queued_seq), default=None)
         best = None
         best_key = None
         for waiters in dev.classes:
@@ -973,10 +1078,9 @@ class SchedulerCore:
         """CONTENDED to each holder whose quantum still runs, once per contention episode
         (from the first waiter until the queue is empty again), so that it can drain ahead of
         the quantum's end. Holders whose quantum has run out were dropped instead."""
-        contended = self._contended(dev)
         for pair in dev.holders.values():
             hold = pair.hold
-            if not contended:
+            if not self._holder_contended(pair):
                 hold.contended = False
                 continue
             if hold.state != "holding":
@@ -1004,6 +1108,240 @@ class SchedulerCore:
             return False
         budget = dev.budget
         return budget <= 0 or dev.held_used() + pair.used > budget
+
+    # --- gangs (gangs.py says what they are) ----------------------------------------------
+
+    def _blocked(self, dev: _Device, pair: _Pair) -> bool:
+        """Whether `pair` may not be granted now beside the device's holders of other units
+        and a turn of another gang that reserves the device (a reservation counts as a holder
+        with nothing resident: in mode on it blocks, in auto it blocks only what does not fit)."""
+        if dev.mode == "off":
+            return False
+        unit = pair.client.gang
+        others = [holder for holder in dev.holders.values() if holder.client.gang is not unit]
+        reserved = dev.reserved is not None and dev.reserved.unit is not unit
+        if not others and not reserved:
+            return False
+        if dev.mode == "on":
+            return True
+        budget = dev.budget
+        return budget <= 0 or sum(holder.used for holder in others) + pair.used > budget
+
+    def _join_gang(self, client: _Client, ev: Register, out: list[Action]) -> None:
+        """The registration's HELLO named a gang: it joins it (made on its first member)."""
+        if not ev.gang:
+            return
+        why = gangs.refusal(ev.gang, ev.gang_size, client.info)
+        if why is not None:
+            out.append(Log("warning", "gang-refused", {"client": client.cid, "gang": ev.gang[:gangs.GANG_NAME_MAX],
+                                                      "why": why}))
+            return
+        key = gangs.key(ev.gang, client.info)
+        gang = self._gangs.get(key)
+        if gang is None:
+            self._gang_numbers += 1
+            gang = self._gangs[key] = gangs.Gang(key, ev.gang, f"g{self._gang_numbers}", ev.gang_size)
+        elif ev.gang_size != gang.size:
+            out.append(Log("warning", "gang-size-differs", {"client": client.cid, "gang": gang.display,
+                                                           "size": ev.gang_size, "kept": gang.size}))
+        del client.gang.members[client]
+        client.gang = gang
+        gang.members[client] = None
+        out.append(LockEvent(ev.now, "gang", client=client.cid, detail=key_values(
+            {"gang": gang.display, "joined": gang.name, "members": len(gang.members), "size": gang.size})))
+        out.append(Log("info", "gang-joined", {"client": client.cid, "gang": gang.display, "name": gang.name,
+                                               "members": len(gang.members), "size": gang.size}))
+
+    def _check_formed(self, gang: gangs.Gang, now: float, out: list[Action]) -> None:
+        """A gang that has all its members stops waiting for them; if one asked meanwhile, the
+        gang asks for its turn now."""
+        if gang.formed or not gang.complete():
+            return
+        gang.formed = True
+        self._gang_deadlines.pop(gang, None)
+        if gang.asked_at is not None:
+            gang.asked_at = None
+            self._request_turn(gang, now, out)
+
+    def _gang_waited_out(self, gang: gangs.Gang, now: float, out: list[Action]) -> None:
+        """The wait for missing members ran out (--gang-wait): the gang runs with those it has."""
+        del self._gang_deadlines[gang]
+        gang.formed = True
+        gang.asked_at = None
+        out.append(LockEvent(now, "gang", detail=key_values(
+            {"gang": gang.display, "incomplete": gang.name, "members": len(gang.members), "size": gang.size})))
+        out.append(Log("warning", "gang-incomplete", {"gang": gang.display, "name": gang.name,
+                                                      "members": len(gang.members), "size": gang.size,
+                                                      "waited": self.config.gang_wait}))
+        self._request_turn(gang, now, out)
+
+    def _gang_acquire(self, pair: _Pair, now: float, out: list[Action]) -> None:
+        """ACQUIRE from a member of a ganged unit. Within a running turn it is granted at once
+        on a device the turn reserves, or on one nobody holds, reserves or waits for (which
+        joins the turn); on any other device the turn ends (DROP `gang`), since holding some of
+        a gang's devices while waiting for another is how gangs deadlock. Otherwise the whole
+        gang asks for its next turn (after its members came, or the wait for them ran out)."""
+        if pair.waiting_since is not None or (pair.hold is not None and pair.hold.state == "holding"):
+            return
+        gang = pair.client.gang
+        turn = gang.turn
+        if turn is not None and not turn.ending:
+            if self._joins_turn(turn, pair):
+                self._grant_in_turn(turn, pair, now, out)
+                return
+            self._end_turn(turn, "gang", now, out)
+        if not gang.complete():
+            if gang.asked_at is None:
+                gang.asked_at = now
+                self._gang_deadlines[gang] = now + self.config.gang_wait
+                out.append(Log("info", "gang-waits", {"gang": gang.display, "client": pair.client.cid,
+                                                      "members": len(gang.members), "size": gang.size}))
+            return
+        self._request_turn(gang, now, out)
+
+    def _gang_announced(self, pair: _Pair, now: float, out: list[Action]) -> None:
+        """A member of a ganged unit uses a new device (a member that came late, or a process
+        that began to use another device). While the gang asks for a turn, the device joins
+        the request; while its turn runs, the device joins the turn if nobody holds, reserves
+        or waits for it (the member is granted it unasked). Otherwise it waits for the
+        member's ACQUIRE (_gang_acquire)."""
+        if pair.waiting_since is not None or pair.hold is not None:
+            return
+        gang = pair.client.gang
+        turn = gang.turn
+        if turn is not None and not turn.ending:
+            if self._joins_turn(turn, pair):
+                self._grant_in_turn(turn, pair, now, out)
+            return
+        request = self._request_of(gang)
+        if request is not None and self._enqueue(pair, now, out, request.queued_seq, request.queued_class):
+            self._settle(pair.device, now, out)
+
+    def _joins_turn(self, turn: gangs.Turn, pair: _Pair) -> bool:
+        dev = pair.device
+        return dev in turn.devices or (dev.reserved is None and not dev.queue and not self._blocked(dev, pair))
+
+    def _request_of(self, gang: gangs.Gang) -> _Pair | None:
+        """A pair of the gang's pending request for a turn (its place and class), if any."""
+        return next((pair for pair in gang.pairs() if pair.gang_queued), None)
+
+    def _request_turn(self, gang: gangs.Gang, now: float, out: list[Action]) -> None:
+        """Queue every pair of every member with one place in ACQUIRE order, so that the gang
+        is ahead of or behind any other waiter alike on all its devices: the earliest place
+        one of its pairs already has (a process that began to use a second device keeps the
+        place it had on its first), else a new one. A member that holds a device outside a
+        turn (a claim after a restart, or a process that began to use a second device) may
+        not hold it while the gang waits: it is dropped and queues too."""
+        pairs = gang.pairs()
+        waiting = [pair for pair in pairs if pair.waiting_since is not None]
+        if waiting:
+            first = min(waiting, key=lambda pair: pair.queued_seq)
+            seq, klass = first.queued_seq, first.queued_class
+        else:
+            self._queue_numbers += 1
+            seq, klass = self._queue_numbers, max(self.priority(member) for member in gang.members)
+        touched: dict[_Device, None] = {}
+        for pair in waiting:
+            if not pair.gang_queued:  # it waited on its own: it waits with its gang now
+                self._leave_queue(pair, now)
+        for pair in pairs:
+            if self._enqueue(pair, now, out, seq, klass):
+                touched[pair.device] = None
+        for dev in touched:  # only once every pair waits: a turn never starts with a part
+            self._settle(dev, now, out)
+        if gang.turn is None:  # it could not start at once (_start_turn takes such holds in)
+            for pair in pairs:
+                if pair.hold is not None and pair.hold.turn is None and pair.hold.state == "holding":
+                    self._drop(pair, now, "gang", out)
+                    self._enqueue(pair, now, out, seq, klass)
+                    self._settle(pair.device, now, out)
+
+    def _start_turn(self, gang: gangs.Gang, now: float, out: list[Action]) -> bool:
+        """Grant the gang every device it asked for at once, or nothing: each of its waiting
+        pairs must be the next waiter of its device and not blocked there, and room must be
+        made for each (residency). Returns whether the turn began."""
+        if gang.turn is not None:
+            return False  # the last one has not ended (members still drain)
+        queued = [pair for pair in gang.pairs() if pair.gang_queued]
+        for pair in queued:
+            dev = pair.device
+            head = dev.evict_for or self._next_waiter(dev)
+            if pair.hold is not None or head is None or head.client.gang is not gang or self._blocked(dev, pair):
+                return False
+        if not all(self._room_made(pair.device, pair, now, out) for pair in queued):
+            return False
+        self._turn_numbers += 1
+        turn = gang.turn = gangs.Turn(gang, self._turn_numbers, now)
+        gang.turns += 1
+        for pair in queued:
+            self._grant_in_turn(turn, pair, now, out)
+        for pair in gang.pairs():  # a hold made outside a turn joins it (a claim, a first device)
+            hold = pair.hold
+            if hold is not None and hold.turn is None and hold.state == "holding":
+                hold.turn = turn
+                turn.grants[hold.grant] = pair
+                turn.devices[pair.device] = None
+                pair.device.reserved = turn
+        out.append(LockEvent(now, "gang", detail=key_values(
+            {"gang": gang.display, "turn": turn.number, "members": ",".join(m.cid for m in gang.members),
+             "devices": len(turn.devices)})))
+        out.append(Log("info", "turn-granted", {"gang": gang.display, "turn": turn.number,
+                                                "members": len(gang.members), "devices": len(turn.devices)}))
+        return True
+
+    def _grant_in_turn(self, turn: gangs.Turn, pair: _Pair, now: float, out: list[Action]) -> None:
+        self._grant(pair, now, out)
+        pair.hold.turn = turn
+        turn.grants[pair.hold.grant] = pair
+        dev = pair.device
+        if dev not in turn.devices:
+            turn.devices[dev] = None
+            dev.reserved = turn
+        self._settle(dev, now, out)
+
+    @staticmethod
+    def _live(turn: gangs.Turn) -> list[_Pair]:
+        return [pair for grant, pair in turn.grants.items() if pair.hold is not None and pair.hold.grant == grant]
+
+    def _turn_contended(self, turn: gangs.Turn) -> bool:
+        return any(self._contended(dev) for dev in turn.devices)
+
+    def _holder_contended(self, pair: _Pair) -> bool:
+        """Whether the holder's quantum counts: someone waits for its device, or, for a
+        gang's grant, for any device of the gang's turn."""
+        turn = pair.hold.turn
+        return self._contended(pair.device) if turn is None else self._turn_contended(turn)
+
+    def _end_turn(self, turn: gangs.Turn, reason: str, now: float, out: list[Action]) -> None:
+        """The gang's hold ends: DROP to every member still holding (a DROP reaches them all)."""
+        turn.ending = True
+        for pair in self._live(turn):
+            if pair.hold.state == "holding":
+                self._drop(pair, now, reason, out)
+        for dev in turn.devices:
+            self._settle(dev, now, out)
+
+    def _check_turn(self, turn: gangs.Turn, now: float, out: list[Action]) -> None:
+        """A member released, left or died, or was revoked: the gang's hold ends (DROP `gang`
+        to the others); once none of its grants is left, its devices are free together."""
+        live = self._live(turn)
+        if live and len(live) < len(turn.grants) and not turn.ending:
+            self._end_turn(turn, "gang", now, out)
+        if live:
+            return
+        gang = turn.unit
+        if gang.turn is turn:
+            gang.turn = None
+        for dev in turn.devices:
+            if dev.reserved is turn:
+                dev.reserved = None
+            self._settle(dev, now, out)
+        for pair in gang.pairs():  # its next request may now start
+            if pair.gang_queued:
+                self._settle(pair.device, now, out)
+        out.append(LockEvent(now, "gang", detail=key_values({"gang": gang.display, "turn-ended": turn.number})))
+        for dev in turn.devices:
+            self._forget_if_unused(dev)
 
     # --- admission (nvshare_py/scheduler/admission.py decides) ----------------------------
 
@@ -1231,6 +1569,8 @@ class SchedulerCore:
         out.append(LockEvent(now, "drop", dev.id, cid, hold.grant, reason))
         out.append(Log("info", "dropped", {"client": cid, "device": dev.id, "grant": hold.grant, "reason": reason,
                                            "evict": evict}))
+        if hold.turn is not None and not hold.turn.ending:
+            self._end_turn(hold.turn, "quantum" if reason == "quantum" else "gang", now, out)
 
     def _evict_on_drop(self, pair: _Pair) -> int:
         """DROP's `evict=` for the holder `pair`: room for the queue's head (residency.py)."""
@@ -1247,9 +1587,12 @@ class SchedulerCore:
         # made for anyone behind it.
         return None if grantee is pair else grantee
 
-    def _enqueue(self, pair: _Pair, now: float, out: list[Action]) -> bool:
+    def _enqueue(self, pair: _Pair, now: float, out: list[Action], seq: int | None = None,
+                 klass: int | None = None) -> bool:
         """ACQUIRE: idempotent while waiting or holding; a draining holder is queued behind
-        the others for a fresh grant after its release. Returns whether it queued."""
+        the others for a fresh grant after its release. Returns whether it queued. `seq` and
+        `klass`: it queues as part of its gang's request for a turn, whose every pair has the
+        same place in ACQUIRE order and the same class (gangs.py)."""
         if pair.waiting_since is not None or (pair.hold is not None and pair.hold.state == "holding"):
             return False
         dev = pair.device
@@ -1257,16 +1600,22 @@ class SchedulerCore:
         pair.blocked_by = tuple(itertools.islice(ahead, AHEAD_REMEMBERED))
         pair.waiting_since = now
         dev.queue[pair] = None
-        self._queue_numbers += 1
-        pair.queued_seq = self._queue_numbers
+        if seq is None:
+            self._queue_numbers += 1
+            seq = self._queue_numbers
+        pair.queued_seq = seq
         pair.queued_grants = dev.grants_made
-        pair.queued_class = self.priority(pair.client)
+        pair.queued_class = self.priority(pair.client) if klass is None else klass
+        pair.gang_queued = klass is not None
+        dev.gang_waiters += pair.gang_queued
         dev.classes[pair.queued_class][pair] = None
         out.append(LockEvent(now, "acquire", dev.id, pair.client.cid))
         return True
 
     def _leave_queue(self, pair: _Pair, now: float) -> None:
         pair.swap.allowed = 0
+        pair.device.gang_waiters -= pair.gang_queued
+        pair.gang_queued = False
         del pair.device.queue[pair]
         del pair.device.classes[pair.queued_class][pair]
         waited = now - pair.waiting_since
@@ -1307,7 +1656,9 @@ class SchedulerCore:
     def _forget_if_unused(self, dev: _Device) -> None:
         """A device nobody uses and nobody configured is forgotten: clients cannot grow the
         table by naming devices and leaving (issue 12). It comes back when named again."""
-        if (not dev.pairs and not dev.holders and not dev.overdue and not dev.queue and dev.budget_override is None
+        if (self._devices.get(dev.id) is dev  # not forgotten already (a gang's turn ended)
+                and not dev.pairs and not dev.holders and not dev.overdue and not dev.queue and dev.reserved is None
+                and dev.budget_override is None
                 and not dev.total and dev.mode == self._default_mode and dev.tq == self._default_tq):
             del self._devices[dev.id]
             self._deadlines.pop(dev, None)
@@ -1320,6 +1671,11 @@ class SchedulerCore:
             self.settings.forget_client(client.cid)
             if process is not None:
                 self.settings.forget_process(process)
+        gang = client.gang
+        gang.members.pop(client, None)
+        if not gang.solo and not gang.members:
+            del self._gangs[gang.key]
+            self._gang_deadlines.pop(gang, None)
         del self._clients[client.key]
         del self._silence[client.key]
         same_session = self._sessions[client.info.session]

@@ -447,7 +447,7 @@ class Daemon:
         if refusal is not None:
             self._reject(key, "bad-field", refusal, "HELLO")
             return
-        self._feed(ev.Register(now, key, info, hello.held, hello.wanted))
+        self._feed(ev.Register(now, key, info, hello.held, hello.wanted, hello.gang, hello.gang_size))
         cid = self.core.client_id(key)
         if cid is None:
             self._quota.forget(key)  # refused

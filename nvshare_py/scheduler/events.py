@@ -84,6 +84,9 @@ class Register:
     info: ClientInfo
     held: tuple[str, ...] = ()
     wanted: tuple[str, ...] = ()
+    # The multi-GPU job the process belongs to (HELLO gang=, gang_size=; gangs.py): "" none.
+    gang: str = ""
+    gang_size: int = 0
 
 
 @dataclass(frozen=True)

@@ -80,8 +80,37 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
             "devices": {device_id: dict(_pair_status(pair, now), limit=core.limit(pair),
                                         **shares[device_id].get(pair, _NO_SHARE))
                         for device_id, pair in client.pairs.items()},
+            # Its gang's id (the "gangs" list), None when it is a unit of its own on one device.
+            "gang": client.gang.display if client.gang.ganged else None,
         })
-    return {"devices": devices, "clients": clients}
+    return {"devices": devices, "clients": clients, "gangs": gangs_status(core, now, wall)}
+
+
+def gangs_status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> list[dict]:
+    """The "gangs" part of the status document: each named gang and each process that is a
+    gang of one (it uses several devices), with its members, its devices and its turn."""
+    shown = []
+    for gang in core.gangs():
+        turn = gang.turn
+        live = core.live_grants(turn) if turn is not None else []
+        if turn is None:
+            waiting = any(pair.gang_queued for pair in gang.pairs())
+            state = "waiting" if waiting else "members" if gang.asked_at is not None else "idle"
+        else:
+            state = "draining" if turn.ending else "holding"
+        shown.append({
+            "gang": gang.display,
+            "name": gang.name,
+            "size": gang.size,
+            "members": [member.cid for member in gang.members],
+            "devices": sorted({pair.device.id for pair in gang.pairs()}),
+            "state": state,
+            "turn": turn.number if turn is not None else None,
+            "since": wall(turn.since) if turn is not None else None,
+            "quantum_left": round(max(0.0, core.quantum_end(live[0]) - now), 3) if live else None,
+            "turns": gang.turns,
+        })
+    return shown
 
 
 def admission_status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> dict:
@@ -299,6 +328,17 @@ WORDING: dict[str, Callable[[dict], str]] = {
     "admission-set": lambda f: (f"admission: spill {_size(f['spill'])}, policy {f['policy']}, timeout {f['timeout']:g} s, "
                                 f"share {f['share']:g}"),
     "dropped": lambda f: f"drop grant {f['grant']} of {f['client']} on {f['device']} ({f['reason']})",
+    "gang-refused": lambda f: f"{f['client']} registered without its gang {f['gang']!r}: {f['why']}",
+    "gang-size-differs": lambda f: (f"{f['client']} says gang {f['gang']} has {f['size']} members; "
+                                    f"kept the first member's {f['kept']}"),
+    "gang-joined": lambda f: (f"{f['client']} joined gang {f['gang']} ({f['name']!r}, "
+                              f"{f['members']} of {f['size'] or 'unsaid'} members)"),
+    "gang-waits": lambda f: (f"gang {f['gang']} asked by {f['client']} waits for its members "
+                             f"({f['members']} of {f['size']} here)"),
+    "gang-incomplete": lambda f: (f"gang {f['gang']} ({f['name']!r}) runs with {f['members']} of its {f['size']} "
+                                  f"members: the others did not come within {f['waited']:g} s (--gang-wait)"),
+    "turn-granted": lambda f: (f"gang {f['gang']} granted its turn {f['turn']}: {f['devices']} devices "
+                               f"for {f['members']} members at once"),
 }
 
 
