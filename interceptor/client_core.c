@@ -593,10 +593,28 @@ static int drains_with_others(const struct nvs_core *c) {
     return held > 1;
 }
 
+/* A GRANT, with a new id, for a device whose grant the scheduler revoked while it drains. */
+static int grant_comes_back(const struct nvs_core_device *d, uint64_t grant) {
+    return d->release_due && d->grant_known && !d->release_unanswerable && d->grant != grant &&
+           d->release_reason != NULL && strcmp(d->release_reason, "revoke") == 0;
+}
+
 static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d, const struct nvs_msg *m, double now) {
     switch (m->type) {
     case NVS_MSG_GRANT:
-        if (d->state == NVS_DRAINING) {
+        if (d->state == NVS_DRAINING && grant_comes_back(d, m->grant)) {
+            /* A revoked grant's device, granted again before its drain ended: a gang's next
+             * turn. The revoked work may wait for that very turn (a collective whose partners
+             * run in it), so the drain could never end first. The revoked grant is answered
+             * now (the scheduler gave it away already: its RELEASE only closes its books) and
+             * the new one taken; its gate opens once the running drain is done (job_done). */
+            core_log(c, LOG_INFO, "%s granted again (grant %llu) while its revoked grant %llu drained", d->uuid,
+                     (unsigned long long)m->grant, (unsigned long long)d->grant);
+            send_message(c, NVS_MSG_RELEASE, (int)(d - c->devices), d->grant, "revoke", now);
+            d->drain_wanted = 0;
+            d->evict_due = 0;
+            d->release_drained = 0;
+        } else if (d->state == NVS_DRAINING) {
             /* A draining device claimed in HELLO: the restarted daemon names its grant. The
              * gate stays closed; the RELEASE with this id follows the drain. */
             if (!d->grant_known && !d->release_unanswerable) {
@@ -755,7 +773,9 @@ void nvs_core_job_done(struct nvs_core *c, int device, enum nvs_job_result resul
     struct nvs_core_device *d = &c->devices[device];
     enum nvs_job job = d->job;
     d->job = NVS_JOB_NONE;
-    if (job == NVS_JOB_SWAP_OUT || job == NVS_JOB_PREFETCH || job == NVS_JOB_PREFETCH_AHEAD) {
+    if (job == NVS_JOB_DRAIN && !d->release_due) {
+        continue_grant(c, d, now); /* its release was called off: the grant came back (see GRANT) */
+    } else if (job == NVS_JOB_SWAP_OUT || job == NVS_JOB_PREFETCH || job == NVS_JOB_PREFETCH_AHEAD) {
         swap_job_done(c, d, job, result, now);
     } else if (result == NVS_RESULT_ACTIVE || (job == NVS_JOB_PROBE && result == NVS_RESULT_DRAINED &&
                                                !d->release_due && d->admit_wanted > 0)) {

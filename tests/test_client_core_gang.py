@@ -163,3 +163,29 @@ def test_gang_members_and_holders_of_several_devices_drain_at_the_drop_not_ahead
     rank.receive("CONTENDED", device=DEVICES[0], grant=1, quantum_left_ms=100)
     drains = [a for a in rank.tick(0.2) if a.kind == ACT_JOB and a.value == JOB_DRAIN]
     assert len(drains) == (1 if not gang and devices == 1 else 0)
+
+
+def test_a_revoked_grant_granted_again_before_its_drain_ends_is_answered_and_the_new_one_taken(client_core_lib):
+    """A rank's drain can wait for its gang's next turn: its all-reduce spins until a partner,
+    whose gate closed first, launches the matching one. The scheduler revokes it, and grants
+    the device again in the gang's next turn; the client answers the revoked grant and takes
+    the new one, and its gate opens as soon as the old work is done (not after a RELEASE)."""
+    rank = Rank(client_core_lib, gang="job", gang_size=2)
+    rank.used[0] = 1 << 20
+    rank.waiters[0] = 1
+    rank.tick(0.2)
+    rank.receive("GRANT", device=DEVICES[0], grant=3, mode="on", exclusive=1, quantum_ms=1000)
+    rank.waiters[0], rank.entered[0] = 0, 1
+    drop = rank.receive("DROP", device=DEVICES[0], grant=3, grace_ms=500, reason="quantum")
+    assert [(a.device, a.value) for a in drop if a.kind == ACT_JOB] == [(0, JOB_DRAIN)]  # it spins: no result yet
+    rank.receive("REVOKE", device=DEVICES[0], grant=3, reason="grace-expired")
+    again = rank.receive("GRANT", device=DEVICES[0], grant=9, mode="on", exclusive=1, quantum_ms=1000)
+    assert [(m.TYPE, m.grant, m.reason) for m in messages(again)] == [("RELEASE", 3, "revoke")]
+    assert [a for a in again if a.kind == ACT_GATE] == []  # the old work still runs
+    assert rank.core.state(0) == HOLDING
+    drained = rank.job_done(0, RESULT_DRAINED)  # the partner launched: the all-reduce completed
+    assert [(a.device, a.value) for a in drained if a.kind == ACT_GATE] == [(0, 1)]
+    assert "RELEASE" not in kinds(drained) and rank.core.state(0) == HOLDING
+    later = rank.receive("DROP", device=DEVICES[0], grant=9, grace_ms=500, reason="quantum")
+    released = messages(rank.job_done(0, RESULT_DRAINED)) if any(a.kind == ACT_JOB for a in later) else []
+    assert [(m.grant, m.reason) for m in released if m.TYPE == "RELEASE"] == [(9, "drop")]

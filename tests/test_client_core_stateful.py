@@ -135,10 +135,14 @@ class Sharing(RuleBasedStateMachine):
         queued = {}
         for device in status["devices"]:
             queued[device["device"]] = {w["client"] for w in device["waiters"]} | {h["client"] for h in device["holders"]}
+        # A gang's member may wait for the gang's other members first (up to the gang wait).
+        gathering = {member for gang in status["gangs"] if gang["state"] == "members" for member in gang["members"]}
         for process in world.live():
             if process.conn is None or not process.core.registered:
                 continue
             cid = world.scheduler.client_id(process.conn)
+            if cid in gathering:
+                continue
             for index in range(DEVICES):
                 if process.core.state(index) == WAITING:
                     assert cid in queued.get(world.uuids[index], set()), (

@@ -101,3 +101,53 @@ def test_two_jobs_without_gangs_progress_only_through_revocations(scheduler_fact
     results = [job.wait() for job in jobs]
     assert all(checked(r) for r in results)
     assert revocations(scheduler) > 0  # the deadlock of issue 19, broken only by the grace
+
+
+def registrations(scheduler) -> dict[str, int]:
+    """Client id -> pid, from the timeline's register events (also of clients gone since)."""
+    found = {}
+    for event in scheduler.events():
+        if event["kind"] == "register":
+            fields = dict(part.split("=", 1) for part in event["detail"].split() if "=" in part)
+            found[event["client"]] = int(fields["pid"])
+    return found
+
+
+def grants_of(scheduler, pids: set[int]) -> list[dict]:
+    clients = {cid for cid, pid in registrations(scheduler).items() if pid in pids}
+    return [e for e in scheduler.events() if e["kind"] == "grant" and e["client"] in clients]
+
+
+def test_two_jobs_in_gangs_take_turns_without_revocations(scheduler_factory, launch):
+    scheduler = scheduler_factory(**TIMINGS)
+    jobs = [launch(scheduler, name) for name in ("a", "b")]  # torchrun's variables: a gang each
+    results = [job.wait() for job in jobs]
+    assert all(checked(r) for r in results)
+    turns = [e for e in scheduler.events() if e["kind"] == "gang" and "turn=" in e["detail"]]
+    assert len(turns) >= 3, turns  # the jobs took turns (neither fits in one quantum)
+    assert all("devices=2" in e["detail"] for e in turns)  # each turn: both GPUs at once
+    assert revocations(scheduler) == 0
+
+
+def test_a_two_rank_job_beside_a_single_gpu_job_both_finish_and_the_single_one_gets_turns(
+        scheduler_factory, launch, simcuda, libnvshare):
+    scheduler = scheduler_factory(**TIMINGS)
+    job = launch(scheduler, "a", steps=30)
+    env = simcuda.env(devices=2, **scheduler.env)
+    env.update(LD_PRELOAD=str(libnvshare), CUDA_VISIBLE_DEVICES="0")
+    single = subprocess.Popen(simcuda.simapp_argv("alloc:plain:64K", f"repeat:60:kernel:{COMPUTE_US},stream-sync"),
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = single.communicate(timeout=PATIENCE * 2)
+    finally:
+        if single.poll() is None:
+            single.kill()
+    assert single.returncode == 0, err[-3000:]
+    assert checked(job.wait())
+    rank_pids = {process.pid for process in job.ranks}
+    single_grants = grants_of(scheduler, {single.pid})
+    gang_grants = grants_of(scheduler, rank_pids)
+    # Each job needs several quanta: the single job was granted GPU0 again after the gang had
+    # it, i.e. it got turns between the gang's (it was not starved until the gang finished).
+    first_gang, last_gang = min(e["seq"] for e in gang_grants), max(e["seq"] for e in gang_grants)
+    assert any(first_gang < e["seq"] < last_gang for e in single_grants), (single_grants, gang_grants)
