@@ -207,6 +207,7 @@ def render_status(status: dict, names: DeviceNames, *, read_only: bool = False, 
             + (f" pid {c['pid']}" if c.get("pid") else "") for c in unplaced)))
     if not devices and not clients:
         bottom.append(Text("no clients: no program uses a GPU through this scheduler now"))
+    bottom += [gang_line(gang, names) for gang in status.get("gangs", [])]
     if status.get("admission"):
         bottom.append(admission_text(status["admission"], names))
     if status.get("truncated"):
@@ -249,6 +250,29 @@ def render_status(status: dict, names: DeviceNames, *, read_only: bool = False, 
         parts.append(Text(f"… and {left_out} idle client row{'s' if left_out != 1 else ''} (a taller terminal "
                           "shows them)", style="dim"))
     return Group(*parts)
+
+
+_GANG_STATES = {
+    "holding": "holds its devices",
+    "draining": "drains (its devices pass on when every member has released)",
+    "waiting": "waits for all its devices",
+    "members": "waits for its members",
+    "idle": "idle",
+}
+
+
+def gang_line(gang: dict, names: DeviceNames) -> Text:
+    """One line per gang (a multi-GPU job, or a process on several GPUs): who, on which GPUs,
+    and what its turn is doing."""
+    label = f"gang {gang['gang']}" + (f" {gang['name']!r}" if gang.get("name") else " (one process)")
+    members = ", ".join(gang.get("members", []))
+    if gang.get("size") and gang["size"] != len(gang.get("members", [])):
+        members += f" ({len(gang.get('members', []))} of {gang['size']})"
+    gpus = " ".join(names.short(device) for device in gang.get("devices", []))
+    state = _GANG_STATES.get(gang.get("state", ""), gang.get("state", ""))
+    if gang.get("quantum_left") is not None and gang.get("state") == "holding":
+        state += f", {gang['quantum_left']:.1f} s of its quantum left"
+    return Text(f"{label}: {members} on {gpus or 'no GPU yet'}; {state}")
 
 
 def _wide_table(title: str, columns: list[str]) -> Table:
@@ -327,6 +351,17 @@ def render_status_wide(status: dict, names: DeviceNames, *, read_only: bool = Fa
             parts.append(shares)
     else:
         parts.append(Text("no clients: no program uses a GPU through this scheduler now"))
+    if status.get("gangs"):
+        gangs = _wide_table("Gangs", ["gang", "name", "size", "members", "devices", "state", "turn", "quantum left",
+                                      "turns"])
+        for gang in status["gangs"]:
+            left = gang.get("quantum_left")
+            gangs.add_row(gang["gang"], gang.get("name") or "-", str(gang.get("size") or "-"),
+                          " ".join(gang.get("members", [])),
+                          "\n".join(names.long(device) for device in gang.get("devices", [])) or "-",
+                          gang.get("state", "-"), str(gang.get("turn") or "-"),
+                          "-" if left is None else f"{left:.1f} s", str(gang.get("turns", 0)))
+        parts.append(gangs)
     if status.get("admission"):
         parts.append(admission_text(status["admission"], names, wide=True))
     return Group(*parts)

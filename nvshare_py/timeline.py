@@ -217,10 +217,11 @@ def registered_pid(event: dict) -> int:
 
 
 def client_label(client: str, facts: dict[str, str]) -> str:
-    """How views name a client: its id, user, pod and program (`c3 alice train.py`,
-    `c5 bob team-a/nb-0 python`); `c3 pid 42` where only the pid is known."""
-    parts = [client, *(facts[key] for key in ("user", "pod", "program") if facts.get(key))]
-    if len(parts) == 1 and facts.get("pid"):
+    """How views name a client: its id, its gang, user, pod and program (`c3 alice train.py`,
+    `c5 [g2] bob team-a/nb-0 python`); `c3 pid 42` where only the pid is known."""
+    parts = [client, *([f"[{facts['gang']}]"] if facts.get("gang") else []),
+             *(facts[key] for key in ("user", "pod", "program") if facts.get(key))]
+    if not any(facts.get(key) for key in ("user", "pod", "program")) and facts.get("pid"):
         parts.append(f"pid {facts['pid']}")
     return " ".join(parts)
 
@@ -267,6 +268,8 @@ class _Replay:
         if kind == "register":
             self.who[client] = detail_fields(detail)
             self.last_registered = client
+        elif kind == "gang-join":  # its rows name its gang (docs/scheduler.md, Gangs)
+            self.who.setdefault(client, {})["gang"] = detail_fields(detail).get("gang", "")
         elif kind == "acquire":
             if key not in self.waits:
                 self.waits[key] = self._open(Interval(device, client, WAIT, t))

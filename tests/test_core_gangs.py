@@ -206,7 +206,8 @@ def test_a_gang_waits_for_its_missing_members_up_to_the_bound_then_runs_and_says
     assert granted(h) == [("r0", GPU0), ("r1", GPU1)]
     (warning,) = [log for log in h.logs("warning") if log.what == "gang-incomplete"]
     assert (warning.fields["members"], warning.fields["size"]) == (2, 3)
-    assert any("incomplete" in event.detail for event in h.events("gang"))
+    (event,) = h.events("gang-incomplete")
+    assert event.detail == "gang=g1 members=2 size=3 name=job"
 
 
 def test_the_last_member_to_come_starts_the_gangs_turn():
@@ -215,8 +216,17 @@ def test_the_last_member_to_come_starts_the_gangs_turn():
     h.acquire("r0", GPU0)
     assert h.grants() == []
     h.at(1).register("r1", gang="job", gang_size=2)
+    assert h.grants() == []  # a member counts once it says which device it uses
+    h.device("r1", GPU1)
+    assert granted(h) == [("r0", GPU0), ("r1", GPU1)]
+
+
+def test_a_device_announced_during_the_turn_joins_it_when_free():
+    h = quiet()
+    member(h, "r0", GPU0, size=0)
+    h.acquire("r0", GPU0)
     assert granted(h) == [("r0", GPU0)]
-    h.device("r1", GPU1)  # it announces its device: free, so it joins the turn at once
+    member(h, "r1", GPU1, size=0)  # it came after the turn began; nobody uses GPU1
     assert granted(h) == [("r1", GPU1)]
 
 
@@ -295,3 +305,61 @@ def test_every_log_line_of_gangs_has_its_words():
     seen += [a for a in h.actions if isinstance(a, Log)]
     for log in seen:
         assert views.describe(log)
+
+
+def test_a_gang_of_one_that_reconnects_keeps_its_turn():
+    h = quiet(tq=10.0)
+    h.register("p1", host_pid=42)
+    h.device("p1", GPU0)
+    h.device("p1", GPU1)
+    h.acquire("p1", GPU0)
+    grants = {m.device: m.grant for m in h.grants()}
+    h.at(1).register("p2", session=h.sessions["p1"], host_pid=42, held=[GPU0, GPU1])
+    assert {m.device: m.grant for m in h.grants("p2")} == grants  # confirmed, same grants
+    h.register("s")
+    h.device("s", GPU1)
+    h.at(2).acquire("s", GPU1)
+    h.at(10).tick()
+    assert drops(h) == [("p2", GPU0, "quantum"), ("p2", GPU1, "quantum")]
+    (gang,) = h.status()["gangs"]
+    assert (gang["gang"], gang["members"], gang["state"]) == ("c2", ["c2"], "draining")
+
+
+def test_a_rank_that_reconnects_stays_in_its_gang_and_keeps_its_grant():
+    h = quiet(tq=10.0)
+    two_rank_job(h)
+    h.acquire("r0", GPU0)
+    grant = grant_on(h, GPU1)
+    h.at(1).register("r1b", session=h.sessions["r1"], host_pid=102, held=[GPU1], gang="job", gang_size=2)
+    assert [m.grant for m in h.grants("r1b")] == [grant]
+    assert drops(h) == []  # a reconnection is no member leaving
+    (gang,) = h.status()["gangs"]
+    assert (gang["members"], gang["state"]) == (["c1", "c3"], "holding")
+
+
+def test_in_mode_off_a_member_is_granted_at_once_with_its_gang():
+    h = quiet(mode="off")
+    h.register("s")
+    h.device("s", GPU0)
+    h.acquire("s", GPU0)
+    two_rank_job(h)
+    h.acquire("r1", GPU1)
+    assert granted(h) == [("r0", GPU0), ("r1", GPU1)]
+
+
+def test_in_mode_auto_a_gang_runs_beside_others_while_memory_fits_but_only_with_all_its_devices():
+    h = quiet(mode="auto")
+    h.register("s")
+    h.device("s", GPU1)
+    h.memory("s", 12 * (1 << 30), GPU1)
+    h.acquire("s", GPU1)
+    member(h, "r0", GPU0)
+    member(h, "r1", GPU1)
+    h.memory("r0", 2 * (1 << 30), GPU0)
+    h.memory("r1", 8 * (1 << 30), GPU1)  # 12 + 8 GiB do not fit GPU1's 16 GiB
+    h.acquire("r0", GPU0)
+    assert h.grants() == []
+    h.release("s", grant_on(h, GPU1), GPU1, "user")
+    assert granted(h) == [("r0", GPU0), ("r1", GPU1)]
+    h.acquire("s", GPU1)  # 8 + 12 GiB: waits for the gang
+    assert h.grants() == []

@@ -421,3 +421,23 @@ def test_a_taken_port_or_a_bad_address_refuses_to_start_before_touching_the_sock
         taken.close()
     result = scheduler.run_to_exit("--metrics", "9400")
     assert result.returncode == 2 and "HOST:PORT" in result.stderr
+
+
+def test_gangs_are_counted_without_a_label_per_gang():
+    d = Driven()
+    for key, device in (("r0", GPU), ("r1", GPU.replace("0000000000", "0000000001"))):
+        info = ev.ClientInfo(pid=1, session=key, uid=1000, program="train", user="alice")
+        d.feed(ev.Register(0.0, key, info, gang="job", gang_size=2))
+        d.feed(ev.DeviceInfo(0.0, key, device, 0))
+    d.feed(ev.AcquireRequest(1.0, "r0", GPU))
+    found = d.scrape(2.0)
+    assert value(found, "nvshare_gangs", state="holding") == 1
+    assert value(found, "nvshare_gangs", state="waiting") == 0
+    assert value(found, "nvshare_gang_members", state="holding") == 2
+    assert value(found, "nvshare_gang_turns_total") == 1
+    d.feed(ev.Unregister(4.0, "r1", "exited"))  # the other rank is dropped (gang) and releases
+    d.feed(ev.ReleaseReport(4.5, "r0", GPU, 1, "drop"))
+    found = d.scrape(5.0)
+    assert value(found, "nvshare_gang_turn_seconds_count") == 1
+    assert value(found, "nvshare_gang_turn_seconds_sum") == pytest.approx(3.5)
+    assert value(found, "nvshare_device_drops_total", device=GPU, reason="gang") == 1

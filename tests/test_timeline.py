@@ -223,6 +223,18 @@ def test_rows_name_the_user_and_program_even_after_the_client_left():
     assert tl.detail_fields('a=1 b="x \\"y\\"" c=') == {"a": "1", "b": 'x "y"', "c": ""}
 
 
+def test_rows_of_a_gangs_members_name_their_gang():
+    events = Events()
+    for client, pid in (("c1", 11), ("c2", 12)):
+        events.add(0, "register", client, detail=f"pid={pid} user=alice program=train.py", device="")
+        events.add(0, "gang-join", client, detail=f"gang=g1 name=job members={pid - 10} size=2", device="")
+    events.add(0.1, "acquire", "c1").add(0.1, "grant", "c1", 1).add(0.1, "grant", "c2", 2, device="GPU-1")
+    events.add(0.1, "gang-turn", detail="gang=g1 turn=1 members=c1,c2 devices=2", device="")
+    timeline = events.timeline(now=1.0)
+    assert timeline.label("c1") == "c1 [g1] alice train.py"
+    assert timeline.rows("GPU-1") == ["c2 [g1] alice train.py"]
+
+
 def test_the_summary_fits_80_columns_and_never_cuts_a_number():
     events = Events().register(0, "c1", 11).add(0, "acquire", "c1").add(0, "grant", "c1", 1)
     events.add(98765.4, "release", "c1", 1, "idle")

@@ -318,15 +318,17 @@ def fitted(reply: JsonObject, limit: int = protocol.CONTROL_REPLY_MAX) -> bytes:
         return data
     result = reply.get("result")
     if isinstance(result, dict) and "devices" in result and "clients" in result:
-        devices, clients = result["devices"], result["clients"]
+        devices, clients, gangs = result["devices"], result["clients"], result.get("gangs", [])
         shown = len(devices) + len(clients)
         while shown > 0:
             shown = shown * 3 // 4
             kept_devices = devices[:shown]
             kept_clients = clients[:shown]
-            cut = dict(result, devices=kept_devices, clients=kept_clients,
+            kept_gangs = gangs[:shown]  # every gang has a client: no more gangs than clients
+            cut = dict(result, devices=kept_devices, clients=kept_clients, gangs=kept_gangs,
                        truncated={"devices": len(devices) - len(kept_devices),
-                                  "clients": len(clients) - len(kept_clients)})
+                                  "clients": len(clients) - len(kept_clients),
+                                  "gangs": len(gangs) - len(kept_gangs)})
             data = json.dumps(dict(reply, result=cut), separators=(",", ":")).encode()
             if len(data) <= limit:
                 return data

@@ -455,7 +455,7 @@ class SchedulerCore:
         """The registrations in registration order (c1, c2, ...), for views.py to read."""
         return list(self._clients.values())
 
-    def gangs(self) -> list[gangs.Gang]:
+    def gang_units(self) -> list[gangs.Gang]:
         """The named gangs and the processes that are gangs of one (several devices), in the
         order they formed, for views.py to read."""
         solo = [client.gang for client in self._clients.values() if client.gang.solo and client.gang.ganged]
@@ -482,7 +482,6 @@ class SchedulerCore:
         self._clients[client.key] = client
         self._sessions.setdefault(ev.info.session, []).append(client)
         self._silence[client.key] = client
-        self._join_gang(client, ev, out)
         # The process keeps what was set for it: from the registration it reconnects as, or
         # from one it ended (BYE, a closed connection) while it lived on.
         for old in predecessors:
@@ -502,6 +501,7 @@ class SchedulerCore:
         out.append(LockEvent(now, "register", client=client.cid, detail=register_detail(ev.info)))
         out.append(Log("info", "registered", {"client": client.cid, "pid": ev.info.pid, "host_pid": ev.info.host_pid,
                                            "program": ev.info.program}))
+        self._join_gang(client, ev, out)
 
         held = dict.fromkeys(ev.held)
         wanted = dict.fromkeys(ev.wanted)
@@ -743,8 +743,8 @@ class SchedulerCore:
             silent_devices += self._unlink_removed(client, "heartbeat-timeout", now, out)
         if silent_devices:
             self._settle_after_removal(silent_devices, now, out)
-        for gang, due in list(self._gang_deadlines.items()):
-            if due <= now:
+        for gang, wait_end in list(self._gang_deadlines.items()):
+            if wait_end <= now:
                 self._gang_waited_out(gang, now, out)
         if recovered:
             due = list(self._devices.values())
@@ -860,7 +860,7 @@ class SchedulerCore:
         for dev in list(self._devices.values()):
             moved = set()
             for pair in dev.queue:
-                klass = self.priority(pair.client)
+                klass = self._queue_class(pair.client.gang) if pair.gang_queued else self.priority(pair.client)
                 if klass != pair.queued_class:
                     del dev.classes[pair.queued_class][pair]
                     moved.add(klass)
@@ -1001,7 +1001,8 @@ class SchedulerCore:
         later = [pair for pair in rest if pair.hold.state == "holding"
                  and (first.hold.turn is None or pair.hold.turn is not first.hold.turn)]
         for pair in later:
-            self._drop(pair, now, reason, out)
+            if pair.hold.state == "holding":  # not dropped meanwhile with the rest of its gang
+                self._drop(pair, now, reason, out)
         return bool(later)
 
     def _recovering(self, now: float) -> bool:
@@ -1061,7 +1062,8 @@ class SchedulerCore:
     def _drop_expired(self, dev: _Device, now: float, out: list[Action]) -> bool:
         expired = [pair for when, pair, what in self._timers(dev) if what == "drop" and now >= when]
         for pair in expired:
-            self._drop(pair, now, "quantum", out)
+            if pair.hold.state == "holding":  # not dropped meanwhile with the rest of its gang
+                self._drop(pair, now, "quantum", out)
         return bool(expired)
 
     def _refresh_deadline(self, dev: _Device) -> None:
@@ -1147,8 +1149,8 @@ class SchedulerCore:
         del client.gang.members[client]
         client.gang = gang
         gang.members[client] = None
-        out.append(LockEvent(ev.now, "gang", client=client.cid, detail=key_values(
-            {"gang": gang.display, "joined": gang.name, "members": len(gang.members), "size": gang.size})))
+        out.append(LockEvent(ev.now, "gang-join", client=client.cid, detail=key_values(
+            {"gang": gang.display, "name": gang.name, "members": len(gang.members), "size": gang.size})))
         out.append(Log("info", "gang-joined", {"client": client.cid, "gang": gang.display, "name": gang.name,
                                                "members": len(gang.members), "size": gang.size}))
 
@@ -1168,10 +1170,10 @@ class SchedulerCore:
         del self._gang_deadlines[gang]
         gang.formed = True
         gang.asked_at = None
-        out.append(LockEvent(now, "gang", detail=key_values(
-            {"gang": gang.display, "incomplete": gang.name, "members": len(gang.members), "size": gang.size})))
+        out.append(LockEvent(now, "gang-incomplete", detail=key_values(
+            {"gang": gang.display, "members": gang.present(), "size": gang.size, "name": gang.name})))
         out.append(Log("warning", "gang-incomplete", {"gang": gang.display, "name": gang.name,
-                                                      "members": len(gang.members), "size": gang.size,
+                                                      "members": gang.present(), "size": gang.size,
                                                       "waited": self.config.gang_wait}))
         self._request_turn(gang, now, out)
 
@@ -1181,9 +1183,10 @@ class SchedulerCore:
         joins the turn); on any other device the turn ends (DROP `gang`), since holding some of
         a gang's devices while waiting for another is how gangs deadlock. Otherwise the whole
         gang asks for its next turn (after its members came, or the wait for them ran out)."""
+        gang = pair.client.gang
+        self._check_formed(gang, now, out)
         if pair.waiting_since is not None or (pair.hold is not None and pair.hold.state == "holding"):
             return
-        gang = pair.client.gang
         turn = gang.turn
         if turn is not None and not turn.ending:
             if self._joins_turn(turn, pair):
@@ -1195,7 +1198,7 @@ class SchedulerCore:
                 gang.asked_at = now
                 self._gang_deadlines[gang] = now + self.config.gang_wait
                 out.append(Log("info", "gang-waits", {"gang": gang.display, "client": pair.client.cid,
-                                                      "members": len(gang.members), "size": gang.size}))
+                                                      "members": gang.present(), "size": gang.size}))
             return
         self._request_turn(gang, now, out)
 
@@ -1205,9 +1208,10 @@ class SchedulerCore:
         the request; while its turn runs, the device joins the turn if nobody holds, reserves
         or waits for it (the member is granted it unasked). Otherwise it waits for the
         member's ACQUIRE (_gang_acquire)."""
+        gang = pair.client.gang
+        self._check_formed(gang, now, out)  # the member is present now (gangs.Gang.present)
         if pair.waiting_since is not None or pair.hold is not None:
             return
-        gang = pair.client.gang
         turn = gang.turn
         if turn is not None and not turn.ending:
             if self._joins_turn(turn, pair):
@@ -1220,6 +1224,11 @@ class SchedulerCore:
     def _joins_turn(self, turn: gangs.Turn, pair: _Pair) -> bool:
         dev = pair.device
         return dev in turn.devices or (dev.reserved is None and not dev.queue and not self._blocked(dev, pair))
+
+    def _queue_class(self, gang: gangs.Gang) -> int:
+        """The priority class a gang's waiters queue in: its members' highest, one for all of
+        them, so that the gang ranks alike on every device."""
+        return max(self.priority(member) for member in gang.members)
 
     def _request_of(self, gang: gangs.Gang) -> _Pair | None:
         """A pair of the gang's pending request for a turn (its place and class), if any."""
@@ -1239,7 +1248,7 @@ class SchedulerCore:
             seq, klass = first.queued_seq, first.queued_class
         else:
             self._queue_numbers += 1
-            seq, klass = self._queue_numbers, max(self.priority(member) for member in gang.members)
+            seq, klass = self._queue_numbers, self._queue_class(gang)
         touched: dict[_Device, None] = {}
         for pair in waiting:
             if not pair.gang_queued:  # it waited on its own: it waits with its gang now
@@ -1282,7 +1291,7 @@ class SchedulerCore:
                 turn.grants[hold.grant] = pair
                 turn.devices[pair.device] = None
                 pair.device.reserved = turn
-        out.append(LockEvent(now, "gang", detail=key_values(
+        out.append(LockEvent(now, "gang-turn", detail=key_values(
             {"gang": gang.display, "turn": turn.number, "members": ",".join(m.cid for m in gang.members),
              "devices": len(turn.devices)})))
         out.append(Log("info", "turn-granted", {"gang": gang.display, "turn": turn.number,
@@ -1339,7 +1348,7 @@ class SchedulerCore:
         for pair in gang.pairs():  # its next request may now start
             if pair.gang_queued:
                 self._settle(pair.device, now, out)
-        out.append(LockEvent(now, "gang", detail=key_values({"gang": gang.display, "turn-ended": turn.number})))
+        out.append(LockEvent(now, "gang-end", detail=key_values({"gang": gang.display, "turn": turn.number})))
         for dev in turn.devices:
             self._forget_if_unused(dev)
 

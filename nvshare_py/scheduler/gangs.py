@@ -18,7 +18,7 @@ Words used here and in the core:
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Any, Hashable
 
 from .events import ClientInfo
 
@@ -61,16 +61,17 @@ class Turn:
         self.unit = unit
         self.number = number
         self.since = since
-        self.grants: dict[int, object] = {}
-        self.devices: dict[object, None] = {}
+        self.grants: dict[int, Any] = {}  # of core._Pair (this module knows nothing of the core's types)
+        self.devices: dict[Any, None] = {}  # of core._Device
         self.ending = False
         self.told: tuple[bool, float] = (False, 0.0)
 
 
 class Gang:
     """A unit (see the module's words). `size`: the members it waits for (0: not said, it waits
-    for none); `formed`: it has had them all, or the wait for them ran out (then it never waits
-    again); `asked_at`: a member asked while it was not formed (the wait runs from there)."""
+    for none), each present once it has named a device; `formed`: it has had them all, or the
+    wait for them ran out (then it never waits again); `asked_at`: a member asked while it was
+    not formed (the wait runs from there)."""
 
     __slots__ = ("key", "name", "display", "size", "members", "formed", "asked_at", "turn", "turns")
 
@@ -79,7 +80,7 @@ class Gang:
         self.name = name
         self.display = display  # "g3" for a named gang, the client's id for a solo process
         self.size = size
-        self.members: dict = {}  # _Client -> None, in joining order
+        self.members: dict[Any, None] = {}  # core._Client -> None, in joining order
         self.formed = size <= 1
         self.asked_at: float | None = None
         self.turn: Turn | None = None
@@ -98,6 +99,11 @@ class Gang:
             return True
         return any(len(member.pairs) > 1 for member in self.members)
 
+    def present(self) -> int:
+        """Members that have said which device they use: a rank that registered has not yet
+        (its DEVICE follows its HELLO), and a turn granted before would leave it out."""
+        return sum(1 for member in self.members if member.pairs)
+
     def complete(self) -> bool:
-        return self.formed or len(self.members) >= self.size
+        return self.formed or self.present() >= self.size
 

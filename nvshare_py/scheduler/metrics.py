@@ -63,6 +63,9 @@ CLIENT_LABELS = ("device", "pod", "namespace", "program", "user")
 
 RENDER_STEP = 100  # samples formatted between two chances for the pump to run
 
+# The states of a gang's turn in the status document (views.gangs_status).
+GANG_STATES = ("holding", "draining", "waiting", "members", "idle")
+
 
 class SchedulerMetrics:
     """Counters and histograms from the core's actions; gauges from a status document."""
@@ -156,6 +159,18 @@ class SchedulerMetrics:
                                      "Host memory allowed beyond the devices' budgets", registry=registry)
         self.admission_waiters = Gauge("nvshare_admission_waiters", "Allocations waiting for admission",
                                        registry=registry)
+        # --- gangs (docs/scheduler.md, "Gangs"): no per-gang labels, whose ids only grow ---
+        self.gangs = Gauge("nvshare_gangs", "Gangs (multi-GPU jobs, and processes on several devices) by the state "
+                           "of their turn", ("state",), registry=registry)
+        self.gang_members = Gauge("nvshare_gang_members", "Processes in gangs, by the state of their gang's turn",
+                                  ("state",), registry=registry)
+        self.gang_turns = Counter("nvshare_gang_turns_total", "Turns granted to gangs (every device of every member "
+                                  "at once)", registry=registry)
+        self.gang_incomplete = Counter("nvshare_gang_incomplete_total", "Gangs that ran without all their members "
+                                       "after waiting --gang-wait for them", registry=registry)
+        self.gang_turn_seconds = Histogram("nvshare_gang_turn_seconds", "Time from a gang's grants to the end of the "
+                                           "last grant of its turn (the gang's quantum and drain)",
+                                           buckets=WAIT_HOLD_BUCKETS, registry=registry)
         # --- scheduler ---
         self.handoff_seconds = Histogram(
             "nvshare_scheduler_handoff_seconds",
@@ -194,6 +209,7 @@ class SchedulerMetrics:
         self._handoff_from: dict[str, float] = {}  # device -> when its holder was asked or let go
         self._latest = 0.0  # the time of the latest event observed (the core's clock)
         self._overflow_zeroed = False  # OVERFLOW's device counters are at 0 once it is used
+        self._turns: dict[str, float] = {}  # gang id -> when its current turn began
 
     # --- labels ---------------------------------------------------------------------------
 
@@ -308,6 +324,15 @@ class SchedulerMetrics:
             self._end_wait(client, device, now)
             if kind == "lost":
                 self._end_admission(client, device, now)
+        elif kind == "gang-turn":
+            self.gang_turns.inc()
+            self._turns[_gang_of(entry.detail)] = now
+        elif kind == "gang-end":
+            began = self._turns.pop(_gang_of(entry.detail), None)
+            if began is not None:
+                self.gang_turn_seconds.observe(now - began)
+        elif kind == "gang-incomplete":
+            self.gang_incomplete.inc()
         elif kind == "unregister":
             if device:  # a BYE while holding or waiting
                 self._end_hold(entry)
@@ -399,7 +424,7 @@ class SchedulerMetrics:
         for gauge in (self.device_mode, self.device_tq, self.device_total, self.device_budget, self.device_used,
                       self.device_resident, self.device_swapped, self.device_holders, self.device_waiters,
                       self.client_memory, self.client_holding, self.client_resident, self.client_swapped,
-                      self.client_weight, self.client_priority):
+                      self.client_weight, self.client_priority, self.gangs, self.gang_members):
             gauge.clear()  # devices and clients that are gone leave no stale series
         shown = {dev["device"] for dev in status["devices"]}
         for device in list(self._device_ids):
@@ -437,7 +462,19 @@ class SchedulerMetrics:
             self.device_swapped.labels(device).inc(dev["swapped"])
             self.device_holders.labels(device).inc(len(dev["holders"]))
             self.device_waiters.labels(device).inc(len(dev["waiters"]))
+        for state in GANG_STATES:
+            self.gangs.labels(state)
+            self.gang_members.labels(state)
+        for gang in status.get("gangs", []):
+            state = gang["state"] if gang["state"] in GANG_STATES else OVERFLOW
+            self.gangs.labels(state).inc()
+            self.gang_members.labels(state).inc(len(gang["members"]))
         self.clients.set(len(status["clients"]))
+
+
+def _gang_of(detail: str) -> str:
+    """The gang id of a gang event's detail (its first field, `gang=g3`)."""
+    return detail.split(" ", 1)[0].partition("=")[2]
 
 
 class _Family:

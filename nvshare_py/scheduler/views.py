@@ -90,7 +90,7 @@ def gangs_status(core: SchedulerCore, now: float, wall: Callable[[float], float]
     """The "gangs" part of the status document: each named gang and each process that is a
     gang of one (it uses several devices), with its members, its devices and its turn."""
     shown = []
-    for gang in core.gangs():
+    for gang in core.gang_units():
         turn = gang.turn
         live = core.live_grants(turn) if turn is not None else []
         if turn is None:
