@@ -157,7 +157,7 @@ def test_with_gangs_the_same_jobs_take_turns_with_both_gpus_at_once(scheduler_fa
     assert events(scheduler, "grant") == []
     a1, b0 = launch(scheduler, "a", 1), launch(scheduler, "b", 0)
     assert all(rank.correct() for rank in (a0, a1, b0, b1))
-    turns = [e for e in events(scheduler, "gang") if "turn=" in e["detail"]]
+    turns = events(scheduler, "gang-turn")
     assert len(turns) >= 3, turns  # the jobs took turns (neither fits in one quantum)
     jobs = {client_of(scheduler, rank.pid): rank.job for rank in (a0, a1, b0, b1)}
     assert mixed_holds(scheduler, jobs) == []  # the two GPUs always held by one job
@@ -215,7 +215,7 @@ def test_a_process_using_two_gpus_is_a_gang_of_one(scheduler_factory, simcuda, l
         assert p.returncode == 0, err[-3000:]
         checks = [json.loads(line) for line in out.splitlines() if '"check' in line]
         assert [c["ok"] for c in checks] == [True, True]
-    turns = [e for e in events(scheduler, "gang") if "turn=" in e["detail"]]
+    turns = events(scheduler, "gang-turn")
     assert turns
     jobs = {client_of(scheduler, p.pid): name for p, name in zip(processes, ("p", "q"))}
     assert mixed_holds(scheduler, jobs) == []  # one process's two GPUs at once, never one each
@@ -243,7 +243,7 @@ def test_a_gang_that_waited_out_its_missing_rank_runs_and_says_so(scheduler_fact
     env.update(LD_PRELOAD=str(libnvshare), NVSHARE_GANG="half-job:2")  # its partner never comes
     run = simcuda.run_simapp("alloc:plain:64K", f"kernel:{COMPUTE_US}", "sync", env=env)
     assert run.returncode == 0, run.stderr
-    incomplete = [e for e in events(scheduler, "gang") if "incomplete=half-job" in e["detail"]]
+    incomplete = [e for e in events(scheduler, "gang-incomplete") if "name=half-job" in e["detail"]]
     assert incomplete and "members=1" in incomplete[0]["detail"] and "size=2" in incomplete[0]["detail"]
     assert [e for e in events(scheduler, "grant") if e["seq"] > incomplete[0]["seq"]]  # then it ran
 
