@@ -16,6 +16,11 @@ which spins on the GPU until its partner's has run). Cases:
   lock on its own, as before gangs: the deadlock that only revocations break);
 - `beside_single`: one job beside a single-GPU job on GPU 0 (matmuls only), under nvshare.
 
+ARRIVAL: under nvshare, job a's rank 0 and job b's rank 1 start first, the other ranks once
+those have registered and asked for their GPU: without gangs each first rank takes its GPU and
+the deadlock is certain (started all at once it depends on who asks first: issue 19's run saw
+23 revocations, some simulated runs none); with gangs they wait for their partners.
+
 Makespan: from the first rank's first step to the last rank's end, from the ranks' own
 CLOCK_MONOTONIC stamps. Revocations and grants come from the scheduler's timeline.
 
@@ -103,6 +108,13 @@ print(json.dumps({"rank": "single", "start": start, "end": time.monotonic(), "ch
 """
 
 
+def arrival(jobs: list[str]) -> list[tuple[int, str, int]]:
+    """(job number, job, rank) in the order the ranks start (ARRIVAL): job i's rank i % 2
+    first, then the others."""
+    firsts = [(number, job, number % 2) for number, job in enumerate(jobs)]
+    return firsts + [(number, job, 1 - number % 2) for number, job in enumerate(jobs)]
+
+
 def make(directory: str, build: Path) -> None:
     subprocess.run(["make", "-s", "-C", str(REPO / directory), f"BUILD={build}"], check=True, capture_output=True)
 
@@ -159,12 +171,26 @@ class Scheduler:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def run_ranks(commands: list[tuple[list[str], dict[str, str]]], timeout: float) -> dict[str, Any]:
-    """Start every rank at once; each prints JSON lines with start/end stamps (simapp's steps,
-    or WORKER's one line). Makespan from the first start to the last end."""
-    processes = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
-                 for argv, env in commands]
+def run_ranks(commands: list[tuple[list[str], dict[str, str]]], timeout: float,
+              scheduler: Scheduler | None = None, first: int = 0) -> dict[str, Any]:
+    """Start the ranks; each prints JSON lines with start/end stamps (simapp's steps, or
+    WORKER's one line). Makespan from the first start to the last end. Under a scheduler the
+    `first` commands start alone and the rest once those have registered and asked for their
+    GPU (see ARRIVAL)."""
+    def start(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+
     started = time.monotonic()
+    staged = scheduler is not None and first > 0
+    processes = [start(*command) for command in (commands[:first] if staged else commands)]
+    if staged:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            clients = request(scheduler.paths, "status", timeout=10.0)["clients"]
+            if sum(1 for client in clients if client["devices"]) >= first:
+                break
+            time.sleep(0.05)
+        processes += [start(*command) for command in commands[first:]]
     lines, finished, errors = [], True, []
     for process in processes:
         try:
@@ -212,15 +238,14 @@ class Simulated:
     def commands(self, run: Path, jobs: list[str], single: bool, env: dict[str, str]) -> list[tuple[list[str], dict[str, str]]]:
         out = []
         compute = ",".join([f"kernel:{self.compute_us}"] * self.kernels)
-        for number, job in enumerate(jobs):
-            for rank in range(2):
-                rank_env = {**env, "CUDA_VISIBLE_DEVICES": str(rank),
-                            "SIMCUDA_COLLECTIVE": f"2:{run / (job + '.collective')}",
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + number), "WORLD_SIZE": "2",
-                            "LOCAL_WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank)}
-                argv = [str(self.sim / "simapp"), "alloc:plain:1M",
-                        f"repeat:{self.steps}:{compute},allreduce:0:{rank + 1}:1024,stream-sync", "check:0:3:1024"]
-                out.append((argv, rank_env))
+        for number, job, rank in arrival(jobs):
+            rank_env = {**env, "CUDA_VISIBLE_DEVICES": str(rank),
+                        "SIMCUDA_COLLECTIVE": f"2:{run / (job + '.collective')}",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + number), "WORLD_SIZE": "2",
+                        "LOCAL_WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            argv = [str(self.sim / "simapp"), "alloc:plain:1M",
+                    f"repeat:{self.steps}:{compute},allreduce:0:{rank + 1}:1024,stream-sync", "check:0:3:1024"]
+            out.append((argv, rank_env))
         if single:
             argv = [str(self.sim / "simapp"), "alloc:plain:1M", f"repeat:{self.steps}:{compute},stream-sync"]
             out.append((argv, {**env, "CUDA_VISIBLE_DEVICES": "0"}))
@@ -235,7 +260,7 @@ class Simulated:
             env.update(nvshare.env, LD_PRELOAD=str(self.library))
             if not gangs:
                 env["NVSHARE_GANG"] = "none"
-        result = run_ranks(self.commands(run, jobs, single, env), JOB_TIMEOUT_S)
+        result = run_ranks(self.commands(run, jobs, single, env), JOB_TIMEOUT_S, nvshare, first=len(jobs))
         shutil.rmtree(run, ignore_errors=True)
         return result
 
@@ -259,14 +284,13 @@ class RealGpus:
             if not gangs:
                 env["NVSHARE_GANG"] = "none"
         commands = []
-        for number, _ in enumerate(jobs):
-            for rank in range(2):
-                rank_env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + number), "WORLD_SIZE": "2",
-                            "LOCAL_WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank)}
-                commands.append(([sys.executable, "-c", WORKER, *self.args], rank_env))
+        for number, _, rank in arrival(jobs):
+            rank_env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + number), "WORLD_SIZE": "2",
+                        "LOCAL_WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            commands.append(([sys.executable, "-c", WORKER, *self.args], rank_env))
         if single:
             commands.append(([sys.executable, "-c", SINGLE, *self.single_args], {**env, "CUDA_VISIBLE_DEVICES": "0"}))
-        result = run_ranks(commands, JOB_TIMEOUT_S)
+        result = run_ranks(commands, JOB_TIMEOUT_S, nvshare, first=len(jobs))
         result["correct"] = len(result.get("checksums", [0])) == 1  # every rank of every job agrees
         return result
 
@@ -341,9 +365,9 @@ def main() -> None:
             tq = args.tq if args.tq is not None else 5.0
             config = {"steps": steps, "matmuls": 20, "n": 4096, "allreduce_mib": 64, "backend": "nccl"}
         else:
-            steps = args.steps or (40 if args.quick else 150)
+            steps = args.steps or (60 if args.quick else 200)
             runner = Simulated(work, steps=steps, compute_us=5000, kernels=4)
-            tq = args.tq if args.tq is not None else 0.5
+            tq = args.tq if args.tq is not None else 0.25
             config = {"steps": steps, "kernels_per_step": 4, "kernel_us": 5000, "devices": SIM_DEVICES,
                       "residency_timeslice_us": SIM_TIMESLICE_US}
         options = {"mode": "on", "tq": tq, "grace": tq, "idle_release": 0.3, "heartbeat_interval": 0.2,
