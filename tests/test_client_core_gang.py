@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.client_core import (ACT_GATE, ACT_JOB, ACT_LIMIT, ACT_SEND, HOLDING, IDLE, JOB_DRAIN, JOB_PROBE,
+from fixtures.client_core import (ACT_GATE, ACT_JOB, ACT_LIMIT, ACT_SEND, HOLDING, IDLE, JOB_DRAIN, JOB_PROBE, World,
                                   RESULT_DRAINED, ClientCore)
 from nvshare_py import protocol
 
@@ -189,3 +189,31 @@ def test_a_revoked_grant_granted_again_before_its_drain_ends_is_answered_and_the
     later = rank.receive("DROP", device=DEVICES[0], grant=9, grace_ms=500, reason="quantum")
     released = messages(rank.job_done(0, RESULT_DRAINED)) if any(a.kind == ACT_JOB for a in later) else []
     assert [(m.grant, m.reason) for m in released if m.TYPE == "RELEASE"] == [(9, "drop")]
+
+
+def test_with_the_scheduler_core_a_gang_turn_grants_a_member_a_device_it_did_not_ask_for(client_core_lib):
+    """Both cores together (tests/fixtures/client_core.py's world): rank a used GPUs 0 and 1,
+    rank b GPU 1. When a asks for GPU 0 alone, the gang's turn grants every device the two
+    announced: a gets GPU 1 unasked, and gives it back after the idle window while it works on
+    GPU 0; nothing of the other GPUs' gates is ever open in two processes at once."""
+    world = World(client_core_lib, devices=2, tq=5.0, grace=0.5, idle_release=0.3, gang_wait=2.0)
+    a = world.spawn("a", gang="job", gang_size=2)
+    b = world.spawn("b", gang="job", gang_size=2)
+    for process, index in ((a, 0), (a, 1), (b, 1)):
+        world.want(process, index)
+    world.advance(0.1)
+    assert a.core.state(0) == a.core.state(1) == b.core.state(1) == HOLDING
+    for process, index in ((a, 0), (a, 1), (b, 1)):
+        world.finish_work(process, index)
+    world.advance(2.0)  # idle: everything given back
+    assert [a.core.state(0), a.core.state(1), b.core.state(1)] == [IDLE, IDLE, IDLE]
+    world.want(a, 0)
+    world.advance(0.05)
+    assert a.core.state(0) == HOLDING and a.devices[0].in_flight == 1
+    assert a.core.state(1) == HOLDING and a.devices[1].waiters == 0  # granted, never asked for
+    assert b.core.state(1) == HOLDING
+    releases = len(a.releases)
+    for _ in range(20):  # a keeps GPU 0 busy; GPU 1 stays idle
+        world.want(a, 0)
+        world.advance(0.05)
+    assert any(device == 1 and reason == "idle" for device, _, reason in a.releases[releases:]), a.releases
