@@ -27,6 +27,7 @@
 #include "client_core.h"
 #include "compiler.h"
 #include "config.h"
+#include "gang.h"
 #include "gate.h"
 #include "limits.h"
 #include "log.h"
@@ -139,6 +140,19 @@ static void identify(struct nvs_core_config *k) {
         read_small_file("/proc/self/comm", k->program, sizeof k->program);
         k->program[strcspn(k->program, "\n")] = '\0';
     }
+    /* Read at the first GPU call, not at load: torch.multiprocessing.spawn's children set
+     * MASTER_ADDR and the like in Python before they initialise CUDA. */
+    struct nvs_gang gang;
+    nvs_gang_discover(environ, &gang);
+    if (gang.malformed)
+        nvs_warn("NVSHARE_GANG=%s is not name:size (size the ranks on this node) or none; %s", getenv("NVSHARE_GANG"),
+                 gang.source);
+    if (gang.name[0] != '\0')
+        nvs_info("gang %s of %llu ranks on this node (from %s)", gang.name, (unsigned long long)gang.size, gang.source);
+    else
+        nvs_debug("%s", gang.source);
+    snprintf(k->gang, sizeof k->gang, "%s", gang.name);
+    k->gang_size = gang.size;
 }
 
 /* --- feeding the core (under nvs_mu) ---------------------------------------------------------*/

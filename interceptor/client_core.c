@@ -589,10 +589,40 @@ static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double n
     }
 }
 
+/* A gang member, or a process holding several devices (a gang of one): its devices must stop
+ * together. A pre-drain starts each device's drain at its own lead (its own drain history), so
+ * one device would close its gate while work on another still runs, and a collective launched
+ * on that other one would spin for a partner that cannot launch. They drain at the DROP, which
+ * the scheduler sends to all of them at once (docs/interceptor.md, "Gangs"). */
+static int drains_with_others(const struct nvs_core *c) {
+    if (c->config.gang[0] != '\0') return 1;
+    int held = 0;
+    for (int i = 0; i < c->n_devices; i++) held += c->devices[i].state == NVS_HOLDING || c->devices[i].state == NVS_DRAINING;
+    return held > 1;
+}
+
+/* A GRANT, with a new id, for a device whose grant the scheduler revoked while it drains. */
+static int grant_comes_back(const struct nvs_core_device *d, uint64_t grant) {
+    return d->release_due && d->grant_known && !d->release_unanswerable && d->grant != grant &&
+           d->release_reason != NULL && strcmp(d->release_reason, "revoke") == 0;
+}
+
 static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d, const struct nvs_msg *m, double now) {
     switch (m->type) {
     case NVS_MSG_GRANT:
-        if (d->state == NVS_DRAINING) {
+        if (d->state == NVS_DRAINING && grant_comes_back(d, m->grant)) {
+            /* A revoked grant's device, granted again before its drain ended: a gang's next
+             * turn. The revoked work may wait for that very turn (a collective whose partners
+             * run in it), so the drain could never end first. The revoked grant is answered
+             * now (the scheduler gave it away already: its RELEASE only closes its books) and
+             * the new one taken; its gate opens once the running drain is done (job_done). */
+            core_log(c, LOG_INFO, "%s granted again (grant %llu) while its revoked grant %llu drained", d->uuid,
+                     (unsigned long long)m->grant, (unsigned long long)d->grant);
+            send_message(c, NVS_MSG_RELEASE, (int)(d - c->devices), d->grant, "revoke", now);
+            d->drain_wanted = 0;
+            d->evict_due = 0;
+            d->release_drained = 0;
+        } else if (d->state == NVS_DRAINING) {
             /* A draining device claimed in HELLO: the restarted daemon names its grant. The
              * gate stays closed; the RELEASE with this id follows the drain. */
             if (!d->grant_known && !d->release_unanswerable) {
@@ -628,6 +658,9 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
         d->contended_idle_ms = m->idle_ms;
         if (!c->config.predrain) {
             core_log(c, LOG_DEBUG, "others wait for %s; no pre-drain (NVSHARE_PREDRAIN=0)", d->uuid);
+        } else if (drains_with_others(c)) {
+            core_log(c, LOG_DEBUG, "others wait for %s; no pre-drain (a gang's devices drain together at its DROP)",
+                     d->uuid);
         } else {
             d->grant = m->grant;
             d->grant_known = 1;
@@ -748,7 +781,9 @@ void nvs_core_job_done(struct nvs_core *c, int device, enum nvs_job_result resul
     struct nvs_core_device *d = &c->devices[device];
     enum nvs_job job = d->job;
     d->job = NVS_JOB_NONE;
-    if (job == NVS_JOB_SWAP_OUT || job == NVS_JOB_PREFETCH || job == NVS_JOB_PREFETCH_AHEAD) {
+    if (job == NVS_JOB_DRAIN && !d->release_due) {
+        continue_grant(c, d, now); /* its release was called off: the grant came back (see GRANT) */
+    } else if (job == NVS_JOB_SWAP_OUT || job == NVS_JOB_PREFETCH || job == NVS_JOB_PREFETCH_AHEAD) {
         swap_job_done(c, d, job, result, now);
     } else if (result == NVS_RESULT_ACTIVE || (job == NVS_JOB_PROBE && result == NVS_RESULT_DRAINED &&
                                                !d->release_due && d->admit_wanted > 0)) {
@@ -1044,7 +1079,13 @@ static void run_device_rules(struct nvs_core *c, struct nvs_core_device *d, doub
         return;
     }
     int wants = d->state == NVS_IDLE && d->waiters > 0;
-    if (!d->announced) { /* once the process has resolved the device, before any memory call */
+    /* Announced once used, not once resolved: PyTorch resolves every device at start-up, and
+     * the scheduler counts a process as a member of each device it announced (a gang is
+     * granted all of its members' devices together). Before the first MEMORY, ADMIT or ACQUIRE. */
+    if (!d->used)
+        d->used = d->bytes > 0 || d->entered > 0 || d->waiters > 0 || d->admit_wanted > 0 ||
+                  d->state == NVS_WAITING || d->state == NVS_HOLDING || d->state == NVS_DRAINING;
+    if (d->used && !d->announced) {
         d->announced = 1;
         d->reported_bytes = UINT64_MAX;
         d->reported_resident = UINT64_MAX;
@@ -1274,6 +1315,8 @@ static size_t encode(const struct nvs_core *c, const struct nvs_core_queued *q, 
         .pod = k->pod,
         .namespace_ = k->pod_namespace,
         .program = k->program,
+        .gang = k->gang,
+        .gang_size = k->gang_size,
         .held = held,
         .wanted = wanted,
         .total = d != NULL ? d->total : 0,

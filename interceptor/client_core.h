@@ -96,6 +96,8 @@ struct nvs_core_config {
     char pod_namespace[256];
     char program[128];
     char socket_path[256]; /* named in log records */
+    char gang[128];        /* HELLO's gang (gang.h), "": none */
+    uint64_t gang_size;    /* its ranks on this node */
 };
 
 #define NVS_DRAIN_HISTORY 4 /* drains remembered per device to foresee the next one's length */
@@ -124,6 +126,8 @@ struct nvs_core_device {
     int release_unanswerable; /* the grant died with the registration: nothing to RELEASE */
     enum nvs_job job;         /* handed to the worker, result not in yet */
     int drain_wanted;         /* a drain is due but waits for captures to end (or the job) */
+    int used;                 /* the process allocated on the device, waited for it or held it:
+                               * it is announced from then on (resolving it is not using it) */
     int announced;            /* DEVICE sent on the current connection */
     uint64_t reported_bytes;  /* last MEMORY sent on the current connection */
     uint64_t idle_entered;    /* idle detection: `entered` at the last check */

@@ -48,6 +48,8 @@ class _Config(ctypes.Structure):
         ("pod_namespace", ctypes.c_char * 256),
         ("program", ctypes.c_char * 128),
         ("socket_path", ctypes.c_char * 256),
+        ("gang", ctypes.c_char * 128),
+        ("gang_size", ctypes.c_uint64),
     ]
 
 
@@ -134,13 +136,16 @@ class ClientCore:
     def __init__(self, lib: ctypes.CDLL, pid: int, session: str, *, fail_open: bool = False,
                  idle_release_ms: int = -1, predrain: bool = True, log_level: int = LOG_DEBUG, host: str = "",
                  container: str = "", pod: str = "", namespace: str = "", program: str = "",
-                 socket_path: str = "") -> None:
+                 socket_path: str = "", gang: str = "", gang_size: int = 0) -> None:
+        """`gang`, `gang_size`: the multi-GPU job this process is a rank of, for HELLO (what the
+        interceptor's gang discovery finds, interceptor/gang.c); "" for none."""
         self.lib = lib
         self.buf = ctypes.create_string_buffer(lib.nvs_core_size())
         config = _Config(fail_open=int(fail_open), idle_release_ms=idle_release_ms, predrain=int(predrain),
                          log_level=log_level, pid=pid, session=session.encode(), host=_text(host, 256),
                          container=_text(container, 80), pod=_text(pod, 256), pod_namespace=_text(namespace, 256),
-                         program=_text(program, 128), socket_path=_text(socket_path, 256))
+                         program=_text(program, 128), socket_path=_text(socket_path, 256),
+                         gang=_text(gang, 128), gang_size=gang_size)
         lib.nvs_core_init(self.buf, ctypes.byref(config))
         self._action = _Action()
         self._data = ctypes.create_string_buffer(protocol.MAX_MESSAGE + 1)

@@ -167,7 +167,9 @@ MESSAGES: Final[tuple[Message, ...]] = (
         required("total", UINT, "bytes"),
         optional("name", TEXT, ""),
     ), "Announce a device this client uses: sent once per device and registration, as soon as the "
-       "client has resolved the device (before any other message naming it). `total` is the "
+       "client uses the device: allocates on it, waits for it or holds it, not when it merely "
+       "resolves it (frameworks resolve every device at start-up, and a gang is granted every "
+       "device its members announced). Before any other message naming it. `total` is the "
        "client's measurement (`0`: none); it is informational only. A device's size is what the "
        "daemon measures itself (NVML) or the operator sets (`set-budget`), never a client's figure "
        "(docs/scheduler.md, *Security model*). `name` is shown while the daemon has no name of its "

@@ -941,3 +941,36 @@ def test_simulated_capture_semantics_agree_with_a_real_driver(simcuda, tmp_path,
         return [(step["step"], step["thread"], step["rc"], step.get("status")) for step in steps]
 
     assert outcome(env, [f"--module={ptx}"]) == outcome(simcuda.env(), [])
+
+
+def test_an_allreduce_spins_until_its_partner_has_run_then_writes_the_sum(simcuda, tmp_path):
+    """nvshare_allreduce (cuda_collective.c): rank 0's kernel keeps its stream busy until rank 1,
+    another process on the other GPU, launches the matching one; both then hold the sum."""
+    trace = tmp_path / "trace.jsonl"
+    env = simcuda.env(trace=trace, devices=2, SIMCUDA_COLLECTIVE=f"2:{tmp_path / 'group'}")
+    first = subprocess.Popen(simcuda.simapp_argv("alloc:plain:4K", "allreduce:0:1:16", "stream-sync", "check:0:3:16"),
+                             env={**env, "CUDA_VISIBLE_DEVICES": "0"}, stdout=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not lines or not lines[-1]["step"].startswith("allreduce"):
+            line = first.stdout.readline()
+            assert line, f"rank 0 ended early: {lines}"
+            lines.append(json.loads(line))
+        # rank 0's all-reduce is launched (and spins) before rank 1 even starts
+        second = simcuda.run_simapp("alloc:plain:4K", "allreduce:0:2:16", "stream-sync", "check:0:3:16",
+                                    env={**env, "CUDA_VISIBLE_DEVICES": "1"})
+        assert second.returncode == 0 and second.steps[-1]["ok"], second.stderr
+        rest = [json.loads(line) for line in first.stdout.read().splitlines()]
+        assert first.wait(timeout=60) == 0 and rest[-1]["ok"], rest
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    ops = {op["pid"]: op for op in simcuda.read_trace(trace) if op.get("name") == "nvshare_allreduce"}
+    waited, partner = ops[first.pid], next(op for pid, op in ops.items() if pid != first.pid)
+    assert waited["end"] >= partner["start"] and waited["start"] <= partner["start"]
+
+
+def test_an_allreduce_outside_a_group_fails_the_context(simcuda):
+    run = simcuda.run_simapp("alloc:plain:4K", "allreduce:0:1", "sync", env=simcuda.env())
+    assert run.steps[-1]["rc"] == 1  # CUDA_ERROR_INVALID_VALUE, sticky like a GPU fault

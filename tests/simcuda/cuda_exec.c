@@ -298,7 +298,7 @@ static size_t op_bytes(const struct sim_op *op)
     case SIM_OP_DISCARD:
         return op->u.prefetch.bytes;
     case SIM_OP_KERNEL:
-        return op->u.kernel.count * 4; /* nvshare_fill */
+        return op->u.kernel.count * 4; /* nvshare_fill, nvshare_allreduce */
     default:
         return 0;
     }
@@ -337,7 +337,9 @@ static void trace(const struct sim_ctx *ctx, const struct sim_op *op, double sta
     switch (op->kind) {
     case SIM_OP_KERNEL:
         kind = "kernel";
-        name = op->u.kernel.kind == SIM_KERNEL_SLEEP ? "nvshare_sleep" : "nvshare_fill";
+        name = op->u.kernel.kind == SIM_KERNEL_SLEEP  ? "nvshare_sleep"
+               : op->u.kernel.kind == SIM_KERNEL_FILL ? "nvshare_fill"
+                                                      : "nvshare_allreduce";
         break;
     case SIM_OP_MEMCPY:
     case SIM_OP_BATCH:
@@ -442,6 +444,22 @@ static void cross_link(struct sim_ctx *ctx, const struct sim_op *op, struct outc
     }
 }
 
+/* A fill, an all-reduce or a prefetch: on the compute engine. An all-reduce first waits for its
+ * partners without it (its stream stays busy meanwhile), then writes the sum like a fill. */
+static CUresult run_on_engine(struct sim_ctx *ctx, struct sim_op *op)
+{
+    if (op->kind == SIM_OP_KERNEL && op->u.kernel.kind == SIM_KERNEL_ALLREDUCE) {
+        CUresult joined = sim_collective_join(ctx, op);
+        if (joined != CUDA_SUCCESS)
+            return joined;
+    }
+    sim_engine_enter(ctx->device);
+    sim_residency_touch(ctx, op);
+    CUresult error = run_memory_op(op);
+    sim_engine_leave(ctx->device);
+    return error;
+}
+
 static void execute(struct sim_ctx *ctx, struct sim_op *op)
 {
     if (op->kind == SIM_OP_WAIT) {
@@ -474,10 +492,7 @@ static void execute(struct sim_ctx *ctx, struct sim_op *op)
         sim_residency_touch(ctx, op);
         error = run_memory_op(op);
     } else if (op->kind == SIM_OP_KERNEL || op->kind == SIM_OP_PREFETCH) {
-        sim_engine_enter(ctx->device);
-        sim_residency_touch(ctx, op);
-        error = run_memory_op(op);
-        sim_engine_leave(ctx->device);
+        error = run_on_engine(ctx, op);
     } else {
         if (op->kind == SIM_OP_MEMCPY || op->kind == SIM_OP_BATCH)
             cross_link(ctx, op, &outcome);

@@ -132,6 +132,9 @@ static void run_init(void)
     init_result = sim_residency_open();
     if (init_result != CUDA_SUCCESS)
         return;
+    init_result = sim_collective_open();
+    if (init_result != CUDA_SUCCESS)
+        return;
     pthread_atfork(NULL, NULL, mark_forked_child);
     atomic_store_explicit(&initialized, 1, memory_order_release);
 }

@@ -1,8 +1,10 @@
 /*
- * Modules, libraries and launches. Any image loads; every module and library holds the two
+ * Modules, libraries and launches. Any image loads; every module and library holds the three
  * fake kernels of docs/architecture.md:
  *   nvshare_sleep(uint64_t duration_us)                          occupies the device that long
  *   nvshare_fill(CUdeviceptr dst, uint32_t value, uint64_t count) writes count 32-bit words
+ *   nvshare_allreduce(CUdeviceptr dst, uint32_t value, uint64_t count) the same with the sum of
+ *       every rank's value, once all have launched theirs (cuda_collective.c)
  * A CUkernel and the CUfunction it yields are the same object, so the CUDA runtime's habit of
  * launching a CUkernel through cuLaunchKernel works as with the real driver.
  */
@@ -14,7 +16,7 @@
 
 struct sim_module {
     enum sim_magic magic;
-    struct sim_function sleep, fill;
+    struct sim_function sleep, fill, allreduce;
 };
 
 /* Limits of a Hopper device, checked as the real driver checks them. */
@@ -29,6 +31,7 @@ static CUresult new_module(struct sim_module **out)
     module->magic = SIM_MAGIC_MODULE;
     module->sleep = (struct sim_function){SIM_MAGIC_FUNCTION, SIM_KERNEL_SLEEP, "nvshare_sleep"};
     module->fill = (struct sim_function){SIM_MAGIC_FUNCTION, SIM_KERNEL_FILL, "nvshare_fill"};
+    module->allreduce = (struct sim_function){SIM_MAGIC_FUNCTION, SIM_KERNEL_ALLREDUCE, "nvshare_allreduce"};
     *out = module;
     return CUDA_SUCCESS;
 }
@@ -84,6 +87,8 @@ static CUresult get_function(struct sim_module *module, const char *name, struct
         *out = &module->sleep;
     else if (strcmp(name, module->fill.name) == 0)
         *out = &module->fill;
+    else if (strcmp(name, module->allreduce.name) == 0)
+        *out = &module->allreduce;
     else
         return CUDA_ERROR_NOT_FOUND;
     return CUDA_SUCCESS;
@@ -103,7 +108,7 @@ static CUresult unload(void *handle)
     struct sim_module *module;
     CUresult result = check_module(handle, &module);
     if (result == CUDA_SUCCESS) {
-        module->magic = module->sleep.magic = module->fill.magic = SIM_MAGIC_DEAD;
+        module->magic = module->sleep.magic = module->fill.magic = module->allreduce.magic = SIM_MAGIC_DEAD;
         free(module);
     }
     return result;

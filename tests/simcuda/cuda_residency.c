@@ -707,7 +707,7 @@ void sim_residency_touch(struct sim_ctx *ctx, const struct sim_op *op)
             else
                 bring_in(state, &one, 1, 0, &moves);
         }
-    } else if (op->u.kernel.kind == SIM_KERNEL_FILL) {
+    } else if (op->u.kernel.kind != SIM_KERNEL_SLEEP) { /* a fill, or an all-reduce's write */
         if (managed_range(device, op->u.kernel.dst, (size_t)op->u.kernel.count * 4, &one))
             bring_in(state, &one, 1, 0, &moves);
     } else {

@@ -84,7 +84,7 @@ struct buffer {
 struct device_state {
     int ready;
     CUcontext ctx;
-    CUfunction sleep, fill;
+    CUfunction sleep, fill, allreduce;
     CUmemoryPool pool;            /* created by the first "pool" allocation */
     CUdeviceptr scratch_a, scratch_b;
     void *pinned;
@@ -335,6 +335,8 @@ static int use_device(int ordinal)
             rc = CALL(FN(cuModuleGetFunction), &device->sleep, module, "nvshare_sleep");
         if (rc == CUDA_SUCCESS)
             rc = CALL(FN(cuModuleGetFunction), &device->fill, module, "nvshare_fill");
+        if (rc == CUDA_SUCCESS && !module_path) /* the simulated driver's collective (no PTX of it) */
+            rc = CALL(FN(cuModuleGetFunction), &device->allreduce, module, "nvshare_allreduce");
         device->ready = rc == CUDA_SUCCESS;
     }
     if (rc == CUDA_SUCCESS)
@@ -568,24 +570,27 @@ static void step_sleep_kernel(enum launcher launcher, char **args, int count, st
     out->rc = launch(launcher, here()->sleep, 1, 1, params, current_stream);
 }
 
-static int fill(CUdeviceptr ptr, uint32_t value, uint64_t words)
+/* nvshare_fill, or nvshare_allreduce (the same arguments: it writes the sum of the ranks' values). */
+static int fill(CUfunction kernel, CUdeviceptr ptr, uint32_t value, uint64_t words)
 {
     void *params[] = {&ptr, &value, &words};
     uint64_t blocks = (words + 255) / 256;
-    return launch(LAUNCH_KERNEL, here()->fill, blocks > 1024 ? 1024 : blocks ? (unsigned)blocks : 1, 256, params,
+    return launch(LAUNCH_KERNEL, kernel, blocks > 1024 ? 1024 : blocks ? (unsigned)blocks : 1, 256, params,
                   current_stream);
 }
 
-/* fill:<index>:<value>[:<words>] and check:<index>:<value>[:<words>] */
-static void step_fill_or_check(int check, char **args, int count, struct outcome *out)
+enum fill_step { FILL, CHECK, ALLREDUCE };
+
+/* fill:<index>:<value>[:<words>], check:<index>:<value>[:<words>], allreduce:<index>:<value>[:<words>] */
+static void step_fill_or_check(enum fill_step step, char **args, int count, struct outcome *out)
 {
     if (count != 3 && count != 4)
-        usage_error("fill|check:<index>:<value>[:<words>] expected, got %s", args[0]);
+        usage_error("fill|check|allreduce:<index>:<value>[:<words>] expected, got %s", args[0]);
     struct buffer *buffer = get_buffer(args[1]);
     uint32_t value = (uint32_t)parse_number(args[2], args[2]);
     uint64_t words = count == 4 ? parse_number(args[3], args[3]) : buffer->bytes / 4;
-    if (!check) {
-        out->rc = fill(buffer->ptr, value, words);
+    if (step != CHECK) {
+        out->rc = fill(step == FILL ? here()->fill : here()->allreduce, buffer->ptr, value, words);
         return;
     }
     uint32_t *host = host_calloc(words + 1, 4);
@@ -1308,9 +1313,11 @@ static void run_step(char *text, int *number)
     else if (strcmp(name, "graph") == 0)
         step_sleep_kernel(LAUNCH_GRAPH, args, count, &out);
     else if (strcmp(name, "fill") == 0)
-        step_fill_or_check(0, args, count, &out);
+        step_fill_or_check(FILL, args, count, &out);
     else if (strcmp(name, "check") == 0)
-        step_fill_or_check(1, args, count, &out);
+        step_fill_or_check(CHECK, args, count, &out);
+    else if (strcmp(name, "allreduce") == 0)
+        step_fill_or_check(ALLREDUCE, args, count, &out);
     else if (strcmp(name, "copy") == 0)
         step_copy(args, count, &out);
     else if (strcmp(name, "dtoh") == 0 || strcmp(name, "htod") == 0)

@@ -148,7 +148,7 @@ CUresult sim_ctx_require(struct sim_ctx **out);
 
 /* ---- cuda_exec.c: operation queue, executor, trace ---- */
 
-enum sim_kernel_kind { SIM_KERNEL_SLEEP, SIM_KERNEL_FILL };
+enum sim_kernel_kind { SIM_KERNEL_SLEEP, SIM_KERNEL_FILL, SIM_KERNEL_ALLREDUCE };
 
 /* Bytes spanned by `height` rows of `width` bytes in each of `depth` slices. */
 static inline size_t sim_extent(size_t width, size_t height, size_t depth, size_t pitch, size_t slice)
@@ -417,6 +417,14 @@ size_t sim_residency_discard(struct sim_ctx *ctx, uintptr_t ptr, size_t bytes);
  * touches resident (or, for a prefetch to the host, not), sleeping for the cost and tracing
  * the migrations. */
 void sim_residency_touch(struct sim_ctx *ctx, const struct sim_op *op);
+
+/* ---- cuda_collective.c: nvshare_allreduce ---- */
+
+/* cuInit: SIMCUDA_COLLECTIVE, the group this process's all-reduces join. */
+CUresult sim_collective_open(void);
+/* Executor, no lock held: contributes the all-reduce's value, waits for every rank's matching
+ * one, and leaves the sum in op->u.kernel.value (then written like nvshare_fill's). */
+CUresult sim_collective_join(struct sim_ctx *ctx, struct sim_op *op);
 
 /* ---- cuda_module.c ---- */
 

@@ -1,0 +1,396 @@
+"""Data-parallel jobs sharing GPUs under nvshare, with and without gangs (issue 19).
+
+    python benchmarks/bench_gang.py --quick          # simulated driver, a few minutes
+    python benchmarks/bench_gang.py                  # simulated driver, more steps
+    python benchmarks/bench_gang.py --gpu            # two real GPUs: PyTorch + NCCL (issue 19's table)
+
+A job has two ranks, one per GPU, each a process; every step is compute followed by an
+all-reduce that waits for the other rank (NCCL's, or the simulated driver's nvshare_allreduce,
+which spins on the GPU until its partner's has run). Cases:
+- `alone_native`, `alone_nvshare`: one job, without nvshare and under it (scheduler on);
+- `sequential`: two jobs one after the other, without nvshare (the baseline);
+- `together_native`: two jobs at once, without nvshare;
+- `together_nvshare`: two jobs at once under nvshare, ranks in gangs (found from torchrun's
+  variables, interceptor/gang.c);
+- `together_nvshare_no_gangs`: the same with NVSHARE_GANG=none (each rank takes each GPU's
+  lock on its own, as before gangs: the deadlock that only revocations break);
+- `beside_single`: one job beside a single-GPU job on GPU 0 (matmuls only), under nvshare.
+
+ARRIVAL: under nvshare, job a's rank 0 and job b's rank 1 start first, the other ranks once
+those have registered and asked for their GPU: without gangs each first rank takes its GPU and
+the deadlock is certain (started all at once it depends on who asks first: issue 19's run saw
+23 revocations, some simulated runs none); with gangs they wait for their partners.
+
+Makespan: from the first rank's first step to the last rank's end, from the ranks' own
+CLOCK_MONOTONIC stamps. Revocations and grants come from the scheduler's timeline.
+
+Simulated driver: tests/simcuda with residency modelled (so that processes on one simulated GPU
+take turns on it, as on a real one), two GPUs; the jobs are simapp's `allreduce` loop. Real
+GPUs (`--gpu`): each rank is `python -c` of WORKER below, torch.distributed initialised from
+the environment (MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK/LOCAL_RANK/LOCAL_WORLD_SIZE, as
+torchrun sets them), device LOCAL_RANK, backend NCCL; each step 20 matmuls of 4096x4096 and an
+all-reduce of 64 MiB, 300 steps, then a checksum that must agree between ranks and runs. The
+scheduler measures the GPUs through NVML; libnvshare.so is built from this tree.
+
+Prints ONE JSON document on stdout: `summary.two_jobs` holds `sequential_s`, `nvshare_s`,
+`revocations` (gangs) and `nvshare_no_gangs_s`, `no_gangs_revocations` (for contrast),
+`native_together_s`, and the ratios; `results` holds every case. --out DIR also writes it to
+DIR/gang-<sim|gpu>-<date>[-quick].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from nvshare_py.control import request  # noqa: E402
+from nvshare_py.paths import SocketPaths  # noqa: E402
+
+SIM_DEVICES = 2
+SIM_MEMORY = "1G"
+SIM_TIMESLICE_US = 2000
+JOB_TIMEOUT_S = 600.0
+
+WORKER = r"""
+import json, os, sys, time
+import torch, torch.distributed as dist
+steps, matmuls, n, reduce_mib = (int(a) for a in sys.argv[1:5])
+local = int(os.environ.get("LOCAL_RANK", "0"))
+torch.cuda.set_device(local)
+dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+torch.manual_seed(1234 + dist.get_rank())
+a = torch.randn(n, n, device="cuda") / n ** 0.5
+b = torch.randn(n, n, device="cuda")
+grad = torch.ones(reduce_mib * 2 ** 20 // 4, device="cuda")
+dist.all_reduce(grad)  # NCCL's communicator is up before the clock starts
+torch.cuda.synchronize()
+dist.barrier()
+start = time.monotonic()
+for step in range(steps):
+    for _ in range(matmuls):
+        b = a @ b
+    grad.fill_(float(step % 7))
+    dist.all_reduce(grad)
+    torch.cuda.synchronize()  # a training step's loss.item()
+end = time.monotonic()
+checksum = float(grad[:1024].sum().item())
+print(json.dumps({"rank": dist.get_rank(), "start": start, "end": end, "checksum": checksum}), flush=True)
+dist.destroy_process_group()
+"""
+
+SINGLE = r"""
+import json, sys, time
+import torch
+steps, matmuls, n = (int(a) for a in sys.argv[1:4])
+a = torch.randn(n, n, device="cuda") / n ** 0.5
+b = torch.randn(n, n, device="cuda")
+torch.cuda.synchronize()
+start = time.monotonic()
+for step in range(steps):
+    for _ in range(matmuls):
+        b = a @ b
+    torch.cuda.synchronize()
+print(json.dumps({"rank": "single", "start": start, "end": time.monotonic(), "checksum": 0.0}), flush=True)
+"""
+
+
+def arrival(jobs: list[str]) -> list[tuple[int, str, int]]:
+    """(job number, job, rank) in the order the ranks start (ARRIVAL): job i's rank i % 2
+    first, then the others."""
+    firsts = [(number, job, number % 2) for number, job in enumerate(jobs)]
+    return firsts + [(number, job, 1 - number % 2) for number, job in enumerate(jobs)]
+
+
+def make(directory: str, build: Path) -> None:
+    subprocess.run(["make", "-s", "-C", str(REPO / directory), f"BUILD={build}"], check=True, capture_output=True)
+
+
+class Scheduler:
+    """The daemon (python -m nvshare_py.scheduler) on a fresh socket directory."""
+
+    def __init__(self, options: dict[str, Any], env: dict[str, str]) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="nvs-gang-", dir="/tmp"))
+        self.paths = SocketPaths(self.dir)
+        argv = [sys.executable, "-m", "nvshare_py.scheduler", "--socket-dir", str(self.dir)]
+        for name, value in options.items():
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+        self.log = open(self.dir / "scheduler.log", "wb")
+        self.process = subprocess.Popen(argv, env={**env, "PYTHONPATH": str(REPO)}, cwd="/", stdout=self.log,
+                                        stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                request(self.paths, "status", timeout=1.0)
+                return
+            except Exception:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"the scheduler did not start: {(self.dir / 'scheduler.log').read_text()}")
+                time.sleep(0.1)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"NVSHARE_SOCKET_DIR": str(self.dir)}
+
+    def timeline(self) -> dict[str, int]:
+        """Grants, revocations and drops with reason gang, from the daemon's events."""
+        events, since = [], 0
+        while True:
+            answer = request(self.paths, "events", since=since, limit=10_000, timeout=10.0)
+            events += answer["events"]
+            if not answer["events"] or answer.get("next") in (None, since):
+                break
+            since = answer["next"]
+        kinds = [event["kind"] for event in events]
+        return {"grants": kinds.count("grant"), "revocations": kinds.count("revoke"),
+                "drops": kinds.count("drop")}
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def run_ranks(commands: list[tuple[list[str], dict[str, str]]], timeout: float,
+              scheduler: Scheduler | None = None, first: int = 0) -> dict[str, Any]:
+    """Start the ranks; each prints JSON lines with start/end stamps (simapp's steps, or
+    WORKER's one line). Makespan from the first start to the last end. Under a scheduler the
+    `first` commands start alone and the rest once those have registered and asked for their
+    GPU (see ARRIVAL)."""
+    def start(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+
+    started = time.monotonic()
+    staged = scheduler is not None and first > 0
+    processes = [start(*command) for command in (commands[:first] if staged else commands)]
+    if staged:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            clients = request(scheduler.paths, "status", timeout=10.0)["clients"]
+            if sum(1 for client in clients if client["devices"]) >= first:
+                break
+            time.sleep(0.05)
+        processes += [start(*command) for command in commands[first:]]
+    lines, finished, errors = [], True, []
+    for process in processes:
+        try:
+            out, err = process.communicate(timeout=max(1.0, started + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+            finished = False
+        if process.returncode not in (0, None) and finished:
+            errors.append(err[-2000:])
+        lines.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+    if errors:
+        raise RuntimeError("a rank failed:\n" + "\n---\n".join(errors))
+    if not finished:
+        return {"makespan_s": round(timeout, 3), "finished": False}
+    first = min(line["start"] for rank in lines for line in rank if line.get("step") != "init")
+    last = max(line["end"] for rank in lines for line in rank)
+    correct = all(rank[-1].get("ok", True) for rank in lines)  # simapp's final check
+    checksums = sorted({rank[-1]["checksum"] for rank in lines if "checksum" in rank[-1] and rank[-1]["rank"] != "single"})
+    return {"makespan_s": round(last - first, 3), "finished": True, "correct": correct,
+            **({"checksums": checksums} if checksums else {})}
+
+
+class Simulated:
+    """Ranks are simapp processes on the simulated driver (tests/simcuda)."""
+
+    def __init__(self, work: Path, steps: int, compute_us: int, kernels: int) -> None:
+        self.work = work
+        make("tests/simcuda", work / "sim")
+        make("interceptor", work / "lib")
+        self.sim = work / "sim"
+        self.library = work / "lib" / "libnvshare.so"
+        self.steps, self.compute_us, self.kernels = steps, compute_us, kernels
+        self.runs = 0
+
+    def base_env(self, run: Path) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "LD_PRELOAD")}
+        env.update(LD_LIBRARY_PATH=str(self.sim), SIMCUDA_DEVICES=str(SIM_DEVICES), SIMCUDA_MEMORY=SIM_MEMORY,
+                   SIMCUDA_RESIDENCY_DIR=str(run), SIMCUDA_TIMESLICE_US=str(SIM_TIMESLICE_US), NVSHARE_LOG="error")
+        return env
+
+    def scheduler_env(self) -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+
+    def commands(self, run: Path, jobs: list[str], single: bool, env: dict[str, str]) -> list[tuple[list[str], dict[str, str]]]:
+        out = []
+        compute = ",".join([f"kernel:{self.compute_us}"] * self.kernels)
+        for number, job, rank in arrival(jobs):
+            rank_env = {**env, "CUDA_VISIBLE_DEVICES": str(rank),
+                        "SIMCUDA_COLLECTIVE": f"2:{run / (job + '.collective')}",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + number), "WORLD_SIZE": "2",
+                        "LOCAL_WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            argv = [str(self.sim / "simapp"), "alloc:plain:1M",
+                    f"repeat:{self.steps}:{compute},allreduce:0:{rank + 1}:1024,stream-sync", "check:0:3:1024"]
+            out.append((argv, rank_env))
+        if single:
+            argv = [str(self.sim / "simapp"), "alloc:plain:1M", f"repeat:{self.steps}:{compute},stream-sync"]
+            out.append((argv, {**env, "CUDA_VISIBLE_DEVICES": "0"}))
+        return out
+
+    def run(self, jobs: list[str], nvshare: Scheduler | None, single: bool = False, gangs: bool = True) -> dict[str, Any]:
+        self.runs += 1
+        run = self.work / f"run{self.runs}"
+        run.mkdir()
+        env = self.base_env(run)
+        if nvshare is not None:
+            env.update(nvshare.env, LD_PRELOAD=str(self.library))
+            if not gangs:
+                env["NVSHARE_GANG"] = "none"
+        result = run_ranks(self.commands(run, jobs, single, env), JOB_TIMEOUT_S, nvshare, first=len(jobs))
+        shutil.rmtree(run, ignore_errors=True)
+        return result
+
+
+class RealGpus:
+    """Ranks are PyTorch processes (WORKER) on two real GPUs."""
+
+    def __init__(self, work: Path, steps: int, matmuls: int, n: int, reduce_mib: int) -> None:
+        make("interceptor", work / "lib")
+        self.library = work / "lib" / "libnvshare.so"
+        self.args = [str(steps), str(matmuls), str(n), str(reduce_mib)]
+        self.single_args = [str(steps), str(matmuls), str(n)]
+
+    def scheduler_env(self) -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+
+    def run(self, jobs: list[str], nvshare: Scheduler | None, single: bool = False, gangs: bool = True) -> dict[str, Any]:
+        env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "LD_PRELOAD")}
+        if nvshare is not None:
+            env.update(nvshare.env, LD_PRELOAD=str(self.library), NVSHARE_LOG="warn")
+            if not gangs:
+                env["NVSHARE_GANG"] = "none"
+        commands = []
+        for number, _, rank in arrival(jobs):
+            rank_env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + number), "WORLD_SIZE": "2",
+                        "LOCAL_WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            commands.append(([sys.executable, "-c", WORKER, *self.args], rank_env))
+        if single:
+            commands.append(([sys.executable, "-c", SINGLE, *self.single_args], {**env, "CUDA_VISIBLE_DEVICES": "0"}))
+        result = run_ranks(commands, JOB_TIMEOUT_S, nvshare, first=len(jobs))
+        result["correct"] = len(result.get("checksums", [0])) == 1  # every rank of every job agrees
+        return result
+
+
+def measure(runner: Any, options: dict[str, Any], say: Callable[[str], None]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+
+    def under_nvshare(name: str, jobs: list[str], **kwargs: Any) -> None:
+        scheduler = Scheduler(options, runner.scheduler_env())
+        try:
+            outcome = runner.run(jobs, scheduler, **kwargs)
+            outcome.update(scheduler.timeline())
+        finally:
+            scheduler.close()
+        results[name] = outcome
+        say(f"{name}: {outcome}")
+
+    results["alone_native"] = runner.run(["a"], None)
+    say(f"alone_native: {results['alone_native']}")
+    under_nvshare("alone_nvshare", ["a"])
+    first, second = runner.run(["a"], None), runner.run(["b"], None)
+    results["sequential"] = {"makespan_s": round(first["makespan_s"] + second["makespan_s"], 3),
+                             "finished": first["finished"] and second["finished"],
+                             "correct": first.get("correct") and second.get("correct")}
+    say(f"sequential: {results['sequential']}")
+    results["together_native"] = runner.run(["a", "b"], None)
+    say(f"together_native: {results['together_native']}")
+    under_nvshare("together_nvshare", ["a", "b"])
+    under_nvshare("together_nvshare_no_gangs", ["a", "b"], gangs=False)
+    under_nvshare("beside_single", ["a"], single=True)
+    return results
+
+
+def summary(results: dict[str, Any]) -> dict[str, Any]:
+    sequential = results["sequential"]["makespan_s"]
+    gang, no_gang = results["together_nvshare"], results["together_nvshare_no_gangs"]
+    alone, alone_nvshare = results["alone_native"]["makespan_s"], results["alone_nvshare"]["makespan_s"]
+    return {
+        "two_jobs": {
+            "sequential_s": sequential,
+            "nvshare_s": gang["makespan_s"],
+            "revocations": gang["revocations"],
+            "nvshare_to_sequential": round(gang["makespan_s"] / sequential, 3),
+            "nvshare_no_gangs_s": no_gang["makespan_s"],
+            "no_gangs_revocations": no_gang["revocations"],
+            "no_gangs_to_sequential": round(no_gang["makespan_s"] / sequential, 3),
+            "native_together_s": results["together_native"]["makespan_s"],
+            "native_together_to_nvshare": round(results["together_native"]["makespan_s"] / gang["makespan_s"], 3),
+            "all_correct": all(r.get("correct", False) for r in results.values()),
+        },
+        "one_job": {"native_s": alone, "nvshare_s": alone_nvshare, "overhead": round(alone_nvshare / alone - 1, 4)},
+        "beside_single": {"makespan_s": results["beside_single"]["makespan_s"],
+                          "finished": results["beside_single"]["finished"],
+                          "revocations": results["beside_single"]["revocations"]},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu", action="store_true", help="two real GPUs, PyTorch + NCCL")
+    parser.add_argument("--quick", action="store_true", help="fewer steps (simulated: a few minutes)")
+    parser.add_argument("--tq", type=float, default=None, help="the scheduler's time quantum (s)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per rank (default: by --quick and --gpu)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here (a directory)")
+    args = parser.parse_args()
+    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    work = Path(tempfile.mkdtemp(prefix="bench-gang-"))
+    try:
+        if args.gpu:
+            steps = args.steps or (60 if args.quick else 300)
+            runner: Any = RealGpus(work, steps=steps, matmuls=20, n=4096, reduce_mib=64)
+            tq = args.tq if args.tq is not None else 5.0
+            config = {"steps": steps, "matmuls": 20, "n": 4096, "allreduce_mib": 64, "backend": "nccl"}
+        else:
+            steps = args.steps or (60 if args.quick else 200)
+            runner = Simulated(work, steps=steps, compute_us=5000, kernels=4)
+            tq = args.tq if args.tq is not None else 0.25
+            config = {"steps": steps, "kernels_per_step": 4, "kernel_us": 5000, "devices": SIM_DEVICES,
+                      "residency_timeslice_us": SIM_TIMESLICE_US}
+        options = {"mode": "on", "tq": tq, "grace": tq, "idle_release": 0.3, "heartbeat_interval": 0.2,
+                   "heartbeat_timeout": 10.0, "log_level": "warning"}
+        started = time.monotonic()
+        results = measure(runner, options, say)
+        document = {
+            "benchmark": "bench_gang", "driver": "gpu" if args.gpu else "simulated", "quick": args.quick,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                        "load_average": os.getloadavg()},
+            "config": config, "scheduler": options, "seconds": round(time.monotonic() - started, 1),
+            "summary": summary(results), "results": results,
+        }
+        text = json.dumps(document, indent=2)
+        print(text)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            name = f"gang-{'gpu' if args.gpu else 'sim'}-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}.json"
+            (args.out / name).write_text(text + "\n")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""The client core's side of gangs (issue 19; interceptor/client_core.c): a device is announced
+when the process first uses it, not when it merely resolves it; HELLO says the gang; a GRANT the
+process did not ask for (its gang's turn) opens the gate and is given back when idle; a DROP
+with reason gang drains and releases every device it names. Scripted: each scheduler message is
+sent by hand, the core's answers read back through ctypes."""
+
+from __future__ import annotations
+
+import pytest
+
+from fixtures.client_core import (ACT_GATE, ACT_JOB, ACT_LIMIT, ACT_SEND, HOLDING, IDLE, JOB_DRAIN, JOB_PROBE, World,
+                                  RESULT_DRAINED, ClientCore)
+from nvshare_py import protocol
+
+DEVICES = ["GPU-00000000-0000-0000-0000-000000000000", "GPU-00000001-0000-0000-0000-000000000000"]
+
+
+class Rank:
+    """A registered core that knows two devices (resolved: PyTorch's start-up) and uses none yet."""
+
+    def __init__(self, lib, gang: str = "", gang_size: int = 0, before_welcome: tuple[str, ...] = ()) -> None:
+        self.core = ClientCore(lib, 4242, "00000000000000aa", gang=gang, gang_size=gang_size)
+        for index, uuid in enumerate(DEVICES):
+            self.core.add_device(index, uuid)
+        self.used = [0, 0]
+        self.waiters = [0, 0]
+        self.entered = [0, 0]
+        self.now = 10.0
+        self.observe()
+        self.core.tick(self.now)       # CONNECT
+        self.core.connected(self.now)  # HELLO
+        self.hello = [protocol.decode(a.data) for a in self.core.pop() if a.kind == ACT_SEND]
+        for text in before_welcome:
+            self.core.receive(text.encode(), self.now)
+        self.registration = self.receive("WELCOME", client="c1", heartbeat_ms=1000, idle_release_ms=300, version=1)
+
+    def observe(self) -> None:
+        for index in range(2):
+            self.core.observe(index, self.waiters[index], 0, self.entered[index], self.used[index])
+
+    def receive(self, kind: str, **fields) -> list:
+        self.observe()
+        text = f"NVSHARE/1 {kind}" + "".join(f"\n{k}={v}" for k, v in fields.items())
+        self.core.receive(text.encode(), self.now)
+        return self.core.pop()
+
+    def tick(self, seconds: float = 0.0) -> list:
+        self.now += seconds
+        self.observe()
+        self.core.tick(self.now)
+        return self.core.pop()
+
+    def job_done(self, index: int, result: int) -> list:
+        self.observe()
+        self.core.job_done(index, result, self.now)
+        return self.core.pop()
+
+
+def messages(actions) -> list[protocol.Message]:
+    return [protocol.decode(a.data) for a in actions if a.kind == ACT_SEND]
+
+
+def kinds(actions) -> list[str]:
+    return [m.TYPE for m in messages(actions) if m.TYPE != "HEARTBEAT"]
+
+
+def test_hello_says_the_gang(client_core_lib):
+    hello = Rank(client_core_lib, gang="torch:127.0.0.1:29500", gang_size=2).hello[0]
+    assert (hello.gang, hello.gang_size) == ("torch:127.0.0.1:29500", 2)
+    assert Rank(client_core_lib).hello[0].gang == ""
+
+
+def test_a_device_is_announced_when_first_used_not_when_resolved(client_core_lib):
+    rank = Rank(client_core_lib)
+    assert "DEVICE" not in kinds(rank.registration + rank.tick(0.5))  # resolved both, used none
+    rank.used[1] = 1 << 20  # allocates on device 1
+    first = messages(rank.tick(0.2))
+    assert [(m.TYPE, m.device) for m in first if m.TYPE in ("DEVICE", "MEMORY")] == [
+        ("DEVICE", DEVICES[1]), ("MEMORY", DEVICES[1])]
+    rank.waiters[0] = 1  # a launch waits at device 0's gate
+    second = messages(rank.tick())
+    assert [(m.TYPE, m.device) for m in second if m.TYPE in ("DEVICE", "ACQUIRE")] == [
+        ("DEVICE", DEVICES[0]), ("ACQUIRE", DEVICES[0])]
+
+
+def test_limits_pushed_at_registration_apply_to_devices_not_announced_yet(client_core_lib):
+    """Issue 20's rule holds with late announcements: the LIMIT before WELCOME applies from the
+    first allocation on, whichever device it comes on."""
+    limit = f"NVSHARE/1 LIMIT\nbytes={64 << 20}\ndevice={DEVICES[1]}"
+    rank = Rank(client_core_lib, before_welcome=(limit,))
+    assert [(a.device, a.bytes) for a in rank.registration if a.kind == ACT_LIMIT] == [(1, 64 << 20)]
+    assert "DEVICE" not in kinds(rank.registration)
+
+
+def test_a_grant_not_asked_for_opens_the_gate_and_goes_back_when_idle(client_core_lib):
+    """A gang's turn grants a member every device it announced; one it does not use now is
+    released after the idle window, as any idle holder's."""
+    rank = Rank(client_core_lib, gang="job", gang_size=2)
+    rank.used[1] = 1 << 20
+    rank.tick(0.2)  # announced device 1; never asked for it
+    granted = rank.receive("GRANT", device=DEVICES[1], grant=7, mode="on", exclusive=1, quantum_ms=1000)
+    assert [(a.device, a.value) for a in granted if a.kind == ACT_GATE] == [(1, 1)]
+    assert rank.core.state(1) == HOLDING
+    probe = []
+    for _ in range(20):  # the idle window (300 ms) passes without a submission
+        probe += [a for a in rank.tick(0.05) if a.kind == ACT_JOB]
+    assert [(a.device, a.value) for a in probe] == [(1, JOB_PROBE)]
+    released = messages(rank.job_done(1, RESULT_DRAINED))
+    assert [(m.TYPE, m.grant, m.reason) for m in released if m.TYPE == "RELEASE"] == [("RELEASE", 7, "idle")]
+    assert rank.core.state(1) == IDLE
+
+
+def test_a_gang_drop_drains_and_releases_each_held_device(client_core_lib):
+    rank = Rank(client_core_lib, gang="job", gang_size=2)
+    rank.used = [1 << 20, 1 << 20]
+    rank.waiters = [1, 0]
+    rank.tick(0.2)
+    for index, grant in ((0, 3), (1, 4)):  # the turn: both, one of them not asked for
+        rank.receive("GRANT", device=DEVICES[index], grant=grant, mode="on", exclusive=1, quantum_ms=1000)
+    rank.waiters = [0, 0]
+    rank.entered = [1, 0]
+    drops = []
+    for index, grant in ((0, 3), (1, 4)):
+        drops += rank.receive("DROP", device=DEVICES[index], grant=grant, grace_ms=500, reason="gang")
+    assert sorted((a.device, a.value) for a in drops if a.kind == ACT_JOB) == [(0, JOB_DRAIN), (1, JOB_DRAIN)]
+    assert sorted((a.device, a.value) for a in drops if a.kind == ACT_GATE) == [(0, 0), (1, 0)]
+    released = messages(rank.job_done(0, RESULT_DRAINED) + rank.job_done(1, RESULT_DRAINED))
+    assert sorted((m.device, m.grant, m.reason) for m in released if m.TYPE == "RELEASE") == [
+        (DEVICES[0], 3, "drop"), (DEVICES[1], 4, "drop")]
+
+
+@pytest.mark.parametrize("gang", ["", "job"])
+def test_a_holder_that_resolved_a_device_it_never_used_claims_only_what_it_used(client_core_lib, gang):
+    """After a reconnection HELLO claims the devices held; an unused device is neither
+    announced nor claimed (a gang would otherwise be granted it)."""
+    rank = Rank(client_core_lib, gang=gang, gang_size=2 if gang else 0)
+    rank.used[0] = 1 << 20
+    rank.waiters[0] = 1
+    rank.tick(0.2)
+    rank.receive("GRANT", device=DEVICES[0], grant=1, mode="on", exclusive=1, quantum_ms=1000)
+    rank.waiters[0] = 0
+    rank.core.disconnected("the scheduler closed the connection", rank.now)
+    rank.core.pop()
+    rank.tick(0.2)  # CONNECT
+    rank.core.connected(rank.now)
+    hello = messages(rank.core.pop())[0]
+    assert hello.held == (DEVICES[0],) and hello.gang == gang
+
+
+@pytest.mark.parametrize("gang, devices", [("job", 1), ("", 2), ("", 1)])
+def test_gang_members_and_holders_of_several_devices_drain_at_the_drop_not_ahead(client_core_lib, gang, devices):
+    """A pre-drain starts at a lead learnt per device: the devices of a gang would stop one by
+    one, and a collective on one would spin for a partner that cannot launch. A process alone
+    on one device still pre-drains."""
+    rank = Rank(client_core_lib, gang=gang, gang_size=2 if gang else 0)
+    rank.used = [1 << 20] * devices + [0] * (2 - devices)
+    rank.waiters = [1] * devices + [0] * (2 - devices)
+    rank.tick(0.2)
+    for index in range(devices):
+        rank.receive("GRANT", device=DEVICES[index], grant=index + 1, mode="on", exclusive=1, quantum_ms=1000)
+    rank.waiters = [0, 0]
+    rank.entered = [1] * devices + [0] * (2 - devices)
+    rank.receive("CONTENDED", device=DEVICES[0], grant=1, quantum_left_ms=100)
+    drains = [a for a in rank.tick(0.2) if a.kind == ACT_JOB and a.value == JOB_DRAIN]
+    assert len(drains) == (1 if not gang and devices == 1 else 0)
+
+
+def test_a_revoked_grant_granted_again_before_its_drain_ends_is_answered_and_the_new_one_taken(client_core_lib):
+    """A rank's drain can wait for its gang's next turn: its all-reduce spins until a partner,
+    whose gate closed first, launches the matching one. The scheduler revokes it, and grants
+    the device again in the gang's next turn; the client answers the revoked grant and takes
+    the new one, and its gate opens as soon as the old work is done (not after a RELEASE)."""
+    rank = Rank(client_core_lib, gang="job", gang_size=2)
+    rank.used[0] = 1 << 20
+    rank.waiters[0] = 1
+    rank.tick(0.2)
+    rank.receive("GRANT", device=DEVICES[0], grant=3, mode="on", exclusive=1, quantum_ms=1000)
+    rank.waiters[0], rank.entered[0] = 0, 1
+    drop = rank.receive("DROP", device=DEVICES[0], grant=3, grace_ms=500, reason="quantum")
+    assert [(a.device, a.value) for a in drop if a.kind == ACT_JOB] == [(0, JOB_DRAIN)]  # it spins: no result yet
+    rank.receive("REVOKE", device=DEVICES[0], grant=3, reason="grace-expired")
+    again = rank.receive("GRANT", device=DEVICES[0], grant=9, mode="on", exclusive=1, quantum_ms=1000)
+    assert [(m.TYPE, m.grant, m.reason) for m in messages(again)] == [("RELEASE", 3, "revoke")]
+    assert [a for a in again if a.kind == ACT_GATE] == []  # the old work still runs
+    assert rank.core.state(0) == HOLDING
+    drained = rank.job_done(0, RESULT_DRAINED)  # the partner launched: the all-reduce completed
+    assert [(a.device, a.value) for a in drained if a.kind == ACT_GATE] == [(0, 1)]
+    assert "RELEASE" not in kinds(drained) and rank.core.state(0) == HOLDING
+    later = rank.receive("DROP", device=DEVICES[0], grant=9, grace_ms=500, reason="quantum")
+    released = messages(rank.job_done(0, RESULT_DRAINED)) if any(a.kind == ACT_JOB for a in later) else []
+    assert [(m.grant, m.reason) for m in released if m.TYPE == "RELEASE"] == [(9, "drop")]
+
+
+def test_with_the_scheduler_core_a_gang_turn_grants_a_member_a_device_it_did_not_ask_for(client_core_lib):
+    """Both cores together (tests/fixtures/client_core.py's world): rank a used GPUs 0 and 1,
+    rank b GPU 1. When a asks for GPU 0 alone, the gang's turn grants every device the two
+    announced: a gets GPU 1 unasked, and gives it back after the idle window while it works on
+    GPU 0; nothing of the other GPUs' gates is ever open in two processes at once."""
+    world = World(client_core_lib, devices=2, tq=5.0, grace=0.5, idle_release=0.3, gang_wait=2.0)
+    a = world.spawn("a", gang="job", gang_size=2)
+    b = world.spawn("b", gang="job", gang_size=2)
+    for process, index in ((a, 0), (a, 1), (b, 1)):
+        world.want(process, index)
+    world.advance(0.1)
+    assert a.core.state(0) == a.core.state(1) == b.core.state(1) == HOLDING
+    for process, index in ((a, 0), (a, 1), (b, 1)):
+        world.finish_work(process, index)
+    world.advance(2.0)  # idle: everything given back
+    assert [a.core.state(0), a.core.state(1), b.core.state(1)] == [IDLE, IDLE, IDLE]
+    world.want(a, 0)
+    world.advance(0.05)
+    assert a.core.state(0) == HOLDING and a.devices[0].in_flight == 1
+    assert a.core.state(1) == HOLDING and a.devices[1].waiters == 0  # granted, never asked for
+    assert b.core.state(1) == HOLDING
+    releases = len(a.releases)
+    for _ in range(20):  # a keeps GPU 0 busy; GPU 1 stays idle
+        world.want(a, 0)
+        world.advance(0.05)
+    assert any(device == 1 and reason == "idle" for device, _, reason in a.releases[releases:]), a.releases
