@@ -59,6 +59,8 @@ sys.path.insert(0, str(REPO))
 
 from nvshare_py.control import request  # noqa: E402
 from nvshare_py.paths import SocketPaths  # noqa: E402
+from nvshare_py.testing.interceptor import benchmark_library  # noqa: E402
+from nvshare_py.testing.simcuda import build_simcuda  # noqa: E402
 
 SIM_DEVICES = 2
 SIM_MEMORY = "1G"
@@ -113,10 +115,6 @@ def arrival(jobs: list[str]) -> list[tuple[int, str, int]]:
     first, then the others."""
     firsts = [(number, job, number % 2) for number, job in enumerate(jobs)]
     return firsts + [(number, job, 1 - number % 2) for number, job in enumerate(jobs)]
-
-
-def make(directory: str, build: Path) -> None:
-    subprocess.run(["make", "-s", "-C", str(REPO / directory), f"BUILD={build}"], check=True, capture_output=True)
 
 
 class Scheduler:
@@ -219,10 +217,8 @@ class Simulated:
 
     def __init__(self, work: Path, steps: int, compute_us: int, kernels: int) -> None:
         self.work = work
-        make("tests/simcuda", work / "sim")
-        make("interceptor", work / "lib")
-        self.sim = work / "sim"
-        self.library = work / "lib" / "libnvshare.so"
+        self.sim = build_simcuda(REPO, work / "sim").lib_dir
+        self.library = benchmark_library(REPO, work / "lib")
         self.steps, self.compute_us, self.kernels = steps, compute_us, kernels
         self.runs = 0
 
@@ -269,8 +265,7 @@ class RealGpus:
     """Ranks are PyTorch processes (WORKER) on two real GPUs."""
 
     def __init__(self, work: Path, steps: int, matmuls: int, n: int, reduce_mib: int) -> None:
-        make("interceptor", work / "lib")
-        self.library = work / "lib" / "libnvshare.so"
+        self.library = benchmark_library(REPO, work / "lib")
         self.args = [str(steps), str(matmuls), str(n), str(reduce_mib)]
         self.single_args = [str(steps), str(matmuls), str(n)]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.scheduler import PATIENCE, wait_for
+from nvshare_py.testing.scheduler import PATIENCE, wait_for
 
 DEVICES = ["GPU-5151ad00-0000-4000-8000-000000000000", "GPU-5151ad00-0000-4000-8000-000000000001"]
 STEPS = 20
