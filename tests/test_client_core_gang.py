@@ -29,7 +29,7 @@ class Rank:
         self.observe()
         self.core.tick(self.now)       # CONNECT
         self.core.connected(self.now)  # HELLO
-        self.hello = [protocol.decode(a.data) for a in self.core.pop() if a.kind == ACT_SEND]
+        self.hello = [protocol.decode(a.data) for a in self.core.pop(self.now) if a.kind == ACT_SEND]
         for text in before_welcome:
             self.core.receive(text.encode(), self.now)
         self.registration = self.receive("WELCOME", client="c1", heartbeat_ms=1000, idle_release_ms=300, version=1)
@@ -42,18 +42,18 @@ class Rank:
         self.observe()
         text = f"NVSHARE/1 {kind}" + "".join(f"\n{k}={v}" for k, v in fields.items())
         self.core.receive(text.encode(), self.now)
-        return self.core.pop()
+        return self.core.pop(self.now)
 
     def tick(self, seconds: float = 0.0) -> list:
         self.now += seconds
         self.observe()
         self.core.tick(self.now)
-        return self.core.pop()
+        return self.core.pop(self.now)
 
     def job_done(self, index: int, result: int) -> list:
         self.observe()
         self.core.job_done(index, result, self.now)
-        return self.core.pop()
+        return self.core.pop(self.now)
 
 
 def messages(actions) -> list[protocol.Message]:
@@ -140,10 +140,10 @@ def test_a_holder_that_resolved_a_device_it_never_used_claims_only_what_it_used(
     rank.receive("GRANT", device=DEVICES[0], grant=1, mode="on", exclusive=1, quantum_ms=1000)
     rank.waiters[0] = 0
     rank.core.disconnected("the scheduler closed the connection", rank.now)
-    rank.core.pop()
+    rank.core.pop(rank.now)
     rank.tick(0.2)  # CONNECT
     rank.core.connected(rank.now)
-    hello = messages(rank.core.pop())[0]
+    hello = messages(rank.core.pop(rank.now))[0]
     assert hello.held == (DEVICES[0],) and hello.gang == gang
 
 

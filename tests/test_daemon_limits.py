@@ -179,6 +179,22 @@ def test_a_principals_tasks_that_waited_for_its_share_take_turns_within_it():
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+def test_a_principal_whose_connections_are_gone_still_gets_a_turn():
+    # Was: KeyError in the daemon (it exited): a watched process's exit, seen after its user's
+    # last connection had ended and its meter was let go, asked for a turn of that user.
+    async def main() -> None:
+        turns = Turns(share=0.5, burst=0.1, clock=trio.current_time)
+        turns.join("gone")
+        turns.leave("gone")  # not in debt: its meter is let go
+        turn = await turns.take("gone")
+        assert turn.held
+        turn.release()
+        other = await turns.take("gone")  # the round goes on
+        other.release()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
 # --- quotas --------------------------------------------------------------------------------------
 
 

@@ -525,8 +525,8 @@ class Daemon:
             await trio.lowlevel.wait_readable(watch.pidfd)
         except trio.ClosedResourceError:
             return  # the registration ended first (_forget closed it)
-        # Its user's work, as when its connection closes: in its turn (its connection counts
-        # for the principal until the registration ends, so the principal's meter is there).
+        # Its user's work, as when its connection closes: in its turn (which its user gets also
+        # when its last connection ended meanwhile).
         turn = await self._turns.take(watch.principal)
         try:
             if watch.closed:

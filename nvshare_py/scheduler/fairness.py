@@ -209,7 +209,10 @@ class Turns:
         return turn
 
     async def _begin(self, turn: Turn) -> None:
-        meter = self._meters[turn.principal]
+        # A principal whose connections are all gone (and whose debt is repaid) may still have
+        # work to do (a watched process's exit seen after its connection's end): it runs
+        # with a fresh bucket, as a new connection of it would.
+        meter = self._meters.get(turn.principal) or _Meter(self.clock())
         while True:
             self._refill(meter, self.clock())
             if meter.tokens < 0:
