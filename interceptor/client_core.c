@@ -423,6 +423,10 @@ int nvs_core_add_device(struct nvs_core *c, int device, const char *uuid, const 
     return 0;
 }
 
+void nvs_core_use_device(struct nvs_core *c, int device) {
+    if (valid_device(c, device)) c->devices[device].used = 1;
+}
+
 void nvs_core_observe(struct nvs_core *c, int device, int waiters, int captures, uint64_t entered, uint64_t bytes) {
     if (!valid_device(c, device)) return;
     struct nvs_core_device *d = &c->devices[device];

@@ -126,8 +126,9 @@ struct nvs_core_device {
     int release_unanswerable; /* the grant died with the registration: nothing to RELEASE */
     enum nvs_job job;         /* handed to the worker, result not in yet */
     int drain_wanted;         /* a drain is due but waits for captures to end (or the job) */
-    int used;                 /* the process allocated on the device, waited for it or held it:
-                               * it is announced from then on (resolving it is not using it) */
+    int used;                 /* the process allocated on the device, waited for it or held it
+                               * (or its program said so: nvs_core_use_device): it is announced
+                               * from then on (resolving it is not using it) */
     int announced;            /* DEVICE sent on the current connection */
     uint64_t reported_bytes;  /* last MEMORY sent on the current connection */
     uint64_t idle_entered;    /* idle detection: `entered` at the last check */
@@ -256,6 +257,11 @@ void nvs_core_forked(struct nvs_core *c, long pid, const char *session);
 /* A device's identity (before other events name it). Again for a known device: a new name or
  * total is announced again (DEVICE); another uuid is -1. 0, or -1 for a bad index/id. */
 int nvs_core_add_device(struct nvs_core *c, int device, const char *uuid, const char *name, uint64_t total);
+
+/* The program uses the device from now on, so it is announced (DEVICE) even before it
+ * allocates, waits or holds there (which the interceptor observes by itself): for a client that
+ * speaks for its program, nvshare_py.client's announce. */
+void nvs_core_use_device(struct nvs_core *c, int device);
 /* What the gate and the allocator counted. Level-triggered: report the current values before
  * every other event (cheap; nothing happens until the next event or tick). */
 void nvs_core_observe(struct nvs_core *c, int device, int waiters, int captures, uint64_t entered, uint64_t bytes);

@@ -113,6 +113,7 @@ class _Device:
 
     index: int
     acquirers: int = 0  # threads blocked in acquire(): the core's waiters at the gate
+    asked: bool = False  # an acquire() asked for the lock and no grant answered it yet
     used: int = 0  # the program's last memory figure
     offered: Grant | None = None  # the terms of the device's last GRANT
     grant: Grant | None = None  # the grant the program holds (the gate opened for it)
@@ -353,6 +354,7 @@ class Client:
             self._check_usable()
             dev = self._device(device)
             self._core.add_device(dev.index, device, total, name)
+            self._core.use_device(dev.index)
             self._step(self._core.tick)
 
     def report_memory(self, device: str, used: int) -> None:
@@ -375,6 +377,7 @@ class Client:
             if dev.grant is not None:
                 return dev.grant
             dev.acquirers += 1
+            dev.asked = True
             self._step(self._core.tick)  # the latest memory figure, then ACQUIRE
         try:
             while True:
@@ -501,8 +504,11 @@ class Client:
         """The gate opens for a grant (a GRANT, or one confirming a held lock after a restart)."""
         if not open_ or self._closing or dev.offered is None:
             return
-        if dev.grant is None and dev.acquirers == 0:
+        asked, dev.asked = dev.asked, False
+        if dev.grant is None and dev.acquirers == 0 and asked:
             # Nobody wants it any more (an acquire() that timed out): hand it straight back.
+            # A grant nobody asked for is the turn of this program's gang (several devices,
+            # granted together, docs/protocol.md "Gangs"): kept, like the interceptor keeps it.
             self._core.release(dev.index, "user", now)
             return
         dev.grant = dev.offered

@@ -74,6 +74,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "nvs_core_init": ([_p, ctypes.POINTER(_Config)], None),
     "nvs_core_forked": ([_p, ctypes.c_long, _str], None),
     "nvs_core_add_device": ([_p, _int, _str, _str, _u64], _int),
+    "nvs_core_use_device": ([_p, _int], None),
     "nvs_core_observe": ([_p, _int, _int, _int, _u64, _u64], None),
     "nvs_core_observe_admission": ([_p, _int, _u64], None),
     "nvs_core_observe_residency": ([_p, _int, _u64, _u64], None),
@@ -164,6 +165,10 @@ class ClientCore:
     def add_device(self, index: int, uuid: str, total: int = 1 << 34, name: str = "Sim GPU") -> None:
         if self.lib.nvs_core_add_device(self.buf, index, uuid.encode(), name.encode(), total) != 0:
             raise ValueError(f"device {index} cannot be {uuid!r}")
+
+    def use_device(self, index: int) -> None:
+        """The program uses the device (it is announced before any memory or lock message)."""
+        self.lib.nvs_core_use_device(self.buf, index)
 
     def observe(self, index: int, waiters: int, captures: int, entered: int, used: int, converted: int = 0,
                 swapped: int = 0) -> None:
