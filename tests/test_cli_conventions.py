@@ -17,11 +17,11 @@ import pytest
 
 from nvshare_py import __version__
 from nvshare_py.run import SIMULATED_DRIVER_DIR
-from nvshare_py.testing.scheduler import CHILD_CWD, child_env, run_child
+from nvshare_py.testing.scheduler import CHILD_CWD, child_env, nvsharectl_module, run_child
 
 TOOLS = {  # the tool's name -> the module that runs it
     "nvshare-scheduler": "nvshare_py.scheduler",
-    "nvsharectl": "ctl",
+    "nvsharectl": nvsharectl_module(),  # installed as nvshare_py.ctl; ./ctl in a checkout
     "nvshare-run": "nvshare_py.run",
     "nvshare-jupyter": "nvshare_py.jupyter",
     "nvshare-demo": "nvshare_py.demo",
@@ -55,18 +55,18 @@ def test_every_tool_has_short_help_and_version(name):
     ("nvshare_py.scheduler", "--tq", "from 0.1 to 86400"),
     ("nvshare_py.scheduler", "--heartbeat-interval", "from 0.01 to 3600"),
     ("nvshare_py.demo", "--duration", "from 1 to 3600"),
-    ("ctl", "--timeout", "from 0.001 to"),
+    (nvsharectl_module(), "--timeout", "from 0.001 to"),
 ])
 def test_numbers_are_refused_in_our_words_with_the_range(module, option, allowed):
     for value, why in (("soon", "'soon' is not a number"), ("1e12", "1e12 is out of range")):
-        result = tool(module, option, value, *(["status"] if module == "ctl" else []))
+        result = tool(module, option, value, *(["status"] if module == nvsharectl_module() else []))
         assert result.returncode == 2, result.stderr
         assert why in result.stderr and allowed in result.stderr, result.stderr
         assert "Input should be" not in result.stderr and "Traceback" not in result.stderr
 
 
 def test_subcommands_take_short_help_too():
-    result = tool("ctl", "status", "-h")
+    result = tool(nvsharectl_module(), "status", "-h")
     assert result.returncode == 0 and "--wide" in result.stdout
 
 
@@ -120,7 +120,7 @@ def test_a_socket_directory_that_is_a_file(tmp_path, libnvshare):
     a_file.write_text("")
     env = child_env(extra={"NVSHARE_LIBRARY": str(libnvshare)})
     for module, args, status in (("nvshare_py.scheduler", ["--socket-dir", str(a_file)], 1),
-                                 ("ctl", ["--socket-dir", str(a_file), "status"], 2),
+                                 (nvsharectl_module(), ["--socket-dir", str(a_file), "status"], 2),
                                  ("nvshare_py.run", ["--socket-dir", str(a_file), "--fail-open", "true"], 2)):
         result = tool(module, *args, env=env)
         assert result.returncode == status, (module, result.stderr)

@@ -81,12 +81,16 @@ AGENT_PROGRAM = "agent.py"
 PATIENCE = 60.0
 
 
-def nvsharectl_command() -> list[str]:
-    """argv prefix that runs nvsharectl with this nvshare_py: an installed package's
+def nvsharectl_module() -> str:
+    """The module that runs nvsharectl with this nvshare_py: an installed package's
     nvshare_py.ctl, or in a checkout its ./ctl, beside nvshare_py (child_env puts that directory
     on PYTHONPATH)."""
-    installed = importlib.util.find_spec("nvshare_py.ctl") is not None
-    return [sys.executable, "-m", "nvshare_py.ctl" if installed else "ctl"]
+    return "nvshare_py.ctl" if importlib.util.find_spec("nvshare_py.ctl") is not None else "ctl"
+
+
+def nvsharectl_command() -> list[str]:
+    """argv prefix that runs nvsharectl (nvsharectl_module)."""
+    return [sys.executable, "-m", nvsharectl_module()]
 
 
 # Children start in a neutral directory: `python -m` and `-c` put the working directory first
