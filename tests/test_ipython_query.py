@@ -141,13 +141,15 @@ def test_core_remembers_the_last_wait_and_who_was_ahead():
     assert [who["client"] for who in second["last_wait"]["held_by"]] == ["c1"]
 
 
-def test_core_lists_held_and_awaited_devices_first():
+def test_core_lists_a_process_on_two_devices_holding_both():
+    # A process that uses two GPUs is a gang of one (docs/scheduler.md, "Gangs"): asking for one
+    # of them, it is granted both, and %nvshare shows both held.
     core = Core()
-    core.register("a", host_pid=500)
+    core.register("a", host_pid=500)  # uses GPU0
     core.feed(DeviceInfo(0.0, "a", GPU1, 1 << 30, "other"))
     core.feed(AcquireRequest(0.0, "a", GPU1))
     answer = views.query(core.core, 500, now=1.0)
-    assert [(d["device"], d["state"]) for d in answer["devices"]] == [(GPU1, "holding"), (GPU0, "idle")]
+    assert [(d["device"], d["state"]) for d in answer["devices"]] == [(GPU0, "holding"), (GPU1, "holding")]
 
 
 # --- the daemon ------------------------------------------------------------------------------
