@@ -63,6 +63,7 @@ from nvshare_py.testing.interceptor import build_interceptor  # noqa: E402
 from nvshare_py.testing.residency import handoffs, moved  # noqa: E402
 from nvshare_py.testing.scheduler import DEFAULT_OPTIONS, SchedulerProcess, child_env, short_socket_dir  # noqa: E402
 from nvshare_py.testing.simcuda import build_simcuda, parse_steps  # noqa: E402
+from nvshare_py.timeline import detail_fields  # noqa: E402
 
 MIB = 1 << 20
 MODES = ("sequential", "off", "on", "swap", "auto")
@@ -454,11 +455,6 @@ class WorkingSet:
         if not result["finished"]:
             raise RuntimeError(f"simulated jobs did not finish within {timeout} s")
         return result["makespan_s"]
-
-
-def detail_fields(detail: str) -> dict[str, str]:
-    """An event's detail (`key=value` words) as a dict."""
-    return dict(word.split("=", 1) for word in detail.split() if "=" in word)
 
 
 def handoff_stalls(events: list[dict[str, Any]], link_bps: float | None) -> dict[str, Any]:

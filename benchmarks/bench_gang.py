@@ -61,6 +61,7 @@ from nvshare_py.control import request  # noqa: E402
 from nvshare_py.paths import SocketPaths  # noqa: E402
 from nvshare_py.testing.interceptor import benchmark_library  # noqa: E402
 from nvshare_py.testing.simcuda import build_simcuda  # noqa: E402
+from nvshare_py.timeline import detail_fields  # noqa: E402
 
 SIM_DEVICES = 2
 SIM_MEMORY = "1G"
@@ -68,8 +69,10 @@ SIM_TIMESLICE_US = 2000
 JOB_TIMEOUT_S = 600.0
 
 WORKER = r"""
-import json, os, sys, time
+import faulthandler, json, os, sys, time
 import torch, torch.distributed as dist
+if os.environ.get("BENCH_GANG_TRACE"):  # where each rank is, every few seconds (--keep)
+    faulthandler.dump_traceback_later(float(os.environ["BENCH_GANG_TRACE"]), repeat=True)
 steps, matmuls, n, reduce_mib = (int(a) for a in sys.argv[1:5])
 local = int(os.environ.get("LOCAL_RANK", "0"))
 torch.cuda.set_device(local)
@@ -117,6 +120,27 @@ def arrival(jobs: list[str]) -> list[tuple[int, str, int]]:
     return firsts + [(number, job, 1 - number % 2) for number, job in enumerate(jobs)]
 
 
+def waits(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per client: its devices, whether it ran in a gang, and the longest and median time from asking for a device (event
+    `acquire`) to being granted it (`grant`), in seconds: the waits the wait bound is about."""
+    asked: dict[tuple[str, str], float] = {}
+    per_client: dict[str, dict[str, Any]] = {}
+    in_gangs = {member for event in events if event["kind"] == "gang-turn"
+                for member in detail_fields(event["detail"]).get("members", "").split(",")}
+    for event in events:
+        key = (event["client"], event["device"])
+        if event["kind"] == "acquire":
+            asked.setdefault(key, event["t"])
+        elif event["kind"] == "grant" and key in asked:
+            entry = per_client.setdefault(event["client"], {"devices": set(), "waits": []})
+            entry["devices"].add(event["device"])
+            entry["waits"].append(event["t"] - asked.pop(key))
+    return {client: {"devices": sorted(entry["devices"]), "gang": client in in_gangs, "grants": len(entry["waits"]),
+                     "max_wait_s": round(max(entry["waits"]), 3),
+                     "median_wait_s": round(sorted(entry["waits"])[len(entry["waits"]) // 2], 3)}
+            for client, entry in per_client.items()}
+
+
 class Scheduler:
     """The daemon (python -m nvshare_py.scheduler) on a fresh socket directory."""
 
@@ -127,7 +151,9 @@ class Scheduler:
         for name, value in options.items():
             argv += [f"--{name.replace('_', '-')}", str(value)]
         self.log = open(self.dir / "scheduler.log", "wb")
-        self.process = subprocess.Popen(argv, env={**env, "PYTHONPATH": str(REPO)}, cwd="/", stdout=self.log,
+        # This tree first, then whatever the caller's path holds (the wheels a GPU machine is given).
+        path = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        self.process = subprocess.Popen(argv, env={**env, "PYTHONPATH": path}, cwd="/", stdout=self.log,
                                         stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while True:
@@ -136,8 +162,9 @@ class Scheduler:
                 return
             except Exception:
                 if self.process.poll() is not None or time.monotonic() > deadline:
+                    log = (self.dir / "scheduler.log").read_text()
                     self.close()
-                    raise RuntimeError(f"the scheduler did not start: {(self.dir / 'scheduler.log').read_text()}")
+                    raise RuntimeError(f"the scheduler did not start: {log}")
                 time.sleep(0.1)
 
     @property
@@ -153,11 +180,13 @@ class Scheduler:
             if not answer["events"] or answer.get("next") in (None, since):
                 break
             since = answer["next"]
+        self.events = events
         kinds = [event["kind"] for event in events]
         return {"grants": kinds.count("grant"), "revocations": kinds.count("revoke"),
-                "drops": kinds.count("drop")}
+                "drops": kinds.count("drop"), "waits": waits(events)}
 
-    def close(self) -> None:
+    def close(self, keep: Path | None = None) -> None:
+        """Stop the daemon; with `keep`, its log and timeline go there first."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -166,15 +195,20 @@ class Scheduler:
                 self.process.kill()
                 self.process.wait()
         self.log.close()
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            shutil.copy(self.dir / "scheduler.log", keep / "scheduler.log")
+            (keep / "events.json").write_text(json.dumps(getattr(self, "events", []), indent=0))
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def run_ranks(commands: list[tuple[list[str], dict[str, str]]], timeout: float,
-              scheduler: Scheduler | None = None, first: int = 0) -> dict[str, Any]:
+              scheduler: Scheduler | None = None, first: int = 0, keep: Path | None = None,
+              asked: bool = True) -> dict[str, Any]:
     """Start the ranks; each prints JSON lines with start/end stamps (simapp's steps, or
     WORKER's one line). Makespan from the first start to the last end. Under a scheduler the
-    `first` commands start alone and the rest once those have registered and asked for their
-    GPU (see ARRIVAL)."""
+    `first` commands start alone and the rest once those have registered and (`asked`) asked for
+    their GPU (see ARRIVAL)."""
     def start(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
 
@@ -185,7 +219,7 @@ def run_ranks(commands: list[tuple[list[str], dict[str, str]]], timeout: float,
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             clients = request(scheduler.paths, "status", timeout=10.0)["clients"]
-            if sum(1 for client in clients if client["devices"]) >= first:
+            if sum(1 for client in clients if client["devices"] or not asked) >= first:
                 break
             time.sleep(0.05)
         processes += [start(*command) for command in commands[first:]]
@@ -199,6 +233,9 @@ def run_ranks(commands: list[tuple[list[str], dict[str, str]]], timeout: float,
             finished = False
         if process.returncode not in (0, None) and finished:
             errors.append(err[-2000:])
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            (keep / f"rank{len(lines)}.stderr").write_text(err)
         lines.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
     if errors:
         raise RuntimeError("a rank failed:\n" + "\n---\n".join(errors))
@@ -220,6 +257,8 @@ class Simulated:
         self.sim = build_simcuda(REPO, work / "sim").lib_dir
         self.library = benchmark_library(REPO, work / "lib")
         self.steps, self.compute_us, self.kernels = steps, compute_us, kernels
+        self.keep: Path | None = None  # where a case's logs go (--keep)
+        self.timeout = JOB_TIMEOUT_S
         self.runs = 0
 
     def base_env(self, run: Path) -> dict[str, str]:
@@ -256,7 +295,7 @@ class Simulated:
             env.update(nvshare.env, LD_PRELOAD=str(self.library))
             if not gangs:
                 env["NVSHARE_GANG"] = "none"
-        result = run_ranks(self.commands(run, jobs, single, env), JOB_TIMEOUT_S, nvshare, first=len(jobs))
+        result = run_ranks(self.commands(run, jobs, single, env), self.timeout, nvshare, first=len(jobs), keep=self.keep)
         shutil.rmtree(run, ignore_errors=True)
         return result
 
@@ -265,6 +304,8 @@ class RealGpus:
     """Ranks are PyTorch processes (WORKER) on two real GPUs."""
 
     def __init__(self, work: Path, steps: int, matmuls: int, n: int, reduce_mib: int) -> None:
+        self.keep: Path | None = None  # where a case's logs go (--keep)
+        self.timeout = JOB_TIMEOUT_S
         self.library = benchmark_library(REPO, work / "lib")
         self.args = [str(steps), str(matmuls), str(n), str(reduce_mib)]
         self.single_args = [str(steps), str(matmuls), str(n)]
@@ -275,7 +316,9 @@ class RealGpus:
     def run(self, jobs: list[str], nvshare: Scheduler | None, single: bool = False, gangs: bool = True) -> dict[str, Any]:
         env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "LD_PRELOAD")}
         if nvshare is not None:
-            env.update(nvshare.env, LD_PRELOAD=str(self.library), NVSHARE_LOG="warn")
+            env.update(nvshare.env, LD_PRELOAD=str(self.library), NVSHARE_LOG="debug" if self.keep else "warn")
+        if self.keep:
+            env["BENCH_GANG_TRACE"] = "2"
             if not gangs:
                 env["NVSHARE_GANG"] = "none"
         commands = []
@@ -285,61 +328,86 @@ class RealGpus:
             commands.append(([sys.executable, "-c", WORKER, *self.args], rank_env))
         if single:
             commands.append(([sys.executable, "-c", SINGLE, *self.single_args], {**env, "CUDA_VISIBLE_DEVICES": "0"}))
-        result = run_ranks(commands, JOB_TIMEOUT_S, nvshare, first=len(jobs))
+        # A PyTorch rank registers at its first CUDA call, then waits in NCCL's rendezvous for its
+        # partner before it uses the GPU: the others start once the first ones have registered.
+        result = run_ranks(commands, self.timeout, nvshare, first=len(jobs), keep=self.keep, asked=False)
         result["correct"] = len(result.get("checksums", [0])) == 1  # every rank of every job agrees
         return result
 
 
-def measure(runner: Any, options: dict[str, Any], say: Callable[[str], None]) -> dict[str, Any]:
+CASES = ("alone_native", "alone_nvshare", "sequential", "together_native", "together_nvshare",
+         "together_nvshare_no_gangs", "beside_single")
+
+
+def measure(runner: Any, options: dict[str, Any], say: Callable[[str], None],
+            cases: tuple[str, ...] = CASES) -> dict[str, Any]:
     results: dict[str, Any] = {}
 
     def under_nvshare(name: str, jobs: list[str], **kwargs: Any) -> None:
         scheduler = Scheduler(options, runner.scheduler_env())
+        keep = runner.keep
+        runner.keep = None if keep is None else keep / name
         try:
             outcome = runner.run(jobs, scheduler, **kwargs)
             outcome.update(scheduler.timeline())
         finally:
-            scheduler.close()
+            scheduler.close(runner.keep)
+            runner.keep = keep
         results[name] = outcome
         say(f"{name}: {outcome}")
 
-    results["alone_native"] = runner.run(["a"], None)
-    say(f"alone_native: {results['alone_native']}")
-    under_nvshare("alone_nvshare", ["a"])
-    first, second = runner.run(["a"], None), runner.run(["b"], None)
-    results["sequential"] = {"makespan_s": round(first["makespan_s"] + second["makespan_s"], 3),
-                             "finished": first["finished"] and second["finished"],
-                             "correct": first.get("correct") and second.get("correct")}
-    say(f"sequential: {results['sequential']}")
-    results["together_native"] = runner.run(["a", "b"], None)
-    say(f"together_native: {results['together_native']}")
-    under_nvshare("together_nvshare", ["a", "b"])
-    under_nvshare("together_nvshare_no_gangs", ["a", "b"], gangs=False)
-    under_nvshare("beside_single", ["a"], single=True)
+    if "alone_native" in cases:
+        results["alone_native"] = runner.run(["a"], None)
+        say(f"alone_native: {results['alone_native']}")
+    if "alone_nvshare" in cases:
+        under_nvshare("alone_nvshare", ["a"])
+    if "sequential" in cases:
+        first, second = runner.run(["a"], None), runner.run(["b"], None)
+        results["sequential"] = {"makespan_s": round(first["makespan_s"] + second["makespan_s"], 3),
+                                 "finished": first["finished"] and second["finished"],
+                                 "correct": first.get("correct") and second.get("correct")}
+        say(f"sequential: {results['sequential']}")
+    if "together_native" in cases:
+        results["together_native"] = runner.run(["a", "b"], None)
+        say(f"together_native: {results['together_native']}")
+    if "together_nvshare" in cases:
+        under_nvshare("together_nvshare", ["a", "b"])
+    if "together_nvshare_no_gangs" in cases:
+        under_nvshare("together_nvshare_no_gangs", ["a", "b"], gangs=False)
+    if "beside_single" in cases:
+        under_nvshare("beside_single", ["a"], single=True)
     return results
 
 
 def summary(results: dict[str, Any]) -> dict[str, Any]:
-    sequential = results["sequential"]["makespan_s"]
-    gang, no_gang = results["together_nvshare"], results["together_nvshare_no_gangs"]
-    alone, alone_nvshare = results["alone_native"]["makespan_s"], results["alone_nvshare"]["makespan_s"]
+    """The issue's figures from the cases that ran (a figure whose cases did not run is None)."""
+    def makespan(case: str) -> float | None:
+        return results[case]["makespan_s"] if case in results else None
+
+    def ratio(numerator: float | None, denominator: float | None) -> float | None:
+        return None if numerator is None or not denominator else round(numerator / denominator, 3)
+
+    sequential, gang, no_gang = makespan("sequential"), makespan("together_nvshare"), makespan("together_nvshare_no_gangs")
+    alone, alone_nvshare = makespan("alone_native"), makespan("alone_nvshare")
+    beside = results.get("beside_single", {})
     return {
         "two_jobs": {
             "sequential_s": sequential,
-            "nvshare_s": gang["makespan_s"],
-            "revocations": gang["revocations"],
-            "nvshare_to_sequential": round(gang["makespan_s"] / sequential, 3),
-            "nvshare_no_gangs_s": no_gang["makespan_s"],
-            "no_gangs_revocations": no_gang["revocations"],
-            "no_gangs_to_sequential": round(no_gang["makespan_s"] / sequential, 3),
-            "native_together_s": results["together_native"]["makespan_s"],
-            "native_together_to_nvshare": round(results["together_native"]["makespan_s"] / gang["makespan_s"], 3),
+            "nvshare_s": gang,
+            "revocations": results.get("together_nvshare", {}).get("revocations"),
+            "nvshare_to_sequential": ratio(gang, sequential),
+            "nvshare_no_gangs_s": no_gang,
+            "no_gangs_revocations": results.get("together_nvshare_no_gangs", {}).get("revocations"),
+            "no_gangs_to_sequential": ratio(no_gang, sequential),
+            "native_together_s": makespan("together_native"),
+            "native_together_to_nvshare": ratio(makespan("together_native"), gang),
             "all_correct": all(r.get("correct", False) for r in results.values()),
         },
-        "one_job": {"native_s": alone, "nvshare_s": alone_nvshare, "overhead": round(alone_nvshare / alone - 1, 4)},
-        "beside_single": {"makespan_s": results["beside_single"]["makespan_s"],
-                          "finished": results["beside_single"]["finished"],
-                          "revocations": results["beside_single"]["revocations"]},
+        "one_job": {"native_s": alone, "nvshare_s": alone_nvshare,
+                    "overhead": None if alone is None or alone_nvshare is None else round(alone_nvshare / alone - 1, 4)},
+        "beside_single": {"makespan_s": beside.get("makespan_s"), "finished": beside.get("finished"),
+                          "revocations": beside.get("revocations"),
+                          "single_waits": [w for w in beside.get("waits", {}).values() if not w["gang"]]},
     }
 
 
@@ -350,6 +418,10 @@ def main() -> None:
     parser.add_argument("--tq", type=float, default=None, help="the scheduler's time quantum (s)")
     parser.add_argument("--steps", type=int, default=None, help="steps per rank (default: by --quick and --gpu)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here (a directory)")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="keep each case under nvshare's scheduler log (info), timeline and ranks' stderr here")
+    parser.add_argument("--job-timeout", type=float, default=JOB_TIMEOUT_S, help="a case's ranks are killed after this (s)")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="the cases to run (default: all)")
     args = parser.parse_args()
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     work = Path(tempfile.mkdtemp(prefix="bench-gang-"))
@@ -365,10 +437,11 @@ def main() -> None:
             tq = args.tq if args.tq is not None else 0.25
             config = {"steps": steps, "kernels_per_step": 4, "kernel_us": 5000, "devices": SIM_DEVICES,
                       "residency_timeslice_us": SIM_TIMESLICE_US}
+        runner.keep, runner.timeout = args.keep, args.job_timeout
         options = {"mode": "on", "tq": tq, "grace": tq, "idle_release": 0.3, "heartbeat_interval": 0.2,
-                   "heartbeat_timeout": 10.0, "log_level": "warning"}
+                   "heartbeat_timeout": 10.0, "log_level": "info" if args.keep else "warning"}
         started = time.monotonic()
-        results = measure(runner, options, say)
+        results = measure(runner, options, say, tuple(args.cases))
         document = {
             "benchmark": "bench_gang", "driver": "gpu" if args.gpu else "simulated", "quick": args.quick,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))  # this tree's nvshare_py, without installing
 
 from nvshare_py.testing.interceptor import benchmark_library  # noqa: E402
 from nvshare_py.testing.scheduler import SchedulerProcess  # noqa: E402
+from nvshare_py.timeline import registered_pid  # noqa: E402
 
 SIZE = 4096
 BURST_S = 1.0
@@ -125,10 +126,7 @@ def one_run(library: Path, bursts: int, gap: float) -> dict:
         timeout = bursts * (gap + 10) + 120
         codes = [first.wait(timeout), second.wait(timeout)]
         events = scheduler.request("events", since=0, limit=10_000)["events"]
-        clients = {}
-        for event in events:
-            if event["kind"] == "register":
-                clients[int(event["detail"].split("=")[1])] = event["client"]
+        clients = {registered_pid(event): event["client"] for event in events if event["kind"] == "register"}
     finally:
         scheduler.stop()
     workers = {"first": first, "second": second}
