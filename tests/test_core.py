@@ -12,6 +12,7 @@ from nvshare_py.scheduler.core import CoreConfig, ControlError, SchedulerCore
 from nvshare_py.scheduler.events import (
     AcquireRequest,
     ClientInfo,
+    ClientMessage,
     DeviceInfo,
     DeviceMeasured,
     Forget,
@@ -650,6 +651,19 @@ def test_every_client_message_counts_as_a_heartbeat():
     h.at(4).memory("a", 7)
     h.tick(8.0)
     assert [c["client"] for c in h.status()["clients"]] == ["c1"]
+
+
+def test_a_client_message_the_core_has_no_handler_for_is_ignored_but_counts_as_a_heartbeat():
+    # A receiver accepts what it does not know: a newer client's message that reaches a core
+    # without its handler (QUERY stands for one: the daemon answers it, the core never does)
+    # changes nothing but the client's liveness, and leaves a debug line naming it.
+    h = with_clients("a", heartbeat_timeout=5.0)
+    h.acquire("a")
+    actions = h.at(4).feed(ClientMessage(h.now, "a", protocol.Query()))
+    assert actions == [Log("debug", "unhandled-message", {"client": "c1", "type": "Query"})]
+    assert views.WORDING["unhandled-message"](actions[0].fields) == "Query from c1 ignored: this scheduler has no use for it"
+    h.tick(8.0)
+    assert h.holders() == [("c1", "holding")]  # not timed out at 5: the message was a sign of life
 
 
 def test_unregister_releases_everything_and_records_lost_locks():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -15,6 +16,8 @@ import trio
 import trio.testing
 import zmq
 
+from nvshare_py import protocol
+from nvshare_py import protocol_table as table
 from nvshare_py.scheduler import events as ev
 from nvshare_py.scheduler.core import SchedulerCore
 from nvshare_py.scheduler.daemon import CoreFailure, Daemon, DaemonConfig
@@ -275,6 +278,66 @@ def test_a_failing_core_stops_the_daemon_and_leaves_its_sockets_for_recovery(mon
         shutil.rmtree(directory)
 
 
+def test_a_new_client_message_reaches_the_core_as_it_came_and_one_it_cannot_use_is_ignored(monkeypatch):
+    # docs/architecture.md's recipe for a message from the client: its row in the table (here
+    # added at test time, with the class protocol_gen would write), the client's sender, the
+    # core's handler. The daemon needs no change: it feeds the message as a ClientMessage, and
+    # a core without the handler ignores it; the connection is served on, no ERROR sent.
+    row = table.Message("LAPSE", "Lapse", table.CLIENT, (table.required("silent_ms", table.UINT),), "test")
+    monkeypatch.setitem(table.BY_TYPE, "LAPSE", row)
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Lapse(protocol.Message):
+        TYPE = "LAPSE"
+        silent_ms: int
+
+    monkeypatch.setitem(protocol.CLIENT_MESSAGES, "LAPSE", Lapse)
+    fed: list[ev.Event] = []
+    real_handle = SchedulerCore.handle
+
+    def handle(core, event):
+        fed.append(event)
+        return real_handle(core, event)
+
+    monkeypatch.setattr(SchedulerCore, "handle", handle)
+    directory = short_socket_dir()
+    daemon = Daemon(DaemonConfig(socket_dir=directory))
+
+    def client() -> list[str]:
+        context = zmq.Context()
+        try:
+            dealer = context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.RCVTIMEO, int(PATIENCE * 1000))
+            dealer.connect(daemon.paths.client_endpoint)
+            dealer.send(b"NVSHARE/1 HELLO\npid=1\nsession=00000000000000aa")
+            replies = [dealer.recv().decode()]
+            dealer.send(b"NVSHARE/1 LAPSE\nsilent_ms=1500")
+            dealer.send(f"NVSHARE/1 EVICTED\ndevice={GPU}\nresident=0".encode())  # for no device of its: ignored
+            dealer.send(b"NVSHARE/1 QUERY")
+            replies.append(dealer.recv().decode())  # an ERROR for either would come first
+            return replies
+        finally:
+            context.destroy(linger=0)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.serve)
+            replies = await trio.to_thread.run_sync(client)
+            nursery.cancel_scope.cancel()
+        return replies
+
+    daemon.open()
+    try:
+        welcome, status = trio.run(main)
+    finally:
+        daemon.close()
+        shutil.rmtree(directory)
+    assert welcome.startswith("NVSHARE/1 WELCOME") and status.startswith("NVSHARE/1 STATUS"), (welcome, status)
+    as_they_came = [event.message for event in fed if isinstance(event, ev.ClientMessage)]
+    assert as_they_came == [Lapse(silent_ms=1500), protocol.Evicted(device=GPU, resident=0)], fed
+
+
 def test_sigint_stops_the_daemon_cleanly(scheduler):
     scheduler.process.send_signal(signal.SIGINT)
     assert scheduler.process.wait(PATIENCE) == 0
@@ -386,7 +449,6 @@ def test_auto_mode_shares_while_memory_fits(scheduler_factory):
 def test_a_status_too_large_for_one_reply_is_cut_and_says_so():
     # Issue 12: `nvsharectl status` failed ("too-large: reply of 21107997 bytes") once clients
     # had made the device table large; status must always answer.
-    from nvshare_py import protocol
     from nvshare_py.scheduler.control import fitted
 
     devices = [{"device": f"GPU-{n:08d}", "name": "x" * 100, "holders": [], "waiters": []} for n in range(40_000)]

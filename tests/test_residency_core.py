@@ -22,9 +22,9 @@ from nvshare_py.scheduler.events import (
     LockEvent,
     AcquireRequest,
     ClientInfo,
+    ClientMessage,
     DeviceInfo,
     DeviceMeasured,
-    EvictedReport,
     Log,
     MemoryReport,
     Register,
@@ -145,7 +145,7 @@ def test_a_holder_that_did_not_evict_is_asked_again_and_the_grant_waits_for_its_
     assert not c.sent(protocol.Grant)
     (evict,) = c.sent(protocol.Evict, "a")
     assert evict.bytes == 8 * GiB
-    c.feed(EvictedReport(c.now, "a", DEV, 4 * GiB))
+    c.feed(ClientMessage(c.now, "a", protocol.Evicted(device=DEV, resident=4 * GiB)))
     assert c.grant_of("b").prefetch == 0
 
 
@@ -226,7 +226,7 @@ def test_a_handoff_to_oneself_moves_no_memory():
     assert evict.bytes == 8 * GiB
     c.feed(AcquireRequest(c.now, "a", DEV))  # a has more work; its class is above b's
     assert not c.sent(protocol.Grant)
-    c.feed(EvictedReport(c.now, "a", DEV, 4 * GiB))
+    c.feed(ClientMessage(c.now, "a", protocol.Evicted(device=DEV, resident=4 * GiB)))
     assert c.grant_of("b").prefetch == 0 and not c.sent(protocol.Grant, "a")
     # b's turn ends; a, granted now, brings its memory back in bulk
     b_grant = c.grant_of("b").grant
@@ -390,7 +390,7 @@ class ResidencyMachine(RuleBasedStateMachine):
             return
         client.move_out(client.evict_asked)
         client.evict_asked = None
-        self.c.feed(EvictedReport(self.c.now, client.key, DEV, client.on_device))
+        self.c.feed(ClientMessage(self.c.now, client.key, protocol.Evicted(device=DEV, resident=client.on_device)))
         self.observe()
 
     @rule()

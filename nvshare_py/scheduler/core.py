@@ -31,7 +31,7 @@ import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator, TypeVar
 
 from .. import protocol
 from ..vocabulary import GPU_UUID, MODE
@@ -44,11 +44,11 @@ from .events import (
     AdmitRequest,
     ClientInfo,
     ClientKey,
+    ClientMessage,
     ControlError,
     DeviceInfo,
     DeviceMeasured,
     Event,
-    EvictedReport,
     Forget,
     FromClient,
     Alive,
@@ -282,6 +282,17 @@ class _Pair:
         return self.hold
 
 
+_ClientHandler = Callable[[_Client, Any, list[Action]], None]
+_M = TypeVar("_M", bound=protocol.Message)
+
+
+def _message_row(kind: type[_M], handle: Callable[[_Client, float, _M, list[Action]], None],
+                 ) -> tuple[type[protocol.Message], _ClientHandler]:
+    """The row of `_client_handlers` for a message that comes as a ClientMessage: `handle` gets
+    the time it arrived and the message, of the class it is registered for."""
+    return kind, lambda client, event, out: handle(client, event.now, event.message, out)
+
+
 def _same_process(old: ClientInfo, new: ClientInfo) -> bool:
     """A reconnection: same random session, and the kernel-verified host pid and uid do not
     contradict it (0 / None mean the daemon could not see them)."""
@@ -327,16 +338,20 @@ class SchedulerCore:
         # Devices to settle (see _settle): a gang's grant or drop on one device changes others.
         self._unsettled: dict[_Device, None] = {}
         self._settling = False
-        self._client_handlers: dict[type[FromClient], Callable[[_Client, Any, list[Action]], None]] = {
+        # A client's events by their class, and its ClientMessages by the class of the message
+        # they carry (events.from_client): a message of the client's with neither is ignored.
+        self._client_handlers: dict[type[FromClient] | type[protocol.Message], _ClientHandler] = {
             DeviceInfo: self._device_info,
             MemoryReport: self._memory,
             AcquireRequest: self._acquire,
             AdmitRequest: self._admit,
             ReleaseReport: self._release,
-            EvictedReport: self._evicted,
             Alive: self._heartbeat,
             Unregister: self._unregister,
         }
+        self._client_handlers.update([
+            _message_row(protocol.Evicted, self._evicted),
+        ])
         self._other_handlers: dict[type[Event], Callable[[Any, list[Action]], None]] = {
             Register: self._register,
             DeviceMeasured: self._device_measured,
@@ -357,13 +372,18 @@ class SchedulerCore:
         SetBudget) it refuses, before changing anything."""
         out: list[Action] = []
         if isinstance(event, FromClient):
+            kind = type(event.message) if isinstance(event, ClientMessage) else type(event)
             client = self._clients.get(event.client)
             if client is None:
-                out.append(Log("debug", "from-unregistered", {"client": repr(event.client), "type": type(event).__name__}))
+                out.append(Log("debug", "from-unregistered", {"client": repr(event.client), "type": kind.__name__}))
                 return out
             client.last_seen = event.now
             self._silence.move_to_end(client.key)
-            self._client_handlers[type(event)](client, event, out)
+            client_handler = self._client_handlers.get(kind)
+            if client_handler is None:  # a message this scheduler has no use for: its liveness is all
+                out.append(Log("debug", "unhandled-message", {"client": client.cid, "type": kind.__name__}))
+                return out
+            client_handler(client, event, out)
             return out
         try:
             handler = self._other_handlers[type(event)]
@@ -692,17 +712,18 @@ class SchedulerCore:
         else:
             out.append(Log("debug", "released-stale", fields))
 
-    def _evicted(self, client: _Client, ev: EvictedReport, out: list[Action]) -> None:
-        pair = client.pairs.get(ev.device)
+    def _evicted(self, client: _Client, now: float, evicted: protocol.Evicted, out: list[Action]) -> None:
+        """EVICTED: the client's answer to EVICT, with its converted bytes still on the device."""
+        pair = client.pairs.get(evicted.device)
         if pair is None:
-            out.append(Log("debug", "evicted-stale", {"client": client.cid, "device": ev.device}))
+            out.append(Log("debug", "evicted-stale", {"client": client.cid, "device": evicted.device}))
             return
         dev = pair.device
-        residency.report(pair, ev.resident)
-        out.append(LockEvent(ev.now, "evicted", dev.id, client.cid, detail=f"resident={ev.resident}"))
+        residency.report(pair, evicted.resident)
+        out.append(LockEvent(now, "evicted", dev.id, client.cid, detail=f"resident={evicted.resident}"))
         if pair in dev.evict_awaited:
             del dev.evict_awaited[pair]
-        self._settle(dev, ev.now, out)
+        self._settle(dev, now, out)
 
     def _heartbeat(self, client: _Client, ev: Alive, out: list[Action]) -> None:
         pass  # liveness was refreshed in handle()

@@ -436,11 +436,11 @@ class Daemon:
         if not registered:
             self._reject(key, "not-registered", "send HELLO first", message.TYPE)
             return
-        # A newer client's word is acted on all the same (events.FROM_CLIENT says how).
+        # A newer client's word is acted on all the same (events.from_client says how).
         for key_name, word in protocol.unknown_words(message):
             note("client message with a word this scheduler does not know", self._bad_input_log,
                  type=message.TYPE, key=key_name, word=word)
-        self._feed_client(connection, ev.FROM_CLIENT[type(message)](now, key, message))
+        self._feed_client(connection, ev.from_client(now, key, message))
 
     def _answer_query(self, connection: Connection, now: float) -> None:
         # Matched by the kernel-verified pid, never by anything the peer says. A read: a

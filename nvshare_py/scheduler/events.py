@@ -3,7 +3,9 @@
 The core never reads a clock, touches a socket or logs: the daemon feeds it events (each
 carrying `now`, seconds on a monotonic clock) and carries out the actions it returns.
 
-`FROM_CLIENT` at the end is the one translation of the client socket's messages into events.
+`from_client` at the end is the one translation of the client socket's messages into events:
+the messages with a `FROM_CLIENT` row become their own events, every other one a `ClientMessage`
+that carries the decoded message to the core's handler for its class.
 """
 
 from __future__ import annotations
@@ -142,16 +144,6 @@ class ReleaseReport:
 
 
 @dataclass(frozen=True)
-class EvictedReport:
-    """EVICTED: the client's answer to EVICT, with its converted bytes still on the device."""
-
-    now: float
-    client: ClientKey
-    device: str
-    resident: int
-
-
-@dataclass(frozen=True)
 class AdmitRequest:
     """ADMIT: the client wants its total on the device to reach `bytes` (request 0: it gives
     admission back down to `bytes`, no answer)."""
@@ -161,6 +153,25 @@ class AdmitRequest:
     device: str
     request: int
     bytes: int
+
+
+@dataclass(frozen=True)
+class ClientMessage:
+    """A registered client's message that needs no event of its own: the core's handler for its
+    class (SchedulerCore._client_handlers) reads the message as decoded. Every message of the
+    client without a FROM_CLIENT row comes as one; one of a class the core has no handler for
+    is ignored (a receiver accepts what it does not know), though it counts as a sign of life."""
+
+    now: float
+    client: ClientKey
+    message: protocol.Message
+
+    @property
+    def device(self) -> str | None:
+        """The device the message names, None if it names none: the daemon checks the client's
+        quota against it (quotas.py) as for any event of a client that names a device."""
+        device = getattr(self.message, "device", None)
+        return device if isinstance(device, str) else None
 
 
 @dataclass(frozen=True)
@@ -256,9 +267,11 @@ class SetLimit:
     pod_uid: str | None = None
 
 
-# The events of a registered client's connection (FROM_CLIENT's, and Unregister when it goes):
+# The events of a registered client's connection (from_client's, and Unregister when it goes):
 # the core finds their client first.
-FromClient = DeviceInfo | MemoryReport | AcquireRequest | AdmitRequest | ReleaseReport | EvictedReport | Alive | Unregister
+FromClient = (
+    DeviceInfo | MemoryReport | AcquireRequest | AdmitRequest | ReleaseReport | ClientMessage | Alive | Unregister
+)
 
 Event = (
     Register | DeviceMeasured | FromClient
@@ -321,7 +334,11 @@ class ControlError(ValueError):
 
 # --- the client socket's messages as events ------------------------------------------------
 # HELLO and QUERY are not here: the daemon registers a HELLO with what the kernel says about
-# the peer, and answers a QUERY itself.
+# the peer, and answers a QUERY itself. A new message of the client needs no row here: without
+# one it reaches the core as a ClientMessage, so adding it takes its table row, its sender and
+# its handler. A row is for a message the core wants as something other than the wire says
+# (RELEASE with its reason checked, BYE as the Unregister a lost connection makes too) or one
+# that the core's tests and simulations feed as an event of its own (ACQUIRE, MEMORY, ...).
 
 _M = TypeVar("_M", bound=protocol.Message)
 Translation = Callable[[float, ClientKey, Any], FromClient]
@@ -346,7 +363,12 @@ FROM_CLIENT: Final[Mapping[type[protocol.Message], Translation]] = dict([
     _row(protocol.Acquire, lambda now, client, m: AcquireRequest(now, client, m.device)),
     _row(protocol.Admit, lambda now, client, m: AdmitRequest(now, client, m.device, m.request, m.bytes)),
     _row(protocol.Release, _release),
-    _row(protocol.Evicted, lambda now, client, m: EvictedReport(now, client, m.device, m.resident)),
     _row(protocol.Heartbeat, lambda now, client, m: Alive(now, client)),
     _row(protocol.Bye, lambda now, client, m: Unregister(now, client, "bye")),
 ])
+
+
+def from_client(now: float, client: ClientKey, message: protocol.Message) -> FromClient:
+    """The event of a registered client's `message`, arrived at `now` on connection `client`."""
+    translate = FROM_CLIENT.get(type(message))
+    return translate(now, client, message) if translate is not None else ClientMessage(now, client, message)

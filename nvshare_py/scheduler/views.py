@@ -287,6 +287,7 @@ def _target(fields: dict[str, Any]) -> str:
 # One sentence per `Log.what` of the core; the fields follow each line as key=value.
 WORDING: dict[str, Callable[[dict[str, Any]], str]] = {
     "from-unregistered": lambda f: f"{f['type']} from an unregistered client ignored",
+    "unhandled-message": lambda f: f"{f['type']} from {f['client']} ignored: this scheduler has no use for it",
     "second-registration": lambda f: "second registration on one connection ignored",
     "registered": lambda f: f"client {f['client']} registered (pid {f['pid']}, {f['program'] or '?'})",
     "grant-passes": lambda f: f"grant {f['grant']} on {f['device']} passes from {f['predecessor']} to {f['client']}",
