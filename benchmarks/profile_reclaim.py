@@ -2,18 +2,23 @@
 device and 40 invented ones, then its connection closing, fed to the daemon's own pump
 (`Daemon._feed`: the core, the metrics observer, the timeline, the log) without sockets.
 
-    python benchmarks/profile_reclaim.py [--rounds 300] [--claims 40] [--top 25]
+    python benchmarks/profile_reclaim.py [--rounds 300] [--claims 40] [--top 25] [--no-profile] [--no-gc-freeze]
 
 Prints the time of each step (milliseconds, mean and worst) as JSON: the HELLO, the later
 steps that handle the rest of its claims (core.CLAIMS_PER_STEP) and the close; then the
-cProfile table of the HELLOs and their later steps, sorted by cumulative time. A profile, not a benchmark: run
-bench_floods.py --attacks reclaim for what an innocent client sees.
+cProfile table of the HELLOs and their later steps, sorted by cumulative time. `gc_pause_ms`
+gives the cyclic garbage collector's pauses by generation: a full (generation 2) collection
+walks every container the process has, and was the longest stall of all (20-40 ms on the
+2-core dev VM) until the daemon froze what it made at start-up (--no-gc-freeze shows it).
+A profile, not a benchmark: run bench_floods.py --attacks reclaim for what an innocent
+client sees.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import logging
@@ -71,6 +76,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--claims", type=int, default=40, help="invented devices claimed besides the busy one")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--no-gc-freeze", action="store_true",
+                        help="leave out the gc.freeze() the daemon does once set up (Daemon.serve)")
     parser.add_argument("--no-profile", action="store_true", help="time the steps only (the profiler slows them)")
     args = parser.parse_args()
 
@@ -83,6 +90,8 @@ def main() -> None:
         daemon._metrics = SchedulerMetrics(restarted=False, started=time.time())
         daemon._watch = lambda cid: None  # type: ignore[method-assign]  # no pidfds here
         later = daemon._nursery = Later()  # type: ignore[assignment]
+        if not args.no_gc_freeze:
+            gc.freeze()
         now = 100.0  # past any recovery window
         daemon._feed(ev.Register(now, 1, info(1, "0" * 16), wanted=(GPU,)))  # the innocent holder
         held = (GPU, *(f"D{n}" for n in range(args.claims)))
@@ -90,6 +99,16 @@ def main() -> None:
         pieces: list[float] = []
         closes: list[float] = []
         profile = cProfile.Profile()
+        collections: dict[int, list[float]] = {0: [], 1: [], 2: []}  # the cyclic collector's pauses by generation
+        started: list[float] = []
+
+        def collector(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                started.append(time.perf_counter())
+            elif started:
+                collections[info["generation"]].append(time.perf_counter() - started.pop())
+
+        gc.callbacks.append(collector)
         for round_ in range(args.rounds):
             key = 2 + round_
             now += 0.001
@@ -109,6 +128,7 @@ def main() -> None:
             start = time.perf_counter()
             daemon._feed(ev.Unregister(now, key, "disconnected"))
             closes.append(time.perf_counter() - start)
+        gc.callbacks.remove(collector)
         log.handlers.clear()
 
     def ms(values: list[float]) -> dict[str, float]:
@@ -118,7 +138,8 @@ def main() -> None:
                 "max": round(1e3 * max(values), 3)}
 
     print(json.dumps({"claims": len(held), "rounds": args.rounds, "hello_ms": ms(hellos),
-                      "later_claims_steps_ms": ms(pieces), "close_ms": ms(closes)}))
+                      "later_claims_steps_ms": ms(pieces), "close_ms": ms(closes),
+                      "gc_pause_ms": {f"generation {n}": ms(pauses) for n, pauses in collections.items()}}))
     if args.no_profile:
         return
     table = io.StringIO()
