@@ -8,15 +8,17 @@ import pytest
 
 from nvshare_py import protocol
 from nvshare_py.scheduler import views
-from nvshare_py.scheduler.core import CoreConfig, ControlError, SchedulerCore
+from nvshare_py.scheduler.core import CLAIMS_PER_STEP, CoreConfig, ControlError, SchedulerCore
 from nvshare_py.scheduler.events import (
     AcquireRequest,
+    ClaimsLeft,
     ClientInfo,
     ClientMessage,
     DeviceInfo,
     DeviceMeasured,
     Forget,
     Alive,
+    HandleClaims,
     LockEvent,
     Log,
     MemoryReport,
@@ -840,6 +842,63 @@ def test_a_claim_outside_recovery_is_revoked_at_once_and_blocks_nobody():
     h.at(1.7).register("hostile3", held=[GPU0])
     assert h.sent(protocol.Revoke)
     assert [holder for holder in h.holders() if holder[1] != "overdue"] == [("c2", "holding")]
+
+
+def claim_steps(h: Harness, key) -> list[list]:
+    """The actions of a HELLO's later steps: HandleClaims fed while the core asks for it."""
+    steps = []
+    while any(isinstance(a, ClaimsLeft) and a.client == key for a in h.actions):
+        steps.append(h.feed(HandleClaims(h.now, key)))
+    return steps
+
+
+def test_a_hello_with_many_claims_is_handled_a_bounded_piece_per_step():
+    # Issue 23: a HELLO claiming a busy device and 40 invented ones was one step of a few
+    # milliseconds that every other user's message waited behind. Each step now handles at
+    # most CLAIMS_PER_STEP claims; the daemon feeds HandleClaims for the rest, and every claim
+    # is still refused (DROP conflict, REVOKE) and logged.
+    h = Harness(tq=10.0, grace=2.0, heartbeat_timeout=1000.0)
+    h.register("holder")
+    h.acquire("holder")
+    invented = [f"D{n}" for n in range(40)]
+    first = h.at(1.0).register("hostile", held=[GPU0, *invented])
+    steps = [first, *claim_steps(h, "hostile")]
+    assert len(steps) == math.ceil(41 / CLAIMS_PER_STEP)
+    refused: list[str] = []
+    for actions in steps:
+        h.actions = actions
+        drops = [m for _, m in h.sent(protocol.Drop, "hostile")]
+        assert 0 < len(drops) <= CLAIMS_PER_STEP
+        assert all((m.reason, m.grace_ms) == ("conflict", 0) for m in drops)
+        assert sorted(m.device for _, m in h.sent(protocol.Revoke, "hostile")) == sorted(m.device for m in drops)
+        refused += [log.fields["device"] for log in h.logs("warning") if log.what == "claim-refused"]
+    assert sorted(refused) == sorted([GPU0, *invented])
+    assert h.holders() == [("c1", "holding")] + [("c2", "overdue")]
+    h.feed(HandleClaims(h.now, "hostile"))  # once more than asked: nothing left to do
+    assert h.actions == []
+
+
+def test_a_restart_keeps_every_claim_of_a_hello_handled_in_pieces():
+    # A legitimate restart's claims are believed as of the HELLO, also those handled in a later
+    # step, even one that comes after the recovery window ended.
+    devices = [f"GPU-{n}" for n in range(CLAIMS_PER_STEP + 3)]
+    h = Harness(recovery=2.0, heartbeat_timeout=1000.0)
+    h.at(1.9).register("old-holder", held=devices)
+    kept = [g.device for g in h.grants("old-holder")]
+    assert len(kept) == CLAIMS_PER_STEP and any(isinstance(a, ClaimsLeft) for a in h.actions)
+    h.tick(2.0)
+    h.feed(HandleClaims(h.now, "old-holder"))
+    kept += [g.device for g in h.grants("old-holder")]
+    assert h.sent(protocol.Drop) == [] and not any(isinstance(a, ClaimsLeft) for a in h.actions)
+    assert sorted(kept) == sorted(devices)
+
+
+def test_claims_not_handled_yet_end_with_the_registration():
+    h = Harness(heartbeat_timeout=1000.0)
+    h.register("hostile", held=[f"D{n}" for n in range(2 * CLAIMS_PER_STEP)])
+    h.bye("hostile")
+    assert h.feed(HandleClaims(h.now, "hostile")) == []
+    assert h.status()["devices"] == [] or all(not d["holders"] for d in h.status()["devices"])
 
 
 # --- status ----------------------------------------------------------------------------------

@@ -157,6 +157,26 @@ def test_reclaim_loops_do_not_block_grants(scheduler):
         claim.close()
 
 
+def test_a_hello_with_many_claims_has_every_claim_refused(scheduler):
+    # Issue 23: a HELLO claiming 41 devices was one step of 3-5 ms in front of every other
+    # user's message. The lock core now handles 8 claims a step and the daemon feeds it the
+    # rest in the claimant's later turns: all of them are still refused, none is lost.
+    holder = scheduler.agent()
+    holder.send(f"acquire {GPU}")
+    holder.expect(f"granted {GPU}")
+    devices = [GPU, *(f"D{n}" for n in range(40))]
+    peer = floodkit.RawClient(scheduler.paths.client_socket)
+    peer.hello(session="00000000000000c9", held=",".join(devices))
+    revoked = [floodkit.field(peer.expect("REVOKE"), "device") for _ in devices]
+    assert sorted(revoked) == sorted(devices)
+    wait_for(lambda: scheduler.log_text().count("which it does not hold") == len(devices),
+             what=f"a log line for each of the {len(devices)} refused claims")
+    active = [h["client"] for h in scheduler.device(GPU)["holders"] if h["state"] != "overdue"]
+    assert active == [holder.client_id]
+    peer.close()
+    assert_serves(scheduler)
+
+
 def test_invented_devices_are_bounded_and_forgotten(scheduler):
     # Was: 100 000 invented device ids from one client cost memory never returned, and status
     # failed ("too-large") until a restart.

@@ -42,6 +42,7 @@ from .events import (
     AcquireRequest,
     Action,
     AdmitRequest,
+    ClaimsLeft,
     ClientInfo,
     ClientKey,
     ClientMessage,
@@ -52,6 +53,7 @@ from .events import (
     Forget,
     FromClient,
     Alive,
+    HandleClaims,
     LockEvent,
     Log,
     MemoryReport,
@@ -77,10 +79,14 @@ __all__ = ["CoreConfig", "ControlError", "SchedulerCore"]
 # How many of those ahead of a waiter, when its wait began, a pair remembers (for QUERY's
 # `last_wait`, nvshare_py/scheduler/views.py): a bound, so that a long queue costs no more.
 AHEAD_REMEMBERED = 4
+# Claims of one HELLO handled per step: a process rarely holds more devices than this, and one
+# HELLO claiming many (invented) devices is handled in pieces (HandleClaims) between other
+# users' messages instead of in one step of a few milliseconds (benchmarks/bench_floods.py).
+CLAIMS_PER_STEP = 8
 
 
 # The client message behind each event that may name a new device (for ERROR's `type`).
-_MESSAGE_TYPES = {Register: "HELLO", DeviceInfo: "DEVICE", MemoryReport: "MEMORY", AcquireRequest: "ACQUIRE",
+_MESSAGE_TYPES = {Register: "HELLO", HandleClaims: "HELLO", DeviceInfo: "DEVICE", MemoryReport: "MEMORY", AcquireRequest: "ACQUIRE",
                   AdmitRequest: "ADMIT"}
 
 
@@ -171,7 +177,8 @@ class _Hold:
 
 
 class _Client:
-    __slots__ = ("key", "cid", "info", "connected", "last_seen", "pairs", "told_every", "told", "gang")
+    __slots__ = ("key", "cid", "info", "connected", "last_seen", "pairs", "told_every", "told", "gang", "claims_left",
+                 "claims_believed")
 
     def __init__(self, key: ClientKey, cid: str, info: ClientInfo, now: float) -> None:
         self.key = key
@@ -186,6 +193,10 @@ class _Client:
         self.told: dict[str, int] = {}
         self.gang = gangs.Gang(("solo", key), "", cid, 0)  # its unit: itself until it joins a named gang
         self.gang.members[self] = None
+        # The devices its HELLO claims that are not handled yet (CLAIMS_PER_STEP), and whether
+        # the HELLO came inside the recovery window (its claims are judged as of then).
+        self.claims_left: list[str] = []
+        self.claims_believed = False
 
     @property
     def process(self) -> Hashable | None:
@@ -354,6 +365,7 @@ class SchedulerCore:
         ])
         self._other_handlers: dict[type[Event], Callable[[Any, list[Action]], None]] = {
             Register: self._register,
+            HandleClaims: self._handle_claims,
             DeviceMeasured: self._device_measured,
             Tick: self._tick,
             SetMode: self._set_mode,
@@ -539,13 +551,9 @@ class SchedulerCore:
         touched: dict[_Device, None] = {}
         for old in predecessors:
             self._take_over(old, client, held, wanted, now, out, touched)
-        for device_id in held:
-            pair = self._pair(client, device_id, ev, out)
-            if pair is None:
-                continue
-            touched[pair.device] = None
-            if pair.hold is None:
-                self._claim(pair, now, out)
+        client.claims_left = list(held)
+        client.claims_believed = self._recovering(now)
+        self._claim_some(client, ev, out, touched)
         for device_id in wanted:
             pair = self._pair(client, device_id, ev, out)
             if pair is None:
@@ -608,14 +616,41 @@ class SchedulerCore:
         out.append(LockEvent(now, "unregister", client=old.cid, detail="replaced"))
         out.append(Log("info", "replaced", {"client": old.cid, "successor": new.cid}))
 
-    def _claim(self, pair: _Pair, now: float, out: list[Action]) -> None:
+    def _claim_some(self, client: _Client, ev: Register | HandleClaims, out: list[Action],
+                    touched: dict[_Device, None]) -> None:
+        """Handle the next CLAIMS_PER_STEP claims of the client's HELLO; ClaimsLeft when more
+        are left. A HELLO's claims are independent of each other and of the client's other
+        messages (which name grants the claims have not made yet), so handling the rest in later
+        steps, between other clients' events, decides nothing differently."""
+        piece, client.claims_left = client.claims_left[:CLAIMS_PER_STEP], client.claims_left[CLAIMS_PER_STEP:]
+        for device_id in piece:
+            pair = self._pair(client, device_id, ev, out)
+            if pair is None:
+                continue
+            touched[pair.device] = None
+            if pair.hold is None:
+                self._claim(pair, client.claims_believed, ev.now, out)
+        if client.claims_left:
+            out.append(ClaimsLeft(client.key))
+
+    def _handle_claims(self, ev: HandleClaims, out: list[Action]) -> None:
+        client = self._clients.get(ev.client)
+        if client is None:  # gone meanwhile: its claims went with it
+            return
+        touched: dict[_Device, None] = {}
+        self._claim_some(client, ev, out, touched)
+        for dev in touched:
+            self._settle(dev, ev.now, out)
+
+    def _claim(self, pair: _Pair, believed: bool, now: float, out: list[Action]) -> None:
         """A registering client says its gate is open on this device, and it is not the same
         process taking over its own registration's hold (that is _take_over).
 
         Inside the recovery window after a restart nobody holds anything yet, so the claim is
         believed: the first claimant keeps the lock (no grant is made to others until it
         releases, dies or is revoked), and a claim that may not run beside it is dropped at once
-        with the usual grace, because both processes may really be running.
+        with the usual grace, because both processes may really be running. `believed` says
+        whether the HELLO came inside the window (its later claims are handled a little later).
 
         Outside the window the daemon knows every hold, and this is none of them: the claim is
         refused by a grant that is dropped and revoked at once (DROP conflict with grace 0, then
@@ -624,14 +659,14 @@ class SchedulerCore:
         dev = pair.device
         conflict = bool(dev.holders) and self._serialised_against(dev, pair)
         hold = self._new_hold(pair, now)
-        if self._recovering(now) and not conflict:
+        if believed and not conflict:
             out.append(Send(pair.client.key, self._grant_message(dev, hold.grant)))
             out.append(LockEvent(now, "grant", dev.id, pair.client.cid, hold.grant, "claimed"))
             out.append(Log("info", "claim-kept", {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
             return
         out.append(LockEvent(now, "grant", dev.id, pair.client.cid, hold.grant, "claimed"))
         out.append(Log("warning", "claim-refused", {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
-        self._drop(pair, now, "conflict", out, grace=self.config.grace if self._recovering(now) else 0.0)
+        self._drop(pair, now, "conflict", out, grace=self.config.grace if believed else 0.0)
 
     # --- client events -------------------------------------------------------------------
 

@@ -92,6 +92,16 @@ class Register:
 
 
 @dataclass(frozen=True)
+class HandleClaims:
+    """Handle the next claims of `client`'s HELLO (the daemon feeds it after ClaimsLeft, in the
+    turn of the client's principal): a HELLO's claims are handled a bounded number per step, so
+    that one HELLO with many never holds up other users' messages for long."""
+
+    now: float
+    client: ClientKey
+
+
+@dataclass(frozen=True)
 class DeviceInfo:
     now: float
     client: ClientKey
@@ -274,7 +284,7 @@ FromClient = (
 )
 
 Event = (
-    Register | DeviceMeasured | FromClient
+    Register | HandleClaims | DeviceMeasured | FromClient
     | Tick | SetMode | SetQuantum | SetBudget | SetAdmission | SetWeight | SetPriority | SetLimit
 )
 
@@ -320,7 +330,15 @@ class LockEvent:
     detail: str = ""
 
 
-Action = Send | Forget | Log | LockEvent
+@dataclass(frozen=True)
+class ClaimsLeft:
+    """The registration's HELLO claims devices the core has not handled yet: feed
+    HandleClaims(now, client) when its principal's next turn comes."""
+
+    client: ClientKey
+
+
+Action = Send | Forget | Log | LockEvent | ClaimsLeft
 
 
 class ControlError(ValueError):
