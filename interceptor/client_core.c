@@ -900,6 +900,9 @@ static void continue_grant(struct nvs_core *c, struct nvs_core_device *d, double
         d->prefetch_due = 0;
         return;
     }
+    /* An EVICT whose move a capture held back: this process holds the device now, and memory
+     * must not move under its kernels, so it answers with what stays, as a holder does. */
+    if (d->evicted_due) send_evicted(c, d, now);
     if (d->swapped > 0 && d->prefetch_deferred && d->captures > 0) return; /* after the capture */
     if (d->swapped > 0) {
         struct nvs_core_queued *q = start_job(c, d, NVS_JOB_PREFETCH);

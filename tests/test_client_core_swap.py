@@ -228,6 +228,23 @@ def test_a_grant_during_an_evict_waits_for_the_swap_out_then_prefetches(lib):
     assert gates(s.job_done(RESULT_MOVED)) == [1]
 
 
+def test_a_grant_while_a_capture_holds_back_an_evict_answers_it_and_never_moves_under_the_gate(lib):
+    """An EVICT whose swap-out waits for a capture's end, then a GRANT (the scheduler's evict
+    wait ran out, or a gang's turn): the holder answers EVICTED with what stays and opens the
+    gate; the capture's end moves nothing under the open gate."""
+    s = Script(lib, used=4 * GIB)
+    s.want()
+    s.captures = 1
+    assert jobs(s.receive("EVICT", device=DEVICE, bytes=GIB)) == []  # after the capture
+    actions = s.receive("GRANT", device=DEVICE, grant=1, mode="on", exclusive=1, quantum_ms=1000)
+    assert sent(actions) == [f"NVSHARE/1 EVICTED\ndevice={DEVICE}\nresident={4 * GIB}"]
+    assert gates(actions) == [1]
+    s.captures = 0
+    s.observe()
+    s.core.tick(s.now)
+    assert jobs(s.actions()) == []
+
+
 def test_memory_reports_say_what_is_resident_once_memory_is_converted(lib):
     s = Script(lib, used=GIB)
     [memory] = [m for m in sent(s.registration + s.want()) if "MEMORY" in m]
