@@ -688,6 +688,15 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
                 begin_release(c, d, "drop", now);
             }
             if (m->evict > d->evict_due) d->evict_due = m->evict; /* DROP evict= (REVOKE: 0) */
+        } else if (m->type == NVS_MSG_DROP && m->evict > 0 && (d->state == NVS_IDLE || d->state == NVS_WAITING) &&
+                   d->grant_known && d->grant == m->grant && d->release_reason != NULL &&
+                   strcmp(d->release_reason, "idle") == 0) {
+            /* The DROP crossed this grant's idle RELEASE: the shell saw the probe's result before
+             * it read the DROP (client.c), so the RELEASE left without a swap-out. The room is
+             * still wanted: it moves out as for an EVICT, whose answer says what stays. */
+            core_log(c, LOG_DEBUG, "DROP of %s crossed its idle release (grant %llu): moving %llu bytes out",
+                     d->uuid, (unsigned long long)m->grant, (unsigned long long)m->evict);
+            handle_evict(c, d, m->evict, now);
         } else {
             core_log(c, LOG_DEBUG, "stale %s for grant %llu ignored", m->type == NVS_MSG_DROP ? "DROP" : "REVOKE",
                      (unsigned long long)m->grant);
@@ -826,6 +835,7 @@ static uint64_t resident_of(const struct nvs_core_device *d) {
  * DRAINED comes here too, with no release due. */
 static void finish_release(struct nvs_core *c, struct nvs_core_device *d, double now) {
     const char *reason = d->release_due ? d->release_reason : "idle";
+    d->release_reason = reason; /* a DROP that crossed an idle release is told by it (DROP) */
     int answerable = d->grant_known && !d->release_unanswerable;
     if (!d->release_due) d->idle_released_since = d->idle_since; /* its pause goes on: see note_pause */
     if (d->release_due) note_drain(d, now); /* the swap-out counts: the pre-drain must cover it */
