@@ -605,10 +605,14 @@ static int drains_with_others(const struct nvs_core *c) {
     return held > 1;
 }
 
-/* A GRANT, with a new id, for a device whose grant the scheduler revoked while it drains. */
+/* A GRANT for a device whose grant ended while it drains: the scheduler revoked it (the GRANT
+ * has a new id), or it died with a lost registration (every GRANT is the new registration's:
+ * a gang's grant comes without an ACQUIRE, also while that drain runs). */
 static int grant_comes_back(const struct nvs_core_device *d, uint64_t grant) {
-    return d->release_due && d->grant_known && !d->release_unanswerable && d->grant != grant &&
-           d->release_reason != NULL && strcmp(d->release_reason, "revoke") == 0;
+    if (!d->release_due) return 0;
+    if (d->release_unanswerable) return 1;
+    return d->grant_known && d->grant != grant && d->release_reason != NULL &&
+           strcmp(d->release_reason, "revoke") == 0;
 }
 
 static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d, const struct nvs_msg *m, double now) {
@@ -620,9 +624,10 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
              * run in it), so the drain could never end first. The revoked grant is answered
              * now (the scheduler gave it away already: its RELEASE only closes its books) and
              * the new one taken; its gate opens once the running drain is done (job_done). */
-            core_log(c, LOG_INFO, "%s granted again (grant %llu) while its revoked grant %llu drained", d->uuid,
-                     (unsigned long long)m->grant, (unsigned long long)d->grant);
-            send_message(c, NVS_MSG_RELEASE, (int)(d - c->devices), d->grant, "revoke", now);
+            core_log(c, LOG_INFO, "%s granted again (grant %llu) while its revoked grant drained", d->uuid,
+                     (unsigned long long)m->grant);
+            if (!d->release_unanswerable) /* a lost registration's grant has nobody to answer */
+                send_message(c, NVS_MSG_RELEASE, (int)(d - c->devices), d->grant, "revoke", now);
             d->drain_wanted = 0;
             d->evict_due = 0;
             d->release_drained = 0;
