@@ -489,6 +489,21 @@ class SwappingSharing(Sharing):
                 assert asked <= process.evicted.get(process.conn, set()), (process.name, asked, process.evicted)
 
 
+def test_an_evict_held_back_by_a_capture_dies_with_a_lost_registration(lib):
+    """Found by the machine: an EVICT waits for a capture's end, the process is stopped past the
+    heartbeat timeout and the scheduler forgets it (and the EVICT); on resuming it registers
+    again on the same connection. Nobody waits for that EVICTED any more, and none comes."""
+    SwappingSharing.lib = lib
+    state = SwappingSharing()
+    state.begin_capture(device=0, pick=0)
+    state.advance(seconds=0.15)
+    state.evict(device=0, gib=2, pick=0)
+    state.spawn(gang="")
+    state.stop(pick=0)
+    state.advance(seconds=1.8)
+    state.teardown()
+
+
 def test_swapping_state_machine(lib):
     SwappingSharing.lib = lib
     run = SwappingSharing.TestCase
