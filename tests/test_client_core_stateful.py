@@ -192,6 +192,6 @@ def test_sharing_state_machine(lib):
     run = Sharing.TestCase
     # derandomize: CI explores the same cases every run (the suite never flakes); a wider search
     # is one edit away (max_examples, derandomize=False).
-    run.settings = settings(max_examples=60, stateful_step_count=30, deadline=None, derandomize=True,
+    run.settings = settings(max_examples=100, stateful_step_count=30, deadline=None, derandomize=True,
                             suppress_health_check=[HealthCheck.too_slow])
     run().runTest()

@@ -507,7 +507,7 @@ def test_an_evict_held_back_by_a_capture_dies_with_a_lost_registration(lib):
 def test_swapping_state_machine(lib):
     SwappingSharing.lib = lib
     run = SwappingSharing.TestCase
-    run.settings = settings(max_examples=25, stateful_step_count=30, deadline=None, derandomize=True,
+    run.settings = settings(max_examples=100, stateful_step_count=30, deadline=None, derandomize=True,
                             suppress_health_check=[HealthCheck.too_slow])
     run().runTest()
 
