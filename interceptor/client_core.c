@@ -605,10 +605,14 @@ static int drains_with_others(const struct nvs_core *c) {
     return held > 1;
 }
 
-/* A GRANT, with a new id, for a device whose grant the scheduler revoked while it drains. */
+/* A GRANT for a device whose grant ended while it drains: the scheduler revoked it (the GRANT
+ * has a new id), or it died with a lost registration (every GRANT is the new registration's:
+ * a gang's grant comes without an ACQUIRE, also while that drain runs). */
 static int grant_comes_back(const struct nvs_core_device *d, uint64_t grant) {
-    return d->release_due && d->grant_known && !d->release_unanswerable && d->grant != grant &&
-           d->release_reason != NULL && strcmp(d->release_reason, "revoke") == 0;
+    if (!d->release_due) return 0;
+    if (d->release_unanswerable) return 1;
+    return d->grant_known && d->grant != grant && d->release_reason != NULL &&
+           strcmp(d->release_reason, "revoke") == 0;
 }
 
 static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d, const struct nvs_msg *m, double now) {
@@ -620,9 +624,10 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
              * run in it), so the drain could never end first. The revoked grant is answered
              * now (the scheduler gave it away already: its RELEASE only closes its books) and
              * the new one taken; its gate opens once the running drain is done (job_done). */
-            core_log(c, LOG_INFO, "%s granted again (grant %llu) while its revoked grant %llu drained", d->uuid,
-                     (unsigned long long)m->grant, (unsigned long long)d->grant);
-            send_message(c, NVS_MSG_RELEASE, (int)(d - c->devices), d->grant, "revoke", now);
+            core_log(c, LOG_INFO, "%s granted again (grant %llu) while its revoked grant drained", d->uuid,
+                     (unsigned long long)m->grant);
+            if (!d->release_unanswerable) /* a lost registration's grant has nobody to answer */
+                send_message(c, NVS_MSG_RELEASE, (int)(d - c->devices), d->grant, "revoke", now);
             d->drain_wanted = 0;
             d->evict_due = 0;
             d->release_drained = 0;
@@ -688,6 +693,15 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
                 begin_release(c, d, "drop", now);
             }
             if (m->evict > d->evict_due) d->evict_due = m->evict; /* DROP evict= (REVOKE: 0) */
+        } else if (m->type == NVS_MSG_DROP && m->evict > 0 && (d->state == NVS_IDLE || d->state == NVS_WAITING) &&
+                   d->grant_known && d->grant == m->grant && d->release_reason != NULL &&
+                   strcmp(d->release_reason, "idle") == 0) {
+            /* The DROP crossed this grant's idle RELEASE: the shell saw the probe's result before
+             * it read the DROP (client.c), so the RELEASE left without a swap-out. The room is
+             * still wanted: it moves out as for an EVICT, whose answer says what stays. */
+            core_log(c, LOG_DEBUG, "DROP of %s crossed its idle release (grant %llu): moving %llu bytes out",
+                     d->uuid, (unsigned long long)m->grant, (unsigned long long)m->evict);
+            handle_evict(c, d, m->evict, now);
         } else {
             core_log(c, LOG_DEBUG, "stale %s for grant %llu ignored", m->type == NVS_MSG_DROP ? "DROP" : "REVOKE",
                      (unsigned long long)m->grant);
@@ -826,6 +840,7 @@ static uint64_t resident_of(const struct nvs_core_device *d) {
  * DRAINED comes here too, with no release due. */
 static void finish_release(struct nvs_core *c, struct nvs_core_device *d, double now) {
     const char *reason = d->release_due ? d->release_reason : "idle";
+    d->release_reason = reason; /* a DROP that crossed an idle release is told by it (DROP) */
     int answerable = d->grant_known && !d->release_unanswerable;
     if (!d->release_due) d->idle_released_since = d->idle_since; /* its pause goes on: see note_pause */
     if (d->release_due) note_drain(d, now); /* the swap-out counts: the pre-drain must cover it */
@@ -900,6 +915,9 @@ static void continue_grant(struct nvs_core *c, struct nvs_core_device *d, double
         d->prefetch_due = 0;
         return;
     }
+    /* An EVICT whose move a capture held back: this process holds the device now, and memory
+     * must not move under its kernels, so it answers with what stays, as a holder does. */
+    if (d->evicted_due) send_evicted(c, d, now);
     if (d->swapped > 0 && d->prefetch_deferred && d->captures > 0) return; /* after the capture */
     if (d->swapped > 0) {
         struct nvs_core_queued *q = start_job(c, d, NVS_JOB_PREFETCH);

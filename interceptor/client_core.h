@@ -122,7 +122,7 @@ struct nvs_core_device {
     uint64_t grant;
     int grant_known;          /* 0 after a reconnection until the scheduler names the grant */
     int release_due;          /* DROP/REVOKE/pre-drain/lost registration: the drain ends in a release */
-    const char *release_reason;
+    const char *release_reason; /* of the due release; after it, of the last one made */
     int release_unanswerable; /* the grant died with the registration: nothing to RELEASE */
     enum nvs_job job;         /* handed to the worker, result not in yet */
     int drain_wanted;         /* a drain is due but waits for captures to end (or the job) */

@@ -440,7 +440,9 @@ class Release(Message):
 
 @dataclass(frozen=True, slots=True)
 class Evicted(Message):
-    """The answer to `EVICT`: what of its converted memory is still on the device."""
+    """The answer to `EVICT`: what of its converted memory is still on the device. Also sent,
+    unasked, after a `DROP` with `evict` that crossed an idle `RELEASE` of its grant: the room moved
+    out after that `RELEASE`."""
 
     TYPE: ClassVar[str] = "EVICTED"
     device: str

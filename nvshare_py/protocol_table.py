@@ -216,7 +216,9 @@ MESSAGES: Final[tuple[Message, ...]] = (
     Message("EVICTED", "Evicted", CLIENT, (
         required("device", DEVICE),
         required("resident", UINT, "bytes"),
-    ), "The answer to `EVICT`: what of its converted memory is still on the device."),
+    ), "The answer to `EVICT`: what of its converted memory is still on the device. Also sent, "
+       "unasked, after a `DROP` with `evict` that crossed an idle `RELEASE` of its grant: the room "
+       "moved out after that `RELEASE`."),
     Message("HEARTBEAT", "Heartbeat", CLIENT, (),
             "Liveness. Sent every `heartbeat_ms` (from `WELCOME`) when nothing else was sent."),
     Message("BYE", "Bye", CLIENT, (),

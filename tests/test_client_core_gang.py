@@ -191,6 +191,31 @@ def test_a_revoked_grant_granted_again_before_its_drain_ends_is_answered_and_the
     assert [(m.grant, m.reason) for m in released if m.TYPE == "RELEASE"] == [(9, "drop")]
 
 
+def test_a_grant_of_the_new_registration_while_a_lost_registrations_drain_runs_is_taken(client_core_lib):
+    """The scheduler dropped the rank (silent past its heartbeat timeout) while it held a device:
+    its gate closed and its work drains, with no RELEASE owed (that grant died with the
+    registration). The gang's next turn grants the device to the new registration before the
+    drain ends: the grant is taken, its gate opening when the drain is done. Ignored, the
+    scheduler would count the rank as the holder while the rank's threads waited for ever."""
+    rank = Rank(client_core_lib, gang="job", gang_size=2)
+    rank.used[0] = 1 << 20
+    rank.waiters[0] = 1
+    rank.tick(0.2)
+    rank.receive("GRANT", device=DEVICES[0], grant=3, mode="on", exclusive=1, quantum_ms=1000)
+    rank.waiters[0], rank.entered[0] = 0, 1
+    lost = rank.receive("ERROR", code="not-registered", detail="send HELLO first", type="HEARTBEAT")
+    assert [(a.device, a.value) for a in lost if a.kind == ACT_JOB] == [(0, JOB_DRAIN)]
+    assert [m.TYPE for m in messages(lost)] == ["HELLO"]
+    rank.receive("WELCOME", client="c2", heartbeat_ms=1000, idle_release_ms=300, version=1)
+    rank.waiters[0] = 1  # a thread waits at the closed gate
+    again = rank.receive("GRANT", device=DEVICES[0], grant=9, mode="on", exclusive=1, quantum_ms=1000)
+    assert "RELEASE" not in kinds(again) and [a for a in again if a.kind == ACT_GATE] == []
+    assert rank.core.state(0) == HOLDING
+    drained = rank.job_done(0, RESULT_DRAINED)
+    assert [(a.device, a.value) for a in drained if a.kind == ACT_GATE] == [(0, 1)]
+    assert "RELEASE" not in kinds(drained) and "ACQUIRE" not in kinds(drained)
+
+
 def test_with_the_scheduler_core_a_gang_turn_grants_a_member_a_device_it_did_not_ask_for(client_core_lib):
     """Both cores together (tests/fixtures/client_core.py's world): rank a used GPUs 0 and 1,
     rank b GPU 1. When a asks for GPU 0 alone, the gang's turn grants every device the two

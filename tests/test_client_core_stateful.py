@@ -161,9 +161,10 @@ class Sharing(RuleBasedStateMachine):
             deadline = core.next_deadline(now)
             assert now < deadline <= now + 1.0, f"{process.name}: next deadline {deadline} at {now}"
             halfway = (now + deadline) / 2
-            core.tick(halfway)
-            early = core.pop(halfway)
-            assert early == [], f"{process.name}: {early} at {halfway}, before the deadline {deadline}"
+            if now < halfway < deadline:  # two adjacent floats have no time between them
+                core.tick(halfway)
+                early = core.pop(halfway)
+                assert early == [], f"{process.name}: {early} at {halfway}, before the deadline {deadline}"
             core.tick(deadline)
             core.pop(deadline)
             assert core.next_deadline(deadline) > deadline, f"{process.name}: the deadline {deadline} stays"
@@ -191,6 +192,6 @@ def test_sharing_state_machine(lib):
     run = Sharing.TestCase
     # derandomize: CI explores the same cases every run (the suite never flakes); a wider search
     # is one edit away (max_examples, derandomize=False).
-    run.settings = settings(max_examples=60, stateful_step_count=30, deadline=None, derandomize=True,
+    run.settings = settings(max_examples=100, stateful_step_count=30, deadline=None, derandomize=True,
                             suppress_health_check=[HealthCheck.too_slow])
     run().runTest()

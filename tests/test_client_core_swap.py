@@ -228,6 +228,23 @@ def test_a_grant_during_an_evict_waits_for_the_swap_out_then_prefetches(lib):
     assert gates(s.job_done(RESULT_MOVED)) == [1]
 
 
+def test_a_grant_while_a_capture_holds_back_an_evict_answers_it_and_never_moves_under_the_gate(lib):
+    """An EVICT whose swap-out waits for a capture's end, then a GRANT (the scheduler's evict
+    wait ran out, or a gang's turn): the holder answers EVICTED with what stays and opens the
+    gate; the capture's end moves nothing under the open gate."""
+    s = Script(lib, used=4 * GIB)
+    s.want()
+    s.captures = 1
+    assert jobs(s.receive("EVICT", device=DEVICE, bytes=GIB)) == []  # after the capture
+    actions = s.receive("GRANT", device=DEVICE, grant=1, mode="on", exclusive=1, quantum_ms=1000)
+    assert sent(actions) == [f"NVSHARE/1 EVICTED\ndevice={DEVICE}\nresident={4 * GIB}"]
+    assert gates(actions) == [1]
+    s.captures = 0
+    s.observe()
+    s.core.tick(s.now)
+    assert jobs(s.actions()) == []
+
+
 def test_memory_reports_say_what_is_resident_once_memory_is_converted(lib):
     s = Script(lib, used=GIB)
     [memory] = [m for m in sent(s.registration + s.want()) if "MEMORY" in m]
@@ -358,6 +375,62 @@ def test_a_holder_whose_pauses_outlast_the_handoff_releases_after_the_short_wind
     assert turn(3, pause=1.0) >= 0.4   # the last one (0.2 s) did not: the cost again
 
 
+def test_a_drop_with_evict_that_crossed_an_idle_release_moves_the_room_out_and_says_evicted(lib):
+    """The probe's result was seen before the DROP was read (client.c observes, then receives):
+    the idle RELEASE went out without a swap-out, so the room the DROP asked for moves out after
+    it, answered as an EVICT is."""
+    s = Script(lib, used=4 * GIB, idle_release_ms=100)
+    granted(s)
+    seconds_to_idle_probe(s)
+    assert any("reason=idle" in m for m in sent(s.job_done(RESULT_DRAINED)))
+    actions = s.receive("DROP", device=DEVICE, grant=1, grace_ms=500, reason="quantum", evict=3 * GIB)
+    assert jobs(actions) == [(JOB_SWAP_OUT, 3 * GIB)] and gates(actions) == []
+    s.swapped = 3 * GIB
+    assert f"NVSHARE/1 EVICTED\ndevice={DEVICE}\nresident={GIB}" in sent(s.job_done(RESULT_MOVED))
+
+
+def test_a_drop_that_crossed_a_release_after_its_own_drain_moves_nothing_more(lib):
+    """Only an idle release leaves the room undone: a quantum's RELEASE moved what CONTENDED
+    said, and a DROP that crossed it is stale."""
+    s = Script(lib, used=4 * GIB)
+    granted(s)
+    s.receive("CONTENDED", device=DEVICE, grant=1, quantum_left_ms=0, evict=GIB)
+    s.job_done(RESULT_DRAINED)
+    s.swapped = GIB
+    assert any("reason=quantum" in m for m in sent(s.job_done(RESULT_MOVED)))
+    actions = s.receive("DROP", device=DEVICE, grant=1, grace_ms=500, reason="quantum", evict=GIB)
+    assert jobs(actions) == [] and sent(actions) == []
+
+
+def test_in_the_world_a_drop_read_after_the_idle_probe_ended_is_answered_with_evicted(lib):
+    """The crossing as the shell meets it: the worker's probe ended (the holder was idle) and
+    the scheduler's DROP evict= waits unread; the client thread sees the probe's result first."""
+    world = World(lib, tq=0.5, swap=True, idle_release=0.3, heartbeat_timeout=5.0)
+    a, b = world.spawn("a"), world.spawn("b")
+    world.allocate(a, 2 * GIB)
+    world.want(a)
+    world.finish_work(a)
+    world.auto_worker = False  # the probe waits for the worker
+    for _ in range(40):
+        world.advance(0.05)
+        if a.devices[0].job == JOB_PROBE:
+            break
+    assert a.devices[0].job == JOB_PROBE, world.describe()
+    world.want(b)  # CONTENDED, read while the probe runs
+    world.stop(a)  # so that the DROP stays unread
+    for _ in range(40):
+        world.advance(0.05)
+        if any(m.startswith(b"NVSHARE/1 DROP") for m in a.inbox):
+            break
+    assert any(m.startswith(b"NVSHARE/1 DROP") for m in a.inbox), (a.inbox, world.describe())
+    a.stopped = False
+    world.auto_worker = True
+    assert world.worker(a, 0)  # the probe's result, then the client thread reads the DROP
+    assert a.releases == [(0, 1, "idle")]
+    assert a.evicts.get(a.conn) == {0} and a.evicted.get(a.conn) == {0}, (a.evicts, a.evicted)
+    assert a.devices[0].swapped == 2 * GIB
+
+
 # --- the paired world: swapping with the scheduler core, explored ---------------------------
 
 
@@ -416,10 +489,25 @@ class SwappingSharing(Sharing):
                 assert asked <= process.evicted.get(process.conn, set()), (process.name, asked, process.evicted)
 
 
+def test_an_evict_held_back_by_a_capture_dies_with_a_lost_registration(lib):
+    """Found by the machine: an EVICT waits for a capture's end, the process is stopped past the
+    heartbeat timeout and the scheduler forgets it (and the EVICT); on resuming it registers
+    again on the same connection. Nobody waits for that EVICTED any more, and none comes."""
+    SwappingSharing.lib = lib
+    state = SwappingSharing()
+    state.begin_capture(device=0, pick=0)
+    state.advance(seconds=0.15)
+    state.evict(device=0, gib=2, pick=0)
+    state.spawn(gang="")
+    state.stop(pick=0)
+    state.advance(seconds=1.8)
+    state.teardown()
+
+
 def test_swapping_state_machine(lib):
     SwappingSharing.lib = lib
     run = SwappingSharing.TestCase
-    run.settings = settings(max_examples=25, stateful_step_count=30, deadline=None, derandomize=True,
+    run.settings = settings(max_examples=100, stateful_step_count=30, deadline=None, derandomize=True,
                             suppress_health_check=[HealthCheck.too_slow])
     run().runTest()
 
