@@ -262,7 +262,9 @@ class _StatusDocument(Message):
             shown = {**document, "devices": devices}
             if left_out:
                 shown["truncated"] = left_out
-            text = json.dumps(shown, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+            # JSON escapes the other control characters but may leave DEL as it is, which no field
+            # may carry; it can only stand inside a string, where its escape means the same.
+            text = json.dumps(shown, separators=(",", ":"), ensure_ascii=False, allow_nan=False).replace("\x7f", "\\u007f")
             if len(text.encode()) <= STATUS_DOCUMENT_MAX or not devices:
                 return Status(json=text)
             devices.pop()

@@ -8,6 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hypothesis import settings
+
 # nvsharectl's command line is the checkout's top-level ./ctl (installed as nvshare_py.ctl); last
 # on the path, so it never shadows the nvshare_py under test.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
@@ -28,6 +30,13 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 _QUIET = tempfile.mkdtemp(prefix="nvs-quiet-")
 atexit.register(shutil.rmtree, _QUIET, True)
 os.environ["NVSHARE_SYSTEM_SOCKET_DIR"] = os.path.join(_QUIET, "no-system-scheduler")
+
+# Hypothesis runs the same examples on every run (derandomized, no example database): the suite
+# must not pass on one CI run and fail on the next. To hunt with fresh examples, run pytest with
+# `--hypothesis-profile explore` (random examples, more of them where a test does not say).
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False, max_examples=500)
+settings.load_profile("repeatable")
 
 # fixtures.interceptor first: the others import it (REPO_ROOT), and pytest rewrites a plugin's
 # asserts only when it loads the plugin before anything imports it.

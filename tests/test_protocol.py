@@ -61,6 +61,14 @@ def test_every_message_round_trips(message):
     assert protocol.decode(message.encode(), catalogue_of(message.TYPE)) == message
 
 
+def test_a_status_document_with_any_text_in_it_goes_over_the_wire():
+    # A user, pod or program name may hold DEL, which JSON leaves unescaped and no field may carry.
+    document = {"clients": [{"program": "a\x7fb\x01c", "\x7f": 1}]}
+    status = protocol.Status.of(document)
+    decoded = protocol.decode(status.encode(), protocol.QUERY_REPLIES)
+    assert decoded.document()["clients"] == document["clients"]
+
+
 @pytest.mark.parametrize("spec", table.MESSAGES, ids=lambda m: m.type)
 def test_a_field_left_out_reads_as_its_default_and_a_default_is_left_out(spec):
     minimal = ALL[spec.type](**{f.name: example(f) for f in spec.fields if not f.optional})
