@@ -42,7 +42,9 @@ def test_a_limit_set_with_nvsharectl_reaches_a_running_program(scheduler, cuda_a
     assert app.expect("alloc-result").split()[1] == str(OUT_OF_MEMORY)  # 48 + 32 > 64, at once
     assert app.expect("meminfo").split()[1:3] == [f"free={16 * MiB}", f"total={64 * MiB}"]
     assert app.expect("alloc-result").split()[1] == "0"  # 48 + 8 fits: the program went on
-    assert any("refused" in line and "set-limit" in line for line in app.stderr_lines), app.stderr
+    # The refusal's line goes to stderr, read apart from stdout: it may come in after alloc-result.
+    wait_for(lambda: any("refused" in line and "set-limit" in line for line in app.stderr_lines),
+             what="the refusal's line naming set-limit on the program's stderr")
 
     # Lifted again: the environment (no NVSHARE_MEMORY_LIMIT) rules.
     assert scheduler.ctl("set-limit", "none", "--client", cid, "--device", "GPU0").returncode == 0
