@@ -470,6 +470,7 @@ def test_kubectl_habits_output_since_negative_numbers_and_gpu_numbers(busy):
     assert shell.returncode == 0 and "_NVSHARECTL_COMPLETE" in shell.stdout
 
 
+@pytest.mark.scheduler_options(admission_spill="auto")
 def test_admission_spill_0_as_the_docs_write_it_and_back_to_auto_without_a_restart(scheduler):
     started_with = scheduler.status()["admission"]["spill"]  # --admission-spill auto: half of MemAvailable
     zero = scheduler.ctl("set-admission", "--spill", "0")

@@ -30,6 +30,9 @@ log_level="debug". On a busy 2-core machine a process can go unscheduled for a s
 a quantum, grace, heartbeat timeout or recovery window that a test does not exercise is long
 enough never to strike during it; a test that exercises one sets it itself, as short as it likes,
 and then waits for the *effect* (an event, a line, a status change), never for a time.
+Nor on its memory: the admission spill is a fixed 256 GiB (`admission_spill`), not `auto`'s half
+of the host's MemAvailable, which on a small or busy machine left a test's few GiB of simulated
+allocations waiting for admission; a test of admission sets its own.
 
 `scheduler.agent()` starts a *client process* (nvshare_py/testing/agent.py, which says what it
 obeys) and waits for it to register:
@@ -71,6 +74,7 @@ DEFAULT_OPTIONS = {
     "idle_release": 0.3,
     "recovery": 5.0,
     "log_level": "debug",
+    "admission_spill": 256 << 30,
 }
 
 # The program name agents register with (NVSHARE_PROGRAM), as a launcher names its programs.
