@@ -64,6 +64,18 @@ def kinds(actions) -> list[str]:
     return [m.TYPE for m in messages(actions) if m.TYPE != "HEARTBEAT"]
 
 
+def rank_running_on_grant_3(client_core_lib) -> Rank:
+    """A rank of gang `job` (2 ranks) that asked for device 0, was granted it (grant 3) and has
+    work running on it."""
+    rank = Rank(client_core_lib, gang="job", gang_size=2)
+    rank.used[0] = 1 << 20
+    rank.waiters[0] = 1
+    rank.tick(0.2)
+    rank.receive("GRANT", device=DEVICES[0], grant=3, mode="on", exclusive=1, quantum_ms=1000)
+    rank.waiters[0], rank.entered[0] = 0, 1
+    return rank
+
+
 def test_hello_says_the_gang(client_core_lib):
     hello = Rank(client_core_lib, gang="torch:127.0.0.1:29500", gang_size=2).hello[0]
     assert (hello.gang, hello.gang_size) == ("torch:127.0.0.1:29500", 2)
@@ -170,12 +182,7 @@ def test_a_revoked_grant_granted_again_before_its_drain_ends_is_answered_and_the
     whose gate closed first, launches the matching one. The scheduler revokes it, and grants
     the device again in the gang's next turn; the client answers the revoked grant and takes
     the new one, and its gate opens as soon as the old work is done (not after a RELEASE)."""
-    rank = Rank(client_core_lib, gang="job", gang_size=2)
-    rank.used[0] = 1 << 20
-    rank.waiters[0] = 1
-    rank.tick(0.2)
-    rank.receive("GRANT", device=DEVICES[0], grant=3, mode="on", exclusive=1, quantum_ms=1000)
-    rank.waiters[0], rank.entered[0] = 0, 1
+    rank = rank_running_on_grant_3(client_core_lib)
     drop = rank.receive("DROP", device=DEVICES[0], grant=3, grace_ms=500, reason="quantum")
     assert [(a.device, a.value) for a in drop if a.kind == ACT_JOB] == [(0, JOB_DRAIN)]  # it spins: no result yet
     rank.receive("REVOKE", device=DEVICES[0], grant=3, reason="grace-expired")
@@ -197,12 +204,7 @@ def test_a_grant_of_the_new_registration_while_a_lost_registrations_drain_runs_i
     registration). The gang's next turn grants the device to the new registration before the
     drain ends: the grant is taken, its gate opening when the drain is done. Ignored, the
     scheduler would count the rank as the holder while the rank's threads waited for ever."""
-    rank = Rank(client_core_lib, gang="job", gang_size=2)
-    rank.used[0] = 1 << 20
-    rank.waiters[0] = 1
-    rank.tick(0.2)
-    rank.receive("GRANT", device=DEVICES[0], grant=3, mode="on", exclusive=1, quantum_ms=1000)
-    rank.waiters[0], rank.entered[0] = 0, 1
+    rank = rank_running_on_grant_3(client_core_lib)
     lost = rank.receive("ERROR", code="not-registered", detail="send HELLO first", type="HEARTBEAT")
     assert [(a.device, a.value) for a in lost if a.kind == ACT_JOB] == [(0, JOB_DRAIN)]
     assert [m.TYPE for m in messages(lost)] == ["HELLO"]

@@ -38,6 +38,17 @@ def two_rank_job(h: Harness, prefix: str = "r", gang: str = "job") -> None:
     member(h, f"{prefix}1", GPU1, gang)
 
 
+def gang_holding_while_a_single_waits() -> Harness:
+    """A two-rank job holds both GPUs (TQ 10 s); single-GPU client `s` asked for GPU0 at t=1."""
+    h = quiet(tq=10.0)
+    two_rank_job(h)
+    h.acquire("r0", GPU0)
+    h.register("s")
+    h.device("s", GPU0)
+    h.at(1).acquire("s", GPU0)
+    return h
+
+
 def test_a_gang_gets_all_its_devices_at_once_and_the_member_that_did_not_ask_is_granted_too():
     h = quiet()
     two_rank_job(h)
@@ -109,12 +120,7 @@ def test_both_members_are_told_of_contention_on_one_device_with_the_gangs_quantu
 
 
 def test_a_member_that_releases_ends_the_gangs_hold_and_its_device_waits_for_the_others():
-    h = quiet(tq=10.0)
-    two_rank_job(h)
-    h.acquire("r0", GPU0)
-    h.register("s")
-    h.device("s", GPU0)
-    h.at(1).acquire("s", GPU0)
+    h = gang_holding_while_a_single_waits()
     h.at(2).release("r0", grant_on(h, GPU0), GPU0, "user")
     assert drops(h) == [("r1", GPU1, "gang")]
     assert h.grants() == []  # GPU0 is free, but r1 may still run a collective with it
@@ -384,12 +390,7 @@ def test_a_device_that_joins_a_running_turn_goes_to_the_asker_and_every_member_t
 
 def test_a_member_idle_for_a_while_pauses_within_the_turn_and_gets_its_device_back_at_once():
     """Its partners may be waiting in a collective for it: dropping them could not drain."""
-    h = quiet(tq=10.0)
-    two_rank_job(h)
-    h.acquire("r0", GPU0)
-    h.register("s")
-    h.device("s", GPU0)
-    h.at(1).acquire("s", GPU0)
+    h = gang_holding_while_a_single_waits()
     h.at(2).release("r0", grant_on(h, GPU0), GPU0, "idle")
     assert h.sent(protocol.Drop) == [] and h.grants() == []  # GPU0 stays with the gang
     h.at(3).acquire("r0", GPU0)
