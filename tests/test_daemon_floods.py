@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from fixtures.scheduler import as_other_user
 from nvshare_py.testing.scheduler import PATIENCE, SchedulerProcess, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -233,12 +234,12 @@ FLOODKIT = str(Path(__file__).resolve().parent.parent / "benchmarks" / "floodkit
 
 
 def as_uid(uid: int) -> list[str]:
-    """argv prefix running a command as `uid`, or a skip saying why that cannot work here."""
-    if os.geteuid() != 0:
-        pytest.skip("running attackers as other uids needs root")
-    if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) is not installed")
-    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    """argv prefix running a command as `uid`, or a skip saying why that cannot work here (a
+    checkout that uid cannot read included)."""
+    argv = as_other_user(uid=uid)
+    if subprocess.run([*argv, "test", "-r", FLOODKIT], timeout=30).returncode != 0:
+        pytest.skip(f"uid {uid} cannot read {FLOODKIT} (a checkout in a 0700 directory?)")
+    return argv
 
 
 class Attacker:
