@@ -286,7 +286,8 @@ def overlap(nbytes: int) -> dict:
 
 
 def pinning(nbytes: int) -> dict:
-    """Seconds per GiB to pin `nbytes` in 64 MiB chunks: cuMemHostAlloc one after the other;
+    """Seconds per GiB to pin `nbytes` in 64 MiB chunks: cuMemHostAlloc one after the other and
+    from 2, 4 and 8 threads at once;
     cuMemHostRegister of ordinary memory, of memory advised to transparent huge pages
     (MADV_HUGEPAGE), and from 4 threads at once (each registering its own chunks)."""
     import threading
@@ -304,15 +305,30 @@ def pinning(nbytes: int) -> dict:
     per_gib = count * chunk / GIB
     out: dict = {"bytes": count * chunk, "chunk": chunk}
 
-    start = time.perf_counter()
-    hosts = []
-    for _ in range(count):
-        host = c_void_p()
-        api.check("cuMemHostAlloc", byref(host), chunk, 1)  # PORTABLE, as the swap area
-        hosts.append(host)
-    out["host_alloc_s_per_gib"] = round((time.perf_counter() - start) / per_gib, 4)
-    for host in hosts:
-        api.check("cuMemFreeHost", host)
+    def host_alloc(threads: int) -> float:
+        hosts: list[c_void_p] = []
+
+        def work(n: int) -> None:
+            cuda.context(0)  # current on this thread too
+            for _ in range(n):
+                host = c_void_p()
+                api.check("cuMemHostAlloc", byref(host), chunk, 1)  # PORTABLE, as the swap area
+                hosts.append(host)
+
+        start = time.perf_counter()
+        workers = [threading.Thread(target=work, args=(len(range(k, count, threads)),)) for k in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        seconds = time.perf_counter() - start
+        for host in hosts:
+            api.check("cuMemFreeHost", host)
+        return round(seconds / per_gib, 4)
+
+    out["host_alloc_s_per_gib"] = host_alloc(1)
+    for threads in (2, 4, 8):
+        out[f"host_alloc_{threads}_threads_s_per_gib"] = host_alloc(threads)
 
     def register(huge: bool, threads: int) -> float:
         regions = []
