@@ -456,6 +456,7 @@ static void swap_job_done(struct nvs_core *c, struct nvs_core_device *d, enum nv
 static void start_swap_out(struct nvs_core *c, struct nvs_core_device *d);
 static void finish_release(struct nvs_core *c, struct nvs_core_device *d, double now);
 static void handle_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d, uint64_t resident);
+static void start_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d);
 
 void nvs_core_connected(struct nvs_core *c, double now) {
     c->connecting = 0;
@@ -948,7 +949,13 @@ static void swap_job_done(struct nvs_core *c, struct nvs_core_device *d, enum nv
         return;
     }
     if (job == NVS_JOB_PREFETCH_AHEAD) {
-        d->prefetch_ahead = 0; /* done what it could (a later PREFETCH asks again) */
+        /* PREFETCHes that came while it ran (the old holder's swap-out reports its progress
+         * every piece, so they come faster than a job ends) are room still to fill now; without
+         * them it did what it could, and a later PREFETCH asks again. */
+        if (d->prefetch_ahead > d->prefetch_ahead_started)
+            start_prefetch_ahead(c, d);
+        else
+            d->prefetch_ahead = 0;
         return;
     }
     if (result != NVS_RESULT_MOVED) return; /* a capture began: run_due starts it again after it */
@@ -968,7 +975,10 @@ static void start_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d) 
         d->swapped == 0 || (d->state != NVS_WAITING && d->state != NVS_IDLE))
         return;
     struct nvs_core_queued *q = start_job(c, d, NVS_JOB_PREFETCH_AHEAD);
-    if (q != NULL) q->action.bytes = d->prefetch_ahead - resident;
+    if (q != NULL) {
+        q->action.bytes = d->prefetch_ahead - resident;
+        d->prefetch_ahead_started = d->prefetch_ahead;
+    }
 }
 
 static void handle_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d, uint64_t resident) {

@@ -162,10 +162,12 @@ struct nvs_core_device {
     uint64_t reported_resident; /* resident= of the last MEMORY; UINT64_MAX: none sent */
     /* Pipelined handoffs (issue 18): CONTENDED's evict= (moved out by a pre-drain before its
      * RELEASE) and idle_ms= (the shortest idle window while others wait) for the current grant;
-     * a waiter's PREFETCH (the resident bytes it may reach ahead of its grant, 0: none). */
+     * a waiter's PREFETCH (the resident bytes it may reach ahead of its grant, 0: none), and
+     * what it had said when the running PREFETCH_AHEAD job was started. */
     uint64_t contended_evict;
     uint64_t contended_idle_ms;
     uint64_t prefetch_ahead;
+    uint64_t prefetch_ahead_started;
     int reported_engine;       /* the swap figures of the last MEMORY (engine 0: none sent) */
     uint64_t reported_area;
 };

@@ -293,6 +293,35 @@ def test_a_waiter_told_to_prefetch_brings_memory_back_with_its_gate_closed(lib):
     assert jobs(s.receive("PREFETCH", device=DEVICE, resident=8 * GIB)) == [(JOB_PREFETCH_AHEAD, 3 * GIB)]
 
 
+def test_prefetches_told_while_a_prefetch_ahead_runs_are_filled_when_it_ends(lib):
+    """The old holder's swap-out reports its progress every piece, and each report lets the
+    waiter bring in more: PREFETCHes come faster than the worker's jobs end. What they allowed
+    while a job ran is brought in next, not forgotten until the grant."""
+    s = Script(lib, used=8 * GIB)
+    s.swapped = 6 * GIB
+    s.want()
+    assert jobs(s.receive("PREFETCH", device=DEVICE, resident=3 * GIB)) == [(JOB_PREFETCH_AHEAD, GIB)]
+    assert jobs(s.receive("PREFETCH", device=DEVICE, resident=4 * GIB)) == []  # the worker is busy
+    assert jobs(s.receive("PREFETCH", device=DEVICE, resident=6 * GIB)) == []
+    s.swapped = 5 * GIB
+    assert jobs(s.job_done(RESULT_MOVED)) == [(JOB_PREFETCH_AHEAD, 3 * GIB)]
+    s.swapped = 2 * GIB
+    # nothing more was allowed meanwhile: done until a PREFETCH says more
+    assert jobs(s.job_done(RESULT_MOVED)) == []
+    assert jobs(s.receive("PREFETCH", device=DEVICE, resident=7 * GIB)) == [(JOB_PREFETCH_AHEAD, GIB)]
+
+
+def test_a_prefetch_ahead_that_could_not_fill_its_room_is_not_started_again(lib):
+    s = Script(lib, used=8 * GIB)
+    s.swapped = 6 * GIB
+    s.want()
+    assert jobs(s.receive("PREFETCH", device=DEVICE, resident=3 * GIB)) == [(JOB_PREFETCH_AHEAD, GIB)]
+    s.swapped = 5 * GIB + 1024  # the last block did not fit the room
+    assert jobs(s.job_done(RESULT_MOVED)) == []
+    s.core.tick(s.now + 1)
+    assert jobs(s.actions()) == []
+
+
 def test_a_holder_ignores_prefetch(lib):
     s = Script(lib, used=8 * GIB)
     granted(s)
