@@ -146,11 +146,33 @@ static struct nvs_swappable *gather(struct nvs_device *d, int swapped, int (*ord
 
 /* --- moving ------------------------------------------------------------------------------------*/
 
+/* A job's moves go out in batches of about a piece each, on two streams in turn, so that two
+ * batches are in flight: while the host settles one (and reports its progress), the link moves
+ * the next, and on the way in the next batch's pages are made (discard-and-prefetch) while this
+ * one's bytes are copied: making pages costs about a tenth of copying them (0.025 s of 0.25 s for
+ * 12 GiB on an H200), which one stream would add to every handoff. Each batch's driver calls are
+ * batched too: one discard (or discard-and-prefetch) for all its converted blocks. */
+#define BATCH_ITEMS 64
+
+struct batch {
+    struct nvs_swappable *items[BATCH_ITEMS];
+    int failed[BATCH_ITEMS]; /* its move could not be queued: it stays where it was */
+    size_t n;
+    uint64_t bytes;
+    CUstream stream;
+};
+
 struct job {
     struct nvs_device *d;
-    CUstream stream;
+    CUstream streams[2];
     int capturing;         /* a stream capture runs on the device */
+    int out;               /* moving to the host, else back */
+    uint64_t epoch;        /* in: the swap epoch what comes back belongs to */
+    uint64_t piece;        /* a batch is launched once it holds this many bytes */
     uint64_t pinned_bytes; /* moved through the area, for the bandwidth */
+    struct batch batches[2];
+    int filling;           /* the batch items are added to; the other may be in flight */
+    int in_flight;         /* the other one was launched and is not settled yet */
 };
 
 /* The progress of a move: `bytes` more (or fewer) of d's swappable memory are on the host.
@@ -165,142 +187,179 @@ static void progress(struct nvs_device *d, int64_t bytes) {
 
 /* Queue the copies of an item between its memory and its runs in the area, out (to the host)
  * or in. */
-static CUresult copy_item(struct job *job, const struct nvs_swappable *item, int out) {
+static CUresult copy_item(CUstream stream, const struct nvs_swappable *item, int out) {
     const struct nvs_area_run *runs;
     size_t n = nvs_area_runs(item->area, &runs), offset = 0;
     for (size_t i = 0; i < n; offset += runs[i++].bytes) {
         CUdeviceptr device = item->ptr + offset;
-        CUresult r = out ? nvs_real.cuMemcpyDtoHAsync_v2(runs[i].host, device, runs[i].bytes, job->stream)
-                         : nvs_real.cuMemcpyHtoDAsync_v2(device, runs[i].host, runs[i].bytes, job->stream);
+        CUresult r = out ? nvs_real.cuMemcpyDtoHAsync_v2(runs[i].host, device, runs[i].bytes, stream)
+                         : nvs_real.cuMemcpyHtoDAsync_v2(device, runs[i].host, runs[i].bytes, stream);
         if (r != CUDA_SUCCESS) return r;
     }
     return CUDA_SUCCESS;
 }
 
-static CUresult prefetch_item(struct job *job, const struct nvs_swappable *item, int to_host) {
+static CUresult prefetch_item(CUstream stream, int ordinal, const struct nvs_swappable *item, int to_host) {
     if (nvs_real.cuMemPrefetchAsync_v2 != NULL) {
         CUmemLocation where = {.type = to_host ? CU_MEM_LOCATION_TYPE_HOST : CU_MEM_LOCATION_TYPE_DEVICE,
-                               .id = to_host ? 0 : job->d->ordinal};
-        return nvs_real.cuMemPrefetchAsync_v2(item->ptr, item->size, where, 0, job->stream);
+                               .id = to_host ? 0 : ordinal};
+        return nvs_real.cuMemPrefetchAsync_v2(item->ptr, item->size, where, 0, stream);
     }
-    return nvs_real.cuMemPrefetchAsync(item->ptr, item->size, to_host ? CU_DEVICE_CPU : job->d->ordinal, job->stream);
+    return nvs_real.cuMemPrefetchAsync(item->ptr, item->size, to_host ? CU_DEVICE_CPU : ordinal, stream);
 }
 
-/* Items queued on the job's stream and not synchronised yet: what a flush settles, once they
- * are a piece of the job (PIECE, or an eighth of a smaller job: progress is told at least eight
- * times a job). */
-struct batch {
-    struct nvs_swappable *items[64];
-    size_t n;
-    uint64_t bytes, piece;
-};
-
+/* A batch's size: PIECE, or an eighth of a smaller job (progress is told at least eight times a
+ * job). */
 static uint64_t piece_of(const struct nvs_swappable *items, size_t n) {
     uint64_t total = 0;
     for (size_t i = 0; i < n; i++) total += items[i].size;
     return total / 8 < PIECE ? total / 8 : PIECE;
 }
 
+/* The batch's converted blocks in the area (those whose pages a discard gives up or makes
+ * anew): their addresses and sizes; how many. */
+static size_t area_blocks(const struct batch *batch, CUdeviceptr *ptrs, size_t *sizes) {
+    size_t n = 0;
+    for (size_t i = 0; i < batch->n; i++) {
+        const struct nvs_swappable *item = batch->items[i];
+        if (batch->failed[i] || item->vmm || item->area == NULL) continue;
+        ptrs[n] = item->ptr;
+        sizes[n++] = item->size;
+    }
+    return n;
+}
+
+static void fail_item(struct batch *batch, size_t i, CUresult r, int out) {
+    struct nvs_swappable *item = batch->items[i];
+    nvs_debug("moving %#llx (%zu bytes) %s failed (%d)", (unsigned long long)item->ptr, item->size,
+              out ? "to the host" : "back", r);
+    batch->failed[i] = 1;
+}
+
+/* Queues the batch's moves on its stream. Out: each item's copies into the area (or its
+ * prefetch), then one discard of the converted blocks' pages (they go without being moved; a
+ * refused discard leaves them all resident). In: one discard-and-prefetch making the converted
+ * blocks' pages anew, then the copies back (or prefetches). */
+static void launch(struct job *job, struct batch *batch) {
+    CUdeviceptr ptrs[BATCH_ITEMS];
+    size_t sizes[BATCH_ITEMS];
+    if (!job->out) {
+        size_t n = area_blocks(batch, ptrs, sizes), first = 0;
+        CUmemLocation here = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = job->d->ordinal};
+        CUresult r = n > 0 ? discard_prefetch(ptrs, sizes, n, &here, &first, 1, 0, batch->stream) : CUDA_SUCCESS;
+        if (r != CUDA_SUCCESS)
+            nvs_warn("making %zu blocks of device %d resident again failed (%d): their bytes are copied back all the same",
+                     n, job->d->ordinal, r);
+    }
+    for (size_t i = 0; i < batch->n; i++) {
+        struct nvs_swappable *item = batch->items[i];
+        CUresult r = item->area != NULL ? copy_item(batch->stream, item, job->out)
+                                        : prefetch_item(batch->stream, job->d->ordinal, item, job->out);
+        if (r == CUDA_SUCCESS) continue;
+        if (job->out)
+            fail_item(batch, i, r, 1);
+        else /* settled as resident all the same: a failed copy leaves indeterminate bytes, as a
+              * failed copy of the application's would; the error is the context's */
+            nvs_warn("bringing %zu bytes at %#llx back to device %d failed (%d)", item->size,
+                     (unsigned long long)item->ptr, job->d->ordinal, r);
+    }
+    if (job->out) {
+        size_t n = area_blocks(batch, ptrs, sizes);
+        CUresult r = n > 0 ? discard(ptrs, sizes, n, 0, batch->stream) : CUDA_SUCCESS;
+        for (size_t i = 0; r != CUDA_SUCCESS && i < batch->n; i++)
+            if (!batch->failed[i] && !batch->items[i]->vmm && batch->items[i]->area != NULL) fail_item(batch, i, r, 1);
+    }
+}
+
 /* Waits for the batch's moves, then settles each item: out, its mark set (VMM: unmapped and
- * released); in, resident again with `epoch`. What settled is reported at once as progress. A
- * failed move leaves its item as it was (its place in the area given back). */
-static void flush(struct job *job, struct batch *batch, int out, uint64_t epoch) {
+ * released); in, resident again with the job's epoch. What settled is reported at once as
+ * progress. A failed move leaves its item as it was (its place in the area given back). */
+static void settle(struct job *job, struct batch *batch) {
     if (batch->n == 0) return;
-    CUresult synced = nvs_real.cuStreamSynchronize(job->stream);
+    CUresult synced = nvs_real.cuStreamSynchronize(batch->stream);
     if (synced != CUDA_SUCCESS) nvs_warn("waiting for a swap of device %d returned %d", job->d->ordinal, synced);
     int64_t moved = 0;
     for (size_t i = 0; i < batch->n; i++) {
         struct nvs_swappable *item = batch->items[i];
         int settled;
-        if (out) {
-            settled = synced == CUDA_SUCCESS &&
+        if (job->out) {
+            settled = synced == CUDA_SUCCESS && !batch->failed[i] &&
                       (item->vmm ? nvs_vmm_release_physical(item) : nvs_memory_mark(job->d, item, 1, item->last_used)) == 0;
-            if (!settled) { /* freed or unmapped meanwhile, or the driver refused: it stays */
+            if (!settled) { /* failed, freed or unmapped meanwhile, or the driver refused: it stays */
                 nvs_area_give(item->area);
                 item->area = NULL;
             }
         } else {
-            /* Resident from now on, whatever came back (a failed copy leaves indeterminate bytes,
-             * as a failed copy of the application's would; the error is the context's). */
             struct nvs_swappable back = *item;
             back.area = NULL;
             if (item->vmm) {
-                nvs_vmm_restored(item, epoch);
+                nvs_vmm_restored(item, job->epoch);
                 settled = 1;
             } else {
-                settled = nvs_memory_mark(job->d, &back, 0, epoch) == 0; /* else freed: the free counted it */
+                settled = nvs_memory_mark(job->d, &back, 0, job->epoch) == 0; /* else freed: the free counted it */
             }
         }
         if (settled) moved += (int64_t)item->size;
         if (settled && item->area != NULL) job->pinned_bytes += item->size;
-        if (!out) nvs_area_give(item->area); /* its bytes are back: the place is free again */
+        if (!job->out) nvs_area_give(item->area); /* its bytes are back: the place is free again */
     }
-    if (moved) progress(job->d, out ? moved : -moved);
+    if (moved) progress(job->d, job->out ? moved : -moved);
     batch->n = 0;
     batch->bytes = 0;
 }
 
-/* Adds an item whose moves were queued; flushes once the batch holds a piece. */
-static void queued(struct job *job, struct batch *batch, struct nvs_swappable *item, int out, uint64_t epoch) {
+/* Launches the filling batch, settles the one before it (still in flight), and fills the other
+ * stream's batch next. */
+static void launch_filling(struct job *job) {
+    struct batch *filling = &job->batches[job->filling], *other = &job->batches[!job->filling];
+    if (filling->n == 0) return;
+    launch(job, filling);
+    if (job->in_flight) settle(job, other);
+    job->in_flight = 1;
+    job->filling = !job->filling;
+}
+
+/* Adds an item whose move is prepared; launches its batch once the batch holds a piece. */
+static void add(struct job *job, struct nvs_swappable *item) {
+    struct batch *batch = &job->batches[job->filling];
+    batch->failed[batch->n] = 0;
     batch->items[batch->n++] = item;
     batch->bytes += item->size;
-    if (batch->bytes >= batch->piece || batch->n == sizeof batch->items / sizeof batch->items[0])
-        flush(job, batch, out, epoch);
+    if (batch->bytes >= job->piece || batch->n == BATCH_ITEMS) launch_filling(job);
 }
 
-/* Queues an item's move out: through the area (copies, then a discard of its pages on the same
- * stream: they go without being moved), or by prefetch. 0 when queued. */
-static int queue_out(struct job *job, struct nvs_swappable *item, int pinned) {
-    CUresult r;
-    if (pinned) {
-        r = copy_item(job, item, 1);
-        CUdeviceptr ptr = item->ptr;
-        size_t size = item->size;
-        if (r == CUDA_SUCCESS && !item->vmm) r = discard(&ptr, &size, 1, 0, job->stream);
-    } else {
-        r = prefetch_item(job, item, 1);
-    }
-    if (r == CUDA_SUCCESS) return 0;
-    nvs_debug("moving %#llx (%zu bytes) to the host failed (%d)", (unsigned long long)item->ptr, item->size, r);
-    nvs_area_give(item->area);
-    item->area = NULL;
-    return -1;
+/* Launches what is left and settles everything. */
+static void finish(struct job *job) {
+    launch_filling(job);
+    if (job->in_flight) settle(job, &job->batches[!job->filling]);
+    job->in_flight = 0;
 }
 
-/* Queues an item's move in: its place in the area is taken over first (a free meanwhile must
- * not give it back under the copy), its pages made anew (discard-and-prefetch; a VMM handle made
- * and mapped again), the bytes copied back; or a prefetch. 0 when queued. */
-static int queue_in(struct job *job, struct nvs_swappable *item) {
-    CUresult r;
-    if (item->area == NULL) {
-        r = prefetch_item(job, item, 0);
-    } else if (item->vmm) {
+/* Prepares an item's move in: its place in the area is taken over first (a free meanwhile must
+ * not give it back under the copy); VMM memory gets a new physical handle mapped at its
+ * address. 0 when its move can be launched. */
+static int prepare_in(struct job *job, struct nvs_swappable *item) {
+    if (item->area == NULL) return 0; /* moved by the driver's prefetch: prefetched back */
+    if (item->vmm) {
         struct nvs_extent *area;
         if (nvs_vmm_restore_physical(item, &area) != 0) return -1;
         item->area = area;
-        r = copy_item(job, item, 0);
-    } else {
-        struct nvs_swappable claimed = *item;
-        claimed.area = NULL;
-        if (nvs_memory_mark(job->d, &claimed, 1, item->last_used) != 0) return -1; /* freed: the free gave it */
-        CUdeviceptr ptr = item->ptr;
-        size_t size = item->size, first = 0;
-        CUmemLocation here = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = job->d->ordinal};
-        r = discard_prefetch(&ptr, &size, 1, &here, &first, 1, 0, job->stream);
-        if (r == CUDA_SUCCESS) r = copy_item(job, item, 0);
+        return 0;
     }
-    if (r != CUDA_SUCCESS)
-        nvs_warn("bringing %zu bytes at %#llx back to device %d failed (%d)", item->size,
-                 (unsigned long long)item->ptr, job->d->ordinal, r);
-    return 0; /* queued as far as it went: settled as resident all the same */
+    struct nvs_swappable claimed = *item;
+    claimed.area = NULL;
+    return nvs_memory_mark(job->d, &claimed, 1, item->last_used) == 0 ? 0 : -1; /* else freed: the free gave it */
 }
 
-/* The caller holds nvs_ctx_mu. A stream of one of d's contexts, that context pushed; -1 while
+/* The caller holds nvs_ctx_mu. Two streams of one of d's contexts, that context pushed; -1 while
  * a capture runs on d (unless `during_capture`), 1 when there is no context to use (nothing
  * can have been allocated). */
 static int begin(struct job *job, struct nvs_device *d, int during_capture) {
+    memset(job->batches, 0, sizeof job->batches);
     job->d = d;
     job->pinned_bytes = 0;
+    job->filling = 0;
+    job->in_flight = 0;
     pthread_mutex_lock(&nvs_mu);
     job->capturing = d->captures > 0;
     CUcontext ctx = d->n_contexts > 0 ? d->contexts[0] : NULL;
@@ -309,18 +368,23 @@ static int begin(struct job *job, struct nvs_device *d, int during_capture) {
     /* Managed memory is one address space for every context of the device: one will do. */
     if (ctx == NULL || nvs_real.cuStreamCreate == NULL || nvs_real.cuCtxPushCurrent_v2(ctx) != CUDA_SUCCESS) return 1;
     /* Non-blocking: never ordered with the application's legacy default stream (the gate is
-     * closed meanwhile; the synchronise of each piece is the only ordering needed). */
-    if (nvs_real.cuStreamCreate(&job->stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
+     * closed meanwhile; the synchronise of each batch is the only ordering needed). */
+    for (int i = 0; i < 2; i++) {
+        if (nvs_real.cuStreamCreate(&job->streams[i], CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS) continue;
+        if (i == 1) nvs_real.cuStreamDestroy_v2(job->streams[0]);
         CUcontext popped;
         nvs_real.cuCtxPopCurrent_v2(&popped);
         nvs_warn("no stream to swap memory of device %d: nothing moved", d->ordinal);
         return 1;
     }
+    job->batches[0].stream = job->streams[0];
+    job->batches[1].stream = job->streams[1];
     return 0;
 }
 
 static void end(struct job *job) {
-    nvs_real.cuStreamDestroy_v2(job->stream);
+    nvs_real.cuStreamDestroy_v2(job->streams[0]);
+    nvs_real.cuStreamDestroy_v2(job->streams[1]);
     CUcontext popped;
     nvs_real.cuCtxPopCurrent_v2(&popped);
 }
@@ -337,13 +401,14 @@ int nvs_swap_out(struct nvs_device *d, uint64_t at_least) {
     int started = begin(&job, d, 0);
     if (started == 0) {
         double since = nvs_now();
-        struct batch batch = {.piece = piece_of(items, chosen)};
+        job.out = 1;
+        job.piece = piece_of(items, chosen);
         for (size_t i = 0; i < chosen; i++) {
             int pinned = pinned_engine && nvs_area_take(items[i].size, &items[i].area) == 0;
             if (items[i].vmm && !pinned) continue; /* only the area can hold VMM memory */
-            if (queue_out(&job, &items[i], pinned) == 0) queued(&job, &batch, &items[i], 1, 0);
+            add(&job, &items[i]);
         }
-        flush(&job, &batch, 1, 0);
+        finish(&job);
         note_rate(&out_bps_bits, job.pinned_bytes, nvs_now() - since);
         end(&job);
     }
@@ -378,7 +443,9 @@ int nvs_swap_in(struct nvs_device *d, uint64_t up_to, int for_grant) {
     uint64_t epoch = for_grant ? atomic_fetch_add(&d->swap_epoch, 1) + 1 : atomic_load(&d->swap_epoch) + 1;
     if (started == 0) {
         double since = nvs_now();
-        struct batch batch = {.piece = piece_of(items, n)};
+        job.out = 0;
+        job.epoch = epoch;
+        job.piece = piece_of(items, n);
         for (size_t i = 0; i < n; i++) {
             if (!chosen[i]) continue;
             if (job.capturing && (items[i].vmm || items[i].area == NULL)) {
@@ -386,9 +453,9 @@ int nvs_swap_in(struct nvs_device *d, uint64_t up_to, int for_grant) {
                 left_out |= items[i].area != NULL;
                 continue;
             }
-            if (queue_in(&job, &items[i]) == 0) queued(&job, &batch, &items[i], 0, epoch);
+            if (prepare_in(&job, &items[i]) == 0) add(&job, &items[i]);
         }
-        flush(&job, &batch, 0, epoch);
+        finish(&job);
         note_rate(&in_bps_bits, job.pinned_bytes, nvs_now() - since);
         end(&job);
     }

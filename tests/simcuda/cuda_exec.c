@@ -372,6 +372,8 @@ static void trace(const struct sim_ctx *ctx, const struct sim_op *op, double sta
                            outcome->link == SIM_ENGINE_D2H ? "d2h" : "h2d", outcome->link_wait);
     if (op->kind == SIM_OP_DISCARD)
         length += snprintf(fields + length, sizeof fields - (size_t)length, ", \"released\": %zu", outcome->released);
+    if (op->kind == SIM_OP_DISCARD || op->kind == SIM_OP_PREFETCH)
+        length += snprintf(fields + length, sizeof fields - (size_t)length, ", \"range\": %zu", op->u.prefetch.range);
     if (op->tag[0]) {
         json_escape(tag, sizeof tag, op->tag);
         length += snprintf(fields + length, sizeof fields - (size_t)length, ", \"tag\": \"%s\"", tag);

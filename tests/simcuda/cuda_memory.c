@@ -667,8 +667,8 @@ static CUmemLocation device_location(CUdevice device)
 
 /* A traced operation on the stream; it moves chunks when residency is modelled. `discard`: the
  * range's contents are discarded first and nothing is copied. */
-static CUresult prefetch(CUdeviceptr devPtr, size_t count, CUmemLocation location, int discard, CUstream hStream,
-                         const char *api)
+static CUresult prefetch(CUdeviceptr devPtr, size_t count, CUmemLocation location, int discard, size_t range,
+                         CUstream hStream, const char *api)
 {
     SIM_ENTER();
     if (!valid_location(location))
@@ -685,15 +685,16 @@ static CUresult prefetch(CUdeviceptr devPtr, size_t count, CUmemLocation locatio
     op->u.prefetch.bytes = count;
     op->u.prefetch.target = location.type == CU_MEM_LOCATION_TYPE_DEVICE ? sim_device_get(location.id) : NULL;
     op->u.prefetch.discard = discard;
+    op->u.prefetch.range = range;
     return sim_submit(ctx, stream, op, 0);
 }
 
 SIM_WITH_TWIN(cuMemPrefetchAsync, cuMemPrefetchAsync_ptsz,
               (CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream),
-              return prefetch(devPtr, count, device_location(dstDevice), 0, hStream, __func__);)
+              return prefetch(devPtr, count, device_location(dstDevice), 0, 0, hStream, __func__);)
 SIM_WITH_TWIN(cuMemPrefetchAsync_v2, cuMemPrefetchAsync_v2_ptsz,
               (CUdeviceptr devPtr, size_t count, CUmemLocation location, unsigned int flags, CUstream hStream),
-              return flags != 0 ? CUDA_ERROR_INVALID_VALUE : prefetch(devPtr, count, location, 0, hStream, __func__);)
+              return flags != 0 ? CUDA_ERROR_INVALID_VALUE : prefetch(devPtr, count, location, 0, 0, hStream, __func__);)
 
 /* Range i goes to prefetchLocs[j], j the last index with prefetchLocIdxs[j] <= i (the first is 0),
  * as batch copies pick their attributes. With `discard`, the ranges' contents are discarded first
@@ -710,7 +711,7 @@ static CUresult prefetch_batch(CUdeviceptr *dptrs, size_t *sizes, size_t count, 
     for (size_t i = 0, j = 0; i < count && result == CUDA_SUCCESS; i++) {
         while (j + 1 < n_locations && location_indices[j + 1] <= i)
             j++;
-        result = prefetch(dptrs[i], sizes[i], locations[j], discard, hStream, api);
+        result = prefetch(dptrs[i], sizes[i], locations[j], discard, i, hStream, api);
     }
     return result;
 }
@@ -741,6 +742,7 @@ static CUresult discard_batch(CUdeviceptr *dptrs, size_t *sizes, size_t count, u
         struct sim_op *op = sim_op_new(SIM_OP_DISCARD, api);
         op->u.prefetch.ptr = (uintptr_t)dptrs[i];
         op->u.prefetch.bytes = sizes[i];
+        op->u.prefetch.range = i;
         result = sim_submit(ctx, stream, op, 0);
     }
     return result;

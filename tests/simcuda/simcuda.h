@@ -226,6 +226,8 @@ struct sim_op {
             size_t bytes;
             struct sim_device *target; /* NULL: the host */
             int discard;               /* cuMemDiscardAndPrefetchBatchAsync: nothing is copied */
+            size_t range;              /* its place among a batch call's ranges (traced: a test
+                                        * counts calls by their first ranges) */
         } prefetch;                    /* also SIM_OP_DISCARD (ptr, bytes) */
         struct {
             CUhostFn fn;
