@@ -192,11 +192,17 @@ def child(kind: str, nbytes: int, rounds: int) -> None:
         say("grow", f"ok={int(ok)}")
 
 
+def child_log(process: subprocess.Popen) -> str:
+    """The end of a child's log (its stderr, a file)."""
+    process.stderr.seek(0)
+    return process.stderr.read()[-3000:]
+
+
 def line_of(process: subprocess.Popen, prefix: str) -> tuple[dict[str, str], float]:
     while True:
         line = process.stdout.readline()
         if not line:
-            raise SystemExit(f"the process ended before {prefix!r}: {process.stderr.read()[-3000:]}")
+            raise SystemExit(f"the process ended before {prefix!r}: {child_log(process)}")
         if line.startswith(prefix):
             fields = dict(word.split("=", 1) for word in line.split() if "=" in word)
             return fields, float(fields["t"])
@@ -226,11 +232,17 @@ class Nvml:
 
 def handoffs(kind: str, nbytes: int, rounds: int, library: Path, env: dict[str, str], nvml: Nvml | None) -> dict:
     script = ScriptedScheduler(PATIENCE_MS)
-    env = {**env, **script.env, "LD_PRELOAD": str(library), "NVSHARE_LOG": "warn"}
+    env = {**env, **script.env, "LD_PRELOAD": str(library), "NVSHARE_LOG": os.environ.get("NVSHARE_LOG", "warn")}
     if kind == "torch":  # its allocator reserves through cuMemCreate/cuMemMap; a failure names its C++ frames
         env.update(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", TORCH_SHOW_CPP_STACKTRACES="1")
+    # Its log goes to a file: at NVSHARE_LOG=debug it outgrows a pipe nobody reads meanwhile.
+    # $NVSHARE_BENCH_LOGS: a folder to keep it in.
+    logs = Path(os.environ.get("NVSHARE_BENCH_LOGS") or tempfile.mkdtemp(prefix="nvs-swap-bandwidth-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    log = open(logs / f"{kind}.log", "w+")
     process = subprocess.Popen([sys.executable, __file__, "--child", kind, str(nbytes), str(rounds)], env=env,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+    process.stderr = log  # read back on failure (line_of), from its start
     grant, measured = 1, []
     try:
         script.expect("ACQUIRE")
@@ -265,7 +277,7 @@ def handoffs(kind: str, nbytes: int, rounds: int, library: Path, env: dict[str, 
         grow = line_of(process, "grow")[0]["ok"] == "1" if kind == "torch" else None
         process.stdin.close()
         if process.wait(timeout=PATIENCE_MS / 1000) != 0:
-            raise SystemExit(f"the process failed: {process.stderr.read()[-3000:]}")
+            raise SystemExit(f"the process failed: {child_log(process)}")
         # The engine's own figures, as its last MEMORY said them.
         while script.socket.poll(200):
             script.seen.append(script.socket.recv_multipart()[-1].decode())
@@ -276,6 +288,7 @@ def handoffs(kind: str, nbytes: int, rounds: int, library: Path, env: dict[str, 
         if process.poll() is None:
             process.kill()
         script.close()
+        log.close()
     for one in measured:
         one["out_GBps"], one["in_GBps"] = gbps(nbytes, one["out_s"]), gbps(nbytes, one["in_s"])
     later = measured[1:] or measured
