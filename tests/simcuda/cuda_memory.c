@@ -181,7 +181,7 @@ static void pool_release(struct sim_pool *pool, size_t bytes)
 static void release(struct sim_alloc *alloc)
 {
     if (alloc->family == SIM_MEM_HOST)
-        sim_unpin_trace(alloc->ctx, alloc->size, alloc->registered ? SIM_PIN_REGISTERED : SIM_PIN_ALLOCATED);
+        sim_unpin_trace(alloc->ctx, alloc->start, alloc->size, alloc->registered ? SIM_PIN_REGISTERED : SIM_PIN_ALLOCATED);
     if (alloc->family == SIM_MEM_MANAGED)
         sim_residency_forget(alloc);
     else

@@ -412,19 +412,21 @@ void sim_pin_cost(const struct sim_ctx *ctx, void *ptr, size_t bytes, enum sim_p
     double per_byte = how == SIM_PIN_ALLOCATED ? costs.pin : huge ? costs.register_huge : costs.register_pages;
     host_populate((uintptr_t)ptr, bytes);
     sim_sleep_until(start + (double)bytes * per_byte);
-    char fields[128];
-    snprintf(fields, sizeof fields, "\"op\": \"pin\", \"how\": \"%s\", \"huge\": %s, \"bytes\": %zu",
-             how == SIM_PIN_ALLOCATED ? "allocated" : "registered", huge ? "true" : "false", bytes);
+    char fields[160];
+    snprintf(fields, sizeof fields,
+             "\"op\": \"pin\", \"how\": \"%s\", \"huge\": %s, \"ptr\": %llu, \"bytes\": %zu",
+             how == SIM_PIN_ALLOCATED ? "allocated" : "registered", huge ? "true" : "false",
+             (unsigned long long)(uintptr_t)ptr, bytes);
     sim_trace_write(ctx, fields, start, sim_now());
 }
 
-void sim_unpin_trace(const struct sim_ctx *ctx, size_t bytes, enum sim_pinning how)
+void sim_unpin_trace(const struct sim_ctx *ctx, uintptr_t ptr, size_t bytes, enum sim_pinning how)
 {
     if (!modelled)
         return;
-    char fields[128];
-    snprintf(fields, sizeof fields, "\"op\": \"unpin\", \"how\": \"%s\", \"bytes\": %zu",
-             how == SIM_PIN_ALLOCATED ? "allocated" : "registered", bytes);
+    char fields[160];
+    snprintf(fields, sizeof fields, "\"op\": \"unpin\", \"how\": \"%s\", \"ptr\": %llu, \"bytes\": %zu",
+             how == SIM_PIN_ALLOCATED ? "allocated" : "registered", (unsigned long long)ptr, bytes);
     double at = sim_now();
     sim_trace_write(ctx, fields, at, at);
 }

@@ -407,7 +407,7 @@ enum sim_pinning { SIM_PIN_ALLOCATED, SIM_PIN_REGISTERED };
 /* When residency is modelled: the calling thread pays for pinning `bytes` of host memory at
  * `ptr`, and the pinning is traced ("pin"); sim_unpin_trace traces its end ("unpin"). */
 void sim_pin_cost(const struct sim_ctx *ctx, void *ptr, size_t bytes, enum sim_pinning how);
-void sim_unpin_trace(const struct sim_ctx *ctx, size_t bytes, enum sim_pinning how);
+void sim_unpin_trace(const struct sim_ctx *ctx, uintptr_t ptr, size_t bytes, enum sim_pinning how);
 /* With the registry write-locked: gives a new managed allocation its chunk hints (-1 when out
  * of host memory), and frees its chunks' slots when it goes. */
 int sim_residency_adopt(struct sim_alloc *alloc);
