@@ -119,7 +119,7 @@ def test_a_pinned_area_makes_swapping_copies_and_every_access_path_finds_the_dat
     link, the VMM handle re-made at the same address, all before the gate opens: a copy, an
     async copy, a memset, a kernel, a graph and a host function all find the data."""
     env = {**scripted.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
-           "SIMCUDA_PIN_US_PER_MIB": "20", "NVSHARE_VMM": "swap"}
+           "SIMCUDA_REGISTER_HUGE_US_PER_MIB": "20", "NVSHARE_VMM": "swap"}
     app = patterned_app(cuda_app, env)
     grant(scripted, 1)
     app.expect("waiting")
@@ -159,7 +159,7 @@ def test_vmm_memory_moves_only_when_the_process_says_swap(scripted, cuda_app, si
     """NVSHARE_VMM's default (allow): VMM memory is counted as memory that cannot move; a DROP
     that asks for everything moves the converted allocations and leaves the VMM handle mapped."""
     env = {**scripted.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
-           "SIMCUDA_PIN_US_PER_MIB": "20"}
+           "SIMCUDA_REGISTER_HUGE_US_PER_MIB": "20"}
     app = patterned_app(cuda_app, env)
     grant(scripted, 1)
     app.expect("waiting")
