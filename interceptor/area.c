@@ -24,6 +24,7 @@
  */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -235,35 +236,33 @@ static const char *error_name(CUresult r) {
     return name;
 }
 
-/* A chunk of our own mapping, registered (in *host), or the error that refused it. */
-static CUresult register_chunk(char **host) {
-    *host = map_chunk();
-    if (*host == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
-    CUresult r = nvs_real.cuMemHostRegister_v2 == NULL
-                     ? CUDA_ERROR_NOT_FOUND
-                     : nvs_real.cuMemHostRegister_v2(*host, AREA_CHUNK, CU_MEMHOSTREGISTER_PORTABLE);
-    if (r != CUDA_SUCCESS) {
-        munmap(*host, AREA_CHUNK);
-        *host = NULL;
-    }
-    return r;
+/* Registers a chunk of our own mapping, or says which error refused it. */
+static CUresult register_mapping(char *host) {
+    if (nvs_real.cuMemHostRegister_v2 == NULL) return CUDA_ERROR_NOT_FOUND;
+    return nvs_real.cuMemHostRegister_v2(host, AREA_CHUNK, CU_MEMHOSTREGISTER_PORTABLE);
 }
 
 /* Pins one chunk (a context current; PORTABLE: pinned for every context of the process, whichever
  * is current here): registered while registering works, else allocated by the driver. */
 static CUresult pin_chunk(struct chunk *c) {
     if (!__atomic_load_n(&registering_failed, __ATOMIC_RELAXED)) {
-        char *host;
-        CUresult r = register_chunk(&host);
+        char *mapped = map_chunk();
+        CUresult r = mapped == NULL ? CUDA_ERROR_OUT_OF_MEMORY : register_mapping(mapped);
         if (r == CUDA_SUCCESS) {
-            c->host = host;
+            c->host = mapped;
             c->how = PINNED_REGISTERED;
             return CUDA_SUCCESS;
         }
+        if (mapped != NULL) munmap(mapped, AREA_CHUNK);
         __atomic_store_n(&registering_failed, 1, __ATOMIC_RELAXED);
-        nvs_warn("registering host memory for the swap area failed (%s, %d): the area is pinned with "
-                 "cuMemHostAlloc from now on, which is slower (on an H200: 0.43 s per GiB, not 0.19-0.29)",
-                 error_name(r), r);
+        char why[128];
+        if (mapped == NULL)
+            snprintf(why, sizeof why, "no host memory could be mapped");
+        else
+            snprintf(why, sizeof why, "%s, %d", error_name(r), r);
+        nvs_warn("registering host memory for the swap area failed (%s): the area is pinned with cuMemHostAlloc "
+                 "from now on, which is slower (on an H200: 0.43 s per GiB, not 0.19-0.29)",
+                 why);
     }
     void *host = NULL;
     CUresult r = nvs_real.cuMemHostAlloc == NULL ? CUDA_ERROR_NOT_FOUND

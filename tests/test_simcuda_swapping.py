@@ -11,6 +11,9 @@ when to send them are tested with its core."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from nvshare_py.testing.residency import MIB, migrations, moved
@@ -209,6 +212,12 @@ def mapped_ranges(pid: int) -> list[tuple[int, int]]:
         return [tuple(int(end, 16) for end in line.split()[0].split("-")) for line in maps]
 
 
+def overlapping(pins: list[dict], mapped: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """The pinned ranges (trace lines) that overlap one of the mapped ranges: (ptr, low, high)."""
+    return [(pin["ptr"], low, high) for pin in pins for low, high in mapped
+            if low < pin["ptr"] + pin["bytes"] and pin["ptr"] < high]
+
+
 @pytest.mark.parametrize("refused", [False, True], ids=["registered", "registering-refused"])
 def test_the_swap_area_is_registered_huge_page_memory_given_back_unpinned_and_unmapped(scripted, cuda_app, simcuda,
                                                                                       tmp_path, refused):
@@ -217,12 +226,14 @@ def test_the_swap_area_is_registered_huge_page_memory_given_back_unpinned_and_un
     costs 0.43). Where the driver refuses to register (SIMCUDA_HOST_REGISTER_ERROR), the process
     warns once, naming the error, and pins its chunks with cuMemHostAlloc instead. Either way the
     data goes out through the area at link speed and comes back intact, and the chunks the area
-    gives back (PREPARE bytes=0) are unpinned the way they were pinned and no longer mapped."""
+    gives back (PREPARE bytes=0) are unpinned the way they were pinned and no longer mapped. A
+    child forked meanwhile does not get the registered chunks (MADV_DONTFORK: nothing pinned is
+    copied for it)."""
     env = {**scripted.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path), "NVSHARE_VMM": "swap"}
     if refused:
         env["SIMCUDA_HOST_REGISTER_ERROR"] = "801"  # CUDA_ERROR_NOT_SUPPORTED
-    app = cuda_app(env, "init", *[f"pattern:{family}:{size}" for family, size in FAMILIES], "sync", "wait", "verify",
-                   "wait", "unpattern")
+    app = cuda_app(env, "init", *[f"pattern:{family}:{size}" for family, size in FAMILIES], "sync", "wait", "fork:60",
+                   "verify", "wait", "unpattern")
     grant(scripted, 1)
     app.expect("waiting")
     scripted.send("PREPARE", device=scripted.device, bytes=AREA)
@@ -239,6 +250,12 @@ def test_the_swap_area_is_registered_huge_page_memory_given_back_unpinned_and_un
                  if c["op"] == "memcpy" and c.get("link") == "d2h" and c["pid"] == app.pid]
     assert sum(c["bytes"] for c in moved_out) == EVERYTHING, moved_out  # into the area, over the link
     app.continue_()
+    child = int(app.expect("child").split()[1])
+    try:
+        if not refused:
+            assert not overlapping(pins, mapped_ranges(child))
+    finally:
+        os.kill(child, signal.SIGKILL)  # it would sleep on, holding the app's output open
     grant(scripted, 2, prefetch=EVERYTHING)
     app.expect("verified 5")  # every family's pattern came back through the area
     app.expect("waiting")
@@ -252,9 +269,7 @@ def test_the_swap_area_is_registered_huge_page_memory_given_back_unpinned_and_un
     unpins = [line for line in simcuda.read_trace(cuda_app.trace) if line["op"] == "unpin" and line["pid"] == app.pid]
     assert sorted((u["how"], u["ptr"], u["bytes"]) for u in unpins) == sorted((p["how"], p["ptr"], p["bytes"])
                                                                               for p in pins)
-    mapped = mapped_ranges(app.pid)
-    assert not [(pin["ptr"], low, high) for pin in pins for low, high in mapped
-                if low < pin["ptr"] + pin["bytes"] and pin["ptr"] < high]  # no chunk is mapped any more
+    assert not overlapping(pins, mapped_ranges(app.pid))  # no chunk is mapped any more
     app.continue_()
     assert app.wait() == 0, app.stderr
     warnings = [line for line in app.stderr.splitlines() if "registering host memory for the swap area" in line]
