@@ -208,8 +208,12 @@ HUGE_PAGE = 2 * MIB
 
 def mapped_ranges(pid: int) -> list[tuple[int, int]]:
     """The address ranges mapped in process `pid` (/proc/<pid>/maps)."""
+    ranges = []
     with open(f"/proc/{pid}/maps") as maps:
-        return [tuple(int(end, 16) for end in line.split()[0].split("-")) for line in maps]
+        for line in maps:
+            low, high = line.split()[0].split("-")
+            ranges.append((int(low, 16), int(high, 16)))
+    return ranges
 
 
 def overlapping(pins: list[dict], mapped: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
