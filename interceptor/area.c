@@ -1,9 +1,22 @@
 /*
  * The swap area: pinned host memory of the process that swapped-out device memory is copied
- * into (docs/interceptor.md, "Swapping"). Pinning costs about 0.45 s per GiB on an H200, so the
- * area is pinned once, ahead of handoffs, in chunks of AREA_CHUNK (the worker pins one chunk at a
- * time between its jobs, see swap.c), and reused: a swapped-out allocation holds a list of runs
- * of AREA_PAGE pages and gives them back when it is brought back or freed.
+ * into (docs/interceptor.md, "Swapping"). Pinning takes time, so the area is pinned once, ahead
+ * of handoffs, in chunks of AREA_CHUNK (the worker pins one chunk at a time between its jobs, see
+ * swap.c), and reused: a swapped-out allocation holds a list of runs of AREA_PAGE pages and gives
+ * them back when it is brought back or freed.
+ *
+ * How a chunk is pinned (measured on an H200, benchmarks/results/swap-paths-h200-2026-11-28.json,
+ * "pinning"): cuMemHostAlloc costs 0.43 s per GiB (threads do not help); registering anonymous
+ * memory with cuMemHostRegister 0.29 s, and 0.19 s when the memory is advised to transparent huge
+ * pages first (the driver pins 2 MiB pages, not 4 KiB ones). So a chunk is an anonymous mapping
+ * aligned to 2 MiB, advised MADV_HUGEPAGE, registered PORTABLE, and given back with
+ * cuMemHostUnregister + munmap. Where registering fails (the driver refuses, no entry point, no
+ * mapping) the area warns once and pins its chunks with cuMemHostAlloc from then on; each chunk
+ * remembers how it was pinned and is freed that way.
+ *
+ * Fork: the mappings are advised MADV_DONTFORK, so a child does not get them (and the kernel
+ * copies no pinned pages for it at fork); a child cannot use the driver, so it only forgets the
+ * chunks (nvs_area_reset_after_fork).
  *
  * How much is pinned follows a target per device (the scheduler's PREPARE, summed over the
  * devices): chunks are added while the area is below it and whole free chunks are given back
@@ -11,8 +24,10 @@
  */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "area.h"
 #include "gate.h"
@@ -23,9 +38,16 @@
 #define AREA_PAGE ((size_t)64 << 10)
 #define PAGES_PER_CHUNK (AREA_CHUNK / AREA_PAGE)
 #define MAX_CHUNKS 16384 /* 1 TiB of pinned memory */
+#define HUGE_PAGE ((size_t)2 << 20) /* a transparent huge page (x86-64, aarch64 with 4 KiB pages) */
+
+enum pinning {
+    PINNED_REGISTERED, /* an anonymous mapping of ours, cuMemHostRegister'd */
+    PINNED_ALLOCATED,  /* cuMemHostAlloc'd */
+};
 
 struct chunk {
-    char *host;                              /* cuMemHostAlloc'd, AREA_CHUNK bytes */
+    char *host; /* AREA_CHUNK bytes */
+    enum pinning how;
     uint64_t used[PAGES_PER_CHUNK / 64];     /* a bit per page: taken */
     size_t free_pages;
 };
@@ -43,6 +65,10 @@ static struct chunk *chunks[MAX_CHUNKS]; /* NULL: an empty place */
 static size_t n_chunks;                  /* places used, the highest + 1 */
 static size_t pinned_chunks;
 static uint64_t targets[NVS_MAX_DEVICES]; /* bytes each device may want swapped out at once */
+/* Set once registering a chunk failed: the area pins with cuMemHostAlloc from then on (and the
+ * warning is not repeated). Written by the thread that pins (nvs_area_change_step, which swap.c
+ * calls under nvs_ctx_mu) and reset after fork; atomic, read and written relaxed. */
+static int registering_failed;
 
 static int page_taken(const struct chunk *c, size_t page) { return (c->used[page / 64] >> (page % 64)) & 1; }
 
@@ -185,23 +211,98 @@ int nvs_area_change_due(void) {
     return grow ? 1 : shrink ? -1 : 0;
 }
 
+/* AREA_CHUNK bytes of anonymous memory aligned to HUGE_PAGE (so that transparent huge pages can
+ * back all of it), advised to them and kept from children; NULL when it cannot be mapped. */
+static char *map_chunk(void) {
+    size_t span = AREA_CHUNK + HUGE_PAGE;
+    char *mapped = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mapped == MAP_FAILED) return NULL;
+    char *host = (char *)(((uintptr_t)mapped + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+    if (host > mapped) munmap(mapped, (size_t)(host - mapped));
+    if (mapped + span > host + AREA_CHUNK) munmap(host + AREA_CHUNK, (size_t)(mapped + span - (host + AREA_CHUNK)));
+    /* Advice only: without transparent huge pages the chunk is pinned all the same, slower. */
+    madvise(host, AREA_CHUNK, MADV_HUGEPAGE);
+    if (madvise(host, AREA_CHUNK, MADV_DONTFORK) != 0) {
+        munmap(host, AREA_CHUNK);
+        return NULL;
+    }
+    return host;
+}
+
+static const char *error_name(CUresult r) {
+    const char *name = NULL;
+    if (nvs_real.cuGetErrorName == NULL || nvs_real.cuGetErrorName(r, &name) != CUDA_SUCCESS || name == NULL)
+        return "an unknown CUDA error";
+    return name;
+}
+
+/* Registers a chunk of our own mapping, or says which error refused it. */
+static CUresult register_mapping(char *host) {
+    if (nvs_real.cuMemHostRegister_v2 == NULL) return CUDA_ERROR_NOT_FOUND;
+    return nvs_real.cuMemHostRegister_v2(host, AREA_CHUNK, CU_MEMHOSTREGISTER_PORTABLE);
+}
+
+/* Pins one chunk (a context current; PORTABLE: pinned for every context of the process, whichever
+ * is current here): registered while registering works, else allocated by the driver. */
+static CUresult pin_chunk(struct chunk *c) {
+    if (!__atomic_load_n(&registering_failed, __ATOMIC_RELAXED)) {
+        char *mapped = map_chunk();
+        CUresult r = mapped == NULL ? CUDA_ERROR_OUT_OF_MEMORY : register_mapping(mapped);
+        if (r == CUDA_SUCCESS) {
+            c->host = mapped;
+            c->how = PINNED_REGISTERED;
+            return CUDA_SUCCESS;
+        }
+        if (mapped != NULL) munmap(mapped, AREA_CHUNK);
+        __atomic_store_n(&registering_failed, 1, __ATOMIC_RELAXED);
+        char why[128];
+        if (mapped == NULL)
+            snprintf(why, sizeof why, "no host memory could be mapped");
+        else
+            snprintf(why, sizeof why, "%s, %d", error_name(r), r);
+        nvs_warn("registering host memory for the swap area failed (%s): the area is pinned with cuMemHostAlloc "
+                 "from now on, which is slower (on an H200: 0.43 s per GiB, not 0.19-0.29)",
+                 why);
+    }
+    void *host = NULL;
+    CUresult r = nvs_real.cuMemHostAlloc == NULL ? CUDA_ERROR_NOT_FOUND
+                                                 : nvs_real.cuMemHostAlloc(&host, AREA_CHUNK, CU_MEMHOSTALLOC_PORTABLE);
+    if (r == CUDA_SUCCESS) {
+        c->host = host;
+        c->how = PINNED_ALLOCATED;
+    }
+    return r;
+}
+
+/* Gives a chunk's pinned memory back the way it was pinned (a context current). */
+static void unpin_chunk(const struct chunk *c) {
+    if (c->how == PINNED_ALLOCATED) {
+        if (nvs_real.cuMemFreeHost != NULL) nvs_real.cuMemFreeHost(c->host);
+        return;
+    }
+    CUresult r = nvs_real.cuMemHostUnregister != NULL ? nvs_real.cuMemHostUnregister(c->host) : CUDA_ERROR_NOT_FOUND;
+    if (r == CUDA_SUCCESS) {
+        munmap(c->host, AREA_CHUNK);
+        return;
+    }
+    /* Still registered as far as the driver knows: unmapping would let the kernel hand the
+     * addresses to another mapping that the driver takes for pinned. Kept, and said. */
+    nvs_warn("unregistering %zu bytes of the swap area at %p failed (%s, %d): they stay mapped and pinned", AREA_CHUNK,
+             (void *)c->host, error_name(r), r);
+}
+
 int nvs_area_change_step(void) {
     int due = nvs_area_change_due();
     if (due > 0) {
         struct chunk *c = calloc(1, sizeof *c);
-        void *host = NULL;
-        /* PORTABLE: pinned for every context of the process, whichever is current here. */
-        CUresult r = c == NULL || nvs_real.cuMemHostAlloc == NULL
-                         ? CUDA_ERROR_OUT_OF_MEMORY
-                         : nvs_real.cuMemHostAlloc(&host, AREA_CHUNK, CU_MEMHOSTALLOC_PORTABLE);
+        CUresult r = c == NULL ? CUDA_ERROR_OUT_OF_MEMORY : pin_chunk(c);
         if (r != CUDA_SUCCESS) {
             free(c);
-            nvs_warn("pinning %zu bytes of the swap area failed (%d): it stays at %llu bytes, and what does not fit "
-                     "in it is swapped the slow way (cuMemPrefetchAsync)",
-                     AREA_CHUNK, r, (unsigned long long)nvs_area_pinned());
+            nvs_warn("pinning %zu bytes of the swap area failed (%s, %d): it stays at %llu bytes, and what does not "
+                     "fit in it is swapped the slow way (cuMemPrefetchAsync)",
+                     AREA_CHUNK, error_name(r), r, (unsigned long long)nvs_area_pinned());
             return -1;
         }
-        c->host = host;
         c->free_pages = PAGES_PER_CHUNK;
         pthread_mutex_lock(&area_mu);
         size_t place = 0;
@@ -222,7 +323,7 @@ int nvs_area_change_step(void) {
                 pinned_chunks--;
             }
         pthread_mutex_unlock(&area_mu);
-        if (c != NULL && nvs_real.cuMemFreeHost != NULL) nvs_real.cuMemFreeHost(c->host);
+        if (c != NULL) unpin_chunk(c);
         free(c);
         return c != NULL;
     }
@@ -230,10 +331,12 @@ int nvs_area_change_step(void) {
 }
 
 void nvs_area_reset_after_fork(void) {
-    /* The child has no device memory swapped out; the pinned pages are the parent's business. */
+    /* The child has no device memory swapped out and cannot use the driver; the registered
+     * chunks are not even mapped in it (MADV_DONTFORK): only the bookkeeping goes. */
     pthread_mutex_init(&area_mu, NULL);
     for (size_t i = 0; i < n_chunks; i++) free(chunks[i]);
     memset(chunks, 0, sizeof chunks);
     memset(targets, 0, sizeof targets);
     n_chunks = pinned_chunks = 0;
+    __atomic_store_n(&registering_failed, 0, __ATOMIC_RELAXED);
 }

@@ -369,8 +369,11 @@
     X(cuStreamSynchronize, (CUstream hStream))                                                  \
     X(cuStreamDestroy_v2, (CUstream hStream))                                                   \
     /* the swap area (area.c) */                                                                \
+    X(cuMemHostRegister_v2, (void *p, size_t bytesize, unsigned int flags))                     \
+    X(cuMemHostUnregister, (void *p))                                                           \
     X(cuMemHostAlloc, (void **pp, size_t bytesize, unsigned int flags))                          \
-    X(cuMemFreeHost, (void *p))
+    X(cuMemFreeHost, (void *p))                                                                 \
+    X(cuGetErrorName, (CUresult error, const char **pStr))
 
 /* `make` lists the exported names for the version script with this. */
 #ifdef NVS_LIST_HOOK_NAMES

@@ -18,7 +18,8 @@ def test_handoffs_over_a_budget_overlap_the_swap_out_and_the_swap_in(scheduler_f
     scheduler = scheduler_factory(tq=1.0, grace=60, idle_release=0)
     scheduler.request("set-budget", device=GPU, bytes=96 * MIB)
     env = {**scheduler.env, "SIMCUDA_MEMORY": "128M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
-           "SIMCUDA_PINNED_US_PER_MIB": "10000", "SIMCUDA_PIN_US_PER_MIB": "0", "NVSHARE_LOG": "warn"}
+           "SIMCUDA_PINNED_US_PER_MIB": "10000", "SIMCUDA_REGISTER_HUGE_US_PER_MIB": "0",
+           "SIMCUDA_REGISTER_US_PER_MIB": "0", "SIMCUDA_PIN_US_PER_MIB": "0", "NVSHARE_LOG": "warn"}
     # 64 MiB each, in blocks a swap moves one by one (8 MiB buffers).
     apps = [cuda_app(env, "init", *[f"alloc:plain:{8 * MIB}"] * 8, "loop:12:20000") for _ in range(2)]
     for app in apps:

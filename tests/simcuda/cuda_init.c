@@ -129,6 +129,9 @@ static void run_init(void)
         device->primary = sim_ctx_new(device, 1, 0);
         device->default_pool = sim_pool_new(device, 1);
     }
+    init_result = sim_mem_open();
+    if (init_result != CUDA_SUCCESS)
+        return;
     init_result = sim_residency_open();
     if (init_result != CUDA_SUCCESS)
         return;

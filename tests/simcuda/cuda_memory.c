@@ -180,6 +180,8 @@ static void pool_release(struct sim_pool *pool, size_t bytes)
  * host memory is the application's: it stays mapped. */
 static void release(struct sim_alloc *alloc)
 {
+    if (alloc->family == SIM_MEM_HOST)
+        sim_unpin_trace(alloc->ctx, alloc->start, alloc->size, alloc->registered ? SIM_PIN_REGISTERED : SIM_PIN_ALLOCATED);
     if (alloc->family == SIM_MEM_MANAGED)
         sim_residency_forget(alloc);
     else
@@ -240,7 +242,7 @@ static CUresult allocate(struct sim_ctx *ctx, size_t bytes, enum sim_family fami
         return result;
     }
     if (family == SIM_MEM_HOST)
-        sim_pin_cost(memory, bytes);
+        sim_pin_cost(ctx, memory, bytes, SIM_PIN_ALLOCATED);
     *out = (CUdeviceptr)(uintptr_t)memory;
     return CUDA_SUCCESS;
 uncharge:
@@ -313,8 +315,28 @@ SIM_EXPORT CUresult cuMemAllocHost_v2(void **pp, size_t bytesize)
     return cuMemHostAlloc(pp, bytesize, 0);
 }
 
+/* SIMCUDA_HOST_REGISTER_ERROR: the error every cuMemHostRegister answers, as a driver that
+ * refuses to register memory would (0: none). Written by cuInit (under its pthread_once). */
+static CUresult host_register_error;
+
+CUresult sim_mem_open(void)
+{
+    const char *text = getenv("SIMCUDA_HOST_REGISTER_ERROR");
+    if (!text)
+        return CUDA_SUCCESS;
+    char *end;
+    long value = strtol(text, &end, 10);
+    if (end == text || *end || value < 1 || value > 999) {
+        fprintf(stderr, "simcuda: SIMCUDA_HOST_REGISTER_ERROR=%s is not a CUDA error number from 1 to 999\n", text);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    host_register_error = (CUresult)value;
+    return CUDA_SUCCESS;
+}
+
 /* Pins the application's own memory: it becomes pinned host memory to copies (and pays for the
- * pinning as cuMemHostAlloc does), and stays the application's to unmap after cuMemHostUnregister. */
+ * pinning, at the registering rate), and stays the application's to unmap after
+ * cuMemHostUnregister. */
 SIM_EXPORT CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags)
 {
     SIM_ENTER();
@@ -325,6 +347,8 @@ SIM_EXPORT CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int 
     CUresult result = sim_ctx_require(&ctx);
     if (result != CUDA_SUCCESS)
         return result;
+    if (host_register_error != CUDA_SUCCESS)
+        return host_register_error;
     struct sim_alloc prototype = {
         .start = (uintptr_t)p, .size = bytesize, .family = SIM_MEM_HOST, .device = ctx->device, .ctx = ctx,
         .accessible = 1, .shared_fd = -1, .registered = 1,
@@ -337,7 +361,7 @@ SIM_EXPORT CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int 
         result = CUDA_ERROR_OUT_OF_MEMORY;
     sim_mem_unlock();
     if (result == CUDA_SUCCESS)
-        sim_pin_cost(p, bytesize);
+        sim_pin_cost(ctx, p, bytesize, SIM_PIN_REGISTERED);
     return result;
 }
 

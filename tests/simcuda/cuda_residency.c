@@ -29,7 +29,9 @@
  * at SIMCUDA_DISCARD_PREFETCH_US_PER_MIB, since nothing is copied. Copies cost
  * SIMCUDA_PINNED_US_PER_MIB when their host side is pinned (or registered) memory and
  * SIMCUDA_PAGEABLE_US_PER_MIB when it is pageable; pinning host memory costs
- * SIMCUDA_PIN_US_PER_MIB. Costs are simulated time: the executor (or, for pinning and physical
+ * SIMCUDA_PIN_US_PER_MIB when the driver allocates it and SIMCUDA_REGISTER_US_PER_MIB (or
+ * SIMCUDA_REGISTER_HUGE_US_PER_MIB, when the memory is advised to transparent huge pages) when
+ * it registers the application's. Costs are simulated time: the executor (or, for pinning and physical
  * allocations, the calling thread) sleeps. Every migration is traced.
  *
  * Crash safety: the lock is a robust process-shared mutex (a process that dies holding it hands
@@ -71,7 +73,9 @@
  * the first time a process's memory goes out; pinned cudaMemcpy 55 GB/s each way (managed
  * memory resident on the device to pinned memory 52.6 GB/s, back 51.3 GB/s); a copy into
  * freshly allocated pageable memory 1.4 GB/s; cudaMemDiscardAndPrefetchBatchAsync of 16 GiB
- * 0.05 s; allocating 16 GiB of pinned memory 7.5 s. */
+ * 0.05 s; allocating 16 GiB of pinned memory 7.5 s; registering anonymous memory with
+ * cuMemHostRegister 0.288 s per GiB, 0.186 s when it was advised MADV_HUGEPAGE first (6 GiB in
+ * 64 MiB chunks, benchmarks/results/swap-paths-h200-2026-11-28.json). */
 #define US_PER_MIB_AT(gb_per_s) (MIB / ((gb_per_s) * 1e3))
 #define DEFAULT_FAULT_US_PER_MIB (0.93e6 / 8192.0)
 #define DEFAULT_PREFETCH_US_PER_MIB US_PER_MIB_AT(50.0)
@@ -81,6 +85,8 @@
 #define DEFAULT_PAGEABLE_US_PER_MIB US_PER_MIB_AT(1.4)
 #define DEFAULT_DISCARD_PREFETCH_US_PER_MIB (0.05e6 / 16384.0)
 #define DEFAULT_PIN_US_PER_MIB (7.5e6 / 16384.0)
+#define DEFAULT_REGISTER_US_PER_MIB (0.2877e6 / 1024.0)
+#define DEFAULT_REGISTER_HUGE_US_PER_MIB (0.1857e6 / 1024.0)
 #define DEFAULT_TIMESLICE_US 2000.0
 
 struct slot {
@@ -110,7 +116,8 @@ struct shared_device {
 };
 
 struct costs {
-    double fault, prefetch_in, prefetch_out, first_out, discard_prefetch, pinned, pageable, pin; /* s/byte */
+    double fault, prefetch_in, prefetch_out, first_out, discard_prefetch, pinned, pageable; /* s/byte */
+    double pin, register_pages, register_huge;                                              /* s/byte */
     double timeslice_s;
 };
 
@@ -237,6 +244,8 @@ CUresult sim_residency_open(void)
         {"SIMCUDA_PINNED_US_PER_MIB", DEFAULT_PINNED_US_PER_MIB, offsetof(struct costs, pinned)},
         {"SIMCUDA_PAGEABLE_US_PER_MIB", DEFAULT_PAGEABLE_US_PER_MIB, offsetof(struct costs, pageable)},
         {"SIMCUDA_PIN_US_PER_MIB", DEFAULT_PIN_US_PER_MIB, offsetof(struct costs, pin)},
+        {"SIMCUDA_REGISTER_US_PER_MIB", DEFAULT_REGISTER_US_PER_MIB, offsetof(struct costs, register_pages)},
+        {"SIMCUDA_REGISTER_HUGE_US_PER_MIB", DEFAULT_REGISTER_HUGE_US_PER_MIB, offsetof(struct costs, register_huge)},
     };
     /* Every rate at once: a slower machine in the same proportions, so that what is modelled
      * outweighs the real copying of the bytes on the host that runs the simulation. */
@@ -358,14 +367,68 @@ static void host_populate(uintptr_t ptr, size_t bytes)
         madvise((void *)first, last - first, MADV_POPULATE_WRITE);
 }
 
-/* Pinning: the real driver locks the pages in (populating them), which costs per byte. */
-void sim_pin_cost(void *ptr, size_t bytes)
+/* Whether the VmFlags line of /proc/self/smaps has flag `flag` (two letters). */
+static int has_vm_flag(const char *line, const char *flag)
+{
+    for (const char *at = strstr(line, flag); at; at = strstr(at + 1, flag))
+        if (at[-1] == ' ' && (at[2] == ' ' || at[2] == '\n' || at[2] == '\0'))
+            return 1;
+    return 0;
+}
+
+/* Whether every page of [start, start + bytes) is mapped and advised MADV_HUGEPAGE ("hg" among
+ * the mapping's VmFlags in /proc/self/smaps). The file is read up to the range's last mapping
+ * only: the kernel computes each mapping's figures as it is read. */
+static int advised_huge(uintptr_t start, size_t bytes)
+{
+    FILE *smaps = fopen("/proc/self/smaps", "re");
+    if (!smaps)
+        return 0;
+    char line[1024];
+    uintptr_t covered = start, end = start + bytes, low = 0, high = 0;
+    int huge = 1;
+    while (huge && covered < end && fgets(line, sizeof line, smaps)) {
+        unsigned long first, last;
+        if (sscanf(line, "%lx-%lx ", &first, &last) == 2) {
+            low = first, high = last;
+        } else if (strncmp(line, "VmFlags:", 8) == 0 && high > covered) {
+            huge = low <= covered && has_vm_flag(line + 8, "hg"); /* no gap, advised */
+            covered = high;
+        }
+    }
+    fclose(smaps);
+    return huge && covered >= end;
+}
+
+/* Pinning: the real driver locks the pages in (populating them), which costs per byte: what it
+ * allocates itself at one rate, what it registers at another, faster when transparent huge pages
+ * back it (fewer, larger pages to lock). */
+void sim_pin_cost(const struct sim_ctx *ctx, void *ptr, size_t bytes, enum sim_pinning how)
 {
     if (!modelled)
         return;
     double start = sim_now();
+    int huge = how == SIM_PIN_REGISTERED && advised_huge((uintptr_t)ptr, bytes);
+    double per_byte = how == SIM_PIN_ALLOCATED ? costs.pin : huge ? costs.register_huge : costs.register_pages;
     host_populate((uintptr_t)ptr, bytes);
-    sim_sleep_until(start + (double)bytes * costs.pin);
+    sim_sleep_until(start + (double)bytes * per_byte);
+    char fields[160];
+    snprintf(fields, sizeof fields,
+             "\"op\": \"pin\", \"how\": \"%s\", \"huge\": %s, \"ptr\": %llu, \"bytes\": %zu",
+             how == SIM_PIN_ALLOCATED ? "allocated" : "registered", huge ? "true" : "false",
+             (unsigned long long)(uintptr_t)ptr, bytes);
+    sim_trace_write(ctx, fields, start, sim_now());
+}
+
+void sim_unpin_trace(const struct sim_ctx *ctx, uintptr_t ptr, size_t bytes, enum sim_pinning how)
+{
+    if (!modelled)
+        return;
+    char fields[160];
+    snprintf(fields, sizeof fields, "\"op\": \"unpin\", \"how\": \"%s\", \"ptr\": %llu, \"bytes\": %zu",
+             how == SIM_PIN_ALLOCATED ? "allocated" : "registered", (unsigned long long)ptr, bytes);
+    double at = sim_now();
+    sim_trace_write(ctx, fields, at, at);
 }
 
 /* ---- Per-allocation hints ---- */

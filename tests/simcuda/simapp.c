@@ -67,10 +67,11 @@ static void (*set_tag)(const char *); /* simcudaSetTag, when the driver has it *
 
 enum family {
     FAMILY_PLAIN, FAMILY_PITCH, FAMILY_ASYNC, FAMILY_POOL, FAMILY_MANAGED, FAMILY_VMM, FAMILY_VMM_SHAREABLE,
-    FAMILY_HOST, FAMILY_REGISTERED, FAMILY_IPC
+    FAMILY_HOST, FAMILY_REGISTERED, FAMILY_REGISTERED_THP, FAMILY_IPC
 };
-static const char *const family_names[] = {"plain", "pitch",       "async", "pool",       "managed",
-                                           "vmm",   "vmm-shareable", "host", "registered", "ipc"};
+static const char *const family_names[] = {"plain", "pitch",         "async", "pool",       "managed",
+                                           "vmm",   "vmm-shareable", "host",  "registered", "registered-thp",
+                                           "ipc"};
 
 struct buffer {
     CUdeviceptr ptr;
@@ -427,7 +428,7 @@ static void step_alloc(char **args, int count, struct outcome *out)
             family = i;
     if (family < 0)
         usage_error("unknown allocation family %s (plain, pitch, async, pool, managed, vmm, vmm-shareable, host, "
-                    "registered)", args[1]);
+                    "registered, registered-thp)", args[1]);
     buffer.family = (enum family)family;
     size_t pitch = 0;
     CUmemoryPool pool;
@@ -460,10 +461,13 @@ static void step_alloc(char **args, int count, struct outcome *out)
         buffer.ptr = (CUdeviceptr)(uintptr_t)host;
         break;
     }
-    case FAMILY_REGISTERED: {
+    case FAMILY_REGISTERED:
+    case FAMILY_REGISTERED_THP: {
         void *host = mmap(NULL, buffer.bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (host == MAP_FAILED)
             usage_error("cannot map %s of host memory", args[2]);
+        if (buffer.family == FAMILY_REGISTERED_THP && madvise(host, buffer.bytes, MADV_HUGEPAGE) != 0)
+            usage_error("cannot advise %s of host memory to transparent huge pages", args[2]);
         out->rc = CALL(FN(cuMemHostRegister_v2), host, buffer.bytes, 0);
         buffer.ptr = (CUdeviceptr)(uintptr_t)host;
         break;
@@ -492,6 +496,7 @@ static void step_free(char **args, int count, int async, struct outcome *out)
         out->rc = CALL(FN(cuMemFreeHost), (void *)(uintptr_t)buffer->ptr);
         break;
     case FAMILY_REGISTERED:
+    case FAMILY_REGISTERED_THP:
         out->rc = CALL(FN(cuMemHostUnregister), (void *)(uintptr_t)buffer->ptr);
         if (out->rc == CUDA_SUCCESS)
             munmap((void *)(uintptr_t)buffer->ptr, buffer->bytes);

@@ -316,6 +316,9 @@ void sim_graph_free(struct sim_graph *graph);
 
 /* ---- cuda_memory.c: allocations and the address registry ---- */
 
+/* cuInit: the memory knobs (SIMCUDA_HOST_REGISTER_ERROR). */
+CUresult sim_mem_open(void);
+
 enum sim_family {
     SIM_MEM_DEVICE,    /* cuMemAlloc_v2, cuMemAllocPitch_v2 */
     SIM_MEM_POOL,      /* cuMemAllocAsync, cuMemAllocFromPoolAsync */
@@ -400,8 +403,13 @@ void sim_engine_leave(const struct sim_device *device);
  * _H2D) at the pinned or pageable rate, taking turns with other copies in that direction;
  * returns the seconds spent waiting for turns (0 when residency is not modelled). */
 double sim_link_transfer(const struct sim_device *device, enum sim_engine direction, size_t bytes, int pageable);
-/* The calling thread pays for pinning `bytes` of host memory (when residency is modelled). */
-void sim_pin_cost(void *ptr, size_t bytes);
+/* How host memory was pinned: allocated by the driver (cuMemHostAlloc, cuMemAllocHost) or the
+ * application's own, registered (cuMemHostRegister). */
+enum sim_pinning { SIM_PIN_ALLOCATED, SIM_PIN_REGISTERED };
+/* When residency is modelled: the calling thread pays for pinning `bytes` of host memory at
+ * `ptr`, and the pinning is traced ("pin"); sim_unpin_trace traces its end ("unpin"). */
+void sim_pin_cost(const struct sim_ctx *ctx, void *ptr, size_t bytes, enum sim_pinning how);
+void sim_unpin_trace(const struct sim_ctx *ctx, uintptr_t ptr, size_t bytes, enum sim_pinning how);
 /* With the registry write-locked: gives a new managed allocation its chunk hints (-1 when out
  * of host memory), and frees its chunks' slots when it goes. */
 int sim_residency_adopt(struct sim_alloc *alloc);
