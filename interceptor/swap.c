@@ -146,13 +146,14 @@ static struct nvs_swappable *gather(struct nvs_device *d, int swapped, int (*ord
 
 /* --- moving ------------------------------------------------------------------------------------*/
 
-/* A job's moves go in batches of about a piece each, on two streams in turn, so that two batches
- * are in flight: while the host settles one (and reports its progress), the link moves the next.
- * Each batch's discard is one call for all its converted blocks. On the way in, the pages of
- * every block are made anew first, in one discard-and-prefetch call for the whole job: it costs
- * about a tenth of the copies (0.025 s for 12 GiB on an H200), where the same call made per
- * batch, beside the copies of the batch before, blocked for about 10 ms each and brought the
- * swap-in down to 13-16 GB/s (measured on an H200). */
+/* A job's moves go in batches of about a piece each, two batches in flight, so that while the
+ * host settles one (and reports its progress) the link moves the next. Each batch's discard (or
+ * discard-and-prefetch) is one call for all its converted blocks, not one a 64 MiB block. Out,
+ * the batches go on two streams in turn. In, on one stream, each batch's pages made anew just
+ * before its copies: measured on an H200 with 16 GiB (4 rounds each), that ran steadily at
+ * 0.43-0.45 s (39-40 GB/s end to end) where a block at a time took 0.46-0.48 s; making every
+ * page of the job first in one call, or the batches on two streams, was faster when it worked
+ * (0.39-0.40 s) but now and then left pages to the driver's faults: 1.2-17.6 s. */
 #define BATCH_ITEMS 64
 
 struct batch {
@@ -243,12 +244,20 @@ static void fail_item(struct batch *batch, size_t i, CUresult r, int out) {
 
 /* Queues the batch's moves on its stream. Out: each item's copies into the area (or its
  * prefetch), then one discard of the converted blocks' pages (they go without being moved; a
- * refused discard leaves them all resident). In: the copies back (or prefetches), their pages
- * made already (make_pages). */
+ * refused discard leaves them all resident). In: one discard-and-prefetch making the converted
+ * blocks' pages anew, then the copies back (or prefetches). */
 static void launch(struct job *job, struct batch *batch) {
     double since = nvs_now();
     CUdeviceptr ptrs[BATCH_ITEMS];
     size_t sizes[BATCH_ITEMS];
+    if (!job->out) {
+        size_t n = area_blocks(batch, ptrs, sizes), first = 0;
+        CUmemLocation here = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = job->d->ordinal};
+        CUresult r = n > 0 ? discard_prefetch(ptrs, sizes, n, &here, &first, 1, 0, batch->stream) : CUDA_SUCCESS;
+        if (r != CUDA_SUCCESS)
+            nvs_warn("making %zu blocks of device %d resident again failed (%d): their bytes are copied back all the "
+                     "same (the driver makes the pages as they are written)", n, job->d->ordinal, r);
+    }
     for (size_t i = 0; i < batch->n; i++) {
         struct nvs_swappable *item = batch->items[i];
         CUresult r = item->area != NULL ? copy_item(batch->stream, item, job->out)
@@ -339,28 +348,6 @@ static void finish(struct job *job, double since) {
         nvs_debug("swap %s of device %d: %llu bytes through the area in %d batches, %.3f s (queueing %.3f s, waiting %.3f s)",
                   job->out ? "out" : "in", job->d->ordinal, (unsigned long long)job->pinned_bytes, job->launched,
                   nvs_now() - since, job->queueing, job->waiting);
-}
-
-/* Makes the pages of the converted blocks among `items` anew on the device, without copying
- * (discard-and-prefetch), in one call, and waits for it: their bytes are copied back next. */
-static void make_pages(struct job *job, struct nvs_swappable **items, size_t n) {
-    double since = nvs_now();
-    CUdeviceptr *ptrs = malloc(n * sizeof *ptrs);
-    size_t *sizes = malloc(n * sizeof *sizes), count = 0, first = 0;
-    for (size_t i = 0; ptrs != NULL && sizes != NULL && i < n; i++) {
-        if (items[i]->vmm || items[i]->area == NULL) continue;
-        ptrs[count] = items[i]->ptr;
-        sizes[count++] = items[i]->size;
-    }
-    CUmemLocation here = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = job->d->ordinal};
-    CUresult r = count == 0 ? CUDA_SUCCESS : discard_prefetch(ptrs, sizes, count, &here, &first, 1, 0, job->streams[0]);
-    if (r == CUDA_SUCCESS && count > 0) r = nvs_real.cuStreamSynchronize(job->streams[0]);
-    if (r != CUDA_SUCCESS || ptrs == NULL || sizes == NULL)
-        nvs_warn("making %zu blocks of device %d resident again failed (%d): their bytes are copied back all the same "
-                 "(the driver makes the pages as they are written)", count, job->d->ordinal, r);
-    free(ptrs);
-    free(sizes);
-    job->queueing += nvs_now() - since;
 }
 
 /* Prepares an item's move in: its place in the area is taken over first (a free meanwhile must
@@ -476,21 +463,16 @@ int nvs_swap_in(struct nvs_device *d, uint64_t up_to, int for_grant) {
         job.out = 0;
         job.epoch = epoch;
         job.piece = piece_of(items, n);
-        struct nvs_swappable **ready = malloc(n * sizeof *ready);
-        size_t n_ready = 0;
-        left_out |= ready == NULL; /* nothing moved: the worker tries again */
-        for (size_t i = 0; ready != NULL && i < n; i++) {
+        job.batches[1].stream = job.streams[0]; /* in: one stream (see BATCH_ITEMS) */
+        for (size_t i = 0; i < n; i++) {
             if (!chosen[i]) continue;
             if (job.capturing && (items[i].vmm || items[i].area == NULL)) {
                 chosen[i] = 0; /* VMM memory waits for the capture's end; the rest faults in */
                 left_out |= items[i].area != NULL;
                 continue;
             }
-            if (prepare_in(&job, &items[i]) == 0) ready[n_ready++] = &items[i];
+            if (prepare_in(&job, &items[i]) == 0) add(&job, &items[i]);
         }
-        make_pages(&job, ready, n_ready);
-        for (size_t i = 0; i < n_ready; i++) add(&job, ready[i]);
-        free(ready);
         finish(&job, since);
         note_rate(&in_bps_bits, job.pinned_bytes, nvs_now() - since);
         end(&job);
