@@ -305,26 +305,33 @@ def pinning(nbytes: int) -> dict:
     per_gib = count * chunk / GIB
     out: dict = {"bytes": count * chunk, "chunk": chunk}
 
+    def timed_on_threads(work, shares: list) -> float:
+        """Seconds per GiB for `work(share)` on a thread each (the context current there too)."""
+        def run(share) -> None:
+            cuda.context(0)
+            work(share)
+
+        start = time.perf_counter()
+        workers = [threading.Thread(target=run, args=(share,)) for share in shares]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        return round((time.perf_counter() - start) / per_gib, 4)
+
     def host_alloc(threads: int) -> float:
         hosts: list[c_void_p] = []
 
         def work(n: int) -> None:
-            cuda.context(0)  # current on this thread too
             for _ in range(n):
                 host = c_void_p()
                 api.check("cuMemHostAlloc", byref(host), chunk, 1)  # PORTABLE, as the swap area
                 hosts.append(host)
 
-        start = time.perf_counter()
-        workers = [threading.Thread(target=work, args=(len(range(k, count, threads)),)) for k in range(threads)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-        seconds = time.perf_counter() - start
+        seconds_per_gib = timed_on_threads(work, [len(range(k, count, threads)) for k in range(threads)])
         for host in hosts:
             api.check("cuMemFreeHost", host)
-        return round(seconds / per_gib, 4)
+        return seconds_per_gib
 
     out["host_alloc_s_per_gib"] = host_alloc(1)
     for threads in (2, 4, 8):
@@ -339,21 +346,14 @@ def pinning(nbytes: int) -> dict:
             regions.append(region)
 
         def work(mine: list[int]) -> None:
-            cuda.context(0)  # current on this thread too
             for region in mine:
                 api.check("cuMemHostRegister", c_void_p(region), chunk, 1)
 
-        start = time.perf_counter()
-        workers = [threading.Thread(target=work, args=(regions[k::threads],)) for k in range(threads)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-        seconds = time.perf_counter() - start
+        seconds_per_gib = timed_on_threads(work, [regions[k::threads] for k in range(threads)])
         for region in regions:
             api.check("cuMemHostUnregister", c_void_p(region))
             libc.munmap(c_void_p(region), chunk)
-        return round(seconds / per_gib, 4)
+        return seconds_per_gib
 
     out["register_s_per_gib"] = register(False, 1)
     out["register_thp_s_per_gib"] = register(True, 1)
