@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import typing
 
 import pytest
 
 from nvshare_py import protocol
-from nvshare_py.scheduler import views
+from nvshare_py.scheduler import events, views
 from nvshare_py.scheduler.core import CLAIMS_PER_STEP, CoreConfig, ControlError, SchedulerCore
 from nvshare_py.scheduler.events import (
     AcquireRequest,
@@ -946,3 +947,10 @@ def test_status_document_lists_devices_holders_waiters_and_client_statistics():
     assert b["devices"][GPU0]["wait_total"] == 9.0 and b["devices"][GPU0]["hold_total"] == 8.0
     h.at(40)
     assert h.status()["devices"][0]["holders"][0]["quantum_left"] == 0.0  # clipped
+
+
+def test_every_kind_of_log_line_has_its_sentence():
+    """A log line the core writes without a sentence in views.WORDING would fail where it is
+    worded (KeyError in the daemon's log writer): the kinds and the sentences agree (mypy checks
+    that the core writes no other kind)."""
+    assert set(typing.get_args(events.LogKind)) == set(views.WORDING)

@@ -307,13 +307,59 @@ class Forget:
     reason: str
 
 
+# Every kind of log line the core writes; views.WORDING has a sentence for each (a test checks
+# that the two agree, and mypy that nothing else is logged).
+LogKind = Literal[
+    "admission-refused",
+    "admission-set",
+    "admission-waits",
+    "budget-set",
+    "claim-kept",
+    "claim-refused",
+    "contended",
+    "device-measured",
+    "dropped",
+    "evict-asked",
+    "evict-timeout",
+    "evicted-stale",
+    "from-unregistered",
+    "gang-incomplete",
+    "gang-joined",
+    "gang-refused",
+    "gang-size-differs",
+    "gang-waits",
+    "grant-passes",
+    "granted",
+    "limit-sent",
+    "limit-set",
+    "mode-set",
+    "prefetch-ahead",
+    "prepare",
+    "priority-set",
+    "recovered",
+    "registered",
+    "released",
+    "released-revoked",
+    "released-stale",
+    "replaced",
+    "revoked",
+    "second-registration",
+    "silent-removed",
+    "tq-set",
+    "turn-granted",
+    "unhandled-message",
+    "unregistered",
+    "weight-set",
+]
+
+
 @dataclass(frozen=True)
 class Log:
     """Something worth a log line: `what` names it (views.WORDING words it), `fields` are its
     facts."""
 
     level: Literal["debug", "info", "warning"]
-    what: str
+    what: LogKind
     fields: dict[str, Any] = field(default_factory=dict)
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from ..sizes import format_size
 from . import fairshare, residency
 from .core import AHEAD_REMEMBERED, SchedulerCore, _Client, _Device, _Hold, _Pair
-from .events import Log
+from .events import Log, LogKind
 
 # QUERY answers must fit one message: they name at most this many clients per list, and cut
 # the texts that clients chose themselves.
@@ -285,7 +285,7 @@ def _target(fields: dict[str, Any]) -> str:
 
 
 # One sentence per `Log.what` of the core; the fields follow each line as key=value.
-WORDING: dict[str, Callable[[dict[str, Any]], str]] = {
+WORDING: dict[LogKind, Callable[[dict[str, Any]], str]] = {
     "from-unregistered": lambda f: f"{f['type']} from an unregistered client ignored",
     "unhandled-message": lambda f: f"{f['type']} from {f['client']} ignored: this scheduler has no use for it",
     "second-registration": lambda f: "second registration on one connection ignored",
