@@ -1,8 +1,8 @@
 /*
  * The swap area: pinned host memory of the process that swapped-out device memory is copied
  * into (docs/interceptor.md, "Swapping"). Pinning takes time, so the area is pinned once, ahead
- * of handoffs, in chunks of AREA_CHUNK (the worker pins one chunk at a time between its jobs, see
- * swap.c), and reused: a swapped-out allocation holds a list of runs of AREA_PAGE pages and gives
+ * of handoffs, in chunks of AREA_CHUNK (the pinner thread, worker.c, pins one chunk at a time,
+ * see swap.c), and reused: a swapped-out allocation holds a list of runs of AREA_PAGE pages and gives
  * them back when it is brought back or freed.
  *
  * How a chunk is pinned (measured on an H200, benchmarks/results/swap-paths-h200-2026-11-28.json,
@@ -66,8 +66,8 @@ static size_t n_chunks;                  /* places used, the highest + 1 */
 static size_t pinned_chunks;
 static uint64_t targets[NVS_MAX_DEVICES]; /* bytes each device may want swapped out at once */
 /* Set once registering a chunk failed: the area pins with cuMemHostAlloc from then on (and the
- * warning is not repeated). Written by the thread that pins (nvs_area_change_step, which swap.c
- * calls under nvs_ctx_mu) and reset after fork; atomic, read and written relaxed. */
+ * warning is not repeated). Written by the thread that pins (the pinner: nvs_area_change_step,
+ * which swap.c calls under nvs_ctx_mu) and reset after fork; atomic, read and written relaxed. */
 static int registering_failed;
 
 static int page_taken(const struct chunk *c, size_t page) { return (c->used[page / 64] >> (page % 64)) & 1; }

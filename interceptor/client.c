@@ -205,7 +205,7 @@ static int next_io_action_locked(struct nvs_action *a, char *buf, size_t cap) {
             nvs_admission_answer_locked(&nvs_devices[a->device], nvs_core_admitted(&core, a->device), a->value);
         else if (a->kind == NVS_ACT_SETTLED) /* after the device's LIMIT action, in order */
             nvs_admission_settled_locked(a->device >= 0 ? &nvs_devices[a->device] : NULL);
-        else if (a->kind == NVS_ACT_SWAP_AREA) { /* the worker pins (or gives back) the area between jobs */
+        else if (a->kind == NVS_ACT_SWAP_AREA) { /* the pinner pins (or gives back) the area */
             nvs_area_want(a->device, a->bytes);
             nvs_worker_wake_locked();
         } else
@@ -423,7 +423,6 @@ static void fork_child(void) {
     nvs_vmm_reset_after_fork();
     nvs_area_reset_after_fork();
     pthread_mutex_init(&nvs_mu, NULL);
-    pthread_mutex_init(&nvs_ctx_mu, NULL);
     pthread_cond_init(&nvs_gate_cv, NULL);
     pthread_cond_init(&bye_cv, NULL);
     nvs_worker_reset_after_fork();

@@ -19,13 +19,13 @@ NVS_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) {
     NVS_REAL_OR_FAIL(cuCtxDestroy_v2);
     /* Settle its pending frees and forget it first, and keep drains and polls away until the
      * driver has destroyed it. */
-    pthread_mutex_lock(&nvs_ctx_mu);
+    pthread_rwlock_wrlock(&nvs_ctx_mu);
     if (ctx != NULL) nvs_memory_settle_frees(ctx, NULL);
     pthread_mutex_lock(&nvs_mu);
     nvs_gate_forget_context_locked(ctx);
     pthread_mutex_unlock(&nvs_mu);
     CUresult r = nvs_real.cuCtxDestroy_v2(ctx);
-    pthread_mutex_unlock(&nvs_ctx_mu);
+    pthread_rwlock_unlock(&nvs_ctx_mu);
     nvs_tls.device = NULL;
     return r;
 }
@@ -56,11 +56,11 @@ static void forget_dead_contexts(struct nvs_device *d) {
  * until the driver is done, and dead contexts are forgotten afterwards. */
 static CUresult change_primary_context(CUresult (*primary)(CUdevice), CUdevice dev) {
     struct nvs_device *d = dev >= 0 && dev < NVS_MAX_DEVICES ? &nvs_devices[dev] : NULL;
-    pthread_mutex_lock(&nvs_ctx_mu);
+    pthread_rwlock_wrlock(&nvs_ctx_mu);
     if (d != NULL) nvs_memory_settle_frees(NULL, d);
     CUresult r = primary(dev);
     if (d != NULL) forget_dead_contexts(d);
-    pthread_mutex_unlock(&nvs_ctx_mu);
+    pthread_rwlock_unlock(&nvs_ctx_mu);
     nvs_tls.device = NULL;
     return r;
 }

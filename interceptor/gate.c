@@ -28,7 +28,7 @@
 /* Who writes these, under which lock: gate.h, where they are declared. */
 pthread_mutex_t nvs_mu = PTHREAD_MUTEX_INITIALIZER;
 pthread_cond_t nvs_gate_cv = PTHREAD_COND_INITIALIZER;
-pthread_mutex_t nvs_ctx_mu = PTHREAD_MUTEX_INITIALIZER;
+pthread_rwlock_t nvs_ctx_mu = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
 
 _Atomic int64_t nvs_lease_ms = INT64_MAX;
 
@@ -184,11 +184,11 @@ static void pause_briefly(long *ns) {
 int nvs_gate_sync_contexts(struct nvs_device *d) {
     if (nvs_real.cuCtxPushCurrent_v2 == NULL || nvs_real.cuCtxSynchronize == NULL || nvs_real.cuCtxPopCurrent_v2 == NULL)
         return 0; /* no driver worth the name: nothing can be in flight */
-    pthread_mutex_lock(&nvs_ctx_mu);
+    pthread_rwlock_rdlock(&nvs_ctx_mu);
     pthread_mutex_lock(&nvs_mu);
     if (d->captures > 0) {
         pthread_mutex_unlock(&nvs_mu);
-        pthread_mutex_unlock(&nvs_ctx_mu);
+        pthread_rwlock_unlock(&nvs_ctx_mu);
         return -1;
     }
     int n = d->n_contexts;
@@ -215,7 +215,7 @@ int nvs_gate_sync_contexts(struct nvs_device *d) {
         nvs_real.cuCtxPopCurrent_v2(&popped);
     }
     if (contexts != stack_copy) free(contexts);
-    pthread_mutex_unlock(&nvs_ctx_mu);
+    pthread_rwlock_unlock(&nvs_ctx_mu);
     return 0;
 }
 
@@ -279,6 +279,11 @@ static void capture_ended(CUstream stream) {
 }
 
 void nvs_gate_reset_after_fork(void) {
+    pthread_rwlockattr_t writers_first;
+    pthread_rwlockattr_init(&writers_first);
+    pthread_rwlockattr_setkind_np(&writers_first, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    pthread_rwlock_init(&nvs_ctx_mu, &writers_first);
+    pthread_rwlockattr_destroy(&writers_first);
     memset(captures, 0, sizeof captures);
     nvs_tls.capturing = 0;
 }
@@ -286,9 +291,9 @@ void nvs_gate_reset_after_fork(void) {
 #define BEGIN_CAPTURE(name, params, args, stream)                                               \
     NVS_EXPORT CUresult name params {                                                           \
         NVS_REAL_OR_FAIL(name);                                                                 \
-        pthread_mutex_lock(&nvs_ctx_mu);                                                        \
+        pthread_rwlock_wrlock(&nvs_ctx_mu);                                                     \
         CUresult r = nvs_real.name args;                                                        \
-        pthread_mutex_unlock(&nvs_ctx_mu);                                                      \
+        pthread_rwlock_unlock(&nvs_ctx_mu);                                                     \
         if (r == CUDA_SUCCESS) capture_begun(stream);                                           \
         return r;                                                                               \
     }

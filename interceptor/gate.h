@@ -96,11 +96,16 @@ static inline int nvs_gate_passable(struct nvs_device *d) {
 extern pthread_mutex_t nvs_mu;
 /* Signalled (broadcast) whenever a gate opens. */
 extern pthread_cond_t nvs_gate_cv;
-/* Held by whoever pushes, synchronises or destroys a recorded context or queries an event in
- * one: drains (gate.c), deferred frees (memory.c: polled with a trylock, settled before their
- * context is destroyed) and the context-destroying hooks (context.c). So nothing touches a context
- * while the application destroys it. Taken before nvs_mu and mem_mu, never the other way. */
-extern pthread_mutex_t nvs_ctx_mu;
+/* Read-held by whoever pushes or synchronises a recorded context or queries an event in one:
+ * drains and idle probes (gate.c), swap jobs and the pinning of the swap area (swap.c), deferred
+ * frees (memory.c, polled with a try). Write-held by what destroys a context (context.c, which
+ * settles its deferred frees first) and by a capture's beginning (gate.c): so nothing touches a
+ * context while the application destroys it, and no capture begins while one of those calls
+ * runs. Readers run side by side: the swap area is pinned (its own thread) while an idle probe
+ * waits for a holder's queued work, which can take seconds. Writers are preferred, so a steady
+ * stream of readers cannot hold a capture off. Taken before nvs_mu and mem_mu, never the other
+ * way; never recursively. */
+extern pthread_rwlock_t nvs_ctx_mu;
 
 extern struct nvs_device nvs_devices[NVS_MAX_DEVICES];
 extern int nvs_n_devices; /* highest ordinal seen + 1, under nvs_mu */
@@ -154,7 +159,7 @@ void nvs_gate_set_locked(struct nvs_device *d, int open);
 void nvs_gate_wait_quiet(struct nvs_device *d);
 /* Synchronise every recorded context of the device (gate left as it is). -1, synchronising
  * nothing, while a stream capture is in progress on the device: a synchronise from another
- * thread would invalidate it. Capture begin waits while this runs (nvs_ctx_mu). */
+ * thread would invalidate it. Capture begin waits while this runs (nvs_ctx_mu, read-held). */
 int nvs_gate_sync_contexts(struct nvs_device *d);
 /* Fork child: no capture is in progress. */
 void nvs_gate_reset_after_fork(void);

@@ -17,7 +17,14 @@ __asm__(".symver dlvsym, dlvsym@GLIBC_2.2.5");
 /* libpthread moved into libc in 2.34 */
 __asm__(".symver pthread_create, pthread_create@GLIBC_2.2.5");
 __asm__(".symver pthread_once, pthread_once@GLIBC_2.2.5");
-__asm__(".symver pthread_mutex_trylock, pthread_mutex_trylock@GLIBC_2.2.5");
+__asm__(".symver pthread_rwlock_init, pthread_rwlock_init@GLIBC_2.2.5");
+__asm__(".symver pthread_rwlock_rdlock, pthread_rwlock_rdlock@GLIBC_2.2.5");
+__asm__(".symver pthread_rwlock_tryrdlock, pthread_rwlock_tryrdlock@GLIBC_2.2.5");
+__asm__(".symver pthread_rwlock_wrlock, pthread_rwlock_wrlock@GLIBC_2.2.5");
+__asm__(".symver pthread_rwlock_unlock, pthread_rwlock_unlock@GLIBC_2.2.5");
+__asm__(".symver pthread_rwlockattr_init, pthread_rwlockattr_init@GLIBC_2.2.5");
+__asm__(".symver pthread_rwlockattr_setkind_np, pthread_rwlockattr_setkind_np@GLIBC_2.2.5");
+__asm__(".symver pthread_rwlockattr_destroy, pthread_rwlockattr_destroy@GLIBC_2.2.5");
 __asm__(".symver pthread_attr_setstacksize, pthread_attr_setstacksize@GLIBC_2.2.5");
 __asm__(".symver pthread_sigmask, pthread_sigmask@GLIBC_2.2.5");
 /* memcpy@GLIBC_2.14 only stopped copying overlapping buffers backwards; nvshare never

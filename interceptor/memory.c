@@ -484,9 +484,10 @@ static int any_free(const struct pending_free *p, const void *unused) { return 1
 
 void nvs_memory_poll_frees(void) {
     if (NVS_LIKELY(atomic_load(&n_pending) == 0)) return;
-    /* A drain or a context's destruction holds nvs_ctx_mu: leave the frees to a later poll (the
-     * worker polls every few milliseconds while frees are pending) rather than wait for it. */
-    if (pthread_mutex_trylock(&nvs_ctx_mu) != 0) return;
+    /* A context's destruction or a capture's beginning holds nvs_ctx_mu (or waits for it): leave
+     * the frees to a later poll (the worker polls every few milliseconds while frees are
+     * pending) rather than wait for it. */
+    if (pthread_rwlock_tryrdlock(&nvs_ctx_mu) != 0) return;
     struct pending_free *list = detach_pending(any_free, NULL), *keep = NULL;
     while (list != NULL) {
         struct pending_free *p = list;
@@ -500,7 +501,7 @@ void nvs_memory_poll_frees(void) {
     }
     /* Back on the list before nvs_ctx_mu goes: a context destroyed next must find them. */
     give_back_pending(keep);
-    pthread_mutex_unlock(&nvs_ctx_mu);
+    pthread_rwlock_unlock(&nvs_ctx_mu);
 }
 
 struct context_selector {
@@ -531,9 +532,9 @@ void nvs_memory_settle_frees(CUcontext ctx, struct nvs_device *device) {
 
 /* A refusal's last chance (charge_or_refuse): complete d's pending frees, waiting for them. */
 static void settle_device_frees(struct nvs_device *d) {
-    pthread_mutex_lock(&nvs_ctx_mu);
+    pthread_rwlock_rdlock(&nvs_ctx_mu);
     nvs_memory_settle_frees(NULL, d);
-    pthread_mutex_unlock(&nvs_ctx_mu);
+    pthread_rwlock_unlock(&nvs_ctx_mu);
 }
 
 static CUresult free_async(CUdeviceptr dptr, CUstream s, int per_thread) {

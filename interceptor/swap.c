@@ -26,7 +26,7 @@
  * swap-in the most recently used first. Whole allocations are chosen: a swap-out moves at least
  * what was asked, at most one allocation more.
  *
- * Locks: nvs_ctx_mu for a whole job (as a drain holds it: no context is destroyed under the
+ * Locks: nvs_ctx_mu (read) for a whole job (as a drain holds it: no context is destroyed under the
  * internal stream, no capture begins); mem_mu, vmm_mu and the area's lock only inside the calls
  * to memory.c, vmm.c and area.c. The figures (engine, bandwidths) are atomics any thread reads.
  */
@@ -414,7 +414,7 @@ int nvs_swap_out(struct nvs_device *d, uint64_t at_least) {
     size_t chosen = 0;
     for (uint64_t total = 0; chosen < n && total < at_least; chosen++) total += items[chosen].size;
     struct job job;
-    pthread_mutex_lock(&nvs_ctx_mu);
+    pthread_rwlock_rdlock(&nvs_ctx_mu);
     int started = begin(&job, d, 0);
     if (started == 0) {
         double since = nvs_now();
@@ -429,7 +429,7 @@ int nvs_swap_out(struct nvs_device *d, uint64_t at_least) {
         note_rate(&out_bps_bits, job.pinned_bytes, nvs_now() - since);
         end(&job);
     }
-    pthread_mutex_unlock(&nvs_ctx_mu);
+    pthread_rwlock_unlock(&nvs_ctx_mu);
     free(items);
     return started < 0 ? -1 : 0;
 }
@@ -450,7 +450,7 @@ int nvs_swap_in(struct nvs_device *d, uint64_t up_to, int for_grant) {
     }
     struct job job = {.capturing = 0};
     int left_out = 0; /* area memory that did not come back */
-    pthread_mutex_lock(&nvs_ctx_mu);
+    pthread_rwlock_rdlock(&nvs_ctx_mu);
     /* During a stream capture a grant still brings converted memory back from the area (copies
      * and a synchronise on a stream of nvshare's own are no calls a capture forbids), but not VMM
      * memory (creating and mapping physical memory is) nor anything ahead of a grant. */
@@ -477,7 +477,7 @@ int nvs_swap_in(struct nvs_device *d, uint64_t up_to, int for_grant) {
         note_rate(&in_bps_bits, job.pinned_bytes, nvs_now() - since);
         end(&job);
     }
-    pthread_mutex_unlock(&nvs_ctx_mu);
+    pthread_rwlock_unlock(&nvs_ctx_mu);
     if (for_grant && started >= 0) {
         /* The rest moved by prefetch (beyond what fits) counts as resident too, keeping its last
          * use: the holder may touch any of it (it faults in), and the next swap-out takes it
@@ -492,13 +492,16 @@ int nvs_swap_in(struct nvs_device *d, uint64_t up_to, int for_grant) {
     return started < 0 || left_out ? -1 : 0;
 }
 
+int nvs_swap_prepare_due(void) {
+    return atomic_load_explicit(&engine, memory_order_acquire) == NVS_SWAP_COPY && nvs_area_change_due() != 0;
+}
+
 int nvs_swap_prepare_step(void) {
-    if (atomic_load_explicit(&engine, memory_order_acquire) != NVS_SWAP_COPY || nvs_area_change_due() == 0)
-        return 0;
+    if (!nvs_swap_prepare_due()) return 0;
     /* Pinned memory is allocated in a context: any one of the process's will do (PORTABLE). No
      * allocation while a capture runs (it is not a call a capture allows). */
     CUcontext ctx = NULL;
-    pthread_mutex_lock(&nvs_ctx_mu);
+    pthread_rwlock_rdlock(&nvs_ctx_mu);
     pthread_mutex_lock(&nvs_mu);
     int capturing = 0;
     for (int i = 0; i < nvs_n_devices; i++) {
@@ -512,7 +515,7 @@ int nvs_swap_prepare_step(void) {
         CUcontext popped;
         nvs_real.cuCtxPopCurrent_v2(&popped);
     }
-    pthread_mutex_unlock(&nvs_ctx_mu);
+    pthread_rwlock_unlock(&nvs_ctx_mu);
     if (changed) nvs_client_memory_changed(); /* the area's size is reported */
     return changed;
 }

@@ -18,8 +18,10 @@ int nvs_swap_out(struct nvs_device *d, uint64_t at_least);
  * (`for_grant` 0); for a grant everything in the area and of the rest up to `up_to`, and all of
  * it counts as resident again (-1: some VMM memory waits for a capture's end). */
 int nvs_swap_in(struct nvs_device *d, uint64_t up_to, int for_grant);
-/* Between jobs: grow or shrink the area by a chunk; 1 when it did. */
+/* The pinner thread (worker.c): grow or shrink the area by a chunk; 1 when it did. Whether a
+ * change is due (it may not be possible now: a capture runs). */
 int nvs_swap_prepare_step(void);
+int nvs_swap_prepare_due(void);
 struct nvs_swap_figures {
     int engine;       /* enum nvs_swap_engine */
     uint64_t area;    /* bytes pinned */

@@ -10,9 +10,14 @@
  * - SWAP_OUT / PREFETCH / PREFETCH_AHEAD: move swappable memory to the host, back for a grant, or back
  *   ahead of one (swap.c); the gate is closed meanwhile (the core opens it after a PREFETCH).
  * - deferred stream-ordered frees (memory.c), polled while any are pending.
- * - between jobs, the swap area grows (or shrinks) by a chunk at a time towards what the
- *   scheduler said to prepare (swap.c), so that pinning it never delays a handoff by more than
- *   one chunk.
+ *
+ * Beside it, the pinner thread grows (or shrinks) the swap area a chunk at a time towards what
+ * the scheduler said to prepare (swap.c). It has a thread of its own because the worker's jobs
+ * can block for seconds: an idle probe of a holder whose program waits in a synchronise waits
+ * for the queued work too, and a holder's area pinned only between such probes took the whole
+ * first quantum (measured on an H200: handoffs priced at the slow path's cost for 10-16 s). Both
+ * hold nvs_ctx_mu for reading, so they run side by side; a handoff's swap job and a chunk being
+ * pinned share the CPU for at most one chunk (64 MiB: 12-50 ms).
  *
  * Jobs come in struct nvs_device (job, under nvs_mu); results go back there (job_result) and
  * the client thread is woken to feed them to the core. Nothing here decides lock state.
@@ -28,6 +33,8 @@
 
 static pthread_cond_t worker_cv = PTHREAD_COND_INITIALIZER; /* with nvs_mu */
 static int worker_kicked;                                    /* under nvs_mu */
+static pthread_cond_t pinner_cv = PTHREAD_COND_INITIALIZER; /* with nvs_mu */
+static int pinner_kicked;                                    /* under nvs_mu */
 static _Atomic int exiting;
 
 void nvs_worker_assign_locked(struct nvs_device *d, enum nvs_job job, uint64_t bytes) {
@@ -39,14 +46,16 @@ void nvs_worker_assign_locked(struct nvs_device *d, enum nvs_job job, uint64_t b
 }
 
 void nvs_worker_wake_locked(void) {
-    worker_kicked = 1;
-    pthread_cond_signal(&worker_cv);
+    pinner_kicked = 1;
+    pthread_cond_signal(&pinner_cv);
 }
 
 void nvs_worker_signal(void) {
     pthread_mutex_lock(&nvs_mu);
     worker_kicked = 1;
     pthread_cond_signal(&worker_cv);
+    pinner_kicked = 1; /* a capture ended: pinning may go on */
+    pthread_cond_signal(&pinner_cv);
     pthread_mutex_unlock(&nvs_mu);
 }
 
@@ -127,13 +136,6 @@ static void *worker_main(void *unused) {
             pthread_mutex_lock(&nvs_mu);
             continue;
         }
-        /* Nothing else to do: a step towards the swap area the scheduler asked for. */
-        if (!worker_kicked && !atomic_load(&exiting)) {
-            pthread_mutex_unlock(&nvs_mu);
-            int changed = nvs_swap_prepare_step();
-            pthread_mutex_lock(&nvs_mu);
-            if (changed) continue;
-        }
         /* Event queries of deferred frees are unsafe API calls during a global-mode capture. */
         if (nvs_memory_frees_pending() && !atomic_load(&exiting) && !any_capture_locked()) {
             pthread_mutex_unlock(&nvs_mu);
@@ -152,18 +154,55 @@ static void *worker_main(void *unused) {
     return NULL;
 }
 
-int nvs_worker_spawn(void) {
+/* Steps towards the swap area's target while there is one to take; waits to be told when there
+ * is none, and retries now and then while one is due but cannot be taken (a capture runs, or
+ * pinning failed for want of memory). */
+#define PINNER_RETRY_NS (50 * 1000 * 1000)
+
+static void *pinner_main(void *unused) {
+    (void)unused;
+    nvs_swap_resolve();
+    pthread_mutex_lock(&nvs_mu);
+    while (!atomic_load(&exiting)) {
+        pinner_kicked = 0;
+        pthread_mutex_unlock(&nvs_mu);
+        while (!atomic_load(&exiting) && nvs_swap_prepare_step()) continue;
+        int due = !atomic_load(&exiting) && nvs_swap_prepare_due();
+        pthread_mutex_lock(&nvs_mu);
+        if (pinner_kicked) continue;
+        if (due) {
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_nsec += PINNER_RETRY_NS;
+            if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+            pthread_cond_timedwait(&pinner_cv, &nvs_mu, &until);
+        } else {
+            pthread_cond_wait(&pinner_cv, &nvs_mu);
+        }
+    }
+    pthread_mutex_unlock(&nvs_mu);
+    return NULL;
+}
+
+static int spawn(void *(*body)(void *)) {
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     pthread_attr_setstacksize(&attr, 256 * 1024);
     pthread_t thread;
-    int r = pthread_create(&thread, &attr, worker_main, NULL);
+    int r = pthread_create(&thread, &attr, body, NULL);
     pthread_attr_destroy(&attr);
     return r;
+}
+
+int nvs_worker_spawn(void) {
+    int r = spawn(worker_main);
+    return r == 0 ? spawn(pinner_main) : r;
 }
 
 void nvs_worker_reset_after_fork(void) {
     pthread_cond_init(&worker_cv, NULL);
     worker_kicked = 0;
+    pthread_cond_init(&pinner_cv, NULL);
+    pinner_kicked = 0;
 }

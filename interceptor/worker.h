@@ -10,13 +10,14 @@
 
 struct nvs_device;
 
-/* The worker thread does what needs the GPU for the client core: drains and idle probes
- * (jobs, handed over in struct nvs_device under nvs_mu), and deferred stream-ordered frees. */
+/* The worker thread does what needs the GPU for the client core: drains, idle probes and swap
+ * jobs (handed over in struct nvs_device under nvs_mu), and deferred stream-ordered frees; the
+ * pinner thread beside it pins the swap area. Starts both. */
 int nvs_worker_spawn(void);
 /* Under nvs_mu: hand the worker a job for the device. */
 void nvs_worker_assign_locked(struct nvs_device *d, enum nvs_job job, uint64_t bytes);
 void nvs_worker_signal(void);
-/* Under nvs_mu: the worker looks for work again (the swap area's target changed). */
+/* Under nvs_mu: the pinner looks at the swap area's target again (it changed). */
 void nvs_worker_wake_locked(void);
 /* Set at process exit: the worker stops calling CUDA (the driver may be torn down). */
 void nvs_worker_stop_for_exit(void);

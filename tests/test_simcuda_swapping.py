@@ -313,3 +313,24 @@ def test_the_swap_area_is_registered_huge_page_memory_given_back_unpinned_and_un
         assert len(warnings) == 1 and "CUDA_ERROR_NOT_SUPPORTED" in warnings[0], app.stderr
     else:
         assert warnings == [], app.stderr
+
+
+def test_a_holder_waiting_for_its_queued_work_still_gets_its_swap_area_pinned(scripted, cuda_app, simcuda, tmp_path):
+    """The area is pinned by a thread of its own. A holder whose program waits in a synchronise
+    for seconds of queued work keeps the worker in an idle probe that waits for the same work;
+    pinned between the worker's jobs, its area grew only once the work was done, and its
+    handoffs stayed priced at the slow path's cost meanwhile (on an H200, a whole first
+    quantum). Here the area is ready while the program still waits."""
+    env = {**scripted.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
+           "SIMCUDA_REGISTER_HUGE_US_PER_MIB": "1000", "SIMCUDA_REGISTER_US_PER_MIB": "1000",
+           "NVSHARE_IDLE_RELEASE_MS": "20"}
+    app = cuda_app(env, "init", f"alloc:plain:{16 * MIB}", "kernel:8000000", "sync", "wait")
+    grant(scripted, 1)
+    app.expect("launched")
+    scripted.send("PREPARE", device=scripted.device, bytes=256 * MIB)
+    memory_until(scripted, lambda fields: int(fields.get("area", 0)) >= 256 * MIB)
+    ready = scripted.received
+    synced = float(app.expect("synced").split("t=")[1].split()[0])
+    assert ready < synced, (ready, synced, scripted.seen[-3:])
+    app.continue_()
+    assert app.wait() == 0, app.stderr
