@@ -447,8 +447,7 @@ def events_command(
     try:
         with Reader(settings) as reader:
             if since.seq is not None:
-                answer = reader.request("events", since=since.seq, limit=CONTROL_EVENTS_MAX)
-                events, following = answer["events"], answer["next"]
+                events, following = reader.events_since(since.seq)
             else:
                 stored, following = reader.events_since(0)
                 events = since.select(stored, time.time())
@@ -462,8 +461,7 @@ def events_command(
                 if not follow:
                     return
                 time.sleep(interval)
-                answer = reader.request("events", since=following, limit=CONTROL_EVENTS_MAX)
-                events, following = answer["events"], answer["next"]
+                events, following = reader.events_since(following)
                 if names is not None and any(e.get("device") and e["device"] not in names.by_uuid for e in events):
                     names = DeviceNames([*names.by_uuid, *(e["device"] for e in events if e.get("device"))])
     except ControlFailure as failure:
