@@ -297,6 +297,53 @@ def test_an_admission_wait_is_measured_and_a_refusal_counted():
     assert value(found, "nvshare_client_admission_wait_seconds_sum", **b) == pytest.approx(5.0)
 
 
+def test_a_scrape_of_a_large_state_lets_the_pump_run_every_few_series_and_shows_the_same(monkeypatch):
+    """Issue 23: a user's 8 registrations of 64 devices each (its quota, 512 pairs) made setting the
+    gauges one step of tens of milliseconds, in front of every handoff. Now the pump gets a chance
+    after every GAUGE_STEP series sets and every RENDER_STEP lines, and the text is as in one go."""
+    import trio
+
+    d = Driven()
+    for n in range(8):
+        d.register(f"c{n}", 0.0, program=f"p{n}")
+        for k in range(64):
+            d.feed(ev.DeviceInfo(0.0, f"c{n}", f"GPU-{k:032x}", 1 << 30))
+    status = views.status(d.core, 1.0, lambda t: t)
+    whole = samples(d.metrics.render(status))
+    handled = 0
+    real = d.metrics._client_labels
+
+    def counted(*args, **kwargs):
+        nonlocal handled
+        handled += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(d.metrics, "_client_labels", counted)
+    between: list[int] = []  # series sets handled between two runs of the pump
+
+    async def scrape() -> bytes:
+        body = b""
+        async with trio.open_nursery() as nursery:
+            async def pump() -> None:
+                seen = 0  # what the scrape had handled when the pump last ran
+                while True:
+                    between.append(handled - seen)
+                    seen = handled
+                    await trio.lowlevel.checkpoint()
+
+            nursery.start_soon(pump)
+            body = await d.metrics.render_in_steps(status)
+            nursery.cancel_scope.cancel()
+        return body
+
+    in_steps = samples(trio.run(scrape))
+    assert handled >= 512
+    # Trio runs each batch of ready tasks in a random order: the scrape may run twice between two
+    # runs of the pump (last in one batch, first in the next).
+    assert max(between) <= 2 * m.GAUGE_STEP, sorted(between)[-5:]
+    assert in_steps == whole
+
+
 def test_every_metric_is_documented_and_every_documented_one_exists():
     exposed = set()
     for family in Driven().metrics.registry.collect():
