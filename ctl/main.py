@@ -32,7 +32,6 @@ from nvshare_py.clikit import (
 from nvshare_py.control import EXIT_REFUSED, EXIT_USAGE, TIMEOUT_MAX, ControlFailure
 from nvshare_py.devicenames import DeviceNames, looks_like_index, nvml_uuid
 from nvshare_py.paths import ENV_SOCKET_DIR, SocketPaths, split_brain_warning
-from nvshare_py.protocol import CONTROL_EVENTS_MAX
 from nvshare_py.scheduler.fairshare import DEFAULT_WEIGHT, PRIORITY_MAX, PRIORITY_MIN, WEIGHT_MAX, WEIGHT_MIN
 from nvshare_py.sizes import format_size, parse_size
 from nvshare_py.vocabulary import ADMISSION_POLICY, MODE
