@@ -10,6 +10,7 @@ The daemon's rooms (docs/architecture.md):
 - control.py: the control protocol, an op table, on the control and status sockets (public.py:
   what every user may see);
 - quotas.py: what one principal's registrations may make the core keep;
+- eventring.py: the lock timeline, served in pages to `events` requests;
 - metrics.py, labels.py, metrics_http.py: Prometheus metrics;
 - this module: the pump, the translation of client messages into core events, and the wiring.
 
