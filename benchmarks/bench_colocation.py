@@ -296,10 +296,10 @@ class RealGpu:
             for argv in argvs:
                 total += gpu_jobs([argv], env, timeout)
             return {"makespan_s": round(total, 4), "finished": True}
-        since = scheduler.request("events", since=0, limit=10_000)["next"]
+        since = scheduler.events_since(0)[1]
         makespan = gpu_jobs(argvs, env, timeout)
         return {"makespan_s": round(makespan, 4), "finished": True,
-                **lock_history(scheduler.request("events", since=since, limit=10_000)["events"])}
+                **lock_history(scheduler.events(since))}
 
 
 def lock_history(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -432,7 +432,7 @@ class WorkingSet:
             scheduler = self.schedulers.get(mode, self.tq, idle_release=self.idle_release)
             env = {**env, **scheduler.env, "LD_PRELOAD": str(self.library), "NVSHARE_LOG": "error"}
             scheduler.request("set-budget", device=self.device, bytes=None if mode == "on" else budget)
-            since = scheduler.request("events", since=0, limit=10_000)["next"]
+            since = scheduler.events_since(0)[1]
         if mode == "sequential":
             makespan = sum(self._jobs([argv], env, timeout) for _ in range(jobs))
         else:
@@ -440,7 +440,7 @@ class WorkingSet:
         outcome: dict[str, Any] = {"makespan_s": round(makespan, 3), "jobs": jobs, "footprint_mib": footprint // MIB,
                                    "budget_mib": budget // MIB if mode in ("swap", "auto") else None}
         if scheduler is not None:
-            events = scheduler.request("events", since=since, limit=10_000)["events"]
+            events = scheduler.events(since)
             outcome.update(lock_history(events))
             outcome["stalls"] = handoff_stalls(events, self.link_bps)
         if not self.gpu:

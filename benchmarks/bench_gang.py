@@ -57,7 +57,7 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from nvshare_py.control import request  # noqa: E402
+from nvshare_py.control import ControlConnection, request  # noqa: E402
 from nvshare_py.paths import SocketPaths  # noqa: E402
 from nvshare_py.testing.interceptor import benchmark_library  # noqa: E402
 from nvshare_py.testing.simcuda import build_simcuda  # noqa: E402
@@ -173,13 +173,8 @@ class Scheduler:
 
     def timeline(self) -> dict[str, int]:
         """Grants, revocations and drops with reason gang, from the daemon's events."""
-        events, since = [], 0
-        while True:
-            answer = request(self.paths, "events", since=since, limit=10_000, timeout=10.0)
-            events += answer["events"]
-            if not answer["events"] or answer.get("next") in (None, since):
-                break
-            since = answer["next"]
+        with ControlConnection(self.paths, timeout=10.0) as connection:
+            events, _ = connection.events_since(0)
         self.events = events
         kinds = [event["kind"] for event in events]
         return {"grants": kinds.count("grant"), "revocations": kinds.count("revoke"),

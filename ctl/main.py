@@ -32,7 +32,6 @@ from nvshare_py.clikit import (
 from nvshare_py.control import EXIT_REFUSED, EXIT_USAGE, TIMEOUT_MAX, ControlFailure
 from nvshare_py.devicenames import DeviceNames, looks_like_index, nvml_uuid
 from nvshare_py.paths import ENV_SOCKET_DIR, SocketPaths, split_brain_warning
-from nvshare_py.protocol import CONTROL_EVENTS_MAX
 from nvshare_py.scheduler.fairshare import DEFAULT_WEIGHT, PRIORITY_MAX, PRIORITY_MIN, WEIGHT_MAX, WEIGHT_MIN
 from nvshare_py.sizes import format_size, parse_size
 from nvshare_py.vocabulary import ADMISSION_POLICY, MODE
@@ -447,8 +446,7 @@ def events_command(
     try:
         with Reader(settings) as reader:
             if since.seq is not None:
-                answer = reader.request("events", since=since.seq, limit=CONTROL_EVENTS_MAX)
-                events, following = answer["events"], answer["next"]
+                events, following = reader.events_since(since.seq)
             else:
                 stored, following = reader.events_since(0)
                 events = since.select(stored, time.time())
@@ -462,8 +460,7 @@ def events_command(
                 if not follow:
                     return
                 time.sleep(interval)
-                answer = reader.request("events", since=following, limit=CONTROL_EVENTS_MAX)
-                events, following = answer["events"], answer["next"]
+                events, following = reader.events_since(following)
                 if names is not None and any(e.get("device") and e["device"] not in names.by_uuid for e in events):
                     names = DeviceNames([*names.by_uuid, *(e["device"] for e in events if e.get("device"))])
     except ControlFailure as failure:

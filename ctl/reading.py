@@ -21,7 +21,6 @@ import typer
 from nvshare_py import control
 from nvshare_py.control import EXIT_NOT_RUNNING, EXIT_PERMISSION, ControlConnection, ControlFailure
 from nvshare_py.paths import SocketPaths
-from nvshare_py.protocol import CONTROL_EVENTS_MAX
 
 
 @dataclass
@@ -74,15 +73,9 @@ class Reader:
             raise
 
     def events_since(self, since: int = 0) -> tuple[list[dict], int]:
-        """Every stored lock event with a sequence number from `since` on (paging through the
-        `events` operation), and the number to ask from next time."""
-        events: list[dict] = []
-        while True:
-            answer = self.request("events", since=since, limit=CONTROL_EVENTS_MAX)
-            events.extend(answer["events"])
-            since = answer["next"]
-            if len(answer["events"]) < CONTROL_EVENTS_MAX:
-                return events, since
+        """Every stored lock event with a sequence number from `since` on, and the number to ask
+        from next time (control.events_pages)."""
+        return control.events_pages(self.request, since)
 
     def close(self) -> None:
         if self._connection is not None:

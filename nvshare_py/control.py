@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -103,15 +103,9 @@ class ControlConnection:
         raise ControlFailure(exit_code, f"the scheduler refused: {code}" + (f": {message}" if message else ""), code)
 
     def events_since(self, since: int = 0) -> tuple[list[dict[str, Any]], int]:
-        """Every stored lock event with a sequence number from `since` on (paging through the
-        `events` operation), and the number to ask from next time."""
-        events: list[dict[str, Any]] = []
-        while True:
-            answer = self.request("events", since=since, limit=CONTROL_EVENTS_MAX)
-            events.extend(answer["events"])
-            since = answer["next"]
-            if len(answer["events"]) < CONTROL_EVENTS_MAX:
-                return events, since
+        """Every stored lock event with a sequence number from `since` on, and the number to ask
+        from next time (`events_pages`)."""
+        return events_pages(self.request, since)
 
     def close(self) -> None:
         if self._context is not None:
@@ -124,6 +118,22 @@ class ControlConnection:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def events_pages(request: Callable[..., Any], since: int) -> tuple[list[dict[str, Any]], int]:
+    """The lock events from `since` on, asked of `request` (a connection's) page after page, and
+    the sequence number to ask from next time. The daemon answers a bounded page and says
+    `"more": true` while more are stored (docs/protocol.md, "Events"); an older daemon does not
+    say it, and a page as long as asked for means "ask again". Stops after as many as the daemon
+    keeps: what a flood makes meanwhile is for the next call, which a follower makes anyway."""
+    events: list[dict[str, Any]] = []
+    while True:
+        answer = request("events", since=since, limit=CONTROL_EVENTS_MAX)
+        page = answer["events"]
+        events.extend(page)
+        since = answer["next"]
+        if not page or not answer.get("more", len(page) >= CONTROL_EVENTS_MAX) or len(events) >= CONTROL_EVENTS_MAX:
+            return events, since
 
 
 def request(paths: SocketPaths, op: str, *, timeout: float = 5.0, **fields: Any) -> Any:

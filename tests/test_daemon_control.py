@@ -192,11 +192,10 @@ def test_the_events_ring_keeps_the_last_10000_with_sequence_numbers(scheduler_fa
         dealer.send(protocol.Query().encode())
         assert isinstance(protocol.decode(dealer.recv(), protocol.QUERY_REPLIES), protocol.Status)
         # Still connected: closing first would add the unregistration to the ring.
-        kept = scheduler.request("events", since=0, limit=10_000)
-        sequence = [e["seq"] for e in kept["events"]]
+        kept, total = scheduler.events_since(0)  # asked a page at a time
+        sequence = [e["seq"] for e in kept]
         assert sequence[0] > 1  # the oldest were dropped ...
         assert sequence == list(range(sequence[0], sequence[0] + 10_000))  # ... and the last 10 000 kept
-        total = kept["next"]
         assert total == sequence[-1] + 1
         page = scheduler.request("events", since=total - 3, limit=10)
         assert [e["seq"] for e in page["events"]] == [total - 3, total - 2, total - 1]
@@ -207,10 +206,99 @@ def test_the_events_ring_keeps_the_last_10000_with_sequence_numbers(scheduler_fa
         assert set(entry) == {"seq", "t", "device", "client", "kind", "grant", "detail"}
         assert entry["detail"] == "user" and entry["device"] == GPU
         # Timelines rely on it: the wall-clock times never run backwards along the sequence.
-        times = [e["t"] for e in scheduler.request("events", since=0, limit=10_000)["events"]]
+        times = [e["t"] for e in kept]
         assert times == sorted(times)
     finally:
         context.destroy(linger=0)
+
+
+def test_an_events_answer_over_a_large_backlog_is_one_bounded_page_and_a_follower_still_gets_every_entry(
+        scheduler_factory):
+    """An `events` answer is made in one step of the daemon, which holds up every other client:
+    however many are asked for, one answer holds at most eventring.PAGE_BYTES of entries and says
+    `more` while more are stored; other clients are served between the pages, and paging through
+    (control.events_pages) gets every entry in order."""
+    from nvshare_py.scheduler.eventring import PAGE_BYTES
+
+    scheduler = scheduler_factory(heartbeat_timeout=300)
+    context = zmq.Context()
+    try:
+        dealer = registered_dealer(context, scheduler, "00000000000000e3")
+        for _ in range(1000):  # acquire, grant, release: 3 000 entries, several pages' worth
+            dealer.send(protocol.Acquire(device=GPU).encode())
+            grant = protocol.decode(dealer.recv(), protocol.SCHEDULER_MESSAGES)
+            dealer.send(protocol.Release(device=GPU, grant=grant.grant, reason="user").encode())
+        dealer.send(protocol.Query().encode())
+        assert isinstance(protocol.decode(dealer.recv(), protocol.QUERY_REPLIES), protocol.Status)
+        first = raw_request(scheduler, [json.dumps({"v": 1, "op": "events", "since": 0, "limit": 10_000}).encode()])
+        page = first["result"]
+        assert first["ok"] and page["more"] is True, {k: v for k, v in page.items() if k != "events"}
+        assert 0 < len(page["events"]) < 3000
+        assert len(json.dumps(page["events"], separators=(",", ":"))) <= PAGE_BYTES
+        assert page["next"] == page["events"][-1]["seq"] + 1
+
+        other = registered_dealer(context, scheduler, "00000000000000e4")  # served between two pages
+        other.send(protocol.Acquire(device=GPU).encode())
+        granted = protocol.decode(other.recv(), protocol.SCHEDULER_MESSAGES)
+        assert isinstance(granted, protocol.Grant), granted
+
+        rest, following = scheduler.events_since(page["next"])
+        every = page["events"] + rest
+        sequence = [e["seq"] for e in every]
+        assert sequence == list(range(1, following)), (sequence[:5], sequence[-5:], following)
+        assert [(e["kind"], e["grant"]) for e in every[-2:]] == [("acquire", 0), ("grant", granted.grant)]
+        assert scheduler.request("events", since=following) == {"events": [], "next": following, "more": False}
+    finally:
+        context.destroy(linger=0)
+
+
+def test_events_pages_asks_until_the_daemon_says_no_more_or_an_older_daemon_gives_a_short_page():
+    from nvshare_py.control import events_pages
+    from nvshare_py.protocol import CONTROL_EVENTS_MAX
+    from nvshare_py.scheduler.eventring import EventRing
+
+    ring = EventRing(page_bytes=2_000)
+    for n in range(500):
+        ring.record(1000.0 + n, GPU, f"c{n}", "acquire", 0, "")
+    asked = []
+
+    def newer(op, since, limit):
+        asked.append(since)
+        return json.loads(ring.page(since, limit).json())
+
+    events, following = events_pages(newer, 1)
+    assert [e["seq"] for e in events] == list(range(1, 501)) and following == 501
+    assert len(asked) > 10  # a page of 2 000 bytes holds about 20 of these
+
+    def older(op, since, limit):  # no "more": a page as long as asked for means "ask again"
+        page = json.loads(ring.page(since, limit).json())
+        del page["more"]
+        return page
+
+    ring = EventRing(keep=2 * CONTROL_EVENTS_MAX, page_bytes=10**9)
+    for n in range(CONTROL_EVENTS_MAX + 5):
+        ring.record(1000.0, GPU, "c1", "acquire", 0, "")
+    events, following = events_pages(older, 1)
+    assert len(events) == CONTROL_EVENTS_MAX  # as many as the daemon keeps: the rest next time
+    events, following = events_pages(older, following)
+    assert [e["seq"] for e in events] == list(range(CONTROL_EVENTS_MAX + 1, CONTROL_EVENTS_MAX + 6))
+
+
+def test_the_events_ring_pages_by_bytes_keeps_the_newest_and_tells_where_to_go_on():
+    from nvshare_py.scheduler.eventring import EventRing
+
+    ring = EventRing(keep=100, page_bytes=1_000)
+    for n in range(150):
+        ring.record(1000.0 + n, GPU, "c1", "grant", n, "x" * (n % 7))
+    page = ring.page(0, 10_000)  # the first 50 are gone: the page starts at the oldest kept
+    entries = [json.loads(e) for e in page.entries]
+    assert entries[0]["seq"] == 51 and page.more and page.next == entries[-1]["seq"] + 1
+    assert sum(len(e) + 1 for e in page.entries) <= 1_000
+    assert [e["seq"] for e in json.loads(ring.page(140, 3).json())["events"]] == [140, 141, 142]
+    assert json.loads(ring.page(151, 10).json()) == {"events": [], "next": 151, "more": False}
+    huge = EventRing(page_bytes=10)
+    huge.record(1000.0, GPU, "c1", "register", 0, "program=" + "p" * 500)
+    assert len(huge.page(1, 10).entries) == 1  # one entry at least, whatever its size
 
 
 def test_control_client_library_reports_a_missing_daemon(scheduler):

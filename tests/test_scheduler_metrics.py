@@ -297,6 +297,85 @@ def test_an_admission_wait_is_measured_and_a_refusal_counted():
     assert value(found, "nvshare_client_admission_wait_seconds_sum", **b) == pytest.approx(5.0)
 
 
+def scrape_in_steps(metrics: SchedulerMetrics, status: dict, monkeypatch, counted: str) -> tuple[bytes, list[int]]:
+    """render_in_steps(status) beside a stand-in for the pump, and how many calls of the metrics'
+    method `counted` the scrape made between two runs of the pump."""
+    import trio
+
+    calls = 0
+    real = getattr(metrics, counted)
+
+    def counting(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(metrics, counted, counting)
+    between: list[int] = []
+
+    async def scrape() -> bytes:
+        body = b""
+        async with trio.open_nursery() as nursery:
+            async def pump() -> None:
+                seen = 0  # what the scrape had done when the pump last ran
+                while True:
+                    between.append(calls - seen)
+                    seen = calls
+                    await trio.lowlevel.checkpoint()
+
+            nursery.start_soon(pump)
+            body = await metrics.render_in_steps(status)
+            nursery.cancel_scope.cancel()
+        return body
+
+    body = trio.run(scrape)
+    monkeypatch.undo()
+    assert sum(between) == calls
+    return body, between
+
+
+def test_a_scrape_of_a_large_state_lets_the_pump_run_every_few_series_and_shows_the_same(monkeypatch):
+    """Issue 23: a user's 8 registrations of 64 devices each (its quota, 512 pairs) made setting the
+    gauges one step of tens of milliseconds, in front of every handoff. Now the pump gets a chance
+    after every GAUGE_STEP series sets and every RENDER_STEP lines, and the text is as in one go."""
+    d = Driven()
+    for n in range(8):
+        d.register(f"c{n}", 0.0, program=f"p{n}")
+        for k in range(64):
+            d.feed(ev.DeviceInfo(0.0, f"c{n}", f"GPU-{k:032x}", 1 << 30))
+    status = views.status(d.core, 1.0, lambda t: t)
+    whole = samples(d.metrics.render(status))
+    body, between = scrape_in_steps(d.metrics, status, monkeypatch, "_client_labels")
+    assert sum(between) >= 512
+    # Trio runs each batch of ready tasks in a random order: the scrape may run twice between two
+    # runs of the pump (last in one batch, first in the next).
+    assert max(between) <= 2 * m.GAUGE_STEP, sorted(between)[-5:]
+    assert samples(body) == whole
+
+
+def test_a_scrape_under_a_churn_of_devices_lets_the_pump_run_after_each_label_set_it_evicts(monkeypatch):
+    """Each device new to the metrics evicts one the core forgot, and each eviction scans every
+    metric's series (bench_floods.py device-churn): the scrape yields after each."""
+    d = Driven()
+    for name, first in (("a", 0), ("b", 1000)):
+        d.register(name, 0.0)
+        for k in range(m.DEVICE_LABELS // 2):
+            d.feed(ev.DeviceInfo(0.0, name, f"GPU-{first + k}", 1 << 30))
+    d.scrape(0.0)  # the first 64 devices have their places
+    for name, first in (("a", 2000), ("b", 3000)):
+        d.feed(ev.Unregister(1.0, name, "bye"))
+        d.register(name + "2", 1.0)
+        for k in range(m.DEVICE_LABELS // 2):
+            d.feed(ev.DeviceInfo(1.0, name + "2", f"GPU-{first + k}", 1 << 30))
+    body, between = scrape_in_steps(d.metrics, views.status(d.core, 2.0, lambda t: t), monkeypatch, "_remove_series")
+    assert sum(between) >= m.DEVICE_LABELS  # every new device evicted an old one
+    # One pair's labels may evict a device and a client's label set; and as in the test above, the
+    # scrape may run twice between two runs of the pump.
+    assert max(between) <= 2 * 2, sorted(between)[-5:]
+    named = {dict(labels).get("device") for name, labels in samples(body)}
+    assert "GPU-2000" in named and "GPU-0" not in named
+
+
 def test_every_metric_is_documented_and_every_documented_one_exists():
     exposed = set()
     for family in Driven().metrics.registry.collect():

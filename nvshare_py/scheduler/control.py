@@ -54,7 +54,7 @@ class Host(Protocol):
 
     def status(self) -> JsonObject: ...
 
-    def events(self, since: int, limit: int) -> JsonObject: ...
+    def events(self, since: int, limit: int) -> Encoded: ...
 
     def apply(self, event: ev.Event) -> None: ...
 
@@ -62,6 +62,11 @@ class Host(Protocol):
 
 
 Arguments = dict[str, Any]
+
+
+class Encoded(str):
+    """A result already encoded as JSON text, put into the reply as it is: an `events` page,
+    joined from entries encoded when they were recorded (eventring.py)."""
 
 
 @dataclass(frozen=True)
@@ -312,11 +317,15 @@ def local_process(peer: PeerCredentials, pid_namespace: tuple[int, int]) -> str 
 def fitted(reply: JsonObject, limit: int = protocol.CONTROL_REPLY_MAX) -> bytes:
     """The reply as JSON within `limit` bytes. A status too large for it (many clients)
     keeps the first devices and clients and says in "truncated" how many it left out, so that
-    status always answers; anything else too large is answered too-large."""
+    status always answers; anything else too large is answered too-large. An Encoded result
+    goes in as it is (`answer` made the reply around it)."""
+    result = reply.get("result")
+    if isinstance(result, Encoded):
+        data = f'{{"v":1,"ok":true,"result":{result}}}'.encode()
+        return data if len(data) <= limit else json.dumps(failure("too-large", f"reply of {len(data)} bytes")).encode()
     data = json.dumps(reply, separators=(",", ":")).encode()
     if len(data) <= limit:
         return data
-    result = reply.get("result")
     if isinstance(result, dict) and "devices" in result and "clients" in result:
         devices, clients, gangs = result["devices"], result["clients"], result.get("gangs")
         shown = len(devices) + len(clients)

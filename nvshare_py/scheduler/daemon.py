@@ -10,6 +10,7 @@ The daemon's rooms (docs/architecture.md):
 - control.py: the control protocol, an op table, on the control and status sockets (public.py:
   what every user may see);
 - quotas.py: what one principal's registrations may make the core keep;
+- eventring.py: the lock timeline, served in pages to `events` requests;
 - metrics.py, labels.py, metrics_http.py: Prometheus metrics;
 - this module: the pump, the translation of client messages into core events, and the wiring.
 
@@ -45,9 +46,7 @@ the registrations they follow.
 
 from __future__ import annotations
 
-import collections
 import gc
-import itertools
 import logging
 import math
 import os
@@ -71,6 +70,7 @@ from .connections import ByteBudget, Connection, ConnectionLimits, ConnectionSer
 from . import control
 from .control import ControlProtocol, JsonObject
 from .core import SchedulerCore
+from .eventring import EventRing
 from .measure import measure_devices
 from .podcgroup import process_start_time
 from .logs import LOG_LEVELS, RateLimit, emit, log, note
@@ -141,8 +141,7 @@ class Daemon:
         self._keys: dict[str, ev.ClientKey] = {}  # display id of each registration -> its connection
         self._cids: dict[ev.ClientKey, str] = {}  # and back
         self._watchers: dict[ev.ClientKey, _Watch] = {}
-        self._events: collections.deque[JsonObject] = collections.deque(maxlen=protocol.CONTROL_EVENTS_MAX)
-        self._next_seq = 1
+        self._timeline = EventRing()
         self._started = 0.0
         self._wall_offset = 0.0
         self._uid = os.geteuid()
@@ -382,16 +381,7 @@ class Daemon:
     def _record(self, event: ev.LockEvent) -> None:
         """Timeline entry for `nvsharectl events`. Not logged: the core's Log actions already
         describe each of these in words."""
-        self._events.append({
-            "seq": self._next_seq,
-            "t": self._wall(event.now),
-            "device": event.device,
-            "client": event.client,
-            "kind": event.kind,
-            "grant": event.grant,
-            "detail": event.detail,
-        })
-        self._next_seq += 1
+        self._timeline.record(self._wall(event.now), event.device, event.client, event.kind, event.grant, event.detail)
 
     # --- client messages ----------------------------------------------------------------------
 
@@ -619,12 +609,8 @@ class Daemon:
         document["admission"] = views.admission_status(self.core, now, self._wall)
         return document
 
-    def events(self, since: int, limit: int) -> JsonObject:
-        first = self._next_seq - len(self._events)
-        start = max(since, first) - first
-        chosen = list(itertools.islice(self._events, start, start + limit))
-        following = chosen[-1]["seq"] + 1 if chosen else max(since, first)
-        return {"events": chosen, "next": following}
+    def events(self, since: int, limit: int) -> control.Encoded:
+        return control.Encoded(self._timeline.page(since, limit).json())
 
 
 class _Watch:

@@ -17,8 +17,10 @@ at 0: for its known label values at once, for a device's when the device is firs
 Serving the exposition over HTTP is metrics_http.py's.
 
 Rendering runs on the pump's thread, between two of its steps, and needs no lock: it can never
-observe, or hold up, a half-done update. It yields to the pump every RENDER_STEP samples, so a
-large exposition delays a handoff by one step's formatting, not by the whole render
+observe, or hold up, a half-done update. It yields to the pump every GAUGE_STEP series sets (and
+after each label set evicted) while it sets the gauges, all from one status document, and every
+RENDER_STEP samples while it formats, so a large exposition delays a handoff by one such step,
+not by the whole render
 (benchmarks/bench_scheduler.py --scrape measures it). prometheus_client's own HTTP server would
 run collection on a thread of its own, racing the pump for the core's state and for the GIL.
 
@@ -61,7 +63,8 @@ HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 CLIENT_LABELS = ("device", "pod", "namespace", "program", "user")
 
-RENDER_STEP = 100  # samples formatted between two chances for the pump to run
+RENDER_STEP = 50  # samples formatted between two chances for the pump to run
+GAUGE_STEP = 16  # (client, device) pairs or devices set between two chances for it
 
 # The states of a gang's turn in the status document (views.gangs_status).
 GANG_STATES = ("holding", "draining", "waiting", "members", "idle")
@@ -210,6 +213,9 @@ class SchedulerMetrics:
         self._latest = 0.0  # the time of the latest event observed (the core's clock)
         self._overflow_zeroed = False  # OVERFLOW's device counters are at 0 once it is used
         self._turns: dict[str, float] = {}  # gang id -> when its current turn began
+        # Label sets whose series were removed so far: each removal scans every metric's series
+        # (about 0.5 ms), so a scrape that evicts yields after each one (_set_gauges).
+        self._removals = 0
 
     # --- labels ---------------------------------------------------------------------------
 
@@ -266,6 +272,7 @@ class SchedulerMetrics:
 
     def _remove_series(self, **labels: str) -> None:
         """Forget every series whose labels include `labels`, in every metric that has them."""
+        self._removals += 1
         for metric in vars(self).values():
             if isinstance(metric, MetricWrapperBase):
                 try:
@@ -404,21 +411,28 @@ class SchedulerMetrics:
     def render(self, status: dict[str, Any]) -> bytes:
         """The exposition text, gauges set from `status` (the control protocol's status
         document, docs/protocol.md), in one go."""
-        self._set_gauges(status)
+        for _ in self._set_gauges(status):
+            pass
         return b"".join(_pieces(self.registry))
 
     async def render_in_steps(self, status: dict[str, Any]) -> bytes:
-        """As render(), letting the other tasks (the pump) run after every RENDER_STEP lines:
-        formatting a few thousand series takes tens of milliseconds on a busy small machine,
-        which must not sit in front of a handoff."""
-        self._set_gauges(status)
+        """As render(), letting the other tasks (the pump) run after every GAUGE_STEP series sets
+        and every RENDER_STEP lines: setting the gauges of a user's 512 (client, device) pairs and
+        formatting a few thousand series take tens of milliseconds each on a busy small machine,
+        which must not sit in front of a handoff. What the pump changes meanwhile (counters, a
+        label set evicted) shows in this scrape or the next."""
+        for _ in self._set_gauges(status):
+            await trio.lowlevel.checkpoint()
         pieces = []
         for piece in _pieces(self.registry):
             pieces.append(piece)
             await trio.lowlevel.checkpoint()
         return b"".join(pieces)
 
-    def _set_gauges(self, status: dict[str, Any]) -> None:
+    def _set_gauges(self, status: dict[str, Any]) -> Iterator[None]:
+        """Set the gauges from `status`, yielding after every GAUGE_STEP (client, device) pairs
+        or devices, and after every label set evicted to make room for one (render_in_steps
+        lets the pump run there): under a churn of devices or clients most of them evict one."""
         self._count_time_so_far()
         for gauge in (self.device_mode, self.device_tq, self.device_total, self.device_budget, self.device_used,
                       self.device_resident, self.device_swapped, self.device_holders, self.device_waiters,
@@ -430,8 +444,13 @@ class SchedulerMetrics:
             if device not in shown:
                 self._device_ids.unused(device)  # the core forgot it: its place may be taken
         weights: dict[tuple[str, ...], tuple[int, int]] = {}
+        done, removals = 0, self._removals
         for client in status["clients"]:
             for device, pair in client["devices"].items():
+                done += 1
+                if done % GAUGE_STEP == 0 or self._removals != removals:
+                    removals = self._removals
+                    yield
                 labels = self._client_labels(device, client["client"], counted=False)
                 self.client_memory.labels(*labels).inc(pair["used"])
                 self.client_holding.labels(*labels).inc(1 if pair["state"] in ("holding", "draining") else 0)
@@ -450,6 +469,10 @@ class SchedulerMetrics:
             self.admission_spill.set(admission["spill"] or 0)
             self.admission_waiters.set(len(admission["waiters"]))
         for dev in status["devices"]:
+            done += 1
+            if done % GAUGE_STEP == 0 or self._removals != removals:
+                removals = self._removals
+                yield
             device = self._device(dev["device"], counted=False)
             for mode in MODES:
                 self.device_mode.labels(device, mode).set(1 if dev["mode"] == mode else 0)

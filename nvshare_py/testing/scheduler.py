@@ -230,7 +230,15 @@ class SchedulerProcess:
         return self.request("status")
 
     def events(self, since: int = 0) -> list[dict]:
-        return self.request("events", since=since, limit=10_000)["events"]
+        return self.events_since(since)[0]
+
+    def events_since(self, since: int = 0) -> tuple[list[dict], int]:
+        """The stored lock events from `since` on (asked a page at a time), and the number to ask
+        from next."""
+        from nvshare_py.control import ControlConnection
+
+        with ControlConnection(self.paths, timeout=10.0) as connection:
+            return connection.events_since(since)
 
     def ctl(self, *args: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         return run_child([*nvsharectl_command(), *args], env or self.env, timeout)
