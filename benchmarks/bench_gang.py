@@ -46,7 +46,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -57,9 +56,10 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from nvshare_py.control import ControlConnection, request  # noqa: E402
-from nvshare_py.paths import SocketPaths  # noqa: E402
+from nvshare_py.control import request  # noqa: E402
 from nvshare_py.testing.interceptor import benchmark_library  # noqa: E402
+from nvshare_py.paths import ENV_SOCKET_DIR  # noqa: E402
+from nvshare_py.testing.scheduler import SchedulerProcess, short_socket_dir  # noqa: E402
 from nvshare_py.testing.simcuda import build_simcuda  # noqa: E402
 from nvshare_py.timeline import detail_fields  # noqa: E402
 
@@ -141,60 +141,31 @@ def waits(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             for client, entry in per_client.items()}
 
 
-class Scheduler:
-    """The daemon (python -m nvshare_py.scheduler) on a fresh socket directory."""
+class Scheduler(SchedulerProcess):
+    """The daemon on a fresh socket directory, started at once; what its timeline counts, and
+    its log and timeline kept on request (--keep)."""
 
-    def __init__(self, options: dict[str, Any], env: dict[str, str]) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="nvs-gang-", dir="/tmp"))
-        self.paths = SocketPaths(self.dir)
-        argv = [sys.executable, "-m", "nvshare_py.scheduler", "--socket-dir", str(self.dir)]
-        for name, value in options.items():
-            argv += [f"--{name.replace('_', '-')}", str(value)]
-        self.log = open(self.dir / "scheduler.log", "wb")
-        # This tree first, then whatever the caller's path holds (the wheels a GPU machine is given).
-        path = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        self.process = subprocess.Popen(argv, env={**env, "PYTHONPATH": path}, cwd="/", stdout=self.log,
-                                        stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                request(self.paths, "status", timeout=1.0)
-                return
-            except Exception:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    log = (self.dir / "scheduler.log").read_text()
-                    self.close()
-                    raise RuntimeError(f"the scheduler did not start: {log}")
-                time.sleep(0.1)
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {"NVSHARE_SOCKET_DIR": str(self.dir)}
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(short_socket_dir(), options)
+        self.env.pop("LD_PRELOAD", None)  # the daemon is no CUDA program
+        self.start()
+        self.events_seen: list[dict[str, Any]] = []
 
     def timeline(self) -> dict[str, int]:
         """Grants, revocations and drops with reason gang, from the daemon's events."""
-        with ControlConnection(self.paths, timeout=10.0) as connection:
-            events, _ = connection.events_since(0)
-        self.events = events
-        kinds = [event["kind"] for event in events]
+        self.events_seen = self.events()
+        kinds = [event["kind"] for event in self.events_seen]
         return {"grants": kinds.count("grant"), "revocations": kinds.count("revoke"),
-                "drops": kinds.count("drop"), "waits": waits(events)}
+                "drops": kinds.count("drop"), "waits": waits(self.events_seen)}
 
     def close(self, keep: Path | None = None) -> None:
         """Stop the daemon; with `keep`, its log and timeline go there first."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
+        self.stop()
         if keep is not None:
             keep.mkdir(parents=True, exist_ok=True)
-            shutil.copy(self.dir / "scheduler.log", keep / "scheduler.log")
-            (keep / "events.json").write_text(json.dumps(getattr(self, "events", []), indent=0))
-        shutil.rmtree(self.dir, ignore_errors=True)
+            shutil.copy(self.log_path, keep / "scheduler.log")
+            (keep / "events.json").write_text(json.dumps(self.events_seen, indent=0))
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 def run_ranks(commands: list[tuple[list[str], dict[str, str]]], timeout: float,
@@ -262,9 +233,6 @@ class Simulated:
                    SIMCUDA_RESIDENCY_DIR=str(run), SIMCUDA_TIMESLICE_US=str(SIM_TIMESLICE_US), NVSHARE_LOG="error")
         return env
 
-    def scheduler_env(self) -> dict[str, str]:
-        return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-
     def commands(self, run: Path, jobs: list[str], single: bool, env: dict[str, str]) -> list[tuple[list[str], dict[str, str]]]:
         out = []
         compute = ",".join([f"kernel:{self.compute_us}"] * self.kernels)
@@ -287,7 +255,7 @@ class Simulated:
         run.mkdir()
         env = self.base_env(run)
         if nvshare is not None:
-            env.update(nvshare.env, LD_PRELOAD=str(self.library))
+            env.update({ENV_SOCKET_DIR: str(nvshare.socket_dir)}, LD_PRELOAD=str(self.library))
             if not gangs:
                 env["NVSHARE_GANG"] = "none"
         result = run_ranks(self.commands(run, jobs, single, env), self.timeout, nvshare, first=len(jobs), keep=self.keep)
@@ -305,13 +273,11 @@ class RealGpus:
         self.args = [str(steps), str(matmuls), str(n), str(reduce_mib)]
         self.single_args = [str(steps), str(matmuls), str(n)]
 
-    def scheduler_env(self) -> dict[str, str]:
-        return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-
     def run(self, jobs: list[str], nvshare: Scheduler | None, single: bool = False, gangs: bool = True) -> dict[str, Any]:
         env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "LD_PRELOAD")}
         if nvshare is not None:
-            env.update(nvshare.env, LD_PRELOAD=str(self.library), NVSHARE_LOG="debug" if self.keep else "warn")
+            env.update({ENV_SOCKET_DIR: str(nvshare.socket_dir)}, LD_PRELOAD=str(self.library),
+                       NVSHARE_LOG="debug" if self.keep else "warn")
         if self.keep:
             env["BENCH_GANG_TRACE"] = "2"
             if not gangs:
@@ -339,7 +305,7 @@ def measure(runner: Any, options: dict[str, Any], say: Callable[[str], None],
     results: dict[str, Any] = {}
 
     def under_nvshare(name: str, jobs: list[str], **kwargs: Any) -> None:
-        scheduler = Scheduler(options, runner.scheduler_env())
+        scheduler = Scheduler(options)
         keep = runner.keep
         runner.keep = None if keep is None else keep / name
         try:

@@ -125,7 +125,7 @@ def one_run(library: Path, bursts: int, gap: float) -> dict:
         second = Worker(env, bursts, gap)
         timeout = bursts * (gap + 10) + 120
         codes = [first.wait(timeout), second.wait(timeout)]
-        events = scheduler.request("events", since=0, limit=10_000)["events"]
+        events = scheduler.events()
         clients = {registered_pid(event): event["client"] for event in events if event["kind"] == "register"}
     finally:
         scheduler.stop()

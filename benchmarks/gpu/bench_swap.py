@@ -201,7 +201,7 @@ def colocation(work: Path, base_env: dict, preload: Path, budget: int, job_bytes
             env = dict(scheduler.env, LD_PRELOAD=str(preload), NVSHARE_LOG="error")
             scheduler.request("set-budget", device=device, bytes=budget)  # before any job has started
             makespan = gpu_jobs([argv, argv], env, timeout)
-            events = scheduler.request("events", since=0, limit=10_000)["events"]
+            events = scheduler.events()
             grants = [e for e in events if e["kind"] == "grant" and e["device"] == device]
             outcome = {
                 "makespan_s": round(makespan, 3),
