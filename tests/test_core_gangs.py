@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from nvshare_py import protocol
 from nvshare_py.scheduler.events import Log
 
@@ -38,14 +40,15 @@ def two_rank_job(h: Harness, prefix: str = "r", gang: str = "job") -> None:
     member(h, f"{prefix}1", GPU1, gang)
 
 
-def gang_holding_while_a_single_waits() -> Harness:
-    """A two-rank job holds both GPUs (TQ 10 s); single-GPU client `s` asked for GPU0 at t=1."""
-    h = quiet(tq=10.0)
+def gang_holding_while_a_single_waits(device: str = GPU0, at: float = 1, **options: Any) -> Harness:
+    """A two-rank job holds both GPUs (TQ 10 s, the core's `options` besides); single-GPU
+    client `s` asked for `device` at t=`at`."""
+    h = quiet(tq=10.0, **options)
     two_rank_job(h)
     h.acquire("r0", GPU0)
     h.register("s")
-    h.device("s", GPU0)
-    h.at(1).acquire("s", GPU0)
+    h.device("s", device)
+    h.at(at).acquire("s", device)
     return h
 
 
@@ -91,12 +94,7 @@ def test_a_gang_at_the_head_reserves_its_devices_in_order():
 
 
 def test_a_single_beside_a_gang_still_gets_its_turns():
-    h = quiet(tq=10.0, grace=2.0)
-    two_rank_job(h)
-    h.acquire("r0", GPU0)
-    h.register("s")
-    h.device("s", GPU0)
-    h.at(1).acquire("s", GPU0)
+    h = gang_holding_while_a_single_waits(grace=2.0)
     assert h.grants() == []
     # The gang's quantum ends: both members are dropped together...
     h.at(10).tick()
@@ -109,12 +107,7 @@ def test_a_single_beside_a_gang_still_gets_its_turns():
 
 
 def test_both_members_are_told_of_contention_on_one_device_with_the_gangs_quantum():
-    h = quiet(tq=10.0)
-    two_rank_job(h)
-    h.acquire("r0", GPU0)
-    h.register("s")
-    h.device("s", GPU1)
-    h.at(4).acquire("s", GPU1)
+    h = gang_holding_while_a_single_waits(GPU1, at=4)
     told = sorted((to, m.device, m.quantum_left_ms) for to, m in h.sent(protocol.Contended))
     assert told == [("r0", GPU0, 6000), ("r1", GPU1, 6000)]
 
@@ -137,12 +130,7 @@ def test_a_member_that_dies_ends_the_gangs_hold():
 
 
 def test_a_gang_that_does_not_release_is_revoked_together():
-    h = quiet(tq=10.0, grace=2.0)
-    two_rank_job(h)
-    h.acquire("r0", GPU0)
-    h.register("s")
-    h.device("s", GPU1)
-    h.at(1).acquire("s", GPU1)
+    h = gang_holding_while_a_single_waits(GPU1, grace=2.0)
     h.at(10).tick()
     h.release("r1", grant_on(h, GPU1), GPU1, "drop")  # r1 answers, r0 hangs
     assert h.grants() == []  # GPU1 stays with the gang while r0 may still run
@@ -400,12 +388,7 @@ def test_a_member_idle_for_a_while_pauses_within_the_turn_and_gets_its_device_ba
 
 
 def test_a_turn_whose_members_all_went_idle_ends_and_its_devices_pass_on():
-    h = quiet(tq=10.0)
-    two_rank_job(h)
-    h.acquire("r0", GPU0)
-    h.register("s")
-    h.device("s", GPU1)
-    h.at(1).acquire("s", GPU1)
+    h = gang_holding_while_a_single_waits(GPU1)
     h.at(2).release("r0", grant_on(h, GPU0), GPU0, "idle")
     h.release("r1", grant_on(h, GPU1), GPU1, "idle")
     assert granted(h) == [("s", GPU1)]

@@ -26,6 +26,17 @@ from nvshare_py.testing.scheduler import PATIENCE, SchedulerProcess, short_socke
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
 
 
+def said_hello(context: zmq.Context, endpoint: str, timeout_ms: int) -> tuple[zmq.Socket, str]:
+    """A bare client socket (no interceptor) connected to the daemon that has said HELLO, and
+    the WELCOME it got."""
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    dealer.connect(endpoint)
+    dealer.send(b"NVSHARE/1 HELLO\npid=1\nsession=00000000000000aa")
+    return dealer, dealer.recv().decode()
+
+
 def granted_lines(agent) -> list[str]:
     return [line for line in agent.lines if line.startswith("granted")]
 
@@ -246,12 +257,7 @@ def test_a_failing_core_stops_the_daemon_and_leaves_its_sockets_for_recovery(mon
     def client() -> str:
         context = zmq.Context()
         try:
-            dealer = context.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.RCVTIMEO, 30_000)
-            dealer.connect(daemon.paths.client_endpoint)
-            dealer.send(b"NVSHARE/1 HELLO\npid=1\nsession=00000000000000aa")
-            welcome = dealer.recv().decode()
+            dealer, welcome = said_hello(context, daemon.paths.client_endpoint, 30_000)
             dealer.send(f"NVSHARE/1 ACQUIRE\ndevice={GPU}".encode())
             return welcome
         finally:
@@ -306,12 +312,8 @@ def test_a_new_client_message_reaches_the_core_as_it_came_and_one_it_cannot_use_
     def client() -> list[str]:
         context = zmq.Context()
         try:
-            dealer = context.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.RCVTIMEO, int(PATIENCE * 1000))
-            dealer.connect(daemon.paths.client_endpoint)
-            dealer.send(b"NVSHARE/1 HELLO\npid=1\nsession=00000000000000aa")
-            replies = [dealer.recv().decode()]
+            dealer, welcome = said_hello(context, daemon.paths.client_endpoint, int(PATIENCE * 1000))
+            replies = [welcome]
             dealer.send(b"NVSHARE/1 LAPSE\nsilent_ms=1500")
             dealer.send(f"NVSHARE/1 EVICTED\ndevice={GPU}\nresident=0".encode())  # for no device of its: ignored
             dealer.send(b"NVSHARE/1 QUERY")
@@ -348,12 +350,7 @@ def test_options_reach_the_clients(scheduler_factory):
     scheduler = scheduler_factory(heartbeat_interval=0.25, idle_release=0.75, tq=3)
     context = zmq.Context()
     try:
-        dealer = context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.RCVTIMEO, 10_000)
-        dealer.connect(scheduler.paths.client_endpoint)
-        dealer.send(b"NVSHARE/1 HELLO\npid=1\nsession=00000000000000aa")
-        welcome = dealer.recv().decode()
+        dealer, welcome = said_hello(context, scheduler.paths.client_endpoint, 10_000)
         assert "heartbeat_ms=250" in welcome and "idle_release_ms=750" in welcome
         dealer.send(f"NVSHARE/1 ACQUIRE\ndevice={GPU}".encode())
         grant = dealer.recv().decode()
