@@ -207,7 +207,7 @@ static int next_io_action_locked(struct nvs_action *a, char *buf, size_t cap) {
             nvs_admission_settled_locked(a->device >= 0 ? &nvs_devices[a->device] : NULL);
         else if (a->kind == NVS_ACT_SWAP_AREA) { /* the pinner pins (or gives back) the area */
             nvs_area_want(a->device, a->bytes);
-            nvs_worker_wake_locked();
+            nvs_pinner_wake_locked();
         } else
             return 1;
     }

@@ -167,6 +167,7 @@ struct batch {
 struct job {
     struct nvs_device *d;
     CUstream streams[2];
+    int n_streams;         /* made by begin: two out, one in */
     int capturing;         /* a stream capture runs on the device */
     int out;               /* moving to the host, else back */
     uint64_t epoch;        /* in: the swap epoch what comes back belongs to */
@@ -235,10 +236,10 @@ static size_t area_blocks(const struct batch *batch, CUdeviceptr *ptrs, size_t *
     return n;
 }
 
-static void fail_item(struct batch *batch, size_t i, CUresult r, int out) {
+/* An item's move out could not be queued: it stays where it is. */
+static void fail_out(struct batch *batch, size_t i, CUresult r) {
     struct nvs_swappable *item = batch->items[i];
-    nvs_debug("moving %#llx (%zu bytes) %s failed (%d)", (unsigned long long)item->ptr, item->size,
-              out ? "to the host" : "back", r);
+    nvs_debug("moving %#llx (%zu bytes) to the host failed (%d)", (unsigned long long)item->ptr, item->size, r);
     batch->failed[i] = 1;
 }
 
@@ -264,7 +265,7 @@ static void launch(struct job *job, struct batch *batch) {
                                         : prefetch_item(batch->stream, job->d->ordinal, item, job->out);
         if (r == CUDA_SUCCESS) continue;
         if (job->out)
-            fail_item(batch, i, r, 1);
+            fail_out(batch, i, r);
         else /* settled as resident all the same: a failed copy leaves indeterminate bytes, as a
               * failed copy of the application's would; the error is the context's */
             nvs_warn("bringing %zu bytes at %#llx back to device %d failed (%d)", item->size,
@@ -274,7 +275,7 @@ static void launch(struct job *job, struct batch *batch) {
         size_t n = area_blocks(batch, ptrs, sizes);
         CUresult r = n > 0 ? discard(ptrs, sizes, n, 0, batch->stream) : CUDA_SUCCESS;
         for (size_t i = 0; r != CUDA_SUCCESS && i < batch->n; i++)
-            if (!batch->failed[i] && !batch->items[i]->vmm && batch->items[i]->area != NULL) fail_item(batch, i, r, 1);
+            if (!batch->failed[i] && !batch->items[i]->vmm && batch->items[i]->area != NULL) fail_out(batch, i, r);
     }
     job->queueing += nvs_now() - since;
     job->launched++;
@@ -366,12 +367,15 @@ static int prepare_in(struct job *job, struct nvs_swappable *item) {
     return nvs_memory_mark(job->d, &claimed, 1, item->last_used) == 0 ? 0 : -1; /* else freed: the free gave it */
 }
 
-/* The caller holds nvs_ctx_mu. Two streams of one of d's contexts, that context pushed; -1 while
+/* The caller holds nvs_ctx_mu. A job moving d's memory `out` (to the host) or back: its streams
+ * (two out, one in: see BATCH_ITEMS) made in one of d's contexts, that context pushed; -1 while
  * a capture runs on d (unless `during_capture`), 1 when there is no context to use (nothing
  * can have been allocated). */
-static int begin(struct job *job, struct nvs_device *d, int during_capture) {
+static int begin(struct job *job, struct nvs_device *d, int out, int during_capture) {
     memset(job->batches, 0, sizeof job->batches);
     job->d = d;
+    job->out = out;
+    job->n_streams = out ? 2 : 1;
     job->pinned_bytes = 0;
     job->filling = 0;
     job->in_flight = 0;
@@ -386,7 +390,7 @@ static int begin(struct job *job, struct nvs_device *d, int during_capture) {
     if (ctx == NULL || nvs_real.cuStreamCreate == NULL || nvs_real.cuCtxPushCurrent_v2(ctx) != CUDA_SUCCESS) return 1;
     /* Non-blocking: never ordered with the application's legacy default stream (the gate is
      * closed meanwhile; the synchronise of each batch is the only ordering needed). */
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < job->n_streams; i++) {
         if (nvs_real.cuStreamCreate(&job->streams[i], CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS) continue;
         if (i == 1) nvs_real.cuStreamDestroy_v2(job->streams[0]);
         CUcontext popped;
@@ -395,13 +399,12 @@ static int begin(struct job *job, struct nvs_device *d, int during_capture) {
         return 1;
     }
     job->batches[0].stream = job->streams[0];
-    job->batches[1].stream = job->streams[1];
+    job->batches[1].stream = job->streams[job->n_streams - 1];
     return 0;
 }
 
 static void end(struct job *job) {
-    nvs_real.cuStreamDestroy_v2(job->streams[0]);
-    nvs_real.cuStreamDestroy_v2(job->streams[1]);
+    for (int i = 0; i < job->n_streams; i++) nvs_real.cuStreamDestroy_v2(job->streams[i]);
     CUcontext popped;
     nvs_real.cuCtxPopCurrent_v2(&popped);
 }
@@ -415,10 +418,9 @@ int nvs_swap_out(struct nvs_device *d, uint64_t at_least) {
     for (uint64_t total = 0; chosen < n && total < at_least; chosen++) total += items[chosen].size;
     struct job job;
     pthread_rwlock_rdlock(&nvs_ctx_mu);
-    int started = begin(&job, d, 0);
+    int started = begin(&job, d, 1, 0);
     if (started == 0) {
         double since = nvs_now();
-        job.out = 1;
         job.piece = piece_of(items, chosen);
         for (size_t i = 0; i < chosen; i++) {
             int pinned = pinned_engine && nvs_area_take(items[i].size, &items[i].area) == 0;
@@ -454,16 +456,14 @@ int nvs_swap_in(struct nvs_device *d, uint64_t up_to, int for_grant) {
     /* During a stream capture a grant still brings converted memory back from the area (copies
      * and a synchronise on a stream of nvshare's own are no calls a capture forbids), but not VMM
      * memory (creating and mapping physical memory is) nor anything ahead of a grant. */
-    int started = n > 0 && chosen != NULL ? begin(&job, d, for_grant) : 1;
+    int started = n > 0 && chosen != NULL ? begin(&job, d, 0, for_grant) : 1;
     /* What comes back for the grant belongs to the epoch the grant begins, so does what comes
      * back ahead of it. */
     uint64_t epoch = for_grant ? atomic_fetch_add(&d->swap_epoch, 1) + 1 : atomic_load(&d->swap_epoch) + 1;
     if (started == 0) {
         double since = nvs_now();
-        job.out = 0;
         job.epoch = epoch;
         job.piece = piece_of(items, n);
-        job.batches[1].stream = job.streams[0]; /* in: one stream (see BATCH_ITEMS) */
         for (size_t i = 0; i < n; i++) {
             if (!chosen[i]) continue;
             if (job.capturing && (items[i].vmm || items[i].area == NULL)) {

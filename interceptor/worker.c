@@ -14,8 +14,9 @@
  * Beside it, the pinner thread grows (or shrinks) the swap area a chunk at a time towards what
  * the scheduler said to prepare (swap.c). It has a thread of its own because the worker's jobs
  * can block for seconds: an idle probe of a holder whose program waits in a synchronise waits
- * for the queued work too, and a holder's area pinned only between such probes took the whole
- * first quantum (measured on an H200: handoffs priced at the slow path's cost for 10-16 s). Both
+ * for the queued work too, so a holder's area pinned only between such probes could take the
+ * whole first quantum (tests/test_simcuda_swapping.py shows it; on an H200 first quanta of
+ * 10-16 s priced at the slow path's cost fit it, not yet measured since). Both
  * hold nvs_ctx_mu for reading, so they run side by side; a handoff's swap job and a chunk being
  * pinned share the CPU for at most one chunk (64 MiB: 12-50 ms).
  *
@@ -45,7 +46,7 @@ void nvs_worker_assign_locked(struct nvs_device *d, enum nvs_job job, uint64_t b
     pthread_cond_signal(&worker_cv);
 }
 
-void nvs_worker_wake_locked(void) {
+void nvs_pinner_wake_locked(void) {
     pinner_kicked = 1;
     pthread_cond_signal(&pinner_cv);
 }
@@ -107,6 +108,20 @@ static enum nvs_job_result run_job(struct nvs_device *d, enum nvs_job job, uint6
     }
 }
 
+/* How often pending frees are polled, and pinning that is due but could not go on is tried again
+ * (a capture runs, or the host had no memory to pin). */
+#define FREES_POLL_NS (5 * 1000 * 1000)
+#define PINNER_RETRY_NS (50 * 1000 * 1000)
+
+/* Under nvs_mu: waits on `cv` until signalled or `ns` have passed. */
+static void wait_at_most_locked(pthread_cond_t *cv, long ns) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_nsec += ns;
+    if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+    pthread_cond_timedwait(cv, &nvs_mu, &until);
+}
+
 static int any_capture_locked(void) {
     for (int i = 0; i < nvs_n_devices; i++)
         if (nvs_devices[i].captures > 0) return 1;
@@ -141,11 +156,7 @@ static void *worker_main(void *unused) {
             pthread_mutex_unlock(&nvs_mu);
             nvs_memory_poll_frees();
             pthread_mutex_lock(&nvs_mu);
-            struct timespec until;
-            clock_gettime(CLOCK_REALTIME, &until);
-            until.tv_nsec += 5 * 1000 * 1000;
-            if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
-            if (!worker_kicked) pthread_cond_timedwait(&worker_cv, &nvs_mu, &until);
+            if (!worker_kicked) wait_at_most_locked(&worker_cv, FREES_POLL_NS);
         } else if (!worker_kicked) {
             pthread_cond_wait(&worker_cv, &nvs_mu);
         }
@@ -155,10 +166,7 @@ static void *worker_main(void *unused) {
 }
 
 /* Steps towards the swap area's target while there is one to take; waits to be told when there
- * is none, and retries now and then while one is due but cannot be taken (a capture runs, or
- * pinning failed for want of memory). */
-#define PINNER_RETRY_NS (50 * 1000 * 1000)
-
+ * is none, and retries now and then while one is due but cannot be taken. */
 static void *pinner_main(void *unused) {
     (void)unused;
     nvs_swap_resolve();
@@ -171,11 +179,7 @@ static void *pinner_main(void *unused) {
         pthread_mutex_lock(&nvs_mu);
         if (pinner_kicked) continue;
         if (due) {
-            struct timespec until;
-            clock_gettime(CLOCK_REALTIME, &until);
-            until.tv_nsec += PINNER_RETRY_NS;
-            if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
-            pthread_cond_timedwait(&pinner_cv, &nvs_mu, &until);
+            wait_at_most_locked(&pinner_cv, PINNER_RETRY_NS);
         } else {
             pthread_cond_wait(&pinner_cv, &nvs_mu);
         }

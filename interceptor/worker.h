@@ -18,7 +18,7 @@ int nvs_worker_spawn(void);
 void nvs_worker_assign_locked(struct nvs_device *d, enum nvs_job job, uint64_t bytes);
 void nvs_worker_signal(void);
 /* Under nvs_mu: the pinner looks at the swap area's target again (it changed). */
-void nvs_worker_wake_locked(void);
+void nvs_pinner_wake_locked(void);
 /* Set at process exit: the worker stops calling CUDA (the driver may be torn down). */
 void nvs_worker_stop_for_exit(void);
 /* Fork child: no worker thread, no job. */
