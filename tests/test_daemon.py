@@ -124,8 +124,10 @@ def test_restart_keeps_the_holder_and_the_waiter(scheduler):
     wait_for(lambda: scheduler.waiters(GPU) == [waiter.client_id], what="the waiter to queue")
 
     scheduler.restart()
+    # HELLO (claiming the device) and DEVICE (naming it) are two messages: wait for both.
     status = wait_for(
-        lambda: (s := scheduler.status())["devices"] and len(s["clients"]) == 2 and s, what="both clients to re-register"
+        lambda: (s := scheduler.status())["devices"] and len(s["clients"]) == 2 and s["devices"][0]["name"] and s,
+        what="both clients to re-register and the holder to name its device again",
     )
     assert status["scheduler"]["restarted"] is True
     (device,) = status["devices"]
