@@ -254,7 +254,9 @@ def test_clients_survive_a_scheduler_restart(scheduler, clients):
     waiting = acquire_in_thread(waiter, GPU)
     wait_for(lambda: scheduler.waiters(GPU) == [waiter.client_id], what="the waiter")
     scheduler.restart()
-    wait_for(lambda: len(scheduler.clients()) == 2 and scheduler.holders(GPU), what="re-registration")
+    # HELLO (claiming the device) and DEVICE (naming it) are two messages: wait for both.
+    wait_for(lambda: len(scheduler.clients()) == 2 and scheduler.holders(GPU) and scheduler.device(GPU)["name"],
+             what="re-registration, the holder naming its device again")
     assert holder.grant(GPU) is not None  # still holding
     assert scheduler.device(GPU)["name"] == "sim"  # DEVICE came again
     holder.release(GPU)
