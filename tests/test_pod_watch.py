@@ -450,7 +450,9 @@ def test_a_client_in_an_annotated_pod_gets_the_pods_settings(apiserver, schedule
         def mine():
             clients = scheduler.status()["clients"]
             return clients and clients[0]["pod_uid"] == notebook and clients[0]
-        client = wait_for(lambda: (c := mine()) and c["weight"] == 7 and c, what="the pod's weight on its client")
+        # The pod's settings arrive as one request each (set-weight, then set-priority): wait for both.
+        client = wait_for(lambda: (c := mine()) and c["weight"] == 7 and c["priority"] == 3 and c,
+                          what="the pod's weight and priority on its client")
         assert client["priority"] == 3 and client["pod"] == "someone-else"
         agent.kill()
 
