@@ -137,7 +137,8 @@ class Simulated:
                                SIMCUDA_TIMESLICE_US=str(SIM_TIMESLICE_US))
         if mode != "sequential":
             scheduler = self.schedulers.get(mode, tq, idle_release=self.idle_release)
-            env = {**env, **scheduler.env, "LD_PRELOAD": str(self.library), "NVSHARE_LOG": "error"}
+            env = {**env, **scheduler.env, "LD_PRELOAD": str(self.library),
+                   "NVSHARE_LOG": os.environ.get("NVSHARE_LOG", "error")}
             # The daemon sizes devices only by its own NVML measurement (none of a simulated
             # GPU here) and the operator's budget: the budget is the simulated device's size.
             scheduler.request("set-budget", device=SIM_DEVICE, bytes=self.capacity)
@@ -287,7 +288,8 @@ class RealGpu:
         env = child_env()
         if mode != "sequential":
             scheduler = self.schedulers.get(mode, tq, idle_release=self.idle_release)
-            env = {**env, **scheduler.env, "LD_PRELOAD": str(self.library), "NVSHARE_LOG": "error"}
+            env = {**env, **scheduler.env, "LD_PRELOAD": str(self.library),
+                   "NVSHARE_LOG": os.environ.get("NVSHARE_LOG", "error")}
             scheduler.request("set-budget", device=self.device, bytes=budget)  # None: the card's size
         argvs = [[sys.executable, "-c", GPU_JOB, str(f), str(self.steps), str(self.iters), str(cpu_s)]
                  for f in footprints]
@@ -319,15 +321,24 @@ def lock_history(events: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def gpu_jobs(argvs: list[list[str]], env: dict[str, str], timeout: float) -> float:
-    processes = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for argv in argvs]
+def gpu_jobs(argvs: list[list[str]], env: dict[str, str], timeout: float, logs: Path | None = None) -> float:
+    """Runs the jobs at once; the span from the first one's start to the last one's end. With
+    `logs`, each job's stderr (its nvshare log) goes to logs/job<i>.log and stays there: at
+    NVSHARE_LOG=debug it outgrows a pipe nobody reads meanwhile."""
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+    errs = [open(logs / f"job{i}.log", "w+") if logs is not None else subprocess.PIPE for i in range(len(argvs))]
+    processes = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+                 for argv, err in zip(argvs, errs)]
     spans = []
     deadline = time.monotonic() + timeout
     try:
-        for process in processes:
+        for process, err_file in zip(processes, errs):
             out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
             if process.returncode != 0:
+                if err is None and err_file is not subprocess.PIPE:
+                    err_file.seek(0)
+                    err = err_file.read()
                 raise RuntimeError(f"GPU job failed ({process.returncode}): {err[-2000:]}")
             spans.append([float(x) for x in out.split()[-2:]])
     except subprocess.TimeoutExpired as expired:
@@ -337,6 +348,9 @@ def gpu_jobs(argvs: list[list[str]], env: dict[str, str], timeout: float) -> flo
             if process.poll() is None:
                 process.kill()
                 process.wait()
+        for err_file in errs:
+            if err_file is not subprocess.PIPE:
+                err_file.close()
     return max(end for _, end in spans) - min(start for start, _ in spans)
 
 
@@ -430,13 +444,15 @@ class WorkingSet:
         scheduler = None
         if mode not in ("sequential", "together"):
             scheduler = self.schedulers.get(mode, self.tq, idle_release=self.idle_release)
-            env = {**env, **scheduler.env, "LD_PRELOAD": str(self.library), "NVSHARE_LOG": "error"}
+            env = {**env, **scheduler.env, "LD_PRELOAD": str(self.library),
+                   "NVSHARE_LOG": os.environ.get("NVSHARE_LOG", "error")}
             scheduler.request("set-budget", device=self.device, bytes=None if mode == "on" else budget)
             since = scheduler.events_since(0)[1]
         if mode == "sequential":
-            makespan = sum(self._jobs([argv], env, timeout) for _ in range(jobs))
+            makespan = sum(self._jobs([argv], env, timeout, self.logs(f"ws{self.run_number}-{mode}-{i}"))
+                           for i in range(jobs))
         else:
-            makespan = self._jobs([argv] * jobs, env, timeout)
+            makespan = self._jobs([argv] * jobs, env, timeout, self.logs(f"ws{self.run_number}-{mode}"))
         outcome: dict[str, Any] = {"makespan_s": round(makespan, 3), "jobs": jobs, "footprint_mib": footprint // MIB,
                                    "budget_mib": budget // MIB if mode in ("swap", "auto") else None}
         if scheduler is not None:
@@ -448,9 +464,14 @@ class WorkingSet:
         shutil.rmtree(state, ignore_errors=True)
         return outcome
 
-    def _jobs(self, argvs: list[list[str]], env: dict[str, str], timeout: float) -> float:
+    def logs(self, run: str) -> Path | None:
+        """$NVSHARE_BENCH_LOGS: a folder to keep the GPU jobs' logs in, a subfolder a run."""
+        folder = os.environ.get("NVSHARE_BENCH_LOGS")
+        return Path(folder) / run if folder and self.gpu else None
+
+    def _jobs(self, argvs: list[list[str]], env: dict[str, str], timeout: float, logs: Path | None) -> float:
         if self.gpu:
-            return gpu_jobs(argvs, env, timeout)
+            return gpu_jobs(argvs, env, timeout, logs)
         result = run_jobs(argvs, env, timeout)
         if not result["finished"]:
             raise RuntimeError(f"simulated jobs did not finish within {timeout} s")

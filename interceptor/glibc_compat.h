@@ -16,6 +16,7 @@ __asm__(".symver dlerror, dlerror@GLIBC_2.2.5");
 __asm__(".symver dlvsym, dlvsym@GLIBC_2.2.5");
 /* libpthread moved into libc in 2.34 */
 __asm__(".symver pthread_create, pthread_create@GLIBC_2.2.5");
+__asm__(".symver pthread_join, pthread_join@GLIBC_2.2.5");
 __asm__(".symver pthread_once, pthread_once@GLIBC_2.2.5");
 __asm__(".symver pthread_rwlock_init, pthread_rwlock_init@GLIBC_2.2.5");
 __asm__(".symver pthread_rwlock_rdlock, pthread_rwlock_rdlock@GLIBC_2.2.5");

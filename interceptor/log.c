@@ -19,6 +19,11 @@ void nvs_log(int level, const char *fmt, ...) {
     int saved_errno = errno;
     char line[1024];
     int n = snprintf(line, sizeof line, "nvshare[%ld]: %s: ", (long)getpid(), names[level]);
+    if (level == NVS_LOG_DEBUG) { /* the wall-clock time, as the scheduler's events say it, to line them up */
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        n += snprintf(line + n, sizeof line - (size_t)n, "[%ld.%06ld] ", (long)ts.tv_sec, ts.tv_nsec / 1000);
+    }
     va_list ap;
     va_start(ap, fmt);
     int m = vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);

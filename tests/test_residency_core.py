@@ -467,6 +467,23 @@ def test_a_contended_holder_is_told_what_its_release_will_move_and_what_the_hand
     assert contended.idle_ms == round((8 * GiB / 10**10 + residency.HANDOFF_OVERHEAD_S) * 1000)
 
 
+def test_a_handoff_is_priced_as_the_move_out_and_then_the_move_in():
+    """b had 8 GiB moved out; a holds 12 GiB. Handing over moves 8 GiB out of a and b's 8 GiB
+    back. Two processes' moves of managed memory share the link (on an H200 24 GB/s each the
+    opposite ways), so the handoff costs the two moves one after the other: 1.6 s at 10 GB/s, not
+    the 0.8 s of either alone."""
+    c = Cluster(budget=16 * GiB, bps=10**10)
+    c.join("a", 12 * GiB, 12 * GiB)
+    c.join("b", 12 * GiB, 12 * GiB)
+    c.feed(MemoryReport(c.now, "b", DEV, 12 * GiB, 4 * GiB, engine="copy", area=12 * GiB, out_bps=10**10,
+                        in_bps=10**10))
+    c.feed(AcquireRequest(c.now, "a", DEV))
+    c.feed(AcquireRequest(c.now, "b", DEV))
+    (contended,) = c.sent(protocol.Contended, "a")
+    assert contended.evict == 8 * GiB
+    assert contended.idle_ms == round((2 * 8 * GiB / 10**10 + residency.HANDOFF_OVERHEAD_S) * 1000)
+
+
 def test_the_next_waiter_brings_its_memory_back_as_the_holder_moves_out():
     """b was swapped out; a holds and moves 8 GiB out at its quantum's end, reporting as it goes.
     Each report makes room that b is told to fill while it waits (PREFETCH), never more than the

@@ -2,8 +2,8 @@
 driver (residency modelled, a slow link so that moves take long enough to be seen), the real
 scheduler with a memory budget that holds one of them. Each handoff moves the holder's memory
 out through its pinned swap area (copies, discards: nothing migrates, nothing is evicted by the
-driver) while the next holder brings its own back over the other direction of the link, told
-piece by piece how much room there is (PREFETCH)."""
+driver) while the next holder brings its own back, told piece by piece how much room there is
+(PREFETCH). The two share the link (copies of managed memory take turns, as on an H200)."""
 
 from __future__ import annotations
 

@@ -116,6 +116,27 @@ def test_the_link_has_one_copy_engine_per_direction_that_processes_share(simcuda
     assert h2d["link_wait"] < solo / 3  # nobody else copied that way
 
 
+def test_copies_of_managed_memory_take_turns_whichever_way_they_go(simcuda, tmp_path):
+    """On an H200 two processes' copies of managed memory the opposite ways ran at half the
+    link each (24 GB/s), where cuMemAlloc memory's overlapped (51 and 50 GB/s): a handoff's
+    swap-out and the next holder's swap-in do not add up. Two processes start a 32 MiB copy
+    each, one out of managed memory, one into it, each 3.2 s of the link alone: they take
+    turns, so together they wait about as long as one of them takes."""
+    trace = tmp_path / "trace.jsonl"
+    env = residency_env(simcuda, trace, tmp_path, memory="256M", SIMCUDA_PINNED_US_PER_MIB="100000",
+                        SIMCUDA_PIN_US_PER_MIB="0")
+    steps = {"d2h": ["alloc:managed:32M", "alloc:host:32M", "dtoh:0:1", "sync"],
+             "h2d": ["alloc:managed:32M", "alloc:host:32M", "htod:1:0", "sync"]}
+    processes = [subprocess.Popen(simcuda.simapp_argv(*steps[kind]), env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for kind in ("d2h", "h2d")]
+    outputs = [process.communicate(timeout=120) for process in processes]
+    assert all(process.returncode == 0 for process in processes), outputs
+    copies = ops(simcuda.read_trace(trace), "memcpy")
+    assert sorted(c["link"] for c in copies) == ["d2h", "h2d"], copies
+    solo = 32 * 100000e-6
+    assert sum(c["link_wait"] for c in copies) >= solo / 3, copies
+
+
 def test_physical_device_memory_holds_room_that_managed_memory_leaves(simcuda, tmp_path):
     """64 MiB device: process A has 16 MiB of managed memory resident and 40 MiB of cuMemAlloc
     memory. Process B's 16 MiB VMM handle takes its room from A's managed memory (8 MiB of it

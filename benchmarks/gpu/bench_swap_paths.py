@@ -22,7 +22,12 @@ minute on an H100) and on the simulated driver (tests/simcuda, to check the scri
    address, copied back and checked.
 4. `pinning` (one process, `--gib`/2 in 64 MiB chunks): what pinning costs per GiB, as the swap
    area pins it (cuMemHostAlloc), and what registering costs with ordinary pages, with
-   transparent huge pages, and from 4 threads at once. `--parts` picks parts (default: all).
+   transparent huge pages, and from 4 threads at once; memory made present first
+   (MADV_POPULATE_WRITE, from 1 or 4 threads) and registered afterwards, in 64 and 512 MiB.
+5. `handoff` (two processes, `--gib`/2 of managed memory and as much pinned memory each): the
+   swap engine's moves, batch by batch as it makes them: one process's swap-out beside the
+   other's swap-in, and beside each half of it (the copies, the pages made anew), each alone
+   first. `--parts` picks parts (default: all).
 
 Safety: at most 2 x `--gib` of device memory at once (the engine part's managed buffer and its
 cuMemAlloc ceiling buffer), refused unless that is below a third of the free memory. Writes
@@ -87,6 +92,10 @@ SIGNATURES = {  # name: (cudaVersion of this ABI, argtypes)
     "cuMemSetAccess": (10020, [c_uint64, c_size_t, POINTER(AccessDesc), c_size_t]),
     "cuMemAddressReserve": (10020, [POINTER(c_uint64), c_size_t, c_size_t, c_uint64, c_ulonglong]),
     "cuMemAddressFree": (10020, [c_uint64, c_size_t]),
+    "cuModuleLoadData": (2000, [POINTER(c_void_p), ctypes.c_char_p]),
+    "cuModuleGetFunction": (2000, [POINTER(c_void_p), c_void_p, ctypes.c_char_p]),
+    "cuLaunchKernel": (4000, [c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_void_p,
+                              POINTER(c_void_p), c_void_p]),
 }
 
 
@@ -132,7 +141,10 @@ def check_words(cuda: Driver, ptr: int, nbytes: int, first: int, second: int) ->
     return True
 
 
-def gbps(nbytes: int, seconds: float) -> float:
+def gbps(nbytes: int, seconds: float) -> float | None:
+    """GB/s; None for a move that was not measured (negative seconds)."""
+    if seconds < 0:
+        return None
     return round(nbytes / seconds / 1e9, 2) if seconds > 0 else float("inf")
 
 
@@ -282,6 +294,190 @@ def overlap(nbytes: int) -> dict:
     return out
 
 
+# --- part 5: a handoff's two moves at once, in two processes -------------------------------------
+
+HANDOFF_BATCH = 512 << 20  # as the swap engine's batches
+HANDOFF_ACTIONS = {
+    # name: (direction, with the discard / discard-and-prefetch, the copies (None, "ce": the copy
+    # engines, cuMemcpy*Async; "kernel": COPY_PTX on the SMs), streams)
+    "out": ("out", True, "ce", 2),          # the engine's swap-out: copies into the area, then discards
+    "out_copies": ("out", False, "ce", 2),  # its copies alone (the pages stay)
+    "out_copies_1": ("out", False, "ce", 1),  # the same on one stream
+    "out_kernel": ("out", True, "kernel", 1),  # the swap-out with a kernel writing the area
+    "in": ("in", True, "ce", 1),            # the engine's swap-in: pages made anew, then copies back
+    "in_copies": ("in", False, "ce", 1),    # copies into pages that are still there
+    "in_pages": ("in", True, None, 1),      # making the pages anew alone
+    "in_kernel": ("in", True, "kernel", 1),  # the swap-in with a kernel reading the area
+    "in_blocks": ("in", True, "blocks", 1),  # the swap-in as the engine makes it: a range and a copy a block
+}
+HANDOFF_BLOCK = 64 << 20  # the interceptor's blocks of converted memory (memory.c)
+# nvshare_copy(uint64 dst, uint64 src, uint64 count): a grid-stride loop copying `count` units
+# of 16 bytes; pinned host memory is in the device's address space (UVA).
+COPY_PTX = """\
+.version 6.0
+.target sm_60
+.address_size 64
+
+.visible .entry nvshare_copy(.param .u64 dst, .param .u64 src, .param .u64 count)
+{
+    .reg .pred %past;
+    .reg .b32 %block, %threads, %thread, %blocks;
+    .reg .b64 %d, %s, %n, %index, %stride, %lane, %offset, %from, %to, %x, %y;
+
+    ld.param.u64 %d, [dst];
+    ld.param.u64 %s, [src];
+    ld.param.u64 %n, [count];
+    cvta.to.global.u64 %d, %d;
+    cvta.to.global.u64 %s, %s;
+    mov.u32 %block, %ctaid.x;
+    mov.u32 %threads, %ntid.x;
+    mov.u32 %thread, %tid.x;
+    mov.u32 %blocks, %nctaid.x;
+    mul.wide.u32 %index, %block, %threads;
+    cvt.u64.u32 %lane, %thread;
+    add.u64 %index, %index, %lane;
+    mul.wide.u32 %stride, %blocks, %threads;
+LOOP:
+    setp.ge.u64 %past, %index, %n;
+    @%past bra DONE;
+    shl.b64 %offset, %index, 4;
+    add.u64 %from, %s, %offset;
+    add.u64 %to, %d, %offset;
+    ld.global.v2.u64 {%x, %y}, [%from];
+    st.global.v2.u64 [%to], {%x, %y};
+    add.u64 %index, %index, %stride;
+    bra LOOP;
+DONE:
+    ret;
+}
+"""
+
+
+def handoff_child(nbytes: int, family: str) -> None:
+    """Device memory of `family` (managed, as nvshare converts it; plain: cuMemAlloc, for the
+    copies only) and a pinned area as large; told on stdin an action of HANDOFF_ACTIONS and when
+    to start it (a CLOCK_MONOTONIC time), it first puts its memory where the action starts from
+    (out of the clock), then moves it in batches as the engine does (two in flight; on two
+    streams in turn or on one) and prints the seconds it took."""
+    cuda = Driver()
+    cuda.context(0)
+    api = Api()
+    streams = [cuda.create_stream(), cuda.create_stream()]
+    area = c_void_p()
+    api.check("cuMemHostAlloc", byref(area), nbytes, 0)
+    managed = cuda.alloc(nbytes, family)
+    cuda.fill(managed, 5, nbytes // 4)
+    cuda.synchronize()
+    here = (Location * 1)(Location(CU_MEM_LOCATION_TYPE_DEVICE, 0))
+    index = (c_size_t * 1)(0)
+    batches = [(offset, min(HANDOFF_BATCH, nbytes - offset)) for offset in range(0, nbytes, HANDOFF_BATCH)]
+    resident = True
+    module, copy_kernel = c_void_p(), c_void_p()
+    try:
+        api.check("cuModuleLoadData", byref(module), COPY_PTX.encode())
+        api.check("cuModuleGetFunction", byref(copy_kernel), module, b"nvshare_copy")
+    except RuntimeError:  # the simulated driver runs only its own kernels
+        copy_kernel = None
+
+    def kernel_copy(dst: int, src: int, size: int, stream: c_void_p) -> None:
+        arguments = [c_uint64(dst), c_uint64(src), c_uint64(size // 16)]
+        pointers = (c_void_p * 3)(*(ctypes.addressof(argument) for argument in arguments))
+        api.check("cuLaunchKernel", copy_kernel, 132 * 8, 1, 1, 256, 1, 1, 0, stream, pointers, None)
+
+    def move(direction: str, pages: bool, copies: str | None, n_streams: int) -> None:
+        in_flight: list[int] = []
+        for k, (offset, size) in enumerate(batches):
+            stream = c_void_p(streams[k % n_streams])
+            ptrs, sizes = (c_uint64 * 1)(managed + offset), (c_size_t * 1)(size)
+            host = c_void_p(area.value + offset)
+            if copies == "blocks":  # the batch's blocks as ranges of one call, and a copy each
+                starts = range(offset, offset + size, HANDOFF_BLOCK)
+                ptrs = (c_uint64 * len(starts))(*(managed + start for start in starts))
+                sizes = (c_size_t * len(starts))(*(min(HANDOFF_BLOCK, offset + size - start) for start in starts))
+                api.check("cuMemDiscardAndPrefetchBatchAsync", ptrs, sizes, len(starts), here, index, 1, 0, stream)
+                for start, block in zip(starts, sizes):
+                    api.check("cuMemcpyHtoDAsync", managed + start, c_void_p(area.value + start), block, stream)
+            elif direction == "in" and pages:
+                api.check("cuMemDiscardAndPrefetchBatchAsync", ptrs, sizes, 1, here, index, 1, 0, stream)
+            if copies == "kernel":
+                source, target = (managed + offset, host.value) if direction == "out" else (host.value, managed + offset)
+                kernel_copy(target, source, size, stream)
+            elif copies == "ce" and direction == "out":
+                api.check("cuMemcpyDtoHAsync", host, managed + offset, size, stream)
+            elif copies == "ce":
+                api.check("cuMemcpyHtoDAsync", managed + offset, host, size, stream)
+            if direction == "out" and pages:
+                api.check("cuMemDiscardBatchAsync", ptrs, sizes, 1, 0, stream)
+            in_flight.append(stream.value)
+            if len(in_flight) == 2:
+                cuda.stream_synchronize(in_flight.pop(0))
+        for stream_ in in_flight:
+            cuda.stream_synchronize(stream_)
+
+    print("ready", flush=True)
+    for line in sys.stdin:
+        action, at = line.split()
+        direction, pages, copies, n_streams = HANDOFF_ACTIONS[action]
+        if copies == "kernel" and copy_kernel is None:
+            print(-1, flush=True)  # not measured
+            continue
+        # Where the action starts from: out from resident memory; in from discarded memory,
+        # except the copies alone, which need the pages there.
+        want_resident = direction == "out" or not pages
+        if want_resident and not resident:
+            move("in", True, "ce", 1)
+        elif not want_resident and resident:
+            move("out", True, "ce", 2)
+        resident = want_resident
+        while time.monotonic() < float(at):
+            pass
+        start = time.perf_counter()
+        move(direction, pages, copies, n_streams)
+        print(time.perf_counter() - start, flush=True)
+        resident = direction == "in" or not pages
+
+
+def handoff(nbytes: int) -> dict:
+    """Each move alone, then the swap-out of one process beside the swap-in of the other, and
+    the same with one side reduced to its copies or its page work: which of them slows the
+    other down when a handoff's two moves overlap; the copies again with cuMemAlloc memory."""
+    children = [subprocess.Popen([sys.executable, __file__, "--handoff-child", str(nbytes), family],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                for family in ("managed", "managed", "plain", "plain")]
+    for child in children:
+        if child.stdout.readline().strip() != "ready":
+            raise SystemExit("a handoff child failed")
+
+    def run(first: str, second: str | None, pair: int = 0) -> list[float]:
+        """The first action in one child, the second in the other, of the managed pair (0) or
+        the plain one (1)."""
+        at = time.monotonic() + 2.0  # time to put the memory where the action starts from
+        one, other = children[2 * pair:2 * pair + 2]
+        plan = [(one, first)] + ([(other, second)] if second else [])
+        for child, action in plan:
+            child.stdin.write(f"{action} {at}\n")
+            child.stdin.flush()
+        return [float(child.stdout.readline()) for child, _ in plan]
+
+    out: dict = {"bytes_each": nbytes, "batch": HANDOFF_BATCH}
+    for action in HANDOFF_ACTIONS:
+        out[f"{action}_alone_GBps"] = [gbps(nbytes, run(action, None)[0]) for _ in range(2)]
+    for first, second in (("out", "in"), ("out_copies", "in"), ("out", "in_copies"), ("out", "in_pages"),
+                          ("out_copies", "in_copies"), ("out_copies_1", "in_copies"), ("out_kernel", "in"),
+                          ("out", "in_kernel")):
+        measured = [run(first, second) for _ in range(2)]
+        out[f"{first}_beside_{second}_GBps"] = [[gbps(nbytes, a), gbps(nbytes, b)] for a, b in measured]
+    for first, second in (("out_copies", None), ("in_copies", None), ("out_copies", "in_copies"),
+                          ("out_copies_1", "in_copies")):
+        measured = [run(first, second, pair=1) for _ in range(2)]
+        out[f"plain_{first}" + (f"_beside_{second}" if second else "_alone") + "_GBps"] = [
+            [gbps(nbytes, t) for t in times] for times in measured]
+    for child in children:
+        child.stdin.close()
+        child.wait(timeout=60)
+    return out
+
+
 # --- part 4: how fast pinned memory can be had ---------------------------------------------------------
 
 
@@ -359,6 +555,34 @@ def pinning(nbytes: int) -> dict:
     out["register_thp_s_per_gib"] = register(True, 1)
     out["register_4_threads_s_per_gib"] = register(False, 4)
     out["register_thp_4_threads_s_per_gib"] = register(True, 4)
+
+    def populated_then_registered(threads: int, size: int) -> tuple[float, float]:
+        """Transparent huge pages made present first (MADV_POPULATE_WRITE, from `threads` threads,
+        each its own regions of `size`), then registered one after the other: seconds per GiB
+        of each step (population None where the kernel has no MADV_POPULATE_WRITE, 5.14+)."""
+        regions = []
+        for _ in range(count * chunk // size):
+            region = libc.mmap(None, size, 3, 0x22, -1, 0)
+            libc.madvise(c_void_p(region), size, 14)  # MADV_HUGEPAGE
+            regions.append(region)
+        failed = []
+
+        def populate(mine: list[int]) -> None:
+            failed.extend(region for region in mine if libc.madvise(c_void_p(region), size, 23) != 0)
+
+        populating = timed_on_threads(populate, [regions[k::threads] for k in range(threads)])
+        registering = timed_on_threads(lambda mine: [api.check("cuMemHostRegister", c_void_p(region), size, 1)
+                                                     for region in mine], [regions])
+        for region in regions:
+            api.check("cuMemHostUnregister", c_void_p(region))
+            libc.munmap(c_void_p(region), size)
+        return (None if failed else populating), registering
+
+    for threads in (1, 4):
+        out[f"populate_thp_{threads}_threads_s_per_gib"], out[f"register_populated_thp_{threads}_s_per_gib"] = \
+            populated_then_registered(threads, chunk)
+    out["populate_thp_4_threads_512mib_s_per_gib"], out["register_populated_thp_512mib_s_per_gib"] = \
+        populated_then_registered(4, 8 * chunk)
     return out
 
 
@@ -421,21 +645,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=8.0)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--parts", nargs="+", default=["engine", "overlap", "vmm", "pinning"],
-                        choices=("engine", "overlap", "vmm", "pinning"))
+    parser.add_argument("--parts", nargs="+", default=["engine", "overlap", "vmm", "pinning", "handoff"],
+                        choices=("engine", "overlap", "vmm", "pinning", "handoff"))
     parser.add_argument("--part", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--overlap-child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--handoff-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.overlap_child:
         overlap_child(args.overlap_child)
         return
+    if args.handoff_child:
+        handoff_child(int(args.handoff_child[0]), args.handoff_child[1])
+        return
     if args.part:
         part, nbytes = args.part[0], int(args.part[1])
-        print(json.dumps({"engine": engine, "overlap": overlap, "vmm": vmm, "pinning": pinning}[part](nbytes)))
+        print(json.dumps({"engine": engine, "overlap": overlap, "vmm": vmm, "pinning": pinning,
+                          "handoff": handoff}[part](nbytes)))
         return
     nbytes = int(args.gib * GIB) // (2 << 20) * (2 << 20)
     started = time.monotonic()
-    sizes = {"engine": nbytes, "overlap": nbytes // 2, "vmm": nbytes // 2, "pinning": nbytes // 2}
+    sizes = {"engine": nbytes, "overlap": nbytes // 2, "vmm": nbytes // 2, "pinning": nbytes // 2,
+             "handoff": nbytes // 2}
     document = {"benchmark": "swap-paths", "gib": args.gib,
                 **{part: in_child(part, sizes[part]) for part in args.parts}}
     document["elapsed_s"] = round(time.monotonic() - started, 1)
@@ -453,7 +683,8 @@ def main() -> None:
                   f" s, discard+prefetch {r.get('discard_prefetch_s')} s, intact {r['intact']}", file=sys.stderr)
         print(f"prefetch: {e['prefetch']}; pinned alloc {e['host_alloc_s_per_gib']} s/GiB, register "
               f"{e['host_register_s_per_gib']} s/GiB", file=sys.stderr)
-    print(json.dumps({k: document[k] for k in ("overlap", "vmm", "pinning") if k in document}, indent=1), file=sys.stderr)
+    print(json.dumps({k: document[k] for k in ("overlap", "vmm", "pinning", "handoff") if k in document}, indent=1),
+          file=sys.stderr)
     print(text)
 
 

@@ -22,9 +22,12 @@ lock passes to a *grantee*, it wants all of its memory back (`used`, at most the
 
 Handoffs are pipelined (issue 18): the holder is told with CONTENDED what its release will move
 out, so that it moves it as its quantum ends; as it reports the move (MEMORY resident=, piece by
-piece), the next waiter is allowed to bring its own memory back into the room made (PREFETCH),
-over the other direction of the link; its gate opens once the rest came back after the GRANT. A
-handoff thus stalls the grantee for about the larger of the two moves, not their sum.
+piece), the next waiter is allowed to bring its own memory back into the room made (PREFETCH);
+its gate opens once the rest came back after the GRANT. The two moves do not add up to twice the
+link, though: on an H200 two processes' copies of managed memory the opposite ways ran at 24 GB/s
+each (with the pages made anew on one side, 40 and 24), where cuMemAlloc memory's ran at 51 and
+50 (benchmarks/results/swap-paths-h200-2026-11-28-handoff*.json). So a handoff is priced as the
+two moves one after the other; the pipeline saves the messages and start-ups between them.
 """
 
 from __future__ import annotations
@@ -201,13 +204,13 @@ def report_engine(pair: _Pair, engine: str, area: int | None, out_bps: int, in_b
 
 def handoff_seconds(dev: _Device, holder: _Pair, grantee: _Pair | None) -> float:
     """How long a handoff from `holder` to `grantee` stalls the grantee for swapping: the holder's
-    eviction at its measured pace out, the grantee's swapped memory at its pace in; pipelined,
-    the two overlap, so the longer one counts. 0 when nothing moves."""
+    eviction at its measured pace out, then the grantee's swapped memory at its pace in (the two
+    processes' moves share the link, see above). 0 when nothing moves."""
     if grantee is None or dev.mode == "off" or dev.budget <= 0:
         return 0.0
     out = _out_seconds(holder, evict_on_drop(dev, holder, grantee))
     back = min(grantee.swapped, converted(grantee)) / (grantee.swap.in_bps or UNMEASURED_COPY_BPS)
-    moves = max(out, back)
+    moves = out + back
     return moves + HANDOFF_OVERHEAD_S if moves > 0 else 0.0
 
 

@@ -29,6 +29,7 @@ struct endpoint_use {
     int known;                    /* driver memory; otherwise pageable host memory */
     int host;                     /* pinned host, managed or pageable memory */
     int device_side;              /* memory on the device's side of the link (managed included) */
+    int managed;                  /* managed memory */
 };
 
 static CUresult classify(uintptr_t ptr, size_t bytes, enum side side, struct endpoint_use *use)
@@ -39,6 +40,7 @@ static CUresult classify(uintptr_t ptr, size_t bytes, enum side side, struct end
         return CUDA_ERROR_INVALID_VALUE;
     use->host = !use->known || family == SIM_MEM_HOST || family == SIM_MEM_MANAGED;
     use->device_side = use->known && family != SIM_MEM_HOST;
+    use->managed = use->known && family == SIM_MEM_MANAGED;
     return CUDA_SUCCESS;
 }
 
@@ -47,12 +49,15 @@ static CUresult classify(uintptr_t ptr, size_t bytes, enum side side, struct end
 static void set_link(struct sim_copy *copy, const struct endpoint_use *dst, const struct endpoint_use *src)
 {
     copy->link = SIM_ENGINE_COMPUTE;
+    copy->managed = 0;
     if (src->device_side && !dst->device_side) {
         copy->link = SIM_ENGINE_D2H;
         copy->pageable = !dst->known;
+        copy->managed = src->managed;
     } else if (dst->device_side && !src->device_side) {
         copy->link = SIM_ENGINE_H2D;
         copy->pageable = !src->known;
+        copy->managed = dst->managed;
     }
 }
 

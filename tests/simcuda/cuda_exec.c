@@ -442,7 +442,8 @@ static void cross_link(struct sim_ctx *ctx, const struct sim_op *op, struct outc
             continue;
         if (outcome->link == SIM_ENGINE_COMPUTE)
             outcome->link = copies[i].link;
-        outcome->link_wait += sim_link_transfer(ctx->device, copies[i].link, copy_bytes(&copies[i]), copies[i].pageable);
+        outcome->link_wait += sim_link_transfer(ctx->device, copies[i].link, copy_bytes(&copies[i]), copies[i].pageable,
+                                                copies[i].managed);
     }
 }
 

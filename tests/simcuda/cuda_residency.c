@@ -15,7 +15,9 @@
  *     way a GPU time-slices between contexts; the link has one copy engine per direction
  *     (device to host, host to device), held by copies between device-side memory and host
  *     memory in slices of LINK_SLICE_S. So one process's copies overlap another's kernels and
- *     its copies the other way, and two copies the same way share the bandwidth.
+ *     its copies the other way, and two copies the same way share the bandwidth. Copies of
+ *     managed memory also take turns with each other whichever way they go (simcuda.h, enum
+ *     sim_engine: measured so on an H200).
  *
  * A kernel makes the memory it touches resident before each of its slices, paying
  * SIMCUDA_FAULT_US_PER_MIB for every MiB faulted in and for every MiB it evicts (least recently
@@ -58,7 +60,7 @@
 
 #include "simcuda.h"
 
-#define SHARED_MAGIC 0x5e51de4ce0000003ull /* bump the low digits when the layout changes */
+#define SHARED_MAGIC 0x5e51de4ce0000004ull /* bump the low digits when the layout changes */
 /* Engine tickets remembered for crash recovery: more than the contexts a device ever has. */
 #define ENGINE_RING 256
 #define MIB (1024.0 * 1024.0)
@@ -87,6 +89,10 @@
 #define DEFAULT_PIN_US_PER_MIB (7.5e6 / 16384.0)
 #define DEFAULT_REGISTER_US_PER_MIB (0.2877e6 / 1024.0)
 #define DEFAULT_REGISTER_HUGE_US_PER_MIB (0.1857e6 / 1024.0)
+/* Registering pages that are present already (MADV_POPULATE_WRITE first): 0.021-0.026 s per GiB,
+ * the population itself 0.18 s per GiB on one thread, 0.05 on four
+ * (benchmarks/results/swap-paths-h200-2026-11-28-pinning.json). */
+#define DEFAULT_REGISTER_PRESENT_US_PER_MIB (0.0246e6 / 1024.0)
 #define DEFAULT_TIMESLICE_US 2000.0
 
 struct slot {
@@ -117,7 +123,7 @@ struct shared_device {
 
 struct costs {
     double fault, prefetch_in, prefetch_out, first_out, discard_prefetch, pinned, pageable; /* s/byte */
-    double pin, register_pages, register_huge;                                              /* s/byte */
+    double pin, register_pages, register_huge, register_present;                            /* s/byte */
     double timeslice_s;
 };
 
@@ -246,6 +252,8 @@ CUresult sim_residency_open(void)
         {"SIMCUDA_PIN_US_PER_MIB", DEFAULT_PIN_US_PER_MIB, offsetof(struct costs, pin)},
         {"SIMCUDA_REGISTER_US_PER_MIB", DEFAULT_REGISTER_US_PER_MIB, offsetof(struct costs, register_pages)},
         {"SIMCUDA_REGISTER_HUGE_US_PER_MIB", DEFAULT_REGISTER_HUGE_US_PER_MIB, offsetof(struct costs, register_huge)},
+        {"SIMCUDA_REGISTER_PRESENT_US_PER_MIB", DEFAULT_REGISTER_PRESENT_US_PER_MIB,
+         offsetof(struct costs, register_present)},
     };
     /* Every rate at once: a slower machine in the same proportions, so that what is modelled
      * outweighs the real copying of the bytes on the host that runs the simulation. */
@@ -333,7 +341,8 @@ void sim_engine_leave(const struct sim_device *device)
         engine_leave(shared[device->index], SIM_ENGINE_COMPUTE);
 }
 
-double sim_link_transfer(const struct sim_device *device, enum sim_engine direction, size_t bytes, int pageable)
+double sim_link_transfer(const struct sim_device *device, enum sim_engine direction, size_t bytes, int pageable,
+                         int managed)
 {
     struct shared_device *state = shared[device->index];
     if (!state || bytes == 0)
@@ -344,8 +353,13 @@ double sim_link_transfer(const struct sim_device *device, enum sim_engine direct
         slice = 1;
     for (size_t done = 0; done < bytes;) {
         size_t part = bytes - done < slice ? bytes - done : slice;
+        /* Always the direction's engine first: two copies never wait for each other's second. */
         waited += engine_enter(state, direction);
+        if (managed)
+            waited += engine_enter(state, SIM_ENGINE_MANAGED_LINK);
         sim_sleep_until(sim_now() + (double)part * per_byte);
+        if (managed)
+            engine_leave(state, SIM_ENGINE_MANAGED_LINK);
         engine_leave(state, direction);
         done += part;
     }
@@ -400,23 +414,40 @@ static int advised_huge(uintptr_t start, size_t bytes)
     return huge && covered >= end;
 }
 
+/* The bytes of [start, start + bytes) whose pages are present (mincore); 0 where it cannot tell. */
+static size_t present_bytes(uintptr_t start, size_t bytes)
+{
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    uintptr_t first = start & ~(uintptr_t)(page - 1);
+    size_t pages = (start + bytes - first + page - 1) / page, present = 0;
+    unsigned char *map = malloc(pages);
+    if (map && mincore((void *)first, start + bytes - first, map) == 0)
+        for (size_t i = 0; i < pages; i++)
+            present += map[i] & 1;
+    free(map);
+    present *= page;
+    return present < bytes ? present : bytes;
+}
+
 /* Pinning: the real driver locks the pages in (populating them), which costs per byte: what it
  * allocates itself at one rate, what it registers at another, faster when transparent huge pages
- * back it (fewer, larger pages to lock). */
+ * back it (fewer, larger pages to lock), and fastest for pages already present (populating them
+ * is most of the price). */
 void sim_pin_cost(const struct sim_ctx *ctx, void *ptr, size_t bytes, enum sim_pinning how)
 {
     if (!modelled)
         return;
     double start = sim_now();
     int huge = how == SIM_PIN_REGISTERED && advised_huge((uintptr_t)ptr, bytes);
+    size_t present = how == SIM_PIN_REGISTERED ? present_bytes((uintptr_t)ptr, bytes) : 0;
     double per_byte = how == SIM_PIN_ALLOCATED ? costs.pin : huge ? costs.register_huge : costs.register_pages;
     host_populate((uintptr_t)ptr, bytes);
-    sim_sleep_until(start + (double)bytes * per_byte);
-    char fields[160];
+    sim_sleep_until(start + (double)(bytes - present) * per_byte + (double)present * costs.register_present);
+    char fields[200];
     snprintf(fields, sizeof fields,
-             "\"op\": \"pin\", \"how\": \"%s\", \"huge\": %s, \"ptr\": %llu, \"bytes\": %zu",
+             "\"op\": \"pin\", \"how\": \"%s\", \"huge\": %s, \"ptr\": %llu, \"bytes\": %zu, \"present\": %zu",
              how == SIM_PIN_ALLOCATED ? "allocated" : "registered", huge ? "true" : "false",
-             (unsigned long long)(uintptr_t)ptr, bytes);
+             (unsigned long long)(uintptr_t)ptr, bytes, present);
     sim_trace_write(ctx, fields, start, sim_now());
 }
 

@@ -157,9 +157,11 @@ static inline size_t sim_extent(size_t width, size_t height, size_t depth, size_
 }
 
 /* A strided 3D copy; 1D and 2D copies have depth (and height) 1. */
-/* The engines of a device's residency model (cuda_residency.c): the compute engine, and the
- * link's copy engine in each direction. */
-enum sim_engine { SIM_ENGINE_COMPUTE, SIM_ENGINE_D2H, SIM_ENGINE_H2D, SIM_ENGINE_COUNT };
+/* The engines of a device's residency model (cuda_residency.c): the compute engine, the link's
+ * copy engine in each direction, and the turns that copies of managed memory take (either way,
+ * whichever process: on an H200 two processes' managed copies the opposite ways ran at 24 GB/s
+ * each where cuMemAlloc memory's ran at 51 and 50, benchmarks/results/swap-paths-h200-2026-11-28-handoff.json). */
+enum sim_engine { SIM_ENGINE_COMPUTE, SIM_ENGINE_D2H, SIM_ENGINE_H2D, SIM_ENGINE_MANAGED_LINK, SIM_ENGINE_COUNT };
 
 struct sim_copy {
     uintptr_t dst, src;
@@ -172,6 +174,7 @@ struct sim_copy {
      * its host side is not pinned. */
     enum sim_engine link;
     int pageable;
+    int managed;                  /* its device side is managed memory */
 };
 
 struct sim_set {
@@ -400,9 +403,11 @@ double sim_residency_timeslice(void);
 void sim_engine_enter(const struct sim_device *device);
 void sim_engine_leave(const struct sim_device *device);
 /* Executor, no lock held: moves `bytes` over the device's link in `direction` (SIM_ENGINE_D2H or
- * _H2D) at the pinned or pageable rate, taking turns with other copies in that direction;
- * returns the seconds spent waiting for turns (0 when residency is not modelled). */
-double sim_link_transfer(const struct sim_device *device, enum sim_engine direction, size_t bytes, int pageable);
+ * _H2D) at the pinned or pageable rate, taking turns with other copies in that direction and,
+ * when its device side is `managed` memory, with every other copy of managed memory; returns
+ * the seconds spent waiting for turns (0 when residency is not modelled). */
+double sim_link_transfer(const struct sim_device *device, enum sim_engine direction, size_t bytes, int pageable,
+                         int managed);
 /* How host memory was pinned: allocated by the driver (cuMemHostAlloc, cuMemAllocHost) or the
  * application's own, registered (cuMemHostRegister). */
 enum sim_pinning { SIM_PIN_ALLOCATED, SIM_PIN_REGISTERED };
