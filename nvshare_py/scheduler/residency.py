@@ -134,7 +134,7 @@ def prefetch_ahead(dev: _Device, waiter: _Pair) -> int:
     """PREFETCH's `resident=` for `waiter`, the next one to be granted: how much of its swappable
     memory may be on the device while it still waits, in the room the others leave (0: nothing
     to say). It rises as the holder reports its memory going out, and the waiter's moves in run
-    meanwhile on the other direction of the link."""
+    meanwhile (sharing the link with the holder's moves out)."""
     budget = dev.budget
     if dev.mode == "off" or budget <= 0 or waiter.resident is None or not waiter.swapped:
         return 0
