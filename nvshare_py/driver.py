@@ -35,15 +35,43 @@ from typing import Callable
 
 from .vocabulary import gpu_uuid
 
-__all__ = ["Device", "Driver", "DriverError", "DriverNotFound", "FAMILIES", "KERNELS_PTX", "VIAS"]
+__all__ = ["COPY_PTX", "Device", "Driver", "DriverError", "DriverNotFound", "FAMILIES", "KERNELS_PTX", "VIAS"]
 
-# nvshare_sleep(uint64 duration_us): spins on %globaltimer (nanoseconds) for the duration.
-# nvshare_fill(uint64 dst, uint32 value, uint64 count): a grid-stride loop writing `count` words.
-KERNELS_PTX = """\
+_PTX_HEADER = """\
 .version 6.0
 .target sm_60
 .address_size 64
+"""
 
+
+def _grid_stride(count: str, body: str) -> str:
+    """A grid-stride loop over a 1-D grid, for the kernels below: %index runs from the thread's
+    global index to the register `count` by the grid's size, `body` done for each (the kernel
+    declares the registers: %past, %block, %threads, %thread, %blocks, %index, %stride, %lane)."""
+    return f"""\
+    mov.u32 %block, %ctaid.x;
+    mov.u32 %threads, %ntid.x;
+    mov.u32 %thread, %tid.x;
+    mov.u32 %blocks, %nctaid.x;
+    mul.wide.u32 %index, %block, %threads;
+    cvt.u64.u32 %lane, %thread;
+    add.u64 %index, %index, %lane;
+    mul.wide.u32 %stride, %blocks, %threads;
+LOOP:
+    setp.ge.u64 %past, %index, {count};
+    @%past bra DONE;
+{body}\
+    add.u64 %index, %index, %stride;
+    bra LOOP;
+DONE:
+    ret;
+}}
+"""
+
+
+# nvshare_sleep(uint64 duration_us): spins on %globaltimer (nanoseconds) for the duration.
+# nvshare_fill(uint64 dst, uint32 value, uint64 count): a grid-stride loop writing `count` words.
+KERNELS_PTX = _PTX_HEADER + """
 .visible .entry nvshare_sleep(.param .u64 duration_us)
 {
     .reg .pred %done;
@@ -70,26 +98,35 @@ WAIT:
     ld.param.u32 %word, [value];
     ld.param.u64 %words, [count];
     cvta.to.global.u64 %base, %base;
-    mov.u32 %block, %ctaid.x;
-    mov.u32 %threads, %ntid.x;
-    mov.u32 %thread, %tid.x;
-    mov.u32 %blocks, %nctaid.x;
-    mul.wide.u32 %index, %block, %threads;
-    cvt.u64.u32 %lane, %thread;
-    add.u64 %index, %index, %lane;
-    mul.wide.u32 %stride, %blocks, %threads;
-LOOP:
-    setp.ge.u64 %past, %index, %words;
-    @%past bra DONE;
+""" + _grid_stride("%words", """\
     shl.b64 %offset, %index, 2;
     add.u64 %address, %base, %offset;
     st.global.u32 [%address], %word;
-    add.u64 %index, %index, %stride;
-    bra LOOP;
-DONE:
-    ret;
-}
-"""
+""")
+
+# nvshare_copy(uint64 dst, uint64 src, uint64 count): a grid-stride loop copying `count` units of
+# 16 bytes (pinned host memory is in the device's address space). Not one of Driver's kernels
+# (the simulated driver runs only those above): benchmarks/gpu/bench_swap_paths.py loads it on a
+# real GPU to copy on the SMs instead of the copy engines.
+COPY_PTX = _PTX_HEADER + """
+.visible .entry nvshare_copy(.param .u64 dst, .param .u64 src, .param .u64 count)
+{
+    .reg .pred %past;
+    .reg .b32 %block, %threads, %thread, %blocks;
+    .reg .b64 %d, %s, %n, %index, %stride, %lane, %offset, %from, %to, %x, %y;
+
+    ld.param.u64 %d, [dst];
+    ld.param.u64 %s, [src];
+    ld.param.u64 %n, [count];
+    cvta.to.global.u64 %d, %d;
+    cvta.to.global.u64 %s, %s;
+""" + _grid_stride("%n", """\
+    shl.b64 %offset, %index, 4;
+    add.u64 %from, %s, %offset;
+    add.u64 %to, %d, %offset;
+    ld.global.v2.u64 {%x, %y}, [%from];
+    st.global.v2.u64 [%to], {%x, %y};
+""")
 
 FAMILIES = ("plain", "pitch", "async", "pool", "managed", "host", "vmm")
 """Allocation families of :meth:`Driver.alloc`."""

@@ -93,27 +93,37 @@ def test_copies_over_a_pageable_buffer_cost_more_than_over_a_pinned_one(simcuda,
     assert copy["link"] == "d2h" and copy["end"] - copy["start"] >= 8 * 3000e-6 - SLACK
 
 
+# A copy of 32 MiB at 0.1 s per MiB: 3.2 s of the link alone.
+COPY_ALONE_S = 32 * 100000e-6
+
+
+def copies_at_once(simcuda, tmp_path, family: str, kinds: tuple[str, ...]) -> list[dict]:
+    """Processes that each copy 32 MiB between `family` device memory and pinned memory, the way
+    of its kind ("d2h" or "h2d"), all started at once; their copies' trace lines, each with the
+    kind of the process that made it (`kind`)."""
+    trace = tmp_path / "trace.jsonl"
+    env = residency_env(simcuda, trace, tmp_path, memory="256M", SIMCUDA_PINNED_US_PER_MIB="100000",
+                        SIMCUDA_PIN_US_PER_MIB="0")
+    steps = {"d2h": [f"alloc:{family}:32M", "alloc:host:32M", "dtoh:0:1", "sync"],
+             "h2d": [f"alloc:{family}:32M", "alloc:host:32M", "htod:1:0", "sync"]}
+    processes = [subprocess.Popen(simcuda.simapp_argv(*steps[kind]), env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for kind in kinds]
+    outputs = [process.communicate(timeout=120) for process in processes]
+    assert all(process.returncode == 0 for process in processes), outputs
+    kind_of = {parse_steps(out)[1]["pid"]: kind for (out, _), kind in zip(outputs, kinds)}
+    return [{**c, "kind": kind_of[c["pid"]]} for c in ops(simcuda.read_trace(trace), "memcpy")]
+
+
 def test_the_link_has_one_copy_engine_per_direction_that_processes_share(simcuda, tmp_path):
     """Three processes start a 32 MiB copy each at the same time, each 3.2 s of the link alone:
     the two device-to-host copies take turns on one copy engine (together they wait for about
     one of them), the host-to-device one has the other engine to itself."""
-    trace = tmp_path / "trace.jsonl"
-    env = residency_env(simcuda, trace, tmp_path, memory="256M", SIMCUDA_PINNED_US_PER_MIB="100000",
-                        SIMCUDA_PIN_US_PER_MIB="0")
-    steps = {"d2h": ["alloc:plain:32M", "alloc:host:32M", "dtoh:0:1", "sync"],
-             "h2d": ["alloc:plain:32M", "alloc:host:32M", "htod:1:0", "sync"]}
-    processes = [subprocess.Popen(simcuda.simapp_argv(*steps[kind]), env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for kind in ("d2h", "d2h", "h2d")]
-    outputs = [process.communicate(timeout=120) for process in processes]
-    assert all(process.returncode == 0 for process in processes), outputs
-    pids = {parse_steps(out)[1]["pid"]: kind for (out, _), kind in zip(outputs, ("d2h", "d2h", "h2d"))}
-    copies = ops(simcuda.read_trace(trace), "memcpy")
+    copies = copies_at_once(simcuda, tmp_path, "plain", ("d2h", "d2h", "h2d"))
     assert sorted(c["link"] for c in copies) == ["d2h", "d2h", "h2d"]
-    assert all(c["link"] == pids[c["pid"]] for c in copies)
-    solo = 32 * 100000e-6
-    assert sum(c["link_wait"] for c in copies if c["link"] == "d2h") >= solo / 3
+    assert all(c["link"] == c["kind"] for c in copies)
+    assert sum(c["link_wait"] for c in copies if c["link"] == "d2h") >= COPY_ALONE_S / 3
     [h2d] = [c for c in copies if c["link"] == "h2d"]
-    assert h2d["link_wait"] < solo / 3  # nobody else copied that way
+    assert h2d["link_wait"] < COPY_ALONE_S / 3  # nobody else copied that way
 
 
 def test_copies_of_managed_memory_take_turns_whichever_way_they_go(simcuda, tmp_path):
@@ -122,19 +132,9 @@ def test_copies_of_managed_memory_take_turns_whichever_way_they_go(simcuda, tmp_
     swap-out and the next holder's swap-in do not add up. Two processes start a 32 MiB copy
     each, one out of managed memory, one into it, each 3.2 s of the link alone: they take
     turns, so together they wait about as long as one of them takes."""
-    trace = tmp_path / "trace.jsonl"
-    env = residency_env(simcuda, trace, tmp_path, memory="256M", SIMCUDA_PINNED_US_PER_MIB="100000",
-                        SIMCUDA_PIN_US_PER_MIB="0")
-    steps = {"d2h": ["alloc:managed:32M", "alloc:host:32M", "dtoh:0:1", "sync"],
-             "h2d": ["alloc:managed:32M", "alloc:host:32M", "htod:1:0", "sync"]}
-    processes = [subprocess.Popen(simcuda.simapp_argv(*steps[kind]), env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for kind in ("d2h", "h2d")]
-    outputs = [process.communicate(timeout=120) for process in processes]
-    assert all(process.returncode == 0 for process in processes), outputs
-    copies = ops(simcuda.read_trace(trace), "memcpy")
-    assert sorted(c["link"] for c in copies) == ["d2h", "h2d"], copies
-    solo = 32 * 100000e-6
-    assert sum(c["link_wait"] for c in copies) >= solo / 3, copies
+    copies = copies_at_once(simcuda, tmp_path, "managed", ("d2h", "h2d"))
+    assert sorted((c["link"], c["kind"]) for c in copies) == [("d2h", "d2h"), ("h2d", "h2d")], copies
+    assert sum(c["link_wait"] for c in copies) >= COPY_ALONE_S / 3, copies
 
 
 def test_physical_device_memory_holds_room_that_managed_memory_leaves(simcuda, tmp_path):

@@ -49,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from nvshare_py.driver import Driver  # noqa: E402
+from nvshare_py.driver import COPY_PTX, Driver  # noqa: E402
 
 GIB = 1 << 30
 CU_MEM_LOCATION_TYPE_DEVICE, CU_MEM_LOCATION_TYPE_HOST = 1, 2
@@ -311,46 +311,6 @@ HANDOFF_ACTIONS = {
     "in_blocks": ("in", True, "blocks", 1),  # the swap-in as the engine makes it: a range and a copy a block
 }
 HANDOFF_BLOCK = 64 << 20  # the interceptor's blocks of converted memory (memory.c)
-# nvshare_copy(uint64 dst, uint64 src, uint64 count): a grid-stride loop copying `count` units
-# of 16 bytes; pinned host memory is in the device's address space (UVA).
-COPY_PTX = """\
-.version 6.0
-.target sm_60
-.address_size 64
-
-.visible .entry nvshare_copy(.param .u64 dst, .param .u64 src, .param .u64 count)
-{
-    .reg .pred %past;
-    .reg .b32 %block, %threads, %thread, %blocks;
-    .reg .b64 %d, %s, %n, %index, %stride, %lane, %offset, %from, %to, %x, %y;
-
-    ld.param.u64 %d, [dst];
-    ld.param.u64 %s, [src];
-    ld.param.u64 %n, [count];
-    cvta.to.global.u64 %d, %d;
-    cvta.to.global.u64 %s, %s;
-    mov.u32 %block, %ctaid.x;
-    mov.u32 %threads, %ntid.x;
-    mov.u32 %thread, %tid.x;
-    mov.u32 %blocks, %nctaid.x;
-    mul.wide.u32 %index, %block, %threads;
-    cvt.u64.u32 %lane, %thread;
-    add.u64 %index, %index, %lane;
-    mul.wide.u32 %stride, %blocks, %threads;
-LOOP:
-    setp.ge.u64 %past, %index, %n;
-    @%past bra DONE;
-    shl.b64 %offset, %index, 4;
-    add.u64 %from, %s, %offset;
-    add.u64 %to, %d, %offset;
-    ld.global.v2.u64 {%x, %y}, [%from];
-    st.global.v2.u64 [%to], {%x, %y};
-    add.u64 %index, %index, %stride;
-    bra LOOP;
-DONE:
-    ret;
-}
-"""
 
 
 def handoff_child(nbytes: int, family: str) -> None:
