@@ -35,6 +35,10 @@ Makespan: from the first job's first step to the last job's end (simulated drive
 CLOCK_MONOTONIC step times; real GPU: the jobs' own monotonic stamps). The simulated driver also
 reports the bytes migrated (from its trace).
 
+With `--working-set --gpu`, $NVSHARE_BENCH_LOGS names a folder that keeps every job's stderr
+(its nvshare log, at the caller's NVSHARE_LOG; default `error`), a subfolder per run: at
+NVSHARE_LOG=debug each swap job's line gives its time on the scheduler events' clock.
+
 Prints one JSON document on stdout (`summary`: per regime, job set and mode the makespan and its
 ratio to sequential; `results`: everything measured; `paper`: the paper's ratios); writes colocation-<date>[-quick|-gpu].json and .png (ratios
 per regime and mode beside the paper's, and the TQ sweep) into --out (benchmarks/results); a
