@@ -326,24 +326,23 @@ def lock_history(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def gpu_jobs(argvs: list[list[str]], env: dict[str, str], timeout: float, logs: Path | None = None) -> float:
-    """Runs the jobs at once; the span from the first one's start to the last one's end. With
-    `logs`, each job's stderr (its nvshare log) goes to logs/job<i>.log and stays there: at
-    NVSHARE_LOG=debug it outgrows a pipe nobody reads meanwhile."""
+    """Runs the jobs at once; the span from the first one's start to the last one's end. Each
+    job's stderr (its nvshare log) goes to a file, not a pipe nobody reads meanwhile (at
+    NVSHARE_LOG=debug it outgrows one): with `logs`, logs/job<i>.log, which stays."""
     if logs is not None:
         logs.mkdir(parents=True, exist_ok=True)
-    errs = [open(logs / f"job{i}.log", "w+") if logs is not None else subprocess.PIPE for i in range(len(argvs))]
+    errs = [open(logs / f"job{i}.log", "w+") if logs is not None else tempfile.TemporaryFile("w+")
+            for i in range(len(argvs))]
     processes = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
                  for argv, err in zip(argvs, errs)]
     spans = []
     deadline = time.monotonic() + timeout
     try:
-        for process, err_file in zip(processes, errs):
-            out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        for process, err in zip(processes, errs):
+            out, _ = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
             if process.returncode != 0:
-                if err is None and err_file is not subprocess.PIPE:
-                    err_file.seek(0)
-                    err = err_file.read()
-                raise RuntimeError(f"GPU job failed ({process.returncode}): {err[-2000:]}")
+                err.seek(0)
+                raise RuntimeError(f"GPU job failed ({process.returncode}): {err.read()[-2000:]}")
             spans.append([float(x) for x in out.split()[-2:]])
     except subprocess.TimeoutExpired as expired:
         raise RuntimeError(f"GPU jobs still running after {timeout} s: killed") from expired
@@ -352,9 +351,8 @@ def gpu_jobs(argvs: list[list[str]], env: dict[str, str], timeout: float, logs: 
             if process.poll() is None:
                 process.kill()
                 process.wait()
-        for err_file in errs:
-            if err_file is not subprocess.PIPE:
-                err_file.close()
+        for err in errs:
+            err.close()
     return max(end for _, end in spans) - min(start for start, _ in spans)
 
 

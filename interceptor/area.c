@@ -11,8 +11,8 @@
  * when the memory is advised to transparent huge pages first (the driver pins 2 MiB pages, not
  * 4 KiB ones). Of those 0.19 s, 0.18 are the kernel making the pages present (allocating and
  * zeroing them), which spreads over cores where the driver's pinning does not: made present
- * first (MADV_POPULATE_WRITE) from four threads, a GiB takes 0.05 s, and registering present
- * pages 0.02-0.03 s. So a chunk is an anonymous mapping aligned to 2 MiB, advised MADV_HUGEPAGE,
+ * first (MADV_POPULATE_WRITE) from four threads, a GiB takes 0.05-0.08 s, and registering
+ * present pages 0.02-0.04 s. So a chunk is an anonymous mapping aligned to 2 MiB, advised MADV_HUGEPAGE,
  * made present by up to POPULATE_THREADS threads, registered PORTABLE, and given back with
  * cuMemHostUnregister + munmap. Where registering fails (the driver refuses, no entry point, no
  * mapping) the area warns once and pins its chunks with cuMemHostAlloc from then on; each chunk
@@ -251,18 +251,17 @@ static void *populate_part(void *start) {
  * too). The helpers inherit the pinner's mask: they take no signals meant for the application. */
 static void populate(char *host) {
     long online = sysconf(_SC_NPROCESSORS_ONLN);
-    int threads = online >= 4 * POPULATE_THREADS ? POPULATE_THREADS : online >= 8 ? (int)(online / 4) : 1;
+    int threads = online / 4 < 1 ? 1 : online / 4 > POPULATE_THREADS ? POPULATE_THREADS : (int)(online / 4);
     pthread_t helpers[POPULATE_THREADS];
     int started[POPULATE_THREADS] = {0};
     size_t part = AREA_CHUNK / POPULATE_THREADS;
     /* The parts are fixed (a quarter each); with fewer threads, the calling one takes the rest. */
-    for (int i = 1; i < threads; i++) {
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setstacksize(&attr, 64 * 1024);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 64 * 1024);
+    for (int i = 1; i < threads; i++)
         started[i] = pthread_create(&helpers[i], &attr, populate_part, host + (size_t)i * part) == 0;
-        pthread_attr_destroy(&attr);
-    }
+    pthread_attr_destroy(&attr);
     for (int i = 0; i < POPULATE_THREADS; i++)
         if (!started[i]) populate_part(host + (size_t)i * part);
     for (int i = 1; i < threads; i++)

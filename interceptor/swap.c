@@ -224,15 +224,20 @@ static uint64_t piece_of(const struct nvs_swappable *items, size_t n) {
     return total / 8 < PIECE ? total / 8 : PIECE;
 }
 
-/* The batch's converted blocks in the area (those whose pages a discard gives up or makes
- * anew): their addresses and sizes; how many. */
+/* Whether the batch's item i is a converted block moving through the area (one whose pages a
+ * discard gives up or makes anew). */
+static int area_block(const struct batch *batch, size_t i) {
+    const struct nvs_swappable *item = batch->items[i];
+    return !batch->failed[i] && !item->vmm && item->area != NULL;
+}
+
+/* The batch's converted blocks in the area: their addresses and sizes; how many. */
 static size_t area_blocks(const struct batch *batch, CUdeviceptr *ptrs, size_t *sizes) {
     size_t n = 0;
     for (size_t i = 0; i < batch->n; i++) {
-        const struct nvs_swappable *item = batch->items[i];
-        if (batch->failed[i] || item->vmm || item->area == NULL) continue;
-        ptrs[n] = item->ptr;
-        sizes[n++] = item->size;
+        if (!area_block(batch, i)) continue;
+        ptrs[n] = batch->items[i]->ptr;
+        sizes[n++] = batch->items[i]->size;
     }
     return n;
 }
@@ -276,7 +281,7 @@ static void launch(struct job *job, struct batch *batch) {
         size_t n = area_blocks(batch, ptrs, sizes);
         CUresult r = n > 0 ? discard(ptrs, sizes, n, 0, batch->stream) : CUDA_SUCCESS;
         for (size_t i = 0; r != CUDA_SUCCESS && i < batch->n; i++)
-            if (!batch->failed[i] && !batch->items[i]->vmm && batch->items[i]->area != NULL) fail_out(batch, i, r);
+            if (area_block(batch, i)) fail_out(batch, i, r);
     }
     job->queueing += nvs_now() - since;
     job->launched++;
@@ -373,15 +378,7 @@ static int prepare_in(struct job *job, struct nvs_swappable *item) {
  * a capture runs on d (unless `during_capture`), 1 when there is no context to use (nothing
  * can have been allocated). */
 static int begin(struct job *job, struct nvs_device *d, int out, int during_capture) {
-    memset(job->batches, 0, sizeof job->batches);
-    job->d = d;
-    job->out = out;
-    job->n_streams = out ? 2 : 1;
-    job->pinned_bytes = 0;
-    job->filling = 0;
-    job->in_flight = 0;
-    job->queueing = job->waiting = 0;
-    job->launched = 0;
+    *job = (struct job){.d = d, .out = out, .n_streams = out ? 2 : 1};
     pthread_mutex_lock(&nvs_mu);
     job->capturing = d->captures > 0;
     CUcontext ctx = d->n_contexts > 0 ? d->contexts[0] : NULL;

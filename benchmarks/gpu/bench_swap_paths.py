@@ -297,20 +297,23 @@ def overlap(nbytes: int) -> dict:
 # --- part 5: a handoff's two moves at once, in two processes -------------------------------------
 
 HANDOFF_BATCH = 512 << 20  # as the swap engine's batches
+HANDOFF_BLOCK = 64 << 20  # the interceptor's blocks of converted memory (memory.c)
 HANDOFF_ACTIONS = {
     # name: (direction, with the discard / discard-and-prefetch, the copies (None, "ce": the copy
-    # engines, cuMemcpy*Async; "kernel": COPY_PTX on the SMs), streams)
-    "out": ("out", True, "ce", 2),          # the engine's swap-out: copies into the area, then discards
-    "out_copies": ("out", False, "ce", 2),  # its copies alone (the pages stay)
-    "out_copies_1": ("out", False, "ce", 1),  # the same on one stream
-    "out_kernel": ("out", True, "kernel", 1),  # the swap-out with a kernel writing the area
-    "in": ("in", True, "ce", 1),            # the engine's swap-in: pages made anew, then copies back
-    "in_copies": ("in", False, "ce", 1),    # copies into pages that are still there
-    "in_pages": ("in", True, None, 1),      # making the pages anew alone
-    "in_kernel": ("in", True, "kernel", 1),  # the swap-in with a kernel reading the area
-    "in_blocks": ("in", True, "blocks", 1),  # the swap-in as the engine makes it: a range and a copy a block
+    # engines, cuMemcpy*Async; "kernel": COPY_PTX on the SMs), streams, the ranges a batch's
+    # calls name and its copies move: the whole batch, or a block each)
+    "out": ("out", True, "ce", 2, HANDOFF_BATCH),          # the engine's swap-out: copies into the area, then discards
+    "out_copies": ("out", False, "ce", 2, HANDOFF_BATCH),  # its copies alone (the pages stay)
+    "out_copies_1": ("out", False, "ce", 1, HANDOFF_BATCH),  # the same on one stream
+    "out_kernel": ("out", True, "kernel", 1, HANDOFF_BATCH),  # the swap-out with a kernel writing the area
+    "in": ("in", True, "ce", 1, HANDOFF_BATCH),            # the engine's swap-in: pages made anew, then copies back
+    "in_copies": ("in", False, "ce", 1, HANDOFF_BATCH),    # copies into pages that are still there
+    "in_pages": ("in", True, None, 1, HANDOFF_BATCH),      # making the pages anew alone
+    "in_kernel": ("in", True, "kernel", 1, HANDOFF_BATCH),  # the swap-in with a kernel reading the area
+    "in_blocks": ("in", True, "ce", 1, HANDOFF_BLOCK),     # the swap-in as the engine makes it: a range and a copy a block
 }
-HANDOFF_BLOCK = 64 << 20  # the interceptor's blocks of converted memory (memory.c)
+# The copy kernel's grid: 8 blocks of 256 threads for each of an H100's or H200's 132 SMs.
+COPY_GRID, COPY_THREADS = 132 * 8, 256
 
 
 def handoff_child(nbytes: int, family: str) -> None:
@@ -342,32 +345,28 @@ def handoff_child(nbytes: int, family: str) -> None:
     def kernel_copy(dst: int, src: int, size: int, stream: c_void_p) -> None:
         arguments = [c_uint64(dst), c_uint64(src), c_uint64(size // 16)]
         pointers = (c_void_p * 3)(*(ctypes.addressof(argument) for argument in arguments))
-        api.check("cuLaunchKernel", copy_kernel, 132 * 8, 1, 1, 256, 1, 1, 0, stream, pointers, None)
+        api.check("cuLaunchKernel", copy_kernel, COPY_GRID, 1, 1, COPY_THREADS, 1, 1, 0, stream, pointers, None)
 
-    def move(direction: str, pages: bool, copies: str | None, n_streams: int) -> None:
+    def move(direction: str, pages: bool, copies: str | None, n_streams: int, block: int) -> None:
         in_flight: list[int] = []
         for k, (offset, size) in enumerate(batches):
             stream = c_void_p(streams[k % n_streams])
-            ptrs, sizes = (c_uint64 * 1)(managed + offset), (c_size_t * 1)(size)
-            host = c_void_p(area.value + offset)
-            if copies == "blocks":  # the batch's blocks as ranges of one call, and a copy each
-                starts = range(offset, offset + size, HANDOFF_BLOCK)
-                ptrs = (c_uint64 * len(starts))(*(managed + start for start in starts))
-                sizes = (c_size_t * len(starts))(*(min(HANDOFF_BLOCK, offset + size - start) for start in starts))
-                api.check("cuMemDiscardAndPrefetchBatchAsync", ptrs, sizes, len(starts), here, index, 1, 0, stream)
-                for start, block in zip(starts, sizes):
-                    api.check("cuMemcpyHtoDAsync", managed + start, c_void_p(area.value + start), block, stream)
-            elif direction == "in" and pages:
-                api.check("cuMemDiscardAndPrefetchBatchAsync", ptrs, sizes, 1, here, index, 1, 0, stream)
-            if copies == "kernel":
-                source, target = (managed + offset, host.value) if direction == "out" else (host.value, managed + offset)
-                kernel_copy(target, source, size, stream)
-            elif copies == "ce" and direction == "out":
-                api.check("cuMemcpyDtoHAsync", host, managed + offset, size, stream)
-            elif copies == "ce":
-                api.check("cuMemcpyHtoDAsync", managed + offset, host, size, stream)
+            ranges = [(start, min(block, offset + size - start)) for start in range(offset, offset + size, block)]
+            ptrs = (c_uint64 * len(ranges))(*(managed + start for start, _ in ranges))
+            sizes = (c_size_t * len(ranges))(*(length for _, length in ranges))
+            if direction == "in" and pages:
+                api.check("cuMemDiscardAndPrefetchBatchAsync", ptrs, sizes, len(ranges), here, index, 1, 0, stream)
+            for start, length in ranges:
+                device, host = managed + start, area.value + start
+                if copies == "kernel":
+                    target, source = (host, device) if direction == "out" else (device, host)
+                    kernel_copy(target, source, length, stream)
+                elif copies == "ce" and direction == "out":
+                    api.check("cuMemcpyDtoHAsync", c_void_p(host), device, length, stream)
+                elif copies == "ce":
+                    api.check("cuMemcpyHtoDAsync", device, c_void_p(host), length, stream)
             if direction == "out" and pages:
-                api.check("cuMemDiscardBatchAsync", ptrs, sizes, 1, 0, stream)
+                api.check("cuMemDiscardBatchAsync", ptrs, sizes, len(ranges), 0, stream)
             in_flight.append(stream.value)
             if len(in_flight) == 2:
                 cuda.stream_synchronize(in_flight.pop(0))
@@ -377,7 +376,7 @@ def handoff_child(nbytes: int, family: str) -> None:
     print("ready", flush=True)
     for line in sys.stdin:
         action, at = line.split()
-        direction, pages, copies, n_streams = HANDOFF_ACTIONS[action]
+        direction, pages, copies, n_streams, block = HANDOFF_ACTIONS[action]
         if copies == "kernel" and copy_kernel is None:
             print(-1, flush=True)  # not measured
             continue
@@ -385,14 +384,14 @@ def handoff_child(nbytes: int, family: str) -> None:
         # except the copies alone, which need the pages there.
         want_resident = direction == "out" or not pages
         if want_resident and not resident:
-            move("in", True, "ce", 1)
+            move("in", True, "ce", 1, HANDOFF_BATCH)
         elif not want_resident and resident:
-            move("out", True, "ce", 2)
+            move("out", True, "ce", 2, HANDOFF_BATCH)
         resident = want_resident
         while time.monotonic() < float(at):
             pass
         start = time.perf_counter()
-        move(direction, pages, copies, n_streams)
+        move(direction, pages, copies, n_streams, block)
         print(time.perf_counter() - start, flush=True)
         resident = direction == "in" or not pages
 
