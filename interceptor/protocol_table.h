@@ -87,6 +87,7 @@
     M(EVICT)                      \
     M(CONTENDED)                  \
     M(PREPARE)                    \
+    M(POOL)                       \
     M(PREFETCH)                   \
     M(REVOKE)                     \
     M(MODE)                       \
@@ -134,6 +135,7 @@
     F(CONTENDED, idle_ms, UINT, OPTIONAL, idle_ms, 0, 0)                 \
     F(PREPARE, device, DEVICE, REQUIRED, device, 0, "")                  \
     F(PREPARE, bytes, UINT, REQUIRED, bytes, 0, 0)                       \
+    F(POOL, bytes, UINT, REQUIRED, bytes, 0, 0)                          \
     F(PREFETCH, device, DEVICE, REQUIRED, device, 0, "")                 \
     F(PREFETCH, resident, UINT, REQUIRED, resident, 0, 0)                \
     F(REVOKE, device, DEVICE, REQUIRED, device, 0, "")                   \

@@ -566,6 +566,21 @@ class Prepare(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Pool(Message):
+    """Swapping (see *Residency*): the node's pinned swap pool that this process shares with the
+    other processes of its user (of its pod, in Kubernetes) should hold `bytes`, about what they
+    have moved out or will be asked to. Keep that much of it mapped and registered in this process
+    ahead of need, never on a handoff's path; every device's swap area takes its room from it, so
+    that any process can move all of its memory at the link's speed while the pinned total follows
+    what is out. A process that cannot use the pool (docs/interceptor.md, *Swapping*) keeps a
+    private area as `PREPARE` says. Sent to every process of the user when it changes by at least
+    512 MiB or an eighth (or to or from 0)."""
+
+    TYPE: ClassVar[str] = "POOL"
+    bytes: int  # 0: none is needed any more
+
+
+@dataclass(frozen=True, slots=True)
 class Prefetch(Message):
     """Swapping, to the waiter that will be granted next: bring swapped-out memory back, keeping the
     gate closed, until `resident` bytes of your swappable memory are on the device (room the
@@ -660,8 +675,8 @@ class Status(_StatusDocument):
 
 MESSAGE_CLASSES: Final[tuple[type[Message], ...]] = (Hello, DeviceAnnouncement, Memory, Acquire, Admit, Release,
                                                     Evicted, Heartbeat, Bye, Query, Welcome, Grant, Drop, Evict,
-                                                    Contended, Prepare, Prefetch, Revoke, ModeNotice, Admitted,
-                                                    Refused, Limit, Error, Status)
+                                                    Contended, Prepare, Pool, Prefetch, Revoke, ModeNotice,
+                                                    Admitted, Refused, Limit, Error, Status)
 
 
 # end of generated: messages

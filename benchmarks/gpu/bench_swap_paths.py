@@ -27,7 +27,14 @@ minute on an H100) and on the simulated driver (tests/simcuda, to check the scri
 5. `handoff` (two processes, `--gib`/2 of managed memory and as much pinned memory each): the
    swap engine's moves, batch by batch as it makes them: one process's swap-out beside the
    other's swap-in, and beside each half of it (the copies, the pages made anew), each alone
-   first. `--parts` picks parts (default: all).
+   first.
+6. `shared` (two processes, `--gib`/2 in 512 MiB segments): pinned memory shared between processes,
+   as a node-wide swap pool would have it (issue 29): files in /dev/shm (and in a hugetlbfs mount
+   where one has free pages), mapped MAP_SHARED, made present (fallocate, or MADV_POPULATE_WRITE
+   from 4 threads), registered with cuMemHostRegister in one process and then in a second one that
+   maps the same files; managed memory copied into them and back in each process (the second
+   reads what the first wrote), and what registering costs the device (cuMemGetInfo's free memory)
+   and the host (Shmem in /proc/meminfo). `--parts` picks parts (default: all).
 
 Safety: at most 2 x `--gib` of device memory at once (the engine part's managed buffer and its
 cuMemAlloc ceiling buffer), refused unless that is below a third of the free memory. Writes
@@ -591,6 +598,165 @@ def vmm(nbytes: int) -> dict:
     return out
 
 
+# --- part 6: pinned memory shared between processes (a node-wide swap pool) ------------------------
+
+SEGMENT = 512 << 20
+
+
+def shared_files(directory: Path, count: int) -> list[int]:
+    """`count` files of SEGMENT bytes in `directory`, opened read-write (their descriptors)."""
+    return [os.open(directory / f"segment{k}", os.O_RDWR | os.O_CREAT, 0o600) for k in range(count)]
+
+
+def map_shared(libc, fds: list[int]) -> list[int]:
+    maps = []
+    for fd in fds:
+        os.ftruncate(fd, SEGMENT)
+        address = libc.mmap(None, SEGMENT, 3, 0x01, fd, 0)  # PROT_READ|WRITE, MAP_SHARED
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap of a shared segment failed")
+        libc.madvise(c_void_p(address), SEGMENT, 14)  # MADV_HUGEPAGE: honoured where shmem_enabled allows
+        maps.append(address)
+    return maps
+
+
+def meminfo() -> dict[str, int]:
+    fields = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        name, value = line.split(":", 1)
+        fields[name] = int(value.split()[0]) * 1024
+    return fields
+
+
+def register_all(api: Api, cuda: Driver, maps: list[int]) -> dict:
+    """Registers every segment (PORTABLE): seconds per GiB, and the device memory it took."""
+    free_before = cuda.mem_get_info()[0]
+    start = time.perf_counter()
+    for address in maps:
+        api.check("cuMemHostRegister", c_void_p(address), SEGMENT, CU_MEMHOSTREGISTER_PORTABLE)
+    seconds = time.perf_counter() - start
+    return {"register_s_per_gib": round(seconds / (len(maps) * SEGMENT / GIB), 4),
+            "device_bytes_taken": free_before - cuda.mem_get_info()[0]}
+
+
+def copies_through(api: Api, cuda: Driver, maps: list[int], managed: int, direction: str) -> float:
+    """Managed memory into the segments (out) or back (in), a segment a copy, on one stream."""
+    stream = cuda.create_stream()
+
+    def move() -> None:
+        for k, address in enumerate(maps):
+            if direction == "out":
+                api.check("cuMemcpyDtoHAsync", c_void_p(address), managed + k * SEGMENT, SEGMENT, c_void_p(stream))
+            else:
+                api.check("cuMemcpyHtoDAsync", managed + k * SEGMENT, c_void_p(address), SEGMENT, c_void_p(stream))
+    seconds = timed(cuda, stream, move)
+    cuda.destroy_stream(stream)
+    return seconds
+
+
+def shared_child(directory: str, count: int) -> None:
+    """The second process: maps the files the first one made, registers them, brings what the
+    first one wrote into managed memory of its own and checks it, then copies it out again."""
+    cuda = Driver()
+    cuda.context(0)
+    api = Api()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = c_void_p
+    libc.mmap.argtypes = [c_void_p, c_size_t, c_int, c_int, c_int, ctypes.c_long]
+    libc.madvise.argtypes = [c_void_p, c_size_t, c_int]
+    maps = map_shared(libc, shared_files(Path(directory), count))
+    out = register_all(api, cuda, maps)
+    nbytes = count * SEGMENT
+    managed = cuda.alloc(nbytes, "managed")
+    cuda.fill(managed, 9, nbytes // 4)
+    cuda.synchronize()
+    out["in_GBps"] = gbps(nbytes, copies_through(api, cuda, maps, managed, "in"))
+    out["reads_what_the_first_wrote"] = check_words(cuda, managed, nbytes, 0x55550000, 0x66660000)
+    out["out_GBps"] = gbps(nbytes, copies_through(api, cuda, maps, managed, "out"))
+    for address in maps:
+        api.check("cuMemHostUnregister", c_void_p(address))
+    print(json.dumps(out), flush=True)
+
+
+def shared(nbytes: int) -> dict:
+    import threading
+
+    cuda = Driver()
+    cuda.context(0)
+    api = Api()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = c_void_p
+    libc.mmap.argtypes = [c_void_p, c_size_t, c_int, c_int, c_int, ctypes.c_long]
+    libc.madvise.argtypes = [c_void_p, c_size_t, c_int]
+    libc.munmap.argtypes = [c_void_p, c_size_t]
+    libc.fallocate.argtypes = [c_int, c_int, ctypes.c_long, ctypes.c_long]
+    count = max(2, nbytes // SEGMENT)
+    nbytes = count * SEGMENT
+    info = meminfo()
+    thp = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+    out: dict = {"bytes": nbytes, "segment": SEGMENT,
+                 "shmem_thp": thp.read_text().strip() if thp.exists() else None,
+                 "hugepages_free_bytes": info.get("HugePages_Free", 0) // 1024 * info.get("Hugepagesize", 0)}
+    backings = [("shm", Path("/dev/shm"))]
+    hugetlbfs = Path("/dev/hugepages")
+    if out["hugepages_free_bytes"] >= nbytes and hugetlbfs.is_dir():
+        backings.append(("hugetlbfs", hugetlbfs))
+    managed = cuda.alloc(nbytes, "managed")
+    for name, root in backings:
+        directory = root / f"nvshare-probe-{os.getpid()}"
+        directory.mkdir(mode=0o700)
+        one: dict = {}
+        try:
+            fds = shared_files(directory, count)
+            shmem_before = meminfo().get("Shmem", 0)
+            half = count // 2
+            start = time.perf_counter()
+            for fd in fds[:half]:
+                if libc.fallocate(fd, 0, 0, SEGMENT) != 0:
+                    raise OSError(ctypes.get_errno(), "fallocate")
+            one["fallocate_s_per_gib"] = round((time.perf_counter() - start) / (half * SEGMENT / GIB), 4)
+            maps = map_shared(libc, fds)
+            rest = maps[half:]
+            start = time.perf_counter()
+            failed: list[int] = []
+            workers = [threading.Thread(target=lambda mine: failed.extend(
+                a for a in mine if libc.madvise(c_void_p(a), SEGMENT, 23) != 0), args=(rest[k::4],)) for k in range(4)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+            one["populate_4_threads_s_per_gib"] = (None if failed else
+                                                   round((time.perf_counter() - start) / (len(rest) * SEGMENT / GIB), 4))
+            after = meminfo()
+            one["shmem_added_bytes"] = after.get("Shmem", 0) - shmem_before
+            one["shmem_huge_pages_bytes"] = after.get("ShmemHugePages", 0)
+            one.update(register_all(api, cuda, maps))
+            cuda.fill(managed, 0x55550000, nbytes // 8)
+            cuda.fill(managed + nbytes // 2, 0x66660000, nbytes // 4 - nbytes // 8)
+            cuda.synchronize()
+            one["out_GBps"] = gbps(nbytes, copies_through(api, cuda, maps, managed, "out"))
+            one["in_GBps"] = gbps(nbytes, copies_through(api, cuda, maps, managed, "in"))
+            one["intact"] = check_words(cuda, managed, nbytes, 0x55550000, 0x66660000)
+            run = subprocess.run([sys.executable, __file__, "--shared-child", str(directory), str(count)],
+                                 capture_output=True, text=True, timeout=300)
+            one["second_process"] = (json.loads(run.stdout.splitlines()[-1]) if run.returncode == 0
+                                     else {"error": run.stderr[-2000:]})
+            for address in maps:
+                api.check("cuMemHostUnregister", c_void_p(address))
+                libc.munmap(c_void_p(address), SEGMENT)
+            for fd in fds:
+                os.close(fd)
+        except (OSError, RuntimeError) as exc:
+            one["error"] = str(exc)
+        finally:
+            for path in directory.iterdir():
+                path.unlink()
+            directory.rmdir()
+        out[name] = one
+    cuda.free(managed)
+    return out
+
+
 def in_child(part: str, nbytes: int) -> dict:
     """Each part in a process of its own: a clean context, and its memory gone afterwards."""
     run = subprocess.run([sys.executable, __file__, "--part", part, str(nbytes)], capture_output=True, text=True,
@@ -604,12 +770,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=8.0)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--parts", nargs="+", default=["engine", "overlap", "vmm", "pinning", "handoff"],
-                        choices=("engine", "overlap", "vmm", "pinning", "handoff"))
+    parser.add_argument("--parts", nargs="+", default=["engine", "overlap", "vmm", "pinning", "handoff", "shared"],
+                        choices=("engine", "overlap", "vmm", "pinning", "handoff", "shared"))
     parser.add_argument("--part", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--overlap-child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--handoff-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--shared-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.shared_child:
+        shared_child(args.shared_child[0], int(args.shared_child[1]))
+        return
     if args.overlap_child:
         overlap_child(args.overlap_child)
         return
@@ -619,12 +789,12 @@ def main() -> None:
     if args.part:
         part, nbytes = args.part[0], int(args.part[1])
         print(json.dumps({"engine": engine, "overlap": overlap, "vmm": vmm, "pinning": pinning,
-                          "handoff": handoff}[part](nbytes)))
+                          "handoff": handoff, "shared": shared}[part](nbytes)))
         return
     nbytes = int(args.gib * GIB) // (2 << 20) * (2 << 20)
     started = time.monotonic()
     sizes = {"engine": nbytes, "overlap": nbytes // 2, "vmm": nbytes // 2, "pinning": nbytes // 2,
-             "handoff": nbytes // 2}
+             "handoff": nbytes // 2, "shared": nbytes // 2}
     document = {"benchmark": "swap-paths", "gib": args.gib,
                 **{part: in_child(part, sizes[part]) for part in args.parts}}
     document["elapsed_s"] = round(time.monotonic() - started, 1)
@@ -642,7 +812,8 @@ def main() -> None:
                   f" s, discard+prefetch {r.get('discard_prefetch_s')} s, intact {r['intact']}", file=sys.stderr)
         print(f"prefetch: {e['prefetch']}; pinned alloc {e['host_alloc_s_per_gib']} s/GiB, register "
               f"{e['host_register_s_per_gib']} s/GiB", file=sys.stderr)
-    print(json.dumps({k: document[k] for k in ("overlap", "vmm", "pinning", "handoff") if k in document}, indent=1),
+    print(json.dumps({k: document[k] for k in ("overlap", "vmm", "pinning", "handoff", "shared")
+                      if k in document}, indent=1),
           file=sys.stderr)
     print(text)
 
