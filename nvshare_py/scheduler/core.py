@@ -38,6 +38,7 @@ from ..vocabulary import GPU_UUID, MODE
 from . import gangs, residency
 from .admission import Admit, AdmissionBook, AdmissionConfig, Decision, Refuse, Waiter
 from . import fairshare
+from .records import Client, Device, Hold, Pair
 from .events import (
     AcquireRequest,
     Action,
@@ -148,156 +149,11 @@ class CoreConfig:
             raise ValueError(f"ageing must be a whole number of grants from 0 to 1000000, not {self.ageing!r}")
 
 
-# --- internal state ------------------------------------------------------------------------
-
-
-class _Hold:
-    """One grant. `state` is holding, draining (DROP sent for `reason`, `deadline` is when the
-    grace ends) or overdue (revoked, RELEASE not seen yet). `contended`: CONTENDED was sent in
-    the device's current contention episode, announcing the quantum end `told_end`. `klass`
-    and `aged_from`: the holder's priority class and the device's grant count when it began to
-    wait (when granted, if it did not wait), so that it ages on as a waiter would: a waiter of a
-    higher effective class cuts its quantum short (SchedulerCore.quantum_end)."""
-
-    __slots__ = ("grant", "since", "state", "deadline", "reason", "contended", "told_end", "klass", "aged_from",
-                 "told_swap", "turn")
-
-    def __init__(self, grant: int, since: float, klass: int, aged_from: int) -> None:
-        self.grant = grant
-        self.since = since
-        self.state = "holding"
-        self.deadline = 0.0
-        self.reason = ""
-        self.contended = False
-        self.told_end = 0.0  # the quantum end CONTENDED announced
-        self.klass = klass
-        self.aged_from = aged_from
-        self.told_swap = (0, 0)  # CONTENDED's evict= and idle_ms= as last told (residency.py)
-        self.turn: gangs.Turn | None = None  # the gang's turn it was granted in (gangs.py)
-
-
-class _Client:
-    __slots__ = ("key", "cid", "info", "connected", "last_seen", "pairs", "told_every", "told", "gang", "claims_left",
-                 "claims_believed")
-
-    def __init__(self, key: ClientKey, cid: str, info: ClientInfo, now: float) -> None:
-        self.key = key
-        self.cid = cid
-        self.info = info
-        self.connected = now
-        self.last_seen = now
-        self.pairs: dict[str, _Pair] = {}  # by device id
-        # The memory limits this registration was told (LIMIT, 0: none): for every device,
-        # and for the devices it was told of one by one (those override the former).
-        self.told_every = 0
-        self.told: dict[str, int] = {}
-        self.gang = gangs.Gang(("solo", key), "", cid, 0)  # its unit: itself until it joins a named gang
-        self.gang.members[self] = None
-        # The devices its HELLO claims that are not handled yet (CLAIMS_PER_STEP), and whether
-        # the HELLO came inside the recovery window (its claims are judged as of then).
-        self.claims_left: list[str] = []
-        self.claims_believed = False
-
-    @property
-    def process(self) -> Hashable | None:
-        """The process's kernel-verified identity (None where the daemon cannot see it)."""
-        info = self.info
-        return (info.uid, info.host_pid, info.host_start) if info.host_pid else None
-
-
-class _Device:
-    __slots__ = ("id", "name", "total", "budget_override", "mode", "tq", "holders", "overdue", "queue",
-                 "pairs", "used", "evict_asked", "evict_awaited", "evict_deadline", "evict_for", "classes",
-                 "grants_made", "reserved", "gang_waiters")
-
-    def __init__(self, device_id: str, mode: Mode, tq: float) -> None:
-        self.id = device_id
-        self.name = ""
-        # The device's size as the daemon measured it (DeviceMeasured): 0 while unknown. A
-        # client's DEVICE report never sizes it (docs/scheduler.md, security model).
-        self.total = 0
-        self.budget_override: int | None = None
-        self.mode: Mode = mode
-        self.tq = tq
-        self.holders: dict[int, _Pair] = {}  # active grants by grant id; insertion = grant order
-        self.overdue: dict[int, _Pair] = {}  # revoked grants awaiting their RELEASE
-        self.queue: OrderedDict[_Pair, None] = OrderedDict()  # every waiter in ACQUIRE order
-        # The waiters once more, by the priority class they queued in (each in ACQUIRE order):
-        # the next one served is the head of one of them (fairshare.py).
-        self.classes: list[OrderedDict[_Pair, None]] = [
-            OrderedDict() for _ in range(fairshare.PRIORITY_MAX + 1)]
-        self.grants_made = 0  # grants ever made on the device: waiters age by them
-        # The gang turn that has the device until all of the gang has released (gangs.py), and
-        # how many of the waiters queued as part of a gang.
-        self.reserved: gangs.Turn | None = None
-        self.gang_waiters = 0
-        self.pairs: dict[_Pair, None] = {}  # every client that knows the device (MODE notices)
-        self.used = 0  # sum of the pairs' used bytes
-        # The current wait for room (residency.py): who was sent EVICT in it and for how many
-        # bytes, whose EVICTED is still awaited, when the head is granted regardless, and the
-        # head it is for: its turn has begun, so it is granted next even if a waiter that
-        # outranks it comes meanwhile (else that one, maybe the very client that is moving its
-        # memory out, would be granted while memory moves for nobody).
-        self.evict_asked: dict[_Pair, int] = {}
-        self.evict_awaited: dict[_Pair, None] = {}
-        self.evict_deadline: float | None = None
-        self.evict_for: _Pair | None = None
-
-    @property
-    def budget(self) -> int:
-        """0 means unknown, which auto mode treats as "nothing fits beside a holder"."""
-        return self.total if self.budget_override is None else self.budget_override
-
-    def held_used(self) -> int:
-        return sum(pair.used for pair in self.holders.values())
-
-
-class _Pair:
-    __slots__ = ("client", "device", "used", "hold", "overdue", "waiting_since", "wait_total", "hold_total",
-                 "grants", "blocked_by", "last_wait", "resident", "swapped", "last_held", "queued_seq", "queued_grants",
-                 "queued_class", "recent", "swap", "gang_queued")
-
-    def __init__(self, client: _Client, device: _Device) -> None:
-        self.client = client  # changes when a reconnecting process takes its pairs over
-        self.device = device
-        self.used = 0
-        self.hold: _Hold | None = None  # the current grant, holding or draining
-        self.overdue: dict[int, _Hold] = {}
-        self.waiting_since: float | None = None
-        self.wait_total = 0.0
-        self.hold_total = 0.0
-        self.grants = 0
-        # Who was ahead when the current wait began (holders, then waiters), for QUERY; and
-        # the last finished wait: (seconds, who was ahead).
-        self.blocked_by: tuple[_Client, ...] = ()
-        self.last_wait: tuple[float, tuple[_Client, ...]] | None = None
-        # Residency (residency.py): the converted bytes the client last said are on the device
-        # (None: it does not report residency), the bytes seen moved to the host, and when its
-        # last grant ended (-inf: never held), which orders EVICTs.
-        self.resident: int | None = None
-        self.swapped = 0
-        self.last_held = -math.inf
-        self.swap = residency.SwapState()  # its swap engine, and what it was told to prepare and prefetch
-        # While waiting: its place in ACQUIRE order, the device's grants_made then, and the
-        # priority class it waits in.
-        self.queued_seq = 0
-        self.queued_grants = 0
-        self.queued_class = 0
-        self.gang_queued = False  # it waits as part of its gang's request for a turn
-        self.recent = fairshare.new_recent()  # finished holds (since, until) in the share window
-
-    @property
-    def held(self) -> _Hold:
-        """The current grant of a pair known to hold one (a holder of its device)."""
-        assert self.hold is not None, "not a holder"
-        return self.hold
-
-
-_ClientHandler = Callable[[_Client, Any, list[Action]], None]
+_ClientHandler = Callable[[Client, Any, list[Action]], None]
 _M = TypeVar("_M", bound=protocol.Message)
 
 
-def _message_row(kind: type[_M], handle: Callable[[_Client, float, _M, list[Action]], None],
+def _message_row(kind: type[_M], handle: Callable[[Client, float, _M, list[Action]], None],
                  ) -> tuple[type[protocol.Message], _ClientHandler]:
     """The row of `_client_handlers` for a message that comes as a ClientMessage: `handle` gets
     the time it arrived and the message, of the class it is registered for."""
@@ -324,20 +180,20 @@ class SchedulerCore:
         self.config = config
         self._default_mode: Mode = config.mode
         self._default_tq = config.tq
-        self._clients: dict[ClientKey, _Client] = {}
-        self._sessions: dict[str, list[_Client]] = {}
+        self._clients: dict[ClientKey, Client] = {}
+        self._sessions: dict[str, list[Client]] = {}
         # Clients ordered by last message, least recently heard first: the head is the next
         # one to time out, so heartbeats and timeouts cost O(1).
-        self._silence: OrderedDict[ClientKey, _Client] = OrderedDict()
-        self._devices: dict[str, _Device] = {}
+        self._silence: OrderedDict[ClientKey, Client] = OrderedDict()
+        self._devices: dict[str, Device] = {}
         # Earliest pending drop/quantum deadline per device; refreshed after every change.
-        self._deadlines: dict[_Device, float] = {}
+        self._deadlines: dict[Device, float] = {}
         self._client_numbers = 0
         self._grant_numbers = 0
         self._queue_numbers = 0
         self.settings = fairshare.Settings()
         self._recovery_end: float | None = now + config.recovery if config.recovery > 0 else None
-        self._admission: AdmissionBook[_Pair] = AdmissionBook(config.admission)
+        self._admission: AdmissionBook[Pair] = AdmissionBook(config.admission)
         self._budgets = 0  # the sum of the devices' budgets (known ones): the capacity less the spill
         self._admission.set_capacity(config.admission.spill or 0)
         # Named gangs by gangs.key (a gang lives while it has members), their display numbers,
@@ -347,7 +203,7 @@ class SchedulerCore:
         self._turn_numbers = 0
         self._gang_deadlines: dict[gangs.Gang, float] = {}
         # Devices to settle (see _settle): a gang's grant or drop on one device changes others.
-        self._unsettled: dict[_Device, None] = {}
+        self._unsettled: dict[Device, None] = {}
         self._settling = False
         # A client's events by their class, and its ClientMessages by the class of the message
         # they carry (events.from_client): a message of the client's with neither is ignored.
@@ -436,18 +292,18 @@ class SchedulerCore:
         """The time quantum of devices without a setting of their own."""
         return self._default_tq
 
-    def weight(self, client: _Client) -> int:
+    def weight(self, client: Client) -> int:
         return self.settings.weight.resolve(client.cid, client.info.pod_uid)
 
-    def priority(self, client: _Client) -> int:
+    def priority(self, client: Client) -> int:
         return self.settings.priority.resolve(client.cid, client.info.pod_uid)
 
-    def limit(self, pair: _Pair) -> int | None:
+    def limit(self, pair: Pair) -> int | None:
         client = pair.client
         return self.settings.limit(client.cid, client.info.pod_uid, pair.device.id)
 
     @staticmethod
-    def principal(client: _Client) -> Hashable:
+    def principal(client: Client) -> Hashable:
         """Whom admission's quota is for (admission.py): the client's pod, else its user, both
         as the kernel shows them; a client whose uid the daemon cannot see is its own."""
         info = client.info
@@ -457,7 +313,7 @@ class SchedulerCore:
             return ("uid", info.uid)
         return ("client", client.key)
 
-    def quantum_end(self, pair: _Pair) -> float:
+    def quantum_end(self, pair: Pair) -> float:
         """When the quantum of the pair's current grant ends (it matters only while others
         wait): its weighted quantum, cut to the floor while a waiter outranks it. A gang's
         grants share one quantum (gangs.py): from the turn's start, the shortest of its
@@ -467,7 +323,7 @@ class SchedulerCore:
             return turn.since + min(self._quantum_length(member) for member in self._live(turn))
         return pair.held.since + self._quantum_length(pair)
 
-    def _quantum_length(self, pair: _Pair) -> float:
+    def _quantum_length(self, pair: Pair) -> float:
         dev = pair.device
         hold = pair.held
         contenders = itertools.chain(dev.holders.values(), dev.queue)
@@ -490,11 +346,11 @@ class SchedulerCore:
         client = self._clients.get(key)
         return None if client is None else client.cid
 
-    def devices(self) -> list[_Device]:
+    def devices(self) -> list[Device]:
         """The devices by id, for views.py to read (never to change)."""
         return [self._devices[device_id] for device_id in sorted(self._devices)]
 
-    def clients(self) -> list[_Client]:
+    def clients(self) -> list[Client]:
         """The registrations in registration order (c1, c2, ...), for views.py to read."""
         return list(self._clients.values())
 
@@ -504,7 +360,7 @@ class SchedulerCore:
         solo = [client.gang for client in self._clients.values() if client.gang.solo and client.gang.ganged]
         return list(self._gangs.values()) + solo
 
-    def live_grants(self, turn: gangs.Turn) -> list[_Pair]:
+    def live_grants(self, turn: gangs.Turn) -> list[Pair]:
         """The pairs whose current grant belongs to `turn` (views.py)."""
         return self._live(turn)
 
@@ -520,7 +376,7 @@ class SchedulerCore:
                                                       detail=f"a client may use at most {protocol.MAX_DEVICES} devices")))
             return
         self._client_numbers += 1
-        client = _Client(ev.client, f"c{self._client_numbers}", ev.info, now)
+        client = Client(ev.client, f"c{self._client_numbers}", ev.info, now)
         predecessors = [old for old in self._sessions.get(ev.info.session, ()) if _same_process(old.info, ev.info)]
         self._clients[client.key] = client
         self._sessions.setdefault(ev.info.session, []).append(client)
@@ -548,7 +404,7 @@ class SchedulerCore:
 
         held = dict.fromkeys(ev.held)
         wanted = dict.fromkeys(ev.wanted)
-        touched: dict[_Device, None] = {}
+        touched: dict[Device, None] = {}
         for old in predecessors:
             self._take_over(old, client, held, wanted, now, out, touched)
         client.claims_left = list(held)
@@ -575,8 +431,8 @@ class SchedulerCore:
         for dev in touched:
             self._settle(dev, now, out)
 
-    def _take_over(self, old: _Client, new: _Client, held: dict[str, None], wanted: dict[str, None], now: float,
-                   out: list[Action], touched: dict[_Device, None]) -> None:
+    def _take_over(self, old: Client, new: Client, held: dict[str, None], wanted: dict[str, None], now: float,
+                   out: list[Action], touched: dict[Device, None]) -> None:
         """`new` is `old` reconnected: it inherits the holds it still claims (same grant) and the
         queue places it still wants; everything else of `old` is given up."""
         if old.gang.solo and new.gang.solo:  # the process's own unit goes on, with its turn
@@ -616,8 +472,8 @@ class SchedulerCore:
         out.append(LockEvent(now, "unregister", client=old.cid, detail="replaced"))
         out.append(Log("info", "replaced", {"client": old.cid, "successor": new.cid}))
 
-    def _claim_some(self, client: _Client, ev: Register | HandleClaims, out: list[Action],
-                    touched: dict[_Device, None]) -> None:
+    def _claim_some(self, client: Client, ev: Register | HandleClaims, out: list[Action],
+                    touched: dict[Device, None]) -> None:
         """Handle the next CLAIMS_PER_STEP claims of the client's HELLO; ClaimsLeft when more
         are left. A HELLO's claims are independent of each other and of the client's other
         messages (which name grants the claims have not made yet), so handling the rest in later
@@ -637,12 +493,12 @@ class SchedulerCore:
         client = self._clients.get(ev.client)
         if client is None:  # gone meanwhile: its claims went with it
             return
-        touched: dict[_Device, None] = {}
+        touched: dict[Device, None] = {}
         self._claim_some(client, ev, out, touched)
         for dev in touched:
             self._settle(dev, ev.now, out)
 
-    def _claim(self, pair: _Pair, believed: bool, now: float, out: list[Action]) -> None:
+    def _claim(self, pair: Pair, believed: bool, now: float, out: list[Action]) -> None:
         """A registering client says its gate is open on this device, and it is not the same
         process taking over its own registration's hold (that is _take_over).
 
@@ -670,7 +526,7 @@ class SchedulerCore:
 
     # --- client events -------------------------------------------------------------------
 
-    def _device_info(self, client: _Client, ev: DeviceInfo, out: list[Action]) -> None:
+    def _device_info(self, client: Client, ev: DeviceInfo, out: list[Action]) -> None:
         """A client uses the device. Its `total` is not used: a device is sized only by the
         daemon's own measurement and the operator's budget, which no client can change."""
         pair = self._pair(client, ev.device, ev, out)
@@ -690,7 +546,7 @@ class SchedulerCore:
         out.append(Log("info", "device-measured", {"device": dev.id, "total": ev.total}))
         self._budget_changed(dev, before, ev.now, out)
 
-    def _memory(self, client: _Client, ev: MemoryReport, out: list[Action]) -> None:
+    def _memory(self, client: Client, ev: MemoryReport, out: list[Action]) -> None:
         pair = self._pair(client, ev.device, ev, out)
         if pair is None:
             return
@@ -717,7 +573,7 @@ class SchedulerCore:
         self._prepare_areas(out)
         self._settle_admission(ev.now, out)
 
-    def _acquire(self, client: _Client, ev: AcquireRequest, out: list[Action]) -> None:
+    def _acquire(self, client: Client, ev: AcquireRequest, out: list[Action]) -> None:
         pair = self._pair(client, ev.device, ev, out)
         if pair is None:
             return
@@ -726,7 +582,7 @@ class SchedulerCore:
         elif self._enqueue(pair, ev.now, out):
             self._settle(pair.device, ev.now, out)
 
-    def _release(self, client: _Client, ev: ReleaseReport, out: list[Action]) -> None:
+    def _release(self, client: Client, ev: ReleaseReport, out: list[Action]) -> None:
         pair = client.pairs.get(ev.device)
         fields = {"client": client.cid, "device": ev.device, "grant": ev.grant}
         if pair is not None and ev.resident is not None:
@@ -747,7 +603,7 @@ class SchedulerCore:
         else:
             out.append(Log("debug", "released-stale", fields))
 
-    def _evicted(self, client: _Client, now: float, evicted: protocol.Evicted, out: list[Action]) -> None:
+    def _evicted(self, client: Client, now: float, evicted: protocol.Evicted, out: list[Action]) -> None:
         """EVICTED: the client's answer to EVICT, with its converted bytes still on the device."""
         pair = client.pairs.get(evicted.device)
         if pair is None:
@@ -760,16 +616,16 @@ class SchedulerCore:
             del dev.evict_awaited[pair]
         self._settle(dev, now, out)
 
-    def _heartbeat(self, client: _Client, ev: Alive, out: list[Action]) -> None:
+    def _heartbeat(self, client: Client, ev: Alive, out: list[Action]) -> None:
         pass  # liveness was refreshed in handle()
 
-    def _unregister(self, client: _Client, ev: Unregister, out: list[Action]) -> None:
+    def _unregister(self, client: Client, ev: Unregister, out: list[Action]) -> None:
         self._remove_client(client, ev.reason, ev.now, out)
 
-    def _remove_client(self, client: _Client, reason: str, now: float, out: list[Action]) -> None:
+    def _remove_client(self, client: Client, reason: str, now: float, out: list[Action]) -> None:
         self._settle_after_removal(self._unlink_removed(client, reason, now, out), now, out)
 
-    def _unlink_removed(self, client: _Client, reason: str, now: float, out: list[Action]) -> list[_Device]:
+    def _unlink_removed(self, client: Client, reason: str, now: float, out: list[Action]) -> list[Device]:
         """Removes the client and everything it had; returns its devices, which the caller
         settles again (even without a hold or a place in the queue, its leaving may change a
         device's agreed size: auto mode's budget)."""
@@ -797,7 +653,7 @@ class SchedulerCore:
             out.append(Log("info", "unregistered", {"client": client.cid, "reason": reason}))
         return devices
 
-    def _settle_after_removal(self, devices: list[_Device], now: float, out: list[Action]) -> None:
+    def _settle_after_removal(self, devices: list[Device], now: float, out: list[Action]) -> None:
         for dev in dict.fromkeys(devices):
             self._settle(dev, now, out)
             self._forget_if_unused(dev)
@@ -816,7 +672,7 @@ class SchedulerCore:
         # Every client that fell silent goes before any device is settled: a lock freed by one
         # must not pass to another that is being removed in the same tick (it would be granted,
         # or make the holder contended, for a client that is already gone).
-        silent_devices: list[_Device] = []
+        silent_devices: list[Device] = []
         while self._silence:
             client = next(iter(self._silence.values()))
             if client.last_seen + timeout > now:
@@ -837,7 +693,7 @@ class SchedulerCore:
 
     # --- control requests ----------------------------------------------------------------
 
-    def _targets(self, device_id: str | None) -> list[_Device]:
+    def _targets(self, device_id: str | None) -> list[Device]:
         """The devices a setting is for: all known ones (None), or the one named. An operator
         may configure a GPU before any client has announced it (a budget set at boot applies to
         the first program), so an unknown device is made when named by its UUID; anything else
@@ -963,7 +819,7 @@ class SchedulerCore:
         for client in self._clients.values():
             self._sync_limits(client, out)
 
-    def _sync_limits(self, client: _Client, out: list[Action]) -> None:
+    def _sync_limits(self, client: Client, out: list[Action]) -> None:
         """LIMIT to the client for every resolved limit it was not told: the one for every
         device (no `device`), then each device whose own differs from what the client applies
         to it. So a client knows its limits on devices it has not named yet (docs/protocol.md)."""
@@ -980,13 +836,13 @@ class SchedulerCore:
                 out.append(Send(client.key, protocol.Limit(bytes=limit, device=device)))
                 out.append(Log("info", "limit-sent", {"client": cid, "device": device, "bytes": limit}))
 
-    def _notify_settings(self, dev: _Device, out: list[Action]) -> None:
+    def _notify_settings(self, dev: Device, out: list[Action]) -> None:
         notice = protocol.ModeNotice(device=dev.id, mode=dev.mode, quantum_ms=_ms(dev.tq))
         out.extend(Send(pair.client.key, notice) for pair in dev.pairs)
 
     # --- the lock rules ------------------------------------------------------------------
 
-    def _settle(self, dev: _Device, now: float, out: list[Action]) -> None:
+    def _settle(self, dev: Device, now: float, out: list[Action]) -> None:
         """Bring the device in line with the rules after anything about it changed. A gang's
         grant, drop or end on one device changes its others: those are settled too, in the
         same call (a device is queued here while another is being settled)."""
@@ -1002,7 +858,7 @@ class SchedulerCore:
         finally:
             self._settling = False
 
-    def _settle_device(self, dev: _Device, now: float, out: list[Action]) -> None:
+    def _settle_device(self, dev: Device, now: float, out: list[Action]) -> None:
         """Revoke holders whose grace ran out, end a gang's turn that lost a member, drop
         holders that may no longer run together, grant what the queue allows, drop holders
         whose quantum ended while someone waits."""
@@ -1033,7 +889,7 @@ class SchedulerCore:
                     if other is not dev:
                         self._settle(other, now, out)
 
-    def _timers(self, dev: _Device) -> Iterator[tuple[float, _Pair, str]]:
+    def _timers(self, dev: Device) -> Iterator[tuple[float, Pair, str]]:
         """(when, pair, what) for each holder's timer that matters now: a DROP'd grant is
         revoked when its grace ends; while others wait (outside mode off), a holding grant is
         dropped when its quantum ends. The one source of what a Tick does and of
@@ -1045,10 +901,10 @@ class SchedulerCore:
             elif self._holder_contended(pair):
                 yield self.quantum_end(pair), pair, "drop"
 
-    def _revocations_due(self, dev: _Device, now: float) -> list[_Pair]:
+    def _revocations_due(self, dev: Device, now: float) -> list[Pair]:
         return [pair for when, pair, what in self._timers(dev) if what == "revoke" and now >= when]
 
-    def _revoke_due(self, dev: _Device, now: float, out: list[Action]) -> None:
+    def _revoke_due(self, dev: Device, now: float, out: list[Action]) -> None:
         for pair in self._revocations_due(dev, now):
             hold = pair.held
             cid = pair.client.cid
@@ -1065,7 +921,7 @@ class SchedulerCore:
             out.append(Log("warning", "revoked", {"client": cid, "device": dev.id, "grant": hold.grant,
                                         "pid": pair.client.info.pid, "reason": hold.reason}))
 
-    def _enforce_exclusion(self, dev: _Device, now: float, out: list[Action]) -> bool:
+    def _enforce_exclusion(self, dev: Device, now: float, out: list[Action]) -> bool:
         """Mode on allows one active holder; auto allows several while their memory fits the
         budget. Otherwise every holder but the one granted first is dropped."""
         if len(dev.holders) < 2 or dev.mode == "off":
@@ -1089,7 +945,7 @@ class SchedulerCore:
     def _recovering(self, now: float) -> bool:
         return self._recovery_end is not None and now < self._recovery_end
 
-    def _grant_waiters(self, dev: _Device, now: float, out: list[Action]) -> None:
+    def _grant_waiters(self, dev: Device, now: float, out: list[Action]) -> None:
         if self._recovering(now):
             return  # only claims of reconnecting holders are granted until recovery ends
         while dev.queue:
@@ -1107,7 +963,7 @@ class SchedulerCore:
                 break  # the next one waits for EVICTED answers; FCFS again
             self._grant(pair, now, out)
 
-    def _rank(self, pair: _Pair) -> int:
+    def _rank(self, pair: Pair) -> int:
         """A waiter's effective priority class (fairshare.effective_class). A gang's waiters
         share one: it ages by the grants on whichever of its devices saw most, so that the gang
         ranks alike on all of them (one order between gangs on every device: no deadlock) and
@@ -1118,7 +974,7 @@ class SchedulerCore:
                          for other in pair.client.gang.pairs() if other.gang_queued)
         return fairshare.effective_class(pair.queued_class, waited, self.config.ageing)
 
-    def _next_waiter(self, dev: _Device) -> _Pair | None:
+    def _next_waiter(self, dev: Device) -> Pair | None:
         """The waiter served next: the highest effective class, the earliest ACQUIRE among
         equals. Ageing keeps ACQUIRE order within a class (an earlier waiter has seen at least
         as many grants), so only the head of each class can be next; where gangs wait (whose
@@ -1137,18 +993,18 @@ class SchedulerCore:
         return best
 
     @staticmethod
-    def _contended(dev: _Device) -> bool:
+    def _contended(dev: Device) -> bool:
         """Someone waits for the device in a mode where quanta count: holders' quanta end."""
         return bool(dev.queue) and dev.mode != "off"
 
-    def _drop_expired(self, dev: _Device, now: float, out: list[Action]) -> bool:
+    def _drop_expired(self, dev: Device, now: float, out: list[Action]) -> bool:
         expired = [pair for when, pair, what in self._timers(dev) if what == "drop" and now >= when]
         for pair in expired:
             if pair.held.state == "holding":  # not dropped meanwhile with the rest of its gang
                 self._drop(pair, now, "quantum", out)
         return bool(expired)
 
-    def _refresh_deadline(self, dev: _Device) -> None:
+    def _refresh_deadline(self, dev: Device) -> None:
         whens = [when for when, _, _ in self._timers(dev)]
         if dev.evict_deadline is not None:
             whens.append(dev.evict_deadline)
@@ -1158,7 +1014,7 @@ class SchedulerCore:
         else:
             self._deadlines[dev] = best
 
-    def _notify_contention(self, dev: _Device, now: float, out: list[Action]) -> None:
+    def _notify_contention(self, dev: Device, now: float, out: list[Action]) -> None:
         """CONTENDED to each holder whose quantum still runs, once per contention episode
         (from the first waiter until the queue is empty again), so that it can drain ahead of
         the quantum's end. Holders whose quantum has run out were dropped instead."""
@@ -1184,7 +1040,7 @@ class SchedulerCore:
                 out.append(Log("debug", "contended", {"client": pair.client.cid, "device": dev.id, "grant": hold.grant,
                                             "quantum_left_ms": left, "evict": swap[0], "idle_ms": swap[1]}))
 
-    def _serialised_against(self, dev: _Device, pair: _Pair) -> bool:
+    def _serialised_against(self, dev: Device, pair: Pair) -> bool:
         """Whether `pair` may not run beside the device's current (non-empty) holders."""
         if dev.mode == "on":
             return True
@@ -1195,7 +1051,7 @@ class SchedulerCore:
 
     # --- gangs (gangs.py says what they are) ----------------------------------------------
 
-    def _blocked(self, dev: _Device, pair: _Pair) -> bool:
+    def _blocked(self, dev: Device, pair: Pair) -> bool:
         """Whether `pair` may not be granted now beside the device's holders of other units
         and a turn of another gang that reserves the device (a reservation counts as a holder
         with nothing resident: in mode on it blocks, in auto it blocks only what does not fit)."""
@@ -1211,7 +1067,7 @@ class SchedulerCore:
         budget = dev.budget
         return budget <= 0 or sum(holder.used for holder in others) + pair.used > budget
 
-    def _join_gang(self, client: _Client, ev: Register, out: list[Action]) -> None:
+    def _join_gang(self, client: Client, ev: Register, out: list[Action]) -> None:
         """The registration's HELLO named a gang: it joins it (made on its first member)."""
         if not ev.gang:
             return
@@ -1259,7 +1115,7 @@ class SchedulerCore:
                                                       "waited": self.config.gang_wait}))
         self._request_turn(gang, now, out)
 
-    def _gang_acquire(self, pair: _Pair, now: float, out: list[Action]) -> None:
+    def _gang_acquire(self, pair: Pair, now: float, out: list[Action]) -> None:
         """ACQUIRE from a member of a ganged unit. Within a running turn it is granted at once
         on a device the turn reserves, or on one nobody holds, reserves or waits for (which
         joins the turn); on any other device the turn ends (DROP `gang`), since holding some of
@@ -1284,7 +1140,7 @@ class SchedulerCore:
             return
         self._request_turn(gang, now, out)
 
-    def _gang_announced(self, pair: _Pair, now: float, out: list[Action]) -> None:
+    def _gang_announced(self, pair: Pair, now: float, out: list[Action]) -> None:
         """A member of a ganged unit uses a new device (a member that came late, or a process
         that began to use another device). While the gang asks for a turn, the device joins
         the request; while its turn runs, the device joins the turn if nobody holds, reserves
@@ -1303,7 +1159,7 @@ class SchedulerCore:
         if request is not None and self._enqueue(pair, now, out, request.queued_seq, request.queued_class):
             self._settle(pair.device, now, out)
 
-    def _joins_turn(self, turn: gangs.Turn, pair: _Pair) -> bool:
+    def _joins_turn(self, turn: gangs.Turn, pair: Pair) -> bool:
         dev = pair.device
         return dev in turn.devices or (dev.reserved is None and not dev.queue and not self._blocked(dev, pair))
 
@@ -1312,7 +1168,7 @@ class SchedulerCore:
         them, so that the gang ranks alike on every device."""
         return max(self.priority(member) for member in gang.members)
 
-    def _request_of(self, gang: gangs.Gang) -> _Pair | None:
+    def _request_of(self, gang: gangs.Gang) -> Pair | None:
         """A pair of the gang's pending request for a turn (its place and class), if any."""
         return next((pair for pair in gang.pairs() if pair.gang_queued), None)
 
@@ -1331,7 +1187,7 @@ class SchedulerCore:
         else:
             self._queue_numbers += 1
             seq, klass = self._queue_numbers, self._queue_class(gang)
-        touched: dict[_Device, None] = {}
+        touched: dict[Device, None] = {}
         for pair in waiting:
             if not pair.gang_queued:  # it waited on its own: it waits with its gang now
                 self._leave_queue(pair, now)
@@ -1380,7 +1236,7 @@ class SchedulerCore:
                                                 "members": len(gang.members), "devices": len(turn.devices)}))
         return True
 
-    def _join_turn(self, turn: gangs.Turn, pair: _Pair, now: float, out: list[Action]) -> None:
+    def _join_turn(self, turn: gangs.Turn, pair: Pair, now: float, out: list[Action]) -> None:
         """`pair` (the member that asked or announced) is granted its device within the running
         turn; a device new to the turn goes also to every other member that announced it."""
         new = pair.device not in turn.devices
@@ -1389,7 +1245,7 @@ class SchedulerCore:
             if other.device is pair.device and other.hold is None and other.waiting_since is None:
                 self._grant_in_turn(turn, other, now, out)
 
-    def _grant_in_turn(self, turn: gangs.Turn, pair: _Pair, now: float, out: list[Action]) -> None:
+    def _grant_in_turn(self, turn: gangs.Turn, pair: Pair, now: float, out: list[Action]) -> None:
         self._grant(pair, now, out)
         pair.held.turn = turn
         turn.grants[pair.held.grant] = pair
@@ -1400,13 +1256,13 @@ class SchedulerCore:
         self._settle(dev, now, out)
 
     @staticmethod
-    def _live(turn: gangs.Turn) -> list[_Pair]:
+    def _live(turn: gangs.Turn) -> list[Pair]:
         return [pair for grant, pair in turn.grants.items() if pair.hold is not None and pair.hold.grant == grant]
 
     def _turn_contended(self, turn: gangs.Turn) -> bool:
         return any(self._contended(dev) for dev in turn.devices)
 
-    def _holder_contended(self, pair: _Pair) -> bool:
+    def _holder_contended(self, pair: Pair) -> bool:
         """Whether the holder's quantum counts: someone waits for its device, or, for a
         gang's grant, for any device of the gang's turn."""
         turn = pair.held.turn
@@ -1462,17 +1318,17 @@ class SchedulerCore:
     def admission_reserved(self) -> int:
         return self._admission.reserved
 
-    def admission_of(self, pair: _Pair) -> tuple[int, Waiter[_Pair] | None]:
+    def admission_of(self, pair: Pair) -> tuple[int, Waiter[Pair] | None]:
         """A pair's admitted total and its unanswered question, for views.py."""
         return self._admission.admitted(pair), self._admission.waiters.get(pair)
 
-    def admission_reservation(self, pair: _Pair) -> int:
+    def admission_reservation(self, pair: Pair) -> int:
         return self._admission.reservation(pair)
 
-    def admission_waiters(self) -> list[Waiter[_Pair]]:
+    def admission_waiters(self) -> list[Waiter[Pair]]:
         return list(self._admission.waiters.values())
 
-    def _budget_changed(self, dev: _Device, before: int, now: float, out: list[Action]) -> None:
+    def _budget_changed(self, dev: Device, before: int, now: float, out: list[Action]) -> None:
         """A device's budget changed from `before`: the capacity follows, and what depends on
         the budget is settled again (auto mode, room for a grant, swap areas, admission)."""
         self._budgets += dev.budget - before
@@ -1481,7 +1337,7 @@ class SchedulerCore:
         self._prepare_areas(out)
         self._settle_admission(now, out)
 
-    def _admit(self, client: _Client, ev: AdmitRequest, out: list[Action]) -> None:
+    def _admit(self, client: Client, ev: AdmitRequest, out: list[Action]) -> None:
         pair = self._pair(client, ev.device, ev, out)
         if pair is None:
             return
@@ -1526,7 +1382,7 @@ class SchedulerCore:
         for decision in self._admission.settle(now):
             self._answer(decision, now, out)
 
-    def _answer(self, decision: Decision[_Pair], now: float, out: list[Action]) -> None:
+    def _answer(self, decision: Decision[Pair], now: float, out: list[Action]) -> None:
         waiter = decision.waiter
         pair = waiter.pair
         cid, device_id = pair.client.cid, pair.device.id
@@ -1546,21 +1402,21 @@ class SchedulerCore:
 
     # --- state changes -------------------------------------------------------------------
 
-    def _new_hold(self, pair: _Pair, now: float) -> _Hold:
+    def _new_hold(self, pair: Pair, now: float) -> Hold:
         """Every grant is made here: a fresh id, the pair's hold, the device's holders."""
         self._grant_numbers += 1
         dev = pair.device
         if pair.waiting_since is not None:
-            hold = _Hold(self._grant_numbers, now, pair.queued_class, pair.queued_grants)
+            hold = Hold(self._grant_numbers, now, pair.queued_class, pair.queued_grants)
         else:
-            hold = _Hold(self._grant_numbers, now, self.priority(pair.client), dev.grants_made)
+            hold = Hold(self._grant_numbers, now, self.priority(pair.client), dev.grants_made)
         dev.grants_made += 1
         pair.hold = hold
         pair.grants += 1
         dev.holders[hold.grant] = pair
         return hold
 
-    def _grant(self, pair: _Pair, now: float, out: list[Action]) -> None:
+    def _grant(self, pair: Pair, now: float, out: list[Action]) -> None:
         dev = pair.device
         hold = self._new_hold(pair, now)
         if pair.waiting_since is not None:
@@ -1584,11 +1440,11 @@ class SchedulerCore:
         out.append(Log("debug", "granted", {"client": cid, "device": dev.id, "grant": hold.grant, "prefetch": prefetch,
                                             "over_budget": over}))
 
-    def _grant_message(self, dev: _Device, grant: int, prefetch: int = 0) -> protocol.Grant:
+    def _grant_message(self, dev: Device, grant: int, prefetch: int = 0) -> protocol.Grant:
         return protocol.Grant(device=dev.id, grant=grant, mode=dev.mode, exclusive=dev.mode == "on",
                               quantum_ms=_ms(dev.tq), prefetch=prefetch)
 
-    def _room_made(self, dev: _Device, pair: _Pair, now: float, out: list[Action]) -> bool:
+    def _room_made(self, dev: Device, pair: Pair, now: float, out: list[Action]) -> bool:
         """Whether `pair`, the next waiter, may be granted now as far as residency goes.
         While its memory would not fit beside what the others keep resident, idle clients are
         asked to EVICT (residency.eviction_plan) and the grant waits for their EVICTED answers,
@@ -1616,14 +1472,14 @@ class SchedulerCore:
         return True
 
     @staticmethod
-    def _end_eviction_wait(dev: _Device) -> None:
+    def _end_eviction_wait(dev: Device) -> None:
         """EVICTED answers that come later only update what the clients keep resident."""
         dev.evict_asked.clear()
         dev.evict_awaited.clear()
         dev.evict_deadline = None
         dev.evict_for = None
 
-    def _prefetch_ahead(self, dev: _Device, now: float, out: list[Action]) -> None:
+    def _prefetch_ahead(self, dev: Device, now: float, out: list[Action]) -> None:
         """PREFETCH to the waiter served next: room others made (or that was free) it may fill
         with its swapped-out memory while it waits, so that its gate opens sooner after the
         grant (residency.prefetch_ahead)."""
@@ -1640,7 +1496,7 @@ class SchedulerCore:
             out.append(Log("debug", "prefetch-ahead", {"client": waiter.client.cid, "device": dev.id,
                                                        "resident": allowed}))
 
-    def _contended_swap(self, pair: _Pair) -> tuple[int, int]:
+    def _contended_swap(self, pair: Pair) -> tuple[int, int]:
         """CONTENDED's evict= and idle_ms= for the holder `pair` (residency.py)."""
         if not self.config.swapping:
             return (0, 0)
@@ -1660,7 +1516,7 @@ class SchedulerCore:
                     out.append(Send(pair.client.key, protocol.Prepare(device=dev.id, bytes=target)))
                     out.append(Log("debug", "prepare", {"client": pair.client.cid, "device": dev.id, "bytes": target}))
 
-    def _drop(self, pair: _Pair, now: float, reason: str, out: list[Action], grace: float | None = None) -> None:
+    def _drop(self, pair: Pair, now: float, reason: str, out: list[Action], grace: float | None = None) -> None:
         dev = pair.device
         hold = pair.held
         grace = self.config.grace if grace is None else grace
@@ -1677,13 +1533,13 @@ class SchedulerCore:
         if hold.turn is not None and not hold.turn.ending:
             self._end_turn(hold.turn, "quantum" if reason == "quantum" else "gang", now, out)
 
-    def _evict_on_drop(self, pair: _Pair) -> int:
+    def _evict_on_drop(self, pair: Pair) -> int:
         """DROP's `evict=` for the holder `pair`: room for the queue's head (residency.py)."""
         if not self.config.swapping or pair.held.reason == "conflict":  # a refused claim holds nothing
             return 0
         return residency.evict_on_drop(pair.device, pair, self._next_other_waiter(pair))
 
-    def _next_other_waiter(self, pair: _Pair) -> _Pair | None:
+    def _next_other_waiter(self, pair: Pair) -> Pair | None:
         """The waiter served next after `pair`'s release (priority classes, then ACQUIRE order);
         None when that is `pair` itself."""
         dev = pair.device
@@ -1692,7 +1548,7 @@ class SchedulerCore:
         # made for anyone behind it.
         return None if grantee is pair else grantee
 
-    def _enqueue(self, pair: _Pair, now: float, out: list[Action], seq: int | None = None,
+    def _enqueue(self, pair: Pair, now: float, out: list[Action], seq: int | None = None,
                  klass: int | None = None) -> bool:
         """ACQUIRE: idempotent while waiting or holding; a draining holder is queued behind
         the others for a fresh grant after its release. Returns whether it queued. `seq` and
@@ -1717,7 +1573,7 @@ class SchedulerCore:
         out.append(LockEvent(now, "acquire", dev.id, pair.client.cid))
         return True
 
-    def _leave_queue(self, pair: _Pair, now: float) -> None:
+    def _leave_queue(self, pair: Pair, now: float) -> None:
         pair.swap.allowed = 0
         pair.device.gang_waiters -= pair.gang_queued
         pair.gang_queued = False
@@ -1730,7 +1586,7 @@ class SchedulerCore:
         pair.blocked_by = ()
         pair.waiting_since = None
 
-    def _end_hold(self, pair: _Pair, now: float) -> None:
+    def _end_hold(self, pair: Pair, now: float) -> None:
         hold = pair.held
         del pair.device.holders[hold.grant]
         pair.hold_total += now - hold.since
@@ -1738,12 +1594,12 @@ class SchedulerCore:
         pair.hold = None
         pair.last_held = now
 
-    def _forget_overdue(self, pair: _Pair) -> None:
+    def _forget_overdue(self, pair: Pair) -> None:
         for grant in pair.overdue:
             del pair.device.overdue[grant]
         pair.overdue.clear()
 
-    def _discard_pair(self, pair: _Pair, now: float) -> None:
+    def _discard_pair(self, pair: Pair, now: float) -> None:
         """The client is gone from this device: nothing of it may block anyone."""
         dev = pair.device
         if pair.hold is not None:
@@ -1759,7 +1615,7 @@ class SchedulerCore:
         dev.used -= pair.used
         del dev.pairs[pair]
 
-    def _forget_if_unused(self, dev: _Device) -> None:
+    def _forget_if_unused(self, dev: Device) -> None:
         """A device nobody uses and nobody configured is forgotten: clients cannot grow the
         table by naming devices and leaving (issue 12). It comes back when named again."""
         if (self._devices.get(dev.id) is dev  # not forgotten already (a gang's turn ended)
@@ -1769,7 +1625,7 @@ class SchedulerCore:
             del self._devices[dev.id]
             self._deadlines.pop(dev, None)
 
-    def _unlink_client(self, client: _Client, *, park: bool) -> None:
+    def _unlink_client(self, client: Client, *, park: bool) -> None:
         process = client.process
         if park and process is not None:
             self.settings.park(client.cid, process)
@@ -1789,13 +1645,13 @@ class SchedulerCore:
         if not same_session:
             del self._sessions[client.info.session]
 
-    def _device(self, device_id: str) -> _Device:
+    def _device(self, device_id: str) -> Device:
         dev = self._devices.get(device_id)
         if dev is None:
-            dev = self._devices[device_id] = _Device(device_id, self._default_mode, self._default_tq)
+            dev = self._devices[device_id] = Device(device_id, self._default_mode, self._default_tq)
         return dev
 
-    def _pair(self, client: _Client, device_id: str, ev: Event, out: list[Action]) -> _Pair | None:
+    def _pair(self, client: Client, device_id: str, ev: Event, out: list[Action]) -> Pair | None:
         """The client's pair of the device, made on first use; None (and ERROR to the client)
         when the client already uses protocol.MAX_DEVICES devices."""
         pair = client.pairs.get(device_id)
@@ -1806,6 +1662,6 @@ class SchedulerCore:
                     detail=f"a client may use at most {protocol.MAX_DEVICES} devices")))
                 return None
             dev = self._device(device_id)
-            pair = client.pairs[device_id] = _Pair(client, dev)
+            pair = client.pairs[device_id] = Pair(client, dev)
             dev.pairs[pair] = None
         return pair

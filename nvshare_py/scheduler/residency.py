@@ -32,11 +32,9 @@ two moves one after the other; the pipeline saves the messages and start-ups bet
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
-if TYPE_CHECKING:  # the core's records (the core imports this module)
-    from .core import _Device, _Pair
+from .records import Device, Pair
 
 # Before a client has measured its swap engine: pinned copies at the pace of a PCIe 4.0 x16 link,
 # the slowest a data-centre GPU of recent years has (an H200's moved 52-55 GB/s), so that costs
@@ -56,29 +54,17 @@ HANDOFF_OVERHEAD_S = 0.05
 STEP_BYTES = 64 << 20
 
 
-@dataclass
-class SwapState:
-    """A pair's swap engine as its client reported it, and what the scheduler told it."""
-
-    engine: str = ""     # "copy" (pinned copies at link speed), "migrate" (the driver's prefetch), "" unknown
-    area: int = 0        # pinned bytes it has ready
-    out_bps: int = 0     # its last moves to the host and back, bytes per second (0: not measured)
-    in_bps: int = 0
-    prepared: int = 0    # the last PREPARE's bytes
-    allowed: int = 0     # the last PREFETCH's resident= in the current wait (0: none)
-
-
-def footprint(pair: _Pair) -> int:
+def footprint(pair: Pair) -> int:
     """Bytes the pair occupies on the device now."""
     return max(0, pair.used - pair.swapped)
 
 
-def converted(pair: _Pair) -> int:
+def converted(pair: Pair) -> int:
     """Bytes of the pair a swap can move, on the device or not."""
     return (pair.resident or 0) + pair.swapped if pair.resident is not None else 0
 
 
-def occupied(pair: _Pair) -> int:
+def occupied(pair: Pair) -> int:
     """What the budget holds of the pair: its footprint, or what it was allowed to bring back
     ahead of its grant when that is more (memory in flight counts before it arrives)."""
     if not pair.swap.allowed or pair.resident is None:
@@ -86,12 +72,12 @@ def occupied(pair: _Pair) -> int:
     return max(footprint(pair), min(pair.used, pair.swap.allowed + pair.used - converted(pair)))
 
 
-def movable(pair: _Pair) -> int:
+def movable(pair: Pair) -> int:
     """Bytes the pair could move to the host if asked: its swappable memory on the device."""
     return pair.resident or 0
 
 
-def excess(dev: _Device, grantee: _Pair) -> int:
+def excess(dev: Device, grantee: Pair) -> int:
     """Bytes by which the device's budget falls short when `grantee` brings all its memory back
     while every other client keeps what it has; <= 0 when it fits. An unknown budget (0: the
     clients disagree on the device's size and none was set) moves nothing."""
@@ -108,7 +94,7 @@ def excess(dev: _Device, grantee: _Pair) -> int:
     return others + wanted - budget
 
 
-def evict_on_drop(dev: _Device, holder: _Pair, grantee: _Pair | None) -> int:
+def evict_on_drop(dev: Device, holder: Pair, grantee: Pair | None) -> int:
     """DROP's (and CONTENDED's) `evict=`: what `holder` moves out before its release so that
     `grantee` fits.
 
@@ -121,7 +107,7 @@ def evict_on_drop(dev: _Device, holder: _Pair, grantee: _Pair | None) -> int:
     return max(0, min(movable(holder), excess(dev, grantee)))
 
 
-def prefetch_on_grant(dev: _Device, grantee: _Pair) -> int:
+def prefetch_on_grant(dev: Device, grantee: Pair) -> int:
     """GRANT's `prefetch=`: the part of the grantee's evicted memory that fits now."""
     budget = dev.budget
     if dev.mode == "off" or budget <= 0 or not grantee.swapped:
@@ -130,7 +116,7 @@ def prefetch_on_grant(dev: _Device, grantee: _Pair) -> int:
     return max(0, min(grantee.swapped, room))
 
 
-def prefetch_ahead(dev: _Device, waiter: _Pair) -> int:
+def prefetch_ahead(dev: Device, waiter: Pair) -> int:
     """PREFETCH's `resident=` for `waiter`, the next one to be granted: how much of its swappable
     memory may be on the device while it still waits, in the room the others leave (0: nothing
     to say). It rises as the holder reports its memory going out, and the waiter's moves in run
@@ -150,7 +136,7 @@ def prefetch_ahead(dev: _Device, waiter: _Pair) -> int:
     return allowed if allowed > told else 0
 
 
-def eviction_plan(dev: _Device, grantee: _Pair, asked: Iterable[_Pair]) -> list[tuple[_Pair, int]]:
+def eviction_plan(dev: Device, grantee: Pair, asked: Iterable[Pair]) -> list[tuple[Pair, int]]:
     """EVICTs that would cover the excess for `grantee`: (pair, bytes) for clients that do not
     hold the lock and have converted memory on the device, least recently held first (the
     one whose turn is furthest away, under FCFS), none already asked in this wait."""
@@ -171,7 +157,7 @@ def eviction_plan(dev: _Device, grantee: _Pair, asked: Iterable[_Pair]) -> list[
     return plan
 
 
-def report(pair: _Pair, resident: int, freed: int = 0) -> None:
+def report(pair: Pair, resident: int, freed: int = 0) -> None:
     """Apply a `resident=` report. A drop in `resident` is memory moved to the host, except
     what the client freed meanwhile (`freed`: how much its `used` fell in the same report); a
     rise is memory brought back."""
@@ -187,7 +173,7 @@ def report(pair: _Pair, resident: int, freed: int = 0) -> None:
         pair.swap.allowed = 0  # arrived: it occupies it now
 
 
-def report_engine(pair: _Pair, engine: str, area: int | None, out_bps: int, in_bps: int) -> None:
+def report_engine(pair: Pair, engine: str, area: int | None, out_bps: int, in_bps: int) -> None:
     """Apply what a MEMORY report says of the client's swap engine (an empty engine: nothing)."""
     if not engine:
         return
@@ -202,7 +188,7 @@ def report_engine(pair: _Pair, engine: str, area: int | None, out_bps: int, in_b
 # --- what swapping costs, and the policy that weighs it -----------------------------------------
 
 
-def handoff_seconds(dev: _Device, holder: _Pair, grantee: _Pair | None) -> float:
+def handoff_seconds(dev: Device, holder: Pair, grantee: Pair | None) -> float:
     """How long a handoff from `holder` to `grantee` stalls the grantee for swapping: the holder's
     eviction at its measured pace out, then the grantee's swapped memory at its pace in (the two
     processes' moves share the link, see above). 0 when nothing moves."""
@@ -214,7 +200,7 @@ def handoff_seconds(dev: _Device, holder: _Pair, grantee: _Pair | None) -> float
     return moves + HANDOFF_OVERHEAD_S if moves > 0 else 0.0
 
 
-def _out_seconds(pair: _Pair, nbytes: int) -> float:
+def _out_seconds(pair: Pair, nbytes: int) -> float:
     """How long `pair` takes to move `nbytes` more to the host: through what its pinned area has
     free at its measured pace, the rest by the driver's prefetch. So while an area is still
     being pinned, a handoff costs what the slow path costs, and the quanta and idle windows wait
@@ -225,19 +211,19 @@ def _out_seconds(pair: _Pair, nbytes: int) -> float:
     return through_area / (pair.swap.out_bps or UNMEASURED_COPY_BPS) + (nbytes - through_area) / MIGRATE_OUT_BPS
 
 
-def quantum_floor(dev: _Device, holder: _Pair, grantee: _Pair | None) -> float:
+def quantum_floor(dev: Device, holder: Pair, grantee: Pair | None) -> float:
     """Under a budget, the shortest quantum for `holder` while `grantee` is next: long enough
     that the handoff's swapping is at most SWAP_SHARE_OF_QUANTUM of it (0: no floor)."""
     return handoff_seconds(dev, holder, grantee) / SWAP_SHARE_OF_QUANTUM
 
 
-def idle_ms(dev: _Device, holder: _Pair, grantee: _Pair | None) -> int:
+def idle_ms(dev: Device, holder: Pair, grantee: Pair | None) -> int:
     """CONTENDED's `idle_ms=`: a holder is not released for idleness shorter than its handoff
     would cost (0: the client's own window applies)."""
     return round(handoff_seconds(dev, holder, grantee) * 1000)
 
 
-def area_targets(devices: Iterable[_Device], spill: int | None) -> dict[_Pair, int]:
+def area_targets(devices: Iterable[Device], spill: int | None) -> dict[Pair, int]:
     """PREPARE's bytes for every pair that swaps: the most of its memory it may be asked to
     hold on the host at once on its device, i.e. its swappable memory, but no more than what
     the device's clients have beyond its budget. Within the node's host-memory policy: with
@@ -269,6 +255,6 @@ def swap_notice_changed(told: tuple[int, int], now: tuple[int, int]) -> bool:
     return _moved(told[0], now[0], STEP_BYTES) or _moved(told[1], now[1], 100)
 
 
-def prepare_due(pair: _Pair, target: int) -> bool:
+def prepare_due(pair: Pair, target: int) -> bool:
     """Whether PREPARE should say `target` now."""
     return _moved(pair.swap.prepared, target, STEP_BYTES)

@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 from ..sizes import format_size
 from . import fairshare, residency
-from .core import AHEAD_REMEMBERED, SchedulerCore, _Client, _Device, _Hold, _Pair
+from .core import AHEAD_REMEMBERED, SchedulerCore
+from .records import Client, Device, Hold, Pair
 from .events import Log, LogKind
 
 # QUERY answers must fit one message: they name at most this many clients per list, and cut
@@ -142,12 +143,12 @@ def admission_status(core: SchedulerCore, now: float, wall: Callable[[float], fl
 _NO_SHARE: dict[str, Any] = {"share": None, "achieved": None, "outranked_by": []}
 
 
-def _quantum_end(core: SchedulerCore, pair: _Pair, hold: _Hold) -> float:
+def _quantum_end(core: SchedulerCore, pair: Pair, hold: Hold) -> float:
     """The current grant's weighted quantum end; a revoked grant's plain one."""
     return core.quantum_end(pair) if pair.hold is hold else hold.since + pair.device.tq
 
 
-def _shares(core: SchedulerCore, dev: _Device, now: float) -> dict[_Pair, dict[str, Any]]:
+def _shares(core: SchedulerCore, dev: Device, now: float) -> dict[Pair, dict[str, Any]]:
     """Per pair of the device: `share`, the part of the lock time its weight entitles it to
     among those holding or waiting now (None when it does neither), `achieved`, its part of the
     time the device was held in the last SHARE_WINDOW seconds (None when nobody held it then),
@@ -197,7 +198,7 @@ def query(core: SchedulerCore, host_pid: int, now: float) -> dict[str, Any]:
         "devices": [_pair_query(core, pair, now) for pair in pairs],
     }
 
-def _pair_query(core: SchedulerCore, pair: _Pair, now: float) -> dict[str, Any]:
+def _pair_query(core: SchedulerCore, pair: Pair, now: float) -> dict[str, Any]:
     dev = pair.device
     status = _pair_status(pair, now)
     waiting = pair.waiting_since is not None
@@ -225,7 +226,7 @@ def _pair_query(core: SchedulerCore, pair: _Pair, now: float) -> dict[str, Any]:
         "last_wait": last_wait,
     }
 
-def _pair_status(pair: _Pair, now: float) -> dict[str, Any]:
+def _pair_status(pair: Pair, now: float) -> dict[str, Any]:
     waiting = pair.waiting_since is not None
     if pair.hold is not None:
         state = pair.hold.state
@@ -249,7 +250,7 @@ def _pair_status(pair: _Pair, now: float) -> dict[str, Any]:
     }
 
 
-def _named(client: _Client) -> dict[str, Any]:
+def _named(client: Client) -> dict[str, Any]:
     """How QUERY names another client: its display id, its user (from the kernel's uid) and
     what it says it is."""
     info = client.info
