@@ -95,6 +95,8 @@ def _device_line(device: dict, names: DeviceNames, status: dict) -> Text:
     parts = [device.get("mode", "?"), f"TQ {device.get('tq', 0):g} s", memory]
     if device.get("swapped"):
         parts.append(f"{size(device['swapped'])} swapped out")
+    if device.get("headroom"):
+        parts.append(f"{size(device['headroom'])} kept free")
     holders = []
     for holder in device.get("holders", []):
         name = " ".join(filter(None, (holder["client"], clients.get(holder["client"], {}).get("user"))))
@@ -110,13 +112,16 @@ def _device_line(device: dict, names: DeviceNames, status: dict) -> Text:
 
 
 def _state(usage: dict, client: dict, device: dict, defaults: dict, now: float) -> str:
-    """`holding 12.3s`, `waiting 4.0s, silent 3.0s`, `idle`: the state and how long it lasts."""
+    """`holding 12.3s`, `waiting 4.0s, silent 3.0s`, `idle 1m5s` (since it last ran), `idle`
+    (never ran): the state and how long it lasts."""
     state = usage.get("state", "-")
     since = None
     if state in ("holding", "draining"):
         since = next((h.get("since") for h in device.get("holders", []) if h["client"] == client["client"]), None)
     elif state == "waiting":
         since = next((w.get("since") for w in device.get("waiters", []) if w["client"] == client["client"]), None)
+    elif state == "idle":
+        since = usage.get("last_ran")
     text = state if since is None else f"{state} {age(max(0.0, now - since))}"
     if state in ("holding", "draining", "waiting"):
         text += silence(client, defaults)
@@ -147,8 +152,12 @@ def _memory(usage: dict) -> str:
     """What a client allocated on a device, and how much of it is swapped out to the host
     (docs/scheduler.md, "Budgets and swapping") when any is."""
     text = size(usage.get("used"))
-    if usage.get("swapped"):
+    if usage.get("swapped") and usage.get("resident") == 0:
+        text += " (all swapped out)"
+    elif usage.get("swapped"):
         text += f" ({size(usage['swapped'])} swapped out)"
+    if usage.get("evicting"):
+        text += f" (moving {size(usage['evicting'])} out)"
     if (usage.get("swap") or {}).get("engine") == "migrate":  # its driver lacks the pinned path
         text += " (swaps by prefetch: slow to the host)"
     return text
@@ -322,9 +331,16 @@ def render_status_wide(status: dict, names: DeviceNames, *, read_only: bool = Fa
             memory = f"{size(device.get('used'))} / {budget}"
             if device.get("swapped"):
                 memory += f"\n{size(device['swapped'])} swapped out"
+            if device.get("headroom"):
+                memory += f"\n{size(device['headroom'])} kept free"
+            if device.get("moved_out") or device.get("moved_in"):
+                memory += f"\nmoved {size(device.get('moved_out', 0))} out, {size(device.get('moved_in', 0))} in"
             devices.add_row(name, device.get("mode", ""), f"{device.get('tq', 0):g} s", memory,
                             "\n".join(holders) or "-", "\n".join(waiters) or "-")
         parts.append(devices)
+    if status.get("pools"):
+        parts.append(Text("swap pools (pinned host memory a user's processes share): " + ", ".join(
+            f"{pool['owner']} {size(pool['bytes'])}" for pool in status["pools"])))
     if status.get("clients"):
         clients = _wide_table("Clients", ["client", "pid", "host pid", "uid", "user", "identity", "device", "state",
                                           "memory", "waited", "held", "grants"])
@@ -335,8 +351,10 @@ def render_status_wide(status: dict, names: DeviceNames, *, read_only: bool = Fa
                        str(client.get("uid", "-")), client.get("user") or "-", _identity(client)]
             for place, (device_id, usage) in enumerate((client.get("devices") or {"-": {}}).items()):
                 row = who_row if place == 0 else [""] * len(who_row)
+                ran = usage.get("last_ran") if usage.get("state") == "idle" else None
                 clients.add_row(*row, names.short(device_id) if usage else "-",
-                                usage.get("state", "-") + (silence(client, defaults) if usage else ""),
+                                usage.get("state", "-") + (silence(client, defaults) if usage else "")
+                                + (f", ran {clock(ran)}" if ran else ""),
                                 _memory(usage) if usage else "-",
                                 f"{usage.get('wait_total', 0):.1f} s" if usage else "-",
                                 f"{usage.get('hold_total', 0):.1f} s" if usage else "-",

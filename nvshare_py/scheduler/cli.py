@@ -32,7 +32,7 @@ from ..paths import (
 )
 from ..sizes import parse_size
 from ..vocabulary import MODE
-from . import admission
+from . import admission, eviction
 from .daemon import CoreFailure, Daemon, DaemonConfig, StartupError
 from .events import Mode
 
@@ -63,6 +63,18 @@ def _spill(text: str) -> int | str | None:
         return parse_size(text)
     except ValueError as exc:
         raise typer.BadParameter(f"{exc}; or auto, or off") from None
+
+
+def _headroom(text: str) -> int | None:
+    """--headroom: a size (30G, 0, bytes) or auto (None)."""
+    if text == "auto":
+        return None
+    if text.isascii() and text.isdigit() and int(text) == 0:
+        return 0
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{exc}; or auto") from None
 
 
 HOUR, DAY = 3600.0, 86400.0
@@ -121,6 +133,16 @@ def serve(
     swapping: str = typer.Option(
         "on", metavar="on|off", parser=one_of(SWAPPING, "on or off"), help="on: a handoff over a device's memory budget moves memory in bulk (DROP evict=, EVICT, "
         "GRANT prefetch=); off: nothing is asked to move, the driver's page faults do it (docs/scheduler.md)"),
+    headroom: str = typer.Option(
+        "auto", metavar="BYTES|auto", parser=_headroom,
+        help="Memory kept free on a device over its budget while nobody waits, so that a sleeping tenant's next "
+        "request brings its memory back without evicting on its way (30G, 0); auto: room for the tenant with "
+        "most memory out, at most a quarter of the budget (docs/scheduler.md, Many tenants)"),
+    eviction_order: str = typer.Option(
+        "lru2", metavar="|".join(eviction.ORDERS), parser=one_of(eviction.ORDERS, "an eviction order"),
+        help="Which idle tenants leave first under memory pressure, within a priority class: lru2, the least "
+        "recently used by the use before their last (a tenant asked once a minute goes before one asked every "
+        "second, also just after its request); lru, by their last use"),
     min_quantum: float = typer.Option(1.0, parser=number_between(0.01, TQ_MAX),
                                       help="Shortest quantum in seconds: of a light holder under weights, and of a holder a higher priority class waits behind"),
     ageing: int = typer.Option(4, parser=whole_number(0, 1_000_000),
@@ -164,6 +186,8 @@ def serve(
             idle_release=idle_release,
             recovery=recovery,
             swapping=swapping == "on",
+            headroom=cast("int | None", headroom),  # _headroom's parser made it one
+            eviction_order=eviction_order,
             min_quantum=min_quantum,
             ageing=ageing,
             gang_wait=gang_wait,

@@ -25,6 +25,8 @@ class DaemonConfig:
     idle_release: float = 1.0
     recovery: float = 2.0  # only used when a previous daemon's client socket is found
     swapping: bool = True  # budgets move memory at handoffs (docs/scheduler.md, "Budgets and swapping")
+    headroom: int | None = None  # bytes kept free under memory pressure; None: auto (eviction.py)
+    eviction_order: str = "lru2"  # idle tenants' eviction order within a priority class (eviction.ORDERS)
     min_quantum: float = 1.0  # the shortest quantum of a light or outranked holder (fairshare.py)
     ageing: int = 4  # grants waited per priority class a waiter rises; 0: no ageing
     gang_wait: float = 30.0  # seconds a gang waits for missing members once one asks (gangs.py)
@@ -57,6 +59,8 @@ class DaemonConfig:
             idle_release=self.idle_release,
             recovery=self.recovery if restarted else 0.0,
             swapping=self.swapping,
+            headroom=self.headroom,
+            eviction_order=self.eviction_order,
             admission=AdmissionConfig(
                 spill=auto_spill if isinstance(self.admission_spill, str) else self.admission_spill,  # "auto"
                 policy=self.admission_policy,

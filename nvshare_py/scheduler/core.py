@@ -35,7 +35,7 @@ from typing import Any, Callable, Hashable, Iterator, TypeVar
 
 from .. import protocol
 from ..vocabulary import GPU_UUID, MODE
-from . import gangs, residency
+from . import eviction, gangs, residency
 from .admission import Admit, AdmissionBook, AdmissionConfig, Decision, Refuse, Waiter
 from . import fairshare
 from .records import Client, Device, Hold, Pair
@@ -80,6 +80,11 @@ __all__ = ["CoreConfig", "ControlError", "SchedulerCore"]
 # How many of those ahead of a waiter, when its wait began, a pair remembers (for QUERY's
 # `last_wait`, nvshare_py/scheduler/views.py): a bound, so that a long queue costs no more.
 AHEAD_REMEMBERED = 4
+# How long a user's swap pool keeps its size after what it must hold fell below it, before it
+# shrinks (eviction.py): a tenant's swap-in frees its part of the pool a moment before the
+# eviction that restores the headroom needs it again, and pinning it anew each time would cost
+# seconds of every process's time.
+POOL_SHRINK_AFTER = 30.0
 # Claims of one HELLO handled per step: a process rarely holds more devices than this, and one
 # HELLO claiming many (invented) devices is handled in pieces (HandleClaims) between other
 # users' messages instead of in one step of a few milliseconds (benchmarks/bench_floods.py).
@@ -131,6 +136,12 @@ class CoreConfig:
     # How long a gang that said its size waits for missing members after one of them asked
     # (gangs.py): then it runs with those present, and says so.
     gang_wait: float = 30.0
+    # Bytes kept free on a device under memory pressure while nobody waits (eviction.py);
+    # None: `auto`, the largest tenant that is out, at most a quarter of the budget.
+    headroom: int | None = None
+    # The order idle tenants are evicted in within a priority class (eviction.ORDERS): `lru2`,
+    # the use before the last one, or `lru`, the last use.
+    eviction_order: str = "lru2"
 
     def __post_init__(self) -> None:
         if self.mode not in MODE:
@@ -147,6 +158,11 @@ class CoreConfig:
         _check_seconds("gang_wait", self.gang_wait, allow_zero=True)
         if isinstance(self.ageing, bool) or not isinstance(self.ageing, int) or not 0 <= self.ageing <= 1_000_000:
             raise ValueError(f"ageing must be a whole number of grants from 0 to 1000000, not {self.ageing!r}")
+        if self.eviction_order not in eviction.ORDERS:
+            raise ValueError(f"eviction_order must be one of {', '.join(eviction.ORDERS)}, not {self.eviction_order!r}")
+        if self.headroom is not None and (isinstance(self.headroom, bool) or not isinstance(self.headroom, int)
+                                          or not 0 <= self.headroom <= protocol.MAX_INT):
+            raise ValueError(f"headroom must be a number of bytes or None (auto), not {self.headroom!r}")
 
 
 _ClientHandler = Callable[[Client, Any, list[Action]], None]
@@ -202,6 +218,9 @@ class SchedulerCore:
         self._gang_numbers = 0
         self._turn_numbers = 0
         self._gang_deadlines: dict[gangs.Gang, float] = {}
+        # The swap pool of each principal (eviction.py): the size its clients were told, and
+        # since when what it must hold has been below that (None: not below).
+        self._pools: dict[Hashable, tuple[int, float | None]] = {}
         # Devices to settle (see _settle): a gang's grant or drop on one device changes others.
         self._unsettled: dict[Device, None] = {}
         self._settling = False
@@ -280,6 +299,9 @@ class SchedulerCore:
             gang_due = min(self._gang_deadlines.values())
             if best is None or gang_due < best:
                 best = gang_due
+        shrinks = [below + POOL_SHRINK_AFTER for _, below in self._pools.values() if below is not None]
+        if shrinks and (best is None or min(shrinks) < best):
+            best = min(shrinks)
         return best
 
     @property
@@ -568,9 +590,12 @@ class SchedulerCore:
         residency.report_engine(pair, ev.engine, ev.area, ev.out_bps, ev.in_bps)
         # Swapping: a report may be a move's progress (the next waiter may bring its memory in
         # behind it), or change what a handoff costs (the quanta and contention notices).
-        if dev.mode == "auto" or dev.evict_awaited or (self.config.swapping and (dev.queue or ev.resident is not None)):
+        # Or it may be pressure: the holder grew past the budget beside idle tenants, which
+        # are moved out now rather than paged out by the driver (eviction.py).
+        if dev.mode == "auto" or dev.evict_awaited or (self.config.swapping and (
+                dev.queue or ev.resident is not None or eviction.under_pressure(dev))):
             self._settle(dev, ev.now, out)
-        self._prepare_areas(out)
+        self._size_swap_space(ev.now, out)
         self._settle_admission(ev.now, out)
 
     def _acquire(self, client: Client, ev: AcquireRequest, out: list[Action]) -> None:
@@ -611,6 +636,7 @@ class SchedulerCore:
             return
         dev = pair.device
         residency.report(pair, evicted.resident)
+        pair.swap.leaving = 0  # the answer: whatever it did not move stays
         out.append(LockEvent(now, "evicted", dev.id, client.cid, detail=f"resident={evicted.resident}"))
         if pair in dev.evict_awaited:
             del dev.evict_awaited[pair]
@@ -657,7 +683,7 @@ class SchedulerCore:
         for dev in dict.fromkeys(devices):
             self._settle(dev, now, out)
             self._forget_if_unused(dev)
-        self._prepare_areas(out)
+        self._size_swap_space(now, out)
         self._settle_admission(now, out)
 
     # --- time ----------------------------------------------------------------------------
@@ -689,6 +715,7 @@ class SchedulerCore:
             due = [dev for dev, deadline in self._deadlines.items() if deadline <= now]
         for dev in due:
             self._settle(dev, now, out)
+        self._size_swap_space(now, out)
         self._settle_admission(now, out)
 
     # --- control requests ----------------------------------------------------------------
@@ -875,6 +902,7 @@ class SchedulerCore:
                 break
         if dev.evict_deadline is not None and (not dev.queue or now >= dev.evict_deadline):
             self._end_eviction_wait(dev)  # nobody waits for the room any more, or not longer
+        self._relieve_pressure(dev, now, out)
         self._prefetch_ahead(dev, now, out)
         self._notify_contention(dev, now, out)
         self._refresh_deadline(dev)
@@ -909,10 +937,7 @@ class SchedulerCore:
             hold = pair.held
             cid = pair.client.cid
             del dev.holders[hold.grant]
-            pair.hold_total += now - hold.since
-            fairshare.remember_hold(pair.recent, hold.since, now, now)
-            pair.hold = None
-            pair.last_held = now
+            self._hold_over(pair, now)
             hold.state = "overdue"
             pair.overdue[hold.grant] = hold
             dev.overdue[hold.grant] = pair
@@ -1334,7 +1359,7 @@ class SchedulerCore:
         self._budgets += dev.budget - before
         self._admission.set_capacity(self._budgets + (self._admission.config.spill or 0))
         self._settle(dev, now, out)
-        self._prepare_areas(out)
+        self._size_swap_space(now, out)
         self._settle_admission(now, out)
 
     def _admit(self, client: Client, ev: AdmitRequest, out: list[Action]) -> None:
@@ -1422,6 +1447,9 @@ class SchedulerCore:
         if pair.waiting_since is not None:
             self._leave_queue(pair, now)
         cid = pair.client.cid
+        # An EVICT still pending is moot now: a client granted the device keeps what it has
+        # (it answers EVICTED with it), and its memory is no room for anyone.
+        pair.swap.leaving = 0
         prefetch = residency.prefetch_on_grant(dev, pair) if self.config.swapping else 0
         # The grant brings the rest back: until the grantee says it has, all of it counts as in
         # flight (nobody else is let into its room meanwhile).
@@ -1456,13 +1484,16 @@ class SchedulerCore:
                     "device": dev.id, "client": pair.client.cid,
                     "silent": ",".join(other.client.cid for other in dev.evict_awaited)}))
             else:
-                for other, amount in residency.eviction_plan(dev, pair, dev.evict_asked):
+                later_first = reversed(self._service_order(dev))
+                for other, amount in eviction.room_plan(dev, pair, dev.evict_asked, self._evict_order, later_first):
                     dev.evict_asked[other] = amount
                     dev.evict_awaited[other] = None
-                    out.append(Send(other.client.key, protocol.Evict(device=dev.id, bytes=amount)))
-                    out.append(LockEvent(now, "evict", dev.id, other.client.cid, detail=f"bytes={amount}"))
-                    out.append(Log("debug", "evict-asked", {"client": other.client.cid, "device": dev.id,
-                                                            "bytes": amount, "for": pair.client.cid}))
+                    self._evict(other, amount, f"room for={pair.client.cid}", now, out)
+                # Moves asked for earlier (pressure, waking) are waited for as well.
+                for other in dev.pairs:
+                    if other.swap.leaving and other not in dev.evict_asked:
+                        dev.evict_asked[other] = other.swap.leaving
+                        dev.evict_awaited[other] = None
                 if dev.evict_awaited:
                     if dev.evict_deadline is None:
                         dev.evict_deadline = now + self.config.grace
@@ -1479,22 +1510,72 @@ class SchedulerCore:
         dev.evict_deadline = None
         dev.evict_for = None
 
+    def _service_order(self, dev: Device) -> list[Pair]:
+        """The waiters in the order they would be served if nothing changed: priority classes
+        (with ageing), then ACQUIRE order (_next_waiter's rule, applied to the whole queue)."""
+        return sorted(dev.queue, key=lambda pair: (-self._rank(pair), pair.queued_seq))
+
+    def _woken(self, dev: Device) -> list[Pair]:
+        """The waiters whose memory comes back ahead of their grant (asking is waking,
+        eviction.py): in service order, up to the first that holds a grant (a draining holder
+        that asked again). Gangs wait for their turn as a whole: none of them is woken early."""
+        woken = []
+        for waiter in self._service_order(dev):
+            if waiter.hold is not None or waiter.gang_queued:
+                break
+            woken.append(waiter)
+        return woken
+
+    def _relieve_pressure(self, dev: Device, now: float, out: list[Action]) -> None:
+        """Idle tenants moved out, whole and least recently used first, when what the device's
+        clients keep is over its budget, or leaves no room for the waiters being woken or for
+        the headroom (eviction.pressure_plan)."""
+        if not self.config.swapping or not eviction.under_pressure(dev):
+            dev.headroom = 0
+            return  # memory that fits never moves
+        woken = self._woken(dev)
+        dev.headroom, room_for = eviction.headroom(dev, self.config.headroom)
+        # The headroom is for the next request: it is made while nobody waits and no swap-in
+        # runs, so that its eviction never shares the link with memory on its way in.
+        quiet = not woken and not any(pair.swap.allowed for pair in dev.pairs)
+        for victim, amount, why in eviction.pressure_plan(dev, woken, dev.headroom if quiet else 0, room_for,
+                                                          self._evict_order):
+            whom = f" for={woken[0].client.cid}" if why == "wake" else ""
+            self._evict(victim, amount, f"{why}{whom}", now, out)
+
+    def _evict_order(self, pair: Pair) -> tuple[float, ...]:
+        """Where an idle pair stands in eviction order (eviction.order_key): a higher priority
+        class later, then by use."""
+        return eviction.order_key(pair, self.priority(pair.client), self.config.eviction_order)
+
+    def _evict(self, pair: Pair, amount: int, why: str, now: float, out: list[Action]) -> None:
+        """EVICT `amount` bytes of `pair`, and the timeline says why it was chosen."""
+        pair.swap.leaving += amount
+        dev = pair.device
+        idle_for = f" idle={now - pair.last_held:.1f}s" if pair.last_held > -math.inf else " idle=never-ran"
+        detail = f"bytes={amount} reason={why} class={self.priority(pair.client)}{idle_for}"
+        out.append(Send(pair.client.key, protocol.Evict(device=dev.id, bytes=amount)))
+        out.append(LockEvent(now, "evict", dev.id, pair.client.cid, detail=detail))
+        out.append(Log("debug", "evict-asked", {"client": pair.client.cid, "device": dev.id, "bytes": amount,
+                                                "why": why}))
+
     def _prefetch_ahead(self, dev: Device, now: float, out: list[Action]) -> None:
-        """PREFETCH to the waiter served next: room others made (or that was free) it may fill
-        with its swapped-out memory while it waits, so that its gate opens sooner after the
-        grant (residency.prefetch_ahead)."""
+        """PREFETCH to the woken waiters, in the order they will be served: room others made (or
+        that was free) each may fill with its swapped-out memory while it waits, so that its
+        gate opens sooner after the grant (residency.prefetch_ahead). A waiter served later gets
+        room only once the ones before it have all theirs."""
         if not self.config.swapping or dev.mode == "off":
             return
-        waiter = self._next_waiter(dev)
-        if waiter is None or waiter.hold is not None:
-            return
-        allowed = residency.prefetch_ahead(dev, waiter)
-        if allowed:
-            waiter.swap.allowed = allowed
-            out.append(Send(waiter.client.key, protocol.Prefetch(device=dev.id, resident=allowed)))
-            out.append(LockEvent(now, "prefetch", dev.id, waiter.client.cid, detail=f"resident={allowed}"))
-            out.append(Log("debug", "prefetch-ahead", {"client": waiter.client.cid, "device": dev.id,
-                                                       "resident": allowed}))
+        for waiter in self._woken(dev):
+            allowed = residency.prefetch_ahead(dev, waiter)
+            if allowed:
+                waiter.swap.allowed = allowed
+                out.append(Send(waiter.client.key, protocol.Prefetch(device=dev.id, resident=allowed)))
+                out.append(LockEvent(now, "prefetch", dev.id, waiter.client.cid, detail=f"resident={allowed}"))
+                out.append(Log("debug", "prefetch-ahead", {"client": waiter.client.cid, "device": dev.id,
+                                                           "resident": allowed}))
+            if eviction.wanted_back(waiter) > 0:
+                break
 
     def _contended_swap(self, pair: Pair) -> tuple[int, int]:
         """CONTENDED's evict= and idle_ms= for the holder `pair` (residency.py)."""
@@ -1502,6 +1583,43 @@ class SchedulerCore:
             return (0, 0)
         dev = pair.device
         return (self._evict_on_drop(pair), residency.idle_ms(dev, pair, self._next_other_waiter(pair)))
+
+    def _size_swap_space(self, now: float, out: list[Action]) -> None:
+        """The swap pools (POOL) and, for processes without one, their private areas (PREPARE)."""
+        self._size_pools(now, out)
+        self._prepare_areas(out)
+
+    def _size_pools(self, now: float, out: list[Action]) -> None:
+        """POOL to every client whose principal's swap pool changed size (eviction.pool_targets):
+        it grows at once, and shrinks once what it must hold has been below its size for
+        POOL_SHRINK_AFTER."""
+        if not self.config.swapping:
+            return
+        targets = eviction.pool_targets(self._clients.values(), self.principal)
+        for owner in self._pools.keys() - targets.keys():
+            targets[owner] = 0
+        for owner, target in targets.items():
+            told, below = self._pools.get(owner, (0, None))
+            if target >= told:
+                told, below = target, None
+            elif below is None:
+                below = now
+            elif now - below >= POOL_SHRINK_AFTER:
+                told, below = target, None
+            if told or below is not None:
+                self._pools[owner] = (told, below)
+            else:
+                self._pools.pop(owner, None)
+        for client in self._clients.values():
+            size = self._pools.get(self.principal(client), (0, None))[0]
+            if size != client.told_pool:
+                client.told_pool = size
+                out.append(Send(client.key, protocol.Pool(bytes=size)))
+                out.append(Log("debug", "pool", {"client": client.cid, "bytes": size}))
+
+    def pool_sizes(self) -> dict[Hashable, int]:
+        """The swap pools' sizes by principal, for views.py."""
+        return {owner: told for owner, (told, _) in self._pools.items()}
 
     def _prepare_areas(self, out: list[Action]) -> None:
         """PREPARE to the clients whose swap area should change (residency.area_targets)."""
@@ -1587,12 +1705,17 @@ class SchedulerCore:
         pair.waiting_since = None
 
     def _end_hold(self, pair: Pair, now: float) -> None:
+        del pair.device.holders[pair.held.grant]
+        self._hold_over(pair, now)
+
+    @staticmethod
+    def _hold_over(pair: Pair, now: float) -> None:
+        """The pair's grant ends (released or revoked): its time and when it ran are kept."""
         hold = pair.held
-        del pair.device.holders[hold.grant]
         pair.hold_total += now - hold.since
         fairshare.remember_hold(pair.recent, hold.since, now, now)
         pair.hold = None
-        pair.last_held = now
+        pair.held_before, pair.last_held = pair.last_held, now
 
     def _forget_overdue(self, pair: Pair) -> None:
         for grant in pair.overdue:

@@ -334,6 +334,7 @@ LogKind = Literal[
     "limit-set",
     "mode-set",
     "prefetch-ahead",
+    "pool",
     "prepare",
     "priority-set",
     "recovered",

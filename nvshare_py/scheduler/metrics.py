@@ -110,6 +110,16 @@ class SchedulerMetrics:
         self.swap_requested = Counter("nvshare_device_swap_requested_bytes_total",
                                       "Bytes the scheduler asked clients to move: out = DROP evict= and EVICT, "
                                       "in = GRANT prefetch=", ("device", "direction"), registry=registry)
+        # What moved, as the clients reported it, and how long a grant's swap-in stalled its
+        # client (docs/scheduler.md, "Many tenants").
+        self.swap_moved = Counter("nvshare_device_swap_moved_bytes_total",
+                                  "Bytes the device's clients were seen moving to the host (out) and back (in)",
+                                  ("device", "direction"), registry=registry)
+        self.swap_in_seconds = Histogram("nvshare_device_swap_in_seconds",
+                                         "Time from a grant that still had memory to bring back to its client's "
+                                         "report that all of it is back (its gate opens then): what a request to "
+                                         "a swapped-out tenant waits for its memory", ("device",),
+                                         buckets=HANDOFF_BUCKETS, registry=registry)
         self.device_swapped = Gauge("nvshare_device_memory_swapped_bytes",
                                     "Memory of the device's clients seen moved to the host and not brought back",
                                     ("device",), registry=registry)
@@ -210,6 +220,8 @@ class SchedulerMetrics:
         self._admitting: dict[tuple[str, str], float] = {}  # (client, device) -> since, of an admission wait
         self._last_grantee: dict[str, str] = {}  # device -> client of its latest grant
         self._handoff_from: dict[str, float] = {}  # device -> when its holder was asked or let go
+        self._restoring: dict[int, float] = {}  # grant -> its time, of a grant with memory to bring back
+        self._moved_seen: dict[tuple[str, str], int] = {}  # (device, direction) -> the status total counted
         self._latest = 0.0  # the time of the latest event observed (the core's clock)
         self._overflow_zeroed = False  # OVERFLOW's device counters are at 0 once it is used
         self._turns: dict[str, float] = {}  # gang id -> when its current turn began
@@ -247,6 +259,7 @@ class SchedulerMetrics:
             self.drops.labels(device, reason)
         for direction in ("out", "in"):
             self.swap_requested.labels(device, direction)
+            self.swap_moved.labels(device, direction)
         for reason in REFUSE_REASON.words:
             self.admission_refused.labels(device, reason)
 
@@ -320,10 +333,17 @@ class SchedulerMetrics:
                 self.admission_refused.labels(self._device(device), entry.detail.rpartition(" ")[2]).inc()
         elif kind == "grant":
             self._on_grant(entry)
+            if "swapped=" in entry.detail:
+                self._restoring[entry.grant] = now
+        elif kind == "restored":
+            began = self._restoring.pop(entry.grant, None)
+            if began is not None:
+                self.swap_in_seconds.labels(self._device(device)).observe(now - began)
         elif kind == "drop":
             self.drops.labels(self._device(device), entry.detail).inc()
             self._handoff_from.setdefault(device, now)
         elif kind in ("release", "revoke", "lost"):
+            self._restoring.pop(entry.grant, None)
             if kind == "revoke":
                 self.revokes.labels(self._device(device)).inc()
             self._end_hold(entry)
@@ -484,6 +504,13 @@ class SchedulerMetrics:
             self.device_swapped.labels(device).inc(dev["swapped"])
             self.device_holders.labels(device).inc(len(dev["holders"]))
             self.device_waiters.labels(device).inc(len(dev["waiters"]))
+            for direction in ("out", "in"):
+                # The core's totals since the device was first seen; a device it forgot and
+                # knows again starts from 0, which is counted from there.
+                total = dev.get(f"moved_{direction}", 0)
+                seen = self._moved_seen.get((dev["device"], direction), 0)
+                self.swap_moved.labels(device, direction).inc(total - seen if total >= seen else total)
+                self._moved_seen[(dev["device"], direction)] = total
         for state in GANG_STATES:
             self.gangs.labels(state)
             self.gang_members.labels(state)

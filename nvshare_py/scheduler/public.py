@@ -19,10 +19,11 @@ from .views import user_name
 JsonObject = dict[str, Any]
 
 _SCHEDULER_FIELDS = ("version", "pid", "started", "socket_dir", "restarted", "defaults")
-_DEVICE_FIELDS = ("device", "name", "total", "budget", "mode", "tq", "used", "resident", "swapped")
+_DEVICE_FIELDS = ("device", "name", "total", "budget", "mode", "tq", "used", "resident", "swapped", "headroom",
+                  "moved_out", "moved_in")
 # What a user sees of another user's client, and of its state on each device.
 _OTHERS_FIELDS = ("client", "uid", "host_pid", "program", "connected", "silent")
-_OTHERS_PAIR_FIELDS = ("state", "used")
+_OTHERS_PAIR_FIELDS = ("state", "used", "resident", "swapped", "last_ran")
 
 
 def public_status(document: JsonObject, viewer: int | None) -> JsonObject:

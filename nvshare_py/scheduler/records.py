@@ -25,6 +25,7 @@ class SwapState:
     in_bps: int = 0
     prepared: int = 0    # the last PREPARE's bytes
     allowed: int = 0     # the last PREFETCH's resident= in the current wait (0: none)
+    leaving: int = 0     # bytes an EVICT asked it to move out that it has not been seen moving yet
 
 
 class Hold:
@@ -54,7 +55,7 @@ class Hold:
 
 class Client:
     __slots__ = ("key", "cid", "info", "connected", "last_seen", "pairs", "told_every", "told", "gang", "claims_left",
-                 "claims_believed")
+                 "claims_believed", "told_pool")
 
     def __init__(self, key: ClientKey, cid: str, info: ClientInfo, now: float) -> None:
         self.key = key
@@ -73,6 +74,7 @@ class Client:
         # the HELLO came inside the recovery window (its claims are judged as of then).
         self.claims_left: list[str] = []
         self.claims_believed = False
+        self.told_pool = 0  # the swap pool's size it was told (POOL; eviction.py)
 
     @property
     def process(self) -> Hashable | None:
@@ -84,7 +86,7 @@ class Client:
 class Device:
     __slots__ = ("id", "name", "total", "budget_override", "mode", "tq", "holders", "overdue", "queue",
                  "pairs", "used", "evict_asked", "evict_awaited", "evict_deadline", "evict_for", "classes",
-                 "grants_made", "reserved", "gang_waiters")
+                 "grants_made", "reserved", "gang_waiters", "moved_out", "moved_in", "headroom")
 
     def __init__(self, device_id: str, mode: Mode, tq: float) -> None:
         self.id = device_id
@@ -118,6 +120,11 @@ class Device:
         self.evict_awaited: dict[Pair, None] = {}
         self.evict_deadline: float | None = None
         self.evict_for: Pair | None = None
+        # Bytes its clients were seen moving to the host and back (residency.report), for the
+        # metrics; and the headroom it keeps now (eviction.py).
+        self.moved_out = 0
+        self.moved_in = 0
+        self.headroom = 0
 
     @property
     def budget(self) -> int:
@@ -130,7 +137,8 @@ class Device:
 
 class Pair:
     __slots__ = ("client", "device", "used", "hold", "overdue", "waiting_since", "wait_total", "hold_total",
-                 "grants", "blocked_by", "last_wait", "resident", "swapped", "last_held", "queued_seq", "queued_grants",
+                 "grants", "blocked_by", "last_wait", "resident", "swapped", "last_held", "held_before", "queued_seq",
+                 "queued_grants",
                  "queued_class", "recent", "swap", "gang_queued")
 
     def __init__(self, client: Client, device: Device) -> None:
@@ -149,10 +157,11 @@ class Pair:
         self.last_wait: tuple[float, tuple[Client, ...]] | None = None
         # Residency (residency.py): the converted bytes the client last said are on the device
         # (None: it does not report residency), the bytes seen moved to the host, and when its
-        # last grant ended (-inf: never held), which orders EVICTs.
+        # last grant and the one before it ended (-inf: never), which order EVICTs (eviction.py).
         self.resident: int | None = None
         self.swapped = 0
         self.last_held = -math.inf
+        self.held_before = -math.inf
         self.swap = SwapState()  # its swap engine, and what it was told to prepare and prefetch
         # While waiting: its place in ACQUIRE order, the device's grants_made then, and the
         # priority class it waits in.

@@ -72,15 +72,23 @@ def occupied(pair: Pair) -> int:
     return max(footprint(pair), min(pair.used, pair.swap.allowed + pair.used - converted(pair)))
 
 
+def committed(pair: Pair) -> int:
+    """What the pair occupies once the moves it was asked for are done (SwapState.leaving):
+    what plans of further moves count on. Room that is only committed is never handed out:
+    PREFETCH and grants wait for the reports (`occupied`)."""
+    return max(0, occupied(pair) - pair.swap.leaving)
+
+
 def movable(pair: Pair) -> int:
     """Bytes the pair could move to the host if asked: its swappable memory on the device."""
     return pair.resident or 0
 
 
-def excess(dev: Device, grantee: Pair) -> int:
+def excess(dev: Device, grantee: Pair, planned: bool = False) -> int:
     """Bytes by which the device's budget falls short when `grantee` brings all its memory back
-    while every other client keeps what it has; <= 0 when it fits. An unknown budget (0: the
-    clients disagree on the device's size and none was set) moves nothing."""
+    while every other client keeps what it has; <= 0 when it fits. `planned`: counting the
+    moves asked for as done (`committed`), for deciding what else to ask. An unknown budget (0:
+    the clients disagree on the device's size and none was set) moves nothing."""
     budget = dev.budget
     if budget <= 0:
         return 0
@@ -90,7 +98,8 @@ def excess(dev: Device, grantee: Pair) -> int:
     bound = dev.used - footprint(grantee) + wanted - budget
     if bound <= 0:
         return bound
-    others = sum(occupied(pair) for pair in dev.pairs if pair is not grantee)
+    held = committed if planned else occupied
+    others = sum(held(pair) for pair in dev.pairs if pair is not grantee)
     return others + wanted - budget
 
 
@@ -100,11 +109,13 @@ def evict_on_drop(dev: Device, holder: Pair, grantee: Pair | None) -> int:
 
     Exactly the excess, never more: memory the holder keeps resident is memory it need not
     bring back at its next turn, so the smallest eviction that makes room is the cheapest
-    handoff. Whatever the holder cannot cover (its swappable memory on the device is less than
-    the excess) is asked of the idle clients with EVICT at grant time."""
+    handoff. Idle tenants asked to move out already (eviction.py) count as gone: the holder, the
+    most recently used, is asked only for what they cannot cover. Whatever the holder cannot
+    cover (its swappable memory on the device is less than the excess) is asked of the others
+    with EVICT at grant time."""
     if grantee is None or dev.mode == "off":
         return 0
-    return max(0, min(movable(holder), excess(dev, grantee)))
+    return max(0, min(movable(holder), excess(dev, grantee, planned=True)))
 
 
 def prefetch_on_grant(dev: Device, grantee: Pair) -> int:
@@ -136,36 +147,19 @@ def prefetch_ahead(dev: Device, waiter: Pair) -> int:
     return allowed if allowed > told else 0
 
 
-def eviction_plan(dev: Device, grantee: Pair, asked: Iterable[Pair]) -> list[tuple[Pair, int]]:
-    """EVICTs that would cover the excess for `grantee`: (pair, bytes) for clients that do not
-    hold the lock and have converted memory on the device, least recently held first (the
-    one whose turn is furthest away, under FCFS), none already asked in this wait."""
-    need = excess(dev, grantee)
-    asked = set(asked)
-    plan = []
-    candidates = sorted(
-        (pair for pair in dev.pairs
-         if pair is not grantee and pair.hold is None and pair not in asked and movable(pair) > 0),
-        key=lambda pair: pair.last_held,
-    )
-    for pair in candidates:
-        if need <= 0:
-            break
-        amount = min(movable(pair), need)
-        plan.append((pair, amount))
-        need -= amount
-    return plan
-
-
 def report(pair: Pair, resident: int, freed: int = 0) -> None:
     """Apply a `resident=` report. A drop in `resident` is memory moved to the host, except
     what the client freed meanwhile (`freed`: how much its `used` fell in the same report); a
-    rise is memory brought back."""
+    rise is memory brought back. The device counts both (its metrics)."""
     if pair.resident is not None:
         change = resident - pair.resident
         if change < 0:
-            pair.swapped += max(0, -change - freed)
+            moved = max(0, -change - freed)
+            pair.swapped += moved
+            pair.swap.leaving = max(0, pair.swap.leaving - moved)
+            pair.device.moved_out += moved
         else:
+            pair.device.moved_in += min(change, pair.swapped)
             pair.swapped -= change
     pair.swapped = max(0, min(pair.swapped, pair.used))
     pair.resident = resident
@@ -219,8 +213,19 @@ def quantum_floor(dev: Device, holder: Pair, grantee: Pair | None) -> float:
 
 def idle_ms(dev: Device, holder: Pair, grantee: Pair | None) -> int:
     """CONTENDED's `idle_ms=`: a holder is not released for idleness shorter than its handoff
-    would cost (0: the client's own window applies)."""
-    return round(handoff_seconds(dev, holder, grantee) * 1000)
+    would cost (0: the client's own window applies). Only a price both sides measured counts
+    (issue 29): a first quantum, a move nobody has measured yet, or an area still being pinned
+    are no reason to keep an idle GPU from the others, and the slow path's cost would keep it
+    for seconds. With measured prices the ski-rental rule stays: a busy job's short pauses do
+    not swap both ways for less than they gain."""
+    if grantee is None or dev.mode == "off" or dev.budget <= 0:
+        return 0
+    evict = evict_on_drop(dev, holder, grantee)
+    back = min(grantee.swapped, converted(grantee))
+    if (evict and not holder.swap.out_bps) or (back and not grantee.swap.in_bps):
+        return 0
+    moves = (evict / holder.swap.out_bps if evict else 0.0) + (back / grantee.swap.in_bps if back else 0.0)
+    return round((moves + HANDOFF_OVERHEAD_S) * 1000) if moves > 0 else 0
 
 
 def area_targets(devices: Iterable[Device], spill: int | None) -> dict[Pair, int]:

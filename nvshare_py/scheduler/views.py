@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import pwd
 from typing import Any, Callable
 
@@ -42,6 +43,11 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
             # What the budget holds now (docs/scheduler.md, "Budgets and swapping").
             "resident": sum(residency.footprint(pair) for pair in dev.pairs),
             "swapped": sum(pair.swapped for pair in dev.pairs),
+            # Room kept free under memory pressure, and what its clients moved each way so far
+            # (docs/scheduler.md, "Many tenants").
+            "headroom": dev.headroom,
+            "moved_out": dev.moved_out,
+            "moved_in": dev.moved_in,
             "holders": [
                 {
                     "client": pair.client.cid,
@@ -78,13 +84,22 @@ def status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> d
             "pod_uid": info.pod_uid,
             "weight": core.weight(client),
             "priority": core.priority(client),
-            "devices": {device_id: dict(_pair_status(pair, now), limit=core.limit(pair),
-                                        **shares[device_id].get(pair, _NO_SHARE))
+            "devices": {device_id: dict(_pair_status(pair, now), **_residency_status(pair, wall),
+                                        limit=core.limit(pair), **shares[device_id].get(pair, _NO_SHARE))
                         for device_id, pair in client.pairs.items()},
             # Its gang's id (the "gangs" list), None when it is a unit of its own on one device.
             "gang": client.gang.display if client.gang.ganged else None,
         })
-    return {"devices": devices, "clients": clients, "gangs": gangs_status(core, now, wall)}
+    by_key = {client.key: client.cid for client in core.clients()}
+    pools = [{"owner": _owner(owner, by_key), "bytes": size} for owner, size in core.pool_sizes().items()]
+    return {"devices": devices, "clients": clients, "gangs": gangs_status(core, now, wall), "pools": pools}
+
+
+def _owner(principal: Any, clients: dict[Any, str]) -> str:
+    """A swap pool's owner as status names it: `uid 1000`, `pod <uid>`, or a client's id (a
+    client whose uid the daemon cannot see has a pool of its own)."""
+    kind, value = principal
+    return clients.get(value, "?") if kind == "client" else f"{kind} {value}"
 
 
 def gangs_status(core: SchedulerCore, now: float, wall: Callable[[float], float]) -> list[dict[str, Any]]:
@@ -226,6 +241,14 @@ def _pair_query(core: SchedulerCore, pair: Pair, now: float) -> dict[str, Any]:
         "last_wait": last_wait,
     }
 
+def _residency_status(pair: Pair, wall: Callable[[float], float]) -> dict[str, Any]:
+    """When the pair last ran (None: it holds a grant now, or never held one), what the
+    eviction order reads (least recently used first), and what it was asked to move out and
+    has not yet (docs/scheduler.md, "Many tenants")."""
+    ran = wall(pair.last_held) if pair.hold is None and pair.last_held > -math.inf else None
+    return {"last_ran": ran, "evicting": pair.swap.leaving}
+
+
 def _pair_status(pair: Pair, now: float) -> dict[str, Any]:
     waiting = pair.waiting_since is not None
     if pair.hold is not None:
@@ -305,13 +328,13 @@ WORDING: dict[LogKind, Callable[[dict[str, Any]], str]] = {
     "mode-set": lambda f: f"mode {f['mode']} on {_target(f)}",
     "tq-set": lambda f: f"time quantum {f['seconds']:g} s on {_target(f)}",
     "budget-set": lambda f: f"memory budget of {f['device']}: {_size(f['budget'])}",
-    "evict-asked": lambda f: (f"{f['client']} asked to evict {_size(f['bytes'])} of {f['device']} "
-                              f"to make room for {f['for']}"),
+    "evict-asked": lambda f: f"{f['client']} asked to evict {_size(f['bytes'])} of {f['device']} ({f['why']})",
     "evict-timeout": lambda f: (f"{f['device']}: no room for {f['client']} after the grace "
                                 f"(EVICTED not received from {f['silent'] or 'nobody'}, or what moved was not enough): "
                                 "granting anyway, the driver's faults share the memory"),
     "evicted-stale": lambda f: f"{f['client']} answered EVICT for {f['device']}, which it does not use",
     "prepare": lambda f: f"{f['client']} told to keep a swap area of {f['bytes']} bytes ready for {f['device']}",
+    "pool": lambda f: f"{f['client']} told that its user's swap pool holds {_size(f['bytes'])}",
     "prefetch-ahead": lambda f: (f"{f['client']} may bring memory of {f['device']} back ahead of its grant, up to "
                                  f"{f['resident']} bytes resident"),
     "weight-set": lambda f: f"weight of {f['target']}: {f['weight']}",

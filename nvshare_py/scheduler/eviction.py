@@ -1,0 +1,197 @@
+"""Which tenants' memory leaves a device, when, and how much pinned host memory that takes
+(issue 29; docs/scheduler.md, "Many tenants"). Pure functions over the core's records; core.py
+decides when they are asked and sends what they say.
+
+Handoffs alone (residency.py) met memory pressure only when the lock changed hands: a tenant
+that grew or loaded beside idle ones left the driver to page those out fault by fault, and every
+handoff evicted a slice of everybody, so that every later request paid a swap-in. Here:
+
+- *Pressure is met when it arises.* After anything that changes what the device's clients
+  occupy, idle tenants are asked to move out (EVICT) until what stays fits the budget, with room
+  for the waiters that are being woken and a *headroom*.
+- *Whole tenants, least recently used first.* A victim is asked for all of its swappable memory,
+  so a tenant is either resident (its requests are warm) or out (one swap-in brings all of it
+  back); the victims are the idle tenants (no grant, not waiting, nothing in flight) in order of
+  priority class (the lowest first: a higher class is evicted last), then of use, then the
+  larger first. *Of use*: by default (`lru2`) the use before the last one, the least recent
+  first, and among equals the last use: a cold tenant that has just served its once-a-minute
+  request goes before a hot one asked every second, which plain recency (`lru`, the last use
+  alone) would evict for it (LRU-2, O'Neil et al. 1993); for cyclic requests to more tenants
+  than fit both orders are the same, and no order helps.
+- *Headroom.* While the device's clients have more memory than its budget (pressure), room for
+  one more tenant is kept free when nobody waits, so that the next request's swap-in does not
+  share the link with an eviction (two processes' copies of managed memory the opposite ways ran
+  at 24 GB/s each on an H200, each alone at 44-52: docs/scheduler.md). `auto`: what the tenant
+  with most memory out would bring back, at most a quarter of the budget, and never made of that
+  tenant's own memory.
+- *Asking is waking.* The waiters are woken in the order they will be served: room is made for
+  their memory (idle victims, never another waiter or a holder) and they are told to bring it
+  back ahead of their grant (residency.prefetch_ahead), while the lock is still busy.
+- *Pinned memory follows what is out.* The swap pool of a user (or pod), which its processes
+  share (docs/interceptor.md, "The swap pool"), is sized to what they have out or are moving out.
+
+Words: a pair *leaves* bytes it was asked to move out and has not been seen moving yet
+(`SwapState.leaving`); its *committed* footprint is what it occupies less what leaves
+(residency.committed), what the plans count on. Room that is only committed is never handed out
+(PREFETCH and grants wait for the reports: residency.occupied).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable, Iterable
+
+from .records import Client, Device, Pair
+from .residency import committed, converted, excess, movable
+
+# `auto` headroom is at most this share of the budget: on a device whose tenants are each large
+# against it, keeping a whole one free would leave too little for the rest.
+HEADROOM_SHARE = 4
+# The swap pool grows and shrinks in segments of this size (the interceptor's pool files), and
+# POOL is sent again only when its size moved by at least this much or by an eighth.
+POOL_SEGMENT = 512 << 20
+
+
+def last_used(pair: Pair) -> float:
+    """When the pair last ran: now (infinity) while it holds a grant, else when its last grant
+    ended (-infinity: never)."""
+    return float("inf") if pair.hold is not None else pair.last_held
+
+
+def idle(pair: Pair) -> bool:
+    """Neither holding, nor waiting, nor bringing memory back: a tenant nobody uses now."""
+    return pair.hold is None and pair.waiting_since is None and not pair.overdue and not pair.swap.allowed
+
+
+def under_pressure(dev: Device) -> bool:
+    """Whether the device's clients have allocated more than its budget: then somebody's memory
+    must be out, and the headroom is kept (memory that fits never moves)."""
+    return dev.budget > 0 and dev.mode != "off" and dev.used > dev.budget
+
+
+def headroom(dev: Device, setting: int | None) -> tuple[int, Pair | None]:
+    """Bytes kept free under pressure while nobody waits, and the tenant they are for (None:
+    any): `setting`, or with None (`auto`) room for the tenant with most memory out to come
+    back whole, at most 1/HEADROOM_SHARE of the budget. Never made by evicting that tenant
+    itself: moving part of a tenant out so that it can come back costs two moves for nothing."""
+    if not under_pressure(dev):
+        return 0, None
+    if setting is not None:
+        return min(setting, dev.budget), None
+    out = [pair for pair in dev.pairs if pair.swapped > 0 and idle(pair)]  # not on its way back already
+    if not out:
+        return 0, None
+    largest = max(out, key=lambda pair: pair.swapped)
+    return min(largest.swapped, dev.budget // HEADROOM_SHARE), largest
+
+
+def wanted_back(waiter: Pair) -> int:
+    """The bytes a waiter still has to bring back beyond what it was allowed already."""
+    if waiter.resident is None:
+        return 0
+    return max(0, converted(waiter) - max(waiter.resident, waiter.swap.allowed))
+
+
+ORDERS = ("lru2", "lru")
+
+
+def order_key(pair: Pair, klass: int, order: str) -> tuple[float, ...]:
+    """Where a pair of priority class `klass` stands in eviction order (the smallest goes
+    first): its class, its use (ORDERS: the use before the last one, then the last; or the last
+    alone; a holder's last use is now), then the larger first."""
+    last = last_used(pair)
+    used = ((pair.last_held if pair.hold is not None else pair.held_before), last) if order == "lru2" else (last,)
+    return (klass, *used, -movable(pair))
+
+
+def victims(dev: Device, key: Callable[[Pair], tuple[float, ...]]) -> list[Pair]:
+    """The idle pairs with swappable memory that is not leaving already, in eviction order
+    (`key`: order_key with the pair's class and the configured order)."""
+    candidates = [pair for pair in dev.pairs if idle(pair) and movable(pair) > pair.swap.leaving]
+    return sorted(candidates, key=key)
+
+
+def pressure_plan(dev: Device, woken: Iterable[Pair], room: int, room_for: Pair | None,
+                  key: Callable[[Pair], tuple[float, ...]]) -> list[tuple[Pair, int, str]]:
+    """EVICTs (pair, bytes, why) that keep the device's committed memory within its budget,
+    with room for the memory of the woken waiters and `room` more (the headroom, which is not
+    made of `room_for`'s own memory): whole idle tenants in eviction order. `why` is what the
+    timeline says: `pressure` (what the clients keep is over the budget), `wake` (room for a
+    waiter's memory) or `headroom`.
+
+    Pressure and waking cannot wait. The headroom can: a holder that comes before every idle
+    tenant in eviction order (the cold tenant that is serving its rare request) is waited for,
+    and goes when it is idle, rather than a tenant that is used more often."""
+    budget = dev.budget
+    if budget <= 0 or dev.mode == "off":
+        return []
+    held = sum(committed(pair) for pair in dev.pairs)
+    wanted = sum(wanted_back(waiter) for waiter in woken)
+    over = held - budget
+    urgent = over + wanted
+    plan: list[tuple[Pair, int, str]] = []
+    idle_ones = victims(dev, key)
+    while urgent > 0 and idle_ones:
+        pair = idle_ones.pop(0)
+        amount = movable(pair) - pair.swap.leaving
+        plan.append((pair, amount, "pressure" if over > 0 else "wake"))
+        urgent -= amount
+        over -= amount
+    spare = room + min(0, urgent)
+    if spare <= 0:
+        return plan
+    holders = [pair for pair in dev.pairs if pair.hold is not None and movable(pair) > 0]
+    for pair in sorted(idle_ones + holders, key=key):
+        if spare <= 0 or pair.hold is not None:
+            break
+        if pair is not room_for:
+            amount = movable(pair) - pair.swap.leaving
+            plan.append((pair, amount, "headroom"))
+            spare -= amount
+    return plan
+
+
+def room_plan(dev: Device, grantee: Pair, asked: Iterable[Pair], key: Callable[[Pair], tuple[float, ...]],
+              later_first: Iterable[Pair]) -> list[tuple[Pair, int]]:
+    """EVICTs that cover what still keeps `grantee`, the next to be granted, out (the grant
+    waits for their answers, residency.excess): whole idle tenants in eviction order, except
+    that the most recently used of them (the last holder, as a rule) is asked only for what is
+    still needed, as a holder is at its DROP (residency.evict_on_drop); then, if that is not
+    enough, as much as is needed of the other waiters, the last to be served first
+    (`later_first`); none already asked in this wait."""
+    need = excess(dev, grantee, planned=True)
+    asked = set(asked)
+    plan: list[tuple[Pair, int]] = []
+    idle_ones = victims(dev, key)
+    latest = max(idle_ones, key=last_used, default=None)
+    for pair in idle_ones:
+        if need <= 0:
+            return plan
+        if pair not in asked:
+            amount = movable(pair) - pair.swap.leaving
+            if pair is latest:  # the last holder, back soon: what it keeps it need not bring back
+                amount = min(amount, need)
+            plan.append((pair, amount))
+            need -= amount
+    for pair in later_first:
+        if need <= 0:
+            break
+        amount = min(movable(pair) - pair.swap.leaving, need)
+        if pair is not grantee and pair.hold is None and pair not in asked and amount > 0:
+            plan.append((pair, amount))
+            need -= amount
+    return plan
+
+
+def pool_targets(clients: Iterable[Client], principal: Callable[[Client], Hashable]) -> dict[Hashable, int]:
+    """The swap pool each principal (a pod, else a user) needs: what its processes have moved
+    out on any device, or are moving out (EVICT asked, a holder's announced eviction), rounded
+    up to whole segments. Only principals with a client that swaps are named."""
+    out: dict[Hashable, int] = {}
+    for client in clients:
+        for pair in client.pairs.values():
+            if pair.resident is None:
+                continue
+            announced = pair.hold.told_swap[0] if pair.hold is not None else 0
+            owner = principal(client)
+            out[owner] = out.get(owner, 0) + pair.swapped + max(pair.swap.leaving, announced)
+    return {owner: -(-bytes_ // POOL_SEGMENT) * POOL_SEGMENT for owner, bytes_ in out.items()}
