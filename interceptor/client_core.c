@@ -19,6 +19,11 @@
 #define MEMORY_REPORT_PERIOD_S 0.1
 #define DEFAULT_HEARTBEAT_MS 1000
 #define DEFAULT_IDLE_RELEASE_MS 1000
+/* An idle holder is looked at every quarter of its idle window, at most this long apart: its
+ * release comes at most twice this long after the window (the check that saw the last work, then
+ * the one that sees the window over), which a request waiting behind it pays
+ * (issue 29: at most the idle window + 0.1 s). Each look compares two counters. */
+#define IDLE_CHECK_PERIOD_MAX_S 0.025
 /* Pre-drain lead: the longest recent drain of the device times PREDRAIN_LEAD_FACTOR (a margin
  * for drains that grow), at least PREDRAIN_LEAD_MIN_S, at most half the quantum. */
 #define PREDRAIN_LEAD_FACTOR 1.5
@@ -202,6 +207,12 @@ static void note_pause(const struct nvs_core *c, struct nvs_core_device *d, doub
     if (base > 0 && now - since >= base / 1000.0) d->last_pause = now - since;
 }
 
+/* How long apart an idle holder is looked at. */
+static double idle_check_period(long window_ms) {
+    double quarter = window_ms / 4000.0;
+    return quarter < IDLE_CHECK_PERIOD_MAX_S ? quarter : IDLE_CHECK_PERIOD_MAX_S;
+}
+
 /* An idle check may run: a holder whose grant is known, no job out, no capture (a capture's
  * process is not idle, and the probe's synchronise would invalidate it). */
 static int idle_check_possible(const struct nvs_core *c, const struct nvs_core_device *d) {
@@ -214,7 +225,7 @@ static void reset_idle_tracking(struct nvs_core *c, struct nvs_core_device *d, d
     d->idle_bytes = d->bytes;
     d->idle_since = now;
     long window = idle_window_ms(c, d);
-    d->idle_next_check = now + (window > 0 ? window / 4000.0 : 1.0);
+    d->idle_next_check = now + (window > 0 ? idle_check_period(window) : 1.0);
 }
 
 static int grant_matches(const struct nvs_core_device *d, uint64_t grant) {
@@ -1220,7 +1231,7 @@ static void idle_check_fire(struct nvs_core *c, struct nvs_core_device *d, doubl
     } else if (now - d->idle_since >= window / 1000.0) {
         start_job(c, d, NVS_JOB_PROBE);
     }
-    d->idle_next_check = now + window / 4000.0;
+    d->idle_next_check = now + idle_check_period(window);
 }
 
 /* The lease lapsed (the process was stopped or starved): ask whether the scheduler still knows

@@ -110,6 +110,27 @@ def test_an_idle_holder_releases_early(idle_world):
     assert a.releases[0][2] == "idle" and a.core.state(0) == IDLE and not a.devices[0].gate
 
 
+def test_an_idle_holder_lets_a_waiter_in_at_most_two_looks_after_its_window(client_core_lib):
+    """Issue 29: a request waits behind an idle holder at most its idle window + 0.1 s. The
+    holder is looked at every quarter window, but at most 25 ms apart: it releases at most two
+    looks after its window (the look that saw its last work, the look that saw the window over;
+    virtual time, its worker's probe done at once)."""
+    world = World(client_core_lib, tq=30.0, idle_release=1.0)
+    world.auto_worker = False  # the probe runs the moment it is asked for, as the worker thread does
+    a, b = world.spawn("a"), world.spawn("b")
+    world.want(a)
+    world.finish_work(a)
+    quiet_since = world.now
+    world.want(b)
+    while not a.releases:
+        world.advance(0.005)
+        world.settle()
+    assert a.releases[0][2] == "idle"
+    assert quiet_since + 1.0 <= world.now <= quiet_since + 1.0 + 2 * 0.025 + 0.005
+    world.settle()
+    assert b.devices[0].gate
+
+
 def test_an_idle_probe_that_meets_a_drop_ends_in_a_drain(idle_world):
     world = idle_world
     world.auto_worker = False
