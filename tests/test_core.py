@@ -155,7 +155,7 @@ def test_events_of_unregistered_clients_are_ignored_with_a_debug_log():
                   MemoryReport(0, "ghost", GPU0, 5), DeviceInfo(0, "ghost", GPU0, 5), Unregister(0, "ghost", "bye")):
         actions = h.feed(event)
         assert [type(a) for a in actions] == [Log] and actions[0].level == "debug"
-    assert h.status() == {"devices": [], "clients": [], "gangs": []}
+    assert h.status() == {"devices": [], "clients": [], "gangs": [], "pools": []}
 
 
 # --- mode on: handoff, FCFS, quantum, grace --------------------------------------------------
@@ -919,7 +919,7 @@ def test_status_document_lists_devices_holders_waiters_and_client_statistics():
     status = h.status()
     assert status["devices"] == [{
         "device": GPU0, "name": "NVIDIA H200", "total": 16 * GiB, "budget": 16 * GiB, "mode": "on",
-        "tq": 10.0, "used": 4 * GiB, "resident": 4 * GiB, "swapped": 0,
+        "tq": 10.0, "used": 4 * GiB, "resident": 4 * GiB, "swapped": 0, "headroom": 0, "moved_out": 0, "moved_in": 0,
         "holders": [{"client": "c1", "grant": grant, "since": wall(1), "quantum_left": 7.0, "state": "holding",
                      "silent": 3.0}],
         "waiters": [{"client": "c2", "since": wall(3)}],
@@ -931,9 +931,11 @@ def test_status_document_lists_devices_holders_waiters_and_client_statistics():
     assert (a["weight"], a["priority"]) == (1, 0)
     # Equal weights: each of the two contenders is entitled to half; a alone held the lock so far.
     assert a["devices"] == {GPU0: {"used": 3 * GiB, "resident": 3 * GiB, "swapped": 0, "state": "holding",
+                                   "last_ran": None, "evicting": 0,
                                    "wait_total": 0.0, "hold_total": 3.0, "grants": 1, "swap": None,
                                    "limit": None, "share": 0.5, "achieved": 1.0, "outranked_by": []}}
     assert b["devices"][GPU0] == {"used": 1 * GiB, "resident": 1 * GiB, "swapped": 0, "state": "waiting",
+                                  "last_ran": None, "evicting": 0,
                                   "wait_total": 1.0, "hold_total": 0.0, "grants": 0, "swap": None,
                                   "limit": None, "share": 0.5, "achieved": 0.0, "outranked_by": []}
     h.at(11).tick()  # a's quantum is over and b waits
@@ -944,6 +946,7 @@ def test_status_document_lists_devices_holders_waiters_and_client_statistics():
                                                    "quantum_left": 2.0, "state": "holding", "silent": 17.0}
     a, b = status["clients"]
     assert a["devices"][GPU0]["state"] == "idle" and a["devices"][GPU0]["hold_total"] == 11.0
+    assert a["devices"][GPU0]["last_ran"] == wall(12)
     assert b["devices"][GPU0]["wait_total"] == 9.0 and b["devices"][GPU0]["hold_total"] == 8.0
     h.at(40)
     assert h.status()["devices"][0]["holders"][0]["quantum_left"] == 0.0  # clipped
