@@ -2,6 +2,8 @@
 `jupyter` extra), for tests and benchmarks of the nvshare kernelspec.
 
     kernel = Kernel(spec_dir, "python3-nvshare", env)   # started from a kernelspec directory
+    kernel = Kernel(spec_dir, name, env, log=file)      # its stdout and stderr (the interceptor's
+                                                        #   log) into that open file
     kernel.run(SETUP)                  # -> Cell (stdout, stderr, displays, updates, result,
                                        #   error, notes); AssertionError if the cell failed
     msg_id = kernel.submit(code); kernel.collect(msg_id, until=...)   # a cell still running
@@ -15,7 +17,7 @@ import ast
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import IO, Callable
 
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
@@ -49,10 +51,11 @@ class Cell:
 class Kernel:
     """One kernel from the kernelspec, driven like a notebook front end drives it."""
 
-    def __init__(self, spec_dir: str, name: str, env: dict[str, str]) -> None:
+    def __init__(self, spec_dir: str, name: str, env: dict[str, str], log: IO[str] | None = None) -> None:
         specs = KernelSpecManager(kernel_dirs=[spec_dir])
         self.manager = KernelManager(kernel_name=name, kernel_spec_manager=specs)
-        self.manager.start_kernel(env=env, cwd=CHILD_CWD)
+        output = {} if log is None else {"stdout": log, "stderr": log}
+        self.manager.start_kernel(env=env, cwd=CHILD_CWD, **output)
         self.client = self.manager.client()
         self.client.start_channels()
         self.client_id = ""

@@ -42,6 +42,9 @@ obeys) and waits for it to register:
     agent.expect("granted GPU-x")        # -> the line (waits; raises AssertionError on timeout)
     agent.pid; agent.kill(); agent.signal(signal.SIGSTOP); agent.lines (everything printed)
 
+`pinned_for_swapping(status)` and `swap_pool_bytes()` say how much pinned host memory nvshare
+holds for swapping (the swap areas of the status document, the node-wide pool's files).
+
 `wait_for(predicate, timeout=..., what=...)` polls a condition (no timing asserts: a generous
 timeout, then AssertionError naming `what` and the last value seen). `child_env()`,
 `run_child()` and `nvsharectl_command()` help to run other processes the same way (from
@@ -120,6 +123,36 @@ def child_env(socket_dir: Path | None = None, extra: dict[str, str] | None = Non
 def short_socket_dir() -> Path:
     """A fresh directory short enough for Unix socket paths (never pytest's tmp_path)."""
     return Path(tempfile.mkdtemp(prefix="nvs-", dir="/tmp"))
+
+
+# The node-wide pinned swap pool of a user (issue 29): files segment-* in this folder of /dev/shm.
+SWAP_POOL_DIR = "nvshare-pool-{uid}"
+
+
+def swap_pool_bytes(uid: int | None = None, shm: Path = Path("/dev/shm")) -> int:
+    """Bytes of the node-wide pinned swap pool of user `uid` (default: this process's): the sizes
+    of its segment files, 0 while there are none."""
+    folder = shm / SWAP_POOL_DIR.format(uid=os.getuid() if uid is None else uid)
+    total = 0
+    for segment in folder.glob("segment-*"):
+        try:
+            total += segment.stat().st_size
+        except FileNotFoundError:  # given back while we looked
+            pass
+    return total
+
+
+def pinned_for_swapping(status: dict, pool_bytes: int = 0) -> int:
+    """Pinned host memory held for swapping: every client's swap area on every device, as the
+    status document shows it (`swap` -> `area`), plus `pool_bytes` (swap_pool_bytes()). An area
+    whose `swap` entry says `pool` (true) takes its room from the pool and is not counted twice."""
+    areas = 0
+    for client in status.get("clients", []):
+        for pair in client.get("devices", {}).values():
+            swap = pair.get("swap") or {}
+            if not swap.get("pool"):
+                areas += int(swap.get("area") or 0)
+    return areas + pool_bytes
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = PATIENCE, what: str = "condition", interval: float = 0.02) -> Any:
