@@ -186,17 +186,24 @@ static long base_idle_window_ms(const struct nvs_core *c) {
     return c->config.idle_release_ms >= 0 ? c->config.idle_release_ms : c->scheduler_idle_ms;
 }
 
-/* The idle window in force. While others wait, at least what the scheduler says the handoff
- * would cost (CONTENDED idle_ms=): releasing for a shorter pause would swap both ways for less
- * time than the swapping takes. Unless this holder's last pause lasted at least that long: a
- * program's pauses repeat (a training step's CPU phase), so waiting out the handoff's cost again
- * would only waste that much of each. Waiting for the cost when the last pause was shorter, or
- * none was seen, is the ski-rental rule: a release it lets happen wastes at most as much idle
- * time as it costs. */
+/* The idle window in force. While others wait, what the scheduler says (CONTENDED idle_ms=):
+ * - more than the window: what the handoff would cost this holder; releasing for a shorter pause
+ *   would swap its memory out and back for less time than the swapping takes. Unless its last
+ *   pause lasted at least that long: a program's pauses repeat (a training step's CPU phase), so
+ *   waiting out the cost again would only waste that much of each. Waiting for the cost when the
+ *   last pause was shorter, or none was seen, is the ski-rental rule: a release it lets happen
+ *   wastes at most as much idle time as it costs.
+ * - less: the handoff moves nothing of this holder's; its pause is worth nothing to it, and
+ *   another tenant is waiting (issue 29: one asked every second would keep the lock from the
+ *   others for a quantum).
+ * 0: the window as it is. A window of 0 (never release early) stays 0. */
 static long idle_window_ms(const struct nvs_core *c, const struct nvs_core_device *d) {
     long window = base_idle_window_ms(c);
-    if (window > 0 && d->contended_idle_ms > (uint64_t)window && d->last_pause * 1000.0 < (double)d->contended_idle_ms)
-        window = (long)d->contended_idle_ms;
+    uint64_t told = d->contended_idle_ms;
+    if (window > 0 && told > (uint64_t)window && d->last_pause * 1000.0 < (double)told)
+        window = (long)told;
+    else if (window > 0 && told > 0 && told < (uint64_t)window)
+        window = (long)told;
     return window;
 }
 

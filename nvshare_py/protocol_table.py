@@ -274,15 +274,18 @@ MESSAGES: Final[tuple[Message, ...]] = (
         required("grant", UINT),
         required("quantum_left_ms", UINT),
         optional("evict", UINT, 0, "bytes its release will be asked to move to the host"),
-        optional("idle_ms", UINT, 0, "while others wait, release early only after this long idle"),
+        optional("idle_ms", UINT, 0, "while others wait, the idle window to use instead of the usual one (`0`: the usual one)"),
     ), "A notice: others wait for the device, and this grant's quantum ends in `quantum_left_ms` "
        "(then `DROP` follows). A holder with a long queue of GPU work may drain it ahead of time "
        "and release with reason `quantum`, so that the lock changes hands when the quantum ends "
        "instead of a drain later (docs/interceptor.md). `evict`: what the `DROP` will ask to move out "
        "(see *Residency*): a holder that drains ahead of time moves it before its `RELEASE`, "
-       "starting early enough for the move too. `idle_ms`: what the handoff would cost in "
-       "swapping; a holder should not release early for idleness shorter than that. Sent again "
-       "when either figure changes noticeably. Ignoring it is correct."),
+       "starting early enough for the move too. `idle_ms`: while others wait, the holder's idle window: "
+       "more than its usual window, what the release would cost it in swapping (its memory out now "
+       "and back at its next turn), so that it does not release for a shorter pause; less, its "
+       "release moves none of its memory and it should give the lock back after this long idle "
+       "(`--idle-release-contended`). Sent again when either figure changes noticeably. Ignoring it "
+       "is correct."),
     Message("PREPARE", "Prepare", SCHEDULER, (
         required("device", DEVICE),
         required("bytes", UINT, "`0`: none is needed any more"),

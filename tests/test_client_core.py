@@ -131,6 +131,27 @@ def test_an_idle_holder_lets_a_waiter_in_at_most_two_looks_after_its_window(clie
     assert b.devices[0].gate
 
 
+def test_while_others_wait_a_holder_that_moves_nothing_releases_after_the_contended_window(client_core_lib):
+    """Issue 29: a server asked every second never pauses for its 1 s idle window; while another
+    waits and nothing of its memory would move, the scheduler's shorter window applies
+    (CONTENDED idle_ms=, --idle-release-contended). Without waiters the usual window stays."""
+    world = World(client_core_lib, tq=30.0, idle_release=1.0, idle_release_contended=0.1)
+    world.auto_worker = False
+    a, b = world.spawn("a"), world.spawn("b")
+    world.want(a)
+    world.finish_work(a)
+    world.advance(0.5)
+    world.settle()
+    assert not a.releases  # alone: 0.5 s is no idle window
+    world.want(b)
+    quiet_since = world.now
+    while not a.releases:
+        world.advance(0.005)
+        world.settle()
+    assert a.releases[0][2] == "idle" and world.now <= quiet_since + 0.1 + 2 * 0.025 + 0.005
+    assert b.devices[0].gate
+
+
 def test_an_idle_probe_that_meets_a_drop_ends_in_a_drain(idle_world):
     world = idle_world
     world.auto_worker = False

@@ -48,7 +48,8 @@ class Harness:
 
     def __init__(self, now: float = 0.0, **config) -> None:
         self.now = now
-        self.core = SchedulerCore(CoreConfig(**config), now)
+        # A contended holder's idle window is the client's own unless a test sets one.
+        self.core = SchedulerCore(CoreConfig(**{"idle_release_contended": 0.0, **config}), now)
         self.actions: list = []
         self.sessions: dict[str, str] = {}
 

@@ -129,6 +129,10 @@ def serve(
         1.0, parser=number_between(0, DAY),
         help="Default idle window in seconds after which a holder gives the lock back (told to clients); 0 turns early release off",
     ),
+    idle_release_contended: float = typer.Option(
+        0.1, parser=number_between(0, DAY),
+        help="While others wait, the idle window of a holder whose release would move none of its memory, so that "
+        "a tenant asked every second does not keep the GPU from the others for a quantum; 0: its usual window"),
     recovery: float = typer.Option(2.0, parser=number_between(0, DAY), help="After a restart over a previous daemon's sockets: seconds to wait for holders to reclaim their locks"),
     swapping: str = typer.Option(
         "on", metavar="on|off", parser=one_of(SWAPPING, "on or off"), help="on: a handoff over a device's memory budget moves memory in bulk (DROP evict=, EVICT, "
@@ -184,6 +188,7 @@ def serve(
             heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout,
             idle_release=idle_release,
+            idle_release_contended=idle_release_contended,
             recovery=recovery,
             swapping=swapping == "on",
             headroom=cast("int | None", headroom),  # _headroom's parser made it one

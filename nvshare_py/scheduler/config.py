@@ -23,6 +23,7 @@ class DaemonConfig:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     idle_release: float = 1.0
+    idle_release_contended: float = 0.1  # a waiter behind a holder whose release moves nothing of its own
     recovery: float = 2.0  # only used when a previous daemon's client socket is found
     swapping: bool = True  # budgets move memory at handoffs (docs/scheduler.md, "Budgets and swapping")
     headroom: int | None = None  # bytes kept free under memory pressure; None: auto (eviction.py)
@@ -57,6 +58,7 @@ class DaemonConfig:
             heartbeat_interval=self.heartbeat_interval,
             heartbeat_timeout=self.heartbeat_timeout,
             idle_release=self.idle_release,
+            idle_release_contended=self.idle_release_contended,
             recovery=self.recovery if restarted else 0.0,
             swapping=self.swapping,
             headroom=self.headroom,

@@ -121,6 +121,9 @@ class CoreConfig:
     heartbeat_interval: float = 1.0  # sent to clients in WELCOME
     heartbeat_timeout: float = 5.0  # no message for this long -> the client is gone
     idle_release: float = 1.0  # sent to clients in WELCOME; 0: holders never release early
+    # While others wait, the idle window of a holder whose release would move none of its
+    # memory (CONTENDED idle_ms=, residency.idle_ms); 0: the holder's own window.
+    idle_release_contended: float = 0.1
     recovery: float = 0.0  # > 0 only when restarting over a previous daemon's clients
     # Budgets move memory at handoffs (residency.py). False: nothing is ever asked to move, as
     # before issue 8 (the fault-driven baseline of benchmarks/bench_colocation.py).
@@ -153,6 +156,7 @@ class CoreConfig:
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
         _check_seconds("idle_release", self.idle_release, allow_zero=True)
+        _check_seconds("idle_release_contended", self.idle_release_contended, allow_zero=True)
         _check_seconds("recovery", self.recovery, allow_zero=True)
         _check_seconds("min_quantum", self.min_quantum, allow_zero=False)
         _check_seconds("gang_wait", self.gang_wait, allow_zero=True)
@@ -1578,11 +1582,13 @@ class SchedulerCore:
                 break
 
     def _contended_swap(self, pair: Pair) -> tuple[int, int]:
-        """CONTENDED's evict= and idle_ms= for the holder `pair` (residency.py)."""
+        """CONTENDED's evict= and idle_ms= for the holder `pair` (residency.py). Without swapping
+        nothing of the holder's moves: its pauses are worth nothing to it."""
+        free_ms = _ms(self.config.idle_release_contended)
         if not self.config.swapping:
-            return (0, 0)
+            return (0, free_ms if self._next_other_waiter(pair) is not None else 0)
         dev = pair.device
-        return (self._evict_on_drop(pair), residency.idle_ms(dev, pair, self._next_other_waiter(pair)))
+        return (self._evict_on_drop(pair), residency.idle_ms(dev, pair, self._next_other_waiter(pair), free_ms))
 
     def _size_swap_space(self, now: float, out: list[Action]) -> None:
         """The swap pools (POOL) and, for processes without one, their private areas (PREPARE)."""

@@ -211,21 +211,29 @@ def quantum_floor(dev: Device, holder: Pair, grantee: Pair | None) -> float:
     return handoff_seconds(dev, holder, grantee) / SWAP_SHARE_OF_QUANTUM
 
 
-def idle_ms(dev: Device, holder: Pair, grantee: Pair | None) -> int:
-    """CONTENDED's `idle_ms=`: a holder is not released for idleness shorter than its handoff
-    would cost (0: the client's own window applies). Only a price both sides measured counts
-    (issue 29): a first quantum, a move nobody has measured yet, or an area still being pinned
-    are no reason to keep an idle GPU from the others, and the slow path's cost would keep it
-    for seconds. With measured prices the ski-rental rule stays: a busy job's short pauses do
-    not swap both ways for less than they gain."""
-    if grantee is None or dev.mode == "off" or dev.budget <= 0:
-        return 0
+def idle_ms(dev: Device, holder: Pair, grantee: Pair | None, free_ms: int) -> int:
+    """CONTENDED's `idle_ms=`: while others wait, how long the holder may be idle before it
+    releases (0: the client's own window applies).
+
+    A release for a pause costs what it makes the *holder* move: its eviction now and the same
+    bytes back at its next turn (the grantee's memory comes back whenever it is granted, and
+    from its request on, ahead of its grant: eviction.py). So the ski-rental rule: a holder is
+    not released for idleness shorter than that round trip, priced at the holder's measured
+    pace; a busy job's short pauses do not swap both ways for less than they gain. When the
+    release moves nothing of the holder's, its pauses are worth nothing to it and another tenant
+    is waiting: `free_ms` (the operator's --idle-release-contended; 0: the client's window). Only
+    a measured price counts (issue 29): a first quantum,
+    a move nobody has measured yet, or an area still being pinned keep no idle GPU from the
+    others for seconds (0: the client's own window)."""
+    if grantee is None:
+        return 0  # it waits behind itself: nobody to let in
     evict = evict_on_drop(dev, holder, grantee)
-    back = min(grantee.swapped, converted(grantee))
-    if (evict and not holder.swap.out_bps) or (back and not grantee.swap.in_bps):
+    if not evict:
+        return free_ms
+    if not holder.swap.out_bps or not holder.swap.in_bps:
         return 0
-    moves = (evict / holder.swap.out_bps if evict else 0.0) + (back / grantee.swap.in_bps if back else 0.0)
-    return round((moves + HANDOFF_OVERHEAD_S) * 1000) if moves > 0 else 0
+    round_trip = evict / holder.swap.out_bps + evict / holder.swap.in_bps
+    return round((round_trip + HANDOFF_OVERHEAD_S) * 1000)
 
 
 def area_targets(devices: Iterable[Device], spill: int | None) -> dict[Pair, int]:
