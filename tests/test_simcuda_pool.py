@@ -342,12 +342,14 @@ def test_every_family_comes_back_intact_through_every_access_path_after_a_swap_t
         schedulers, cuda_app, simcuda, tmp_path, shm):
     """tests/test_simcuda_swapping.py's family test with the pool: plain, pitched, async, pool
     and VMM memory go out through pool segments and come back before the gate opens; a copy, an
-    async copy, a memset, a kernel, a graph and a host function all find the data."""
+    async copy, a memset, a kernel, a graph and a host function all find the data. A PREPARE
+    beside the POOL pins nothing of the process's own: a member's room is the pool's."""
     sched = schedulers()
     app = patterned_app(cuda_app, pool_env(sched, tmp_path, shm, NVSHARE_VMM="swap"))
     grant(sched, 1)
     app.expect("waiting")
     sched.send("POOL", bytes=2 * SEGMENT)
+    sched.send("PREPARE", device=sched.device, bytes=EVERYTHING)
     area_at_least(sched, 2 * SEGMENT)
     sched.send("DROP", device=sched.device, grant=1, grace_ms=60_000, reason="quantum", evict=EVERYTHING)
     assert sched.expect("RELEASE")["resident"] == "0"
@@ -359,4 +361,5 @@ def test_every_family_comes_back_intact_through_every_access_path_after_a_swap_t
     grant(sched, 2, prefetch=EVERYTHING)
     app.expect("verified 5")
     assert app.wait() == 0, app.stderr
-    assert [p["how"] for p in simcuda.read_trace(cuda_app.trace) if p["op"] == "pin"] == ["registered"] * 2
+    pins = [(p["how"], p["bytes"]) for p in simcuda.read_trace(cuda_app.trace) if p["op"] == "pin"]
+    assert pins == [("registered", SEGMENT)] * 2  # the pool's two segments, nothing else
