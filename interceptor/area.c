@@ -25,6 +25,13 @@
  * How much is pinned follows a target per device (the scheduler's PREPARE, summed over the
  * devices): chunks are added while the area is below it and whole free chunks are given back
  * while it is above it.
+ *
+ * The pool (pool.c): while the process is a member of its user's swap pool, the area pins
+ * nothing of its own (PREPARE's targets wait; free chunks of its own are given back) and takes
+ * its room from the pool instead: when its chunks lack room, nvs_area_take claims free pool
+ * segments (registered already, so at once), and each becomes a chunk of the table like any
+ * other, its pages handed out the same way; a segment that is wholly free again goes back to the
+ * pool as soon as the pages are given back, for another process to evict into.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -38,6 +45,7 @@
 #include "gate.h"
 #include "loader.h"
 #include "log.h"
+#include "pool.h"
 
 #define AREA_CHUNK ((size_t)64 << 20)
 #define AREA_PAGE ((size_t)64 << 10)
@@ -55,13 +63,16 @@
 enum pinning {
     PINNED_REGISTERED, /* an anonymous mapping of ours, cuMemHostRegister'd */
     PINNED_ALLOCATED,  /* cuMemHostAlloc'd */
+    PINNED_POOL,       /* a segment of the pool this process owns */
 };
 
 struct chunk {
-    char *host; /* AREA_CHUNK bytes */
+    char *host;
+    size_t pages; /* AREA_CHUNK / AREA_PAGE, or a pool segment's */
     enum pinning how;
-    uint64_t used[PAGES_PER_CHUNK / 64];     /* a bit per page: taken */
+    int segment;  /* PINNED_POOL: its index in the pool */
     size_t free_pages;
+    uint64_t used[]; /* a bit per page: taken */
 };
 
 struct nvs_extent {
@@ -75,7 +86,7 @@ struct nvs_extent {
 static pthread_mutex_t area_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct chunk *chunks[MAX_CHUNKS]; /* NULL: an empty place */
 static size_t n_chunks;                  /* places used, the highest + 1 */
-static size_t pinned_chunks;
+static size_t pinned_chunks;             /* of them, pinned by the area itself (not the pool's) */
 static uint64_t targets[NVS_MAX_DEVICES]; /* bytes each device may want swapped out at once */
 /* Set once registering a chunk failed: the area pins with cuMemHostAlloc from then on (and the
  * warning is not repeated). Written by the thread that pins (the pinner: nvs_area_change_step,
@@ -100,7 +111,7 @@ static size_t pages_for(size_t bytes) { return (bytes + AREA_PAGE - 1) / AREA_PA
  * one; its length (its start in *first). Whole taken words are skipped at once. */
 static size_t find_run(const struct chunk *c, size_t wanted, size_t *first) {
     size_t best = 0, run = 0;
-    for (size_t page = 0; page < PAGES_PER_CHUNK;) {
+    for (size_t page = 0; page < c->pages;) {
         if (run == 0 && page % 64 == 0 && c->used[page / 64] == ~0ULL) {
             page += 64;
             continue;
@@ -136,15 +147,11 @@ static size_t pick_run(size_t wanted, size_t *chunk, size_t *first) {
     return best;
 }
 
-int nvs_area_take(size_t bytes, struct nvs_extent **out) {
+/* Under area_mu: room for `bytes` from the chunks in the table (0, in *out), or -1 and nothing
+ * taken when they have less free. */
+static int take_locked(size_t bytes, struct nvs_extent **out) {
     size_t wanted = pages_for(bytes);
-    *out = NULL;
-    if (bytes == 0) return -1;
-    pthread_mutex_lock(&area_mu);
-    if (free_bytes_locked() < wanted * AREA_PAGE) {
-        pthread_mutex_unlock(&area_mu);
-        return -1;
-    }
+    if (free_bytes_locked() < wanted * AREA_PAGE) return -1;
     /* As few runs as possible: each run is one copy. */
     size_t cap = 8, n = 0;
     struct nvs_extent *e = malloc(sizeof *e + cap * sizeof e->runs[0]);
@@ -167,23 +174,91 @@ int nvs_area_take(size_t bytes, struct nvs_extent **out) {
         e->n = n;
         e->bytes = bytes;
         e->runs[n - 1].bytes -= pages_for(bytes) * AREA_PAGE - bytes; /* the last run ends with the data */
-        pthread_mutex_unlock(&area_mu);
         *out = e;
         return 0;
     }
     for (size_t i = 0; e != NULL && i < n; i++)
         mark_pages(chunks[e->runs[i].chunk], e->runs[i].page, pages_for(e->runs[i].bytes), 0);
-    pthread_mutex_unlock(&area_mu);
     free(e);
+    return -1;
+}
+
+/* A claimed pool segment becomes a chunk of the table; -1 (and it goes back) when it cannot. */
+static int add_segment(const struct nvs_pool_segment *segment) {
+    size_t pages = segment->bytes / AREA_PAGE;
+    struct chunk *c = calloc(1, sizeof *c + (pages + 63) / 64 * sizeof c->used[0]);
+    pthread_mutex_lock(&area_mu);
+    size_t place = 0;
+    while (place < n_chunks && chunks[place] != NULL) place++;
+    int added = c != NULL && place < MAX_CHUNKS;
+    if (added) {
+        *c = (struct chunk){.host = segment->host, .pages = pages, .how = PINNED_POOL, .segment = segment->index,
+                            .free_pages = pages};
+        chunks[place] = c;
+        if (place == n_chunks) n_chunks++;
+    }
+    pthread_mutex_unlock(&area_mu);
+    if (added) return 0;
+    free(c);
+    nvs_pool_release(segment->index);
+    return -1;
+}
+
+/* Under area_mu: takes pool chunk `place` out of the table if it is wholly free; its segment's
+ * index (for the pool, once area_mu is released), or -1. */
+static int drop_free_segment_locked(size_t place) {
+    struct chunk *c = chunks[place];
+    if (c == NULL || c->how != PINNED_POOL || c->free_pages != c->pages) return -1;
+    int segment = c->segment;
+    chunks[place] = NULL;
+    free(c);
+    return segment;
+}
+
+int nvs_area_take(size_t bytes, struct nvs_extent **out) {
+    *out = NULL;
+    if (bytes == 0) return -1;
+    /* The chunks in the table first; while they lack room, one more pool segment at a time (only
+     * the worker takes: nobody else claims meanwhile). */
+    for (;;) {
+        pthread_mutex_lock(&area_mu);
+        int taken = take_locked(bytes, out);
+        pthread_mutex_unlock(&area_mu);
+        if (taken == 0) return 0;
+        struct nvs_pool_segment segment;
+        if (nvs_pool_claim(&segment) != 0 || add_segment(&segment) != 0) break;
+    }
+    /* Not enough: what this take claimed goes back (no other pool chunk is wholly free: gives
+     * return theirs at once). */
+    pthread_mutex_lock(&area_mu);
+    int *segments = n_chunks > 0 ? malloc(n_chunks * sizeof *segments) : NULL;
+    size_t n = 0;
+    for (size_t i = 0; segments != NULL && i < n_chunks; i++) {
+        int segment = drop_free_segment_locked(i);
+        if (segment >= 0) segments[n++] = segment;
+    }
+    pthread_mutex_unlock(&area_mu);
+    for (size_t i = 0; i < n; i++) nvs_pool_release(segments[i]);
+    free(segments);
     return -1;
 }
 
 void nvs_area_give(struct nvs_extent *e) {
     if (e == NULL) return;
+    /* Pool segments this leaves wholly free go back to the pool now: another process may evict
+     * into them. */
+    int *segments = malloc(e->n * sizeof *segments);
+    size_t n = 0;
     pthread_mutex_lock(&area_mu);
     for (size_t i = 0; i < e->n; i++)
         mark_pages(chunks[e->runs[i].chunk], e->runs[i].page, pages_for(e->runs[i].bytes), 0);
+    for (size_t i = 0; segments != NULL && i < e->n; i++) {
+        int segment = drop_free_segment_locked(e->runs[i].chunk);
+        if (segment >= 0) segments[n++] = segment;
+    }
     pthread_mutex_unlock(&area_mu);
+    for (size_t i = 0; i < n; i++) nvs_pool_release(segments[i]);
+    free(segments);
     free(e);
 }
 
@@ -205,20 +280,25 @@ static uint64_t target_locked(void) {
     return sum;
 }
 
-uint64_t nvs_area_pinned(void) {
+uint64_t nvs_area_room(void) {
     pthread_mutex_lock(&area_mu);
-    uint64_t bytes = (uint64_t)pinned_chunks * AREA_CHUNK;
+    uint64_t bytes = free_bytes_locked();
     pthread_mutex_unlock(&area_mu);
-    return bytes;
+    return bytes + nvs_pool_free_bytes();
+}
+
+/* Under area_mu: a chunk the area pinned itself, wholly free. */
+static int own_free_chunk(const struct chunk *c) {
+    return c != NULL && c->how != PINNED_POOL && c->free_pages == c->pages;
 }
 
 int nvs_area_change_due(void) {
+    int pooled = nvs_pool_joined(); /* the pool holds this process's room: nothing of its own */
     pthread_mutex_lock(&area_mu);
-    uint64_t target = target_locked(), pinned = (uint64_t)pinned_chunks * AREA_CHUNK;
+    uint64_t target = pooled ? 0 : target_locked(), pinned = (uint64_t)pinned_chunks * AREA_CHUNK;
     int grow = pinned < target && n_chunks < MAX_CHUNKS;
     int shrink = 0;
-    for (size_t i = 0; i < n_chunks && !grow && pinned >= target + AREA_CHUNK; i++)
-        shrink = chunks[i] != NULL && chunks[i]->free_pages == PAGES_PER_CHUNK;
+    for (size_t i = 0; i < n_chunks && !grow && pinned >= target + AREA_CHUNK; i++) shrink = own_free_chunk(chunks[i]);
     pthread_mutex_unlock(&area_mu);
     return grow ? 1 : shrink ? -1 : 0;
 }
@@ -268,13 +348,6 @@ static void populate(char *host) {
         if (started[i]) pthread_join(helpers[i], NULL);
 }
 
-static const char *error_name(CUresult r) {
-    const char *name = NULL;
-    if (nvs_real.cuGetErrorName == NULL || nvs_real.cuGetErrorName(r, &name) != CUDA_SUCCESS || name == NULL)
-        return "an unknown CUDA error";
-    return name;
-}
-
 /* Registers a chunk of our own mapping, or says which error refused it. */
 static CUresult register_mapping(char *host) {
     if (nvs_real.cuMemHostRegister_v2 == NULL) return CUDA_ERROR_NOT_FOUND;
@@ -299,7 +372,7 @@ static CUresult pin_chunk(struct chunk *c) {
         if (mapped == NULL)
             snprintf(why, sizeof why, "no host memory could be mapped");
         else
-            snprintf(why, sizeof why, "%s, %d", error_name(r), r);
+            snprintf(why, sizeof why, "%s, %d", nvs_real_error_name(r), r);
         nvs_warn("registering host memory for the swap area failed (%s): the area is pinned with cuMemHostAlloc "
                  "from now on, which is slower (on an H200: 0.43 s per GiB, not 0.19-0.29)",
                  why);
@@ -328,22 +401,25 @@ static void unpin_chunk(const struct chunk *c) {
     /* Still registered as far as the driver knows: unmapping would let the kernel hand the
      * addresses to another mapping that the driver takes for pinned. Kept, and said. */
     nvs_warn("unregistering %zu bytes of the swap area at %p failed (%s, %d): they stay mapped and pinned", AREA_CHUNK,
-             (void *)c->host, error_name(r), r);
+             (void *)c->host, nvs_real_error_name(r), r);
 }
 
 int nvs_area_change_step(void) {
     int due = nvs_area_change_due();
     if (due > 0) {
-        struct chunk *c = calloc(1, sizeof *c);
+        struct chunk *c = calloc(1, sizeof *c + PAGES_PER_CHUNK / 64 * sizeof c->used[0]);
         CUresult r = c == NULL ? CUDA_ERROR_OUT_OF_MEMORY : pin_chunk(c);
         if (r != CUDA_SUCCESS) {
             free(c);
+            pthread_mutex_lock(&area_mu);
+            unsigned long long pinned = (unsigned long long)pinned_chunks * AREA_CHUNK;
+            pthread_mutex_unlock(&area_mu);
             nvs_warn("pinning %zu bytes of the swap area failed (%s, %d): it stays at %llu bytes, and what does not "
                      "fit in it is swapped the slow way (cuMemPrefetchAsync)",
-                     AREA_CHUNK, error_name(r), r, (unsigned long long)nvs_area_pinned());
+                     AREA_CHUNK, nvs_real_error_name(r), r, pinned);
             return -1;
         }
-        c->free_pages = PAGES_PER_CHUNK;
+        c->pages = c->free_pages = PAGES_PER_CHUNK;
         pthread_mutex_lock(&area_mu);
         size_t place = 0;
         while (place < n_chunks && chunks[place] != NULL) place++;
@@ -357,7 +433,7 @@ int nvs_area_change_step(void) {
         struct chunk *c = NULL;
         pthread_mutex_lock(&area_mu);
         for (size_t i = 0; i < n_chunks && c == NULL; i++)
-            if (chunks[i] != NULL && chunks[i]->free_pages == PAGES_PER_CHUNK) {
+            if (own_free_chunk(chunks[i])) {
                 c = chunks[i];
                 chunks[i] = NULL;
                 pinned_chunks--;
@@ -372,7 +448,8 @@ int nvs_area_change_step(void) {
 
 void nvs_area_reset_after_fork(void) {
     /* The child has no device memory swapped out and cannot use the driver; the registered
-     * chunks are not even mapped in it (MADV_DONTFORK): only the bookkeeping goes. */
+     * chunks and the pool's segments are not even mapped in it (MADV_DONTFORK): only the
+     * bookkeeping goes (the pool's own, pool.c). */
     pthread_mutex_init(&area_mu, NULL);
     for (size_t i = 0; i < n_chunks; i++) free(chunks[i]);
     memset(chunks, 0, sizeof chunks);

@@ -14,13 +14,16 @@ struct nvs_area_run {
     uint32_t chunk, page;
 };
 struct nvs_extent;
-/* Room for `bytes` (0, in *out), or -1 when the area has less free. */
+/* Room for `bytes` (0, in *out), or -1 when the area has less free (claiming pool segments while
+ * its own chunks lack room). */
 int nvs_area_take(size_t bytes, struct nvs_extent **out);
 void nvs_area_give(struct nvs_extent *e); /* NULL: nothing */
 size_t nvs_area_runs(const struct nvs_extent *e, const struct nvs_area_run **runs);
 /* What device `index` may want out at once (the scheduler's PREPARE); the area follows the sum. */
 void nvs_area_want(int index, uint64_t bytes);
-uint64_t nvs_area_pinned(void);
+/* What a move out could take now: the area's free bytes and the pool's free segments registered
+ * here (MEMORY area=). */
+uint64_t nvs_area_room(void);
 /* 1: the area should grow, -1: shrink (a whole chunk is free above the target), 0: neither. */
 int nvs_area_change_due(void);
 /* Pin or give back one chunk (a context current); 1 when it changed, -1 on failure. */

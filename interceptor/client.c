@@ -33,6 +33,7 @@
 #include "log.h"
 #include "memory.h"
 #include "notify.h"
+#include "pool.h"
 #include "swap.h"
 #include "transport.h"
 #include "vmm.h"
@@ -208,6 +209,9 @@ static int next_io_action_locked(struct nvs_action *a, char *buf, size_t cap) {
         else if (a->kind == NVS_ACT_SWAP_AREA) { /* the pinner pins (or gives back) the area */
             nvs_area_want(a->device, a->bytes);
             nvs_pinner_wake_locked();
+        } else if (a->kind == NVS_ACT_POOL) { /* the pinner joins, grows or shrinks the pool */
+            nvs_pool_want(a->bytes);
+            nvs_pinner_wake_locked();
         } else
             return 1;
     }
@@ -335,6 +339,7 @@ static void *client_main(void *unused) {
  * process's end. The client thread sends it; the application waits a moment for it. */
 static void at_exit(void) {
     nvs_worker_stop_for_exit();
+    nvs_pool_leave(); /* the last member of the swap pool removes it */
     if (!atomic_load(&started)) return;
     atomic_store(&exiting, 1);
     wake_client();
@@ -422,6 +427,7 @@ static void fork_child(void) {
     nvs_memory_reset_after_fork();
     nvs_vmm_reset_after_fork();
     nvs_area_reset_after_fork();
+    nvs_pool_reset_after_fork();
     pthread_mutex_init(&nvs_mu, NULL);
     pthread_cond_init(&nvs_gate_cv, NULL);
     pthread_cond_init(&bye_cv, NULL);

@@ -801,6 +801,9 @@ void nvs_core_receive(struct nvs_core *c, const char *buf, size_t len, double no
             core_log(c, LOG_DEBUG, "not-registered answer to %s ignored: registering", m.error_type);
     } else if (m.type == NVS_MSG_LIMIT) {
         handle_limit(c, &m);
+    } else if (m.type == NVS_MSG_POOL) { /* the shell sizes the pool (process-level: no device) */
+        struct nvs_core_queued *q = push(c, NVS_ACT_POOL, -1, 0);
+        if (q != NULL) q->action.bytes = m.bytes;
     } else {
         struct nvs_core_device *d = NULL;
         for (int i = 0; i < c->n_devices && d == NULL; i++)

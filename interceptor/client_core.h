@@ -70,6 +70,8 @@ enum nvs_action_kind {
                          * and later): this registration's limits are applied (a LIMIT action
                          * before it said so), or no scheduler answers for now */
     NVS_ACT_SWAP_AREA,  /* keep a swap area of `bytes` ready for the device (the scheduler's PREPARE) */
+    NVS_ACT_POOL,       /* the swap pool this process shares with its user's (its pod's) other processes
+                         * should hold `bytes` (the scheduler's POOL; device -1) */
 };
 
 struct nvs_action {
@@ -78,7 +80,8 @@ struct nvs_action {
     int value;
     size_t len; /* SEND, LOG: bytes written to buf */
     uint64_t bytes; /* JOB SWAP_OUT: at least this many bytes to move; PREFETCH, PREFETCH_AHEAD: at
-                     * most; LIMIT: the scheduler's memory limit, 0: none; SWAP_AREA: its size */
+                     * most; LIMIT: the scheduler's memory limit, 0: none; SWAP_AREA, POOL: their
+                     * sizes */
 };
 
 /* Read once at nvs_core_init. */

@@ -267,6 +267,35 @@ static void read_environment(void) {
             nvs_config.advise = on;
     }
 
+    nvs_config.pool = 1;
+    value = getenv("NVSHARE_POOL");
+    if (value != NULL && value[0] != '\0') {
+        int on = parse_switch(value);
+        if (on < 0)
+            nvs_warn("NVSHARE_POOL=%s is not 1 or 0; swapping through the shared pool (1)", value);
+        else
+            nvs_config.pool = on;
+    }
+    value = getenv("NVSHARE_POOL_DIR");
+    if (value == NULL || value[0] == '\0') value = "/dev/shm";
+    if (value[0] != '/' || strlen(value) >= sizeof nvs_config.pool_dir - 32) {
+        nvs_warn("NVSHARE_POOL_DIR=%s is not an absolute path shorter than %zu bytes; using /dev/shm", value,
+                 sizeof nvs_config.pool_dir - 32);
+        value = "/dev/shm";
+    }
+    snprintf(nvs_config.pool_dir, sizeof nvs_config.pool_dir, "%s", value);
+    /* Segments are mapped at huge-page boundaries and handed out in the area's 64 KiB pages. */
+    nvs_config.pool_segment = (uint64_t)512 << 20;
+    value = getenv("NVSHARE_POOL_SEGMENT");
+    if (value != NULL && value[0] != '\0') {
+        uint64_t bytes;
+        if (parse_size(value, strlen(value), &bytes) != 0 || bytes % ((uint64_t)2 << 20) != 0 ||
+            bytes > ((uint64_t)4 << 30))
+            nvs_warn("NVSHARE_POOL_SEGMENT=%s is not a multiple of 2 MiB up to 4 GiB; using 512M", value);
+        else
+            nvs_config.pool_segment = bytes;
+    }
+
     nvs_config.vmm_hide = 0;
     nvs_config.vmm_swap = 0;
     value = getenv("NVSHARE_VMM");

@@ -27,6 +27,9 @@ struct nvs_config {
     int vmm_swap;              /* NVSHARE_VMM=swap: VMM memory is swapped too (vmm.c) */
     int predrain;              /* NVSHARE_PREDRAIN (default 1): drain ahead of a contended quantum's end */
     int advise;                /* NVSHARE_ADVISE (default 0): advise converted memory onto its device */
+    int pool;                  /* NVSHARE_POOL (default 1): swap through the user's shared pool (pool.c) */
+    char pool_dir[200];        /* NVSHARE_POOL_DIR (default /dev/shm): where the pool's directory is */
+    uint64_t pool_segment;     /* NVSHARE_POOL_SEGMENT (default 512 MiB): bytes per segment of a new pool */
     char pod[256];             /* NVSHARE_POD_NAME */
     char pod_namespace[256];   /* NVSHARE_POD_NAMESPACE */
     char program[128];         /* NVSHARE_PROGRAM, "" = /proc/self/comm */

@@ -97,14 +97,14 @@ extern pthread_mutex_t nvs_mu;
 /* Signalled (broadcast) whenever a gate opens. */
 extern pthread_cond_t nvs_gate_cv;
 /* Read-held by whoever pushes or synchronises a recorded context or queries an event in one:
- * drains and idle probes (gate.c), swap jobs and the pinning of the swap area (swap.c), deferred
- * frees (memory.c, polled with a try). Write-held by what destroys a context (context.c, which
- * settles its deferred frees first) and by a capture's beginning (gate.c): so nothing touches a
- * context while the application destroys it, and no capture begins while one of those calls
- * runs. Readers run side by side: the swap area is pinned (its own thread) while an idle probe
- * waits for a holder's queued work, which can take seconds. Writers are preferred, so a steady
- * stream of readers cannot hold a capture off. Taken before nvs_mu and mem_mu, never the other
- * way; never recursively. */
+ * drains and idle probes (gate.c), swap jobs and the pinning of the swap area and the pool's
+ * segments (swap.c), deferred frees (memory.c, polled with a try). Write-held by what destroys a
+ * context (context.c, which settles its deferred frees first) and by a capture's beginning
+ * (gate.c): so nothing touches a context while the application destroys it, and no capture begins
+ * while one of those calls runs. Readers run side by side: the swap area is pinned (its own
+ * thread) while an idle probe waits for a holder's queued work, which can take seconds. Writers
+ * are preferred, so a steady stream of readers cannot hold a capture off. Taken before nvs_mu and
+ * mem_mu, never the other way; never recursively. */
 extern pthread_rwlock_t nvs_ctx_mu;
 
 extern struct nvs_device nvs_devices[NVS_MAX_DEVICES];

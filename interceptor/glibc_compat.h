@@ -28,6 +28,13 @@ __asm__(".symver pthread_rwlockattr_setkind_np, pthread_rwlockattr_setkind_np@GL
 __asm__(".symver pthread_rwlockattr_destroy, pthread_rwlockattr_destroy@GLIBC_2.2.5");
 __asm__(".symver pthread_attr_setstacksize, pthread_attr_setstacksize@GLIBC_2.2.5");
 __asm__(".symver pthread_sigmask, pthread_sigmask@GLIBC_2.2.5");
+__asm__(".symver pthread_mutexattr_init, pthread_mutexattr_init@GLIBC_2.2.5");
+__asm__(".symver pthread_mutexattr_destroy, pthread_mutexattr_destroy@GLIBC_2.2.5");
+__asm__(".symver pthread_mutexattr_setpshared, pthread_mutexattr_setpshared@GLIBC_2.2.5");
+__asm__(".symver pthread_mutexattr_setrobust, pthread_mutexattr_setrobust@GLIBC_2.12");
+__asm__(".symver pthread_mutex_consistent, pthread_mutex_consistent@GLIBC_2.12");
+/* fstat is a symbol of its own only since 2.33 (before, <sys/stat.h> made it a call of
+ * __fxstat): pool.c makes the system call itself. */
 /* memcpy@GLIBC_2.14 only stopped copying overlapping buffers backwards; nvshare never
  * copies overlapping buffers */
 __asm__(".symver memcpy, memcpy@GLIBC_2.2.5");

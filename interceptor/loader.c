@@ -97,3 +97,10 @@ int nvs_real_load_if_present(void) {
     }
     return nvs_real_load();
 }
+
+const char *nvs_real_error_name(CUresult r) {
+    const char *name = NULL;
+    if (nvs_real.cuGetErrorName == NULL || nvs_real.cuGetErrorName(r, &name) != CUDA_SUCCESS || name == NULL)
+        return "an unknown CUDA error";
+    return name;
+}

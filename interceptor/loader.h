@@ -34,6 +34,10 @@ int nvs_real_load_if_present(void);
 /* The slot of nvs_real at `offset` (offsetof(struct nvs_real_table, name)), loaded with acquire. */
 void *nvs_real_slot(size_t offset);
 
+/* The name of a CUDA error for messages ("an unknown CUDA error" where the driver cannot say);
+ * after nvs_real_load() returned 0. */
+const char *nvs_real_error_name(CUresult r);
+
 typedef void *(*nvs_dlsym_fn)(void *, const char *);
 /* glibc's dlsym (the one after libnvshare's), found with dlvsym. */
 nvs_dlsym_fn nvs_real_dlsym(void);

@@ -28,8 +28,9 @@
  * what was asked, at most one allocation more.
  *
  * Locks: nvs_ctx_mu (read) for a whole job (as a drain holds it: no context is destroyed under the
- * internal stream, no capture begins); mem_mu, vmm_mu and the area's lock only inside the calls
- * to memory.c, vmm.c and area.c. The figures (engine, bandwidths) are atomics any thread reads.
+ * internal stream, no capture begins); mem_mu, vmm_mu, the area's lock and the pool's only inside
+ * the calls to memory.c, vmm.c, area.c and pool.c. The figures (engine, bandwidths) are atomics
+ * any thread reads.
  */
 #define _GNU_SOURCE
 #include <stdlib.h>
@@ -41,6 +42,7 @@
 #include "log.h"
 #include "memory.h"
 #include "notify.h"
+#include "pool.h"
 #include "swap.h"
 #include "vmm.h"
 
@@ -106,7 +108,7 @@ static void note_rate(_Atomic uint64_t *bits, uint64_t bytes, double seconds) {
 
 void nvs_swap_figures(struct nvs_swap_figures *out) {
     out->engine = atomic_load_explicit(&engine, memory_order_acquire);
-    out->area = nvs_area_pinned();
+    out->area = nvs_area_room();
     out->out_bps = (uint64_t)(load_rate(&out_bps_bits) + 0.5);
     out->in_bps = (uint64_t)(load_rate(&in_bps_bits) + 0.5);
 }
@@ -491,13 +493,17 @@ int nvs_swap_in(struct nvs_device *d, uint64_t up_to, int for_grant) {
 }
 
 int nvs_swap_prepare_due(void) {
-    return atomic_load_explicit(&engine, memory_order_acquire) == NVS_SWAP_COPY && nvs_area_change_due() != 0;
+    return atomic_load_explicit(&engine, memory_order_acquire) == NVS_SWAP_COPY &&
+           (nvs_pool_due() || nvs_area_change_due() != 0);
 }
+
+int nvs_swap_prepare_watching(void) { return nvs_pool_joined(); }
 
 int nvs_swap_prepare_step(void) {
     if (!nvs_swap_prepare_due()) return 0;
-    /* Pinned memory is allocated in a context: any one of the process's will do (PORTABLE). No
-     * allocation while a capture runs (it is not a call a capture allows). */
+    /* Pinned memory is allocated (and registered) in a context: any one of the process's will do
+     * (PORTABLE). No pinning while a capture runs (it is not a call a capture allows). The pool
+     * first: a process that joins it pins nothing of its own. */
     CUcontext ctx = NULL;
     pthread_rwlock_rdlock(&nvs_ctx_mu);
     pthread_mutex_lock(&nvs_mu);
@@ -509,7 +515,7 @@ int nvs_swap_prepare_step(void) {
     pthread_mutex_unlock(&nvs_mu);
     int changed = 0;
     if (!capturing && ctx != NULL && nvs_real.cuCtxPushCurrent_v2(ctx) == CUDA_SUCCESS) {
-        changed = nvs_area_change_step() > 0;
+        changed = nvs_pool_step() > 0 || nvs_area_change_step() > 0;
         CUcontext popped;
         nvs_real.cuCtxPopCurrent_v2(&popped);
     }

@@ -18,13 +18,16 @@ int nvs_swap_out(struct nvs_device *d, uint64_t at_least);
  * (`for_grant` 0); for a grant everything in the area and of the rest up to `up_to`, and all of
  * it counts as resident again (-1: some VMM memory waits for a capture's end). */
 int nvs_swap_in(struct nvs_device *d, uint64_t up_to, int for_grant);
-/* The pinner thread (worker.c): grow or shrink the area by a chunk; 1 when it did. Whether a
- * change is due (it may not be possible now: a capture runs). */
+/* The pinner thread (worker.c): a step of the swap pool (pool.c) or of the area (a chunk more or
+ * less); 1 when it changed something. Whether a change is due (it may not be possible now: a
+ * capture runs). Whether to look again now and then although nothing is due: other processes
+ * change the pool this process is a member of. */
 int nvs_swap_prepare_step(void);
 int nvs_swap_prepare_due(void);
+int nvs_swap_prepare_watching(void);
 struct nvs_swap_figures {
     int engine;       /* enum nvs_swap_engine */
-    uint64_t area;    /* bytes pinned */
+    uint64_t area;    /* bytes a move out could take through pinned memory now (nvs_area_room) */
     uint64_t out_bps, in_bps; /* the last moves through the area, bytes per second (0: none yet) */
 };
 void nvs_swap_figures(struct nvs_swap_figures *out);

@@ -12,7 +12,9 @@
  * - deferred stream-ordered frees (memory.c), polled while any are pending.
  *
  * Beside it, the pinner thread grows (or shrinks) the swap area a chunk at a time towards what
- * the scheduler said to prepare (swap.c). It has a thread of its own because the worker's jobs
+ * the scheduler said to prepare, or keeps this process's side of its user's swap pool: joins it,
+ * registers the segments others made, makes missing ones, lets go of retired ones (swap.c,
+ * pool.c). It has a thread of its own because the worker's jobs
  * can block for seconds: an idle probe of a holder whose program waits in a synchronise waits
  * for the queued work too, so a holder's area pinned only between such probes could take the
  * whole first quantum (tests/test_simcuda_swapping.py shows it; on an H200 the first quanta,
@@ -109,10 +111,12 @@ static enum nvs_job_result run_job(struct nvs_device *d, enum nvs_job job, uint6
     }
 }
 
-/* How often pending frees are polled, and pinning that is due but could not go on is tried again
- * (a capture runs, or the host had no memory to pin). */
+/* How often pending frees are polled, pinning that is due but could not go on is tried again
+ * (a capture runs, or the host had no memory to pin), and the pinner of a pool's member looks at
+ * what the other members changed (a segment to register, one to let go of). */
 #define FREES_POLL_NS (5 * 1000 * 1000)
 #define PINNER_RETRY_NS (50 * 1000 * 1000)
+#define PINNER_LOOK_NS (100 * 1000 * 1000)
 
 /* Under nvs_mu: waits on `cv` until signalled or `ns` have passed. */
 static void wait_at_most_locked(pthread_cond_t *cv, long ns) {
@@ -177,10 +181,13 @@ static void *pinner_main(void *unused) {
         pthread_mutex_unlock(&nvs_mu);
         while (!atomic_load(&exiting) && nvs_swap_prepare_step()) continue;
         int due = !atomic_load(&exiting) && nvs_swap_prepare_due();
+        int watching = nvs_swap_prepare_watching();
         pthread_mutex_lock(&nvs_mu);
         if (pinner_kicked) continue;
         if (due) {
             wait_at_most_locked(&pinner_cv, PINNER_RETRY_NS);
+        } else if (watching) {
+            wait_at_most_locked(&pinner_cv, PINNER_LOOK_NS);
         } else {
             pthread_cond_wait(&pinner_cv, &nvs_mu);
         }

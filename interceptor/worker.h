@@ -17,7 +17,7 @@ int nvs_worker_spawn(void);
 /* Under nvs_mu: hand the worker a job for the device. */
 void nvs_worker_assign_locked(struct nvs_device *d, enum nvs_job job, uint64_t bytes);
 void nvs_worker_signal(void);
-/* Under nvs_mu: the pinner looks at the swap area's target again (it changed). */
+/* Under nvs_mu: the pinner looks at the swap area's or the pool's size again (it changed). */
 void nvs_pinner_wake_locked(void);
 /* Set at process exit: the worker stops calling CUDA (the driver may be torn down). */
 void nvs_worker_stop_for_exit(void);

@@ -497,7 +497,7 @@ class Client:
                 self._open(now)
             elif kind == client_core.ACT_DISCONNECT:
                 self._hang_up()
-            # ADMISSION, LIMIT, SETTLED, SWAP_AREA are for an allocator: this library allocates
+            # ADMISSION, LIMIT, SETTLED, SWAP_AREA, POOL are for an allocator: this library allocates
             # nothing (limit() reads the core's limits for the program).
 
     def _gate(self, dev: _Device, open_: bool, now: float) -> None:

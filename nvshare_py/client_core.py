@@ -24,7 +24,8 @@ STATE_NAMES = ("idle", "waiting", "holding", "draining", "unscheduled")
 JOB_NONE, JOB_DRAIN, JOB_PROBE, JOB_SWAP_OUT, JOB_PREFETCH, JOB_PREFETCH_AHEAD = range(6)
 RESULT_DRAINED, RESULT_ACTIVE, RESULT_DEFERRED, RESULT_MOVED = 1, 2, 3, 4
 # enum nvs_action_kind
-ACT_SEND, ACT_GATE, ACT_JOB, ACT_LOG, ACT_CONNECT, ACT_DISCONNECT, ACT_ADMISSION, ACT_LIMIT, ACT_SETTLED, ACT_SWAP_AREA = range(1, 11)
+(ACT_SEND, ACT_GATE, ACT_JOB, ACT_LOG, ACT_CONNECT, ACT_DISCONNECT, ACT_ADMISSION, ACT_LIMIT, ACT_SETTLED, ACT_SWAP_AREA,
+ ACT_POOL) = range(1, 12)
 # Levels of ACT_LOG (0 error .. 3 debug).
 LOG_ERROR, LOG_WARN, LOG_INFO, LOG_DEBUG = range(4)
 UNADMITTED = 2**64 - 1  # NVS_CORE_UNADMITTED
@@ -122,7 +123,7 @@ class Action:
     device: int
     value: int
     data: bytes = b""
-    bytes: int = 0  # JOB: what a swap job moves; LIMIT: the limit; SWAP_AREA: its size
+    bytes: int = 0  # JOB: what a swap job moves; LIMIT: the limit; SWAP_AREA, POOL: their sizes
 
 
 def _text(value: str, size: int) -> bytes:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
-from fixtures.client_core import (ACT_GATE, ACT_JOB, ACT_SEND, ACT_SWAP_AREA, HOLDING, IDLE, JOB_DRAIN, JOB_PREFETCH,
+from fixtures.client_core import (ACT_GATE, ACT_JOB, ACT_POOL, ACT_SEND, ACT_SWAP_AREA, HOLDING, IDLE, JOB_DRAIN, JOB_PREFETCH,
                                   JOB_PREFETCH_AHEAD, JOB_PROBE, JOB_SWAP_OUT,
                                   RESULT_DEFERRED, RESULT_DRAINED, RESULT_MOVED, ClientCore, World,
                                   build_client_core, load)
@@ -265,6 +265,16 @@ def test_prepare_asks_the_shell_for_a_swap_area(lib):
     s.want()  # announced
     actions = s.receive("PREPARE", device=DEVICE, bytes=6 * GIB)
     assert [(a.device, a.bytes) for a in actions if a.kind == ACT_SWAP_AREA] == [(0, 6 * GIB)]
+
+
+def test_pool_asks_the_shell_to_size_the_shared_swap_pool_for_the_whole_process(lib):
+    """POOL names no device: the shell sizes its user's pool (docs/interceptor.md, *Swapping*),
+    whichever devices the process uses, also before it announced any; POOL 0 says none is needed."""
+    s = Script(lib, used=8 * GIB)
+    actions = s.receive("POOL", bytes=12 * GIB)
+    assert [(a.device, a.bytes) for a in actions if a.kind == ACT_POOL] == [(-1, 12 * GIB)]
+    assert not [a for a in actions if a.kind == ACT_SWAP_AREA]
+    assert [(a.device, a.bytes) for a in s.receive("POOL", bytes=0) if a.kind == ACT_POOL] == [(-1, 0)]
 
 
 def test_memory_reports_say_what_the_swap_engine_is_and_has_ready(lib):

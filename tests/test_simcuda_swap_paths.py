@@ -73,6 +73,30 @@ def test_pinning_host_memory_costs_time_per_mib(simcuda, tmp_path):
         ("allocated", 8 * MIB), ("registered", 8 * MIB), ("registered", 8 * MIB)]
 
 
+def test_shared_memory_is_registered_in_each_process_that_maps_it_and_carries_bytes_between_them(simcuda, tmp_path):
+    """nvshare's swap pool maps files MAP_SHARED in every process of a user and registers them
+    in each (docs/interceptor.md, *Swapping*). The first process here maps a file whose pages do
+    not exist yet: registering makes and locks them, at the registering rate. The second maps the
+    same pages: they are present, and it pays the present rate. Each copies through its own
+    registration at the pinned rate, and the second reads back what the first wrote."""
+    trace = tmp_path / "trace.jsonl"
+    env = residency_env(simcuda, trace, tmp_path, memory="64M", SIMCUDA_REGISTER_US_PER_MIB="3000",
+                        SIMCUDA_REGISTER_HUGE_US_PER_MIB="3000", SIMCUDA_REGISTER_PRESENT_US_PER_MIB="10",
+                        SIMAPP_SHARED_FILE=str(tmp_path / "segment-0"))
+    first = run(simcuda, env, "alloc:registered-shared:8M", "alloc:managed:8M", "fill:1:7", "dtoh:1:0", "sync")
+    second = run(simcuda, env, "alloc:registered-shared:8M", "alloc:managed:8M", "htod:0:1", "sync", "check:1:7",
+                 "free:0")
+    lines = simcuda.read_trace(trace)
+    pids = first.steps[0]["pid"], second.steps[0]["pid"]
+    assert [(p["pid"], p["how"], p["bytes"], p["present"]) for p in ops(lines, "pin")] == [
+        (pids[0], "registered", 8 * MIB, 0), (pids[1], "registered", 8 * MIB, 8 * MIB)]
+    assert first.steps[0]["end"] - first.steps[0]["start"] >= 8 * 3000e-6  # made and locked
+    copies = ops(lines, "memcpy")
+    assert [(c["pid"], c["link"], c["pinned"]) for c in copies] == [
+        (pids[0], "d2h", True), (pids[1], "h2d", True), (pids[1], "d2h", False)]  # the last: check's pageable read
+    assert [(u["pid"], u["bytes"]) for u in ops(lines, "unpin")] == [(pids[1], 8 * MIB)]
+
+
 def test_a_driver_that_refuses_to_register_memory_says_so_with_its_error(simcuda, tmp_path):
     """SIMCUDA_HOST_REGISTER_ERROR: every cuMemHostRegister fails with that error and pins
     nothing; allocating pinned memory still works."""

@@ -320,11 +320,12 @@ static void json_escape(char *out, size_t size, const char *text)
     out[used] = '\0';
 }
 
-/* What an operation did beyond its kind, for its trace line: the link a copy crossed and how
- * long it waited for its turns there, what a discard gave up. */
+/* What an operation did beyond its kind, for its trace line: the link a copy crossed, how long
+ * it waited for its turns there and whether its host side was pinned, what a discard gave up. */
 struct outcome {
     enum sim_engine link;         /* SIM_ENGINE_COMPUTE: none */
     double link_wait;
+    int pageable;                 /* a copy over the link had pageable host memory on its side */
     size_t released;
 };
 
@@ -368,8 +369,10 @@ static void trace(const struct sim_ctx *ctx, const struct sim_op *op, double sta
         length += snprintf(fields + length, sizeof fields - (size_t)length, ", \"bytes\": %zu", op_bytes(op));
     length += snprintf(fields + length, sizeof fields - (size_t)length, ", \"api\": \"%s\"", op->api);
     if (outcome->link != SIM_ENGINE_COMPUTE)
-        length += snprintf(fields + length, sizeof fields - (size_t)length, ", \"link\": \"%s\", \"link_wait\": %.6f",
-                           outcome->link == SIM_ENGINE_D2H ? "d2h" : "h2d", outcome->link_wait);
+        length += snprintf(fields + length, sizeof fields - (size_t)length,
+                           ", \"link\": \"%s\", \"link_wait\": %.6f, \"pinned\": %s",
+                           outcome->link == SIM_ENGINE_D2H ? "d2h" : "h2d", outcome->link_wait,
+                           outcome->pageable ? "false" : "true");
     if (op->kind == SIM_OP_DISCARD)
         length += snprintf(fields + length, sizeof fields - (size_t)length, ", \"released\": %zu", outcome->released);
     if (op->kind == SIM_OP_DISCARD || op->kind == SIM_OP_PREFETCH)
@@ -442,6 +445,7 @@ static void cross_link(struct sim_ctx *ctx, const struct sim_op *op, struct outc
             continue;
         if (outcome->link == SIM_ENGINE_COMPUTE)
             outcome->link = copies[i].link;
+        outcome->pageable |= copies[i].pageable;
         outcome->link_wait += sim_link_transfer(ctx->device, copies[i].link, copy_bytes(&copies[i]), copies[i].pageable,
                                                 copies[i].managed);
     }

@@ -7,6 +7,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <signal.h>
@@ -67,11 +68,11 @@ static void (*set_tag)(const char *); /* simcudaSetTag, when the driver has it *
 
 enum family {
     FAMILY_PLAIN, FAMILY_PITCH, FAMILY_ASYNC, FAMILY_POOL, FAMILY_MANAGED, FAMILY_VMM, FAMILY_VMM_SHAREABLE,
-    FAMILY_HOST, FAMILY_REGISTERED, FAMILY_REGISTERED_THP, FAMILY_IPC
+    FAMILY_HOST, FAMILY_REGISTERED, FAMILY_REGISTERED_THP, FAMILY_REGISTERED_SHARED, FAMILY_IPC
 };
 static const char *const family_names[] = {"plain", "pitch",         "async", "pool",       "managed",
                                            "vmm",   "vmm-shareable", "host",  "registered", "registered-thp",
-                                           "ipc"};
+                                           "registered-shared", "ipc"};
 
 struct buffer {
     CUdeviceptr ptr;
@@ -428,7 +429,7 @@ static void step_alloc(char **args, int count, struct outcome *out)
             family = i;
     if (family < 0)
         usage_error("unknown allocation family %s (plain, pitch, async, pool, managed, vmm, vmm-shareable, host, "
-                    "registered, registered-thp)", args[1]);
+                    "registered, registered-thp, registered-shared)", args[1]);
     buffer.family = (enum family)family;
     size_t pitch = 0;
     CUmemoryPool pool;
@@ -472,6 +473,24 @@ static void step_alloc(char **args, int count, struct outcome *out)
         buffer.ptr = (CUdeviceptr)(uintptr_t)host;
         break;
     }
+    case FAMILY_REGISTERED_SHARED: {
+        /* The file SIMAPP_SHARED_FILE names, mapped MAP_SHARED (made and sized if it is not
+         * there yet, its pages left to whoever touches them first), as nvshare's swap pool maps
+         * its segments in every process. */
+        const char *path = getenv("SIMAPP_SHARED_FILE");
+        if (!path)
+            usage_error("%s needs SIMAPP_SHARED_FILE, the file to map", args[0]);
+        int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+        if (fd < 0 || ftruncate(fd, (off_t)buffer.bytes) != 0)
+            usage_error("cannot make SIMAPP_SHARED_FILE %s long", args[2]);
+        void *host = mmap(NULL, buffer.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        close(fd);
+        if (host == MAP_FAILED)
+            usage_error("cannot map %s", path);
+        out->rc = CALL(FN(cuMemHostRegister_v2), host, buffer.bytes, CU_MEMHOSTREGISTER_PORTABLE);
+        buffer.ptr = (CUdeviceptr)(uintptr_t)host;
+        break;
+    }
     case FAMILY_IPC:
         break;
     }
@@ -497,6 +516,7 @@ static void step_free(char **args, int count, int async, struct outcome *out)
         break;
     case FAMILY_REGISTERED:
     case FAMILY_REGISTERED_THP:
+    case FAMILY_REGISTERED_SHARED:
         out->rc = CALL(FN(cuMemHostUnregister), (void *)(uintptr_t)buffer->ptr);
         if (out->rc == CUDA_SUCCESS)
             munmap((void *)(uintptr_t)buffer->ptr, buffer->bytes);

@@ -1,0 +1,365 @@
+"""The swap pool (issue 29; docs/interceptor.md, "Swapping", *The pool*) on the simulated driver:
+the processes of one user share pinned segments of shared memory for swapping, sized by the
+scheduler's POOL. Each process registers every segment ahead of need and claims whole segments
+while it moves memory out; a segment that is free again goes back to the pool at once, so
+another process can move more than an even share of the pool through it. A member that dies
+frees what it held; the pool shrinks when POOL falls; the last member removes it; a directory
+that is not safely ours is refused, and the process swaps through an area of its own.
+
+Each process has a scripted scheduler of its own (nvshare_py/testing/scripted.py), so that each
+message goes exactly when the test wants it; the processes share the simulated device
+(SIMCUDA_RESIDENCY_DIR) and the pool (NVSHARE_POOL_DIR, a fresh directory of /dev/shm). Segments
+are 8 MiB here (NVSHARE_POOL_SEGMENT) so that the tests stay small."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from nvshare_py.testing.residency import MIB, migrations
+from nvshare_py.testing.scripted import ScriptedScheduler
+from test_simcuda_swapping import EVERYTHING, grant, memory_until, patterned_app
+
+SEGMENT = 8 * MIB
+PATIENCE_S = 60.0
+
+
+@pytest.fixture
+def schedulers():
+    made: list[ScriptedScheduler] = []
+
+    def make() -> ScriptedScheduler:
+        made.append(ScriptedScheduler())
+        return made[-1]
+
+    yield make
+    for scheduler in made:
+        scheduler.close()
+
+
+@pytest.fixture
+def shm():
+    """A fresh directory of shared memory for NVSHARE_POOL_DIR (the pool lies in
+    <it>/nvshare-pool-<euid>)."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    parent = Path(tempfile.mkdtemp(prefix="nvs-pool-", dir="/dev/shm"))
+    yield parent
+    shutil.rmtree(parent, ignore_errors=True)
+
+
+def pool_of(shm: Path) -> Path:
+    return shm / f"nvshare-pool-{os.geteuid()}"
+
+
+def segments(shm: Path) -> dict[str, int]:
+    """The pool's segment files and their sizes."""
+    pool = pool_of(shm)
+    return {p.name: p.stat().st_size for p in pool.glob("segment-*")} if pool.is_dir() else {}
+
+
+def eventually(what: str, check, seen=lambda: None):
+    """Waits (60 s at most) until check() is true; else fails saying what it saw."""
+    deadline = time.monotonic() + PATIENCE_S
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {PATIENCE_S:g} s: {what}; saw {seen()}")
+        time.sleep(0.02)
+
+
+def pool_env(scheduler: ScriptedScheduler, tmp_path: Path, shm: Path, **extra: str) -> dict[str, str]:
+    return {**scheduler.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
+            "NVSHARE_POOL_DIR": str(shm), "NVSHARE_POOL_SEGMENT": str(SEGMENT), "NVSHARE_LOG": "debug", **extra}
+
+
+def area_at_least(scheduler: ScriptedScheduler, nbytes: int) -> dict[str, str]:
+    return memory_until(scheduler, lambda fields: int(fields.get("area", 0)) >= nbytes)
+
+
+def words_in_segments(shm: Path) -> set[int]:
+    """The 32-bit words at the start of every 64 KiB page of the segment files (area.c hands out
+    pages of 64 KiB, each run starting with its block's first word)."""
+    found = set()
+    for path in pool_of(shm).glob("segment-*"):
+        data = path.read_bytes()
+        found |= {struct.unpack_from("<I", data, at)[0] for at in range(0, len(data), 64 << 10)}
+    return found
+
+
+def pinned_copies(lines: list[dict], pid: int, link: str) -> list[dict]:
+    return [c for c in lines if c["op"] == "memcpy" and c.get("link") == link and c["pid"] == pid]
+
+
+def patterned(cuda_app, env, word: int, *extra: str):
+    """A process with two 8 MiB allocations filled with `word` and `word + 1`, which waits, checks
+    them through every access path after its grant, and waits again before it ends."""
+    return cuda_app(env, "init", f"pattern:plain:{SEGMENT}:{word:#x}", f"pattern:plain:{SEGMENT}:{word + 1:#x}",
+                    "sync", "wait", "verify", *extra)
+
+
+def test_two_processes_of_a_user_move_their_memory_through_the_same_segments(schedulers, cuda_app, simcuda, tmp_path,
+                                                                              shm):
+    """POOL 16 MiB (two segments) to both processes. A moves its 16 MiB out through both segments
+    (its words are in the files), and back; then B moves its 16 MiB out, more than half the
+    pool, through the same segments at the pinned rate (its words replace A's in the files).
+    Neither moves anything the slow way, the pool's files are never more than POOL's size (plus a
+    segment), and both find their data back."""
+    sched_a, sched_b = schedulers(), schedulers()
+    a = patterned(cuda_app, pool_env(sched_a, tmp_path, shm), 0xA0000000, "wait")
+    grant(sched_a, 1)
+    a.expect("waiting")
+    sched_a.send("POOL", bytes=2 * SEGMENT)
+    area_at_least(sched_a, 2 * SEGMENT)
+    b = patterned(cuda_app, pool_env(sched_b, tmp_path, shm), 0xB0000000, "wait")
+    grant(sched_b, 1)
+    b.expect("waiting")
+    sched_b.send("POOL", bytes=2 * SEGMENT)
+    area_at_least(sched_b, 2 * SEGMENT)  # B registered the segments A made
+    sizes = [segments(shm)]
+
+    sched_a.send("DROP", device=sched_a.device, grant=1, grace_ms=60_000, reason="quantum", evict=2 * SEGMENT)
+    assert sched_a.expect("RELEASE")["resident"] == "0"
+    sizes.append(segments(shm))
+    assert {0xA0000000, 0xA0000001} <= words_in_segments(shm)
+    a.continue_()
+    grant(sched_a, 2, prefetch=2 * SEGMENT)
+    a.expect("verified 2")
+    sizes.append(segments(shm))
+
+    sched_b.send("DROP", device=sched_b.device, grant=1, grace_ms=60_000, reason="quantum", evict=2 * SEGMENT)
+    assert sched_b.expect("RELEASE")["resident"] == "0"
+    sizes.append(segments(shm))
+    words = words_in_segments(shm)
+    assert {0xB0000000, 0xB0000001} <= words and not {0xA0000000, 0xA0000001} & words
+    b.continue_()
+    grant(sched_b, 2, prefetch=2 * SEGMENT)
+    b.expect("verified 2")
+
+    lines = simcuda.read_trace(cuda_app.trace)
+    for app in (a, b):
+        out, back = pinned_copies(lines, app.pid, "d2h"), pinned_copies(lines, app.pid, "h2d")
+        assert sum(c["bytes"] for c in out if c["pinned"]) == 2 * SEGMENT, out
+        assert sum(c["bytes"] for c in back if c["pinned"]) >= 2 * SEGMENT, back
+        assert migrations(lines, direction="to_host", owner=app.pid) == []  # nothing went the slow way
+    assert all(len(s) <= 3 and sum(s.values()) <= 3 * SEGMENT for s in sizes), sizes
+    assert len(sizes[0]) == 2, sizes
+    for app in (a, b):
+        app.continue_()
+        assert app.wait() == 0, app.stderr
+
+
+def test_the_segments_of_a_member_killed_while_it_held_them_are_claimed_by_another(schedulers, cuda_app, simcuda,
+                                                                                   tmp_path, shm):
+    """A moves its memory out into both segments of the pool and is killed (SIGKILL: no exit
+    handler runs). Its member lock went with it: B finds it gone and moves its own memory out
+    through the same segments, at the pinned rate, without a new segment being made."""
+    sched_a, sched_b = schedulers(), schedulers()
+    a = patterned(cuda_app, pool_env(sched_a, tmp_path, shm), 0xA0000000)
+    grant(sched_a, 1)
+    a.expect("waiting")
+    sched_a.send("POOL", bytes=2 * SEGMENT)
+    area_at_least(sched_a, 2 * SEGMENT)
+    b = patterned(cuda_app, pool_env(sched_b, tmp_path, shm), 0xB0000000, "wait")
+    grant(sched_b, 1)
+    b.expect("waiting")
+    sched_b.send("POOL", bytes=2 * SEGMENT)
+    area_at_least(sched_b, 2 * SEGMENT)
+    sched_a.send("DROP", device=sched_a.device, grant=1, grace_ms=60_000, reason="quantum", evict=2 * SEGMENT)
+    assert sched_a.expect("RELEASE")["resident"] == "0"
+    made = segments(shm)
+    a.process.send_signal(signal.SIGKILL)
+    a.process.wait(PATIENCE_S)
+
+    sched_b.send("DROP", device=sched_b.device, grant=1, grace_ms=60_000, reason="quantum", evict=2 * SEGMENT)
+    assert sched_b.expect("RELEASE")["resident"] == "0"
+    assert {0xB0000000, 0xB0000001} <= words_in_segments(shm)
+    assert segments(shm) == made and len(made) == 2  # the same two files: reclaimed, not made anew
+    lines = simcuda.read_trace(cuda_app.trace)
+    out = pinned_copies(lines, b.pid, "d2h")
+    assert sum(c["bytes"] for c in out if c["pinned"]) == 2 * SEGMENT, out
+    assert migrations(lines, direction="to_host", owner=b.pid) == []
+    b.continue_()
+    grant(sched_b, 2, prefetch=2 * SEGMENT)
+    b.expect("verified 2")
+    b.continue_()
+    assert b.wait() == 0, b.stderr
+
+
+def test_a_pool_shrinks_when_pool_falls_and_what_a_member_still_holds_retires_once_it_is_back(schedulers, cuda_app,
+                                                                                              simcuda, tmp_path, shm):
+    """POOL 24 MiB: three segments. A moves 16 MiB out (it holds two). POOL 8 MiB: the free one
+    retires (unregistered, unmapped, its file removed); the two A holds stay until its memory is
+    back, then one of them retires too. POOL 0: none is left, and what this process could move
+    through the pool (MEMORY area=) is 0."""
+    sched = schedulers()
+    a = patterned(cuda_app, pool_env(sched, tmp_path, shm), 0xA0000000, "wait")
+    grant(sched, 1)
+    a.expect("waiting")
+    sched.send("POOL", bytes=3 * SEGMENT)
+    area_at_least(sched, 3 * SEGMENT)
+    assert len(segments(shm)) == 3
+    sched.send("DROP", device=sched.device, grant=1, grace_ms=60_000, reason="quantum", evict=2 * SEGMENT)
+    assert sched.expect("RELEASE")["resident"] == "0"
+
+    sched.send("POOL", bytes=SEGMENT)
+    eventually("the free segment retires", lambda: len(segments(shm)) == 2, lambda: segments(shm))
+    a.continue_()
+    grant(sched, 2, prefetch=2 * SEGMENT)
+    a.expect("verified 2")
+    eventually("the pool holds one segment", lambda: len(segments(shm)) == 1, lambda: segments(shm))
+    memory_until(sched, lambda fields: fields.get("area") == str(SEGMENT))
+
+    sched.send("POOL", bytes=0)
+    eventually("the pool holds no segment", lambda: not segments(shm), lambda: segments(shm))
+    memory_until(sched, lambda fields: fields.get("area") == "0")
+    lines = simcuda.read_trace(cuda_app.trace)
+    pins = [(p["ptr"], p["bytes"]) for p in lines if p["op"] == "pin" and p["pid"] == a.pid]
+    unpins = [(p["ptr"], p["bytes"]) for p in lines if p["op"] == "unpin" and p["pid"] == a.pid]
+    assert len(pins) == 3 and sorted(unpins) == sorted(pins)  # every segment let go of, as it was pinned
+    a.continue_()
+    assert a.wait() == 0, a.stderr
+    assert "swap pool: segment-2 retires" in a.stderr and "swap pool: removed segment-2" in a.stderr
+
+
+def test_the_last_member_to_exit_removes_the_pool_and_the_next_process_starts_anew_after_a_crash(
+        schedulers, cuda_app, tmp_path, shm):
+    """A and B share a pool. When A exits, the pool stays (B is in it); when B exits, the
+    directory is gone. Then C joins and is killed: nobody is left to remove its pool. D finds it
+    with no member alive, removes what it held and starts it anew."""
+    def member(segments_wanted: int):
+        sched = schedulers()
+        app = cuda_app(pool_env(sched, tmp_path, shm), "init", f"pattern:plain:{MIB}", "wait")
+        grant(sched, 1)
+        app.expect("waiting")
+        sched.send("POOL", bytes=segments_wanted * SEGMENT)
+        area_at_least(sched, segments_wanted * SEGMENT)
+        return app
+
+    a, b = member(2), member(2)
+    a.continue_()
+    assert a.wait() == 0, a.stderr
+    assert len(segments(shm)) == 2 and (pool_of(shm) / "pool-1.map").exists()
+    b.continue_()
+    assert b.wait() == 0, b.stderr
+    assert not pool_of(shm).exists()
+
+    c = member(3)
+    c.process.send_signal(signal.SIGKILL)
+    c.process.wait(PATIENCE_S)
+    assert len(segments(shm)) == 3  # left behind
+
+    d = member(1)
+    assert list(segments(shm)) == ["segment-0"]
+    d.continue_()
+    assert d.wait() == 0, d.stderr
+    assert "had no member left (they crashed): removed its 3 segments and started it anew" in d.stderr
+    assert not pool_of(shm).exists()
+
+
+REFUSALS = {  # case: (the reason the warning gives, whether making the case needs root)
+    "open-to-others": ("it is open to group or others (mode 777)", False),
+    "a-symbolic-link": ("it is a symbolic link", False),
+    "another-owner": ("it belongs to uid 12345", True),
+    "a-file-of-another-owner": ("it holds stray, which is not ours", True),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_a_pool_directory_that_is_not_safely_ours_is_refused_and_the_process_swaps_through_its_own_area(
+        schedulers, cuda_app, simcuda, tmp_path, shm, case):
+    """The pool's directory must be ours alone: a process that finds it open to others, a
+    symbolic link, owned by another user, or holding a file of another user maps and pins
+    nothing there, says why once, and swaps through a private area as PREPARE says."""
+    reason, needs_root = REFUSALS[case]
+    if needs_root and os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    pool = pool_of(shm)
+    if case == "a-symbolic-link":
+        (shm / "elsewhere").mkdir(mode=0o700)
+        pool.symlink_to(shm / "elsewhere")
+    else:
+        pool.mkdir(mode=0o700)
+    if case == "open-to-others":
+        pool.chmod(0o777)
+    elif case == "another-owner":
+        os.chown(pool, 12345, 12345)
+    elif case == "a-file-of-another-owner":
+        (pool / "stray").write_bytes(b"")
+        os.chown(pool / "stray", 12345, 12345)
+    before = sorted(p.name for p in pool.iterdir())
+    sched = schedulers()
+    app = patterned(cuda_app, pool_env(sched, tmp_path, shm), 0xA0000000)
+    grant(sched, 1)
+    app.expect("waiting")
+    sched.send("POOL", bytes=2 * SEGMENT)
+    sched.send("PREPARE", device=sched.device, bytes=2 * SEGMENT)
+    area_at_least(sched, 2 * SEGMENT)
+    sched.send("DROP", device=sched.device, grant=1, grace_ms=60_000, reason="quantum", evict=2 * SEGMENT)
+    assert sched.expect("RELEASE")["resident"] == "0"
+    app.continue_()
+    grant(sched, 2, prefetch=2 * SEGMENT)
+    app.expect("verified 2")
+    assert app.wait() == 0, app.stderr
+    assert sorted(p.name for p in pool.iterdir()) == before  # nothing was made there
+    warnings = [line for line in app.stderr.splitlines() if "swap pool" in line and "warn" in line]
+    assert len(warnings) == 1 and f"is not used ({reason})" in warnings[0], app.stderr
+    lines = simcuda.read_trace(cuda_app.trace)
+    assert [(p["how"], p["bytes"]) for p in lines if p["op"] == "pin"] == [("registered", 64 * MIB)]  # its own
+    out = pinned_copies(lines, app.pid, "d2h")
+    assert sum(c["bytes"] for c in out if c["pinned"]) == 2 * SEGMENT, out
+
+
+def test_with_the_pool_turned_off_pool_is_ignored_and_prepare_pins_an_area_of_its_own(schedulers, cuda_app, simcuda,
+                                                                                      tmp_path, shm):
+    """NVSHARE_POOL=0: the process swaps as before the pool: POOL changes nothing, PREPARE pins a
+    private area, no directory is made in shared memory."""
+    sched = schedulers()
+    app = patterned(cuda_app, pool_env(sched, tmp_path, shm, NVSHARE_POOL="0"), 0xA0000000)
+    grant(sched, 1)
+    app.expect("waiting")
+    sched.send("POOL", bytes=2 * SEGMENT)
+    sched.send("PREPARE", device=sched.device, bytes=2 * SEGMENT)
+    area_at_least(sched, 2 * SEGMENT)
+    sched.send("DROP", device=sched.device, grant=1, grace_ms=60_000, reason="quantum", evict=2 * SEGMENT)
+    assert sched.expect("RELEASE")["resident"] == "0"
+    app.continue_()
+    grant(sched, 2, prefetch=2 * SEGMENT)
+    app.expect("verified 2")
+    assert app.wait() == 0, app.stderr
+    assert list(shm.iterdir()) == [] and "swap pool" not in app.stderr
+    lines = simcuda.read_trace(cuda_app.trace)
+    assert [(p["how"], p["bytes"]) for p in lines if p["op"] == "pin"] == [("registered", 64 * MIB)]
+
+
+def test_every_family_comes_back_intact_through_every_access_path_after_a_swap_through_the_pool(
+        schedulers, cuda_app, simcuda, tmp_path, shm):
+    """tests/test_simcuda_swapping.py's family test with the pool: plain, pitched, async, pool
+    and VMM memory go out through pool segments and come back before the gate opens; a copy, an
+    async copy, a memset, a kernel, a graph and a host function all find the data. A PREPARE
+    beside the POOL pins nothing of the process's own: a member's room is the pool's."""
+    sched = schedulers()
+    app = patterned_app(cuda_app, pool_env(sched, tmp_path, shm, NVSHARE_VMM="swap"))
+    grant(sched, 1)
+    app.expect("waiting")
+    sched.send("POOL", bytes=2 * SEGMENT)
+    sched.send("PREPARE", device=sched.device, bytes=EVERYTHING)
+    area_at_least(sched, 2 * SEGMENT)
+    sched.send("DROP", device=sched.device, grant=1, grace_ms=60_000, reason="quantum", evict=EVERYTHING)
+    assert sched.expect("RELEASE")["resident"] == "0"
+    lines = simcuda.read_trace(cuda_app.trace)
+    out = pinned_copies(lines, app.pid, "d2h")
+    assert sum(c["bytes"] for c in out if c["pinned"]) == EVERYTHING, out
+    assert migrations(lines, direction="to_host") == []
+    app.continue_()
+    grant(sched, 2, prefetch=EVERYTHING)
+    app.expect("verified 5")
+    assert app.wait() == 0, app.stderr
+    pins = [(p["how"], p["bytes"]) for p in simcuda.read_trace(cuda_app.trace) if p["op"] == "pin"]
+    assert pins == [("registered", SEGMENT)] * 2  # the pool's two segments, nothing else
