@@ -280,11 +280,13 @@ static uint64_t target_locked(void) {
     return sum;
 }
 
-uint64_t nvs_area_room(void) {
+uint64_t nvs_area_ready(void) {
+    uint64_t pages = 0;
     pthread_mutex_lock(&area_mu);
-    uint64_t bytes = free_bytes_locked();
+    for (size_t i = 0; i < n_chunks; i++)
+        if (chunks[i] != NULL) pages += chunks[i]->pages;
     pthread_mutex_unlock(&area_mu);
-    return bytes + nvs_pool_free_bytes();
+    return pages * AREA_PAGE + nvs_pool_free_bytes();
 }
 
 /* Under area_mu: a chunk the area pinned itself, wholly free. */

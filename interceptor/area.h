@@ -21,9 +21,10 @@ void nvs_area_give(struct nvs_extent *e); /* NULL: nothing */
 size_t nvs_area_runs(const struct nvs_extent *e, const struct nvs_area_run **runs);
 /* What device `index` may want out at once (the scheduler's PREPARE); the area follows the sum. */
 void nvs_area_want(int index, uint64_t bytes);
-/* What a move out could take now: the area's free bytes and the pool's free segments registered
- * here (MEMORY area=). */
-uint64_t nvs_area_room(void);
+/* The pinned bytes the area has ready (MEMORY area=): its chunks, taken or free (the segments it
+ * holds of the pool included), and the pool's free segments registered here. What a move out can
+ * take now is that less what is out through the area. */
+uint64_t nvs_area_ready(void);
 /* 1: the area should grow, -1: shrink (a whole chunk is free above the target), 0: neither. */
 int nvs_area_change_due(void);
 /* Pin or give back one chunk (a context current); 1 when it changed, -1 on failure. */

@@ -108,7 +108,7 @@ static void note_rate(_Atomic uint64_t *bits, uint64_t bytes, double seconds) {
 
 void nvs_swap_figures(struct nvs_swap_figures *out) {
     out->engine = atomic_load_explicit(&engine, memory_order_acquire);
-    out->area = nvs_area_room();
+    out->area = nvs_area_ready();
     out->out_bps = (uint64_t)(load_rate(&out_bps_bits) + 0.5);
     out->in_bps = (uint64_t)(load_rate(&in_bps_bits) + 0.5);
 }

@@ -27,7 +27,7 @@ int nvs_swap_prepare_due(void);
 int nvs_swap_prepare_watching(void);
 struct nvs_swap_figures {
     int engine;       /* enum nvs_swap_engine */
-    uint64_t area;    /* bytes a move out could take through pinned memory now (nvs_area_room) */
+    uint64_t area;    /* pinned bytes ready (nvs_area_ready) */
     uint64_t out_bps, in_bps; /* the last moves through the area, bytes per second (0: none yet) */
 };
 void nvs_swap_figures(struct nvs_swap_figures *out);

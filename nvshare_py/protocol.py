@@ -397,7 +397,7 @@ class Memory(Message):
     resident: int | None = None  # bytes
     # how its swap engine moves memory: copy (pinned copies and discards) or migrate (the driver's prefetch)
     engine: str = ""
-    # the bytes a move out could take through pinned memory now, for the whole process: the free room of its swap area and the free segments of its user's swap pool registered in it
+    # the pinned bytes its swap area has ready, for the whole process: what it pinned, what it holds of its user's swap pool and the pool's free segments registered in it (what it moved out through the area included)
     area: int | None = None
     out_bps: int = 0  # bytes per second its last move out reached
     in_bps: int = 0  # bytes per second its last move in reached

@@ -179,9 +179,9 @@ MESSAGES: Final[tuple[Message, ...]] = (
         required("used", UINT, "bytes"),
         optional("resident", UINT, None, "bytes"),
         optional("engine", TEXT, "", "how its swap engine moves memory: `copy` (pinned copies and discards) or `migrate` (the driver's prefetch)"),
-        optional("area", UINT, None, "the bytes a move out could take through pinned memory now, for "
-                 "the whole process: the free room of its swap area and the free segments of its user's swap "
-                 "pool registered in it"),
+        optional("area", UINT, None, "the pinned bytes its swap area has ready, for the whole process: what "
+                 "it pinned, what it holds of its user's swap pool and the pool's free segments registered in "
+                 "it (what it moved out through the area included)"),
         optional("out_bps", UINT, 0, "bytes per second its last move out reached"),
         optional("in_bps", UINT, 0, "bytes per second its last move in reached"),
     ), "Bytes this client has allocated on the device (managed + unconverted); a figure above the "

@@ -1601,7 +1601,7 @@ class SchedulerCore:
         POOL_SHRINK_AFTER."""
         if not self.config.swapping:
             return
-        targets = eviction.pool_targets(self._clients.values(), self.principal)
+        targets = eviction.pool_targets(self._devices.values(), self.principal)
         for owner in self._pools.keys() - targets.keys():
             targets[owner] = 0
         for owner, target in targets.items():

@@ -46,9 +46,12 @@ from .residency import committed, converted, excess, movable
 # `auto` headroom is at most this share of the budget: on a device whose tenants are each large
 # against it, keeping a whole one free would leave too little for the rest.
 HEADROOM_SHARE = 4
-# The swap pool grows and shrinks in segments of this size (the interceptor's pool files), and
-# POOL is sent again only when its size moved by at least this much or by an eighth.
+# The swap pool grows and shrinks in segments of this size (the interceptor's pool files).
 POOL_SEGMENT = 512 << 20
+# Under pressure, a user's pool keeps up to this many segments beyond what its processes have
+# out, for the next of them to start moving out into at once (a segment is one process's at a
+# time, and making one takes a few tenths of a second per GiB).
+SPARE_SEGMENTS = 2
 
 
 def last_used(pair: Pair) -> float:
@@ -60,6 +63,13 @@ def last_used(pair: Pair) -> float:
 def idle(pair: Pair) -> bool:
     """Neither holding, nor waiting, nor bringing memory back: a tenant nobody uses now."""
     return pair.hold is None and pair.waiting_since is None and not pair.overdue and not pair.swap.allowed
+
+
+def ran(pair: Pair) -> bool:
+    """Whether the pair ever held the device (or asks for it now). One that never did has only
+    allocated: its memory is counted (room for it is needed when it runs), but no page of it is
+    on the card yet, so it presses on nobody and moving it out would copy nothing of worth."""
+    return pair.grants > 0 or pair.waiting_since is not None
 
 
 def under_pressure(dev: Device) -> bool:
@@ -106,7 +116,7 @@ def order_key(pair: Pair, klass: int, order: str) -> tuple[float, ...]:
 def victims(dev: Device, key: Callable[[Pair], tuple[float, ...]]) -> list[Pair]:
     """The idle pairs with swappable memory that is not leaving already, in eviction order
     (`key`: order_key with the pair's class and the configured order)."""
-    candidates = [pair for pair in dev.pairs if idle(pair) and movable(pair) > pair.swap.leaving]
+    candidates = [pair for pair in dev.pairs if idle(pair) and ran(pair) and movable(pair) > pair.swap.leaving]
     return sorted(candidates, key=key)
 
 
@@ -118,13 +128,15 @@ def pressure_plan(dev: Device, woken: Iterable[Pair], room: int, room_for: Pair 
     timeline says: `pressure` (what the clients keep is over the budget), `wake` (room for a
     waiter's memory) or `headroom`.
 
-    Pressure and waking cannot wait. The headroom can: a holder that comes before every idle
+    Pressure is what the tenants that ran keep on the device: one that has only allocated presses
+    on nobody yet (its room is made when it runs: room_plan). Pressure and waking cannot wait.
+    The headroom can: a holder that comes before every idle
     tenant in eviction order (the cold tenant that is serving its rare request) is waited for,
     and goes when it is idle, rather than a tenant that is used more often."""
     budget = dev.budget
     if budget <= 0 or dev.mode == "off":
         return []
-    held = sum(committed(pair) for pair in dev.pairs)
+    held = sum(committed(pair) for pair in dev.pairs if ran(pair))
     wanted = sum(wanted_back(waiter) for waiter in woken)
     over = held - budget
     urgent = over + wanted
@@ -182,16 +194,39 @@ def room_plan(dev: Device, grantee: Pair, asked: Iterable[Pair], key: Callable[[
     return plan
 
 
-def pool_targets(clients: Iterable[Client], principal: Callable[[Client], Hashable]) -> dict[Hashable, int]:
-    """The swap pool each principal (a pod, else a user) needs: what its processes have moved
-    out on any device, or are moving out (EVICT asked, a holder's announced eviction), rounded
-    up to whole segments. Only principals with a client that swaps are named."""
+def pool_targets(devices: Iterable[Device], principal: Callable[[Client], Hashable]) -> dict[Hashable, int]:
+    """The swap pool each principal (a pod, else a user) needs, in whole segments: what its
+    processes have moved out on any device, or are moving out (EVICT asked, a holder's announced
+    eviction), each process's rounded up on its own (a segment is one process's at a time), and
+    SPARE_SEGMENTS more for processes with nothing out yet while the device is under pressure;
+    and at least, on a device under pressure, what must be out there once
+    it settles (its clients' memory over the budget, and the headroom), as far as the
+    principal's own memory goes: so that the pool grows while tenants load, ahead of the
+    evictions that will need it. Only principals with a client that swaps are named."""
     out: dict[Hashable, int] = {}
-    for client in clients:
-        for pair in client.pairs.values():
+    for dev in devices:
+        pressed = under_pressure(dev)
+        moving: dict[Hashable, int] = {}
+        swappable: dict[Hashable, int] = {}
+        spare: dict[Hashable, int] = {}
+        for pair in dev.pairs:
             if pair.resident is None:
                 continue
+            owner = principal(pair.client)
             announced = pair.hold.told_swap[0] if pair.hold is not None else 0
-            owner = principal(client)
-            out[owner] = out.get(owner, 0) + pair.swapped + max(pair.swap.leaving, announced)
-    return {owner: -(-bytes_ // POOL_SEGMENT) * POOL_SEGMENT for owner, bytes_ in out.items()}
+            # A process holds whole segments: what it has out takes at least one of its own.
+            leaving = _segments(pair.swapped + max(pair.swap.leaving, announced))
+            moving[owner] = moving.get(owner, 0) + leaving
+            swappable[owner] = swappable.get(owner, 0) + converted(pair)
+            if pressed and not leaving:
+                spare[owner] = min(spare.get(owner, 0) + POOL_SEGMENT, SPARE_SEGMENTS * POOL_SEGMENT)
+        settled = dev.used - dev.budget + dev.headroom if pressed else 0
+        for owner in moving:
+            predicted = _segments(min(swappable[owner], settled))
+            out[owner] = out.get(owner, 0) + max(moving[owner] + spare.get(owner, 0), predicted)
+    return out
+
+
+def _segments(nbytes: int) -> int:
+    """`nbytes` rounded up to whole pool segments."""
+    return -(-nbytes // POOL_SEGMENT) * POOL_SEGMENT
