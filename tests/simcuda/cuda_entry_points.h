@@ -103,6 +103,7 @@ CU_ENTRY(cuMemAdvise, cuMemAdvise, 8000, 0, (CUdeviceptr devPtr, size_t count, C
 CU_ENTRY(cuMemAdvise_v2, cuMemAdvise, 12020, 0, (CUdeviceptr devPtr, size_t count, CUmem_advise advice, CUmemLocation location))
 CU_ENTRY(cuPointerGetAttribute, cuPointerGetAttribute, 4000, 0, (void *data, CUpointer_attribute attribute, CUdeviceptr ptr))
 CU_ENTRY(cuPointerGetAttributes, cuPointerGetAttributes, 7000, 0, (unsigned int numAttributes, CUpointer_attribute *attributes, void **data, CUdeviceptr ptr))
+CU_ENTRY(cuMemGetAddressRange_v2, cuMemGetAddressRange, 3020, 0, (CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr))
 CU_ENTRY(cuIpcGetMemHandle, cuIpcGetMemHandle, 4010, 0, (CUipcMemHandle *pHandle, CUdeviceptr dptr))
 CU_ENTRY(cuIpcOpenMemHandle, cuIpcOpenMemHandle, 4010, 0, (CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags))
 CU_ENTRY(cuIpcOpenMemHandle_v2, cuIpcOpenMemHandle, 11000, 0, (CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags))

@@ -940,6 +940,20 @@ SIM_EXPORT CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attrib
     return result;
 }
 
+/* The allocation holding dptr (for VMM memory: the mapping). */
+SIM_EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)
+{
+    SIM_ENTER();
+    sim_mem_read_lock();
+    const struct sim_alloc *alloc = sim_mem_find_range((uintptr_t)dptr, 1);
+    if (alloc && pbase)
+        *pbase = (CUdeviceptr)alloc->start;
+    if (alloc && psize)
+        *psize = alloc->size;
+    sim_mem_unlock();
+    return alloc ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+
 SIM_EXPORT CUresult cuPointerGetAttributes(unsigned int numAttributes, CUpointer_attribute *attributes, void **data,
                                            CUdeviceptr ptr)
 {

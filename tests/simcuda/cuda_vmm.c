@@ -160,7 +160,8 @@ static CUresult make_handle(CUmemGenericAllocationHandle *handle, struct sim_dev
     phys->fd = fd;
     phys->imported = imported;
     /* On the modelled device it takes its room now (not when mapped), as physical memory does. */
-    CUresult result = imported ? CUDA_SUCCESS : sim_residency_fix(device, (uint64_t)(uintptr_t)phys, size, &phys->chunks);
+    CUresult result = imported ? CUDA_SUCCESS
+                               : sim_residency_fix(device, (uint64_t)(uintptr_t)phys, size, &phys->chunks);
     sim_mem_write_lock();
     if (result == CUDA_SUCCESS) {
         phys->magic = SIM_MAGIC_PHYS;
@@ -471,7 +472,8 @@ SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcce
     return inside ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
-SIM_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle)
+SIM_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
+                                                           CUmemGenericAllocationHandle handle)
 {
     SIM_ENTER();
     if (!prop)
@@ -523,7 +525,8 @@ static CUresult map_array(CUarrayMapInfo *list, unsigned int count)
     sim_mem_read_lock();
     for (unsigned int i = 0; i < count && result == CUDA_SUCCESS; i++) {
         struct sim_phys *phys;
-        if (list[i].memOperationType == CU_MEM_OPERATION_TYPE_MAP && list[i].memHandleType == CU_MEM_HANDLE_TYPE_GENERIC)
+        if (list[i].memOperationType == CU_MEM_OPERATION_TYPE_MAP &&
+            list[i].memHandleType == CU_MEM_HANDLE_TYPE_GENERIC)
             result = check_phys(list[i].memHandle.memHandle, &phys, "cuMemMapArrayAsync");
     }
     sim_mem_unlock();
@@ -531,7 +534,8 @@ static CUresult map_array(CUarrayMapInfo *list, unsigned int count)
 }
 
 SIM_IGNORING_PARAMETERS(
-SIM_WITH_TWIN(cuMemMapArrayAsync, cuMemMapArrayAsync_ptsz, (CUarrayMapInfo *mapInfoList, unsigned int count, CUstream hStream),
+SIM_WITH_TWIN(cuMemMapArrayAsync, cuMemMapArrayAsync_ptsz,
+              (CUarrayMapInfo *mapInfoList, unsigned int count, CUstream hStream),
               return map_array(mapInfoList, count);))
 
 /* Multicast objects are not simulated: the memory to bind is checked (a handle, or mapped VMM
