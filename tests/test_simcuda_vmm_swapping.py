@@ -19,7 +19,7 @@ from nvshare_py.testing.scheduler import wait_for
 from nvshare_py.testing.scripted import ScriptedScheduler
 
 GPU = "GPU-5151ad00-0000-4000-8000-000000000000"
-HANDLES, ROUNDS = 24, 6  # 48 MiB each at first, up to 74 MiB (segments.py: 2-4 handles more a round)
+HANDLES, ROUNDS = 24, 4  # 48 MiB each at first, up to 70 MiB (segments.py: 2-4 handles more a round)
 SWAPPED_OUT = 20 * MIB  # more handles out than cuMemCreate's old "aside" loop could step over (8)
 
 

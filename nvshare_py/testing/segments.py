@@ -14,8 +14,8 @@ mapped in the wrong place, swapped in with another's bytes or not at all shows i
 
 prints ``ready handles=<n> t=<monotonic>``, then per round ``round <r> intact=<0|1> handles=<n>
 bad=<indices> t=...`` and finally ``done``. Each round: wait for a line on stdin (``--step``) or
-sleep ``--pause`` seconds (the program is idle meanwhile: under nvshare another program takes the
-GPU and this one's memory is swapped out); grow by a run of 2-4 handles (created, mapped and
+sleep ``--pause`` seconds between ``pause`` and ``resume`` lines (the program is idle meanwhile:
+under nvshare another program takes the GPU and this one's memory is swapped out); grow by a run of 2-4 handles (created, mapped and
 given access while the program does not hold the GPU: the calls are not gated) and fill it (a
 kernel per handle: this waits for the GPU); check every handle, reading each run of handles with
 one copy; every other round free the oldest run grown.
@@ -56,8 +56,8 @@ class Segment:
         """Creates `count` handles, maps them side by side from `first`, and gives the device
         access to all of them in one call (PyTorch's ExpandableSegment::map)."""
         for slot in range(first, first + count):
-            self.handles[slot] = self.cuda.vmm_create(self.handle_bytes, shareable=True)
-            self.cuda.vmm_map(self.address(slot), self.handle_bytes, self.handles[slot])
+            handle = self.handles[slot] = self.cuda.vmm_create(self.handle_bytes, shareable=True)
+            self.cuda.vmm_map(self.address(slot), self.handle_bytes, handle)
         self.cuda.vmm_set_access(self.address(first), count * self.handle_bytes)
 
     def fill(self, first: int, count: int, values: list[int]) -> None:
@@ -70,6 +70,7 @@ class Segment:
         self.cuda.synchronize()
         for slot in range(first, first + count):
             handle, self.handles[slot] = self.handles[slot], None
+            assert handle is not None, f"slot {slot} is not mapped"
             self.cuda.vmm_unmap(self.address(slot), self.handle_bytes)
             self.cuda.vmm_release(handle)
 
@@ -142,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.step:
             sys.stdin.readline()
         else:
+            say("pause")
             time.sleep(args.pause)
+            say("resume")
         count = 2 + round_ % 3
         first = segment.free_run(count)
         segment.map(first, count)
