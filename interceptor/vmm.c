@@ -271,12 +271,15 @@ NVS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
     vmm_debug("cuMemCreate(%zu bytes, device %d) -> handle %#llx (driver %#llx)", size, d != NULL ? d->ordinal : -1,
               app, real);
     static _Atomic int explained; /* any thread; the first to set it explains, once */
-    if (!atomic_exchange(&explained, 1))
-        nvs_info("cuMemCreate (virtual memory management) allocations stay physical device memory; %s "
-                 "(NVSHARE_VMM=%s; 'hide' makes NCCL fall back to cuMemAlloc, which is converted)",
-                 nvs_config.vmm_swap ? "nvshare swaps each one mapped once, whole, and not exported"
-                                     : "they never move ('swap' lets nvshare swap them)",
-                 nvs_config.vmm_hide ? "hide" : nvs_config.vmm_swap ? "swap" : "allow");
+    static const char swaps[] = "nvshare swaps each one mapped once, whole, and not exported";
+    if (!atomic_exchange(&explained, 1)) {
+        const char *policy = nvs_config.vmm_hide ? "NVSHARE_VMM=hide: the device says it has no VMM, so NCCL falls "
+                                                   "back to cuMemAlloc, which is converted"
+                             : nvs_config.vmm_swap ? "NVSHARE_VMM=swap, the default; 'allow' keeps them where they are"
+                                                   : "NVSHARE_VMM=allow; the default, 'swap', swaps them";
+        nvs_info("cuMemCreate (virtual memory management) allocations stay physical device memory; %s (%s)",
+                 nvs_config.vmm_swap ? swaps : "they never move", policy);
+    }
     return CUDA_SUCCESS;
 }
 
