@@ -297,15 +297,15 @@ static void read_environment(void) {
     }
 
     nvs_config.vmm_hide = 0;
-    nvs_config.vmm_swap = 0;
+    nvs_config.vmm_swap = 1;
     value = getenv("NVSHARE_VMM");
     if (value != NULL && value[0] != '\0') {
         if (strcasecmp(value, "hide") == 0)
-            nvs_config.vmm_hide = 1;
-        else if (strcasecmp(value, "swap") == 0)
-            nvs_config.vmm_swap = 1;
-        else if (strcasecmp(value, "allow") != 0)
-            nvs_warn("NVSHARE_VMM=%s is not 'allow', 'swap' or 'hide'; using allow", value);
+            nvs_config.vmm_hide = 1; /* and what is made all the same (PyTorch does not ask) swaps */
+        else if (strcasecmp(value, "allow") == 0)
+            nvs_config.vmm_swap = 0;
+        else if (strcasecmp(value, "swap") != 0)
+            nvs_warn("NVSHARE_VMM=%s is not 'swap', 'allow' or 'hide'; using swap", value);
     }
 
     load_memory_limits();

@@ -23,8 +23,8 @@ struct nvs_config {
     int fail_open;             /* NVSHARE_FAIL_MODE=open */
     long idle_release_ms;      /* NVSHARE_IDLE_RELEASE_MS, -1: take the scheduler's */
     int managed;               /* NVSHARE_MANAGED (default 1): convert allocations */
-    int vmm_hide;              /* NVSHARE_VMM=hide */
-    int vmm_swap;              /* NVSHARE_VMM=swap: VMM memory is swapped too (vmm.c) */
+    int vmm_hide;              /* NVSHARE_VMM=hide: VMM reported unsupported (vmm_swap stays 1) */
+    int vmm_swap;              /* NVSHARE_VMM=swap (the default): VMM memory is swapped too (vmm.c) */
     int predrain;              /* NVSHARE_PREDRAIN (default 1): drain ahead of a contended quantum's end */
     int advise;                /* NVSHARE_ADVISE (default 0): advise converted memory onto its device */
     int pool;                  /* NVSHARE_POOL (default 1): swap through the user's shared pool (pool.c) */

@@ -255,6 +255,37 @@ typedef enum {
     CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0,
     CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 0x1,
 } CUmemAllocationGranularity_flags;
+/* cuMemMapArrayAsync: one (un)mapping of memory into a sparse CUDA array. nvshare reads and
+ * rewrites only memHandle (of CU_MEM_HANDLE_TYPE_GENERIC = 0) of CU_MEM_OPERATION_TYPE_MAP = 1. */
+#define CU_MEM_OPERATION_TYPE_MAP 1
+#define CU_MEM_HANDLE_TYPE_GENERIC 0
+typedef struct CUarrayMapInfo_st {
+    int resourceType;
+    union {
+        void *mipmap;
+        CUarray array;
+    } resource;
+    int subresourceType;
+    union {
+        struct {
+            unsigned int level, layer, offsetX, offsetY, offsetZ, extentWidth, extentHeight, extentDepth;
+        } sparseLevel;
+        struct {
+            unsigned int layer;
+            unsigned long long offset, size;
+        } miptail;
+    } subresource;
+    int memOperationType;
+    int memHandleType;
+    union {
+        CUmemGenericAllocationHandle memHandle;
+    } memHandle;
+    unsigned long long offset;
+    unsigned int deviceBitMask;
+    unsigned int flags;
+    unsigned int reserved[2];
+} CUarrayMapInfo;
+_Static_assert(sizeof(CUarrayMapInfo) == 96, "CUarrayMapInfo must keep cuda.h's layout");
 
 /* Stream-ordered memory pools (cuMemPoolCreate, cuMemAllocFromPoolAsync) */
 typedef struct CUmemPoolProps_st {

@@ -305,6 +305,30 @@
       (void *shareableHandle, CUmemGenericAllocationHandle handle,                              \
        CUmemAllocationHandleType handleType, unsigned long long flags),                         \
       (shareableHandle, handle, handleType, flags))                                             \
+    X(CUSTOM, cuMemGetAddressRange_v2, (CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr),     \
+      (pbase, psize, dptr))                                                                     \
+    X(CUSTOM, cuMemGetAllocationPropertiesFromHandle,                                           \
+      (CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle), (prop, handle))         \
+    X(CUSTOM, cuMemMapArrayAsync, (CUarrayMapInfo *mapInfoList, unsigned int count, CUstream hStream), \
+      (mapInfoList, count, hStream))                                                            \
+    X(CUSTOM, cuMemMapArrayAsync_ptsz,                                                          \
+      (CUarrayMapInfo *mapInfoList, unsigned int count, CUstream hStream), (mapInfoList, count, hStream)) \
+    X(CUSTOM, cuMulticastBindMem,                                                               \
+      (CUmemGenericAllocationHandle mcHandle, size_t mcOffset, CUmemGenericAllocationHandle memHandle, \
+       size_t memOffset, size_t size, unsigned long long flags),                                \
+      (mcHandle, mcOffset, memHandle, memOffset, size, flags))                                  \
+    X(CUSTOM, cuMulticastBindMem_v2,                                                            \
+      (CUmemGenericAllocationHandle mcHandle, CUdevice dev, size_t mcOffset,                    \
+       CUmemGenericAllocationHandle memHandle, size_t memOffset, size_t size, unsigned long long flags), \
+      (mcHandle, dev, mcOffset, memHandle, memOffset, size, flags))                             \
+    X(CUSTOM, cuMulticastBindAddr,                                                              \
+      (CUmemGenericAllocationHandle mcHandle, size_t mcOffset, CUdeviceptr memptr, size_t size, \
+       unsigned long long flags),                                                               \
+      (mcHandle, mcOffset, memptr, size, flags))                                                \
+    X(CUSTOM, cuMulticastBindAddr_v2,                                                           \
+      (CUmemGenericAllocationHandle mcHandle, CUdevice dev, size_t mcOffset, CUdeviceptr memptr, \
+       size_t size, unsigned long long flags),                                                  \
+      (mcHandle, dev, mcOffset, memptr, size, flags))                                           \
     X(CUSTOM, cuIpcGetMemHandle, (CUipcMemHandle *handle, CUdeviceptr dptr), (handle, dptr))    \
     X(CUSTOM, cuDeviceGetAttribute, (int *value, CUdevice_attribute attrib, CUdevice dev),      \
       (value, attrib, dev))                                                                     \

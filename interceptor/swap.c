@@ -303,8 +303,9 @@ static void settle(struct job *job, struct batch *batch) {
         struct nvs_swappable *item = batch->items[i];
         int settled;
         if (job->out) {
-            settled = synced == CUDA_SUCCESS && !batch->failed[i] &&
-                      (item->vmm ? nvs_vmm_release_physical(item) : nvs_memory_mark(job->d, item, 1, item->last_used)) == 0;
+            int copied = synced == CUDA_SUCCESS && !batch->failed[i];
+            settled = item->vmm ? nvs_vmm_release_physical(item, copied) == 0
+                                : copied && nvs_memory_mark(job->d, item, 1, item->last_used) == 0;
             if (!settled) { /* failed, freed or unmapped meanwhile, or the driver refused: it stays */
                 nvs_area_give(item->area);
                 item->area = NULL;
@@ -424,7 +425,13 @@ int nvs_swap_out(struct nvs_device *d, uint64_t at_least) {
         job.piece = piece_of(items, chosen);
         for (size_t i = 0; i < chosen; i++) {
             int pinned = pinned_engine && nvs_area_take(items[i].size, &items[i].area) == 0;
-            if (items[i].vmm && !pinned) continue; /* only the area can hold VMM memory */
+            /* Only the area can hold VMM memory; and a handle is claimed before its copy, so that
+             * the application's unmap or release waits until it is out. */
+            if (items[i].vmm && (!pinned || nvs_vmm_claim(&items[i]) != 0)) {
+                nvs_area_give(items[i].area);
+                items[i].area = NULL;
+                continue;
+            }
             add(&job, &items[i]);
         }
         finish(&job, since);

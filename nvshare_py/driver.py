@@ -147,6 +147,7 @@ _CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM = 2
 _IPC_HANDLE_BYTES = 64  # CU_IPC_HANDLE_SIZE
 _CU_MEM_ALLOCATION_TYPE_PINNED = 1
 _CU_MEM_LOCATION_TYPE_DEVICE = 1
+_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 _CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
 _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
 _FILL_THREADS = 256
@@ -506,12 +507,9 @@ class Driver:
         return pool
 
     def _alloc_vmm(self, nbytes: int) -> tuple[int, int, int]:
-        location = _MemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, self._current_device())
-        prop = _MemAllocationProp(type=_CU_MEM_ALLOCATION_TYPE_PINNED, location=location)
-        granularity = c_size_t()
-        self._call("cuMemGetAllocationGranularity", byref(granularity), byref(prop),
-                   _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
-        size = -(-nbytes // granularity.value) * granularity.value
+        prop = self._vmm_prop()
+        granularity = self.vmm_granularity()
+        size = -(-nbytes // granularity) * granularity
         handle, ptr = c_uint64(), _CUdeviceptr()
         # A failed step undoes exactly the steps that succeeded before it, newest first.
         with contextlib.ExitStack() as undo:
@@ -521,10 +519,58 @@ class Driver:
             undo.callback(self._functions["cuMemAddressFree"], ptr, size)
             self._call("cuMemMap", ptr, size, 0, handle, 0)
             undo.callback(self._functions["cuMemUnmap"], ptr, size)
-            access = _MemAccessDesc(location, _CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            access = _MemAccessDesc(prop.location, _CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
             self._call("cuMemSetAccess", ptr, size, byref(access), 1)
             undo.pop_all()
         return ptr.value, size, handle.value
+
+    # ---- virtual memory management, one call at a time (as PyTorch's expandable segments use it) ----
+
+    def _vmm_prop(self, device: int | None = None, shareable: bool = False) -> _MemAllocationProp:
+        location = _MemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, self._current_device() if device is None else device)
+        return _MemAllocationProp(type=_CU_MEM_ALLOCATION_TYPE_PINNED, location=location,
+                                  requestedHandleTypes=_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR if shareable else 0)
+
+    def vmm_granularity(self) -> int:
+        """The recommended granularity of cuMemCreate/cuMemMap on the current device."""
+        granularity = c_size_t()
+        self._call("cuMemGetAllocationGranularity", byref(granularity), byref(self._vmm_prop()),
+                   _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
+        return granularity.value
+
+    def vmm_reserve(self, nbytes: int) -> int:
+        """Reserves ``nbytes`` of address space (cuMemAddressReserve); returns its start."""
+        ptr = _CUdeviceptr()
+        self._call("cuMemAddressReserve", byref(ptr), nbytes, 0, 0, 0)
+        return ptr.value
+
+    def vmm_address_free(self, ptr: int, nbytes: int) -> None:
+        self._call("cuMemAddressFree", ptr, nbytes)
+
+    def vmm_create(self, nbytes: int, shareable: bool = False) -> int:
+        """A physical allocation of ``nbytes`` on the current device (cuMemCreate; ``shareable``:
+        exportable as a file descriptor, as PyTorch asks); returns its handle."""
+        handle = c_uint64()
+        self._call("cuMemCreate", byref(handle), nbytes, byref(self._vmm_prop(shareable=shareable)), 0)
+        return handle.value
+
+    def vmm_release(self, handle: int) -> None:
+        self._call("cuMemRelease", handle)
+
+    def vmm_map(self, ptr: int, nbytes: int, handle: int, offset: int = 0) -> None:
+        self._call("cuMemMap", ptr, nbytes, offset, handle, 0)
+
+    def vmm_unmap(self, ptr: int, nbytes: int) -> None:
+        self._call("cuMemUnmap", ptr, nbytes)
+
+    def vmm_set_access(self, ptr: int, nbytes: int, devices: list[int] | None = None) -> None:
+        """Read-write access to [ptr, ptr + nbytes) for each device (the current one by default),
+        in one cuMemSetAccess call with a descriptor per device."""
+        devices = [self._current_device()] if devices is None else devices
+        access = (_MemAccessDesc * len(devices))(
+            *(_MemAccessDesc(_MemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, d), _CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+              for d in devices))
+        self._call("cuMemSetAccess", ptr, nbytes, access, len(devices))
 
     def free(self, ptr: int) -> None:
         """Frees memory from :meth:`alloc` the way its family is freed (async and pool memory

@@ -81,16 +81,20 @@ def test_memory_reports_and_identity_reach_the_scheduler(scheduler, cuda_app):
     assert app.wait() == 0
 
 
-@pytest.mark.parametrize("policy,expected", [("allow", "1"), ("swap", "1"), ("hide", "0")])
+@pytest.mark.parametrize("policy,expected", [(None, "1"), ("allow", "1"), ("swap", "1"), ("hide", "0")])
 def test_vmm_policy(scheduler, cuda_app, policy, expected):
-    app = cuda_app(scheduler.env, "init", "vmm-attr", f"alloc:vmm:{2 << 20}", "meminfo", env={"NVSHARE_VMM": policy})
+    """NVSHARE_VMM: VMM memory is swapped by default (and with `hide`, where a program makes it
+    all the same), never with `allow`; `hide` says the device has no VMM."""
+    app = cuda_app(scheduler.env, "init", "vmm-attr", f"alloc:vmm:{2 << 20}", "meminfo",
+                   env={"NVSHARE_VMM": policy} if policy else {})
     assert app.wait() == 0, app.stderr
     assert any(line.startswith(f"vmm-supported {expected}") for line in app.lines)
     # passed through unconverted, but counted as this process's memory
     assert next(line for line in app.lines if line.startswith("ptr vmm")).split()[3] == "managed=0"
     assert any(f"free={SIM_TOTAL - (2 << 20)} " in line for line in app.lines if line.startswith("meminfo"))
     said = " ".join(app.stderr.split())
-    assert ("nvshare swaps each one mapped once, whole, and not exported" in said) == (policy == "swap"), said
+    assert ("nvshare swaps each one mapped once, whole, and not exported" in said) == (policy != "allow"), said
+    assert f"NVSHARE_VMM={policy or 'swap'}" in said, said
 
 
 def test_ipc_of_converted_memory_explains_itself(scheduler, cuda_app):

@@ -308,12 +308,12 @@ def interceptor_functions() -> dict[str, tuple[str, str]]:
     return bodies
 
 
-@pytest.mark.parametrize("lock, files", [("nvs_mu", LOCK_CHECKED_FILES), ("mem_mu", ["memory.c"])])
+@pytest.mark.parametrize("lock, files", [("nvs_mu", LOCK_CHECKED_FILES), ("mem_mu", ["memory.c"]), ("vmm_mu", ["vmm.c"])])
 def test_no_cuda_call_or_io_while_a_lock_is_held(lock, files):
     """gate.h: nvs_mu is never held across a CUDA call or I/O. A stderr pipe nobody reads, or a
     driver call that blocks, would otherwise stall every thread that needs the lock state (the
-    client thread, every waiter at a closed gate). mem_mu, taken by every allocation and free, is a
-    leaf lock under the same rule."""
+    client thread, every waiter at a closed gate). mem_mu, taken by every allocation and free, and
+    vmm_mu, taken by every VMM call and the swap engine, are leaf locks under the same rule."""
     bodies = interceptor_functions()
     blocking = blocking_functions(bodies)
     assert {"nvs_device_get", "nvs_memory_poll_frees"} <= blocking  # the analysis sees through calls
@@ -341,9 +341,10 @@ def test_the_lock_check_finds_what_it_should(body, expected):
 # --- hook prototypes against the CUDA toolkit's cuda.h ------------------------------------------
 
 CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
-# Hooks of entry points newer than CUDA 13.0 (13.2's copies with attributes): a 13.0 toolkit
-# does not declare them, so they cannot be checked against it.
-NEWER_THAN_CUDA_13_0 = {"cuMemcpyWithAttributesAsync", "cuMemcpy3DWithAttributesAsync"}
+# Hooks of entry points newer than CUDA 13.0 (13.2's copies with attributes, 13.1's multicast
+# bindings per device): a 13.0 toolkit does not declare them, so they cannot be checked against it.
+NEWER_THAN_CUDA_13_0 = {"cuMemcpyWithAttributesAsync", "cuMemcpy3DWithAttributesAsync", "cuMulticastBindMem_v2",
+                        "cuMulticastBindAddr_v2"}
 
 
 def make_signatures(interceptor_dir: Path, build: Path, cuda_home: Path) -> subprocess.CompletedProcess:

@@ -7,6 +7,7 @@ Everything runs in child processes: the simulated libcuda.so.1 never enters the 
 from __future__ import annotations
 
 import json
+import sys
 import re
 import subprocess
 import textwrap
@@ -112,7 +113,8 @@ def test_cuGetProcAddress_returns_each_exported_address_for_its_own_version(simc
     """, argv=(json.dumps(ENTRIES),))
     assert result == {symbol: [CUDA_ERROR_INVALID_VALUE, -1, False] if symbol in NEWER_THAN_DRIVER else [0, 0, True]
                       for symbol, *_ in ENTRIES}
-    assert NEWER_THAN_DRIVER == {"cuMemcpyWithAttributesAsync", "cuMemcpy3DWithAttributesAsync"}
+    assert NEWER_THAN_DRIVER == {"cuMemcpyWithAttributesAsync", "cuMemcpy3DWithAttributesAsync",
+                                 "cuMulticastBindMem_v2", "cuMulticastBindAddr_v2"}
 
 
 # (base, cudaVersion, flags) -> exported symbol; measured on driver 580 (the version rules of cuGetProcAddress).
@@ -974,3 +976,38 @@ def test_an_allreduce_spins_until_its_partner_has_run_then_writes_the_sum(simcud
 def test_an_allreduce_outside_a_group_fails_the_context(simcuda):
     run = simcuda.run_simapp("alloc:plain:4K", "allreduce:0:1", "sync", env=simcuda.env())
     assert run.steps[-1]["rc"] == 1  # CUDA_ERROR_INVALID_VALUE, sticky like a GPU fault
+
+
+# --- VMM handles and ranges as the real driver treats them (issue 31) ---------------------------
+
+PROBE_VMM = REPO_ROOT / "benchmarks" / "gpu" / "probe_vmm_handles.py"
+PROBED_ON_H200 = REPO_ROOT / "benchmarks" / "results" / "vmm-driver-probe-h200-2026-11-28.txt"
+
+
+def test_vmm_calls_answer_the_probe_as_an_h200_did(simcuda):
+    """benchmarks/gpu/probe_vmm_handles.py, run on the simulated driver, gets the answers an H200
+    gave it (driver 580): ranges with two mappings and with a gap taken by cuMemSetAccess and
+    cuMemUnmap, mapping over a mapping and retaining an unmapped address refused, no fabric,
+    memsets of memory without access or without a mapping refused when made. And released
+    handle values come back from cuMemCreate, every one of them (here the most recent first)."""
+    run = subprocess.run([sys.executable, str(PROBE_VMM)], env=simcuda.env(), capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    def answers(text: str) -> dict[str, str]:
+        """Each line by its words up to the first answer; handle values left out."""
+        found = {}
+        for line in text.splitlines():
+            if not line.startswith("#"):
+                label = re.match(r"[a-z, ]+?(?= -?\d| \[|$)", line)
+                found[label.group() if label else line] = re.sub(r"0x[0-9a-f]+", "0x…", line)
+        return found
+
+    here, h200 = answers(run.stdout), answers(PROBED_ON_H200.read_text())
+    for label in ("rel", "reserve", "map", "setaccess", "retain unmapped", "unmap hole", "fabric",
+                  "memset noaccess", "memset unmapped"):
+        assert here[label] == h200[label], label
+    # Released values are given out again ("rel twice" differs for that reason: here the value
+    # released twice was handed out again at once, and the second release released that handle).
+    released, reused = (re.findall(r"0x[0-9a-f]+", line) for line in run.stdout.splitlines()
+                        if line.startswith(("released order", "new order")))
+    assert sorted(reused) == sorted(released)

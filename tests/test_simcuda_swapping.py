@@ -124,7 +124,7 @@ def test_a_pinned_area_makes_swapping_copies_and_every_access_path_finds_the_dat
     link, the VMM handle re-made at the same address, all before the gate opens: a copy, an
     async copy, a memset, a kernel, a graph and a host function all find the data."""
     env = {**scripted.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
-           "SIMCUDA_REGISTER_HUGE_US_PER_MIB": "20", "NVSHARE_VMM": "swap"}
+           "SIMCUDA_REGISTER_HUGE_US_PER_MIB": "20"}
     app = patterned_app(cuda_app, env)
     grant(scripted, 1)
     app.expect("waiting")
@@ -160,11 +160,11 @@ def test_a_pinned_area_makes_swapping_copies_and_every_access_path_finds_the_dat
                                                                                         ("release", 2 * MIB)]
 
 
-def test_vmm_memory_moves_only_when_the_process_says_swap(scripted, cuda_app, simcuda, tmp_path):
-    """NVSHARE_VMM's default (allow): VMM memory is counted as memory that cannot move; a DROP
-    that asks for everything moves the converted allocations and leaves the VMM handle mapped."""
+def test_vmm_memory_stays_when_the_process_says_allow(scripted, cuda_app, simcuda, tmp_path):
+    """NVSHARE_VMM=allow: VMM memory is counted as memory that cannot move; a DROP that asks for
+    everything moves the converted allocations and leaves the VMM handle mapped."""
     env = {**scripted.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
-           "SIMCUDA_REGISTER_HUGE_US_PER_MIB": "20"}
+           "SIMCUDA_REGISTER_HUGE_US_PER_MIB": "20", "NVSHARE_VMM": "allow"}
     app = patterned_app(cuda_app, env)
     grant(scripted, 1)
     app.expect("waiting")
@@ -185,7 +185,7 @@ def test_a_driver_without_discard_swaps_by_prefetch_and_says_so(scripted, cuda_a
     memory moves by cuMemPrefetchAsync (the old path), VMM memory stays, and the data is there
     after the grant all the same."""
     env = {**scripted.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
-           "SIMCUDA_DRIVER_VERSION": "12080", "NVSHARE_VMM": "swap"}
+           "SIMCUDA_DRIVER_VERSION": "12080"}
     app = patterned_app(cuda_app, env)
     grant(scripted, 1)
     app.expect("waiting")
@@ -282,7 +282,7 @@ def test_the_swap_area_is_registered_huge_page_memory_given_back_unpinned_and_un
     gives back (PREPARE bytes=0) are unpinned the way they were pinned and no longer mapped. A
     child forked meanwhile does not get the registered chunks (MADV_DONTFORK: nothing pinned is
     copied for it)."""
-    env = {**scripted.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path), "NVSHARE_VMM": "swap"}
+    env = {**scripted.env, "SIMCUDA_MEMORY": "64M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path)}
     if refused:
         env["SIMCUDA_HOST_REGISTER_ERROR"] = "801"  # CUDA_ERROR_NOT_SUPPORTED
     app = cuda_app(env, "init", *[f"pattern:{family}:{size}" for family, size in FAMILIES], "sync", "wait", "fork:60",

@@ -23,7 +23,7 @@ the other, so that at most `--gib` of device memory is in use at once:
    gate reading one word (swap-in: until the read returns; the gate opens only once everything
    is back). Every round writes a new value first and checks it afterwards (1,024 words spread
    over the buffer). Round 0 is the process's first eviction.
-3. `vmm` and `torch`: the same with `--vmm-gib` of VMM memory under NVSHARE_VMM=swap: one handle
+3. `vmm` and `torch`: the same with `--vmm-gib` of VMM memory (swapped by default, NVSHARE_VMM=swap): one handle
    made with cuMemCreate/cuMemMap through nvshare_py.driver (sampled check), then (where
    PyTorch is installed, not with --quick) a PyTorch process with
    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, whose allocator reserves through
@@ -420,14 +420,12 @@ def main() -> None:
 
     library = benchmark_library(ROOT, work / "lib")
     nvml = None if args.quick else Nvml()
-    # VMM memory swaps only where the process asks for it (docs/interceptor.md, "Memory").
-    vmm_env = {**env, "NVSHARE_VMM": "swap"}
     record("ceiling", lambda: in_child("ceiling", nbytes, env))
     record("engine", lambda: handoffs("converted", nbytes, args.rounds, library, env, None))
     if vmm_bytes:
-        record("vmm", lambda: handoffs("vmm", vmm_bytes, args.rounds, library, vmm_env, nvml))
+        record("vmm", lambda: handoffs("vmm", vmm_bytes, args.rounds, library, env, nvml))
         if not args.quick and torch_available(env):
-            record("torch", lambda: handoffs("torch", vmm_bytes, args.rounds, library, vmm_env, nvml))
+            record("torch", lambda: handoffs("torch", vmm_bytes, args.rounds, library, env, nvml))
     document["elapsed_s"] = round(time.monotonic() - started, 1)
     ratios(document)
     print(table(document), file=sys.stderr)

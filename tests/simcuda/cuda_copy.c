@@ -32,11 +32,12 @@ struct endpoint_use {
     int managed;                  /* managed memory */
 };
 
-static CUresult classify(uintptr_t ptr, size_t bytes, enum side side, struct endpoint_use *use)
+static CUresult classify(const struct sim_ctx *ctx, uintptr_t ptr, size_t bytes, enum side side,
+                         struct endpoint_use *use)
 {
     enum sim_family family = SIM_MEM_HOST;
     use->known = sim_mem_range_known(ptr, bytes, &family);
-    if (side == SIDE_DEVICE && !use->known)
+    if ((side == SIDE_DEVICE && !use->known) || (ctx && sim_mem_vmm_refused(ptr, bytes, ctx->device)))
         return CUDA_ERROR_INVALID_VALUE;
     use->host = !use->known || family == SIM_MEM_HOST || family == SIM_MEM_MANAGED;
     use->device_side = use->known && family != SIM_MEM_HOST;
@@ -72,10 +73,10 @@ static CUresult submit_copy(struct sim_copy copy, enum side dst_side, enum side 
         return result;
     size_t src_extent = sim_extent(copy.width, copy.height, copy.depth, copy.src_pitch, copy.src_slice);
     struct endpoint_use dst, src;
-    result = classify(copy.dst, sim_extent(copy.width, copy.height, copy.depth, copy.dst_pitch, copy.dst_slice),
+    result = classify(ctx, copy.dst, sim_extent(copy.width, copy.height, copy.depth, copy.dst_pitch, copy.dst_slice),
                       dst_side, &dst);
     if (result == CUDA_SUCCESS)
-        result = classify(copy.src, src_extent, src_side, &src);
+        result = classify(ctx, copy.src, src_extent, src_side, &src);
     if (result != CUDA_SUCCESS)
         return result;
     if ((!dst.known || !src.known) && sim_stream_capturing(stream))
@@ -299,8 +300,8 @@ static CUresult copy_batch(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, 
         *copy = (struct sim_copy){.dst = (uintptr_t)dsts[i], .src = (uintptr_t)srcs[i], .width = sizes[i],
                                   .height = 1, .depth = 1};
         struct endpoint_use dst, src;
-        classify(copy->dst, copy->width, SIDE_UNIFIED, &dst);
-        classify(copy->src, copy->width, SIDE_UNIFIED, &src);
+        classify(NULL, copy->dst, copy->width, SIDE_UNIFIED, &dst);
+        classify(NULL, copy->src, copy->width, SIDE_UNIFIED, &src);
         copy->check_dst = dst.known;
         copy->check_src = src.known;
         set_link(copy, &dst, &src);
@@ -363,7 +364,8 @@ static CUresult submit_set(CUdeviceptr dst, size_t pitch, size_t width, size_t h
     if (dst % element_size || (height > 1 && (pitch < row_bytes || pitch % element_size)))
         return CUDA_ERROR_INVALID_VALUE;
     enum sim_family family;
-    if (!sim_mem_range_known((uintptr_t)dst, sim_extent(row_bytes, height, 1, pitch, 0), &family))
+    size_t extent = sim_extent(row_bytes, height, 1, pitch, 0);
+    if (!sim_mem_range_known((uintptr_t)dst, extent, &family) || sim_mem_vmm_refused((uintptr_t)dst, extent, ctx->device))
         return CUDA_ERROR_INVALID_VALUE;
     struct sim_op *op = sim_op_new(SIM_OP_MEMSET, api);
     op->u.set = (struct sim_set){.dst = (uintptr_t)dst, .pitch = pitch, .width = width, .height = height,

@@ -201,15 +201,15 @@ static size_t copy_bytes(const struct sim_copy *copy)
     return copy->width * copy->height * copy->depth;
 }
 
-static CUresult run_copy(const struct sim_copy *copy)
+static CUresult run_copy(const struct sim_device *device, const struct sim_copy *copy)
 {
     if (copy_bytes(copy) == 0)
         return CUDA_SUCCESS;
     if (copy->check_dst &&
-        !sim_mem_range_ok(copy->dst, sim_extent(copy->width, copy->height, copy->depth, copy->dst_pitch, copy->dst_slice)))
+        !sim_mem_range_ok(copy->dst, sim_extent(copy->width, copy->height, copy->depth, copy->dst_pitch, copy->dst_slice), device))
         return CUDA_ERROR_ILLEGAL_ADDRESS;
     if (copy->check_src &&
-        !sim_mem_range_ok(copy->src, sim_extent(copy->width, copy->height, copy->depth, copy->src_pitch, copy->src_slice)))
+        !sim_mem_range_ok(copy->src, sim_extent(copy->width, copy->height, copy->depth, copy->src_pitch, copy->src_slice), device))
         return CUDA_ERROR_ILLEGAL_ADDRESS;
     for (size_t z = 0; z < copy->depth; z++)
         for (size_t y = 0; y < copy->height; y++)
@@ -218,12 +218,12 @@ static CUresult run_copy(const struct sim_copy *copy)
     return CUDA_SUCCESS;
 }
 
-static CUresult run_set(const struct sim_set *set)
+static CUresult run_set(const struct sim_device *device, const struct sim_set *set)
 {
     if (set->width == 0 || set->height == 0)
         return CUDA_SUCCESS;
     size_t row_bytes = set->width * set->element_size;
-    if (!sim_mem_range_ok(set->dst, sim_extent(row_bytes, set->height, 1, set->pitch, 0)))
+    if (!sim_mem_range_ok(set->dst, sim_extent(row_bytes, set->height, 1, set->pitch, 0), device))
         return CUDA_ERROR_ILLEGAL_ADDRESS;
     for (size_t y = 0; y < set->height; y++) {
         char *row = (char *)set->dst + y * set->pitch;
@@ -244,15 +244,16 @@ static CUresult run_set(const struct sim_set *set)
     return CUDA_SUCCESS;
 }
 
-/* Runs a GPU operation that touches driver memory, with the registry read-locked. */
-static CUresult run_memory_op(struct sim_op *op)
+/* Runs a GPU operation of work of `device` that touches driver memory, with the registry
+ * read-locked. */
+static CUresult run_memory_op(const struct sim_device *device, struct sim_op *op)
 {
     CUresult result = CUDA_SUCCESS;
     sim_mem_read_lock();
     switch (op->kind) {
     case SIM_OP_KERNEL: {
         uint64_t count = op->u.kernel.count;
-        if (count > SIZE_MAX / 4 || !sim_mem_range_ok(op->u.kernel.dst, (size_t)count * 4)) {
+        if (count > SIZE_MAX / 4 || !sim_mem_range_ok(op->u.kernel.dst, (size_t)count * 4, device)) {
             result = count ? CUDA_ERROR_ILLEGAL_ADDRESS : CUDA_SUCCESS;
             break;
         }
@@ -262,17 +263,17 @@ static CUresult run_memory_op(struct sim_op *op)
         break;
     }
     case SIM_OP_MEMCPY:
-        result = run_copy(&op->u.copy);
+        result = run_copy(device, &op->u.copy);
         break;
     case SIM_OP_BATCH:
         for (size_t i = 0; i < op->u.batch.count && result == CUDA_SUCCESS; i++)
-            result = run_copy(&op->u.batch.copies[i]);
+            result = run_copy(device, &op->u.batch.copies[i]);
         break;
     case SIM_OP_MEMSET:
-        result = run_set(&op->u.set);
+        result = run_set(device, &op->u.set);
         break;
     case SIM_OP_PREFETCH:
-        if (!sim_mem_range_ok(op->u.prefetch.ptr, op->u.prefetch.bytes))
+        if (!sim_mem_range_ok(op->u.prefetch.ptr, op->u.prefetch.bytes, NULL))
             result = CUDA_ERROR_ILLEGAL_ADDRESS;
         break;
     default:
@@ -462,7 +463,7 @@ static CUresult run_on_engine(struct sim_ctx *ctx, struct sim_op *op)
     }
     sim_engine_enter(ctx->device);
     sim_residency_touch(ctx, op);
-    CUresult error = run_memory_op(op);
+    CUresult error = run_memory_op(ctx->device, op);
     sim_engine_leave(ctx->device);
     return error;
 }
@@ -497,13 +498,13 @@ static void execute(struct sim_ctx *ctx, struct sim_op *op)
         /* Nothing is copied: the pages are made anew where they go, without the compute engine. */
         sim_residency_discard(ctx, op->u.prefetch.ptr, op->u.prefetch.bytes);
         sim_residency_touch(ctx, op);
-        error = run_memory_op(op);
+        error = run_memory_op(ctx->device, op);
     } else if (op->kind == SIM_OP_KERNEL || op->kind == SIM_OP_PREFETCH) {
         error = run_on_engine(ctx, op);
     } else {
         if (op->kind == SIM_OP_MEMCPY || op->kind == SIM_OP_BATCH)
             cross_link(ctx, op, &outcome);
-        error = run_memory_op(op);
+        error = run_memory_op(ctx->device, op);
     }
     double end = sim_now();
     if (error != CUDA_SUCCESS) {

@@ -96,10 +96,41 @@ static struct sim_alloc *sim_mem_find_start(uintptr_t ptr)
     return index >= 0 && registry[index]->start == ptr ? registry[index] : NULL;
 }
 
-int sim_mem_range_ok(uintptr_t ptr, size_t bytes)
+/* With the lock held: the allocation holding [ptr, ptr + bytes), or, for VMM memory, the first of
+ * the mappings that lie next to each other over the whole range (a GPU sees one address range
+ * where the application mapped several handles side by side, as PyTorch's expandable segments
+ * do); NULL when the range is not covered. `*access`: the devices that may access all of it. */
+static struct sim_alloc *find_span(uintptr_t ptr, size_t bytes, uint64_t *access)
 {
-    struct sim_alloc *alloc = sim_mem_find_range(ptr, bytes);
-    return alloc && alloc->accessible;
+    struct sim_alloc *first = sim_mem_find_range(ptr, bytes ? bytes : 1);
+    if (first) {
+        *access = first->access;
+        return first;
+    }
+    first = sim_mem_find_range(ptr, 1);
+    if (!first || first->family != SIM_MEM_VMM)
+        return NULL;
+    *access = SIM_ACCESS_ALL;
+    for (struct sim_alloc *alloc = first;;) {
+        *access &= alloc->access;
+        uintptr_t end = alloc->start + alloc->size;
+        if (end - ptr >= bytes)
+            return first;
+        alloc = sim_mem_find_range(end, 1);
+        if (!alloc || alloc->family != SIM_MEM_VMM)
+            return NULL;
+    }
+}
+
+static int may_access(uint64_t access, const struct sim_device *device)
+{
+    return device ? (access >> device->ordinal) & 1 : access != 0;
+}
+
+int sim_mem_range_ok(uintptr_t ptr, size_t bytes, const struct sim_device *device)
+{
+    uint64_t access;
+    return find_span(ptr, bytes, &access) != NULL && may_access(access, device);
 }
 
 int sim_mem_overlaps(uintptr_t ptr, size_t bytes)
@@ -111,11 +142,22 @@ int sim_mem_overlaps(uintptr_t ptr, size_t bytes)
 int sim_mem_range_known(uintptr_t ptr, size_t bytes, enum sim_family *family)
 {
     sim_mem_read_lock();
-    struct sim_alloc *alloc = sim_mem_find_range(ptr, bytes);
+    uint64_t access;
+    struct sim_alloc *alloc = find_span(ptr, bytes, &access);
     if (alloc && family)
         *family = alloc->family;
     sim_mem_unlock();
     return alloc != NULL;
+}
+
+int sim_mem_vmm_refused(uintptr_t ptr, size_t bytes, const struct sim_device *device)
+{
+    sim_mem_read_lock();
+    uint64_t access;
+    struct sim_alloc *alloc = find_span(ptr, bytes, &access);
+    int refused = alloc && alloc->family == SIM_MEM_VMM && !may_access(access, device);
+    sim_mem_unlock();
+    return refused;
 }
 
 struct sim_alloc *sim_mem_add(const struct sim_alloc *prototype)
@@ -214,7 +256,7 @@ static CUresult allocate(struct sim_ctx *ctx, size_t bytes, enum sim_family fami
         goto uncharge;
     struct sim_alloc prototype = {
         .start = (uintptr_t)memory, .size = bytes, .family = family, .device = device, .ctx = ctx,
-        .pool = pool, .charged = charged ? bytes : 0, .accessible = 1, .shared_fd = -1,
+        .pool = pool, .charged = charged ? bytes : 0, .access = SIM_ACCESS_ALL, .shared_fd = -1,
     };
     struct sim_alloc *alloc = sim_mem_add(&prototype);
     if (!alloc) {
@@ -351,7 +393,7 @@ SIM_EXPORT CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int 
         return host_register_error;
     struct sim_alloc prototype = {
         .start = (uintptr_t)p, .size = bytesize, .family = SIM_MEM_HOST, .device = ctx->device, .ctx = ctx,
-        .accessible = 1, .shared_fd = -1, .registered = 1,
+        .access = SIM_ACCESS_ALL, .shared_fd = -1, .registered = 1,
     };
     sim_mem_write_lock();
     /* Overlapping what the driver already knows (registered or allocated) is refused. */
@@ -898,6 +940,20 @@ SIM_EXPORT CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attrib
     return result;
 }
 
+/* The allocation holding dptr (for VMM memory: the mapping). */
+SIM_EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)
+{
+    SIM_ENTER();
+    sim_mem_read_lock();
+    const struct sim_alloc *alloc = sim_mem_find_range((uintptr_t)dptr, 1);
+    if (alloc && pbase)
+        *pbase = (CUdeviceptr)alloc->start;
+    if (alloc && psize)
+        *psize = alloc->size;
+    sim_mem_unlock();
+    return alloc ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+
 SIM_EXPORT CUresult cuPointerGetAttributes(unsigned int numAttributes, CUpointer_attribute *attributes, void **data,
                                            CUdeviceptr ptr)
 {
@@ -1002,7 +1058,7 @@ SIM_EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle han
         return CUDA_ERROR_INVALID_VALUE;
     struct sim_alloc prototype = {
         .start = (uintptr_t)memory, .size = (size_t)exported.size, .family = SIM_MEM_IPC,
-        .device = ctx->device, .ctx = ctx, .accessible = 1, .shared_fd = -1,
+        .device = ctx->device, .ctx = ctx, .access = SIM_ACCESS_ALL, .shared_fd = -1,
     };
     sim_mem_write_lock();
     if (!sim_mem_add(&prototype))

@@ -6,12 +6,31 @@
  * their bytes, as on a GPU. A handle counts references (cuMemCreate and each
  * cuMemRetainAllocationHandle one, each cuMemRelease gives one back); the memory goes when the
  * last reference and the last mapping are gone. cuMemExportToShareableHandle hands out a file
- * descriptor of the memory for handle types it was created with.
+ * descriptor of the memory for handle types it was created with, which
+ * cuMemImportFromShareableHandle turns into a handle again (in any process).
+ *
+ * As measured on an H200 (driver 580.159.04; benchmarks/gpu/probe_vmm_handles.py):
+ * - a handle's value is the address of the driver's record of it, and the value of a handle that
+ *   is gone comes back for a later cuMemCreate (there within the next ten creations): here the
+ *   most recently freed one comes back first. A handle that is gone is refused with
+ *   CUDA_ERROR_INVALID_VALUE while its value is not given out again (and said on stderr: the
+ *   real driver dereferences it, and crashed in cuMemMap);
+ * - cuMemSetAccess and cuMemUnmap take a range in which mappings lie side by side or with
+ *   unmapped gaps between them (every mapping it touches must lie inside it);
+ * - a copy or memset of mapped memory without access is refused when it is made
+ *   (CUDA_ERROR_INVALID_VALUE, cuda_memory.c); a kernel touching it faults;
+ * - a handle that asks for fabric export (CU_MEM_HANDLE_TYPE_FABRIC) is refused with
+ *   CUDA_ERROR_NOT_PERMITTED: the machine has no fabric.
+ * Modelled, not measured: access is kept per device (cuMemSetAccess sets the devices its
+ * descriptors name and leaves the others as they were, which NCCL relies on).
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "simcuda.h"
@@ -21,12 +40,20 @@ struct sim_phys {
     int fd;
     size_t size;
     struct sim_device *device;
-    int handle_types;             /* CUmemAllocationHandleType bits it may be exported as */
+    CUmemAllocationProp prop;     /* as created (cuMemGetAllocationPropertiesFromHandle) */
     struct sim_chunks chunks;     /* residency: the fixed slots it holds */
     /* Guarded by the registry lock. */
     int references;              /* cuMemCreate and retains, less releases */
     int mappings;                 /* live cuMemMap ranges */
+    struct sim_phys *next_free;   /* gone: the next value to give out again after this one */
+    struct sim_phys *next_record; /* every record ever made, live or gone (never freed) */
+    int imported;                 /* cuMemImportFromShareableHandle: another's memory, not counted */
 };
+
+/* Guarded by the registry lock: every record ever made, so that a value is looked up before it
+ * is dereferenced; and those of handles that are gone, most recently freed first, whose values
+ * are given out again. */
+static struct sim_phys *all_records, *free_records;
 
 /* Reserved address ranges, guarded by the registry lock. */
 struct reservation {
@@ -44,16 +71,44 @@ static struct reservation *find_reservation(uintptr_t ptr, size_t size)
     return NULL;
 }
 
+/* A record for a new handle: the value of the handle that went last, if one did (registry
+ * write-locked). */
+static struct sim_phys *new_record(void)
+{
+    struct sim_phys *phys = free_records;
+    if (!phys) {
+        phys = calloc(1, sizeof *phys);
+        if (phys) {
+            phys->next_record = all_records;
+            all_records = phys;
+        }
+        return phys;
+    }
+    free_records = phys->next_free;
+    struct sim_phys *next_record = phys->next_record;
+    memset(phys, 0, sizeof *phys);
+    phys->next_record = next_record;
+    return phys;
+}
+
+static void drop_record(struct sim_phys *phys)
+{
+    phys->magic = SIM_MAGIC_DEAD;
+    phys->next_free = free_records;
+    free_records = phys;
+}
+
 /* Frees the memory of a released, unmapped allocation (registry write-locked). */
 static void phys_destroy_if_unused(struct sim_phys *phys)
 {
     if (phys->references > 0 || phys->mappings > 0)
         return;
-    sim_residency_unfix(phys->device, (uint64_t)(uintptr_t)phys, phys->size, &phys->chunks);
+    if (!phys->imported) {
+        sim_residency_unfix(phys->device, (uint64_t)(uintptr_t)phys, phys->size, &phys->chunks);
+        sim_mem_uncharge(phys->device, phys->size);
+    }
     close(phys->fd);
-    sim_mem_uncharge(phys->device, phys->size);
-    phys->magic = SIM_MAGIC_DEAD;
-    free(phys);
+    drop_record(phys);
 }
 
 static int multiple_of_granularity(size_t value)
@@ -82,6 +137,47 @@ SIM_EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUm
     return result;
 }
 
+/* Makes the record of a new handle of `size` bytes on `device` backed by `fd` (which it owns from
+ * then on), counted against the device and, with residency modelled, holding its slots. An
+ * imported handle (of memory another process made, and counts) is neither. */
+static CUresult make_handle(CUmemGenericAllocationHandle *handle, struct sim_device *device, size_t size,
+                            const CUmemAllocationProp *prop, int fd, int imported)
+{
+    sim_mem_write_lock();
+    struct sim_phys *phys = new_record();
+    int charged = phys && (imported || sim_mem_charge(device, size) == 0);
+    if (phys && !charged)
+        drop_record(phys);
+    sim_mem_unlock();
+    if (!charged) {
+        close(fd);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    phys->size = size;
+    phys->device = device;
+    phys->prop = *prop;
+    phys->references = 1;
+    phys->fd = fd;
+    phys->imported = imported;
+    /* On the modelled device it takes its room now (not when mapped), as physical memory does. */
+    CUresult result = imported ? CUDA_SUCCESS
+                               : sim_residency_fix(device, (uint64_t)(uintptr_t)phys, size, &phys->chunks);
+    sim_mem_write_lock();
+    if (result == CUDA_SUCCESS) {
+        phys->magic = SIM_MAGIC_PHYS;
+    } else {
+        sim_mem_uncharge(device, size);
+        drop_record(phys);
+    }
+    sim_mem_unlock();
+    if (result != CUDA_SUCCESS) {
+        close(fd);
+        return result;
+    }
+    *handle = (CUmemGenericAllocationHandle)(uintptr_t)phys;
+    return CUDA_SUCCESS;
+}
+
 SIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                                 unsigned long long flags)
 {
@@ -92,46 +188,34 @@ SIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
     CUresult result = check_prop(prop, &device);
     if (result != CUDA_SUCCESS)
         return result;
-    struct sim_phys *phys = calloc(1, sizeof *phys);
-    if (!phys)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    phys->magic = SIM_MAGIC_PHYS;
-    phys->size = size;
-    phys->device = device;
-    phys->handle_types = prop->requestedHandleTypes;
-    phys->references = 1;
-    phys->fd = memfd_create("simcuda-vmm", MFD_CLOEXEC);
-    if (phys->fd < 0 || ftruncate(phys->fd, (off_t)size) != 0) {
-        if (phys->fd >= 0)
-            close(phys->fd);
-        free(phys);
+    /* No fabric (IMEX) here, as on the H200 it was measured on (PyTorch asks and expects this). */
+    if (prop->requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC)
+        return CUDA_ERROR_NOT_PERMITTED;
+    char name[32]; /* the device, for cuMemImportFromShareableHandle */
+    snprintf(name, sizeof name, "simcuda-vmm-%d", device->ordinal);
+    int fd = memfd_create(name, MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
+        if (fd >= 0)
+            close(fd);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    sim_mem_write_lock();
-    int charged = sim_mem_charge(device, size) == 0;
-    sim_mem_unlock();
-    /* On the modelled device it takes its room now (not when mapped), as physical memory does. */
-    result = charged ? sim_residency_fix(device, (uint64_t)(uintptr_t)phys, size, &phys->chunks)
-                     : CUDA_ERROR_OUT_OF_MEMORY;
-    if (result != CUDA_SUCCESS) {
-        if (charged) {
-            sim_mem_write_lock();
-            sim_mem_uncharge(device, size);
-            sim_mem_unlock();
-        }
-        close(phys->fd);
-        free(phys);
-        return result;
-    }
-    *handle = (CUmemGenericAllocationHandle)(uintptr_t)phys;
-    return CUDA_SUCCESS;
+    return make_handle(handle, device, size, prop, fd, 0);
 }
 
-static CUresult check_phys(CUmemGenericAllocationHandle handle, struct sim_phys **out)
+/* With the registry locked: the live handle `handle` names. `call` names the entry point in the
+ * line said on stderr for a handle that is gone (the real driver dereferences its value). */
+static CUresult check_phys(CUmemGenericAllocationHandle handle, struct sim_phys **out, const char *call)
 {
-    struct sim_phys *phys = (struct sim_phys *)(uintptr_t)handle;
-    if (!phys || phys->magic != SIM_MAGIC_PHYS || phys->references == 0)
+    struct sim_phys *phys = all_records;
+    while (phys && (uintptr_t)phys != handle)
+        phys = phys->next_record;
+    if (!phys) /* never a handle's value */
         return CUDA_ERROR_INVALID_VALUE;
+    if (phys->magic != SIM_MAGIC_PHYS || phys->references == 0) {
+        fprintf(stderr, "simcuda: %s of handle %#llx, which was released (the real driver may crash)\n", call,
+                (unsigned long long)handle);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     *out = phys;
     return CUDA_SUCCESS;
 }
@@ -142,7 +226,7 @@ SIM_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
     SIM_ENTER();
     sim_mem_write_lock();
     struct sim_phys *phys;
-    CUresult result = check_phys(handle, &phys);
+    CUresult result = check_phys(handle, &phys, "cuMemRelease");
     if (result == CUDA_SUCCESS) {
         phys->references--;
         phys_destroy_if_unused(phys);
@@ -177,8 +261,8 @@ SIM_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGen
         return CUDA_ERROR_INVALID_VALUE;
     sim_mem_read_lock();
     struct sim_phys *phys;
-    CUresult result = check_phys(handle, &phys);
-    if (result == CUDA_SUCCESS && !(phys->handle_types & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+    CUresult result = check_phys(handle, &phys, "cuMemExportToShareableHandle");
+    if (result == CUDA_SUCCESS && !(phys->prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
         result = CUDA_ERROR_INVALID_VALUE;
     int fd = result == CUDA_SUCCESS ? fcntl(phys->fd, F_DUPFD_CLOEXEC, 0) : -1;
     sim_mem_unlock();
@@ -262,7 +346,7 @@ SIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
         return CUDA_ERROR_INVALID_VALUE;
     sim_mem_write_lock();
     struct sim_phys *phys;
-    CUresult result = check_phys(handle, &phys);
+    CUresult result = check_phys(handle, &phys, "cuMemMap");
     if (result == CUDA_SUCCESS &&
         (offset > phys->size || size > phys->size - offset || !find_reservation((uintptr_t)ptr, size) ||
          has_mappings((uintptr_t)ptr, size)))
@@ -290,16 +374,48 @@ static void unmap_range(uintptr_t ptr, size_t size)
     mmap((void *)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
 }
 
-/* Every byte of [ptr, ptr + size) must be covered by mappings that lie inside it. */
-static int covered_by_mappings(uintptr_t ptr, size_t size)
+/* The mappings [ptr, ptr + size) touches: at least one, each inside it (gaps between them are
+ * fine, measured on an H200 for cuMemUnmap and cuMemSetAccess). Registry locked. */
+static int mappings_inside(uintptr_t ptr, size_t size)
+{
+    int found = 0;
+    for (size_t offset = 0; offset < size;) {
+        struct sim_alloc *alloc = sim_mem_find_range(ptr + offset, 1);
+        if (!alloc) {
+            offset = (offset / SIM_VMM_GRANULARITY + 1) * SIM_VMM_GRANULARITY;
+            continue;
+        }
+        if (alloc->family != SIM_MEM_VMM || alloc->start < ptr || alloc->size > size - (alloc->start - ptr))
+            return 0;
+        found = 1;
+        offset = alloc->start - ptr + alloc->size;
+    }
+    return found;
+}
+
+/* Calls `each` for every mapping in [ptr, ptr + size) (registry write-locked; `each` may remove
+ * it). */
+static void for_each_mapping(uintptr_t ptr, size_t size, void (*each)(struct sim_alloc *, void *), void *argument)
 {
     for (size_t offset = 0; offset < size;) {
         struct sim_alloc *alloc = sim_mem_find_range(ptr + offset, 1);
-        if (!alloc || alloc->family != SIM_MEM_VMM || alloc->start < ptr || alloc->size > size - (alloc->start - ptr))
-            return 0;
+        if (!alloc) {
+            offset = (offset / SIM_VMM_GRANULARITY + 1) * SIM_VMM_GRANULARITY;
+            continue;
+        }
         offset = alloc->start - ptr + alloc->size;
+        each(alloc, argument);
     }
-    return 1;
+}
+
+static void unmap_one(struct sim_alloc *alloc, void *unused)
+{
+    (void)unused;
+    struct sim_phys *phys = alloc->phys;
+    unmap_range(alloc->start, alloc->size);
+    sim_mem_remove(alloc);
+    phys->mappings--;
+    phys_destroy_if_unused(phys);
 }
 
 SIM_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
@@ -308,18 +424,24 @@ SIM_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
     if (size == 0)
         return CUDA_ERROR_INVALID_VALUE;
     sim_mem_write_lock();
-    int covered = covered_by_mappings((uintptr_t)ptr, size);
-    for (size_t offset = 0; covered && offset < size;) {
-        struct sim_alloc *alloc = sim_mem_find_range((uintptr_t)ptr + offset, 1);
-        struct sim_phys *phys = alloc->phys;
-        offset = alloc->start - (uintptr_t)ptr + alloc->size;
-        unmap_range(alloc->start, alloc->size);
-        sim_mem_remove(alloc);
-        phys->mappings--;
-        phys_destroy_if_unused(phys);
-    }
+    int inside = mappings_inside((uintptr_t)ptr, size);
+    if (inside)
+        for_each_mapping((uintptr_t)ptr, size, unmap_one, NULL);
     sim_mem_unlock();
-    return covered ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    return inside ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+struct access_change {
+    uint64_t granted, revoked; /* devices given read-write access, and devices given less */
+};
+
+/* A mapping's access: per device, as the descriptors say; other devices keep theirs. The host
+ * side (the executor writes the bytes) is read-write while any device may write. */
+static void change_access(struct sim_alloc *alloc, void *argument)
+{
+    const struct access_change *change = argument;
+    alloc->access = (alloc->access & ~change->revoked) | change->granted;
+    mprotect((void *)alloc->start, alloc->size, alloc->access ? PROT_READ | PROT_WRITE : PROT_NONE);
 }
 
 SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
@@ -327,29 +449,142 @@ SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcce
     SIM_ENTER();
     if (!desc || count == 0 || size == 0)
         return CUDA_ERROR_INVALID_VALUE;
-    int prot = PROT_NONE;
+    struct access_change change = {0, 0};
     for (size_t i = 0; i < count; i++) {
-        if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || !sim_device_get(desc[i].location.id))
+        struct sim_device *device = desc[i].location.type == CU_MEM_LOCATION_TYPE_DEVICE
+                                        ? sim_device_get(desc[i].location.id) : NULL;
+        if (!device)
             return CUDA_ERROR_INVALID_DEVICE;
+        uint64_t bit = UINT64_C(1) << device->ordinal;
+        /* Device work here writes (fills, copies): read-only access counts as none. */
         if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
-            prot = PROT_READ | PROT_WRITE;
-        else if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READ && prot == PROT_NONE)
-            prot = PROT_READ;
-        else if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READ && desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE)
+            change.granted |= bit, change.revoked &= ~bit;
+        else if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READ || desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_NONE)
+            change.revoked |= bit, change.granted &= ~bit;
+        else
             return CUDA_ERROR_INVALID_VALUE;
     }
-    CUresult result = CUDA_SUCCESS;
     sim_mem_write_lock();
-    if (!covered_by_mappings((uintptr_t)ptr, size) || mprotect((void *)(uintptr_t)ptr, size, prot) != 0) {
-        result = CUDA_ERROR_INVALID_VALUE;
-    } else {
-        /* Device work may read and write only read-write mappings. */
-        for (size_t offset = 0; offset < size;) {
-            struct sim_alloc *alloc = sim_mem_find_range((uintptr_t)ptr + offset, 1);
-            alloc->accessible = prot == (PROT_READ | PROT_WRITE);
-            offset = alloc->start - (uintptr_t)ptr + alloc->size;
-        }
-    }
+    int inside = mappings_inside((uintptr_t)ptr, size);
+    if (inside)
+        for_each_mapping((uintptr_t)ptr, size, change_access, &change);
+    sim_mem_unlock();
+    return inside ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIM_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
+                                                           CUmemGenericAllocationHandle handle)
+{
+    SIM_ENTER();
+    if (!prop)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_mem_read_lock();
+    struct sim_phys *phys;
+    CUresult result = check_phys(handle, &phys, "cuMemGetAllocationPropertiesFromHandle");
+    if (result == CUDA_SUCCESS)
+        *prop = phys->prop;
     sim_mem_unlock();
     return result;
 }
+
+/* A file descriptor cuMemExportToShareableHandle gave (in any process): a handle of the same
+ * memory, on the device the memory was made on (its memfd's name says which). */
+SIM_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                                   CUmemAllocationHandleType shHandleType)
+{
+    SIM_ENTER();
+    if (!handle || shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        return CUDA_ERROR_INVALID_VALUE;
+    int fd = (int)(intptr_t)osHandle;
+    char link[64], target[128];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, target, sizeof target - 1);
+    target[n > 0 ? n : 0] = '\0';
+    int ordinal;
+    struct stat st;
+    if (sscanf(target, "/memfd:simcuda-vmm-%d", &ordinal) != 1 || fstat(fd, &st) != 0 || st.st_size <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_device *device = sim_device_get(ordinal);
+    int copy = device ? fcntl(fd, F_DUPFD_CLOEXEC, 0) : -1;
+    if (copy < 0)
+        return device ? CUDA_ERROR_OPERATING_SYSTEM : CUDA_ERROR_INVALID_DEVICE;
+    CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+                                .requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                                .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = ordinal}};
+    return make_handle(handle, device, (size_t)st.st_size, &prop, copy, 1);
+}
+
+/* CUDA arrays are not simulated: the memory handles of the mappings are checked (a value that is
+ * no live handle is CUDA_ERROR_INVALID_VALUE), then the call is CUDA_ERROR_NOT_SUPPORTED. */
+static CUresult map_array(CUarrayMapInfo *list, unsigned int count)
+{
+    SIM_ENTER();
+    if (!list || count == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult result = CUDA_SUCCESS;
+    sim_mem_read_lock();
+    for (unsigned int i = 0; i < count && result == CUDA_SUCCESS; i++) {
+        struct sim_phys *phys;
+        if (list[i].memOperationType == CU_MEM_OPERATION_TYPE_MAP &&
+            list[i].memHandleType == CU_MEM_HANDLE_TYPE_GENERIC)
+            result = check_phys(list[i].memHandle.memHandle, &phys, "cuMemMapArrayAsync");
+    }
+    sim_mem_unlock();
+    return result == CUDA_SUCCESS ? CUDA_ERROR_NOT_SUPPORTED : result;
+}
+
+SIM_IGNORING_PARAMETERS(
+SIM_WITH_TWIN(cuMemMapArrayAsync, cuMemMapArrayAsync_ptsz,
+              (CUarrayMapInfo *mapInfoList, unsigned int count, CUstream hStream),
+              return map_array(mapInfoList, count);))
+
+/* Multicast objects are not simulated: the memory to bind is checked (a handle, or mapped VMM
+ * memory), then the call is CUDA_ERROR_NOT_SUPPORTED. */
+static CUresult bind_memory(CUmemGenericAllocationHandle memHandle, const char *call)
+{
+    sim_mem_read_lock();
+    struct sim_phys *phys;
+    CUresult result = check_phys(memHandle, &phys, call);
+    sim_mem_unlock();
+    return result == CUDA_SUCCESS ? CUDA_ERROR_NOT_SUPPORTED : result;
+}
+
+static CUresult bind_address(CUdeviceptr memptr, size_t size)
+{
+    sim_mem_read_lock();
+    struct sim_alloc *alloc = sim_mem_find_range((uintptr_t)memptr, size ? size : 1);
+    CUresult result = alloc && alloc->family == SIM_MEM_VMM ? CUDA_ERROR_NOT_SUPPORTED : CUDA_ERROR_INVALID_VALUE;
+    sim_mem_unlock();
+    return result;
+}
+
+SIM_IGNORING_PARAMETERS(
+SIM_EXPORT CUresult cuMulticastBindMem(CUmemGenericAllocationHandle mcHandle, size_t mcOffset,
+                                       CUmemGenericAllocationHandle memHandle, size_t memOffset, size_t size,
+                                       unsigned long long flags)
+{
+    SIM_ENTER();
+    return bind_memory(memHandle, "cuMulticastBindMem");
+}
+
+SIM_EXPORT CUresult cuMulticastBindMem_v2(CUmemGenericAllocationHandle mcHandle, CUdevice dev, size_t mcOffset,
+                                          CUmemGenericAllocationHandle memHandle, size_t memOffset, size_t size,
+                                          unsigned long long flags)
+{
+    SIM_ENTER();
+    return bind_memory(memHandle, "cuMulticastBindMem_v2");
+}
+
+SIM_EXPORT CUresult cuMulticastBindAddr(CUmemGenericAllocationHandle mcHandle, size_t mcOffset, CUdeviceptr memptr,
+                                        size_t size, unsigned long long flags)
+{
+    SIM_ENTER();
+    return bind_address(memptr, size);
+}
+
+SIM_EXPORT CUresult cuMulticastBindAddr_v2(CUmemGenericAllocationHandle mcHandle, CUdevice dev, size_t mcOffset,
+                                           CUdeviceptr memptr, size_t size, unsigned long long flags)
+{
+    SIM_ENTER();
+    return bind_address(memptr, size);
+})

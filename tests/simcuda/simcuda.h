@@ -349,7 +349,9 @@ struct sim_alloc {
     struct sim_pool *pool;        /* SIM_MEM_POOL */
     struct sim_phys *phys;        /* SIM_MEM_VMM */
     size_t charged;               /* bytes counted in device->used */
-    int accessible;               /* VMM ranges become accessible with cuMemSetAccess */
+    uint64_t access;              /* the devices (bit: ordinal) whose work may read and write it:
+                                     VMM mappings get theirs with cuMemSetAccess, one device at a
+                                     time; every other family SIM_ACCESS_ALL */
     int free_queued;              /* a cuMemFreeAsync for it is queued */
     int shared_fd;                /* memfd backing once exported with cuIpcGetMemHandle, or -1 */
     int registered;               /* SIM_MEM_HOST: pageable memory pinned by cuMemHostRegister */
@@ -374,11 +376,17 @@ void sim_mem_uncharge(struct sim_device *device, size_t bytes);
 
 /* With the lock held: whether any allocation overlaps [ptr, ptr + bytes). */
 int sim_mem_overlaps(uintptr_t ptr, size_t bytes);
-/* With the lock held: whether [ptr, ptr + bytes) may be accessed by the device. */
-int sim_mem_range_ok(uintptr_t ptr, size_t bytes);
+#define SIM_ACCESS_ALL UINT64_MAX
+/* With the lock held: whether work of `device` (NULL: of any device) may access [ptr, ptr +
+ * bytes). */
+int sim_mem_range_ok(uintptr_t ptr, size_t bytes, const struct sim_device *device);
 /* Without the lock: whether [ptr, ptr + bytes) lies in driver memory; and whether it is pinned
  * host memory or managed memory (so that copies from it need no staging). */
 int sim_mem_range_known(uintptr_t ptr, size_t bytes, enum sim_family *family);
+/* Without the lock: whether a copy or memset that work of `device` makes would find
+ * [ptr, ptr + bytes) mapped VMM memory it has no access to. The real driver refuses such a copy
+ * when it is made (measured on an H200: CUDA_ERROR_INVALID_VALUE), as one of unmapped memory. */
+int sim_mem_vmm_refused(uintptr_t ptr, size_t bytes, const struct sim_device *device);
 /* Executes a stream-ordered free (executor thread, no lock held). */
 void sim_mem_free_now(uintptr_t ptr);
 /* Frees every allocation owned by a context that is being destroyed. */
