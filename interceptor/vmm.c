@@ -164,22 +164,25 @@ static void end_move(CUmemGenericAllocationHandle app) {
 }
 
 /* Under vmm_mu: the handle is gone for the application (released, unmapped everywhere): its
- * record, its charge and its counts go. */
-static void forget_handle(struct handle *h) {
+ * record, its charge and its counts go. Returns its place in the swap area (NULL: none), which
+ * the caller gives back once it let vmm_mu go (giving a pool segment back may log). */
+static struct nvs_extent *forget_handle(struct handle *h) {
     struct nvs_device *d = h->device;
+    struct nvs_extent *area = h->area;
     if (d != NULL) {
         if (counts_as_movable(h)) atomic_fetch_sub(&d->converted, h->size);
         if (h->swapped) atomic_fetch_sub(&d->swapped, h->size);
     }
-    nvs_area_give(h->area);
     nvs_memory_uncharge(d, h->size);
     *h = handles[--n_handles];
+    return area;
 }
 
-static void forget_if_unused(CUmemGenericAllocationHandle app) {
+/* Under vmm_mu: forget_handle when the application has no reference and no mapping left. */
+static struct nvs_extent *forget_if_unused(CUmemGenericAllocationHandle app) {
     struct mapping *unused;
     struct handle *h = find_handle(app);
-    if (h != NULL && h->references <= 0 && mappings_of(app, &unused) == 0) forget_handle(h);
+    return h != NULL && h->references <= 0 && mappings_of(app, &unused) == 0 ? forget_handle(h) : NULL;
 }
 
 /* The application's handle maps to swapped-out memory and it wants it now (to map, export or
@@ -305,8 +308,9 @@ NVS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
         if (real != 0) h->real = 0;
     }
     end_move(handle);
-    forget_if_unused(handle);
+    struct nvs_extent *gone = forget_if_unused(handle);
     pthread_mutex_unlock(&vmm_mu);
+    nvs_area_give(gone);
     nvs_client_memory_changed();
     vmm_debug("cuMemRelease(handle %#llx, driver %#llx) = %d", handle, real, r);
     return answered("cuMemRelease", r, 0);
@@ -642,8 +646,13 @@ NVS_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     for (size_t i = 0; i < range.n; i++)
         if (inside(&range.found[i], ptr, done - ptr)) remove_mapping(&range.found[i]);
     end_range(&range);
-    for (size_t i = 0; i < range.n; i++) forget_if_unused(range.found[i].app);
     pthread_mutex_unlock(&vmm_mu);
+    for (size_t i = 0; i < range.n; i++) { /* each handle left unused goes, its area given back unlocked */
+        pthread_mutex_lock(&vmm_mu);
+        struct nvs_extent *gone = forget_if_unused(range.found[i].app);
+        pthread_mutex_unlock(&vmm_mu);
+        nvs_area_give(gone);
+    }
     free(swapped);
     nvs_client_memory_changed();
     vmm_debug("cuMemUnmap(%#llx, %zu bytes: %zu mappings, %s) = %d", (unsigned long long)ptr, size, range.n,
