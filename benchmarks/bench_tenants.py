@@ -348,6 +348,7 @@ class KernelTenant(Tenant):
 
     def __init__(self, name: str, spec_dir: Path, spec_name: str, env: dict[str, str], log: Path, setup: str,
                  timeout: float) -> None:
+        """`timeout`: how long its start or any one cell may take before the tenant counts as gone."""
         super().__init__(name)
         from nvshare_py.testing.notebook import Kernel
 
@@ -535,7 +536,8 @@ class Bench:
         setup = (f"import sys\nsys.path[:0] = [{str(BENCHMARKS)!r}]\nimport bench_tenants as _bench\n"
                  f"_weights = _bench.make_weights({backend!r}, {self.tenant_bytes}, {request_us})")
         return KernelTenant(name, self.spec_dir, "nvshare" if nvshare else "plain",
-                            {**env, "NVSHARE_PROGRAM": f"{name}.ipynb"}, logs / f"{name}.log", setup, self.args.timeout)
+                            {**env, "NVSHARE_PROGRAM": f"{name}.ipynb"}, logs / f"{name}.log", setup,
+                            max(self.args.timeout, self.args.load_timeout))
 
 
 def install_kernelspecs(work: Path, library: Path) -> Path:
@@ -798,10 +800,9 @@ def target(value: float | int | None, limit: float, at_most: bool = True) -> dic
     return {"value": value, "limit": limit, "met": met}
 
 
-def request_figures(records: list[dict[str, Any]], reference_p99: float | None, idle_window: float,
-                    warm_from: float = 0.0) -> dict[str, Any]:
+def request_figures(records: list[dict[str, Any]], reference_p99: float | None, idle_window: float) -> dict[str, Any]:
     """Latencies warm / cold / first, the bound of the cold ones, idle holders, and the targets
-    that requests have. `warm_from`: offsets before it are the warm-up (hot-cold)."""
+    that requests have."""
     answered = [r for r in records if r.get("answered")]
     cold = [r for r in answered if r.get("cold")]
     warm = [r for r in answered if not r.get("cold") and not r["first"]]
@@ -894,8 +895,8 @@ def run_requests(session: Session, scenario: str, plan: Plan, h2d_bps: float | N
         from nvshare_py.testing.residency import pinned_peak
 
         block["simulated_link_mib"] = link_traffic([line for line in trace if start <= line.get("start", 0) <= ended])
-        staging = [(tenant.pid, int(r["said"].split("=")[1])) for r in session.records
-                   for tenant in session.tenants[r["tenant"]:r["tenant"] + 1] if r["key"] == "load" and r.get("said")]
+        staging = [(session.tenants[r["tenant"]].pid, int(r["said"].removeprefix("staging="))) for r in session.records
+                   if r["key"] == "load" and r.get("said", "").startswith("staging=")]
         block["simulated_pinned_bytes_max"] = pinned_peak([line for line in trace if line.get("start", 0) <= ended],
                                                           leave_out=staging)
     return block
