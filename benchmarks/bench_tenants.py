@@ -130,6 +130,7 @@ GPU_BENCHMARKS = BENCHMARKS / "gpu"
 sys.path.insert(0, str(REPO))  # this tree's nvshare_py, without installing
 
 GIB, MIB = 1 << 30, 1 << 20
+SHM = Path("/dev/shm")  # where a session's swap pool lies, where there is shared memory
 SIM_DEVICE = "GPU-5151ad00-0000-4000-8000-000000000000"  # the simulated GPU (tests/simcuda)
 SIM_DIVISOR = 120               # sizes on the simulated card: the issue's / this
 SIM_PINNED_US_PER_MIB = 19.07   # SIMCUDA_PINNED_US_PER_MIB's default (H200: 55 GB/s)
@@ -398,10 +399,10 @@ class Watcher:
     """Samples the scheduler's status every `period` seconds and follows its timeline, on a thread
     of its own: pinned memory for swapping, swapped-out bytes and what moved between samples."""
 
-    def __init__(self, scheduler, period: float) -> None:
+    def __init__(self, scheduler, period: float, pool_dir: Path) -> None:
         from nvshare_py.testing.scheduler import pinned_for_swapping, swap_pool_bytes
 
-        self._pinned = lambda status: pinned_for_swapping(status, swap_pool_bytes())
+        self._pinned = lambda status: pinned_for_swapping(status, swap_pool_bytes(shm=pool_dir))
         self.scheduler, self.period = scheduler, period
         self.events: list[dict] = []
         self._since = 0
@@ -516,14 +517,20 @@ class Bench:
 
     def base_env(self, state: Path) -> dict[str, str]:
         """The tenants' environment without nvshare; on the simulated driver a fresh machine (its
-        residency state and trace in `state`)."""
+        residency state and trace in `state`). Their swap pool is the session's own (a directory
+        of shared memory, `pool_dir`), so that another run of the same user on this machine
+        neither shares it nor counts in it; on the simulated driver its segments are scaled as
+        the sizes are."""
         from nvshare_py.testing.scheduler import child_env
 
+        self.pool_dir = Path(tempfile.mkdtemp(prefix="nvs-tenants-pool-", dir=SHM if SHM.is_dir() else None))
         if self.args.gpu:
-            return child_env()
+            return child_env(extra={"NVSHARE_POOL_DIR": str(self.pool_dir)})
+        segment = max(2 * MIB, (512 * MIB // int(self.args.sim_cost_scale)) // (2 * MIB) * (2 * MIB))
         return self.simcuda.env(trace=state / "trace.jsonl", memory=str(self.card["total"]),
                                 SIMCUDA_RESIDENCY_DIR=str(state), SIMCUDA_COST_SCALE=str(self.args.sim_cost_scale),
-                                SIMCUDA_TIMESLICE_US="10000")
+                                SIMCUDA_TIMESLICE_US="10000", NVSHARE_POOL_DIR=str(self.pool_dir),
+                                NVSHARE_POOL_SEGMENT=str(segment))
 
     def tenant(self, index: int, env: dict[str, str], nvshare: bool, logs: Path) -> Tenant:
         backend = "torch" if self.args.gpu else "sim"
@@ -576,13 +583,14 @@ class Session:
         self.records: list[dict[str, Any]] = []  # every step asked (loads and requests)
         self._counter = 0
         env = bench.base_env(self.state)
+        self.pool_dir = bench.pool_dir
         try:
             if mode is not None:
                 self.scheduler = SchedulerProcess(short_socket_dir(), {**bench.options, "mode": mode},
                                                   nvml=bench.nvml).start()
                 if bench.budget:
                     self.scheduler.request("set-budget", device=bench.device, bytes=bench.budget)
-                self.watcher = Watcher(self.scheduler, bench.args.sample)
+                self.watcher = Watcher(self.scheduler, bench.args.sample, bench.pool_dir)
                 env = {**env, **self.scheduler.env, "LD_PRELOAD": str(bench.library),
                        "NVSHARE_LOG": os.environ.get("NVSHARE_LOG", "info")}
             self.tenants = [bench.tenant(i, env, mode is not None, self.logs) for i in range(count)]
@@ -683,6 +691,7 @@ class Session:
                 pass
             shutil.copy(self.scheduler.log_path, self.logs / "scheduler.log")
             shutil.rmtree(self.scheduler.socket_dir, ignore_errors=True)
+        shutil.rmtree(self.pool_dir, ignore_errors=True)  # its last member removed the segments; this is what is left
 
 
 # --- what each request was: warm or cold, its grant, whom it waited for --------------------------

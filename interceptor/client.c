@@ -168,7 +168,8 @@ static void observe_locked(double now) {
     struct nvs_swap_figures figures; /* atomics and the area's leaf lock: no CUDA, no I/O */
     nvs_swap_figures(&figures);
     struct nvs_core_swap swap = {.engine = figures.engine == NVS_SWAP_COPY ? 1 : figures.engine == NVS_SWAP_MIGRATE ? 2 : 0,
-                                 .area = figures.area, .out_bps = figures.out_bps, .in_bps = figures.in_bps};
+                                 .area = figures.area, .out_bps = figures.out_bps, .in_bps = figures.in_bps,
+                                 .pool = figures.pool};
     nvs_core_observe_swap(&core, &swap);
     for (int i = 0; i < nvs_n_devices; i++) {
         struct nvs_device *d = &nvs_devices[i];

@@ -1043,7 +1043,8 @@ static int memory_report_due(const struct nvs_core *c, const struct nvs_core_dev
     if (d->bytes != d->reported_bytes) return 1;
     if (!reports_residency(d)) return 0;
     return resident_of(d) != d->reported_resident ||
-           (c->swap.engine != 0 && (c->swap.engine != d->reported_engine || c->swap.area != d->reported_area));
+           (c->swap.engine != 0 && (c->swap.engine != d->reported_engine || c->swap.area != d->reported_area ||
+                                    c->swap.pool != d->reported_pool));
 }
 
 static void send_memory(struct nvs_core *c, struct nvs_core_device *d, double now) {
@@ -1059,6 +1060,7 @@ static void send_memory(struct nvs_core *c, struct nvs_core_device *d, double no
     d->reported_resident = with_resident ? resident_of(d) : UINT64_MAX;
     d->reported_engine = with_resident ? c->swap.engine : 0;
     d->reported_area = c->swap.area;
+    d->reported_pool = c->swap.pool;
 }
 
 void nvs_core_tick(struct nvs_core *c, double now) { run_due(c, now); }
@@ -1387,6 +1389,7 @@ static size_t encode(const struct nvs_core *c, const struct nvs_core_queued *q, 
         .has_area = q->has_swap,
         .out_bps = q->has_swap ? q->swap.out_bps : 0,
         .in_bps = q->has_swap ? q->swap.in_bps : 0,
+        .pool = q->has_swap && q->swap.pool,
     };
     for (int i = 0; q->message == NVS_MSG_HELLO && i < NVS_CORE_MAX_DEVICES; i++) {
         if (q->held & (1ULL << i)) held[out.n_held++] = c->devices[i].uuid;

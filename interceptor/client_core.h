@@ -173,6 +173,7 @@ struct nvs_core_device {
     uint64_t prefetch_ahead_started;
     int reported_engine;       /* the swap figures of the last MEMORY (engine 0: none sent) */
     uint64_t reported_area;
+    int reported_pool;
 };
 
 /* The swap engine of the process (docs/interceptor.md, "Swapping"), as the shell observes it. */
@@ -180,6 +181,7 @@ struct nvs_core_swap {
     int engine;                /* 0 not known yet, 1 copy (pinned copies and discards), 2 migrate */
     uint64_t area;             /* pinned bytes ready */
     uint64_t out_bps, in_bps;  /* the last moves through the area (0: none yet) */
+    int pool;                  /* the area is its user's swap pool (MEMORY pool=1) */
 };
 
 /* The admitted total while admission is not in force (no scheduler, or one without it). */

@@ -227,13 +227,18 @@ static void refresh_locked(void) {
     atomic_store(&free_bytes, free_segments * segment_bytes);
 }
 
-/* The pool's size in segments: the largest size a member that stays was told. */
+/* The pool's size in segments: the largest size a member that stays was told, and one segment
+ * more for each such member. A segment is one member's at a time, so each member's part ends in
+ * a segment it fills only in part; the scheduler, which counts bytes, does not know the segment
+ * size. None while nobody wants any. */
 static uint64_t target_locked(void) {
-    uint64_t want = 0;
-    for (int k = 0; k < MAX_MEMBERS; k++)
-        if (shared->members[k].joined && !shared->members[k].leaving && shared->members[k].want > want)
-            want = shared->members[k].want;
-    uint64_t segments = (want + segment_bytes - 1) / segment_bytes;
+    uint64_t want = 0, staying = 0;
+    for (int k = 0; k < MAX_MEMBERS; k++) {
+        if (!shared->members[k].joined || shared->members[k].leaving) continue;
+        staying++;
+        if (shared->members[k].want > want) want = shared->members[k].want;
+    }
+    uint64_t segments = want > 0 ? (want + segment_bytes - 1) / segment_bytes + staying : 0;
     return segments < MAX_SEGMENTS ? segments : MAX_SEGMENTS;
 }
 

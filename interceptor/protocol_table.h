@@ -179,6 +179,7 @@
     F(MEMORY, area, UINT, NULLABLE, area, 0, 0)                        \
     F(MEMORY, out_bps, UINT, OPTIONAL, out_bps, 0, 0)                  \
     F(MEMORY, in_bps, UINT, OPTIONAL, in_bps, 0, 0)                    \
+    F(MEMORY, pool, FLAG, OPTIONAL, pool, 0, 0)                        \
     F(ACQUIRE, device, DEVICE, REQUIRED, device, 0, "")                \
     F(ADMIT, device, DEVICE, REQUIRED, device, 0, "")                  \
     F(ADMIT, request, UINT, REQUIRED, request, 0, 0)                   \
@@ -242,6 +243,7 @@
     X(HAS, has_area, 0)       \
     X(UINT, out_bps, 0)       \
     X(UINT, in_bps, 0)        \
+    X(FLAG, pool, 0)          \
     X(UINT, request, 0)       \
     X(UINT, bytes, 0)         \
     X(UINT, grant, 0)         \

@@ -111,6 +111,7 @@ void nvs_swap_figures(struct nvs_swap_figures *out) {
     out->area = nvs_area_ready();
     out->out_bps = (uint64_t)(load_rate(&out_bps_bits) + 0.5);
     out->in_bps = (uint64_t)(load_rate(&in_bps_bits) + 0.5);
+    out->pool = nvs_pool_joined();
 }
 
 /* --- choosing ----------------------------------------------------------------------------------*/

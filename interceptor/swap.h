@@ -29,6 +29,7 @@ struct nvs_swap_figures {
     int engine;       /* enum nvs_swap_engine */
     uint64_t area;    /* pinned bytes ready (nvs_area_ready) */
     uint64_t out_bps, in_bps; /* the last moves through the area, bytes per second (0: none yet) */
+    int pool;                 /* the area's room is its user's swap pool */
 };
 void nvs_swap_figures(struct nvs_swap_figures *out);
 

@@ -62,10 +62,11 @@ class _Action(ctypes.Structure):
 
 
 class _Swap(ctypes.Structure):
-    """struct nvs_core_swap: the process's swap engine (1 copy, 2 migrate), its area, bandwidths."""
+    """struct nvs_core_swap: the process's swap engine (1 copy, 2 migrate), its area, bandwidths,
+    whether the area is its user's pool."""
 
     _fields_ = [("engine", ctypes.c_int), ("area", ctypes.c_uint64), ("out_bps", ctypes.c_uint64),
-                ("in_bps", ctypes.c_uint64)]
+                ("in_bps", ctypes.c_uint64), ("pool", ctypes.c_int)]
 
 
 _d, _u64, _p, _int, _str = ctypes.c_double, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
@@ -177,8 +178,8 @@ class ClientCore:
         self.lib.nvs_core_observe(self.buf, index, waiters, captures, entered, used)
         self.lib.nvs_core_observe_residency(self.buf, index, converted, swapped)
 
-    def observe_swap(self, engine: int = 1, area: int = 0, out_bps: int = 0, in_bps: int = 0) -> None:
-        self.lib.nvs_core_observe_swap(self.buf, ctypes.byref(_Swap(engine, area, out_bps, in_bps)))
+    def observe_swap(self, engine: int = 1, area: int = 0, out_bps: int = 0, in_bps: int = 0, pool: bool = False) -> None:
+        self.lib.nvs_core_observe_swap(self.buf, ctypes.byref(_Swap(engine, area, out_bps, in_bps, int(pool))))
 
     def observe_admission(self, index: int, wanted: int) -> None:
         self.lib.nvs_core_observe_admission(self.buf, index, wanted)

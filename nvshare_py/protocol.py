@@ -401,6 +401,8 @@ class Memory(Message):
     area: int | None = None
     out_bps: int = 0  # bytes per second its last move out reached
     in_bps: int = 0  # bytes per second its last move in reached
+    # 1: its area is its user's swap pool (POOL), which other processes share; 0: memory it pinned for itself (PREPARE)
+    pool: bool = False
 
 
 @dataclass(frozen=True, slots=True)

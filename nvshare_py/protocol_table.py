@@ -184,6 +184,8 @@ MESSAGES: Final[tuple[Message, ...]] = (
                  "it (what it moved out through the area included)"),
         optional("out_bps", UINT, 0, "bytes per second its last move out reached"),
         optional("in_bps", UINT, 0, "bytes per second its last move in reached"),
+        optional("pool", FLAG, False, "`1`: its area is its user's swap pool (`POOL`), which other processes "
+                 "share; `0`: memory it pinned for itself (`PREPARE`)"),
     ), "Bytes this client has allocated on the device (managed + unconverted); a figure above the "
        "device's measured size counts as that size. Sent when it changes, at most every 100 ms, and just before an `ACQUIRE`. `resident`, from a client "
        "that swaps (see *Residency*): its converted bytes it believes are on the device (all of "

@@ -31,6 +31,15 @@ _QUIET = tempfile.mkdtemp(prefix="nvs-quiet-")
 atexit.register(shutil.rmtree, _QUIET, True)
 os.environ["NVSHARE_SYSTEM_SOCKET_DIR"] = os.path.join(_QUIET, "no-system-scheduler")
 
+# Nor on another run's swap pool: the interceptor's pool is shared by every process of a user
+# (/dev/shm/nvshare-pool-<uid>), so two test runs of one user at once (or a benchmark beside
+# them) would share, resize and clean up each other's. Each run's processes get a pool
+# directory of their own, in shared memory where there is some.
+_POOLS = tempfile.mkdtemp(prefix="nvs-pools-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+os.chmod(_POOLS, 0o1777)  # as /dev/shm: the tests' other users make their pools in it too
+atexit.register(shutil.rmtree, _POOLS, True)
+os.environ.setdefault("NVSHARE_POOL_DIR", _POOLS)
+
 # Hypothesis runs the same examples on every run (derandomized, no example database): the suite
 # must not pass on one CI run and fail on the next. To hunt with fresh examples, run pytest with
 # `--hypothesis-profile explore` (random examples, more of them where a test does not say).

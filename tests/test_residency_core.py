@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nvshare_py import protocol
-from nvshare_py.scheduler import eviction, residency, views
+from nvshare_py.scheduler import residency, views
 from nvshare_py.scheduler.admission import AdmissionConfig
 from nvshare_py.scheduler.core import POOL_SHRINK_AFTER, CoreConfig, SchedulerCore
 from nvshare_py.scheduler.events import (
@@ -431,13 +431,11 @@ def test_an_unmeasured_price_does_not_keep_an_idle_holder():
 
 
 def test_a_users_swap_pool_follows_what_is_out_and_shrinks_only_after_a_while():
-    """POOL: what the user's processes have out, each in whole segments, and under pressure
-    SPARE_SEGMENTS for the next of them to move out into at once."""
-    spare = eviction.SPARE_SEGMENTS * eviction.POOL_SEGMENT
+    """POOL: what the user's processes have out (the pool rounds it up to its segments)."""
     c = tenants(5, 6 * GiB, 24 * GiB, uid=1000)  # t0, t1 out: 12 GiB of one user
     pools = views.status(c.core, c.now, lambda t: t)["pools"]
-    assert pools == [{"owner": "uid 1000", "bytes": 12 * GiB + spare}]
-    assert all(client.told_pool == 12 * GiB + spare for client in c.core.clients())  # every process of the user
+    assert pools == [{"owner": "uid 1000", "bytes": 12 * GiB}]
+    assert all(client.told_pool == 12 * GiB for client in c.core.clients())  # every process of the user
     # t0 comes back and t2 leaves for the headroom: the same 12 GiB are out, the pool stays.
     seen = serve(c, "t0", 6 * GiB)
     assert not [a for a in seen if isinstance(a, Send) and isinstance(a.message, protocol.Pool)]

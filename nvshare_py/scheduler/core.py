@@ -591,7 +591,7 @@ class SchedulerCore:
                 # A grant's memory is all back: its gate has opened (the handoff's stall ends).
                 out.append(LockEvent(ev.now, "restored", dev.id, client.cid, pair.hold.grant,
                                      f"resident={ev.resident}"))
-        residency.report_engine(pair, ev.engine, ev.area, ev.out_bps, ev.in_bps)
+        residency.report_engine(pair, ev.engine, ev.area, ev.out_bps, ev.in_bps, ev.pool)
         # Swapping: a report may be a move's progress (the next waiter may bring its memory in
         # behind it), or change what a handoff costs (the quanta and contention notices).
         # Or it may be pressure: the holder grew past the budget beside idle tenants, which
@@ -1596,9 +1596,9 @@ class SchedulerCore:
         self._prepare_areas(out)
 
     def _size_pools(self, now: float, out: list[Action]) -> None:
-        """POOL to every client whose principal's swap pool changed size (eviction.pool_targets):
-        it grows at once, and shrinks once what it must hold has been below its size for
-        POOL_SHRINK_AFTER."""
+        """POOL to every client whose principal's swap pool changed size (eviction.pool_targets,
+        by enough: eviction.pool_due): it grows at once, and shrinks once what it must hold has
+        been below its size for POOL_SHRINK_AFTER."""
         if not self.config.swapping:
             return
         targets = eviction.pool_targets(self._devices.values(), self.principal)
@@ -1607,11 +1607,15 @@ class SchedulerCore:
         for owner, target in targets.items():
             told, below = self._pools.get(owner, (0, None))
             if target >= told:
-                told, below = target, None
+                below = None
+                if eviction.pool_due(told, target):
+                    told = target
             elif below is None:
                 below = now
             elif now - below >= POOL_SHRINK_AFTER:
-                told, below = target, None
+                below = None
+                if eviction.pool_due(told, target):
+                    told = target
             if told or below is not None:
                 self._pools[owner] = (told, below)
             else:

@@ -134,6 +134,7 @@ class MemoryReport:
     area: int | None = None
     out_bps: int = 0
     in_bps: int = 0
+    pool: bool = False  # its area is its user's swap pool
 
 
 @dataclass(frozen=True)
@@ -424,7 +425,7 @@ def _release(now: float, client: ClientKey, message: protocol.Release) -> Releas
 FROM_CLIENT: Final[Mapping[type[protocol.Message], Translation]] = dict([
     _row(protocol.DeviceAnnouncement, lambda now, client, m: DeviceInfo(now, client, m.device, m.total, m.name)),
     _row(protocol.Memory, lambda now, client, m: MemoryReport(now, client, m.device, m.used, m.resident, m.engine,
-                                                               m.area, m.out_bps, m.in_bps)),
+                                                               m.area, m.out_bps, m.in_bps, m.pool)),
     _row(protocol.Acquire, lambda now, client, m: AcquireRequest(now, client, m.device)),
     _row(protocol.Admit, lambda now, client, m: AdmitRequest(now, client, m.device, m.request, m.bytes)),
     _row(protocol.Release, _release),

@@ -46,12 +46,8 @@ from .residency import committed, converted, excess, movable
 # `auto` headroom is at most this share of the budget: on a device whose tenants are each large
 # against it, keeping a whole one free would leave too little for the rest.
 HEADROOM_SHARE = 4
-# The swap pool grows and shrinks in segments of this size (the interceptor's pool files).
-POOL_SEGMENT = 512 << 20
-# Under pressure, a user's pool keeps up to this many segments beyond what its processes have
-# out, for the next of them to start moving out into at once (a segment is one process's at a
-# time, and making one takes a few tenths of a second per GiB).
-SPARE_SEGMENTS = 2
+# POOL is sent again when what it says moved by this much, or by an eighth (or to or from 0).
+POOL_STEP = 512 << 20
 
 
 def last_used(pair: Pair) -> float:
@@ -195,38 +191,32 @@ def room_plan(dev: Device, grantee: Pair, asked: Iterable[Pair], key: Callable[[
 
 
 def pool_targets(devices: Iterable[Device], principal: Callable[[Client], Hashable]) -> dict[Hashable, int]:
-    """The swap pool each principal (a pod, else a user) needs, in whole segments: what its
-    processes have moved out on any device, or are moving out (EVICT asked, a holder's announced
-    eviction), each process's rounded up on its own (a segment is one process's at a time), and
-    SPARE_SEGMENTS more for processes with nothing out yet while the device is under pressure;
-    and at least, on a device under pressure, what must be out there once
-    it settles (its clients' memory over the budget, and the headroom), as far as the
-    principal's own memory goes: so that the pool grows while tenants load, ahead of the
-    evictions that will need it. Only principals with a client that swaps are named."""
+    """The swap pool each principal (a pod, else a user) needs: what its processes have moved out
+    on any device, or are moving out (EVICT asked, a holder's announced eviction), and at least,
+    on a device under pressure, what must be out there once it settles (its clients' memory over
+    the budget, and the headroom), as far as the principal's own memory goes: so that the pool
+    grows while tenants load, ahead of the evictions that will need it. Bytes: the pool rounds
+    them up to its segments, one more for each of its processes (docs/interceptor.md, *The swap
+    pool*). Only principals with a client that swaps are named."""
     out: dict[Hashable, int] = {}
     for dev in devices:
-        pressed = under_pressure(dev)
         moving: dict[Hashable, int] = {}
         swappable: dict[Hashable, int] = {}
-        spare: dict[Hashable, int] = {}
         for pair in dev.pairs:
             if pair.resident is None:
                 continue
             owner = principal(pair.client)
             announced = pair.hold.told_swap[0] if pair.hold is not None else 0
-            # A process holds whole segments: what it has out takes at least one of its own.
-            leaving = _segments(pair.swapped + max(pair.swap.leaving, announced))
-            moving[owner] = moving.get(owner, 0) + leaving
+            moving[owner] = moving.get(owner, 0) + pair.swapped + max(pair.swap.leaving, announced)
             swappable[owner] = swappable.get(owner, 0) + converted(pair)
-            if pressed and not leaving:
-                spare[owner] = min(spare.get(owner, 0) + POOL_SEGMENT, SPARE_SEGMENTS * POOL_SEGMENT)
-        settled = dev.used - dev.budget + dev.headroom if pressed else 0
+        settled = dev.used - dev.budget + dev.headroom if under_pressure(dev) else 0
         for owner in moving:
-            predicted = _segments(min(swappable[owner], settled))
-            out[owner] = out.get(owner, 0) + max(moving[owner] + spare.get(owner, 0), predicted)
+            out[owner] = out.get(owner, 0) + max(moving[owner], min(swappable[owner], settled))
     return out
 
 
-def _segments(nbytes: int) -> int:
-    """`nbytes` rounded up to whole pool segments."""
-    return -(-nbytes // POOL_SEGMENT) * POOL_SEGMENT
+def pool_due(told: int, target: int) -> bool:
+    """Whether a pool's size changed enough to be told again: by POOL_STEP or an eighth, or to or
+    from 0 (every MEMORY report moves what is out by a little)."""
+    change = abs(target - told)
+    return target != told and (told == 0 or target == 0 or change >= min(POOL_STEP, max(told, target) // 8))

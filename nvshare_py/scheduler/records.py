@@ -26,6 +26,7 @@ class SwapState:
     prepared: int = 0    # the last PREPARE's bytes
     allowed: int = 0     # the last PREFETCH's resident= in the current wait (0: none)
     leaving: int = 0     # bytes an EVICT asked it to move out that it has not been seen moving yet
+    pool: bool = False   # its area is its user's swap pool (POOL), not memory of its own
 
 
 class Hold:

@@ -167,12 +167,13 @@ def report(pair: Pair, resident: int, freed: int = 0) -> None:
         pair.swap.allowed = 0  # arrived: it occupies it now
 
 
-def report_engine(pair: Pair, engine: str, area: int | None, out_bps: int, in_bps: int) -> None:
+def report_engine(pair: Pair, engine: str, area: int | None, out_bps: int, in_bps: int, pool: bool) -> None:
     """Apply what a MEMORY report says of the client's swap engine (an empty engine: nothing)."""
     if not engine:
         return
     pair.swap.engine = engine
     pair.swap.area = area or 0
+    pair.swap.pool = pool
     if out_bps:
         pair.swap.out_bps = out_bps
     if in_bps:

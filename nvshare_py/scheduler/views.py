@@ -269,7 +269,7 @@ def _pair_status(pair: Pair, now: float) -> dict[str, Any]:
         "grants": pair.grants,
         # Its swap engine as it reported it (docs/interceptor.md, "Swapping"); None: it did not.
         "swap": {"engine": pair.swap.engine, "area": pair.swap.area, "out_bps": pair.swap.out_bps,
-                 "in_bps": pair.swap.in_bps} if pair.swap.engine else None,
+                 "in_bps": pair.swap.in_bps, "pool": pair.swap.pool} if pair.swap.engine else None,
     }
 
 
