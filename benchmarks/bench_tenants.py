@@ -524,13 +524,14 @@ class Bench:
         from nvshare_py.testing.scheduler import child_env
 
         self.pool_dir = Path(tempfile.mkdtemp(prefix="nvs-tenants-pool-", dir=SHM if SHM.is_dir() else None))
+        self.pool_env = {"NVSHARE_POOL_DIR": str(self.pool_dir)}
         if self.args.gpu:
-            return child_env(extra={"NVSHARE_POOL_DIR": str(self.pool_dir)})
+            return child_env(extra=self.pool_env)
         segment = max(2 * MIB, (512 * MIB // int(self.args.sim_cost_scale)) // (2 * MIB) * (2 * MIB))
+        self.pool_env["NVSHARE_POOL_SEGMENT"] = str(segment)
         return self.simcuda.env(trace=state / "trace.jsonl", memory=str(self.card["total"]),
                                 SIMCUDA_RESIDENCY_DIR=str(state), SIMCUDA_COST_SCALE=str(self.args.sim_cost_scale),
-                                SIMCUDA_TIMESLICE_US="10000", NVSHARE_POOL_DIR=str(self.pool_dir),
-                                NVSHARE_POOL_SEGMENT=str(segment))
+                                SIMCUDA_TIMESLICE_US="10000", **self.pool_env)
 
     def tenant(self, index: int, env: dict[str, str], nvshare: bool, logs: Path) -> Tenant:
         backend = "torch" if self.args.gpu else "sim"
@@ -592,7 +593,7 @@ class Session:
                     self.scheduler.request("set-budget", device=bench.device, bytes=bench.budget)
                 self.watcher = Watcher(self.scheduler, bench.args.sample, bench.pool_dir)
                 env = {**env, **self.scheduler.env, "LD_PRELOAD": str(bench.library),
-                       "NVSHARE_LOG": os.environ.get("NVSHARE_LOG", "info")}
+                       "NVSHARE_LOG": os.environ.get("NVSHARE_LOG", "info"), **bench.pool_env}
             self.tenants = [bench.tenant(i, env, mode is not None, self.logs) for i in range(count)]
             for tenant in self.tenants:
                 if not tenant.ready.wait(bench.args.timeout) or tenant.failure:

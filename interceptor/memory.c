@@ -274,6 +274,33 @@ static void advise_onto_device(CUdeviceptr ptr, size_t size, struct nvs_device *
                                     (unsigned long long)ptr, r);
 }
 
+/*
+ * A fresh converted allocation of a process that holds its device: its pages made on the device
+ * at once (a prefetch of memory nobody touched moves nothing; it only makes the pages), as
+ * cuMemAlloc would have them. Otherwise the program's first writes populate managed pages fault
+ * by fault: on an H200 a model's load (30 GiB copied in from pinned memory) took 2.27 s under
+ * nvshare against 1.04 s without (issue 29). Only for a holder, whose GPU the prefetch may use,
+ * and never during a stream capture; the caller gets the pointer after the pages are made, so
+ * nothing it queues can meet them half made. A refusal leaves the pages to the faults, as before.
+ */
+static void make_pages(CUdeviceptr ptr, size_t size, struct nvs_device *d) {
+    if (d == NULL || nvs_real.cuMemPrefetchAsync_v2 == NULL || nvs_real.cuStreamCreate == NULL ||
+        !nvs_gate_passable(d))
+        return;
+    pthread_mutex_lock(&nvs_mu);
+    int capturing = d->captures > 0;
+    pthread_mutex_unlock(&nvs_mu);
+    CUstream stream;
+    if (capturing || nvs_real.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) return;
+    CUmemLocation here = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = d->ordinal};
+    CUresult r = nvs_real.cuMemPrefetchAsync_v2(ptr, size, here, 0, stream);
+    if (r == CUDA_SUCCESS) r = nvs_real.cuStreamSynchronize(stream);
+    nvs_real.cuStreamDestroy_v2(stream);
+    if (r != CUDA_SUCCESS)
+        nvs_debug("making the pages of %#llx (%zu bytes) on device %d failed (%d): they come as touched",
+                  (unsigned long long)ptr, size, d->ordinal, r);
+}
+
 /* The managed replacement of `call`'s device allocation of `size` bytes. */
 static CUresult allocate_converted(CUdeviceptr *dptr, size_t size, const char *call) {
     if (nvs_real.cuMemAllocManaged == NULL) return CUDA_ERROR_NOT_FOUND;
@@ -281,8 +308,10 @@ static CUresult allocate_converted(CUdeviceptr *dptr, size_t size, const char *c
     CUresult r = nvs_memory_charge(d, size, call);
     if (r != CUDA_SUCCESS) return r;
     r = nvs_real.cuMemAllocManaged(dptr, size, CU_MEM_ATTACH_GLOBAL);
-    if (settle_charge(r, &pointers, r == CUDA_SUCCESS ? *dptr : 0, size, d, ALLOC_CONVERTED) == CUDA_SUCCESS)
+    if (settle_charge(r, &pointers, r == CUDA_SUCCESS ? *dptr : 0, size, d, ALLOC_CONVERTED) == CUDA_SUCCESS) {
         advise_onto_device(*dptr, size, d);
+        make_pages(*dptr, size, d);
+    }
     return r;
 }
 

@@ -1,0 +1,38 @@
+#!/bin/bash
+# Issue 29's and issue 31's real-GPU runs, as made through the device tool (benchmarks/results/README.md):
+#   bash benchmarks/gpu/run_issue29.sh PART...
+# PART: smoke (2 tenants of 1 GiB, one round: the script itself), tenants-on, tenants-auto (the issue's
+# 6 x 30 GiB on one card, scheduler defaults but for admission_share=1: the six tenants are one user's,
+# and 0.75 of the node's capacity would hold the sixth's load back for the admission timeout), vmm
+# (bench_vmm_swap.py: segments, torch, jax, nccl: NCCL needs two GPUs), pair (issue 18's pair, sequential
+# and swap). Needs the wheels of trio, outcome, sniffio and pyzmq in .whl/ when the machine lacks them.
+# Writes everything under $OUT (or ./gpu-out); each part's JSON and a tarball of its logs.
+set -u -o pipefail
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+free -g | head -2 | tee "$OUT/machine.txt"
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee -a "$OUT/machine.txt"
+python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)' | tee -a "$OUT/machine.txt"
+TENANTS=(python3 benchmarks/bench_tenants.py --gpu --scheduler-option admission_share=1)
+for part in "$@"; do
+    logs=$OUT/logs-$part; mkdir -p "$logs"
+    case $part in
+    smoke) NVSHARE_BENCH_LOGS=$logs timeout 200 "${TENANTS[@]}" --tenants 2 --gib 1 --scenarios turns --modes on \
+               --rounds 1 --interval 1 --baseline-requests 3 --out "$OUT/tenants-smoke.json" 2>&1 | tail -15
+           smoked=$? ;;
+    tenants-on|tenants-auto)
+        [ "${smoked:-0}" = 0 ] || { echo "the smoke run failed: $part not run"; continue; }
+        NVSHARE_BENCH_LOGS=$logs timeout 500 "${TENANTS[@]}" --modes "${part#tenants-}" --rounds 3 --bursts 2 \
+            --cold-every 20 --cold-periods 2 --baseline-requests 10 --out "$OUT/$part.json" 2>&1 | tail -25 ;;
+    vmm) OUT=$OUT NVSHARE_LOG=debug NVSHARE_BENCH_LOGS=$logs timeout 400 python3 benchmarks/gpu/bench_vmm_swap.py \
+             2>&1 | tail -25 ;;
+    pair) NVSHARE_BENCH_LOGS=$logs timeout 300 python3 benchmarks/bench_colocation.py --gpu --working-set pair \
+              --ws-modes sequential swap --out "$OUT" 2>&1 | tail -12 ;;
+    *) echo "unknown part $part" >&2 ;;
+    esac
+    tar czf "$OUT/logs-$part.tgz" -C "$OUT" "logs-$part" && rm -rf "$logs"
+done
