@@ -415,11 +415,13 @@ class ConnectionServer:
         for item in items:
             if type(item) is zmtp.Message:
                 connection.last_message = trio.current_time()
+                connection.partial_since = None  # what is left unfinished began after it
                 self.on_message(connection, item.frames)
             elif type(item) is zmtp.Ping:
                 self.write(connection, zmtp.pong(item.context))
             else:  # Ready
                 connection.ready = True
+                connection.partial_since = None
             if connection.closing:
                 return False
         return True
@@ -431,7 +433,11 @@ class ConnectionServer:
 
     def _set_deadline(self, connection: Connection, parser: zmtp.Parser) -> None:
         """The earliest of: the handshake's end, a started frame's end, the end of the
-        silence allowed to a connection that may not stay idle."""
+        silence allowed to a connection that may not stay idle. A frame (or message) counts
+        as started at the read in which the last one before it was finished (`_handle`
+        forgets `partial_since` then), so a peer streaming messages back to back, whose reads
+        end inside frames, has each message judged on its own; a peer that finishes none is
+        judged from the read that began the unfinished one."""
         scope = connection.scope
         if scope is None:
             return
