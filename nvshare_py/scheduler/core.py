@@ -248,6 +248,13 @@ class _Device:
         """0 means unknown, which auto mode treats as "nothing fits beside a holder"."""
         return self.total if self.budget_override is None else self.budget_override
 
+    @property
+    def size(self) -> int:
+        """The most of the device a client's use counts as for admission: its measured size,
+        else the operator's budget; 0 while the daemon knows neither, so that a report on a
+        device nobody sized fills no share (it adds nothing to the capacity either)."""
+        return self.total or self.budget
+
     def held_used(self) -> int:
         return sum(pair.used for pair in self.holders.values())
 
@@ -701,7 +708,7 @@ class SchedulerCore:
         freed = max(0, pair.used - used)
         dev.used += used - pair.used
         pair.used = used
-        self._admission.report(pair, self.principal(client), used)
+        self._admission.report(pair, self.principal(client), min(used, dev.size))
         in_flight = pair.swap.allowed
         if ev.resident is not None:
             residency.report(pair, min(ev.resident, used), freed)
@@ -1477,6 +1484,9 @@ class SchedulerCore:
         the budget is settled again (auto mode, room for a grant, swap areas, admission)."""
         self._budgets += dev.budget - before
         self._admission.set_capacity(self._budgets + (self._admission.config.spill or 0))
+        for pair in dev.pairs:  # their uses count up to the device's size, which may have changed
+            if pair.used:
+                self._admission.report(pair, self.principal(pair.client), min(pair.used, dev.size))
         self._settle(dev, now, out)
         self._prepare_areas(out)
         self._settle_admission(now, out)
