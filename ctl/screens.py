@@ -208,6 +208,7 @@ def render_status(status: dict, names: DeviceNames, *, read_only: bool = False, 
     if not devices and not clients:
         bottom.append(Text("no clients: no program uses a GPU through this scheduler now"))
     bottom += [gang_line(gang, names) for gang in status.get("gangs", [])]
+    bottom += [refused_line(entry) for entry in status.get("refused", [])]
     if status.get("admission"):
         bottom.append(admission_text(status["admission"], names))
     if status.get("truncated"):
@@ -273,6 +274,20 @@ def gang_line(gang: dict, names: DeviceNames) -> Text:
     if gang.get("quantum_left") is not None and gang.get("state") == "holding":
         state += f", {gang['quantum_left']:.1f} s of its quantum left"
     return Text(f"{label}: {members} on {gpus or 'no GPU yet'}; {state}")
+
+
+def refused_line(entry: dict) -> Text:
+    """Whose processes the scheduler has no connection for now, and why: they wait and connect
+    again until a place frees (`nvshare-scheduler --max-clients-per-user` sets how many)."""
+    pids = [str(pid) for pid in entry.get("pids", []) if pid]
+    count = len(entry.get("pids", [])) or 1
+    whom = entry.get("user") or f"uid {entry.get('uid')}"
+    if entry.get("pod_uid"):
+        whom += f" in pod {entry['pod_uid']}"
+    shown = ", ".join(pids[:8]) + (f" and {len(pids) - 8} more" if len(pids) > 8 else "")
+    return Text(f"no place for {count} process{'es' if count != 1 else ''} of {whom}"
+                + (f" (pid {shown})" if shown else "") + f": {entry.get('reason', '?')} (--max-clients-per-user)",
+                style="yellow")
 
 
 def _wide_table(title: str, columns: list[str]) -> Table:
@@ -362,6 +377,7 @@ def render_status_wide(status: dict, names: DeviceNames, *, read_only: bool = Fa
                           gang.get("state", "-"), str(gang.get("turn") or "-"),
                           "-" if left is None else f"{left:.1f} s", str(gang.get("turns", 0)))
         parts.append(gangs)
+    parts += [refused_line(entry) for entry in status.get("refused", [])]
     if status.get("admission"):
         parts.append(admission_text(status["admission"], names, wide=True))
     return Group(*parts)

@@ -228,10 +228,7 @@ static int perform_io(const struct nvs_action *a, const char *buf) {
             nvs_debug("sent %.*s", (int)(eol ? eol - buf : (long)a->len), buf);
         }
         int r = nvs_transport_send(&transport, buf, a->len, SEND_TIMEOUT_MS);
-        if (r < 0) {
-            nvs_debug("send failed: %s", strerror(-r));
-            nvs_transport_close(&transport);
-        }
+        if (r < 0) nvs_debug("send failed: %s", strerror(-r)); /* carry_out reads what came, then closes */
         return r < 0 ? r : 0;
     }
     case NVS_ACT_CONNECT: {
@@ -250,6 +247,8 @@ static int perform_io(const struct nvs_action *a, const char *buf) {
     }
 }
 
+static void receive_all(void);
+
 /* Carry out the core's actions in order; called without nvs_mu. */
 static void carry_out(void) {
     char buf[NVS_TRANSPORT_MAX_MESSAGE];
@@ -261,6 +260,12 @@ static void carry_out(void) {
         if (!more) return;
         int outcome = perform_io(&a, buf);
         if (outcome == 0) continue;
+        if (a.kind == NVS_ACT_SEND) {
+            /* What the scheduler sent before the connection failed is read first: one without a
+             * place for this process says why (ERROR too-many-connections), then closes. */
+            receive_all();
+            nvs_transport_close(&transport);
+        }
         pthread_mutex_lock(&nvs_mu);
         if (a.kind == NVS_ACT_SEND)
             nvs_core_disconnected(&core, "send failed", nvs_now());

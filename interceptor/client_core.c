@@ -469,6 +469,7 @@ void nvs_core_connected(struct nvs_core *c, double now) {
 
 void nvs_core_connect_failed(struct nvs_core *c, int err, int path_too_long, double now) {
     c->connecting = 0;
+    c->refusal[0] = '\0'; /* nobody answers now: the waiters' warning says that, not an old refusal */
     core_log(c, LOG_DEBUG, "cannot connect to %s: %s", c->config.socket_path, strerror(err));
     if (path_too_long && c->outage_since == 0)
         core_log(c, LOG_ERROR, "the scheduler socket path %s is too long for a Unix socket", c->config.socket_path);
@@ -549,8 +550,9 @@ static void settle_devices(struct nvs_core *c) {
         struct nvs_core_device *d = &c->devices[i];
         if (!d->known || d->settled) continue;
         if (unreachable && !c->unscheduled_memory_warned) {
-            core_log(c, LOG_WARN, "no scheduler at %s: allocations go on without its memory limits and admission "
-                     "until it is reachable", c->config.socket_path);
+            core_log(c, LOG_WARN, "%s at %s: allocations go on without its memory limits and admission "
+                     "until it is reachable", c->refusal[0] ? "no place at the scheduler" : "no scheduler",
+                     c->config.socket_path);
             c->unscheduled_memory_warned = 1;
         }
         d->settled = 1;
@@ -561,7 +563,7 @@ static void settle_devices(struct nvs_core *c) {
 static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double now) {
     /* After a warning that the scheduler was missing, say that it is here: "again" only if this
      * process had been registered before (not when it started before the scheduler). */
-    if (c->lost_warned || c->fail_open_warned)
+    if (c->lost_warned || c->fail_open_warned || c->refused_warned)
         core_log(c, LOG_WARN, "connected to the scheduler at %s%s", c->config.socket_path,
                  c->was_registered ? " again" : "");
     c->registered = 1;
@@ -575,6 +577,8 @@ static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double n
     c->outage_since = 0;
     c->lost_warned = 0;
     c->fail_open_warned = 0;
+    c->refused_warned = 0;
+    c->refusal[0] = '\0';
     c->admission = m->admission;
     for (int i = 0; i < c->n_devices; i++) {
         struct nvs_core_device *d = &c->devices[i];
@@ -733,6 +737,19 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
     }
 }
 
+/* The scheduler has no place for this process now (too many processes of its user or pod are
+ * connected): it closes the connection after this ERROR, and the process connects again as after
+ * any loss (every second, once past the first attempts). Said once, not at every attempt, until
+ * a registration succeeds; the waiters' periodic warning says why they wait. */
+static void note_refused(struct nvs_core *c, const struct nvs_msg *m) {
+    if (!c->refused_warned)
+        core_log(c, LOG_WARN, "the scheduler at %s has no place for this process now (%s); it connects again "
+                 "until it is served, and its GPU work %s meanwhile",
+                 c->config.socket_path, m->detail, c->config.fail_open ? "runs unscheduled" : "waits");
+    c->refused_warned = 1;
+    snprintf(c->refusal, sizeof c->refusal, "%s", m->detail);
+}
+
 /* A newer scheduler's message: ignored, and said (a warning at most once a period). */
 static void note_unknown_type(struct nvs_core *c, const struct nvs_msg *m, double now) {
     int warn = now >= c->unknown_type_next_warning;
@@ -774,6 +791,8 @@ void nvs_core_receive(struct nvs_core *c, const char *buf, size_t len, double no
             c->lease_until = c->ping_sent + lease_seconds(c);
             c->ping_sent = 0;
         }
+    } else if (m.type == NVS_MSG_ERROR && m.error_code == NVS_ERROR_CODE_TOO_MANY_CONNECTIONS) {
+        note_refused(c, &m);
     } else if (m.type == NVS_MSG_ERROR) {
         if (m.error_code != NVS_ERROR_CODE_NOT_REGISTERED)
             core_log(c, LOG_WARN, "the scheduler rejected a message: %s (%s)", m.code_text, m.detail);
@@ -1250,10 +1269,16 @@ static double wait_warning_due(const struct nvs_core *c, const struct nvs_core_d
                : NO_DEADLINE;
 }
 static void wait_warning_fire(struct nvs_core *c, struct nvs_core_device *d, double now) {
-    core_log(c, LOG_WARN,
-             "waiting for the scheduler at %s: GPU work is held until it is reachable "
-             "(NVSHARE_FAIL_MODE=closed; set NVSHARE_FAIL_MODE=open to run unscheduled meanwhile)",
-             c->config.socket_path);
+    if (c->refusal[0] != '\0')
+        core_log(c, LOG_WARN,
+                 "waiting for a place at the scheduler at %s (%s): GPU work is held until it serves this process "
+                 "(NVSHARE_FAIL_MODE=closed; set NVSHARE_FAIL_MODE=open to run unscheduled meanwhile)",
+                 c->config.socket_path, c->refusal);
+    else
+        core_log(c, LOG_WARN,
+                 "waiting for the scheduler at %s: GPU work is held until it is reachable "
+                 "(NVSHARE_FAIL_MODE=closed; set NVSHARE_FAIL_MODE=open to run unscheduled meanwhile)",
+                 c->config.socket_path);
     c->last_wait_warning = now;
     c->lost_warned = 1;
 }

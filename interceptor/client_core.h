@@ -229,6 +229,10 @@ struct nvs_core {
     double connected_at, next_attempt, outage_since, backoff_s;
     double last_wait_warning;
     int fail_open_warned, lost_warned;
+    /* The scheduler had no place for this process (ERROR code=too-many-connections): said once
+     * until a registration succeeds; `refusal` is its reason, for the waiters' warning. */
+    int refused_warned;
+    char refusal[256];
     double last_sent, last_memory_report;
     long heartbeat_ms, scheduler_idle_ms;
     /* The registration lease (see nvs_core_lease_until): 0 while there is none to keep. */

@@ -63,14 +63,15 @@
     W(NVS_REFUSE_REASON_TOO_LARGE, "too-large") \
     W(NVS_REFUSE_REASON_LIMIT, "limit")
 
-#define NVS_ERROR_CODE_WORDS(W)                                  \
-    W(NVS_ERROR_CODE_MALFORMED, "malformed")                     \
-    W(NVS_ERROR_CODE_TOO_LARGE, "too-large")                     \
-    W(NVS_ERROR_CODE_UNSUPPORTED_VERSION, "unsupported-version") \
-    W(NVS_ERROR_CODE_UNKNOWN_TYPE, "unknown-type")               \
-    W(NVS_ERROR_CODE_BAD_FIELD, "bad-field")                     \
-    W(NVS_ERROR_CODE_NOT_REGISTERED, "not-registered")           \
-    W(NVS_ERROR_CODE_ALREADY_REGISTERED, "already-registered")
+#define NVS_ERROR_CODE_WORDS(W)                                    \
+    W(NVS_ERROR_CODE_MALFORMED, "malformed")                       \
+    W(NVS_ERROR_CODE_TOO_LARGE, "too-large")                       \
+    W(NVS_ERROR_CODE_UNSUPPORTED_VERSION, "unsupported-version")   \
+    W(NVS_ERROR_CODE_UNKNOWN_TYPE, "unknown-type")                 \
+    W(NVS_ERROR_CODE_BAD_FIELD, "bad-field")                       \
+    W(NVS_ERROR_CODE_NOT_REGISTERED, "not-registered")             \
+    W(NVS_ERROR_CODE_ALREADY_REGISTERED, "already-registered")     \
+    W(NVS_ERROR_CODE_TOO_MANY_CONNECTIONS, "too-many-connections")
 
 #define NVS_VOCABULARIES(V)           \
     V(mode, MODE)                     \

@@ -221,7 +221,7 @@ class Client:
         self._devices: dict[str, _Device] = {}
         self._by_index: list[_Device] = []
         self._incoming: protocol.Message | None = None  # the message the core is reading
-        self._refused: str | None = None  # why the scheduler rejected our HELLO
+        self._refused: str | None = None  # why the scheduler rejected our HELLO, or had no place for us
         self._failure: str | None = None  # why the I/O thread stopped on its own
         self._closing = False
         self._bye_sent = False
@@ -570,8 +570,9 @@ class Client:
             if self.on_mode is not None:
                 self._callback(self.on_mode, message.device, message.mode, message.quantum_ms / 1000)
         elif isinstance(message, protocol.Error):
-            if message.type == "HELLO" and message.code != "already-registered":
-                self._refused = f"{message.code}: {message.detail}"
+            if ((message.type == "HELLO" and message.code != "already-registered")
+                    or message.code == "too-many-connections"):
+                self._refused = f"{message.code}: {message.detail}"  # connect() says why it failed
             elif registered and not self._core.registered:
                 # The scheduler lost this registration: drains the program still owes are void.
                 for dev in self._by_index:

@@ -644,7 +644,9 @@ class Limit(Message):
 
 @dataclass(frozen=True, slots=True)
 class Error(Message):
-    """The message was rejected; the connection stays usable."""
+    """The message was rejected; the connection stays usable. Except `too-many-connections`: the
+    scheduler had no place for a new connection, says so right after its handshake, and closes it
+    (see *Client socket*)."""
 
     TYPE: ClassVar[str] = "ERROR"
     code: str  # a word of vocabulary.ERROR_CODE

@@ -339,7 +339,9 @@ MESSAGES: Final[tuple[Message, ...]] = (
         required("code", WORD, words=vocabulary.ERROR_CODE),
         optional("detail", TEXT, "", c_size=256),
         optional("type", TEXT, "", "the offending message type, when known", c_name="error_type", c_size=32),
-    ), "The message was rejected; the connection stays usable."),
+    ), "The message was rejected; the connection stays usable. Except `too-many-connections`: the "
+       "scheduler had no place for a new connection, says so right after its handshake, and closes it "
+       "(see *Client socket*)."),
     Message("STATUS", "Status", SCHEDULER, (
         required("json", JSON, "compact, up to the 4096-byte message limit",
                  max_bytes=STATUS_DOCUMENT_MAX),

@@ -42,6 +42,7 @@ from . import zmtp
 from .fairness import Turn, Turns
 from .logs import RateLimit, note
 from .podcgroup import pod_uid_of_process
+from .refusals import Refusals
 
 # Frames handled in one turn before the others get theirs (fairness.py).
 FRAMES_PER_TURN = 16
@@ -212,7 +213,9 @@ class ConnectionServer:
     gets each whole message (its frames) and may `write` answers; `on_closed` runs once
     when a connection has ended, whoever ended it. A connection for which `stays_idle`
     says False (an unregistered client connection, a control connection) is closed after
-    `idle_timeout` seconds without a message."""
+    `idle_timeout` seconds without a message. A connection refused for want of places is
+    remembered in `refusals` and, where `refused_message` is given, sent what it returns for
+    the refusal's reason before it is closed."""
 
     def __init__(
         self,
@@ -228,6 +231,7 @@ class ConnectionServer:
         idle_timeout: float,
         stays_idle: Callable[[Connection], bool] = lambda connection: False,
         outgoing_max: int = OUTGOING_MAX,
+        refused_message: Callable[[str], bytes] | None = None,
     ) -> None:
         self.name = name  # "client", "control", "status": for log lines
         self.listener = listener
@@ -240,6 +244,8 @@ class ConnectionServer:
         self.idle_timeout = idle_timeout
         self.stays_idle = stays_idle
         self.outgoing_max = outgoing_max
+        self.refused_message = refused_message
+        self.refusals = Refusals()
         self.connections: dict[int, Connection] = {}
         self.counts = ConnectionCounts()
         self._numbers = itertools.count(1)
@@ -305,6 +311,9 @@ class ConnectionServer:
             who = seen[credentials] = principal(credentials)
         refusal = self.limits.refusal(who, self.counts)
         if refusal is not None:
+            self.refusals.note(who, credentials.pid, refusal, trio.current_time())
+            if self.refused_message is not None:
+                _tell_refused(sock, self.refused_message(refusal))
             sock.close()
             note(f"{self.name} connection refused", self._resource_log, reason=refusal,
                  uid=credentials.uid, pid=credentials.pid)
@@ -528,6 +537,16 @@ class ConnectionServer:
             connection.drained.set()
         if connection.scope is not None:
             connection.scope.cancel()
+
+
+def _tell_refused(sock: socket.socket, data: bytes) -> None:
+    """Write `data` to a connection about to be closed, as far as its socket takes it at once
+    (a new connection's buffer takes a short message whole); never waits."""
+    try:
+        sock.setblocking(False)
+        sock.send(data)
+    except OSError:
+        pass  # gone already, or no room: it is closed all the same
 
 
 _PEER_CREDENTIALS = struct.Struct("3i")

@@ -10,12 +10,13 @@ from __future__ import annotations
 import functools
 import itertools
 import pwd
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from ..sizes import format_size
 from . import fairshare, residency
 from .core import AHEAD_REMEMBERED, SchedulerCore, _Client, _Device, _Hold, _Pair
 from .events import Log, LogKind
+from .refusals import Refused
 
 # QUERY answers must fit one message: they name at most this many clients per list, and cut
 # the texts that clients chose themselves.
@@ -140,6 +141,24 @@ def admission_status(core: SchedulerCore, now: float, wall: Callable[[float], fl
 
 
 _NO_SHARE: dict[str, Any] = {"share": None, "achieved": None, "outranked_by": []}
+
+
+def refused_status(refused: Iterable[Refused], wall: Callable[[float], float]) -> list[dict[str, Any]]:
+    """The "refused" part of the status document: whose client processes the daemon has no
+    connection for now (connections.ConnectionLimits), how many tried, and why."""
+    return [
+        {
+            "uid": entry.uid,
+            "user": user_name(entry.uid),
+            "pod_uid": entry.pod_uid,
+            "refused": entry.count,
+            "since": wall(entry.first),
+            "last": wall(entry.last),
+            "pids": list(entry.pids),
+            "reason": entry.reason,
+        }
+        for entry in refused
+    ]
 
 
 def _quantum_end(core: SchedulerCore, pair: _Pair, hold: _Hold) -> float:
