@@ -309,10 +309,11 @@ def test_a_connection_beyond_its_users_places_is_told_why_and_shown_in_status(sc
     (entry,) = scheduler.status()["refused"]
     assert entry["uid"] == os.getuid() and entry["refused"] == 3 and entry["pids"] == [os.getpid()]
     assert "2 connections open" in entry["reason"]
-    # A library client is told at once why it is not served.
-    result = subprocess.run([sys.executable, "-c", "from nvshare_py.client import Client; Client().connect()"],
+    # A library client tries again for its connect timeout, then says why it gave up.
+    result = subprocess.run([sys.executable, "-c", "from nvshare_py.client import Client; Client(connect_timeout=1).connect()"],
                             env=scheduler.env, capture_output=True, text=True, timeout=PATIENCE)
-    assert result.returncode != 0 and "refused this client: too-many-connections" in result.stderr, result.stderr
+    assert result.returncode != 0 and "had no place for this client within 1 s" in result.stderr, result.stderr
+    assert "2 connections open" in result.stderr, result.stderr
     registered[0].close()  # a place comes free: served
     wait_for(lambda: len(scheduler.status()["clients"]) == 1, what="the closed registration to end")
     assert_serves(scheduler)
