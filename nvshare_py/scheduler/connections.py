@@ -44,8 +44,12 @@ from .logs import RateLimit, note
 from .podcgroup import pod_uid_of_process
 from .refusals import Refusals
 
-# Frames handled in one turn before the others get theirs (fairness.py).
+# Frames handled in one turn before the others get theirs (fairness.py), and the bytes of
+# answers after which a turn hands the rest of what it read to the principal's next turn: an
+# `events` page (up to 128 KiB, eventring.py) or a status is one turn's work, however many a
+# peer asks for at once.
 FRAMES_PER_TURN = 16
+TURN_OUTPUT = 64 * 1024
 READ_SIZE = 16 * 1024
 # A peer that has not finished the ZMTP handshake after this many seconds is disconnected;
 # so is one that began a frame (or a message of several) and has not finished it.
@@ -185,7 +189,8 @@ class Connection:
     nothing the peer sends chooses or changes it."""
 
     __slots__ = ("key", "sock", "credentials", "principal", "outgoing", "flushing", "drained", "scope",
-                 "closing", "charged", "ready", "accepted", "last_message", "partial_since", "expiry")
+                 "closing", "charged", "ready", "accepted", "last_message", "partial_since", "expiry", "written",
+                 "unhandled")
 
     def __init__(self, key: int, sock: socket.socket, credentials: PeerCredentials, principal: Principal,
                  now: float) -> None:
@@ -206,6 +211,8 @@ class Connection:
         self.last_message = now
         self.partial_since: float | None = None
         self.expiry = ""  # why its deadline is what it is (for the log)
+        self.written = 0  # bytes of answers written in its current turn (TURN_OUTPUT)
+        self.unhandled: list[zmtp.Message | zmtp.Ping | zmtp.Ready] = []  # read, left for its next turn
 
 
 class ConnectionServer:
@@ -382,13 +389,16 @@ class ConnectionServer:
                 # Its peer does not read what it asked for: handle no more of it meanwhile.
                 connection.drained = trio.Event()
                 await connection.drained.wait()
-            # Frames left from the last turn (it stopped for the peer's unread answers) come
-            # first: the peer may be waiting for their answers and send nothing more.
-            if not parser.stopped:
+            # Frames left from the last turn (it stopped for the peer's unread answers, or for
+            # TURN_OUTPUT) come first: the peer may be waiting for their answers and send
+            # nothing more.
+            left = parser.stopped or bool(connection.unhandled)
+            if not left:
                 await trio.lowlevel.wait_readable(sock)
             turn = await self.turns.take(connection.principal)
+            connection.written = 0
             try:
-                if not parser.stopped:
+                if not left:
                     try:
                         data = sock.recv(READ_SIZE)
                     except BlockingIOError:
@@ -399,17 +409,19 @@ class ConnectionServer:
                         return
                     parser.receive(data)
                 while True:
+                    items, connection.unhandled = connection.unhandled, []
                     try:
-                        items = parser.parse(FRAMES_PER_TURN)
+                        items = items or parser.parse(FRAMES_PER_TURN)
                     except zmtp.Violation as exc:
                         note(f"{self.name} connection closed", self._bad_input_log, reason=str(exc),
                              uid=connection.credentials.uid)
                         return
                     if not self._handle(connection, items):
                         return
-                    if not parser.stopped or len(connection.outgoing) > READ_PAUSE:
+                    if not (parser.stopped or connection.unhandled) or len(connection.outgoing) > READ_PAUSE:
                         break
                     await turn.pause()
+                    connection.written = 0
                 refusal = self._account(connection, parser)
                 if refusal is not None:
                     note(f"{self.name} connection closed", self._resource_log, reason=refusal,
@@ -420,8 +432,12 @@ class ConnectionServer:
                 turn.release()
 
     def _handle(self, connection: Connection, items: list[zmtp.Message | zmtp.Ping | zmtp.Ready]) -> bool:
-        """Hand on what was parsed; False when the connection is to be closed."""
-        for item in items:
+        """Hand on what was parsed, until the turn's answers reach TURN_OUTPUT (the rest waits
+        in `unhandled`); False when the connection is to be closed."""
+        for number, item in enumerate(items):
+            if connection.written >= TURN_OUTPUT:
+                connection.unhandled = items[number:]
+                return True
             if type(item) is zmtp.Message:
                 connection.last_message = trio.current_time()
                 connection.partial_since = None  # what is left unfinished began after it
@@ -436,7 +452,8 @@ class ConnectionServer:
         return True
 
     def _account(self, connection: Connection, parser: zmtp.Parser) -> str | None:
-        held = parser.buffered + len(connection.outgoing)
+        held = parser.buffered + len(connection.outgoing) + sum(
+            len(frame) for item in connection.unhandled if type(item) is zmtp.Message for frame in item.frames)
         change, connection.charged = held - connection.charged, held
         return self.budget.charge(connection.principal, change)
 
@@ -490,6 +507,7 @@ class ConnectionServer:
         `outgoing_max` bytes pile up does not read: it is disconnected."""
         if connection.closing:
             return
+        connection.written += len(data)
         out = connection.outgoing
         out += data
         if len(out) > self.outgoing_max:
