@@ -174,9 +174,16 @@ def run_ranks(commands: list[tuple[list[str], dict[str, str]]], timeout: float,
     """Start the ranks; each prints JSON lines with start/end stamps (simapp's steps, or
     WORKER's one line). Makespan from the first start to the last end. Under a scheduler the
     `first` commands start alone and the rest once those have registered and (`asked`) asked for
-    their GPU (see ARRIVAL)."""
+    their GPU (see ARRIVAL). Each rank writes to files, not pipes: a rank whose pipe nobody read
+    while the harness waited for another rank blocked in write() mid-step (simapp prints a line
+    per step; 64 KiB of them is about 90 steps), its partner spun in the step's collective, and
+    the run showed revocations and hangs that were the harness's."""
+    outputs: list[tuple[Any, Any]] = []
+
     def start(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        outputs.append((out, err))
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=err, text=True, cwd="/")
 
     started = time.monotonic()
     staged = scheduler is not None and first > 0
@@ -190,13 +197,18 @@ def run_ranks(commands: list[tuple[list[str], dict[str, str]]], timeout: float,
             time.sleep(0.05)
         processes += [start(*command) for command in commands[first:]]
     lines, finished, errors = [], True, []
-    for process in processes:
+    for process, (out_file, err_file) in zip(processes, outputs):
         try:
-            out, err = process.communicate(timeout=max(1.0, started + timeout - time.monotonic()))
+            process.wait(timeout=max(1.0, started + timeout - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
-            out, err = process.communicate()
+            process.wait()
             finished = False
+        out_file.seek(0)
+        err_file.seek(0)
+        out, err = out_file.read(), err_file.read()
+        out_file.close()
+        err_file.close()
         if process.returncode not in (0, None) and finished:
             errors.append(err[-2000:])
         if keep is not None:
