@@ -25,6 +25,7 @@
 #include "admission.h"
 #include "area.h"
 #include "client_core.h"
+#include "collective.h"
 #include "compiler.h"
 #include "config.h"
 #include "gang.h"
@@ -153,6 +154,7 @@ static void identify(struct nvs_core_config *k) {
         nvs_debug("%s", gang.source);
     snprintf(k->gang, sizeof k->gang, "%s", gang.name);
     k->gang_size = gang.size;
+    k->counts_collectives = 1; /* collective.c counts them and holds them to a fence */
 }
 
 /* --- feeding the core (under nvs_mu) ---------------------------------------------------------*/
@@ -175,6 +177,7 @@ static void observe_locked(double now) {
         nvs_core_observe(&core, i, d->waiters, d->captures, atomic_load(&d->entered), atomic_load(&d->bytes));
         nvs_core_observe_admission(&core, i, d->admit_wanted);
         nvs_core_observe_residency(&core, i, atomic_load(&d->converted), atomic_load(&d->swapped));
+        nvs_core_observe_collectives(&core, i, nvs_collectives_launched(d));
         if (d->job_result != NVS_RESULT_NONE) {
             enum nvs_job_result result = d->job_result;
             d->job_result = NVS_RESULT_NONE;
@@ -208,6 +211,9 @@ static int next_io_action_locked(struct nvs_action *a, char *buf, size_t cap) {
         else if (a->kind == NVS_ACT_SWAP_AREA) { /* the pinner pins (or gives back) the area */
             nvs_area_want(a->device, a->bytes);
             nvs_pinner_wake_locked();
+        } else if (a->kind == NVS_ACT_COLLECTIVES) { /* a gang's fence (collective.c) */
+            uint64_t launched = nvs_collectives_limit_locked(&nvs_devices[a->device], a->bytes);
+            nvs_core_collectives_limited(&core, a->device, launched, nvs_now());
         } else
             return 1;
     }

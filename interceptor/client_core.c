@@ -252,7 +252,8 @@ static void note_drain(struct nvs_core_device *d, double now) {
  * capture runs on it: a context synchronise from another thread invalidates a capture
  * (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED), so the drain waits for the capture's end. */
 static void request_drain(struct nvs_core *c, struct nvs_core_device *d) {
-    if (d->job != NVS_JOB_NONE || d->captures > 0) {
+    /* (a gang's fence first: this member may have collectives to launch before it may stop) */
+    if (d->job != NVS_JOB_NONE || d->captures > 0 || d->fence != NVS_FENCE_NONE) {
         d->drain_wanted = 1;
         return;
     }
@@ -271,7 +272,29 @@ static void begin_release(struct nvs_core *c, struct nvs_core_device *d, const c
     d->grant_swap_due = 0; /* a prefetch for a grant that ends is wasted: the drain follows it */
     d->prefetch_due = 0;
     if (d->state == NVS_HOLDING) d->state = NVS_DRAINING;
+    if (strcmp(reason, "revoke") == 0) d->fence = NVS_FENCE_NONE; /* the grant is gone: drain now */
     if (d->job == NVS_JOB_DRAIN || d->drain_wanted || d->release_drained) return; /* already on its way */
+    request_drain(c, d);
+}
+
+/* --- gangs' fence (docs/interceptor.md, "Gangs") ---------------------------------------------
+ * A DROP with fence=1 reaches every member of a gang's turn at once, wherever each is in its
+ * step. Closing each gate there would leave a member whose last collective waits for a partner
+ * that stopped before launching its own: that drain never ends. So each member stops launching
+ * collectives (the shell's limit 0), says how many it launched (FENCED), and the scheduler tells
+ * all of them the most any launched (FENCE); a member behind opens its gate until it has launched
+ * as many, then every member drains, each after the same collective. */
+
+static void set_collective_limit(struct nvs_core *c, struct nvs_core_device *d, uint64_t limit) {
+    struct nvs_core_queued *q = push(c, NVS_ACT_COLLECTIVES, (int)(d - c->devices), 0);
+    if (q != NULL) q->action.bytes = limit;
+    d->limited = limit != NVS_CORE_NO_LIMIT;
+}
+
+/* This member launched what the gang stops after: the DROP's drain goes on. */
+static void fence_done(struct nvs_core *c, struct nvs_core_device *d) {
+    d->fence = NVS_FENCE_NONE;
+    if (d->gate_open) set_gate(d, c, 0);
     request_drain(c, d);
 }
 
@@ -440,6 +463,10 @@ void nvs_core_observe_admission(struct nvs_core *c, int device, uint64_t wanted)
     if (valid_device(c, device)) c->devices[device].admit_wanted = wanted;
 }
 
+void nvs_core_observe_collectives(struct nvs_core *c, int device, uint64_t launched) {
+    if (valid_device(c, device)) c->devices[device].collectives = launched;
+}
+
 void nvs_core_observe_residency(struct nvs_core *c, int device, uint64_t converted, uint64_t swapped) {
     if (!valid_device(c, device)) return;
     c->devices[device].converted = converted;
@@ -457,6 +484,20 @@ static void start_swap_out(struct nvs_core *c, struct nvs_core_device *d);
 static void finish_release(struct nvs_core *c, struct nvs_core_device *d, double now);
 static void handle_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d, uint64_t resident);
 static void start_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d);
+
+void nvs_core_collectives_limited(struct nvs_core *c, int device, uint64_t launched, double now) {
+    if (!valid_device(c, device)) return;
+    struct nvs_core_device *d = &c->devices[device];
+    d->collectives = launched;
+    if (d->fence == NVS_FENCE_FREEZING) { /* none launched any more: where this member stopped */
+        d->fence = NVS_FENCE_WAITING;
+        struct nvs_core_queued *q = send_message(c, NVS_MSG_FENCED, device, d->grant, NULL, now);
+        if (q != NULL) q->collectives = launched;
+        core_log(c, LOG_DEBUG, "%s: stopped after collective %llu; waiting for the gang's FENCE", d->uuid,
+                 (unsigned long long)launched);
+    }
+    run_due(c, now);
+}
 
 void nvs_core_connected(struct nvs_core *c, double now) {
     c->connecting = 0;
@@ -646,6 +687,8 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
             break;
         }
         d->state = NVS_HOLDING;
+        d->fence = NVS_FENCE_NONE;
+        if (d->limited) set_collective_limit(c, d, NVS_CORE_NO_LIMIT); /* a new grant: collectives go again */
         d->grant = m->grant;
         d->grant_known = 1;
         d->release_due = 0;
@@ -695,6 +738,10 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
                          d->uuid, m->reason_text);
                 begin_release(c, d, "revoke", now);
             } else if (!d->release_due) {
+                if (m->fence && c->config.counts_collectives && d->state == NVS_HOLDING) {
+                    d->fence = NVS_FENCE_FREEZING; /* the drain waits for the gang's FENCE */
+                    set_collective_limit(c, d, 0);
+                }
                 begin_release(c, d, "drop", now);
             }
             if (m->evict > d->evict_due) d->evict_due = m->evict; /* DROP evict= (REVOKE: 0) */
@@ -710,6 +757,20 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
         } else {
             core_log(c, LOG_DEBUG, "stale %s for grant %llu ignored", m->type == NVS_MSG_DROP ? "DROP" : "REVOKE",
                      (unsigned long long)m->grant);
+        }
+        break;
+    case NVS_MSG_FENCE:
+        if (d->fence != NVS_FENCE_WAITING || !grant_matches(d, m->grant)) {
+            core_log(c, LOG_DEBUG, "stale FENCE for grant %llu ignored", (unsigned long long)m->grant);
+        } else if (d->collectives >= m->collectives) {
+            fence_done(c, d);
+        } else {
+            core_log(c, LOG_DEBUG, "%s: the gang stops after collective %llu; this process launched %llu: running on",
+                     d->uuid, (unsigned long long)m->collectives, (unsigned long long)d->collectives);
+            d->fence = NVS_FENCE_RUNNING;
+            d->fence_target = m->collectives;
+            set_collective_limit(c, d, m->collectives);
+            set_gate(d, c, 1);
         }
         break;
     case NVS_MSG_ADMITTED:
@@ -834,6 +895,8 @@ void nvs_core_job_done(struct nvs_core *c, int device, enum nvs_job_result resul
         }
     } else if (result == NVS_RESULT_DEFERRED) {
         d->drain_wanted = 1; /* a capture began before the drain could synchronise */
+    } else if (result == NVS_RESULT_DRAINED && d->fence != NVS_FENCE_NONE) {
+        d->drain_wanted = 1; /* an idle probe's: the release waits for the gang's fence, then drains */
     } else if (result == NVS_RESULT_DRAINED) {
         d->drain_wanted = 0; /* the drain it waited for has happened */
         int answerable = c->registered && d->grant_known && !d->release_unanswerable;
@@ -1117,6 +1180,7 @@ void nvs_core_exit(struct nvs_core *c, double now) {
 /* Things the process's devices need now, whatever the time (see above). */
 static void run_device_rules(struct nvs_core *c, struct nvs_core_device *d, double now) {
     int i = (int)(d - c->devices);
+    if (d->fence == NVS_FENCE_RUNNING && d->collectives >= d->fence_target) fence_done(c, d);
     /* a drain that waited for the worker or for a capture's end */
     if (d->drain_wanted && d->job == NVS_JOB_NONE && d->captures == 0) request_drain(c, d);
     run_due_swaps(c, d, now);
@@ -1385,6 +1449,7 @@ static size_t encode(const struct nvs_core *c, const struct nvs_core_queued *q, 
         .reason = q->reason,
         .resident = q->resident,
         .has_resident = q->has_resident,
+        .collectives = q->collectives, /* FENCED */
         /* MEMORY: the swap engine's figures, from a process that swaps */
         .engine = q->has_swap ? (q->swap.engine == 2 ? "migrate" : "copy") : "",
         .area = q->swap.area,

@@ -85,6 +85,7 @@
     M(WELCOME)                    \
     M(GRANT)                      \
     M(DROP)                       \
+    M(FENCE)                      \
     M(EVICT)                      \
     M(CONTENDED)                  \
     M(PREPARE)                    \
@@ -105,6 +106,7 @@
     M(ADMIT)                   \
     M(RELEASE)                 \
     M(EVICTED)                 \
+    M(FENCED)                  \
     M(HEARTBEAT)               \
     M(BYE)                     \
     M(QUERY)
@@ -126,6 +128,10 @@
     F(DROP, grace_ms, UINT, REQUIRED, grace_ms, 0, 0)                    \
     F(DROP, reason, WORD, REQUIRED, reason, drop_reason, "")             \
     F(DROP, evict, UINT, OPTIONAL, evict, 0, 0)                          \
+    F(DROP, fence, FLAG, OPTIONAL, fence, 0, 0)                          \
+    F(FENCE, device, DEVICE, REQUIRED, device, 0, "")                    \
+    F(FENCE, grant, UINT, REQUIRED, grant, 0, 0)                         \
+    F(FENCE, collectives, UINT, REQUIRED, collectives, 0, 0)             \
     F(EVICT, device, DEVICE, REQUIRED, device, 0, "")                    \
     F(EVICT, bytes, UINT, REQUIRED, bytes, 0, 0)                         \
     F(CONTENDED, device, DEVICE, REQUIRED, device, 0, "")                \
@@ -187,7 +193,10 @@
     F(RELEASE, reason, WORD, OPTIONAL, reason, release_reason, "user") \
     F(RELEASE, resident, UINT, NULLABLE, resident, 0, 0)               \
     F(EVICTED, device, DEVICE, REQUIRED, device, 0, "")                \
-    F(EVICTED, resident, UINT, REQUIRED, resident, 0, 0)
+    F(EVICTED, resident, UINT, REQUIRED, resident, 0, 0)               \
+    F(FENCED, device, DEVICE, REQUIRED, device, 0, "")                 \
+    F(FENCED, grant, UINT, REQUIRED, grant, 0, 0)                      \
+    F(FENCED, collectives, UINT, REQUIRED, collectives, 0, 0)
 
 #define NVS_SCHEDULER_MEMBERS(X)     \
     X(TEXT, client, 64)              \
@@ -206,6 +215,8 @@
     X(WORD_TEXT, reason_text, 0)     \
     X(WORD_NUMBER, drop_reason, 0)   \
     X(UINT, evict, 0)                \
+    X(FLAG, fence, 0)                \
+    X(UINT, collectives, 0)          \
     X(UINT, bytes, 0)                \
     X(UINT, quantum_left_ms, 0)      \
     X(UINT, idle_ms, 0)              \
@@ -244,6 +255,7 @@
     X(UINT, request, 0)       \
     X(UINT, bytes, 0)         \
     X(UINT, grant, 0)         \
-    X(WORD, reason, 0)
+    X(WORD, reason, 0)        \
+    X(UINT, collectives, 0)
 
 #endif

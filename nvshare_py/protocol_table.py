@@ -219,6 +219,13 @@ MESSAGES: Final[tuple[Message, ...]] = (
     ), "The answer to `EVICT`: what of its converted memory is still on the device. Also sent, "
        "unasked, after a `DROP` with `evict` that crossed an idle `RELEASE` of its grant: the room "
        "moved out after that `RELEASE`."),
+    Message("FENCED", "Fenced", CLIENT, (
+        required("device", DEVICE),
+        required("grant", UINT),
+        required("collectives", UINT, "collectives launched on the device since the process began"),
+    ), "The answer to a `DROP` with `fence=1` from a client that counts its collectives (NCCL's "
+       "kernels, by name; docs/interceptor.md, *Gangs*): its gate is closed and no collective is "
+       "launched any more; it waits for `FENCE` before it drains."),
     Message("HEARTBEAT", "Heartbeat", CLIENT, (),
             "Liveness. Sent every `heartbeat_ms` (from `WELCOME`) when nothing else was sent."),
     Message("BYE", "Bye", CLIENT, (),
@@ -256,6 +263,8 @@ MESSAGES: Final[tuple[Message, ...]] = (
         required("grace_ms", UINT),
         required("reason", WORD, words=vocabulary.DROP_REASON),
         optional("evict", UINT, 0, "bytes"),
+        optional("fence", FLAG, False, "to a gang's members: stop after the collective the gang agrees on "
+                 "(`FENCED`, `FENCE`) before draining"),
     ), "Stop submitting, drain, send `RELEASE` with this `grant` (whatever the reason). If the "
        "`RELEASE` has not arrived after `grace_ms`, the grant is revoked. A `conflict` DROP answers "
        "a `held=` claim that is not honoured: its `grant` id was never sent in a `GRANT`, and is the "
@@ -263,7 +272,19 @@ MESSAGES: Final[tuple[Message, ...]] = (
        "claim that may not run beside the first claimant); outside it, `grace_ms=0` and the "
        "`REVOKE` follows at once (see *Scheduling rules*). `evict`: after the drain and before the "
        "`RELEASE`, move at least this many bytes of converted memory to host memory in bulk, and "
-       "say in the `RELEASE` what stays resident."),
+       "say in the `RELEASE` what stays resident. `fence=1` (to each member of a gang, whose devices "
+       "are dropped together; see *Gangs*): a client that counts the collectives it launches "
+       "answers `FENCED` and drains only after `FENCE`, so that every member stops after the same "
+       "collective; one that does not (or an older one) drains and releases as for any `DROP`."),
+    Message("FENCE", "Fence", SCHEDULER, (
+        required("device", DEVICE),
+        required("grant", UINT),
+        required("collectives", UINT, "the most any member said in `FENCED`"),
+    ), "The answer to the `FENCED` of every member of a dropped gang turn (see *Gangs*): launch "
+       "collectives on the device until this many have been launched (the gate open meanwhile), "
+       "then stop submitting, drain and send the `RELEASE` of the `DROP`. Every member then stops "
+       "after the same collective, so no member's last collective waits for a partner that stopped "
+       "before it."),
     Message("EVICT", "Evict", SCHEDULER, (
         required("device", DEVICE),
         required("bytes", UINT),

@@ -329,6 +329,7 @@ WORDING: dict[LogKind, Callable[[dict[str, Any]], str]] = {
                                 f"(EVICTED not received from {f['silent'] or 'nobody'}, or what moved was not enough): "
                                 "granting anyway, the driver's faults share the memory"),
     "evicted-stale": lambda f: f"{f['client']} answered EVICT for {f['device']}, which it does not use",
+    "fenced-stale": lambda f: f"FENCED of {f['client']} for grant {f['grant']} on {f['device']} ignored: no fence awaits it",
     "prepare": lambda f: f"{f['client']} told to keep a swap area of {f['bytes']} bytes ready for {f['device']}",
     "prefetch-ahead": lambda f: (f"{f['client']} may bring memory of {f['device']} back ahead of its grant, up to "
                                  f"{f['resident']} bytes resident"),
