@@ -3,6 +3,7 @@
     python benchmarks/bench_gang.py --quick          # simulated driver, a few minutes
     python benchmarks/bench_gang.py                  # simulated driver, more steps
     python benchmarks/bench_gang.py --gpu            # two real GPUs: PyTorch + NCCL (issue 19's table)
+    python benchmarks/bench_gang.py --random 40      # simulated: 40 randomized rounds, revocations counted
 
 A job has two ranks, one per GPU, each a process; every step is compute followed by an
 all-reduce that waits for the other rank (NCCL's, or the simulated driver's nvshare_allreduce,
@@ -32,6 +33,16 @@ torchrun sets them), device LOCAL_RANK, backend NCCL; each step 20 matmuls of 40
 all-reduce of 64 MiB, 300 steps, then a checksum that must agree between ranks and runs. The
 scheduler measures the GPUs through NVML; libnvshare.so is built from this tree.
 
+RANDOM (`--random N`, issue 31): N rounds of two two-rank jobs on the simulated driver under
+nvshare, each round drawn from `--seed`: steps of 1-5 compute kernels of 0.5-6 ms, each rank
+pausing on the CPU between its launches at random (0-4 ms: so a quantum often ends after one
+rank launched its all-reduce and before the other did), and in half of the rounds long CPU
+phases after a step (40-150 ms, past an idle window of 50 ms: ranks pause within their gang's
+turn); TQ 0.1-0.25 s, grace 1 s. Each round counts revocations, drops, the gang fences
+(`gang-fence` events) and those that found a member behind. `--no-fence` runs the same rounds
+with the collectives uncounted (NVSHARE_COLLECTIVES empty: the DROP closes each gate where it
+finds it, as before the fence), for contrast.
+
 Prints ONE JSON document on stdout: `summary.two_jobs` holds `sequential_s`, `nvshare_s`,
 `revocations` (gangs) and `nvshare_no_gangs_s`, `no_gangs_revocations` (for contrast),
 `native_together_s`, and the ratios; `results` holds every case. --out DIR also writes it to
@@ -45,6 +56,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import shutil
 import subprocess
 import sys
@@ -174,9 +186,16 @@ def run_ranks(commands: list[tuple[list[str], dict[str, str]]], timeout: float,
     """Start the ranks; each prints JSON lines with start/end stamps (simapp's steps, or
     WORKER's one line). Makespan from the first start to the last end. Under a scheduler the
     `first` commands start alone and the rest once those have registered and (`asked`) asked for
-    their GPU (see ARRIVAL)."""
+    their GPU (see ARRIVAL). Each rank writes to files, not pipes: a rank whose pipe nobody read
+    while the harness waited for another rank blocked in write() mid-step (simapp prints a line
+    per step; 64 KiB of them is about 90 steps), its partner spun in the step's collective, and
+    the run showed revocations and hangs that were the harness's."""
+    outputs: list[tuple[Any, Any]] = []
+
     def start(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        outputs.append((out, err))
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=err, text=True, cwd="/")
 
     started = time.monotonic()
     staged = scheduler is not None and first > 0
@@ -190,13 +209,18 @@ def run_ranks(commands: list[tuple[list[str], dict[str, str]]], timeout: float,
             time.sleep(0.05)
         processes += [start(*command) for command in commands[first:]]
     lines, finished, errors = [], True, []
-    for process in processes:
+    for process, (out_file, err_file) in zip(processes, outputs):
         try:
-            out, err = process.communicate(timeout=max(1.0, started + timeout - time.monotonic()))
+            process.wait(timeout=max(1.0, started + timeout - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
-            out, err = process.communicate()
+            process.wait()
             finished = False
+        out_file.seek(0)
+        err_file.seek(0)
+        out, err = out_file.read(), err_file.read()
+        out_file.close()
+        err_file.close()
         if process.returncode not in (0, None) and finished:
             errors.append(err[-2000:])
         if keep is not None:
@@ -255,12 +279,69 @@ class Simulated:
         run.mkdir()
         env = self.base_env(run)
         if nvshare is not None:
-            env.update({ENV_SOCKET_DIR: str(nvshare.socket_dir)}, LD_PRELOAD=str(self.library))
+            # The simulated all-reduce counts as a collective (a gang's fence, interceptor/collective.c).
+            env.update({ENV_SOCKET_DIR: str(nvshare.socket_dir)}, LD_PRELOAD=str(self.library),
+                       NVSHARE_COLLECTIVES="nvshare_allreduce")
             if not gangs:
                 env["NVSHARE_GANG"] = "none"
         result = run_ranks(self.commands(run, jobs, single, env), self.timeout, nvshare, first=len(jobs), keep=self.keep)
         shutil.rmtree(run, ignore_errors=True)
         return result
+
+
+def random_rounds(work: Path, rounds: int, seed: int, fence: bool, say: Callable[[str], None],
+                  timeout: float) -> dict[str, Any]:
+    """RANDOM (the module's docstring): `rounds` rounds drawn from `seed`."""
+    runner = Simulated(work, steps=1, compute_us=1000, kernels=1)
+    rng = random.Random(seed)
+    results = []
+
+    def step(rng: random.Random) -> list[str]:
+        parts = []
+        for _ in range(rng.randint(1, 5)):
+            parts.append(f"kernel:{rng.randint(500, 6000)}")
+            if rng.random() < 0.5:
+                parts.append(f"sleep:{rng.uniform(0, 4):.2f}")
+        return parts
+
+    for number in range(rounds):
+        long_pauses = rng.random() < 0.5
+        tq, steps = rng.choice([0.1, 0.15, 0.25]), rng.randint(20, 60) if long_pauses else rng.randint(40, 120)
+        options = {"mode": "on", "tq": tq, "grace": 1.0, "idle_release": 0.05 if long_pauses else 0.3,
+                   "heartbeat_interval": 0.2, "heartbeat_timeout": 10.0, "log_level": "warning"}
+        scheduler = Scheduler(options)
+        run = work / f"round{number}"
+        run.mkdir()
+        env = runner.base_env(run)
+        env.update({ENV_SOCKET_DIR: str(scheduler.socket_dir)}, LD_PRELOAD=str(runner.library),
+                   NVSHARE_COLLECTIVES="nvshare_allreduce" if fence else "")
+        commands = []
+        for job_number, job, rank in arrival(["a", "b"]):
+            pause = [f"sleep:{rng.uniform(40, 150):.1f}"] if long_pauses and rng.random() < 0.5 else []
+            rank_env = {**env, "CUDA_VISIBLE_DEVICES": str(rank), "SIMCUDA_COLLECTIVE": f"2:{run / (job + '.collective')}",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + job_number), "WORLD_SIZE": "2",
+                        "LOCAL_WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            body = ",".join(step(rng) + [f"allreduce:0:{rank + 1}:1024", "stream-sync"] + pause)
+            commands.append(([str(runner.sim / "simapp"), "alloc:plain:1M", f"repeat:{steps}:{body}", "check:0:3:1024"],
+                             rank_env))
+        try:
+            outcome = run_ranks(commands, timeout, scheduler, first=2)
+            outcome.update(scheduler.timeline())
+            fences = [detail_fields(e["detail"]) for e in scheduler.events_seen if e["kind"] == "gang-fence"]
+        finally:
+            scheduler.close()
+            shutil.rmtree(run, ignore_errors=True)
+        outcome.pop("waits", None)
+        outcome.update(round=number, tq=tq, steps=steps, long_pauses=long_pauses, fences=len(fences),
+                       fences_behind=sum(1 for f in fences if f.get("behind", "0") != "0"))
+        results.append(outcome)
+        say(f"round {number}: {outcome}")
+    return {"rounds": results, "summary": {
+        "rounds": rounds, "finished": sum(1 for r in results if r.get("finished")),
+        "correct": sum(1 for r in results if r.get("correct")), "revocations": sum(r["revocations"] for r in results),
+        "rounds_with_revocations": sum(1 for r in results if r["revocations"]), "drops": sum(r["drops"] for r in results),
+        "fences": sum(r["fences"] for r in results), "fences_behind": sum(r["fences_behind"] for r in results),
+        "makespan_s_total": round(sum(r["makespan_s"] for r in results), 3)}}
 
 
 class RealGpus:
@@ -383,10 +464,29 @@ def main() -> None:
                         help="keep each case under nvshare's scheduler log (info), timeline and ranks' stderr here")
     parser.add_argument("--job-timeout", type=float, default=JOB_TIMEOUT_S, help="a case's ranks are killed after this (s)")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="the cases to run (default: all)")
+    parser.add_argument("--random", type=int, default=0, metavar="ROUNDS", help="simulated: randomized rounds instead of the cases")
+    parser.add_argument("--seed", type=int, default=31, help="of --random")
+    parser.add_argument("--no-fence", action="store_true", help="--random with the collectives uncounted (no fence)")
     args = parser.parse_args()
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     work = Path(tempfile.mkdtemp(prefix="bench-gang-"))
     try:
+        if args.random:
+            started = time.monotonic()
+            document = {"benchmark": "bench_gang", "driver": "simulated", "random": args.random, "seed": args.seed,
+                        "fence": not args.no_fence,
+                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                                    "load_average": os.getloadavg()},
+                        **random_rounds(work, args.random, args.seed, not args.no_fence, say, args.job_timeout)}
+            document["seconds"] = round(time.monotonic() - started, 1)
+            text = json.dumps(document, indent=2)
+            print(text)
+            if args.out is not None:
+                args.out.mkdir(parents=True, exist_ok=True)
+                name = f"gang-random-sim-{datetime.date.today().isoformat()}{'-no-fence' if args.no_fence else ''}.json"
+                (args.out / name).write_text(text + "\n")
+            return
         if args.gpu:
             steps = args.steps or (60 if args.quick else 300)
             runner: Any = RealGpus(work, steps=steps, matmuls=20, n=4096, reduce_mib=64)

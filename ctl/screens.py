@@ -3,8 +3,10 @@ words for durations and sizes. Reads documents (docs/protocol.md), never asks th
 
 The compact screen puts what matters first: per GPU one line (mode, quantum, memory, who holds
 it and for how much longer, how many wait), then its clients, holders first, waiters in queue
-order, idle ones last; weights and priority classes only where they are set. Given a height
-(`status --watch` on a terminal), it leaves out idle clients first and says how many.
+order, idle ones last; weights and priority classes only where they are set. A gang (a
+multi-GPU job, or one process on several GPUs) is one line of its own, its ranks named there
+and not under each GPU; a GPU it holds says so. Given a height (`status --watch` on a
+terminal), it leaves out idle clients first and says how many.
 """
 
 from __future__ import annotations
@@ -84,9 +86,21 @@ def header(status: dict, read_only: bool) -> Text:
     return text
 
 
+def ganged(status: dict) -> dict[str, dict]:
+    """The gang entry of each client that is in one (docs/protocol.md, *Status document*)."""
+    gangs = {gang["gang"]: gang for gang in status.get("gangs", [])}
+    return {c["client"]: gangs[c["gang"]] for c in status.get("clients", []) if c.get("gang") in gangs}
+
+
+def _gang_name(gang: dict) -> str:
+    return f"{gang['gang']} {gang['name']!r}" if gang.get("name") else f"{gang['gang']} (one process)"
+
+
 def _device_line(device: dict, names: DeviceNames, status: dict) -> Text:
-    """`GPU0  on, TQ 30 s, 4.0 of 16.0 GiB, held by c3 alice (12.3s left), 2 waiting`."""
+    """`GPU0  on, TQ 30 s, 4.0 of 16.0 GiB, held by c3 alice (12.3s left), 2 waiting`; a gang's
+    grant reads `held by gang g1 'job' (…)`."""
     clients = {c["client"]: c for c in status.get("clients", [])}
+    gang_of = ganged(status)
     line = Text(names.short(device["device"]), style="bold")
     budget = device.get("budget")
     memory = f"{size(device.get('used'))} of {size(budget)}"
@@ -99,10 +113,13 @@ def _device_line(device: dict, names: DeviceNames, status: dict) -> Text:
         parts.append(f"{size(device['headroom'])} kept free")
     holders = []
     for holder in device.get("holders", []):
-        name = " ".join(filter(None, (holder["client"], clients.get(holder["client"], {}).get("user"))))
+        gang = gang_of.get(holder["client"])
+        name = (f"gang {_gang_name(gang)}" if gang is not None
+                else " ".join(filter(None, (holder["client"], clients.get(holder["client"], {}).get("user")))))
         if device.get("waiters"):  # a quantum ends only while others wait
             name += f" ({age(holder.get('quantum_left', 0.0))} left)"
-        holders.append(name)
+        if name not in holders:
+            holders.append(name)
     if holders:
         parts.append("held by " + ", ".join(holders))
     if device.get("waiters"):
@@ -204,7 +221,9 @@ def render_status(status: dict, names: DeviceNames, *, read_only: bool = False, 
     # GPUs that someone holds or waits for first.
     order = sorted(devices, key=lambda d: (not devices[d].get("holders") and not devices[d].get("waiters"),
                                            names.short(d)))
-    members = {device_id: sorted((c for c in clients if device_id in (c.get("devices") or {})),
+    gang_of = ganged(status)  # their ranks are on their gang's line, not under each GPU
+    members = {device_id: sorted((c for c in clients if device_id in (c.get("devices") or {})
+                                  and c["client"] not in gang_of),
                                  key=lambda c: _order(devices[device_id], c)) for device_id in order}
 
     top: list[RenderableType] = [header(status, read_only)]
@@ -216,7 +235,8 @@ def render_status(status: dict, names: DeviceNames, *, read_only: bool = False, 
             + (f" pid {c['pid']}" if c.get("pid") else "") for c in unplaced)))
     if not devices and not clients:
         bottom.append(Text("no clients: no program uses a GPU through this scheduler now"))
-    bottom += [gang_line(gang, names) for gang in status.get("gangs", [])]
+    bottom += [gang_line(gang, names, status) for gang in status.get("gangs", [])]
+    bottom += [refused_line(entry) for entry in status.get("refused", [])]
     if status.get("admission"):
         bottom.append(admission_text(status["admission"], names))
     if status.get("truncated"):
@@ -270,18 +290,45 @@ _GANG_STATES = {
 }
 
 
-def gang_line(gang: dict, names: DeviceNames) -> Text:
-    """One line per gang (a multi-GPU job, or a process on several GPUs): who, on which GPUs,
-    and what its turn is doing."""
-    label = f"gang {gang['gang']}" + (f" {gang['name']!r}" if gang.get("name") else " (one process)")
-    members = ", ".join(gang.get("members", []))
-    if gang.get("size") and gang["size"] != len(gang.get("members", [])):
-        members += f" ({len(gang.get('members', []))} of {gang['size']})"
+# Ranks named on a gang's line, at most; the others are counted (`-o wide` lists them all).
+GANG_RANKS_SHOWN = 4
+
+
+def gang_line(gang: dict, names: DeviceNames, status: dict) -> Text:
+    """One line per gang (a multi-GPU job, or a process on several GPUs): its ranks, whose and
+    which program, on which GPUs with how much memory, and what its turn is doing:
+    `gang g1 'job': 2 ranks (c3, c5) of alice, train.py, on GPU0 GPU1, 8.0 GiB; holds its
+    devices, 12.3 s of its quantum left`."""
+    clients = {c["client"]: c for c in status.get("clients", [])}
+    ranks = gang.get("members", [])
+    shown = ", ".join(ranks[:GANG_RANKS_SHOWN]) + (f", … {len(ranks) - GANG_RANKS_SHOWN} more"
+                                                   if len(ranks) > GANG_RANKS_SHOWN else "")
+    count = f"{len(ranks)} of {gang['size']}" if gang.get("size") and gang["size"] != len(ranks) else str(len(ranks))
+    who_ = sorted({who(clients[rank]) for rank in ranks if rank in clients})
+    programs = sorted({clients[rank].get("program") for rank in ranks if clients.get(rank, {}).get("program")})
+    memory = sum(usage.get("used") or 0 for rank in ranks for usage in (clients.get(rank, {}).get("devices") or {}).values())
     gpus = " ".join(names.short(device) for device in gang.get("devices", []))
     state = _GANG_STATES.get(gang.get("state", ""), gang.get("state", ""))
     if gang.get("quantum_left") is not None and gang.get("state") == "holding":
         state += f", {gang['quantum_left']:.1f} s of its quantum left"
-    return Text(f"{label}: {members} on {gpus or 'no GPU yet'}; {state}")
+    whose = ", ".join(filter(None, (" ".join(who_), ", ".join(programs))))
+    ranks_text = f"{count} rank{'s' if count != '1' else ''} ({shown})" if gang.get("name") else shown
+    return Text(f"gang {_gang_name(gang)}: {ranks_text}{' of ' + whose if whose else ''}, on {gpus or 'no GPU yet'}"
+                f"{', ' + size(memory) if memory else ''}; {state}")
+
+
+def refused_line(entry: dict) -> Text:
+    """Whose processes the scheduler has no connection for now, and why: they wait and connect
+    again until a place frees (`nvshare-scheduler --max-clients-per-user` sets how many)."""
+    pids = [str(pid) for pid in entry.get("pids", []) if pid]
+    count = len(entry.get("pids", [])) or 1
+    whom = entry.get("user") or f"uid {entry.get('uid')}"
+    if entry.get("pod_uid"):
+        whom += f" in pod {entry['pod_uid']}"
+    shown = ", ".join(pids[:8]) + (f" and {len(pids) - 8} more" if len(pids) > 8 else "")
+    return Text(f"no place for {count} process{'es' if count != 1 else ''} of {whom}"
+                + (f" (pid {shown})" if shown else "") + f": {entry.get('reason', '?')} (--max-clients-per-user)",
+                style="yellow")
 
 
 def _wide_table(title: str, columns: list[str]) -> Table:
@@ -342,12 +389,13 @@ def render_status_wide(status: dict, names: DeviceNames, *, read_only: bool = Fa
         parts.append(Text("swap pools (pinned host memory a user's processes share): " + ", ".join(
             f"{pool['owner']} {size(pool['bytes'])}" for pool in status["pools"])))
     if status.get("clients"):
-        clients = _wide_table("Clients", ["client", "pid", "host pid", "uid", "user", "identity", "device", "state",
-                                          "memory", "waited", "held", "grants"])
+        clients = _wide_table("Clients", ["client", "gang", "pid", "host pid", "uid", "user", "identity", "device",
+                                          "state", "memory", "waited", "held", "grants"])
         shares = _wide_table(f"Shares (achieved over the last {SHARE_WINDOW:g} s)",
                              ["client", "device", "weight", "class", "limit", "share", "achieved", "served first"])
         for client in status["clients"]:
-            who_row = [client["client"], str(client.get("pid") or "-"), str(client.get("host_pid") or "-"),
+            who_row = [client["client"], client.get("gang") or "-", str(client.get("pid") or "-"),
+                       str(client.get("host_pid") or "-"),
                        str(client.get("uid", "-")), client.get("user") or "-", _identity(client)]
             for place, (device_id, usage) in enumerate((client.get("devices") or {"-": {}}).items()):
                 row = who_row if place == 0 else [""] * len(who_row)
@@ -370,16 +418,22 @@ def render_status_wide(status: dict, names: DeviceNames, *, read_only: bool = Fa
     else:
         parts.append(Text("no clients: no program uses a GPU through this scheduler now"))
     if status.get("gangs"):
-        gangs = _wide_table("Gangs", ["gang", "name", "size", "members", "devices", "state", "turn", "quantum left",
-                                      "turns"])
+        gangs = _wide_table("Gangs", ["gang", "name", "size", "ranks (pid: GPU state)", "devices", "state", "turn",
+                                      "quantum left", "turns"])
+        by_id = {c["client"]: c for c in status.get("clients", [])}
         for gang in status["gangs"]:
             left = gang.get("quantum_left")
+            ranks = [f"{rank} pid {by_id.get(rank, {}).get('pid') or '-'}: " + (", ".join(
+                f"{names.short(device)} {usage.get('state', '-')}"
+                for device, usage in (by_id.get(rank, {}).get("devices") or {}).items()) or "no GPU yet")
+                for rank in gang.get("members", [])]
             gangs.add_row(gang["gang"], gang.get("name") or "-", str(gang.get("size") or "-"),
-                          " ".join(gang.get("members", [])),
+                          "\n".join(ranks) or "-",
                           "\n".join(names.long(device) for device in gang.get("devices", [])) or "-",
                           gang.get("state", "-"), str(gang.get("turn") or "-"),
                           "-" if left is None else f"{left:.1f} s", str(gang.get("turns", 0)))
         parts.append(gangs)
+    parts += [refused_line(entry) for entry in status.get("refused", [])]
     if status.get("admission"):
         parts.append(admission_text(status["admission"], names, wide=True))
     return Group(*parts)

@@ -25,6 +25,7 @@
 #include "admission.h"
 #include "area.h"
 #include "client_core.h"
+#include "collective.h"
 #include "compiler.h"
 #include "config.h"
 #include "gang.h"
@@ -154,6 +155,7 @@ static void identify(struct nvs_core_config *k) {
         nvs_debug("%s", gang.source);
     snprintf(k->gang, sizeof k->gang, "%s", gang.name);
     k->gang_size = gang.size;
+    k->counts_collectives = 1; /* collective.c counts them and holds them to a fence */
 }
 
 /* --- feeding the core (under nvs_mu) ---------------------------------------------------------*/
@@ -177,6 +179,7 @@ static void observe_locked(double now) {
         nvs_core_observe(&core, i, d->waiters, d->captures, atomic_load(&d->entered), atomic_load(&d->bytes));
         nvs_core_observe_admission(&core, i, d->admit_wanted);
         nvs_core_observe_residency(&core, i, atomic_load(&d->converted), atomic_load(&d->swapped));
+        nvs_core_observe_collectives(&core, i, nvs_collectives_launched(d));
         if (d->job_result != NVS_RESULT_NONE) {
             enum nvs_job_result result = d->job_result;
             d->job_result = NVS_RESULT_NONE;
@@ -213,6 +216,9 @@ static int next_io_action_locked(struct nvs_action *a, char *buf, size_t cap) {
         } else if (a->kind == NVS_ACT_POOL) { /* the pinner joins, grows or shrinks the pool */
             nvs_pool_want(a->bytes);
             nvs_pinner_wake_locked();
+        } else if (a->kind == NVS_ACT_COLLECTIVES) { /* a gang's fence (collective.c) */
+            uint64_t launched = nvs_collectives_limit_locked(&nvs_devices[a->device], a->bytes);
+            nvs_core_collectives_limited(&core, a->device, launched, nvs_now());
         } else
             return 1;
     }
@@ -233,10 +239,7 @@ static int perform_io(const struct nvs_action *a, const char *buf) {
             nvs_debug("sent %.*s", (int)(eol ? eol - buf : (long)a->len), buf);
         }
         int r = nvs_transport_send(&transport, buf, a->len, SEND_TIMEOUT_MS);
-        if (r < 0) {
-            nvs_debug("send failed: %s", strerror(-r));
-            nvs_transport_close(&transport);
-        }
+        if (r < 0) nvs_debug("send failed: %s", strerror(-r)); /* carry_out reads what came, then closes */
         return r < 0 ? r : 0;
     }
     case NVS_ACT_CONNECT: {
@@ -255,6 +258,8 @@ static int perform_io(const struct nvs_action *a, const char *buf) {
     }
 }
 
+static void receive_all(void);
+
 /* Carry out the core's actions in order; called without nvs_mu. */
 static void carry_out(void) {
     char buf[NVS_TRANSPORT_MAX_MESSAGE];
@@ -266,6 +271,12 @@ static void carry_out(void) {
         if (!more) return;
         int outcome = perform_io(&a, buf);
         if (outcome == 0) continue;
+        if (a.kind == NVS_ACT_SEND) {
+            /* What the scheduler sent before the connection failed is read first: one without a
+             * place for this process says why (ERROR too-many-connections), then closes. */
+            receive_all();
+            nvs_transport_close(&transport);
+        }
         pthread_mutex_lock(&nvs_mu);
         if (a.kind == NVS_ACT_SEND)
             nvs_core_disconnected(&core, "send failed", nvs_now());

@@ -270,7 +270,8 @@ static void note_drain(struct nvs_core_device *d, double now) {
  * capture runs on it: a context synchronise from another thread invalidates a capture
  * (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED), so the drain waits for the capture's end. */
 static void request_drain(struct nvs_core *c, struct nvs_core_device *d) {
-    if (d->job != NVS_JOB_NONE || d->captures > 0) {
+    /* (a gang's fence first: this member may have collectives to launch before it may stop) */
+    if (d->job != NVS_JOB_NONE || d->captures > 0 || d->fence != NVS_FENCE_NONE) {
         d->drain_wanted = 1;
         return;
     }
@@ -289,7 +290,29 @@ static void begin_release(struct nvs_core *c, struct nvs_core_device *d, const c
     d->grant_swap_due = 0; /* a prefetch for a grant that ends is wasted: the drain follows it */
     d->prefetch_due = 0;
     if (d->state == NVS_HOLDING) d->state = NVS_DRAINING;
+    if (strcmp(reason, "revoke") == 0) d->fence = NVS_FENCE_NONE; /* the grant is gone: drain now */
     if (d->job == NVS_JOB_DRAIN || d->drain_wanted || d->release_drained) return; /* already on its way */
+    request_drain(c, d);
+}
+
+/* --- gangs' fence (docs/interceptor.md, "Gangs") ---------------------------------------------
+ * A DROP with fence=1 reaches every member of a gang's turn at once, wherever each is in its
+ * step. Closing each gate there would leave a member whose last collective waits for a partner
+ * that stopped before launching its own: that drain never ends. So each member stops launching
+ * collectives (the shell's limit 0), says how many it launched (FENCED), and the scheduler tells
+ * all of them the most any launched (FENCE); a member behind opens its gate until it has launched
+ * as many, then every member drains, each after the same collective. */
+
+static void set_collective_limit(struct nvs_core *c, struct nvs_core_device *d, uint64_t limit) {
+    struct nvs_core_queued *q = push(c, NVS_ACT_COLLECTIVES, (int)(d - c->devices), 0);
+    if (q != NULL) q->action.bytes = limit;
+    d->limited = limit != NVS_CORE_NO_LIMIT;
+}
+
+/* This member launched what the gang stops after: the DROP's drain goes on. */
+static void fence_done(struct nvs_core *c, struct nvs_core_device *d) {
+    d->fence = NVS_FENCE_NONE;
+    if (d->gate_open) set_gate(d, c, 0);
     request_drain(c, d);
 }
 
@@ -458,6 +481,10 @@ void nvs_core_observe_admission(struct nvs_core *c, int device, uint64_t wanted)
     if (valid_device(c, device)) c->devices[device].admit_wanted = wanted;
 }
 
+void nvs_core_observe_collectives(struct nvs_core *c, int device, uint64_t launched) {
+    if (valid_device(c, device)) c->devices[device].collectives = launched;
+}
+
 void nvs_core_observe_residency(struct nvs_core *c, int device, uint64_t converted, uint64_t swapped) {
     if (!valid_device(c, device)) return;
     c->devices[device].converted = converted;
@@ -476,6 +503,20 @@ static void finish_release(struct nvs_core *c, struct nvs_core_device *d, double
 static void handle_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d, uint64_t resident);
 static void start_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d);
 
+void nvs_core_collectives_limited(struct nvs_core *c, int device, uint64_t launched, double now) {
+    if (!valid_device(c, device)) return;
+    struct nvs_core_device *d = &c->devices[device];
+    d->collectives = launched;
+    if (d->fence == NVS_FENCE_FREEZING) { /* none launched any more: where this member stopped */
+        d->fence = NVS_FENCE_WAITING;
+        struct nvs_core_queued *q = send_message(c, NVS_MSG_FENCED, device, d->grant, NULL, now);
+        if (q != NULL) q->collectives = launched;
+        core_log(c, LOG_DEBUG, "%s: stopped after collective %llu; waiting for the gang's FENCE", d->uuid,
+                 (unsigned long long)launched);
+    }
+    run_due(c, now);
+}
+
 void nvs_core_connected(struct nvs_core *c, double now) {
     c->connecting = 0;
     c->connected = 1;
@@ -487,6 +528,7 @@ void nvs_core_connected(struct nvs_core *c, double now) {
 
 void nvs_core_connect_failed(struct nvs_core *c, int err, int path_too_long, double now) {
     c->connecting = 0;
+    c->refusal[0] = '\0'; /* nobody answers now: the waiters' warning says that, not an old refusal */
     core_log(c, LOG_DEBUG, "cannot connect to %s: %s", c->config.socket_path, strerror(err));
     if (path_too_long && c->outage_since == 0)
         core_log(c, LOG_ERROR, "the scheduler socket path %s is too long for a Unix socket", c->config.socket_path);
@@ -567,8 +609,9 @@ static void settle_devices(struct nvs_core *c) {
         struct nvs_core_device *d = &c->devices[i];
         if (!d->known || d->settled) continue;
         if (unreachable && !c->unscheduled_memory_warned) {
-            core_log(c, LOG_WARN, "no scheduler at %s: allocations go on without its memory limits and admission "
-                     "until it is reachable", c->config.socket_path);
+            core_log(c, LOG_WARN, "%s at %s: allocations go on without its memory limits and admission "
+                     "until it is reachable", c->refusal[0] ? "no place at the scheduler" : "no scheduler",
+                     c->config.socket_path);
             c->unscheduled_memory_warned = 1;
         }
         d->settled = 1;
@@ -579,7 +622,7 @@ static void settle_devices(struct nvs_core *c) {
 static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double now) {
     /* After a warning that the scheduler was missing, say that it is here: "again" only if this
      * process had been registered before (not when it started before the scheduler). */
-    if (c->lost_warned || c->fail_open_warned)
+    if (c->lost_warned || c->fail_open_warned || c->refused_warned)
         core_log(c, LOG_WARN, "connected to the scheduler at %s%s", c->config.socket_path,
                  c->was_registered ? " again" : "");
     c->registered = 1;
@@ -593,6 +636,8 @@ static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double n
     c->outage_since = 0;
     c->lost_warned = 0;
     c->fail_open_warned = 0;
+    c->refused_warned = 0;
+    c->refusal[0] = '\0';
     c->admission = m->admission;
     for (int i = 0; i < c->n_devices; i++) {
         struct nvs_core_device *d = &c->devices[i];
@@ -660,6 +705,8 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
             break;
         }
         d->state = NVS_HOLDING;
+        d->fence = NVS_FENCE_NONE;
+        if (d->limited) set_collective_limit(c, d, NVS_CORE_NO_LIMIT); /* a new grant: collectives go again */
         d->grant = m->grant;
         d->grant_known = 1;
         d->release_due = 0;
@@ -709,6 +756,10 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
                          d->uuid, m->reason_text);
                 begin_release(c, d, "revoke", now);
             } else if (!d->release_due) {
+                if (m->fence && c->config.counts_collectives && d->state == NVS_HOLDING) {
+                    d->fence = NVS_FENCE_FREEZING; /* the drain waits for the gang's FENCE */
+                    set_collective_limit(c, d, 0);
+                }
                 begin_release(c, d, "drop", now);
             }
             if (m->evict > d->evict_due) d->evict_due = m->evict; /* DROP evict= (REVOKE: 0) */
@@ -724,6 +775,20 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
         } else {
             core_log(c, LOG_DEBUG, "stale %s for grant %llu ignored", m->type == NVS_MSG_DROP ? "DROP" : "REVOKE",
                      (unsigned long long)m->grant);
+        }
+        break;
+    case NVS_MSG_FENCE:
+        if (d->fence != NVS_FENCE_WAITING || !grant_matches(d, m->grant)) {
+            core_log(c, LOG_DEBUG, "stale FENCE for grant %llu ignored", (unsigned long long)m->grant);
+        } else if (d->collectives >= m->collectives) {
+            fence_done(c, d);
+        } else {
+            core_log(c, LOG_DEBUG, "%s: the gang stops after collective %llu; this process launched %llu: running on",
+                     d->uuid, (unsigned long long)m->collectives, (unsigned long long)d->collectives);
+            d->fence = NVS_FENCE_RUNNING;
+            d->fence_target = m->collectives;
+            set_collective_limit(c, d, m->collectives);
+            set_gate(d, c, 1);
         }
         break;
     case NVS_MSG_ADMITTED:
@@ -749,6 +814,19 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
     default:
         break;
     }
+}
+
+/* The scheduler has no place for this process now (too many processes of its user or pod are
+ * connected): it closes the connection after this ERROR, and the process connects again as after
+ * any loss (every second, once past the first attempts). Said once, not at every attempt, until
+ * a registration succeeds; the waiters' periodic warning says why they wait. */
+static void note_refused(struct nvs_core *c, const struct nvs_msg *m) {
+    if (!c->refused_warned)
+        core_log(c, LOG_WARN, "the scheduler at %s has no place for this process now (%s); it connects again "
+                 "until it is served, and its GPU work %s meanwhile",
+                 c->config.socket_path, m->detail, c->config.fail_open ? "runs unscheduled" : "waits");
+    c->refused_warned = 1;
+    snprintf(c->refusal, sizeof c->refusal, "%s", m->detail);
 }
 
 /* A newer scheduler's message: ignored, and said (a warning at most once a period). */
@@ -792,6 +870,8 @@ void nvs_core_receive(struct nvs_core *c, const char *buf, size_t len, double no
             c->lease_until = c->ping_sent + lease_seconds(c);
             c->ping_sent = 0;
         }
+    } else if (m.type == NVS_MSG_ERROR && m.error_code == NVS_ERROR_CODE_TOO_MANY_CONNECTIONS) {
+        note_refused(c, &m);
     } else if (m.type == NVS_MSG_ERROR) {
         if (m.error_code != NVS_ERROR_CODE_NOT_REGISTERED)
             core_log(c, LOG_WARN, "the scheduler rejected a message: %s (%s)", m.code_text, m.detail);
@@ -836,6 +916,8 @@ void nvs_core_job_done(struct nvs_core *c, int device, enum nvs_job_result resul
         }
     } else if (result == NVS_RESULT_DEFERRED) {
         d->drain_wanted = 1; /* a capture began before the drain could synchronise */
+    } else if (result == NVS_RESULT_DRAINED && d->fence != NVS_FENCE_NONE) {
+        d->drain_wanted = 1; /* an idle probe's: the release waits for the gang's fence, then drains */
     } else if (result == NVS_RESULT_DRAINED) {
         d->drain_wanted = 0; /* the drain it waited for has happened */
         int answerable = c->registered && d->grant_known && !d->release_unanswerable;
@@ -1121,6 +1203,7 @@ void nvs_core_exit(struct nvs_core *c, double now) {
 /* Things the process's devices need now, whatever the time (see above). */
 static void run_device_rules(struct nvs_core *c, struct nvs_core_device *d, double now) {
     int i = (int)(d - c->devices);
+    if (d->fence == NVS_FENCE_RUNNING && d->collectives >= d->fence_target) fence_done(c, d);
     /* a drain that waited for the worker or for a capture's end */
     if (d->drain_wanted && d->job == NVS_JOB_NONE && d->captures == 0) request_drain(c, d);
     run_due_swaps(c, d, now);
@@ -1273,10 +1356,16 @@ static double wait_warning_due(const struct nvs_core *c, const struct nvs_core_d
                : NO_DEADLINE;
 }
 static void wait_warning_fire(struct nvs_core *c, struct nvs_core_device *d, double now) {
-    core_log(c, LOG_WARN,
-             "waiting for the scheduler at %s: GPU work is held until it is reachable "
-             "(NVSHARE_FAIL_MODE=closed; set NVSHARE_FAIL_MODE=open to run unscheduled meanwhile)",
-             c->config.socket_path);
+    if (c->refusal[0] != '\0')
+        core_log(c, LOG_WARN,
+                 "waiting for a place at the scheduler at %s (%s): GPU work is held until it serves this process "
+                 "(NVSHARE_FAIL_MODE=closed; set NVSHARE_FAIL_MODE=open to run unscheduled meanwhile)",
+                 c->config.socket_path, c->refusal);
+    else
+        core_log(c, LOG_WARN,
+                 "waiting for the scheduler at %s: GPU work is held until it is reachable "
+                 "(NVSHARE_FAIL_MODE=closed; set NVSHARE_FAIL_MODE=open to run unscheduled meanwhile)",
+                 c->config.socket_path);
     c->last_wait_warning = now;
     c->lost_warned = 1;
 }
@@ -1383,6 +1472,7 @@ static size_t encode(const struct nvs_core *c, const struct nvs_core_queued *q, 
         .reason = q->reason,
         .resident = q->resident,
         .has_resident = q->has_resident,
+        .collectives = q->collectives, /* FENCED */
         /* MEMORY: the swap engine's figures, from a process that swaps */
         .engine = q->has_swap ? (q->swap.engine == 2 ? "migrate" : "copy") : "",
         .area = q->swap.area,

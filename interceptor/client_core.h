@@ -72,6 +72,9 @@ enum nvs_action_kind {
     NVS_ACT_SWAP_AREA,  /* keep a swap area of `bytes` ready for the device (the scheduler's PREPARE) */
     NVS_ACT_POOL,       /* the swap pool this process shares with its user's (its pod's) other processes
                          * should hold `bytes` (the scheduler's POOL; device -1) */
+    NVS_ACT_COLLECTIVES, /* let collectives be launched on the device until `bytes` of them have
+                          * been in all (0: none from now on; NVS_CORE_NO_LIMIT: as many as
+                          * wanted); report with nvs_core_observe_collectives */
 };
 
 struct nvs_action {
@@ -81,8 +84,11 @@ struct nvs_action {
     size_t len; /* SEND, LOG: bytes written to buf */
     uint64_t bytes; /* JOB SWAP_OUT: at least this many bytes to move; PREFETCH, PREFETCH_AHEAD: at
                      * most; LIMIT: the scheduler's memory limit, 0: none; SWAP_AREA, POOL: their
-                     * sizes */
+                     * sizes; COLLECTIVES: the limit */
 };
+
+/* No limit on the collectives launched (NVS_ACT_COLLECTIVES). */
+#define NVS_CORE_NO_LIMIT UINT64_MAX
 
 /* Read once at nvs_core_init. */
 struct nvs_core_config {
@@ -101,7 +107,17 @@ struct nvs_core_config {
     char socket_path[256]; /* named in log records */
     char gang[128];        /* HELLO's gang (gang.h), "": none */
     uint64_t gang_size;    /* its ranks on this node */
+    int counts_collectives; /* the shell counts the collectives launched (collective.c) and
+                             * carries out NVS_ACT_COLLECTIVES: a gang's DROP fence=1 is answered */
 };
+
+/* A gang member's way to its RELEASE after a DROP with fence=1 (docs/interceptor.md, "Gangs"):
+ * FREEZING: no collective may be launched any more (NVS_ACT_COLLECTIVES 0), the gate is closed;
+ *   FENCED goes out once the shell says the limit holds (nvs_core_collectives_limited);
+ * WAITING: FENCED sent, FENCE awaited (nothing drains yet: this member may be behind);
+ * RUNNING: FENCE named more collectives than were launched: the gate is open until they are,
+ *   then it closes and the drain of the DROP begins. */
+enum nvs_fence { NVS_FENCE_NONE = 0, NVS_FENCE_FREEZING, NVS_FENCE_WAITING, NVS_FENCE_RUNNING };
 
 #define NVS_DRAIN_HISTORY 4 /* drains remembered per device to foresee the next one's length */
 
@@ -174,6 +190,12 @@ struct nvs_core_device {
     int reported_engine;       /* the swap figures of the last MEMORY (engine 0: none sent) */
     uint64_t reported_area;
     int reported_pool;
+    /* Gangs' fence: the collectives the shell saw launched (nvs_core_observe_collectives), the
+     * fence's step and the count FENCE named; `limited`: a limit was set since the last GRANT. */
+    uint64_t collectives;
+    enum nvs_fence fence;
+    uint64_t fence_target;
+    int limited;
 };
 
 /* The swap engine of the process (docs/interceptor.md, "Swapping"), as the shell observes it. */
@@ -208,6 +230,7 @@ struct nvs_core_queued {
     struct nvs_core_swap swap;
     const char *reason;   /* RELEASE */
     uint64_t held, wanted; /* HELLO: device bit sets */
+    uint64_t collectives;  /* FENCED */
     int log;              /* LOG: slot in logs[] */
 };
 
@@ -234,6 +257,10 @@ struct nvs_core {
     double connected_at, next_attempt, outage_since, backoff_s;
     double last_wait_warning;
     int fail_open_warned, lost_warned;
+    /* The scheduler had no place for this process (ERROR code=too-many-connections): said once
+     * until a registration succeeds; `refusal` is its reason, for the waiters' warning. */
+    int refused_warned;
+    char refusal[256];
     double last_sent, last_memory_report;
     long heartbeat_ms, scheduler_idle_ms;
     /* The registration lease (see nvs_core_lease_until): 0 while there is none to keep. */
@@ -281,6 +308,13 @@ void nvs_core_observe_residency(struct nvs_core *c, int device, uint64_t convert
 /* The process's swap engine (struct nvs_core_swap); level-triggered like nvs_core_observe. MEMORY
  * reports of a process with converted memory carry it once the engine is known. */
 void nvs_core_observe_swap(struct nvs_core *c, const struct nvs_core_swap *swap);
+/* Collectives launched on the device so far (collective.c counts them); level-triggered like
+ * nvs_core_observe. */
+void nvs_core_observe_collectives(struct nvs_core *c, int device, uint64_t launched);
+/* The shell carried out the device's last NVS_ACT_COLLECTIVES: from now on its limit holds, and
+ * `launched` collectives had been launched when it took effect (under a limit of 0, all there
+ * will be until the limit is raised). */
+void nvs_core_collectives_limited(struct nvs_core *c, int device, uint64_t launched, double now);
 
 void nvs_core_connected(struct nvs_core *c, double now);
 void nvs_core_connect_failed(struct nvs_core *c, int err, int path_too_long, double now);

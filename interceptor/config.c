@@ -313,6 +313,10 @@ static void read_environment(void) {
     copy_env("NVSHARE_POD_NAME", nvs_config.pod, sizeof nvs_config.pod);
     copy_env("NVSHARE_POD_NAMESPACE", nvs_config.pod_namespace, sizeof nvs_config.pod_namespace);
     copy_env("NVSHARE_PROGRAM", nvs_config.program, sizeof nvs_config.program);
+    /* NCCL's kernels: ncclKernel_* before NCCL 2.19, ncclDevKernel_* since (mangled: the words
+     * are found anywhere in the name). */
+    snprintf(nvs_config.collectives, sizeof nvs_config.collectives, "%s",
+             getenv("NVSHARE_COLLECTIVES") != NULL ? getenv("NVSHARE_COLLECTIVES") : "ncclKernel,ncclDevKernel");
 }
 
 static pthread_once_t config_once = PTHREAD_ONCE_INIT;

@@ -33,6 +33,9 @@ struct nvs_config {
     char pod[256];             /* NVSHARE_POD_NAME */
     char pod_namespace[256];   /* NVSHARE_POD_NAMESPACE */
     char program[128];         /* NVSHARE_PROGRAM, "" = /proc/self/comm */
+    /* NVSHARE_COLLECTIVES: comma-separated words; a kernel whose name contains one is a
+     * collective (collective.c). Unset: NCCL's kernels. */
+    char collectives[256];
     /* NVSHARE_MEMORY_LIMIT: the limits the process starts with; memory_limit_invalid: the
      * setting did not parse (every device is limited to 0 bytes, limits.c says why). */
     struct nvs_memory_limit_rule memory_limits[NVS_MAX_LIMIT_RULES];

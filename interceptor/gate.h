@@ -42,6 +42,10 @@ struct nvs_device {
     /* The device's swap epoch (swap.c): advances at each grant that brings memory back; an
      * allocation remembers the one it was made or last brought back in. Any thread. */
     _Atomic uint64_t swap_epoch;
+    /* The collectives launched on the device and the limit a gang's fence holds them to, in one
+     * word (collective.c says how): counted by the launching threads, limited by the client
+     * thread under nvs_mu. */
+    _Atomic uint64_t collectives;
 
     /* Identity: written once under nvs_mu before `known` is set, constant afterwards. */
     int ordinal;

@@ -6,9 +6,11 @@
  * kind GATED:  the wrapper is generated in hooks.c: wait for the device's lock, call the real
  *              function, leave the gate. For everything that submits GPU work or touches
  *              device memory.
+ * kind LAUNCH: GATED, for a launch of a function `f` (a parameter of that name): a launch of
+ *              a collective is also counted, and held to a gang's fence (collective.c).
  * kind CONTEXT: the wrapper is generated in hooks.c: call the real function, then forget the
  *              calling thread's cached device (the call may change its current context).
- * kind CUSTOM: the wrapper is hand-written (memory.c, context.c, hooks.c).
+ * kind CUSTOM: the wrapper is hand-written (memory.c, context.c, hooks.c, collective.c).
  *
  * `name` is the exported ABI symbol of libcuda.so.1 (with its _v2/_ptds/_ptsz suffix), which
  * is also the symbol libnvshare.so exports. Adding a hook is one line here (plus its
@@ -35,23 +37,23 @@
 
 #define NVS_FOR_EACH_HOOK(X)                                                                    \
     /* --- kernel launches and graphs --- */                                                    \
-    X(GATED, cuLaunchKernel, (NVS_LAUNCH_PARAMS, void **extra), (NVS_LAUNCH_ARGS, extra))       \
-    X(GATED, cuLaunchKernel_ptsz, (NVS_LAUNCH_PARAMS, void **extra), (NVS_LAUNCH_ARGS, extra))  \
-    X(GATED, cuLaunchKernelEx,                                                                  \
+    X(LAUNCH, cuLaunchKernel, (NVS_LAUNCH_PARAMS, void **extra), (NVS_LAUNCH_ARGS, extra))      \
+    X(LAUNCH, cuLaunchKernel_ptsz, (NVS_LAUNCH_PARAMS, void **extra), (NVS_LAUNCH_ARGS, extra)) \
+    X(LAUNCH, cuLaunchKernelEx,                                                                 \
       (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),          \
       (config, f, kernelParams, extra))                                                         \
-    X(GATED, cuLaunchKernelEx_ptsz,                                                             \
+    X(LAUNCH, cuLaunchKernelEx_ptsz,                                                            \
       (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),          \
       (config, f, kernelParams, extra))                                                         \
-    X(GATED, cuLaunchCooperativeKernel, (NVS_LAUNCH_PARAMS), (NVS_LAUNCH_ARGS))                 \
-    X(GATED, cuLaunchCooperativeKernel_ptsz, (NVS_LAUNCH_PARAMS), (NVS_LAUNCH_ARGS))            \
+    X(LAUNCH, cuLaunchCooperativeKernel, (NVS_LAUNCH_PARAMS), (NVS_LAUNCH_ARGS))                \
+    X(LAUNCH, cuLaunchCooperativeKernel_ptsz, (NVS_LAUNCH_PARAMS), (NVS_LAUNCH_ARGS))           \
     X(GATED, cuLaunchCooperativeKernelMultiDevice,                                              \
       (CUDA_LAUNCH_PARAMS *launchParamsList, unsigned int numDevices, unsigned int flags),      \
       (launchParamsList, numDevices, flags))                                                    \
-    X(GATED, cuLaunch, (CUfunction f), (f))                                                     \
-    X(GATED, cuLaunchGrid, (CUfunction f, int grid_width, int grid_height),                     \
+    X(LAUNCH, cuLaunch, (CUfunction f), (f))                                                    \
+    X(LAUNCH, cuLaunchGrid, (CUfunction f, int grid_width, int grid_height),                    \
       (f, grid_width, grid_height))                                                             \
-    X(GATED, cuLaunchGridAsync, (CUfunction f, int grid_width, int grid_height, CUstream s),    \
+    X(LAUNCH, cuLaunchGridAsync, (CUfunction f, int grid_width, int grid_height, CUstream s),   \
       (f, grid_width, grid_height, s))                                                          \
     X(GATED, cuGraphLaunch, (CUgraphExec hGraphExec, CUstream hStream), (hGraphExec, hStream))  \
     /* a host function runs in stream order and may read (converted, managed) memory */         \
@@ -364,6 +366,12 @@
     X(CUSTOM, cuCtxDestroy_v2, (CUcontext ctx), (ctx))                                          \
     X(CUSTOM, cuDevicePrimaryCtxRelease_v2, (CUdevice dev), (dev))                              \
     X(CUSTOM, cuDevicePrimaryCtxReset_v2, (CUdevice dev), (dev))                                \
+    /* --- kernels looked up by name: which are collectives (collective.c) --- */               \
+    X(CUSTOM, cuModuleGetFunction, (CUfunction *hfunc, CUmodule hmod, const char *name),        \
+      (hfunc, hmod, name))                                                                      \
+    X(CUSTOM, cuLibraryGetKernel, (CUkernel *pKernel, CUlibrary library, const char *name),     \
+      (pKernel, library, name))                                                                 \
+    X(CUSTOM, cuKernelGetFunction, (CUfunction *pFunc, CUkernel kernel), (pFunc, kernel))       \
     /* --- lookup (hooks.c) --- */                                                             \
     X(CUSTOM, cuGetProcAddress,                                                                 \
       (const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags),                      \

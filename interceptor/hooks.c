@@ -13,18 +13,27 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "collective.h"
 #include "compiler.h"
 #include "gate.h"
 #include "hook_table.h"
 #include "loader.h"
 #include "nvml.h"
 
-/* --- generated wrappers of the GATED and CONTEXT hooks -------------------------------------*/
+/* --- generated wrappers of the GATED, LAUNCH and CONTEXT hooks -----------------------------*/
 
 #define NVS_WRAPPER_GATED(name, params, args)                                                   \
     NVS_EXPORT CUresult name params {                                                           \
         NVS_REAL_OR_FAIL(name);                                                                 \
         struct nvs_device *gate = nvs_gate_enter();                                             \
+        CUresult result = nvs_real.name args;                                                   \
+        nvs_gate_exit(gate);                                                                    \
+        return result;                                                                          \
+    }
+#define NVS_WRAPPER_LAUNCH(name, params, args)                                                  \
+    NVS_EXPORT CUresult name params {                                                           \
+        NVS_REAL_OR_FAIL(name);                                                                 \
+        struct nvs_device *gate = nvs_launch_enter(f);                                          \
         CUresult result = nvs_real.name args;                                                   \
         nvs_gate_exit(gate);                                                                    \
         return result;                                                                          \

@@ -63,14 +63,15 @@
     W(NVS_REFUSE_REASON_TOO_LARGE, "too-large") \
     W(NVS_REFUSE_REASON_LIMIT, "limit")
 
-#define NVS_ERROR_CODE_WORDS(W)                                  \
-    W(NVS_ERROR_CODE_MALFORMED, "malformed")                     \
-    W(NVS_ERROR_CODE_TOO_LARGE, "too-large")                     \
-    W(NVS_ERROR_CODE_UNSUPPORTED_VERSION, "unsupported-version") \
-    W(NVS_ERROR_CODE_UNKNOWN_TYPE, "unknown-type")               \
-    W(NVS_ERROR_CODE_BAD_FIELD, "bad-field")                     \
-    W(NVS_ERROR_CODE_NOT_REGISTERED, "not-registered")           \
-    W(NVS_ERROR_CODE_ALREADY_REGISTERED, "already-registered")
+#define NVS_ERROR_CODE_WORDS(W)                                    \
+    W(NVS_ERROR_CODE_MALFORMED, "malformed")                       \
+    W(NVS_ERROR_CODE_TOO_LARGE, "too-large")                       \
+    W(NVS_ERROR_CODE_UNSUPPORTED_VERSION, "unsupported-version")   \
+    W(NVS_ERROR_CODE_UNKNOWN_TYPE, "unknown-type")                 \
+    W(NVS_ERROR_CODE_BAD_FIELD, "bad-field")                       \
+    W(NVS_ERROR_CODE_NOT_REGISTERED, "not-registered")             \
+    W(NVS_ERROR_CODE_ALREADY_REGISTERED, "already-registered")     \
+    W(NVS_ERROR_CODE_TOO_MANY_CONNECTIONS, "too-many-connections")
 
 #define NVS_VOCABULARIES(V)           \
     V(mode, MODE)                     \
@@ -84,6 +85,7 @@
     M(WELCOME)                    \
     M(GRANT)                      \
     M(DROP)                       \
+    M(FENCE)                      \
     M(EVICT)                      \
     M(CONTENDED)                  \
     M(PREPARE)                    \
@@ -105,6 +107,7 @@
     M(ADMIT)                   \
     M(RELEASE)                 \
     M(EVICTED)                 \
+    M(FENCED)                  \
     M(HEARTBEAT)               \
     M(BYE)                     \
     M(QUERY)
@@ -126,6 +129,10 @@
     F(DROP, grace_ms, UINT, REQUIRED, grace_ms, 0, 0)                    \
     F(DROP, reason, WORD, REQUIRED, reason, drop_reason, "")             \
     F(DROP, evict, UINT, OPTIONAL, evict, 0, 0)                          \
+    F(DROP, fence, FLAG, OPTIONAL, fence, 0, 0)                          \
+    F(FENCE, device, DEVICE, REQUIRED, device, 0, "")                    \
+    F(FENCE, grant, UINT, REQUIRED, grant, 0, 0)                         \
+    F(FENCE, collectives, UINT, REQUIRED, collectives, 0, 0)             \
     F(EVICT, device, DEVICE, REQUIRED, device, 0, "")                    \
     F(EVICT, bytes, UINT, REQUIRED, bytes, 0, 0)                         \
     F(CONTENDED, device, DEVICE, REQUIRED, device, 0, "")                \
@@ -189,7 +196,10 @@
     F(RELEASE, reason, WORD, OPTIONAL, reason, release_reason, "user") \
     F(RELEASE, resident, UINT, NULLABLE, resident, 0, 0)               \
     F(EVICTED, device, DEVICE, REQUIRED, device, 0, "")                \
-    F(EVICTED, resident, UINT, REQUIRED, resident, 0, 0)
+    F(EVICTED, resident, UINT, REQUIRED, resident, 0, 0)               \
+    F(FENCED, device, DEVICE, REQUIRED, device, 0, "")                 \
+    F(FENCED, grant, UINT, REQUIRED, grant, 0, 0)                      \
+    F(FENCED, collectives, UINT, REQUIRED, collectives, 0, 0)
 
 #define NVS_SCHEDULER_MEMBERS(X)     \
     X(TEXT, client, 64)              \
@@ -208,6 +218,8 @@
     X(WORD_TEXT, reason_text, 0)     \
     X(WORD_NUMBER, drop_reason, 0)   \
     X(UINT, evict, 0)                \
+    X(FLAG, fence, 0)                \
+    X(UINT, collectives, 0)          \
     X(UINT, bytes, 0)                \
     X(UINT, quantum_left_ms, 0)      \
     X(UINT, idle_ms, 0)              \
@@ -247,6 +259,7 @@
     X(UINT, request, 0)       \
     X(UINT, bytes, 0)         \
     X(UINT, grant, 0)         \
-    X(WORD, reason, 0)
+    X(WORD, reason, 0)        \
+    X(UINT, collectives, 0)
 
 #endif

@@ -291,8 +291,11 @@ static int handshake(struct nvs_transport *t, int fd, int64_t deadline)
     size_t size;
     int rc;
 
-    if ((rc = write_all(fd, out, 2, deadline)) < 0)
-        return rc == -EPIPE ? -ECONNRESET : rc; /* closed on us, like an EOF further on */
+    /* Closed on us (EPIPE): what the scheduler wrote first is read all the same, since a
+     * scheduler without a place for this connection answers the handshake and says why (ERROR
+     * too-many-connections) before it closes; the first send then fails, after that is read. */
+    if ((rc = write_all(fd, out, 2, deadline)) < 0 && rc != -EPIPE)
+        return rc;
     if ((rc = read_greeting(fd, t->rx, deadline)) < 0)
         return rc;
     if ((rc = read_command(fd, t->rx, sizeof t->rx, &body, &size, deadline)) < 0)

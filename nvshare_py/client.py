@@ -222,6 +222,7 @@ class Client:
         self._by_index: list[_Device] = []
         self._incoming: protocol.Message | None = None  # the message the core is reading
         self._refused: str | None = None  # why the scheduler rejected our HELLO
+        self._no_place: str | None = None  # why it last had no place for our connection
         self._failure: str | None = None  # why the I/O thread stopped on its own
         self._closing = False
         self._bye_sent = False
@@ -266,6 +267,9 @@ class Client:
             self._shutdown(send_bye=False)
             if refused is not None:
                 raise SchedulerUnavailable(f"the scheduler at {self.paths.client_socket} refused this client: {refused}")
+            if self._no_place is not None:
+                raise SchedulerUnavailable(f"the scheduler at {self.paths.client_socket} had no place for this client "
+                                           f"within {self.connect_timeout:g} s: {self._no_place}")
             raise SchedulerUnavailable(
                 f"the scheduler at {self.paths.client_socket} did not answer within {self.connect_timeout:g} s"
             )
@@ -570,7 +574,9 @@ class Client:
             if self.on_mode is not None:
                 self._callback(self.on_mode, message.device, message.mode, message.quantum_ms / 1000)
         elif isinstance(message, protocol.Error):
-            if message.type == "HELLO" and message.code != "already-registered":
+            if message.code == "too-many-connections":
+                self._no_place = message.detail  # it connects again; connect() says why, if it gives up
+            elif message.type == "HELLO" and message.code != "already-registered":
                 self._refused = f"{message.code}: {message.detail}"
             elif registered and not self._core.registered:
                 # The scheduler lost this registration: drains the program still owes are void.

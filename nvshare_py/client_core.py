@@ -25,7 +25,8 @@ JOB_NONE, JOB_DRAIN, JOB_PROBE, JOB_SWAP_OUT, JOB_PREFETCH, JOB_PREFETCH_AHEAD =
 RESULT_DRAINED, RESULT_ACTIVE, RESULT_DEFERRED, RESULT_MOVED = 1, 2, 3, 4
 # enum nvs_action_kind
 (ACT_SEND, ACT_GATE, ACT_JOB, ACT_LOG, ACT_CONNECT, ACT_DISCONNECT, ACT_ADMISSION, ACT_LIMIT, ACT_SETTLED, ACT_SWAP_AREA,
- ACT_POOL) = range(1, 12)
+ ACT_POOL, ACT_COLLECTIVES) = range(1, 13)
+NO_LIMIT = 2**64 - 1  # NVS_CORE_NO_LIMIT (of ACT_COLLECTIVES)
 # Levels of ACT_LOG (0 error .. 3 debug).
 LOG_ERROR, LOG_WARN, LOG_INFO, LOG_DEBUG = range(4)
 UNADMITTED = 2**64 - 1  # NVS_CORE_UNADMITTED
@@ -51,6 +52,7 @@ class _Config(ctypes.Structure):
         ("socket_path", ctypes.c_char * 256),
         ("gang", ctypes.c_char * 128),
         ("gang_size", ctypes.c_uint64),
+        ("counts_collectives", ctypes.c_int),
     ]
 
 
@@ -81,6 +83,8 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "nvs_core_observe_admission": ([_p, _int, _u64], None),
     "nvs_core_observe_residency": ([_p, _int, _u64, _u64], None),
     "nvs_core_observe_swap": ([_p, ctypes.POINTER(_Swap)], None),
+    "nvs_core_observe_collectives": ([_p, _int, _u64], None),
+    "nvs_core_collectives_limited": ([_p, _int, _u64, _d], None),
     "nvs_core_connected": ([_p, _d], None),
     "nvs_core_connect_failed": ([_p, _int, _int, _d], None),
     "nvs_core_disconnected": ([_p, _str, _d], None),
@@ -124,7 +128,7 @@ class Action:
     device: int
     value: int
     data: bytes = b""
-    bytes: int = 0  # JOB: what a swap job moves; LIMIT: the limit; SWAP_AREA, POOL: their sizes
+    bytes: int = 0  # JOB: what a swap job moves; LIMIT: the limit; SWAP_AREA, POOL: their sizes; COLLECTIVES: the limit
 
 
 def _text(value: str, size: int) -> bytes:
@@ -139,16 +143,18 @@ class ClientCore:
     def __init__(self, lib: ctypes.CDLL, pid: int, session: str, *, fail_open: bool = False,
                  idle_release_ms: int = -1, predrain: bool = True, log_level: int = LOG_DEBUG, host: str = "",
                  container: str = "", pod: str = "", namespace: str = "", program: str = "",
-                 socket_path: str = "", gang: str = "", gang_size: int = 0) -> None:
+                 socket_path: str = "", gang: str = "", gang_size: int = 0, counts_collectives: bool = False) -> None:
         """`gang`, `gang_size`: the multi-GPU job this process is a rank of, for HELLO (what the
-        interceptor's gang discovery finds, interceptor/gang.c); "" for none."""
+        interceptor's gang discovery finds, interceptor/gang.c); "" for none. `counts_collectives`:
+        the owner counts the collectives launched and carries out ACT_COLLECTIVES (the
+        interceptor does; a Python program launches none)."""
         self.lib = lib
         self.buf = ctypes.create_string_buffer(lib.nvs_core_size())
         config = _Config(fail_open=int(fail_open), idle_release_ms=idle_release_ms, predrain=int(predrain),
                          log_level=log_level, pid=pid, session=session.encode(), host=_text(host, 256),
                          container=_text(container, 80), pod=_text(pod, 256), pod_namespace=_text(namespace, 256),
                          program=_text(program, 128), socket_path=_text(socket_path, 256),
-                         gang=_text(gang, 128), gang_size=gang_size)
+                         gang=_text(gang, 128), gang_size=gang_size, counts_collectives=int(counts_collectives))
         lib.nvs_core_init(self.buf, ctypes.byref(config))
         self._action = _Action()
         self._data = ctypes.create_string_buffer(protocol.MAX_MESSAGE + 1)
@@ -180,6 +186,13 @@ class ClientCore:
 
     def observe_swap(self, engine: int = 1, area: int = 0, out_bps: int = 0, in_bps: int = 0, pool: bool = False) -> None:
         self.lib.nvs_core_observe_swap(self.buf, ctypes.byref(_Swap(engine, area, out_bps, in_bps, int(pool))))
+
+    def observe_collectives(self, index: int, launched: int) -> None:
+        self.lib.nvs_core_observe_collectives(self.buf, index, launched)
+
+    def collectives_limited(self, index: int, launched: int, now: float) -> None:
+        """The owner carried out the device's last ACT_COLLECTIVES; `launched` then."""
+        self.lib.nvs_core_collectives_limited(self.buf, index, launched, now)
 
     def observe_admission(self, index: int, wanted: int) -> None:
         self.lib.nvs_core_observe_admission(self.buf, index, wanted)

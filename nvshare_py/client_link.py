@@ -41,6 +41,7 @@ class Link:
         # message arrives with the handshake.
         self._held = bytearray()
         self._handshaken = False
+        self._lost: LinkLost | None = None  # a failed write, raised once what came before it is read
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -71,17 +72,20 @@ class Link:
 
     def receive(self) -> list[tuple[bytes, ...]]:
         """The messages (their frames) that arrived; answers PING and sends what waited for
-        the handshake."""
-        if self._outgoing:
-            self.flush()
+        the handshake. A write that failed is raised once what had arrived is read: a scheduler
+        without a place for the connection says why (ERROR too-many-connections), then closes."""
+        if self._lost is None and self._outgoing:
+            self._lost = self._try_flush()
         try:
             data = self._sock.recv(READ_CHUNK)
         except BlockingIOError:
+            if self._lost is not None:
+                raise self._lost from None
             return []
         except OSError as exc:
             raise LinkLost(exc.strerror or str(exc)) from None
         if not data:
-            raise LinkLost("closed by the scheduler")
+            raise self._lost or LinkLost("closed by the scheduler")
         try:
             items = self._parser.feed(data)
         except zmtp.Violation as exc:
@@ -96,9 +100,18 @@ class Link:
                 self._held.clear()
             elif isinstance(item, zmtp.Ping):
                 self._outgoing += zmtp.pong(item.context)
-        if self._outgoing:
-            self.flush()
+        if self._lost is None and self._outgoing:
+            self._lost = self._try_flush()
+        if self._lost is not None and not messages:
+            raise self._lost
         return messages
+
+    def _try_flush(self) -> LinkLost | None:
+        try:
+            self.flush()
+        except LinkLost as lost:
+            return lost
+        return None
 
     def close(self) -> None:
         self._sock.close()

@@ -384,12 +384,14 @@ class DeviceAnnouncement(Message):
 @dataclass(frozen=True, slots=True)
 class Memory(Message):
     """Bytes this client has allocated on the device (managed + unconverted); a figure above the
-    device's measured size counts as that size. Sent when it changes, at most every 100 ms, and just
-    before an `ACQUIRE`. `resident`, from a client that swaps (see *Residency*): its converted bytes
-    it believes are on the device (all of them once it ran after a grant, less after it evicted).
-    Absent: the client takes no part in residency, and all of `used` counts as resident. `engine`,
-    `area`, `out_bps`, `in_bps`, from a client that swaps: its swap engine (docs/interceptor.md,
-    *Swapping*), shown in `nvsharectl status` and used to price a handoff."""
+    device's measured size counts as that size (for admission, the size of a device the daemon did
+    not measure is its budget, and a report on a device with neither counts as 0; docs/protocol.md,
+    *Admission*). Sent when it changes, at most every 100 ms, and just before an `ACQUIRE`.
+    `resident`, from a client that swaps (see *Residency*): its converted bytes it believes are on
+    the device (all of them once it ran after a grant, less after it evicted). Absent: the client
+    takes no part in residency, and all of `used` counts as resident. `engine`, `area`, `out_bps`,
+    `in_bps`, from a client that swaps: its swap engine (docs/interceptor.md, *Swapping*), shown in
+    `nvsharectl status` and used to price a handoff."""
 
     TYPE: ClassVar[str] = "MEMORY"
     device: str
@@ -455,6 +457,18 @@ class Evicted(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Fenced(Message):
+    """The answer to a `DROP` with `fence=1` from a client that counts its collectives (NCCL's
+    kernels, by name; docs/interceptor.md, *Gangs*): its gate is closed and no collective is
+    launched any more; it waits for `FENCE` before it drains."""
+
+    TYPE: ClassVar[str] = "FENCED"
+    device: str
+    grant: int
+    collectives: int  # collectives launched on the device since the process began
+
+
+@dataclass(frozen=True, slots=True)
 class Heartbeat(Message):
     """Liveness. Sent every `heartbeat_ms` (from `WELCOME`) when nothing else was sent."""
 
@@ -517,7 +531,10 @@ class Drop(Message):
     may not run beside the first claimant); outside it, `grace_ms=0` and the `REVOKE` follows at
     once (see *Scheduling rules*). `evict`: after the drain and before the `RELEASE`, move at least
     this many bytes of converted memory to host memory in bulk, and say in the `RELEASE` what stays
-    resident."""
+    resident. `fence=1` (to each member of a gang, whose devices are dropped together; see *Gangs*):
+    a client that counts the collectives it launches answers `FENCED` and drains only after `FENCE`,
+    so that every member stops after the same collective; one that does not (or an older one) drains
+    and releases as for any `DROP`."""
 
     TYPE: ClassVar[str] = "DROP"
     device: str
@@ -525,6 +542,21 @@ class Drop(Message):
     grace_ms: int
     reason: str  # a word of vocabulary.DROP_REASON
     evict: int = 0  # bytes
+    # to a gang's members: stop after the collective the gang agrees on (FENCED, FENCE) before draining
+    fence: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Fence(Message):
+    """The answer to the `FENCED` of every member of a dropped gang turn (see *Gangs*): launch
+    collectives on the device until this many have been launched (the gate open meanwhile), then
+    stop submitting, drain and send the `RELEASE` of the `DROP`. Every member then stops after the
+    same collective, so no member's last collective waits for a partner that stopped before it."""
+
+    TYPE: ClassVar[str] = "FENCE"
+    device: str
+    grant: int
+    collectives: int  # the most any member said in FENCED
 
 
 @dataclass(frozen=True, slots=True)
@@ -662,7 +694,9 @@ class Limit(Message):
 
 @dataclass(frozen=True, slots=True)
 class Error(Message):
-    """The message was rejected; the connection stays usable."""
+    """The message was rejected; the connection stays usable. Except `too-many-connections`: the
+    scheduler had no place for a new connection, says so right after its handshake, and closes it
+    (see *Client socket*)."""
 
     TYPE: ClassVar[str] = "ERROR"
     code: str  # a word of vocabulary.ERROR_CODE
@@ -679,9 +713,9 @@ class Status(_StatusDocument):
 
 
 MESSAGE_CLASSES: Final[tuple[type[Message], ...]] = (Hello, DeviceAnnouncement, Memory, Acquire, Admit, Release,
-                                                    Evicted, Heartbeat, Bye, Query, Welcome, Grant, Drop, Evict,
-                                                    Contended, Prepare, Pool, Prefetch, Revoke, ModeNotice,
-                                                    Admitted, Refused, Limit, Error, Status)
+                                                    Evicted, Fenced, Heartbeat, Bye, Query, Welcome, Grant, Drop,
+                                                    Fence, Evict, Contended, Prepare, Pool, Prefetch, Revoke,
+                                                    ModeNotice, Admitted, Refused, Limit, Error, Status)
 
 
 # end of generated: messages

@@ -187,7 +187,7 @@ MESSAGES: Final[tuple[Message, ...]] = (
         optional("pool", FLAG, False, "`1`: its area is its user's swap pool (`POOL`), which other processes "
                  "share; `0`: memory it pinned for itself (`PREPARE`)"),
     ), "Bytes this client has allocated on the device (managed + unconverted); a figure above the "
-       "device's measured size counts as that size. Sent when it changes, at most every 100 ms, and just before an `ACQUIRE`. `resident`, from a client "
+       "device's measured size counts as that size (for admission, the size of a device the daemon did not measure is its budget, and a report on a device with neither counts as 0; docs/protocol.md, *Admission*). Sent when it changes, at most every 100 ms, and just before an `ACQUIRE`. `resident`, from a client "
        "that swaps (see *Residency*): its converted bytes it believes are on the device (all of "
        "them once it ran after a grant, less after it evicted). Absent: the client takes no part "
        "in residency, and all of `used` counts as resident. `engine`, `area`, `out_bps`, `in_bps`, "
@@ -223,6 +223,13 @@ MESSAGES: Final[tuple[Message, ...]] = (
     ), "The answer to `EVICT`: what of its converted memory is still on the device. Also sent, "
        "unasked, after a `DROP` with `evict` that crossed an idle `RELEASE` of its grant: the room "
        "moved out after that `RELEASE`."),
+    Message("FENCED", "Fenced", CLIENT, (
+        required("device", DEVICE),
+        required("grant", UINT),
+        required("collectives", UINT, "collectives launched on the device since the process began"),
+    ), "The answer to a `DROP` with `fence=1` from a client that counts its collectives (NCCL's "
+       "kernels, by name; docs/interceptor.md, *Gangs*): its gate is closed and no collective is "
+       "launched any more; it waits for `FENCE` before it drains."),
     Message("HEARTBEAT", "Heartbeat", CLIENT, (),
             "Liveness. Sent every `heartbeat_ms` (from `WELCOME`) when nothing else was sent."),
     Message("BYE", "Bye", CLIENT, (),
@@ -260,6 +267,8 @@ MESSAGES: Final[tuple[Message, ...]] = (
         required("grace_ms", UINT),
         required("reason", WORD, words=vocabulary.DROP_REASON),
         optional("evict", UINT, 0, "bytes"),
+        optional("fence", FLAG, False, "to a gang's members: stop after the collective the gang agrees on "
+                 "(`FENCED`, `FENCE`) before draining"),
     ), "Stop submitting, drain, send `RELEASE` with this `grant` (whatever the reason). If the "
        "`RELEASE` has not arrived after `grace_ms`, the grant is revoked. A `conflict` DROP answers "
        "a `held=` claim that is not honoured: its `grant` id was never sent in a `GRANT`, and is the "
@@ -267,7 +276,19 @@ MESSAGES: Final[tuple[Message, ...]] = (
        "claim that may not run beside the first claimant); outside it, `grace_ms=0` and the "
        "`REVOKE` follows at once (see *Scheduling rules*). `evict`: after the drain and before the "
        "`RELEASE`, move at least this many bytes of converted memory to host memory in bulk, and "
-       "say in the `RELEASE` what stays resident."),
+       "say in the `RELEASE` what stays resident. `fence=1` (to each member of a gang, whose devices "
+       "are dropped together; see *Gangs*): a client that counts the collectives it launches "
+       "answers `FENCED` and drains only after `FENCE`, so that every member stops after the same "
+       "collective; one that does not (or an older one) drains and releases as for any `DROP`."),
+    Message("FENCE", "Fence", SCHEDULER, (
+        required("device", DEVICE),
+        required("grant", UINT),
+        required("collectives", UINT, "the most any member said in `FENCED`"),
+    ), "The answer to the `FENCED` of every member of a dropped gang turn (see *Gangs*): launch "
+       "collectives on the device until this many have been launched (the gate open meanwhile), "
+       "then stop submitting, drain and send the `RELEASE` of the `DROP`. Every member then stops "
+       "after the same collective, so no member's last collective waits for a partner that stopped "
+       "before it."),
     Message("EVICT", "Evict", SCHEDULER, (
         required("device", DEVICE),
         required("bytes", UINT),
@@ -356,7 +377,9 @@ MESSAGES: Final[tuple[Message, ...]] = (
         required("code", WORD, words=vocabulary.ERROR_CODE),
         optional("detail", TEXT, "", c_size=256),
         optional("type", TEXT, "", "the offending message type, when known", c_name="error_type", c_size=32),
-    ), "The message was rejected; the connection stays usable."),
+    ), "The message was rejected; the connection stays usable. Except `too-many-connections`: the "
+       "scheduler had no place for a new connection, says so right after its handshake, and closes it "
+       "(see *Client socket*)."),
     Message("STATUS", "Status", SCHEDULER, (
         required("json", JSON, "compact, up to the 4096-byte message limit",
                  max_bytes=STATUS_DOCUMENT_MAX),

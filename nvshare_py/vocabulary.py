@@ -127,7 +127,7 @@ ADMISSION_POLICY: Final = _vocabulary("admission_policy", AdmissionPolicy, {
 # --- the client socket's error codes -------------------------------------------------------
 
 ErrorCode = Literal["malformed", "too-large", "unsupported-version", "unknown-type", "bad-field",
-                    "not-registered", "already-registered"]
+                    "not-registered", "already-registered", "too-many-connections"]
 ERROR_CODE: Final = _vocabulary("error_code", ErrorCode, {
     "malformed": "not a message of the protocol's form",
     "too-large": "over the message size limit, or more than one frame",
@@ -136,6 +136,9 @@ ERROR_CODE: Final = _vocabulary("error_code", ErrorCode, {
     "bad-field": "a required field is missing or a value has the wrong form",
     "not-registered": "a message that needs HELLO first",
     "already-registered": "a second HELLO on one connection",
+    "too-many-connections": "the scheduler serves no more connections of this user or pod now (or none at all; "
+                            "`detail` says which limit): sent instead of serving a new connection, which it then "
+                            "closes; the client connects again later",
 })
 
 VOCABULARIES: Final = (MODE, RELEASE_REASON, DROP_REASON, REVOKE_REASON, REFUSE_REASON, ADMISSION_POLICY,

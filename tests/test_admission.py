@@ -388,6 +388,24 @@ def test_no_user_holds_more_than_its_share_whatever_it_reports_or_asks():
     assert node.core.admission_capacity() == 8 * GiB
 
 
+def test_a_report_on_a_device_nobody_sized_fills_no_share_until_it_is_sized():
+    # Issue 31: a use reported on a device the daemon had not measured (and no budget sized)
+    # counted without bound, so one process filled its user's share and the user's other
+    # processes waited. It counts nothing until the device is sized, then up to its size.
+    node = Node(spill=0, budget=8 * GiB, share=0.75)  # capacity 8 GiB, a user's quota 6 GiB
+    node.register(1, uid=HOSTILE)
+    node.register(2, uid=HOSTILE)
+    node.memory(1, 1 << 62, device=GPU1)
+    assert node.core.admission_reserved() == 0
+    ((client, answer),) = answers(node.admit(2, 2 * GiB))
+    assert client == 2 and isinstance(answer, protocol.Admitted)  # at once: its user's share is free
+    reserved = node.core.admission_reserved()
+    node.feed(SetBudget(node.now, GPU1, 1 * GiB))  # sized by the operator: the report counts as 1 GiB
+    assert node.core.admission_reserved() == reserved + 1 * GiB
+    node.feed(DeviceMeasured(node.now, GPU1, 4 * GiB, "sim"))  # measured: up to its 4 GiB
+    assert node.core.admission_reserved() == reserved + 4 * GiB
+
+
 def test_a_user_asking_for_more_than_is_free_does_not_hold_back_those_holding_less():
     node = Node(spill=0, budget=8 * GiB, share=0.75)
     node.register(1, uid=INNOCENT)

@@ -469,6 +469,35 @@ def test_a_process_started_before_the_scheduler_says_connected_and_only_a_reconn
     assert _connections(_connect(core, 12.5)) == ["connected to the scheduler at /sim/client/scheduler.sock again"]
 
 
+def test_a_process_the_scheduler_has_no_place_for_says_why_once_and_tries_again(client_core_lib):
+    """Issue 31: a process beyond its user's places was closed at every attempt without a word.
+    The scheduler says why (ERROR too-many-connections) before it closes: the process says it
+    once, its waiting threads' warning names the reason, and it connects again until served."""
+    refusal = b"NVSHARE/1 ERROR\ncode=too-many-connections\ndetail=uid 1000 has 64 connections open, the most one may"
+    core = ClientCore(client_core_lib, 4242, "00000000000000aa", socket_path=SIM_SOCKET)
+    core.add_device(0, SCRIPTED_DEVICE)
+    core.observe(0, 1, 0, 0, 0)  # a thread waits for the device
+    now, said, opened = 10.0, [], []
+    while now < 35.0:  # attempts 0.1 s apart for the first 3 s, then a second apart
+        now = max(now, core.next_deadline(now))
+        core.tick(now)
+        actions = core.pop(now)
+        if [a for a in actions if a.kind == ACT_CONNECT]:
+            core.connected(now)
+            core.receive(refusal, now)
+            core.disconnected("the scheduler closed the connection", now)
+            actions += core.pop(now)
+        said += _warnings(actions)
+        opened += [gate for gate in _gates(actions) if gate]
+    assert opened == []  # fail-closed: the waiting thread waits
+    told = [w for w in said if "has no place for this process now" in w]
+    assert len(told) == 1 and "64 connections open" in told[0] and "GPU work waits" in told[0], said
+    waiting = [w for w in said if w.startswith("waiting for a place at the scheduler")]
+    assert waiting and all("64 connections open" in w for w in waiting), said
+    assert not [w for w in said if "rejected a message" in w or "lost the scheduler" in w], said
+    assert _connections(_connect(core, now)) == ["connected to the scheduler at /sim/client/scheduler.sock"]
+
+
 def test_a_first_connection_without_an_outage_is_not_announced(client_core_lib):
     core = ClientCore(client_core_lib, 4242, "00000000000000aa")
     core.add_device(0, SCRIPTED_DEVICE)

@@ -10,6 +10,7 @@ import pytest
 
 from fixtures.client_core import (ACT_GATE, ACT_JOB, ACT_LIMIT, ACT_SEND, HOLDING, IDLE, JOB_DRAIN, JOB_PROBE, World,
                                   RESULT_DRAINED, ClientCore)
+from nvshare_py.client_core import ACT_COLLECTIVES, NO_LIMIT
 from nvshare_py import protocol
 
 DEVICES = ["GPU-00000000-0000-0000-0000-000000000000", "GPU-00000001-0000-0000-0000-000000000000"]
@@ -18,8 +19,10 @@ DEVICES = ["GPU-00000000-0000-0000-0000-000000000000", "GPU-00000001-0000-0000-0
 class Rank:
     """A registered core that knows two devices (resolved: PyTorch's start-up) and uses none yet."""
 
-    def __init__(self, lib, gang: str = "", gang_size: int = 0, before_welcome: tuple[str, ...] = ()) -> None:
-        self.core = ClientCore(lib, 4242, "00000000000000aa", gang=gang, gang_size=gang_size)
+    def __init__(self, lib, gang: str = "", gang_size: int = 0, before_welcome: tuple[str, ...] = (),
+                 counts_collectives: bool = False) -> None:
+        self.core = ClientCore(lib, 4242, "00000000000000aa", gang=gang, gang_size=gang_size,
+                               counts_collectives=counts_collectives)
         for index, uuid in enumerate(DEVICES):
             self.core.add_device(index, uuid)
         self.used = [0, 0]
@@ -64,10 +67,10 @@ def kinds(actions) -> list[str]:
     return [m.TYPE for m in messages(actions) if m.TYPE != "HEARTBEAT"]
 
 
-def rank_running_on_grant_3(client_core_lib) -> Rank:
+def rank_running_on_grant_3(client_core_lib, counts_collectives: bool = False) -> Rank:
     """A rank of gang `job` (2 ranks) that asked for device 0, was granted it (grant 3) and has
     work running on it."""
-    rank = Rank(client_core_lib, gang="job", gang_size=2)
+    rank = Rank(client_core_lib, gang="job", gang_size=2, counts_collectives=counts_collectives)
     rank.used[0] = 1 << 20
     rank.waiters[0] = 1
     rank.tick(0.2)
@@ -244,3 +247,68 @@ def test_with_the_scheduler_core_a_gang_turn_grants_a_member_a_device_it_did_not
         world.want(a, 0)
         world.advance(0.05)
     assert any(device == 1 and reason == "idle" for device, _, reason in a.releases[releases:]), a.releases
+
+
+# --- the fence: every member stops after the same collective (issue 31) -------------------------
+
+
+def limits(actions) -> list[tuple[int, int]]:
+    return [(a.device, a.bytes) for a in actions if a.kind == ACT_COLLECTIVES]
+
+
+def gates(actions) -> list[int]:
+    return [a.value for a in actions if a.kind == ACT_GATE]
+
+
+def drains(actions) -> list[int]:
+    return [a.device for a in actions if a.kind == ACT_JOB and a.value == JOB_DRAIN]
+
+
+def fenced_drop(rank: Rank) -> list:
+    return rank.receive("DROP", device=DEVICES[0], grant=3, grace_ms=1000, reason="quantum", fence=1)
+
+
+def test_a_rank_behind_its_gang_launches_up_to_the_gangs_collective_before_it_drains(client_core_lib):
+    # Was: the gate closed at the DROP wherever the rank was in its step; its partner, which had
+    # launched the step's all-reduce already, could not drain and was revoked.
+    rank = rank_running_on_grant_3(client_core_lib, counts_collectives=True)
+    drop = fenced_drop(rank)
+    assert gates(drop) == [0] and limits(drop) == [(0, 0)] and drains(drop) == []  # no collective, no drain yet
+    rank.core.collectives_limited(0, 40, rank.now)  # the shell froze them: 40 launched
+    (said,) = messages(rank.core.pop(rank.now))
+    assert (said.TYPE, said.grant, said.collectives) == ("FENCED", 3, 40)
+    assert drains(rank.job_done(0, RESULT_DRAINED)) == []  # an idle probe's result releases nothing now
+    fence = rank.receive("FENCE", device=DEVICES[0], grant=3, collectives=41)  # its partner launched one more
+    assert limits(fence) == [(0, 41)] and gates(fence) == [1] and drains(fence) == []
+    rank.core.observe_collectives(0, 41)  # it launched the step's all-reduce
+    caught_up = rank.tick()
+    assert gates(caught_up) == [0] and drains(caught_up) == [0]
+    assert kinds(rank.job_done(0, RESULT_DRAINED)) == ["RELEASE"]
+    regrant = rank.receive("GRANT", device=DEVICES[0], grant=5, mode="on", exclusive=1, quantum_ms=1000)
+    assert limits(regrant) == [(0, NO_LIMIT)] and gates(regrant) == [1]  # the next turn launches freely
+
+
+def test_the_rank_that_went_furthest_drains_at_its_fence(client_core_lib):
+    rank = rank_running_on_grant_3(client_core_lib, counts_collectives=True)
+    fenced_drop(rank)
+    rank.core.collectives_limited(0, 41, rank.now)
+    rank.core.pop(rank.now)
+    fence = rank.receive("FENCE", device=DEVICES[0], grant=3, collectives=41)
+    assert gates(fence) == [] and drains(fence) == [0]
+
+
+def test_a_revoke_during_the_fence_drains_at_once(client_core_lib):
+    rank = rank_running_on_grant_3(client_core_lib, counts_collectives=True)
+    fenced_drop(rank)
+    rank.core.collectives_limited(0, 40, rank.now)
+    rank.core.pop(rank.now)
+    revoked = rank.receive("REVOKE", device=DEVICES[0], grant=3, reason="grace-expired")
+    assert drains(revoked) == [0]
+
+
+def test_a_process_that_does_not_count_collectives_drains_at_a_fenced_drop(client_core_lib):
+    """nvshare_py.client launches no collective: it answers no fence, and the scheduler does not
+    wait for it."""
+    rank = rank_running_on_grant_3(client_core_lib)
+    drop = fenced_drop(rank)
+    assert limits(drop) == [] and drains(drop) == [0] and "FENCED" not in kinds(drop)

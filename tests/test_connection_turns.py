@@ -8,6 +8,7 @@ it answered the other one."""
 from __future__ import annotations
 
 import collections
+import os
 import select
 import shutil
 import socket
@@ -222,3 +223,81 @@ def test_what_a_connection_costs_outside_its_turns_is_its_users_too(monkeypatch)
         assert sum(greeted(sock) for sock in flood) == 1
 
     run(monkeypatch, test)
+
+
+PAGE = 100 * 1024  # an `events` page's size, about (eventring.PAGE_BYTES is 128 KiB)
+
+
+class Pages(Harness):
+    """The flood's messages are answered with PAGE bytes each, as `events` requests are; the
+    innocent's with `pong`. When the first page is answered the innocent sends a ping: the
+    server is then in the middle of the flood's burst. `order` is what was answered when."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.order: list[str] = []
+        self.innocent: trio.socket.SocketType | None = None
+        served = self.server  # as the control socket's server: replies of megabytes may queue
+        self.server = ConnectionServer(
+            "control", served.listener, served.limits, served.max_message, self._on_message, self._on_closed,
+            turns=self.turns, budget=served.budget, idle_timeout=600.0, outgoing_max=8 << 20)
+
+    def _on_message(self, connection: connections.Connection, frames: tuple[bytes, ...]) -> None:
+        if connection.principal == FLOOD:
+            self.order.append("page")
+            if self.order.count("page") == 1:
+                assert self.innocent is not None  # a plain write: this runs inside the server's turn
+                os.write(self.innocent.fileno(), floodkit.frame(b"ping"))
+            self.server.write(connection, zmtp.frame(bytes(PAGE)))
+        else:
+            self.order.append("ping")
+            self.server.write(connection, zmtp.frame(b"pong"))
+
+
+def test_a_burst_of_large_answers_to_one_user_leaves_turns_to_another(monkeypatch):
+    # Issue 31: a reader asking for many `events` pages at once (a DEALER sends them without
+    # waiting) had all of them answered in one turn, a step of 16 pages, while another user's
+    # message waited. Now a turn stops once it has written TURN_OUTPUT of answers, and the rest
+    # of what it read waits for its principal's next turn, after the other user's.
+    async def test(harness: Pages) -> None:
+        innocent = await harness.connect(INNOCENT)
+        await harness.ping(innocent)
+        harness.order.clear()
+        harness.innocent = innocent
+        flood = await harness.connect(FLOOD)
+        pages = 8
+
+        async def read_pages() -> None:  # the reader reads what it asked for, as it comes
+            wanted, got = pages * len(zmtp.frame(bytes(PAGE))), 0
+            with trio.move_on_after(PATIENCE):
+                while got < wanted:
+                    chunk = await flood.recv(1 << 16)
+                    assert chunk, f"closed by the server after {got} of {wanted} bytes"
+                    got += len(chunk)
+            assert got == wanted, f"{got} of {wanted} bytes of pages within {PATIENCE} s"
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_pages)
+            await flood.send(floodkit.frame(b"events") * pages)  # one write: one read of the server's
+            pong = await read_exactly(innocent, len(zmtp.frame(b"pong")), "the answer to the ping")
+            assert pong == zmtp.frame(b"pong")
+        assert harness.order.count("page") == pages, harness.order
+        # Answered before the burst was through: at most two pages went first.
+        assert "ping" in harness.order[:3], harness.order
+
+    directory = Path(tempfile.mkdtemp(prefix="nvs-turns-", dir="/tmp"))
+    harness = Pages(directory)
+    monkeypatch.setattr(connections, "peer_credentials", harness.peer_credentials)
+    monkeypatch.setattr(connections, "principal", harness.principal)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(harness.server.serve)
+            await test(harness)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        harness.server.listener.close()
+        shutil.rmtree(directory)

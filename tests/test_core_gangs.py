@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from nvshare_py import protocol
-from nvshare_py.scheduler.events import Log
+from nvshare_py.scheduler.events import ClientMessage, Log
 
 from test_core import GPU0, GPU1, Harness
 
@@ -405,3 +405,72 @@ def test_a_member_that_leaves_while_its_gang_waits_lets_the_rest_of_the_gang_run
     assert h.grants() == []  # GPU1 is busy
     h.at(1).bye("r1", "exited")  # the rank on GPU1 is gone: r0 needs GPU0 only
     assert granted(h) == [("r0", GPU0)]
+
+
+# --- the fence: every member stops after the same collective (issue 31) -------------------------
+
+
+def fenced(h: Harness, key: str, device: str, collectives: int) -> None:
+    h.feed(ClientMessage(h.now, key, protocol.Fenced(device=device, grant=grant_on(h, device),
+                                                    collectives=collectives)))
+
+
+def fences(h: Harness) -> list[tuple[str, str, int]]:
+    return sorted((to, m.device, m.collectives) for to, m in h.sent(protocol.Fence))
+
+
+def test_a_dropped_gang_is_told_to_stop_after_the_collective_the_furthest_member_launched():
+    # Was: the members' gates closed wherever the DROP found them; a rank that had launched
+    # step k's all-reduce while its partner had not could not drain, and was revoked.
+    h = gang_holding_while_a_single_waits(grace=2.0)
+    h.at(10).tick()
+    assert [(to, m.fence) for to, m in sorted(h.sent(protocol.Drop), key=lambda sent: sent[0])] == [
+        ("r0", True), ("r1", True)]
+    fenced(h, "r0", GPU0, 41)
+    assert fences(h) == []  # it waits for every member
+    fenced(h, "r1", GPU1, 40)
+    assert fences(h) == [("r0", GPU0, 41), ("r1", GPU1, 41)]
+    (event,) = h.events("gang-fence")
+    assert event.detail == "gang=g1 turn=1 collectives=41 behind=1"
+    h.release("r0", grant_on(h, GPU0), GPU0, "drop")
+    h.release("r1", grant_on(h, GPU1), GPU1, "drop")
+    assert granted(h) == [("s", GPU0)]
+
+
+def test_a_member_that_does_not_count_collectives_is_not_waited_for():
+    h = gang_holding_while_a_single_waits(grace=2.0)
+    h.at(10).tick()
+    fenced(h, "r0", GPU0, 7)
+    h.release("r1", grant_on(h, GPU1), GPU1, "drop")  # an older client: it just releases
+    assert fences(h) == [("r0", GPU0, 7)]
+
+
+def test_a_drop_outside_a_gang_has_no_fence():
+    h = quiet(tq=10.0)
+    h.register("s")
+    h.device("s", GPU0)
+    h.acquire("s", GPU0)
+    h.register("t")
+    h.device("t", GPU0)
+    h.at(1).acquire("t", GPU0)
+    h.at(10).tick()
+    assert [(to, m.fence) for to, m in h.sent(protocol.Drop)] == [("s", False)]
+    h.feed(ClientMessage(h.now, "s", protocol.Fenced(device=GPU0, grant=grant_on(h, GPU0), collectives=3)))
+    assert fences(h) == [] and [log for log in h.logs("debug") if log.what == "fenced-stale"]
+
+
+def test_a_member_paused_at_the_turns_end_is_granted_again_and_fenced_with_the_others():
+    # Was: only the members holding were dropped; one paused for idleness (a long CPU phase)
+    # was left behind the others' collectives, and the partner that had launched the next one
+    # spun until it was revoked.
+    h = gang_holding_while_a_single_waits(grace=2.0)
+    h.at(2).release("r0", grant_on(h, GPU0), GPU0, "idle")
+    h.at(10).tick()
+    assert granted(h) == [("r0", GPU0)]  # its device again, for the fence
+    assert drops(h) == [("r0", GPU0, "quantum"), ("r1", GPU1, "quantum")]
+    fenced(h, "r1", GPU1, 12)
+    fenced(h, "r0", GPU0, 11)
+    assert fences(h) == [("r0", GPU0, 12), ("r1", GPU1, 12)]
+    h.release("r0", grant_on(h, GPU0), GPU0, "drop")
+    h.release("r1", grant_on(h, GPU1), GPU1, "drop")
+    assert granted(h) == [("s", GPU0)]

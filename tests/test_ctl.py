@@ -540,3 +540,50 @@ def test_status_says_why_a_heavier_client_gets_less_a_higher_class_goes_first():
     text = " ".join(console.export_text().split())
     assert "c3 21 % (due 0 %, weight 4)" in text and "c4 79 % (due 100 %, class 5)" in text, text
     assert "c3 is due nothing while class 5 (c4) waits or holds: a higher class goes first" in text, text
+
+
+def test_status_shows_a_gang_as_one_line_with_its_ranks_not_a_row_per_gpu():
+    """Issue 31: a job's ranks were listed under each GPU like unrelated programs; the gang's
+    line named only their ids. Now the compact view has one line per gang (its ranks, user,
+    program, GPUs, memory, state), a GPU held by a gang says so, and `-o wide` groups each
+    gang's ranks (pid, GPU, state) under it."""
+    from rich.console import Console
+
+    from ctl.screens import render_status, render_status_wide
+    from nvshare_py.devicenames import DeviceNames
+
+    gpu1 = "GPU-5151ad00-0000-4000-8000-000000000001"
+    holding = {"state": "holding", "used": 4 << 30}
+    status = {
+        "scheduler": {"version": "x", "pid": 1, "socket_dir": "/run/nvshare", "defaults": {"mode": "on", "tq": 30}},
+        "devices": [{"device": device, "mode": "on", "tq": 30, "used": 4 << 30, "budget": 16 << 30,
+                     "total": 16 << 30, "holders": [{"client": rank, "quantum_left": 12.3, "state": "holding",
+                                                     "since": 0.0}],
+                     "waiters": [{"client": "c9", "since": 0.0}] if device == GPU else []}
+                    for device, rank in ((GPU, "c3"), (gpu1, "c5"))],
+        "clients": [
+            {"client": "c3", "user": "alice", "program": "train.py", "pid": 11, "gang": "g1",
+             "devices": {GPU: holding}},
+            {"client": "c5", "user": "alice", "program": "train.py", "pid": 12, "gang": "g1",
+             "devices": {gpu1: holding}},
+            {"client": "c9", "user": "bob", "program": "infer.py", "pid": 13, "gang": None,
+             "devices": {GPU: {"state": "waiting", "used": 1 << 30}}},
+        ],
+        "gangs": [{"gang": "g1", "name": "job", "size": 2, "members": ["c3", "c5"], "devices": [GPU, gpu1],
+                   "state": "holding", "turn": 4, "since": 0.0, "quantum_left": 12.3, "turns": 2}],
+    }
+    names = DeviceNames([GPU, gpu1])
+    console = Console(width=120, record=True, highlight=False)
+    console.print(render_status(status, names, now=10.0))
+    lines = console.export_text().splitlines()
+    gang_lines = [line for line in lines if "g1" in line or "c3" in line or "c5" in line]
+    assert gang_lines[:2] == ["GPU0  on, TQ 30 s, 4.0 GiB of 16.0 GiB, held by gang g1 'job' (12.3s left), 1 waiting",
+                              "GPU1  on, TQ 30 s, 4.0 GiB of 16.0 GiB, held by gang g1 'job'"], lines
+    (line,) = gang_lines[2:]
+    assert line == ("gang g1 'job': 2 ranks (c3, c5) of alice, train.py, on GPU0 GPU1, 8.0 GiB; holds its devices, "
+                    "12.3 s of its quantum left"), lines
+    assert [row for row in lines if row.startswith("c9 ")], lines  # a single program is a row under its GPU
+    console = Console(width=200, record=True, highlight=False)
+    console.print(render_status_wide(status, names, now=10.0))
+    wide = console.export_text()
+    assert "c3 pid 11: GPU0 holding" in wide and "c5 pid 12: GPU1 holding" in wide, wide

@@ -288,6 +288,37 @@ def test_a_few_users_cannot_keep_root_or_a_new_user_out(limited_scheduler):
             attacker.stop()
 
 
+def test_a_connection_beyond_its_users_places_is_told_why_and_shown_in_status(scheduler_factory):
+    # Issue 31: beyond its user's places a connection was closed without a word, and nothing
+    # showed that a process waited for one.
+    scheduler = scheduler_factory(max_clients_per_user=2, heartbeat_timeout=300)
+    registered = [floodkit.RawClient(scheduler.paths.client_socket) for _ in range(2)]
+    for n, client in enumerate(registered):
+        client.hello(session=f"{0xd0 + n:016x}")
+    for attempt in range(3):
+        refused = floodkit.RawClient(scheduler.paths.client_socket)  # the handshake is answered ...
+        error = refused.expect("ERROR")  # ... and then why it is not served
+        assert floodkit.field(error, "code") == "too-many-connections", error
+        assert "2 connections open" in floodkit.field(error, "detail"), error
+        try:
+            end = refused.sock.recv(1)
+        except ConnectionResetError:  # closed with its greeting unread
+            end = b""
+        assert end == b"", "the refused connection stays open"
+        refused.close()
+    (entry,) = scheduler.status()["refused"]
+    assert entry["uid"] == os.getuid() and entry["refused"] == 3 and entry["pids"] == [os.getpid()]
+    assert "2 connections open" in entry["reason"]
+    # A library client tries again for its connect timeout, then says why it gave up.
+    result = subprocess.run([sys.executable, "-c", "from nvshare_py.client import Client; Client(connect_timeout=1).connect()"],
+                            env=scheduler.env, capture_output=True, text=True, timeout=PATIENCE)
+    assert result.returncode != 0 and "had no place for this client within 1 s" in result.stderr, result.stderr
+    assert "2 connections open" in result.stderr, result.stderr
+    registered[0].close()  # a place comes free: served
+    wait_for(lambda: len(scheduler.status()["clients"]) == 1, what="the closed registration to end")
+    assert_serves(scheduler)
+
+
 def test_running_out_of_descriptors_never_ends_the_daemon(scheduler):
     # Was: the control socket's libzmq listener aborted the daemon on EMFILE
     # (`Too many open files (src/ipc_listener.cpp:297)`), and metrics' accept raised it out of

@@ -98,8 +98,8 @@ def test_a_two_rank_job_beside_a_single_gets_both_devices_at_once(scheduler, con
 
     compact = scheduler.ctl("status")
     assert compact.returncode == 0, compact.stderr
-    assert f"gang g1 'job': {r0.client_id}, {r1.client_id} on" in compact.stdout
-    assert "holds its devices" in compact.stdout
+    assert f"gang g1 'job': 2 ranks ({r0.client_id}, {r1.client_id}) of" in compact.stdout, compact.stdout
+    assert "holds its devices" in compact.stdout and "held by gang g1 'job'" in compact.stdout
     wide = scheduler.ctl("status", "--wide")
     assert wide.returncode == 0, wide.stderr
     assert "g1" in wide.stdout and "job" in wide.stdout

@@ -14,7 +14,9 @@ from nvshare_py.scheduler import zmtp
 from nvshare_py.scheduler.connections import ConnectionCounts, ConnectionLimits
 from nvshare_py.scheduler.fairness import Turns
 from nvshare_py.scheduler.labels import Places
+from nvshare_py.scheduler.public import public_status
 from nvshare_py.scheduler.quotas import DeviceQuota
+from nvshare_py.scheduler.refusals import REFUSED_MEMORY, REFUSED_PIDS, REFUSED_PRINCIPALS, Refusals
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import floodkit  # noqa: E402
@@ -71,6 +73,32 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def test_refused_connections_are_remembered_briefly_and_within_bounds():
+    # What status shows of refused processes (issue 31) costs a bounded amount of memory,
+    # whatever refused peers do, and goes once they stop trying.
+    refusals = Refusals()
+    for n in range(REFUSED_PRINCIPALS + 5):
+        for pid in range(REFUSED_PIDS + 3):
+            refusals.note((1000 + n, ""), pid, "full", 0.0)
+    current = refusals.current(0.0)
+    assert len(current) == REFUSED_PRINCIPALS and all(len(entry.pids) == REFUSED_PIDS for entry in current)
+    assert current[0].uid == 1000 + REFUSED_PRINCIPALS + 4  # the most recently refused first
+    assert current[0].count == REFUSED_PIDS + 3
+    refusals.note((2000, ""), 7, "full", 100.0)
+    refusals.note((2000, ""), 8, "full", 100.0 + REFUSED_MEMORY)
+    (entry,) = refusals.current(100.5 + REFUSED_MEMORY)
+    assert entry.uid == 2000 and list(entry.pids) == [8]  # pid 7 stopped trying: forgotten
+    assert refusals.current(200.0) == []
+
+
+def test_every_user_sees_whose_processes_wait_for_a_place_but_only_its_own_pods():
+    document = {"refused": [{"uid": 1000, "pod_uid": "pod-a", "refused": 3, "pids": [11], "reason": "full"},
+                            {"uid": 2000, "pod_uid": "pod-b", "refused": 1, "pids": [22], "reason": "full"}]}
+    mine, theirs = public_status(document, 1000)["refused"]
+    assert mine == document["refused"][0]
+    assert theirs == {"uid": 2000, "refused": 1, "pids": [22], "reason": "full"}
 
 
 def test_turns_go_round_robin_by_principal_not_by_connection():

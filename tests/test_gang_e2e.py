@@ -60,12 +60,13 @@ def launch(simcuda, libnvshare, tmp_path):
     """launch(scheduler, job, rank, gang=None, steps=..., extra={}) -> Rank: one rank of a
     data-parallel job on GPU `rank` (CUDA_VISIBLE_DEVICES, as torchrun's users set it per
     LOCAL_RANK), with torchrun's variables (a port of its own per job). `gang` sets
-    NVSHARE_GANG; `extra` more of the environment."""
+    NVSHARE_GANG; `extra` more of the environment; `pause_ms`: the rank spends that long on the
+    CPU before each all-reduce."""
     ranks: list[Rank] = []
     ports: dict[str, str] = {}
 
     def start(scheduler, job: str, rank: int, gang: str | None = None, steps: int = STEPS,
-              extra: dict[str, str] | None = None) -> Rank:
+              extra: dict[str, str] | None = None, pause_ms: float = 0) -> Rank:
         port = ports.setdefault(job, str(29500 + len(ports)))
         env = simcuda.env(devices=2, **scheduler.env)
         env.update(LD_PRELOAD=str(libnvshare), CUDA_VISIBLE_DEVICES=str(rank), NVSHARE_LOG="info",
@@ -75,9 +76,10 @@ def launch(simcuda, libnvshare, tmp_path):
         if gang is not None:
             env["NVSHARE_GANG"] = gang
         env.update(extra or {})
+        pause = f"sleep:{pause_ms:g}," if pause_ms else ""  # on the CPU, before its all-reduce
         argv = simcuda.simapp_argv("alloc:plain:64K",
                                    f"repeat:{steps}:kernel:{COMPUTE_US},kernel:{COMPUTE_US},"
-                                   f"allreduce:0:{rank + 1},stream-sync", f"check:0:{SUM}")
+                                   f"{pause}allreduce:0:{rank + 1},stream-sync", f"check:0:{SUM}")
         started = Rank(job, rank, subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                    text=True))
         ranks.append(started)
@@ -161,10 +163,26 @@ def test_with_gangs_the_same_jobs_take_turns_with_both_gpus_at_once(scheduler_fa
     assert len(turns) >= 3, turns  # the jobs took turns (neither fits in one quantum)
     jobs = {client_of(scheduler, rank.pid): rank.job for rank in (a0, a1, b0, b1)}
     assert mixed_holds(scheduler, jobs) == []  # the two GPUs always held by one job
-    # No deadlock: the first turn's members drained and released on their own. (A later
-    # revocation can still happen when a turn ends between two ranks' launches of one
-    # all-reduce: docs/interceptor.md, "Gangs"; bench_gang.py counts them.)
+    # No deadlock: the first turn's members drained and released on their own. (A turn that
+    # ends between two ranks' launches of one all-reduce is the fence's: the next test.)
     assert first_hold_end(scheduler) == "release"
+
+
+def test_a_turn_that_ends_between_two_ranks_launches_of_an_all_reduce_stops_both_after_it(
+        scheduler_factory, launch):
+    """Issue 31: rank 1 of each job spends 100 ms on the CPU before each all-reduce, which rank 0
+    launched at once; nearly every quantum ends in that window. Without the fence rank 0's
+    all-reduce spun for a partner whose gate had closed, it could not drain, and it was revoked
+    at almost every turn. With it (the simulated collective named as one: NVSHARE_COLLECTIVES),
+    the gang agrees on the last all-reduce: rank 1 runs on to it, and nobody is revoked."""
+    scheduler = scheduler_factory(tq=0.25, grace=5.0, idle_release=0.3)
+    counted = {"NVSHARE_COLLECTIVES": "nvshare_allreduce"}
+    ranks = [launch(scheduler, job, rank, extra=counted, pause_ms=100 if rank == 1 else 0, steps=8)
+             for job in ("a", "b") for rank in range(RANKS)]
+    assert all(rank.correct() for rank in ranks)
+    assert events(scheduler, "revoke") == []
+    behind = [e for e in events(scheduler, "gang-fence") if "behind=0" not in e["detail"]]
+    assert behind, events(scheduler, "gang-fence")  # the cause: a member stopped short and caught up
 
 
 def test_a_two_rank_job_beside_a_single_gpu_job_both_finish_and_the_single_one_gets_turns(

@@ -218,6 +218,36 @@ def test_fail_closed_waits_for_a_scheduler(scheduler_factory, cuda_app):
     assert f"connected to the scheduler at {socket_dir}/client/scheduler.sock\n" in app.stderr, app.stderr
 
 
+def test_a_process_beyond_its_users_places_is_told_why_and_runs_once_one_frees(scheduler_factory, cuda_app):
+    # Issue 31: the 65th GPU process of one user outside pods was closed at once by the
+    # scheduler, again at every attempt, and waited without a word. Here the cap is 2.
+    scheduler = scheduler_factory(max_clients_per_user=2)
+    holders = [cuda_app(scheduler.env, "init", "kernel:1000", "sync", "wait") for _ in range(2)]
+    for app in holders:
+        app.expect("waiting")  # registered, and connected until it goes on
+    third = cuda_app(scheduler.env, "init", "mark:started", "kernel:1000", "sync")
+    third.expect("mark started")
+
+    def refused() -> dict | None:
+        return next((entry for entry in scheduler.status().get("refused", []) if third.pid in entry["pids"]), None)
+
+    entry = wait_for(lambda: (e := refused()) is not None and e["refused"] >= 3 and e, what="three refusals in status")
+    assert entry["uid"] == os.getuid() and "2 connections open" in entry["reason"], entry
+    wait_for(lambda: "waiting for a place at the scheduler" in third.stderr, what="the waiters' warning")
+    # Said once, however often it was refused; the GPU work waited.
+    assert third.stderr.count("has no place for this process now") == 1, third.stderr
+    assert "2 connections open" in third.stderr and third.kernels() == []
+    shown = scheduler.ctl("status")
+    assert f"no place for 1 process of" in shown.stdout and f"pid {third.pid}" in shown.stdout, shown.stdout
+    holders[0].continue_()
+    assert holders[0].wait() == 0, holders[0].stderr
+    assert third.wait() == 0, third.stderr  # its place came free: it registered and ran
+    assert len(third.kernels()) == 1
+    assert f"connected to the scheduler at {scheduler.paths.client_socket}" in third.stderr, third.stderr
+    holders[1].continue_()
+    assert holders[1].wait() == 0, holders[1].stderr
+
+
 def test_fail_open_runs_without_a_scheduler(cuda_app):
     socket_dir = short_socket_dir()
     env = dict(os.environ, NVSHARE_SOCKET_DIR=str(socket_dir), NVSHARE_FAIL_MODE="open")

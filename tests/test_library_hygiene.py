@@ -26,7 +26,7 @@ def readelf(*args: str) -> str:
 
 def hook_names() -> set[str]:
     text = (INTERCEPTOR_DIR / "hook_table.h").read_text()
-    return set(re.findall(r"X\((?:GATED|CONTEXT|CUSTOM),\s*(\w+),", text))
+    return set(re.findall(r"X\((?:GATED|LAUNCH|CONTEXT|CUSTOM),\s*(\w+),", text))
 
 
 def exported(lib: Path) -> dict[str, set[str]]:

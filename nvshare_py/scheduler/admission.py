@@ -11,7 +11,7 @@ hold (the share below), `timeout` when it waited longer than the configured time
 Words used below:
 - a pair's *reservation* is what the capacity counts for it: the larger of its admitted total
   (ADMITTED, lowered by the client's own give-back) and its last reported use (MEMORY, which
-  the core bounds by the device's size), since memory allocated before the client registered,
+  the core bounds by the device's size, and counts as 0 on a device nobody sized), since memory allocated before the client registered,
   or before admission was on, is real too;
 - a *principal* is whoever a limit on reservations is for: a Kubernetes pod (its verified UID),
   else a user (the kernel-verified uid); the core says which (SchedulerCore.principal). Its

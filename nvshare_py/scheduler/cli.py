@@ -33,6 +33,7 @@ from ..paths import (
 from ..sizes import parse_size
 from ..vocabulary import MODE
 from . import admission, eviction
+from .config import MAX_CLIENTS_PER_USER
 from .daemon import CoreFailure, Daemon, DaemonConfig, StartupError
 from .events import Mode
 
@@ -154,6 +155,10 @@ def serve(
     gang_wait: float = typer.Option(30.0, parser=number_between(0, DAY),
                                     help="Seconds a gang (a multi-GPU job) that said its size waits for missing members "
                                     "once one asks, before it runs with those present (docs/scheduler.md, Gangs)"),
+    max_clients_per_user: int = typer.Option(
+        DaemonConfig.max_clients_per_user, parser=whole_number(1, MAX_CLIENTS_PER_USER),
+        help="Client processes one user may have connected at once outside pods, and one pod; a process beyond it "
+             "is told why and connects again later (at most an eighth of the connections the daemon serves)"),
     log_level: str = typer.Option("info", metavar="|".join(LOG_LEVELS), parser=one_of(LOG_LEVELS, "a log level"),
                                   help="Log verbosity"),
     metrics: Optional[str] = typer.Option(None, metavar="ADDRESS", help="Serve Prometheus metrics on HOST:PORT or :PORT (every interface), e.g. 127.0.0.1:9415 (docs/metrics.md) [default: off]"),
@@ -196,6 +201,7 @@ def serve(
             min_quantum=min_quantum,
             ageing=ageing,
             gang_wait=gang_wait,
+            max_clients_per_user=max_clients_per_user,
             metrics=metrics,
             admission_spill=admission_spill,
             admission_policy=admission_policy,

@@ -12,6 +12,12 @@ from .admission import AdmissionConfig
 from .core import CoreConfig
 from .logs import log
 from .metrics_http import parse_address
+from .runtime import CLIENT_CONNECTIONS_MAX
+
+
+# The most client processes per user or pod that can be asked: the largest connection table,
+# of which a user gets an eighth at most anyway.
+MAX_CLIENTS_PER_USER = CLIENT_CONNECTIONS_MAX
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,11 @@ class DaemonConfig:
     min_quantum: float = 1.0  # the shortest quantum of a light or outranked holder (fairshare.py)
     ageing: int = 4  # grants waited per priority class a waiter rises; 0: no ageing
     gang_wait: float = 30.0  # seconds a gang waits for missing members once one asks (gangs.py)
+    # Client processes (connections) one user may have outside pods, and one pod, at once
+    # (docs/scheduler.md, security model): more GPU processes than one user runs on a node as a
+    # rule, and a sixty-fourth of the largest connection table, so that a few users cannot take
+    # it all. At most an eighth of the table is served whatever is asked.
+    max_clients_per_user: int = 64
     metrics: str | None = None  # HOST:PORT or :PORT to serve Prometheus metrics on; None: off
     # Admission (docs/scheduler.md): host bytes allowed beyond the devices' budgets; "auto":
     # admission.DEFAULT_SPILL_FRACTION of the host's MemAvailable when the daemon starts; None: off.
@@ -43,6 +54,10 @@ class DaemonConfig:
         # Refuse values the lock core does not accept now, before any directory or socket is
         # touched (a socket left behind would make the next daemon believe it restarted).
         self.core_config(restarted=True)
+        if (isinstance(self.max_clients_per_user, bool) or not isinstance(self.max_clients_per_user, int)
+                or not 1 <= self.max_clients_per_user <= MAX_CLIENTS_PER_USER):
+            raise ValueError(f"max clients per user must be a whole number from 1 to {MAX_CLIENTS_PER_USER}, "
+                             f"not {self.max_clients_per_user!r}")
         if self.metrics is not None:
             parse_address(self.metrics)
 

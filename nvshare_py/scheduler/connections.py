@@ -42,9 +42,14 @@ from . import zmtp
 from .fairness import Turn, Turns
 from .logs import RateLimit, note
 from .podcgroup import pod_uid_of_process
+from .refusals import Refusals
 
-# Frames handled in one turn before the others get theirs (fairness.py).
+# Frames handled in one turn before the others get theirs (fairness.py), and the bytes of
+# answers after which a turn hands the rest of what it read to the principal's next turn: an
+# `events` page (up to 128 KiB, eventring.py) or a status is one turn's work, however many a
+# peer asks for at once.
 FRAMES_PER_TURN = 16
+TURN_OUTPUT = 64 * 1024
 READ_SIZE = 16 * 1024
 # A peer that has not finished the ZMTP handshake after this many seconds is disconnected;
 # so is one that began a frame (or a message of several) and has not finished it.
@@ -184,7 +189,8 @@ class Connection:
     nothing the peer sends chooses or changes it."""
 
     __slots__ = ("key", "sock", "credentials", "principal", "outgoing", "flushing", "drained", "scope",
-                 "closing", "charged", "ready", "accepted", "last_message", "partial_since", "expiry")
+                 "closing", "charged", "ready", "accepted", "last_message", "partial_since", "expiry", "written",
+                 "unhandled")
 
     def __init__(self, key: int, sock: socket.socket, credentials: PeerCredentials, principal: Principal,
                  now: float) -> None:
@@ -205,6 +211,8 @@ class Connection:
         self.last_message = now
         self.partial_since: float | None = None
         self.expiry = ""  # why its deadline is what it is (for the log)
+        self.written = 0  # bytes of answers written in its current turn (TURN_OUTPUT)
+        self.unhandled: list[zmtp.Message | zmtp.Ping | zmtp.Ready] = []  # read, left for its next turn
 
 
 class ConnectionServer:
@@ -212,7 +220,9 @@ class ConnectionServer:
     gets each whole message (its frames) and may `write` answers; `on_closed` runs once
     when a connection has ended, whoever ended it. A connection for which `stays_idle`
     says False (an unregistered client connection, a control connection) is closed after
-    `idle_timeout` seconds without a message."""
+    `idle_timeout` seconds without a message. A connection refused for want of places is
+    remembered in `refusals` and, where `refused_message` is given, sent what it returns for
+    the refusal's reason before it is closed."""
 
     def __init__(
         self,
@@ -228,6 +238,7 @@ class ConnectionServer:
         idle_timeout: float,
         stays_idle: Callable[[Connection], bool] = lambda connection: False,
         outgoing_max: int = OUTGOING_MAX,
+        refused_message: Callable[[str], bytes] | None = None,
     ) -> None:
         self.name = name  # "client", "control", "status": for log lines
         self.listener = listener
@@ -240,6 +251,8 @@ class ConnectionServer:
         self.idle_timeout = idle_timeout
         self.stays_idle = stays_idle
         self.outgoing_max = outgoing_max
+        self.refused_message = refused_message
+        self.refusals = Refusals()
         self.connections: dict[int, Connection] = {}
         self.counts = ConnectionCounts()
         self._numbers = itertools.count(1)
@@ -305,6 +318,9 @@ class ConnectionServer:
             who = seen[credentials] = principal(credentials)
         refusal = self.limits.refusal(who, self.counts)
         if refusal is not None:
+            self.refusals.note(who, credentials.pid, refusal, trio.current_time())
+            if self.refused_message is not None:
+                _tell_refused(sock, self.refused_message(refusal))
             sock.close()
             note(f"{self.name} connection refused", self._resource_log, reason=refusal,
                  uid=credentials.uid, pid=credentials.pid)
@@ -373,13 +389,16 @@ class ConnectionServer:
                 # Its peer does not read what it asked for: handle no more of it meanwhile.
                 connection.drained = trio.Event()
                 await connection.drained.wait()
-            # Frames left from the last turn (it stopped for the peer's unread answers) come
-            # first: the peer may be waiting for their answers and send nothing more.
-            if not parser.stopped:
+            # Frames left from the last turn (it stopped for the peer's unread answers, or for
+            # TURN_OUTPUT) come first: the peer may be waiting for their answers and send
+            # nothing more.
+            left = parser.stopped or bool(connection.unhandled)
+            if not left:
                 await trio.lowlevel.wait_readable(sock)
             turn = await self.turns.take(connection.principal)
+            connection.written = 0
             try:
-                if not parser.stopped:
+                if not left:
                     try:
                         data = sock.recv(READ_SIZE)
                     except BlockingIOError:
@@ -390,17 +409,19 @@ class ConnectionServer:
                         return
                     parser.receive(data)
                 while True:
+                    items, connection.unhandled = connection.unhandled, []
                     try:
-                        items = parser.parse(FRAMES_PER_TURN)
+                        items = items or parser.parse(FRAMES_PER_TURN)
                     except zmtp.Violation as exc:
                         note(f"{self.name} connection closed", self._bad_input_log, reason=str(exc),
                              uid=connection.credentials.uid)
                         return
                     if not self._handle(connection, items):
                         return
-                    if not parser.stopped or len(connection.outgoing) > READ_PAUSE:
+                    if not (parser.stopped or connection.unhandled) or len(connection.outgoing) > READ_PAUSE:
                         break
                     await turn.pause()
+                    connection.written = 0
                 refusal = self._account(connection, parser)
                 if refusal is not None:
                     note(f"{self.name} connection closed", self._resource_log, reason=refusal,
@@ -411,27 +432,38 @@ class ConnectionServer:
                 turn.release()
 
     def _handle(self, connection: Connection, items: list[zmtp.Message | zmtp.Ping | zmtp.Ready]) -> bool:
-        """Hand on what was parsed; False when the connection is to be closed."""
-        for item in items:
+        """Hand on what was parsed, until the turn's answers reach TURN_OUTPUT (the rest waits
+        in `unhandled`); False when the connection is to be closed."""
+        for number, item in enumerate(items):
+            if connection.written >= TURN_OUTPUT:
+                connection.unhandled = items[number:]
+                return True
             if type(item) is zmtp.Message:
                 connection.last_message = trio.current_time()
+                connection.partial_since = None  # what is left unfinished began after it
                 self.on_message(connection, item.frames)
             elif type(item) is zmtp.Ping:
                 self.write(connection, zmtp.pong(item.context))
             else:  # Ready
                 connection.ready = True
+                connection.partial_since = None
             if connection.closing:
                 return False
         return True
 
     def _account(self, connection: Connection, parser: zmtp.Parser) -> str | None:
-        held = parser.buffered + len(connection.outgoing)
+        held = parser.buffered + len(connection.outgoing) + sum(
+            len(frame) for item in connection.unhandled if type(item) is zmtp.Message for frame in item.frames)
         change, connection.charged = held - connection.charged, held
         return self.budget.charge(connection.principal, change)
 
     def _set_deadline(self, connection: Connection, parser: zmtp.Parser) -> None:
         """The earliest of: the handshake's end, a started frame's end, the end of the
-        silence allowed to a connection that may not stay idle."""
+        silence allowed to a connection that may not stay idle. A frame (or message) counts
+        as started at the read in which the last one before it was finished (`_handle`
+        forgets `partial_since` then), so a peer streaming messages back to back, whose reads
+        end inside frames, has each message judged on its own; a peer that finishes none is
+        judged from the read that began the unfinished one."""
         scope = connection.scope
         if scope is None:
             return
@@ -475,6 +507,7 @@ class ConnectionServer:
         `outgoing_max` bytes pile up does not read: it is disconnected."""
         if connection.closing:
             return
+        connection.written += len(data)
         out = connection.outgoing
         out += data
         if len(out) > self.outgoing_max:
@@ -522,6 +555,16 @@ class ConnectionServer:
             connection.drained.set()
         if connection.scope is not None:
             connection.scope.cancel()
+
+
+def _tell_refused(sock: socket.socket, data: bytes) -> None:
+    """Write `data` to a connection about to be closed, as far as its socket takes it at once
+    (a new connection's buffer takes a short message whole); never waits."""
+    try:
+        sock.setblocking(False)
+        sock.send(data)
+    except OSError:
+        pass  # gone already, or no room: it is closed all the same
 
 
 _PEER_CREDENTIALS = struct.Struct("3i")

@@ -241,6 +241,7 @@ class SchedulerCore:
         }
         self._client_handlers.update([
             _message_row(protocol.Evicted, self._evicted),
+            _message_row(protocol.Fenced, self._fenced),
         ])
         self._other_handlers: dict[type[Event], Callable[[Any, list[Action]], None]] = {
             Register: self._register,
@@ -583,7 +584,7 @@ class SchedulerCore:
         freed = max(0, pair.used - used)
         dev.used += used - pair.used
         pair.used = used
-        self._admission.report(pair, self.principal(client), used)
+        self._admission.report(pair, self.principal(client), min(used, dev.size))
         in_flight = pair.swap.allowed
         if ev.resident is not None:
             residency.report(pair, min(ev.resident, used), freed)
@@ -623,7 +624,12 @@ class SchedulerCore:
             turn = pair.hold.turn
             if turn is not None and ev.reason == "idle":
                 turn.idle.add(ev.grant)  # it pauses within its gang's turn (_check_turn)
+            reason = pair.hold.reason
             self._end_hold(pair, ev.now)
+            if turn is not None and ev.reason == "idle" and turn.fence.pop(ev.grant, 0) is None:
+                # Its idle release crossed the fenced DROP: it paused where it was, which may be
+                # behind the others' collectives. It is fenced like a member paused before.
+                self._fence_paused(turn, pair, ev.now, out, reason)
             self._settle(dev, ev.now, out)
         elif pair is not None and ev.grant in pair.overdue:
             del pair.overdue[ev.grant]
@@ -1298,13 +1304,66 @@ class SchedulerCore:
         return self._contended(pair.device) if turn is None else self._turn_contended(turn)
 
     def _end_turn(self, turn: gangs.Turn, reason: str, now: float, out: list[Action]) -> None:
-        """The gang's hold ends: DROP to every member still holding (a DROP reaches them all)."""
+        """The gang's hold ends: DROP to every member still holding (a DROP reaches them all).
+        A member that paused for idleness (in mode `on`, where its device waited for it) is
+        granted its device again and dropped with the others: the fence (_settle_fence) may
+        find it behind their collectives, and it must then launch up to theirs."""
         turn.ending = True
+        for pair in dict.fromkeys(pair for grant, pair in turn.grants.items() if grant in turn.idle):
+            self._fence_paused(turn, pair, now, out)
         for pair in self._live(turn):
             if pair.held.state == "holding":
                 self._drop(pair, now, reason, out)
         for dev in turn.devices:
             self._settle(dev, now, out)
+
+    def _fence_paused(self, turn: gangs.Turn, pair: Pair, now: float, out: list[Action],
+                      reason: str | None = None) -> None:
+        """A member paused for idleness while its gang's turn ends (in mode `on`, where its
+        device waited for it) is granted its device again, to be dropped with the fence: the
+        others may have launched collectives it has not, and it must launch up to theirs.
+        `reason`: drop it now, with that reason (else _end_turn drops it with the others). Not
+        once no other member holds: their collectives all completed, so none waits for it."""
+        if (pair.hold is None and pair.waiting_since is None and pair.device in turn.devices
+                and pair.device.mode == "on" and pair.client.pairs.get(pair.device.id) is pair
+                and self._live(turn)):
+            self._grant_in_turn(turn, pair, now, out)
+            if reason is not None and pair.hold is not None and pair.hold.state == "holding":
+                self._drop(pair, now, reason, out)
+
+    def _fenced(self, client: Client, now: float, fenced: protocol.Fenced, out: list[Action]) -> None:
+        """FENCED: a dropped member of a gang's turn stopped launching collectives after
+        `collectives` of them (its gate is closed) and waits for FENCE."""
+        pair = client.pairs.get(fenced.device)
+        hold = pair.hold if pair is not None else None
+        turn = hold.turn if hold is not None and hold.grant == fenced.grant else None
+        if turn is None or turn.fence.get(fenced.grant, 0) is not None:
+            out.append(Log("debug", "fenced-stale", {"client": client.cid, "device": fenced.device,
+                                                     "grant": fenced.grant}))
+            return
+        turn.fence[fenced.grant] = fenced.collectives
+        self._settle_fence(turn, now, out)
+
+    def _settle_fence(self, turn: gangs.Turn, now: float, out: list[Action]) -> None:
+        """Once every dropped member still holding has said where it stopped (members that
+        released, left, were revoked or do not count collectives are not waited for), tell them
+        all the most any said: each launches collectives up to it, so all stop after the same
+        one, and none of them waits in a collective for a partner that stopped before it."""
+        if turn.fence_target is not None or not turn.fence:
+            return
+        live = {pair.held.grant: pair for pair in self._live(turn)}
+        if any(turn.fence.get(grant) is None for grant in live):  # (a grant not dropped yet will be)
+            return
+        said = [(grant, count) for grant, count in turn.fence.items() if count is not None and grant in live]
+        if not said:
+            return
+        target = turn.fence_target = max(count for _, count in said)
+        for grant, _ in said:
+            pair = live[grant]
+            out.append(Send(pair.client.key, protocol.Fence(device=pair.device.id, grant=grant, collectives=target)))
+        out.append(LockEvent(now, "gang-fence", detail=key_values(
+            {"gang": turn.unit.display, "turn": turn.number, "collectives": target,
+             "behind": sum(1 for _, count in said if count < target)})))
 
     def _check_turn(self, turn: gangs.Turn, now: float, out: list[Action]) -> None:
         """A member released (other than for idleness), left or died, or was revoked: the
@@ -1318,6 +1377,7 @@ class SchedulerCore:
         if live and ended > 0 and not turn.ending:
             self._end_turn(turn, "gang", now, out)
         if live:
+            self._settle_fence(turn, now, out)  # a member it waited for has gone
             return
         gang = turn.unit
         if gang.turn is turn:
@@ -1362,6 +1422,9 @@ class SchedulerCore:
         the budget is settled again (auto mode, room for a grant, swap areas, admission)."""
         self._budgets += dev.budget - before
         self._admission.set_capacity(self._budgets + (self._admission.config.spill or 0))
+        for pair in dev.pairs:  # their uses count up to the device's size, which may have changed
+            if pair.used:
+                self._admission.report(pair, self.principal(pair.client), min(pair.used, dev.size))
         self._settle(dev, now, out)
         self._size_swap_space(now, out)
         self._settle_admission(now, out)
@@ -1653,8 +1716,11 @@ class SchedulerCore:
         hold.reason = reason
         cid = pair.client.cid
         evict = self._evict_on_drop(pair)
+        if hold.turn is not None:  # a gang's members stop after the same collective (_fenced)
+            hold.turn.fence[hold.grant] = None
         out.append(Send(pair.client.key, protocol.Drop(device=dev.id, grant=hold.grant,
-                                                       grace_ms=_ms(grace), reason=reason, evict=evict)))
+                                                       grace_ms=_ms(grace), reason=reason, evict=evict,
+                                                       fence=hold.turn is not None)))
         out.append(LockEvent(now, "drop", dev.id, cid, hold.grant, reason))
         out.append(Log("info", "dropped", {"client": cid, "device": dev.id, "grant": hold.grant, "reason": reason,
                                            "evict": evict}))

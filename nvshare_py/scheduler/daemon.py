@@ -46,6 +46,7 @@ the registrations they follow.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import math
@@ -87,10 +88,9 @@ __all__ = ["CoreFailure", "Daemon", "DaemonConfig", "StartupError"]
 # A client connection is closed when one message (all its frames) is larger than this; between
 # the protocol's limit and this, a message is answered (ERROR too-large).
 CLIENT_WIRE_MAX = 4 * protocol.MAX_MESSAGE
-# Client connections of one principal (a uid's processes in one pod, or outside pods) and of one
-# uid over all its pods; connections.ConnectionLimits.sharing caps them at an eighth and a
-# quarter of all places.
-CLIENT_CONNECTIONS_PER_PRINCIPAL = 64
+# Client connections of one uid over all its pods, at least (a principal's, a uid's processes in
+# one pod or outside pods, are `--max-clients-per-user`); connections.ConnectionLimits.sharing
+# caps them at an eighth and a quarter of all places.
 CLIENT_CONNECTIONS_PER_UID = 256
 # Bytes the client connections of one principal may hold (unparsed input, unsent output), and
 # all of them together.
@@ -110,12 +110,21 @@ def _connection(client: ev.ClientKey) -> int:
     return client
 
 
-def client_limits(nofile: int) -> ConnectionLimits:
+def client_limits(nofile: int, per_principal: int) -> ConnectionLimits:
     """The client socket's limits under the descriptor limit `nofile`, after what the other
-    sockets' connections may need."""
+    sockets' connections may need, with `per_principal` client processes per user or pod."""
     others = control.CONTROL_LIMITS.total + control.STATUS_LIMITS.total + METRICS_CONNECTIONS
     total = runtime.client_connections(nofile, others)
-    return ConnectionLimits.sharing(total, CLIENT_CONNECTIONS_PER_PRINCIPAL, CLIENT_CONNECTIONS_PER_UID)
+    return ConnectionLimits.sharing(total, per_principal, max(per_principal, CLIENT_CONNECTIONS_PER_UID))
+
+
+@functools.lru_cache(maxsize=64)
+def refused_client_message(reason: str) -> bytes:
+    """What a client connection refused for want of places is told before it is closed: the
+    handshake, then `ERROR code=too-many-connections` with the reason (a refused peer connects
+    again and again: the few reasons are encoded once)."""
+    error = protocol.Error(code="too-many-connections", detail=reason[:200])
+    return zmtp.HANDSHAKE + zmtp.frame(error.encode())
 
 
 class Daemon:
@@ -134,7 +143,7 @@ class Daemon:
         self._nursery: trio.Nursery  # serve()'s
         self._timer: trio.CancelScope | None = None
         self._stopping = False
-        self.limits = client_limits(runtime.descriptor_limit())
+        self.limits = client_limits(runtime.descriptor_limit(), config.max_clients_per_user)
         self._clients: ConnectionServer  # made by serve()
         self._turns = Turns(on_throttled=self._throttled)
         self._quota = DeviceQuota()
@@ -164,7 +173,12 @@ class Daemon:
                 check_socket_path(path)
             except ValueError as exc:
                 raise StartupError(f"{exc}: choose a shorter --socket-dir") from None
-        self.limits = client_limits(runtime.raise_descriptor_limit())
+        self.limits = client_limits(runtime.raise_descriptor_limit(), self.config.max_clients_per_user)
+        asked = self.config.max_clients_per_user
+        if asked != DaemonConfig.max_clients_per_user and self.limits.per_principal < asked:
+            emit(logging.WARNING, "fewer client processes per user or pod than asked: an eighth of the connections "
+                 "this daemon serves (raise its descriptor limit for more)", asked=asked,
+                 serves=self.limits.per_principal, max_connections=self.limits.total)
         if self.config.metrics is not None:
             try:
                 self._metrics_sockets = bind_metrics(self.config.metrics)
@@ -222,7 +236,7 @@ class Daemon:
                     "client", listener, self.limits, CLIENT_WIRE_MAX, self._on_client_message,
                     self._on_client_closed, turns=self._turns,
                     budget=ByteBudget(CLIENT_BYTES_PER_PRINCIPAL, CLIENT_BYTES), idle_timeout=CLIENT_IDLE_TIMEOUT,
-                    stays_idle=self._registered)
+                    stays_idle=self._registered, refused_message=refused_client_message)
                 nursery.start_soon(self._clients.serve)
                 now = trio.current_time
                 controlling = ControlProtocol(self, control.OPS, control.controller(self._uid, self._pid_namespace), now)
@@ -607,6 +621,7 @@ class Daemon:
         now = trio.current_time()
         document.update(views.status(self.core, now, self._wall))
         document["admission"] = views.admission_status(self.core, now, self._wall)
+        document["refused"] = views.refused_status(self._clients.refusals.current(now), self._wall)
         return document
 
     def events(self, since: int, limit: int) -> control.Encoded:

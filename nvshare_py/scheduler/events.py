@@ -323,6 +323,7 @@ LogKind = Literal[
     "evict-asked",
     "evict-timeout",
     "evicted-stale",
+    "fenced-stale",
     "from-unregistered",
     "gang-incomplete",
     "gang-joined",

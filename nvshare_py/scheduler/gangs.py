@@ -54,9 +54,10 @@ class Turn:
     release) or joined while it ran; `devices`: what it reserves; `ending`: it was dropped (a
     member released, left or was dropped), so nothing more is granted in it; `told`:
     (contended, quantum end) as its devices were last settled, to settle them all again when
-    that changes."""
+    that changes; `fence`: once dropped, the collectives each dropped grant said it launched
+    (`FENCED`; None while awaited), and `fence_target` the count told back (`FENCE`)."""
 
-    __slots__ = ("unit", "number", "since", "grants", "devices", "ending", "told", "idle")
+    __slots__ = ("unit", "number", "since", "grants", "devices", "ending", "told", "idle", "fence", "fence_target")
 
     def __init__(self, unit: "Gang", number: int, since: float) -> None:
         self.unit = unit
@@ -67,6 +68,8 @@ class Turn:
         self.ending = False
         self.told: tuple[bool, float] = (False, 0.0)
         self.idle: set[int] = set()  # grants released for idleness: a pause, not the turn's end
+        self.fence: dict[int, int | None] = {}
+        self.fence_target: int | None = None
 
 
 class Gang:

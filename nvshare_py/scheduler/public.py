@@ -59,6 +59,10 @@ def public_status(document: JsonObject, viewer: int | None) -> JsonObject:
     }
     if "admission" in document:
         public["admission"] = document["admission"]
+    if "refused" in document:  # whose processes wait for a connection: as for clients, no pod UID of others
+        public["refused"] = [entry if viewer is not None and entry.get("uid") == viewer
+                             else {key: value for key, value in entry.items() if key != "pod_uid"}
+                             for entry in document["refused"]]
     return public
 
 

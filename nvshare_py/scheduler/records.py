@@ -132,6 +132,13 @@ class Device:
         """0 means unknown, which auto mode treats as "nothing fits beside a holder"."""
         return self.total if self.budget_override is None else self.budget_override
 
+    @property
+    def size(self) -> int:
+        """The most of the device a client's use counts as for admission: its measured size,
+        else the operator's budget; 0 while the daemon knows neither, so that a report on a
+        device nobody sized fills no share (it adds nothing to the capacity either)."""
+        return self.total or self.budget
+
     def held_used(self) -> int:
         return sum(pair.used for pair in self.holders.values())
 

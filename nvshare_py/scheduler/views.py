@@ -11,13 +11,14 @@ import functools
 import itertools
 import math
 import pwd
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from ..sizes import format_size
 from . import fairshare, residency
 from .core import AHEAD_REMEMBERED, SchedulerCore
 from .records import Client, Device, Hold, Pair
 from .events import Log, LogKind
+from .refusals import Refused
 
 # QUERY answers must fit one message: they name at most this many clients per list, and cut
 # the texts that clients chose themselves.
@@ -156,6 +157,24 @@ def admission_status(core: SchedulerCore, now: float, wall: Callable[[float], fl
 
 
 _NO_SHARE: dict[str, Any] = {"share": None, "achieved": None, "outranked_by": []}
+
+
+def refused_status(refused: Iterable[Refused], wall: Callable[[float], float]) -> list[dict[str, Any]]:
+    """The "refused" part of the status document: whose client processes the daemon has no
+    connection for now (connections.ConnectionLimits), how many tried, and why."""
+    return [
+        {
+            "uid": entry.uid,
+            "user": user_name(entry.uid),
+            "pod_uid": entry.pod_uid,
+            "refused": entry.count,
+            "since": wall(entry.first),
+            "last": wall(entry.last),
+            "pids": list(entry.pids),
+            "reason": entry.reason,
+        }
+        for entry in refused
+    ]
 
 
 def _quantum_end(core: SchedulerCore, pair: Pair, hold: Hold) -> float:
@@ -333,6 +352,7 @@ WORDING: dict[LogKind, Callable[[dict[str, Any]], str]] = {
                                 f"(EVICTED not received from {f['silent'] or 'nobody'}, or what moved was not enough): "
                                 "granting anyway, the driver's faults share the memory"),
     "evicted-stale": lambda f: f"{f['client']} answered EVICT for {f['device']}, which it does not use",
+    "fenced-stale": lambda f: f"FENCED of {f['client']} for grant {f['grant']} on {f['device']} ignored: no fence awaits it",
     "prepare": lambda f: f"{f['client']} told to keep a swap area of {f['bytes']} bytes ready for {f['device']}",
     "pool": lambda f: f"{f['client']} told that its user's swap pool holds {_size(f['bytes'])}",
     "prefetch-ahead": lambda f: (f"{f['client']} may bring memory of {f['device']} back ahead of its grant, up to "
