@@ -17,7 +17,9 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 free -g | head -2 | tee "$OUT/machine.txt"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee -a "$OUT/machine.txt"
 python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)' | tee -a "$OUT/machine.txt"
-TENANTS=(python3 benchmarks/bench_tenants.py --gpu --scheduler-option admission_share=1)
+# HOST_GIB: the host's free memory where MemAvailable starts small and grows as memory is used
+# (the two-GPU machines here: 31 GiB at first, 256 GiB the limit).
+TENANTS=(python3 benchmarks/bench_tenants.py --gpu --scheduler-option admission_share=1 ${HOST_GIB:+--host-gib $HOST_GIB})
 for part in "$@"; do
     logs=$OUT/logs-$part; mkdir -p "$logs"
     case $part in
