@@ -4,10 +4,8 @@ per-pod settings (podsettings.py says which and how), over the scheduler's contr
 Two tasks under one owner (`PodSettingsSync.run`, a branch of the plugin's task tree):
 - `_follow_pods` lists the node's pods, then watches them, listing again whenever the watch
   cannot resume; every change goes into `PodSettings` and wakes the other task;
-- `_tell_scheduler` sends what `PodSettings` says is pending. Before each round it asks the
-  scheduler who it is (pid and start time in `status`): a scheduler that restarted has
-  forgotten everything, and gets every setting again. It also wakes every `resync_interval`
-  without a change, so a restart is noticed even on a quiet node.
+- the `SchedulerLink` (schedulerlink.py) sends what `PodSettings` says is pending, and
+  everything again to a scheduler that restarted.
 Both are idempotent from the pods alone: a plugin that restarts lists the pods and sends their
 settings again, which changes nothing in a scheduler that has them.
 """
@@ -20,16 +18,15 @@ import logging
 
 import httpx
 
-from nvshare_py import control
 from nvshare_py.paths import SocketPaths
 
 from .kubeapi import ApiError, ApiServer, WatchExpired, list_pods, post_event, watch_pods
-from .podsettings import PodSettings, Problem, Request, read_pod
+from .podsettings import PodSettings, Problem, read_pod
+from .schedulerlink import SchedulerLink
 from .tasks import run_until_first_exits
 
 log = logging.getLogger(__name__)
 
-CONTROL_TIMEOUT_S = 5.0
 EVENT_REASON = "InvalidNvshareAnnotation"
 EVENT_COMPONENT = "nvshare-device-plugin"
 
@@ -43,14 +40,15 @@ class PodSettingsSync:
         self.retry_interval = retry_interval
         self.resync_interval = resync_interval
         self.settings = PodSettings()
-        self._changed = asyncio.Event()
+        self.scheduler = SchedulerLink(paths, self.settings, retry_interval=retry_interval,
+                                       resync_interval=resync_interval)
         self._event_failure_said = False
         self._api_failing = False
 
     async def run(self) -> None:
         log.info("applying nvshare.com/ annotations of the pods on node %s through %s", self.node,
                  self.paths.control_socket)
-        await run_until_first_exits(self._follow_pods(), self._tell_scheduler())
+        await run_until_first_exits(self._follow_pods(), self.scheduler.run())
 
     # ---- the API server -------------------------------------------------------------------
 
@@ -75,7 +73,7 @@ class PodSettingsSync:
         self._api_failing = False
         pods = [pod for pod in map(read_pod, documents) if pod is not None]
         await self._report(client, self.settings.replace_all(pods))
-        self._changed.set()
+        self.scheduler.wake()
         log.info("following the %d pods on node %s", len(pods), self.node)
         while True:  # the server ends each watch after a while; the next resumes where it ended
             async for kind, document in watch_pods(client, self.node, version):
@@ -87,7 +85,7 @@ class PodSettingsSync:
                     self.settings.remove(pod.uid)
                 else:
                     await self._report(client, self.settings.update(pod))
-                self._changed.set()
+                self.scheduler.wake()
 
     async def _report(self, client: httpx.AsyncClient, problems: list[Problem]) -> None:
         """In the plugin's log, and as a Warning event of the pod (`kubectl describe pod`)."""
@@ -113,57 +111,6 @@ class PodSettingsSync:
             "source": {"component": EVENT_COMPONENT, "host": self.node},
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
-
-    # ---- the scheduler --------------------------------------------------------------------
-
-    async def _tell_scheduler(self) -> None:
-        told = None  # (pid, start time) of the scheduler that has the settings
-        failing = False
-        while True:
-            try:
-                await asyncio.wait_for(self._changed.wait(), self.resync_interval)
-            except asyncio.TimeoutError:
-                pass
-            self._changed.clear()
-            try:
-                identity = await self._scheduler_identity()
-                if identity != told:
-                    if told is not None:
-                        log.info("the scheduler restarted: sending the pods' settings again")
-                    self.settings.scheduler_restarted()
-                    told = identity
-                for request in self.settings.pending():
-                    await self._send(request)
-                if failing:
-                    log.info("the scheduler answers again")
-                failing = False
-            except control.ControlFailure as failure:
-                if not failing:
-                    log.warning("cannot reach the scheduler (retrying every %g s): %s", self.retry_interval, failure)
-                failing = True
-                told = None
-                await asyncio.sleep(self.retry_interval)
-                self._changed.set()
-
-    async def _scheduler_identity(self) -> tuple:
-        scheduler = (await self._request("status"))["scheduler"]
-        return scheduler["pid"], scheduler["started"]
-
-    async def _send(self, request: Request) -> None:
-        what = f"{request.annotation}={request.value}" if request.value is not None else f"no {request.annotation}"
-        try:
-            await self._request(request.op, **request.fields)
-        except control.ControlFailure as failure:
-            if failure.exit_code != control.EXIT_REFUSED:
-                raise
-            log.warning("pod %s (%s): the scheduler refused %s: %s", request.pod, request.pod_uid, what, failure)
-        else:
-            log.info("pod %s (%s): %s", request.pod, request.pod_uid, what)
-        self.settings.told(request)
-
-    async def _request(self, op: str, **fields) -> dict:
-        # The control client is blocking (zmq REQ); its own timeout bounds the thread.
-        return await asyncio.to_thread(control.request, self.paths, op, timeout=CONTROL_TIMEOUT_S, **fields)
 
 
 def _describe(error: Exception) -> str:
