@@ -8,6 +8,10 @@ Two tasks under one owner (`PodSettingsSync.run`, a branch of the plugin's task 
   everything again to a scheduler that restarted.
 Both are idempotent from the pods alone: a plugin that restarts lists the pods and sends their
 settings again, which changes nothing in a scheduler that has them.
+
+What a pod asks for is the `reader`'s to say: its annotations (`read_pod`, the device plugin),
+or the settings of the nvshare ResourceClaims it uses (the DRA driver, nvshare_py/dra), which
+change when a claim is prepared or unprepared: `refresh()` reads every pod again then.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+from typing import Callable
 
 import httpx
 
 from nvshare_py.paths import SocketPaths
 
 from .kubeapi import ApiError, ApiServer, WatchExpired, list_pods, post_event, watch_pods
-from .podsettings import PodSettings, Problem, read_pod
+from .podsettings import Pod, PodSettings, Problem, read_pod
 from .schedulerlink import SchedulerLink
 from .tasks import run_until_first_exits
 
@@ -33,10 +38,14 @@ EVENT_COMPONENT = "nvshare-device-plugin"
 
 class PodSettingsSync:
     def __init__(self, api: ApiServer, node: str, paths: SocketPaths, *, retry_interval: float = 5.0,
-                 resync_interval: float = 30.0) -> None:
+                 resync_interval: float = 30.0, reader: Callable[[dict], Pod | None] = read_pod,
+                 what: str = "nvshare.com/ annotations") -> None:
         self.api = api
         self.node = node
         self.paths = paths
+        self.reader = reader
+        self.what = what
+        self._documents: dict[str, dict] = {}  # the node's pods as last seen, by the reader's pod UID
         self.retry_interval = retry_interval
         self.resync_interval = resync_interval
         self.settings = PodSettings()
@@ -46,7 +55,7 @@ class PodSettingsSync:
         self._api_failing = False
 
     async def run(self) -> None:
-        log.info("applying nvshare.com/ annotations of the pods on node %s through %s", self.node,
+        log.info("applying the %s of the pods on node %s through %s", self.what, self.node,
                  self.paths.control_socket)
         await run_until_first_exits(self._follow_pods(), self.scheduler.run())
 
@@ -71,21 +80,36 @@ class PodSettingsSync:
     async def _list_and_watch(self, client: httpx.AsyncClient) -> None:
         documents, version = await list_pods(client, self.node)
         self._api_failing = False
-        pods = [pod for pod in map(read_pod, documents) if pod is not None]
+        self._documents = {}
+        pods = []
+        for document in documents:
+            pod = self.reader(document)
+            if pod is not None:
+                self._documents[pod.uid] = document
+                pods.append(pod)
         await self._report(client, self.settings.replace_all(pods))
         self.scheduler.wake()
         log.info("following the %d pods on node %s", len(pods), self.node)
         while True:  # the server ends each watch after a while; the next resumes where it ended
             async for kind, document in watch_pods(client, self.node, version):
                 version = (document.get("metadata") or {}).get("resourceVersion") or version
-                pod = read_pod(document) if kind != "BOOKMARK" else None
+                pod = self.reader(document) if kind != "BOOKMARK" else None
                 if pod is None:
                     continue
                 if kind == "DELETED":
+                    self._documents.pop(pod.uid, None)
                     self.settings.remove(pod.uid)
                 else:
+                    self._documents[pod.uid] = document
                     await self._report(client, self.settings.update(pod))
                 self.scheduler.wake()
+
+    def refresh(self) -> None:
+        """What the pods ask for changed without a change of the pods (the reader's other
+        input): every pod is read again."""
+        pods = [pod for pod in map(self.reader, self._documents.values()) if pod is not None]
+        self.settings.replace_all(pods)
+        self.scheduler.wake()
 
     async def _report(self, client: httpx.AsyncClient, problems: list[Problem]) -> None:
         """In the plugin's log, and as a Warning event of the pod (`kubectl describe pod`)."""
