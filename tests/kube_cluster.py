@@ -25,7 +25,8 @@ WAIT_S = 120.0  # a generous bound: the API server's first start on a busy 2-cor
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl")
 NODE_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr", "loopback")
 DEFAULT_BIN = Path(os.environ.get("NVSHARE_KUBE_BIN", "/var/tmp/nvdra/bin"))
-SERVICE_IP_RANGE = "10.96.0.0/24"  # virtual: the kubernetes Service's address; nothing listens there
+SERVICE_IP_RANGE = "10.96.0.0/24"
+DEVICE_PLUGINS = Path("/var/lib/kubelet/device-plugins")  # virtual: the kubernetes Service's address; nothing listens there
 
 
 def find_binaries(directory: Path = DEFAULT_BIN, names: tuple[str, ...] = BINARIES) -> Path | None:
@@ -251,6 +252,7 @@ class Node:
     runc: str = "runc"
     sandbox_image: str = "registry.example.com/nvshare-test/busybox:local"
     feature_gates: dict[str, bool] = field(default_factory=dict)
+    verbosity: int = 2  # the kubelet's --v (3 logs which DRA service it chose)
 
     def __post_init__(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
@@ -259,6 +261,9 @@ class Node:
         self.cdi_dir = self.work / "cdi"
         self.pod_logs = self.work / "pod-logs"
         self.kubelet_process: Process | None = None
+        # The kubelet serves device plugins in /var/lib/kubelet/device-plugins whatever its
+        # --root-dir: what it makes there is removed by cleanup() unless it was there before.
+        self.made_var_lib_kubelet = not DEVICE_PLUGINS.parent.exists()
 
     @property
     def registry_dir(self) -> Path:
@@ -349,7 +354,7 @@ state = '{work}/containerd/state'
         self.kubelet_process = cluster.spawn("kubelet", [
             str(cluster.bin / "kubelet"), "--config", str(self.work / "kubelet-config.json"),
             "--kubeconfig", str(self.kubelet_kubeconfig), "--root-dir", str(self.root_dir),
-            "--hostname-override", self.name, "--node-ip", "127.0.0.1", "--v", "2"])
+            "--hostname-override", self.name, "--node-ip", "127.0.0.1", "--v", str(self.verbosity)])
 
     def stop_kubelet(self) -> None:
         if self.kubelet_process is not None:
@@ -362,6 +367,24 @@ state = '{work}/containerd/state'
             conditions = {c["type"]: c["status"] for c in node["status"].get("conditions", [])}
             return node if conditions.get("Ready") == "True" else False
         return self.cluster.wait_for(ready, f"node {self.name} to be Ready")
+
+    def cleanup(self) -> None:
+        """Stops the kubelet, ends the containers, and removes what the kubelet made outside the
+        work directory: /var/lib/kubelet (if it made it) and the pods' cgroups."""
+        self.stop_kubelet()
+        self.remove_containers()
+        if self.made_var_lib_kubelet:
+            shutil.rmtree(DEVICE_PLUGINS.parent, ignore_errors=True)
+        else:
+            (DEVICE_PLUGINS / "kubelet.sock").unlink(missing_ok=True)
+        for hierarchy in Path("/sys/fs/cgroup").iterdir():
+            root = hierarchy / "kubepods"
+            if root.is_dir():
+                for directory in sorted((d for d in root.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)) + [root]:
+                    try:
+                        directory.rmdir()
+                    except OSError:
+                        pass  # still used, or not removable in this hierarchy
 
     def remove_containers(self) -> None:
         """Containers outlive the kubelet and containerd (their shims keep them): end them."""

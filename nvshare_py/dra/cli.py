@@ -124,6 +124,8 @@ def serve_command(
     """Publish the node's GPUs as ResourceSlices and prepare the claims given them."""
     server = _server()
     setup_logging(log_level)
+    if log_level != "debug":
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # else a line per request to the API server
     try:
         config = DriverConfig(
             node_name=node_name, api=_api_server(api_server, api_credentials), driver_name=driver_name,
