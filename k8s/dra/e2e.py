@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -379,7 +378,7 @@ class Run:
               lambda: {entry["uid"] for entry in cluster.get("resourceclaim", "shared-gpu", "-n", "nvshare-examples")
                        ["status"]["reservedFor"]} == {pod["metadata"]["uid"] for pod in pair})
         check("shared-prepared-once", "the kubelet prepared it once",
-              lambda: self.driver_log().count(f"prepared claim nvshare-examples/shared-gpu ") == 1)
+              lambda: self.driver_log().count("prepared claim nvshare-examples/shared-gpu ") == 1)
         for index, pod in enumerate(pair):
             saw = self.saw(pod)
             self.seen[f"shared-{index}"] = saw

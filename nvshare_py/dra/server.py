@@ -87,7 +87,6 @@ class Driver:
                                      reader=podclaims.reader(self._prepared_by_name),
                                      what="nvshare ResourceClaims")
                      if config.pod_settings else None)
-        self._lock = asyncio.Lock()  # one change of the prepared claims at a time
         self._refused = asyncio.Event()  # the kubelet refused the registration
         self._refusal = ""
         self._slices_changed = asyncio.Event()
@@ -125,40 +124,38 @@ class Driver:
         cdi.write(self._spec_path(claim.uid), cdi.spec(claim, self.config.driver_name, self.config.injection, self.gpus))
 
     async def prepare(self, claims: list[Any]) -> dict[str, PreparedClaim | str]:
-        """Claim UID -> the prepared claim, or why it cannot be prepared."""
+        """Claim UID -> the prepared claim, or why it cannot be prepared. (One event loop: the
+        prepared claims change only between two awaits, so no lock is needed.)"""
         _check_claims(claims)
         answers: dict[str, PreparedClaim | str] = {}
         changed = False
         for request in claims:
+            where = f"ResourceClaim {request.namespace}/{request.name}"
             known = self.prepared.get(request.uid)
-            if known is not None:
-                if not self._spec_path(known.uid).exists():
-                    try:
-                        self._write_spec(known)
-                    except (MissingHostFile, OSError) as error:
-                        answers[request.uid] = f"ResourceClaim {request.namespace}/{request.name}: {error}"
-                        continue
-                    log.info("claim %s/%s: its CDI spec was missing and is written again", known.namespace, known.name)
-                answers[request.uid] = known
-                continue
             try:
+                if known is not None:
+                    if not self._spec_path(known.uid).exists():
+                        self._write_spec(known)
+                        log.info("claim %s/%s: its CDI spec was missing and is written again", known.namespace,
+                                 known.name)
+                    answers[request.uid] = known
+                    continue
                 claim = await self._read(request)
-                async with self._lock:
-                    self._write_spec(claim)
-                    self.prepared[claim.uid] = claim
-                    changed = True
+                self._write_spec(claim)
             except (ClaimError, ApiError, MissingHostFile) as error:
-                log.warning("cannot prepare claim %s/%s (%s): %s", request.namespace, request.name, request.uid, error)
                 answers[request.uid] = str(error)
-                continue
             except httpx.HTTPError as error:
-                answers[request.uid] = f"cannot read ResourceClaim {request.namespace}/{request.name}: {error}"
-                continue
+                answers[request.uid] = f"cannot read {where}: {error}"
             except OSError as error:
-                answers[request.uid] = f"cannot write the CDI spec of ResourceClaim {request.namespace}/{request.name}: {error}"
-                continue
-            log.info("prepared claim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, _describe(claim))
-            answers[request.uid] = claim
+                answers[request.uid] = f"cannot write the CDI spec of {where}: {error}"
+            else:
+                self.prepared[claim.uid] = claim
+                changed = True
+                log.info("prepared claim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, _describe(claim))
+                answers[request.uid] = claim
+            if isinstance(answers[request.uid], str):
+                log.warning("cannot prepare claim %s/%s (%s): %s", request.namespace, request.name, request.uid,
+                            answers[request.uid])
         if changed:
             self._save()
         return answers
@@ -179,20 +176,18 @@ class Driver:
         """Claim UID -> "" (done, also for a claim never prepared here) or why not."""
         _check_claims(claims)
         answers = {}
-        async with self._lock:
-            for request in claims:
-                claim = self.prepared.pop(request.uid, None)
-                try:
-                    self._spec_path(request.uid).unlink(missing_ok=True)
-                except OSError as error:
-                    if claim is not None:
-                        self.prepared[request.uid] = claim
-                    answers[request.uid] = f"cannot remove the CDI spec of ResourceClaim {request.namespace}/{request.name}: {error}"
-                    continue
-                answers[request.uid] = ""
-                if claim is not None:
-                    log.info("unprepared claim %s/%s (%s)", claim.namespace, claim.name, claim.uid)
-            self._save()
+        for request in claims:
+            try:
+                self._spec_path(request.uid).unlink(missing_ok=True)
+            except OSError as error:
+                answers[request.uid] = (f"cannot remove the CDI spec of ResourceClaim {request.namespace}/"
+                                        f"{request.name}: {error}")
+                continue
+            answers[request.uid] = ""
+            claim = self.prepared.pop(request.uid, None)
+            if claim is not None:
+                log.info("unprepared claim %s/%s (%s)", claim.namespace, claim.name, claim.uid)
+        self._save()
         return answers
 
     def _save(self) -> None:
@@ -306,10 +301,8 @@ class Driver:
             written.append((document, await kubeapi.create_slice(client, document)))
         for name in plan.delete:
             await kubeapi.delete_slice(client, name)
-        devices = sum(len(document["spec"]["devices"]) for document, _ in written)
-        log.info("ResourceSlices of node %s: %d written (pool generation %s, %d devices, %s), %d deleted",
-                 config.node_name, len(written), desired and written[0][0]["spec"]["pool"]["generation"], devices,
-                 self.devices.sharing.value, len(plan.delete))
+        log.info("ResourceSlices of node %s: %d written (%d devices, %s), %d deleted", config.node_name, len(written),
+                 len(self.devices.devices), self.devices.sharing.value, len(plan.delete))
         dropped = sorted({name for sent, stored in written for name in slices.dropped_fields(sent, stored)})
         if dropped and config.sharing is SharingChoice.AUTO and self.devices.sharing is Sharing.CAPACITY:
             log.warning("the API server dropped %s: DRAConsumableCapacity is not enabled in this cluster; "
