@@ -425,3 +425,39 @@ def test_pods_that_use_a_claim_get_its_settings_in_the_scheduler(node, apiserver
                  PATIENCE, "the shared claim's settings removed")
         apiserver.delete_pod("nb", "team-b")
         wait_for(lambda: pod_settings(scheduler.status()) == {}, PATIENCE, "the deleted pod's settings removed")
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["--node-name", ""], "the node's name is not set"),
+    (["--shares", "0"], "shares per GPU must be from 1 to 64"),
+    (["--memory-oversubscription", "0.5"], "the memory oversubscription factor must be at least 1"),
+    (["--driver-name", "GPU_nvshare"], "must be a DNS subdomain"),
+    (["--container-env", "LD_PRELOAD=/x.so"], "set by the plugin itself"),
+    (["--library", "relative/libnvshare.so"], "must be absolute"),
+])
+def test_settings_that_cannot_work_are_usage_errors(node, apiserver, args, reason):
+    command = [sys.executable, "-m", "nvshare_py.dra", "serve", "--node-name", NODE, "--api-server", apiserver.url,
+               "--api-credentials", str(apiserver.directory), *args]
+    result = subprocess.run(command, capture_output=True, text=True, env=child_env(), timeout=PATIENCE)
+    assert result.returncode == 2 and reason in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_outside_a_cluster_without_an_api_server_is_a_usage_error(node):
+    env = {key: value for key, value in child_env().items() if not key.startswith("KUBERNETES_")}
+    result = subprocess.run([sys.executable, "-m", "nvshare_py.dra", "serve", "--node-name", NODE],
+                            capture_output=True, text=True, env=env, timeout=PATIENCE)
+    assert result.returncode == 2 and "no API server: not in a Kubernetes cluster" in result.stderr
+
+
+def test_without_the_k8s_extra_the_driver_says_how_to_install_it(tmp_path):
+    from test_cli_conventions import blocked, one_line_without_traceback, tool
+
+    env = blocked(tmp_path, "grpc", "httpx")
+    assert tool("nvshare_py.dra", "serve", "--help", env=env).returncode == 0
+    for command in (["serve", "--node-name", NODE], ["install-library", "--to", str(tmp_path)]):
+        result = tool("nvshare_py.dra", *command, env=env)
+        line = one_line_without_traceback(result)
+        assert result.returncode == 1 and "nvshare-dra-driver: needs the 'k8s' extra" in line, command

@@ -19,7 +19,6 @@ from nvshare_py.deviceplugin import injection as defaults
 from nvshare_py.deviceplugin.cli import install_library
 from nvshare_py.deviceplugin.config import DEFAULT_CDI_KIND, CdiNames
 from nvshare_py.deviceplugin.injection import ConfigError, Injection, Preload, parse_container_env
-from nvshare_py.deviceplugin.kubeapi import ApiServer
 from nvshare_py.deviceplugin.nvml import NvmlUnavailable
 from nvshare_py.paths import ENV_SOCKET_DIR, SocketPaths
 
@@ -38,7 +37,8 @@ def options(version: bool = VERSION_OPTION) -> None:
 
 
 def _server():
-    """The gRPC side, imported when a command needs it (the `k8s` extra: grpcio, protobuf)."""
+    """The gRPC and HTTP side, imported when a command needs it (the `k8s` extra: grpcio,
+    protobuf, httpx), so that --help works and a missing extra is one line saying so."""
     try:
         from . import server
     except ImportError as missing:
@@ -47,8 +47,10 @@ def _server():
     return server
 
 
-def _api_server(url: str, credentials: Optional[Path]) -> ApiServer:
+def _api_server(url: str, credentials: Optional[Path]):
     """The API server named on the command line, else the cluster's (in a pod)."""
+    from nvshare_py.deviceplugin.kubeapi import ApiServer  # after _server(): httpx is there
+
     if url:
         directory = credentials or Path("/var/run/secrets/kubernetes.io/serviceaccount")
         return ApiServer(url.rstrip("/"), directory / "token", directory / "ca.crt")

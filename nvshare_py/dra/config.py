@@ -6,15 +6,18 @@ import enum
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nvshare_py.deviceplugin.config import DEFAULT_CDI_KIND, CdiNames
 from nvshare_py.deviceplugin.injection import ConfigError, Injection
-from nvshare_py.deviceplugin.kubeapi import ApiServer
 from nvshare_py.paths import check_socket_path
 
 from .cdi import DEFAULT_CDI_DIR
 from .devices import MAX_SHARES
 from .kubeletapi import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
+
+if TYPE_CHECKING:  # httpx, of the k8s extra: the command's --help works without it
+    from nvshare_py.deviceplugin.kubeapi import ApiServer
 
 DEFAULT_DRIVER_NAME = "gpu.nvshare.com"
 DEFAULT_SHARES = 10
