@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,6 +281,19 @@ def test_prepare_and_unprepare_are_idempotent(node, apiserver, kubelet, start_dr
             assert node.specs() == []
         never = ClaimRef("team-a", "u-never", "never")
         assert kubelet.unprepare(DRIVER, [never]).claims["u-never"].error == ""
+
+
+def test_two_calls_that_prepare_one_claim_at_once_read_it_once(node, apiserver, kubelet, start_driver):
+    claim = allocated("shared", "u-shared", [share()])
+    apiserver.put_claim(claim)
+    apiserver.claim_delay = 0.5  # the second call arrives while the first reads the claim
+    with start_driver() as driver:
+        kubelet.wait_for_plugin(DRIVER)
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda _: kubelet.prepare(DRIVER, [ref(claim)]), range(2)))
+        assert answers[0] == answers[1] and answers[0].claims["u-shared"].error == ""
+        assert sum(1 for request in apiserver.requests if request["path"].endswith("/resourceclaims/shared")) == 1
+        assert driver.log().count("prepared claim team-a/shared ") == 1
 
 
 def test_prepared_claims_survive_a_restart_of_the_driver(node, apiserver, kubelet, start_driver):

@@ -26,6 +26,7 @@ them, and the kubelet removes them once a driver stays away).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import stat
@@ -87,6 +88,7 @@ class Driver:
                                      reader=podclaims.reader(self._prepared_by_name),
                                      what="nvshare ResourceClaims")
                      if config.pod_settings else None)
+        self._preparing: dict[str, asyncio.Future[PreparedClaim | str]] = {}  # claim UID -> its preparation
         self._refused = asyncio.Event()  # the kubelet refused the registration
         self._refusal = ""
         self._slices_changed = asyncio.Event()
@@ -124,41 +126,49 @@ class Driver:
         cdi.write(self._spec_path(claim.uid), cdi.spec(claim, self.config.driver_name, self.config.injection, self.gpus))
 
     async def prepare(self, claims: list[Any]) -> dict[str, PreparedClaim | str]:
-        """Claim UID -> the prepared claim, or why it cannot be prepared. (One event loop: the
-        prepared claims change only between two awaits, so no lock is needed.)"""
+        """Claim UID -> the prepared claim, or why it cannot be prepared. A claim that another
+        call is preparing (the kubelet prepares a claim shared by two pods for both at once) is
+        answered with that call's outcome: one read, one spec."""
         _check_claims(claims)
         answers: dict[str, PreparedClaim | str] = {}
-        changed = False
         for request in claims:
-            where = f"ResourceClaim {request.namespace}/{request.name}"
-            known = self.prepared.get(request.uid)
-            try:
-                if known is not None:
-                    if not self._spec_path(known.uid).exists():
-                        self._write_spec(known)
-                        log.info("claim %s/%s: its CDI spec was missing and is written again", known.namespace,
-                                 known.name)
-                    answers[request.uid] = known
-                    continue
-                claim = await self._read(request)
-                self._write_spec(claim)
-            except (ClaimError, ApiError, MissingHostFile) as error:
-                answers[request.uid] = str(error)
-            except httpx.HTTPError as error:
-                answers[request.uid] = f"cannot read {where}: {error}"
-            except OSError as error:
-                answers[request.uid] = f"cannot write the CDI spec of {where}: {error}"
-            else:
-                self.prepared[claim.uid] = claim
-                changed = True
-                log.info("prepared claim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, _describe(claim))
-                answers[request.uid] = claim
-            if isinstance(answers[request.uid], str):
-                log.warning("cannot prepare claim %s/%s (%s): %s", request.namespace, request.name, request.uid,
-                            answers[request.uid])
-        if changed:
-            self._save()
+            task = self._preparing.get(request.uid)
+            if task is None:
+                task = asyncio.ensure_future(self._prepare(request))
+                self._preparing[request.uid] = task
+                task.add_done_callback(functools.partial(self._prepared_one, request.uid))
+            answers[request.uid] = await asyncio.shield(task)
         return answers
+
+    def _prepared_one(self, uid: str, task: asyncio.Future) -> None:
+        self._preparing.pop(uid, None)
+
+    async def _prepare(self, request: Any) -> PreparedClaim | str:
+        """One claim. (One event loop: the prepared claims change only between two awaits, so
+        no lock is needed.)"""
+        where = f"ResourceClaim {request.namespace}/{request.name}"
+        known = self.prepared.get(request.uid)
+        try:
+            if known is not None:
+                if not self._spec_path(known.uid).exists():
+                    self._write_spec(known)
+                    log.info("claim %s/%s: its CDI spec was missing and is written again", known.namespace, known.name)
+                return known
+            claim = await self._read(request)
+            self._write_spec(claim)
+        except (ClaimError, ApiError, MissingHostFile) as error:
+            reason = str(error)
+        except httpx.HTTPError as error:
+            reason = f"cannot read {where}: {error}"
+        except OSError as error:
+            reason = f"cannot write the CDI spec of {where}: {error}"
+        else:
+            self.prepared[claim.uid] = claim
+            self._save()
+            log.info("prepared claim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, _describe(claim))
+            return claim
+        log.warning("cannot prepare claim %s/%s (%s): %s", request.namespace, request.name, request.uid, reason)
+        return reason
 
     async def _read(self, request: Any) -> PreparedClaim:
         async with self.config.api.client() as client:
