@@ -8,7 +8,7 @@ DRA driver also uses, as the real one answers it (resource.k8s.io/v1):
   the resourceVersion is not the stored one), delete (404 when absent). With
   `consumable_capacity = False` the stand-in drops `allowMultipleAllocations` and the capacity
   `requestPolicy` from what it stores, as an API server without DRAConsumableCapacity does.
-  `claim_delay` holds each claim's answer back that long.
+  With `claim_gate` (a threading.Event) a claim's answer waits until it is set.
 
 Real validation of the documents is for tests/test_dra_apiserver.py, against a real API server.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
-import time
+import threading
 import uuid as uuidlib
 from urllib.parse import parse_qs, urlsplit
 
@@ -36,7 +36,7 @@ class DraApiServerStandin(ApiServerStandin):
         self.slices: dict[str, dict] = {}
         self.consumable_capacity = True
         self.slice_writes = 0  # creates, replaces and deletes answered
-        self.claim_delay = 0.0  # seconds a claim's GET waits before its answer (to overlap two)
+        self.claim_gate: threading.Event | None = None  # a claim's GET waits for it to be set
 
     def put_claim(self, claim: dict) -> None:
         with self._changed:
@@ -111,8 +111,8 @@ class _DraHandler(_Handler):
         path, query = found
         parts = path.split("/")
         standin = self.standin
-        if "resourceclaims" in parts and standin.claim_delay:
-            time.sleep(standin.claim_delay)
+        if "resourceclaims" in parts and standin.claim_gate is not None:
+            standin.claim_gate.wait(60)
         with standin._changed:
             if path.startswith(f"{RESOURCE}/namespaces/") and len(parts) == 8 and parts[6] == "resourceclaims":
                 document = standin.claims.get((parts[5], parts[7]))

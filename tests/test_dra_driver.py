@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -286,13 +287,18 @@ def test_prepare_and_unprepare_are_idempotent(node, apiserver, kubelet, start_dr
 def test_two_calls_that_prepare_one_claim_at_once_read_it_once(node, apiserver, kubelet, start_driver):
     claim = allocated("shared", "u-shared", [share()])
     apiserver.put_claim(claim)
-    apiserver.claim_delay = 0.5  # the second call arrives while the first reads the claim
-    with start_driver() as driver:
+    apiserver.claim_gate = threading.Event()  # the first call's read waits until the second call is in
+    with start_driver("--log-level", "debug") as driver, ThreadPoolExecutor(2) as pool:
         kubelet.wait_for_plugin(DRIVER)
-        with ThreadPoolExecutor(2) as pool:
-            answers = list(pool.map(lambda _: kubelet.prepare(DRIVER, [ref(claim)]), range(2)))
-        assert answers[0] == answers[1] and answers[0].claims["u-shared"].error == ""
-        assert sum(1 for request in apiserver.requests if request["path"].endswith("/resourceclaims/shared")) == 1
+        first = pool.submit(kubelet.prepare, DRIVER, [ref(claim)])
+        wait_for(lambda: any(r["path"].endswith("/resourceclaims/shared") for r in list(apiserver.requests)),
+                 PATIENCE, "the first call reading the claim")
+        second = pool.submit(kubelet.prepare, DRIVER, [ref(claim)])
+        driver.wait_for_log("claim team-a/shared is being prepared by another call")
+        apiserver.claim_gate.set()
+        assert first.result(PATIENCE) == second.result(PATIENCE)
+        assert first.result().claims["u-shared"].error == ""
+        assert sum(1 for r in apiserver.requests if r["path"].endswith("/resourceclaims/shared")) == 1
         assert driver.log().count("prepared claim team-a/shared ") == 1
 
 

@@ -133,7 +133,10 @@ class Driver:
         answers: dict[str, PreparedClaim | str] = {}
         for request in claims:
             task = self._preparing.get(request.uid)
-            if task is None:
+            if task is not None:
+                log.debug("claim %s/%s is being prepared by another call: its outcome is this one's too",
+                          request.namespace, request.name)
+            else:
                 task = asyncio.ensure_future(self._prepare(request))
                 self._preparing[request.uid] = task
                 task.add_done_callback(functools.partial(self._prepared_one, request.uid))
