@@ -91,7 +91,6 @@ class Driver:
         self._preparing: dict[str, asyncio.Future[PreparedClaim | str]] = {}  # claim UID -> its preparation
         self._refused = asyncio.Event()  # the kubelet refused the registration
         self._refusal = ""
-        self._slices_changed = asyncio.Event()
         self._identities: dict[Path, tuple[int, int, int] | None] = {}
 
     def _prepared_by_name(self) -> dict[tuple[str, str], PreparedClaim]:
@@ -289,11 +288,7 @@ class Driver:
                     log.warning("cannot write the ResourceSlices of node %s (retrying every %g s): %s",
                                 self.config.node_name, self.config.slice_interval, error)
                 failing = True
-            try:
-                await asyncio.wait_for(self._slices_changed.wait(), self.config.slice_interval)
-            except asyncio.TimeoutError:
-                pass
-            self._slices_changed.clear()
+            await asyncio.sleep(self.config.slice_interval)
 
     async def _node_uid(self, client: httpx.AsyncClient) -> str:
         """The Node's UID, which makes the slices the node's (deleted with it)."""
