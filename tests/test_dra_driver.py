@@ -435,8 +435,10 @@ def test_pods_that_use_a_claim_get_its_settings_in_the_scheduler(node, apiserver
         second = add_pod(apiserver, "train-1", "team-a", claims=["shared"])
         expected.update({("weight", second, None): 3, ("priority", second, None): 2, ("limit", second, uuid(0)): 4 * GiB})
         wait_for(lambda: pod_settings(scheduler.status()) == expected, PATIENCE, "the second pod's settings")
-        # A restarted scheduler gets them all again.
+        # A restarted scheduler gets them all again, at the next change of the pods (or within
+        # the driver's 30 s resync on a quiet node: schedulerlink.py, tested in test_pod_watch.py).
         scheduler.restart()
+        add_pod(apiserver, "idle", "team-a")
         wait_for(lambda: pod_settings(scheduler.status()) == expected, PATIENCE, "the settings after a scheduler restart")
         # Unprepared, the claim's pods have no settings left.
         kubelet.unprepare(DRIVER, [ref(shared)])
