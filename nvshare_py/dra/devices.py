@@ -3,7 +3,7 @@ GPUs and settings in, device documents and lookups out.
 
 Two ways to share a GPU (docs/kubernetes.md, "DRA"):
 
-- `capacity` (clusters with the DRAConsumableCapacity feature, alpha in 1.34): one device per
+- `capacity` (clusters with the DRAConsumableCapacity feature: alpha in 1.34, on from 1.36): one device per
   GPU, `gpu-<index>`, that many claims may be allocated at once (`allowMultipleAllocations`).
   Each allocation consumes capacity: `memory` (the card's memory times the oversubscription
   factor; a claim that asks for none takes a whole card's worth) and one of `shares` (at most
