@@ -12,7 +12,9 @@
 #    plane and a node on loopback addresses, the nvshare scheduler and the DRA driver on the
 #    simulated GPUs, runs k8s/dra/examples' claims with pods that print what they got and run a
 #    CUDA program, checks it all, deletes them and checks the cleanup.
-# Results: RESULT_DIR (default k8s/dra/results) gets e2e-<date>-<mode>.json and protos-<date>.txt.
+# Results: RESULT_DIR (default k8s/dra/results) gets e2e-<date>-<version>-<mode>.json and
+# protos-<date>-<version>.txt. KUBERNETES_VERSION (default 1.34.4) picks another release, with
+# NVDRA_WORK pointing at a directory of its own (its bin/ holds one release).
 # Needs root, go, make, cc, openssl, busybox (busybox-static), runc (Debian's works) and a
 # Python with nvshare_py's test extra (PYTHON).
 set -euo pipefail
@@ -34,9 +36,10 @@ export NVSHARE_KUBE_BIN=$(NVDRA_WORK=$W "$REPO/k8s/dra/build.sh")
 version=$("$NVSHARE_KUBE_BIN/kubelet" --version | sed 's/^Kubernetes v//')
 apis=$(go mod download -json "k8s.io/kubelet@v0.${version#*.}" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')/pkg/apis
 [ -x "$W/protoc-venv/bin/python" ] || { "$PYTHON" -m venv "$W/protoc-venv" && "$W/protoc-venv/bin/pip" -q install grpcio-tools; }
-(cd "$REPO" && "$W/protoc-venv/bin/python" -m nvshare_py.dra.kubeletapi.regenerate --compare "$apis") | tee "$RESULTS/protos-$DATE.txt"
+(cd "$REPO" && "$W/protoc-venv/bin/python" -m nvshare_py.dra.kubeletapi.regenerate --compare "$apis") \
+    | tee "$RESULTS/protos-$DATE-$version.txt"
 
 status=0
-"$PYTHON" "$REPO/k8s/dra/e2e.py" "$RESULTS/e2e-$DATE-consumable-capacity.json" || status=1
-"$PYTHON" "$REPO/k8s/dra/e2e.py" --no-consumable-capacity "$RESULTS/e2e-$DATE-share-devices.json" || status=1
+"$PYTHON" "$REPO/k8s/dra/e2e.py" "$RESULTS/e2e-$DATE-$version-consumable-capacity.json" || status=1
+"$PYTHON" "$REPO/k8s/dra/e2e.py" --no-consumable-capacity "$RESULTS/e2e-$DATE-$version-share-devices.json" || status=1
 exit $status
