@@ -386,6 +386,24 @@ state = '{work}/containerd/state'
                     except OSError:
                         pass  # still used, or not removable in this hierarchy
 
+    def kill_shims(self) -> None:
+        """containerd's runc shims of this node that outlived containerd (those of sandboxes
+        it had no time to delete): each is found by the socket of this node's containerd on its
+        command line, so no other containerd's shim is touched."""
+        marker = str(self.containerd_socket).encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue  # gone
+            if argv and argv[0].endswith(b"containerd-shim-runc-v2") and marker in argv:
+                try:
+                    os.kill(int(entry.name), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
     def remove_containers(self) -> None:
         """Containers outlive the kubelet and containerd (their shims keep them): end them."""
         if self.ctr("version", check=False).returncode != 0:

@@ -443,6 +443,7 @@ class Run:
     def cleanup(self) -> None:
         self.node.cleanup()
         self.cluster.stop()
+        self.node.kill_shims()
         for line in reversed(Path("/proc/mounts").read_text().splitlines()):
             mount = line.split()[1]
             if mount.startswith(str(self.work)):
