@@ -44,6 +44,8 @@ def make_certificate(directory: Path) -> tuple[Path, Path]:
 
 
 class ApiServerStandin:
+    handler: type | None = None  # the request handler class (None: _Handler below); a subclass may serve more
+
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         self.ca_file, key = make_certificate(self.directory)
@@ -59,7 +61,7 @@ class ApiServerStandin:
         self.lists = 0  # answered pod lists
         self.events: list[dict] = []
         self.events_forbidden = False
-        handler = type("Handler", (_Handler,), {"standin": self})
+        handler = type("Handler", (self.handler or _Handler,), {"standin": self})
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
         tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

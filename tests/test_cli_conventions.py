@@ -26,6 +26,7 @@ TOOLS = {  # the tool's name -> the module that runs it
     "nvshare-jupyter": "nvshare_py.jupyter",
     "nvshare-demo": "nvshare_py.demo",
     "nvshare-device-plugin": "nvshare_py.deviceplugin",
+    "nvshare-dra-driver": "nvshare_py.dra",
 }
 
 

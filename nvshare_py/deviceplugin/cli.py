@@ -19,6 +19,7 @@ from nvshare_py.paths import ENV_SOCKET_DIR, SocketPaths
 
 from . import config as defaults
 from .config import AllocationPolicy, CdiNames, ConfigError, PluginConfig, Preload, parse_container_env, parse_xids
+from .injection import replace_file
 from .nvml import NvmlUnavailable
 from .v1beta1 import DEFAULT_DEVICE_PLUGIN_DIR
 
@@ -130,7 +131,12 @@ def install_library_command(
                                                    show_default="the one in this package")] = None,
 ) -> None:
     """Copy libnvshare.so onto the node (an atomic replace: running containers keep theirs)."""
-    server = _server()
+    _server()  # the command belongs to the k8s extra: without it, say so as `serve` does
+    install_library(target_dir, source)
+
+
+def install_library(target_dir: Path, source: Path | None) -> None:
+    """`install-library` of both nvshare-device-plugin and nvshare-dra-driver."""
     setup_logging("info")
     if source is None:
         try:
@@ -143,7 +149,7 @@ def install_library_command(
         raise typer.Exit(1)
     target = target_dir / LIBRARY_NAME
     try:
-        server.replace_file(target, source.read_bytes(), 0o755)
+        replace_file(target, source.read_bytes(), 0o755)
     except OSError as error:
         log.error("cannot install %s as %s: %s", source, target, error.strerror or error)
         raise typer.Exit(1) from None

@@ -9,39 +9,23 @@ from pathlib import Path
 
 from nvshare_py.paths import SocketPaths, check_socket_path
 
+from .injection import (DEFAULT_CONTAINER_LIBRARY, DEFAULT_LIBRARY, DEFAULT_PRELOAD_FILE, ConfigError, Injection,
+                        Preload, parse_container_env)
 from .v1beta1 import DEFAULT_DEVICE_PLUGIN_DIR, KUBELET_SOCKET
+
+__all__ = ["DEFAULT_CONTAINER_LIBRARY", "DEFAULT_LIBRARY", "DEFAULT_PRELOAD_FILE", "ConfigError", "Preload",
+           "parse_container_env", "AllocationPolicy", "CdiNames", "PluginConfig", "check_resource_name", "parse_xids"]
 
 DEFAULT_RESOURCE_NAME = "nvshare.com/gpu"
 DEFAULT_ENDPOINT = "nvshare.sock"
 DEFAULT_REPLICAS = 10
-DEFAULT_LIBRARY = Path("/var/lib/nvshare/lib/libnvshare.so")
-DEFAULT_CONTAINER_LIBRARY = Path("/usr/lib/nvshare/libnvshare.so")
-DEFAULT_PRELOAD_FILE = Path("/var/lib/nvshare/ld.so.preload")
-CONTAINER_PRELOAD_PATH = Path("/etc/ld.so.preload")
 # Xids that report a fault of one application (bad address, illegal instruction, a killed
 # context, ...) rather than of the GPU: the GPU stays usable by everyone else.
 DEFAULT_IGNORED_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 DEFAULT_CDI_KIND = "nvidia.com/gpu"
-# The device nodes every CUDA container needs besides /dev/nvidia<minor>; passed on when present.
-CONTROL_DEVICE_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
-
-# Variables the plugin sets itself in every container; --container-env may not override them.
-OWNED_CONTAINER_ENV = frozenset({"LD_PRELOAD", "NVIDIA_VISIBLE_DEVICES", "NVSHARE_SOCKET_DIR"})
 
 _NAME_PART = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; the message says which and why."""
-
-
-class Preload(str, enum.Enum):
-    """How the interceptor is preloaded in containers."""
-
-    ENV = "env"  # LD_PRELOAD in the container's environment
-    FILE = "file"  # an /etc/ld.so.preload bind-mounted over the image's (reaches static setups too)
 
 
 class CdiNames(str, enum.Enum):
@@ -71,21 +55,6 @@ def check_resource_name(name: str) -> None:
         raise ConfigError(f"resource name {name!r}: {prefix!r} is not a DNS subdomain")
     if len(suffix) > 63 or not _NAME_PART.match(suffix):
         raise ConfigError(f"resource name {name!r}: {suffix!r} is not a valid name part")
-
-
-def parse_container_env(items: list[str]) -> dict[str, str]:
-    """`NAME=VALUE` items into a dict; the names the plugin sets itself are refused."""
-    env: dict[str, str] = {}
-    for item in items:
-        name, equals, value = item.partition("=")
-        if not equals or not _ENV_NAME.match(name):
-            raise ConfigError(f"container env {item!r} is not NAME=VALUE")
-        if name in OWNED_CONTAINER_ENV:
-            raise ConfigError(f"container env {name} is set by the plugin itself")
-        if name in env:
-            raise ConfigError(f"container env {name} is given twice")
-        env[name] = value
-    return env
 
 
 def parse_xids(text: str) -> frozenset[int]:
@@ -125,12 +94,7 @@ class PluginConfig:
             raise ConfigError(f"replicas must be from 1 to 999, not {self.replicas}")
         if "/" in self.endpoint or not self.endpoint or self.endpoint == KUBELET_SOCKET:
             raise ConfigError(f"endpoint {self.endpoint!r} must be a file name other than {KUBELET_SOCKET}")
-        for label, path in (("library", self.library), ("container library", self.container_library),
-                            ("preload file", self.preload_file)):
-            if not path.is_absolute():
-                raise ConfigError(f"{label} path {path} must be absolute")
-        if not self.device_dir.is_absolute():
-            raise ConfigError(f"device directory {self.device_dir} must be absolute")
+        self.injection  # checks the paths
         if self.cdi is not CdiNames.OFF:
             vendor, _, kind_class = self.cdi_kind.partition("/")
             if not _DNS_SUBDOMAIN.match(vendor) or not _NAME_PART.match(kind_class or "-"):
@@ -141,6 +105,12 @@ class PluginConfig:
             check_socket_path(self.plugin_socket)
         except ValueError as too_long:
             raise ConfigError(str(too_long)) from None
+
+    @property
+    def injection(self) -> Injection:
+        return Injection(socket_paths=self.socket_paths, library=self.library, container_library=self.container_library,
+                         preload=self.preload, preload_file=self.preload_file, container_env=self.container_env,
+                         device_specs=self.device_specs, device_dir=self.device_dir)
 
     @property
     def plugin_socket(self) -> Path:

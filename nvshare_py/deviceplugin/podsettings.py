@@ -12,6 +12,10 @@ told, and says which requests bring the scheduler up to date: a new or changed a
 its value, a removed annotation, a bad value or a pod that is gone or has finished removes it
 (value null). Nothing here reads a socket or a clock; the shell feeds pods in and sends the
 requests out.
+
+The DRA driver (nvshare_py/dra) keeps its pods' settings here too: the same three settings,
+named by the annotations that carry them for the device plugin, where a memory limit may be
+for one device (`set-limit`'s `device`) rather than for all of them.
 """
 
 from __future__ import annotations
@@ -89,12 +93,14 @@ class Problem:
 
 @dataclass(frozen=True)
 class Pod:
-    """What a pod asks of the scheduler: valid annotation values by annotation name."""
+    """What a pod asks of the scheduler: valid annotation values by annotation name (for every
+    device), and values for one device by (annotation name, device id)."""
 
     uid: str
     name: str  # namespace/name, for log lines
     values: dict[str, int] = field(default_factory=dict)
     problems: tuple[Problem, ...] = ()
+    device_values: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 def read_pod(document: dict) -> Pod | None:
@@ -123,12 +129,14 @@ def read_pod(document: dict) -> Pod | None:
 
 @dataclass(frozen=True)
 class Request:
-    """One control request: set (value) or remove (None) the setting `annotation` of a pod."""
+    """One control request: set (value) or remove (None) the setting `annotation` of a pod, on
+    `device` only or (None) on every device."""
 
     pod_uid: str
     pod: str
     annotation: str
     value: int | None
+    device: str | None = None
 
     @property
     def op(self) -> str:
@@ -136,10 +144,17 @@ class Request:
 
     @property
     def fields(self) -> dict:
-        return {"pod_uid": self.pod_uid, ANNOTATIONS[self.annotation].key: self.value}
+        fields = {"pod_uid": self.pod_uid, ANNOTATIONS[self.annotation].key: self.value}
+        if self.device is not None:
+            fields["device"] = self.device
+        return fields
+
+    def __str__(self) -> str:
+        where = f" on {self.device}" if self.device is not None else ""
+        return f"{self.annotation}={self.value}{where}" if self.value is not None else f"no {self.annotation}{where}"
 
 
-Key = tuple[str, str]  # (pod UID, annotation name)
+Key = tuple[str, str, str | None]  # (pod UID, annotation name, device id or None: every device)
 
 
 class PodSettings:
@@ -176,17 +191,20 @@ class PodSettings:
 
     def pending(self) -> list[Request]:
         """The requests that bring the scheduler to the pods' settings, removals first."""
-        wanted = {(uid, name): value for uid, pod in self._pods.items() for name, value in pod.values.items()}
-        requests = [Request(uid, self._names[uid], name, None) for (uid, name) in self._told
-                    if (uid, name) not in wanted]
-        requests += [Request(uid, self._names[uid], name, value) for (uid, name), value in wanted.items()
-                     if self._told.get((uid, name)) != value]
+        wanted: dict[Key, int] = {}
+        for uid, pod in self._pods.items():
+            wanted.update({(uid, name, None): value for name, value in pod.values.items()})
+            wanted.update({(uid, name, device): value for (name, device), value in pod.device_values.items()})
+        requests = [Request(uid, self._names[uid], name, None, device) for (uid, name, device) in self._told
+                    if (uid, name, device) not in wanted]
+        requests += [Request(uid, self._names[uid], name, value, device)
+                     for (uid, name, device), value in wanted.items() if self._told.get((uid, name, device)) != value]
         return requests
 
     def told(self, request: Request) -> None:
         """The scheduler answered `request` (accepted or refused: sending it again would not
         change the answer until the value or the scheduler changes)."""
-        key = (request.pod_uid, request.annotation)
+        key = (request.pod_uid, request.annotation, request.device)
         if request.value is None:
             self._told.pop(key, None)
         else:
@@ -204,6 +222,6 @@ class PodSettings:
         """Forgets the names of pods that are gone and told nothing, and the reports of bad
         values no pod has any more (a bad value is reported once while it stays, and again if
         it comes back later)."""
-        needed = set(self._pods) | {uid for uid, _ in self._told}
+        needed = set(self._pods) | {uid for uid, _, _ in self._told}
         self._names = {uid: name for uid, name in self._names.items() if uid in needed}
         self._reported &= {problem for pod in self._pods.values() for problem in pod.problems}

@@ -4,12 +4,14 @@ per-pod settings (podsettings.py says which and how), over the scheduler's contr
 Two tasks under one owner (`PodSettingsSync.run`, a branch of the plugin's task tree):
 - `_follow_pods` lists the node's pods, then watches them, listing again whenever the watch
   cannot resume; every change goes into `PodSettings` and wakes the other task;
-- `_tell_scheduler` sends what `PodSettings` says is pending. Before each round it asks the
-  scheduler who it is (pid and start time in `status`): a scheduler that restarted has
-  forgotten everything, and gets every setting again. It also wakes every `resync_interval`
-  without a change, so a restart is noticed even on a quiet node.
+- the `SchedulerLink` (schedulerlink.py) sends what `PodSettings` says is pending, and
+  everything again to a scheduler that restarted.
 Both are idempotent from the pods alone: a plugin that restarts lists the pods and sends their
 settings again, which changes nothing in a scheduler that has them.
+
+What a pod asks for is the `reader`'s to say: its annotations (`read_pod`, the device plugin),
+or the settings of the nvshare ResourceClaims it uses (the DRA driver, nvshare_py/dra), which
+change when a claim is prepared or unprepared: `refresh()` reads every pod again then.
 """
 
 from __future__ import annotations
@@ -17,40 +19,45 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+from typing import Callable
 
 import httpx
 
-from nvshare_py import control
 from nvshare_py.paths import SocketPaths
 
 from .kubeapi import ApiError, ApiServer, WatchExpired, list_pods, post_event, watch_pods
-from .podsettings import PodSettings, Problem, Request, read_pod
+from .podsettings import Pod, PodSettings, Problem, read_pod
+from .schedulerlink import SchedulerLink
 from .tasks import run_until_first_exits
 
 log = logging.getLogger(__name__)
 
-CONTROL_TIMEOUT_S = 5.0
 EVENT_REASON = "InvalidNvshareAnnotation"
 EVENT_COMPONENT = "nvshare-device-plugin"
 
 
 class PodSettingsSync:
     def __init__(self, api: ApiServer, node: str, paths: SocketPaths, *, retry_interval: float = 5.0,
-                 resync_interval: float = 30.0) -> None:
+                 resync_interval: float = 30.0, reader: Callable[[dict], Pod | None] = read_pod,
+                 what: str = "nvshare.com/ annotations") -> None:
         self.api = api
         self.node = node
         self.paths = paths
+        self.reader = reader
+        self.what = what
+        self._documents: dict[str, dict] = {}  # the node's pods as last seen, by the reader's pod UID
         self.retry_interval = retry_interval
         self.resync_interval = resync_interval
         self.settings = PodSettings()
-        self._changed = asyncio.Event()
+        self.scheduler = SchedulerLink(paths, self.settings, retry_interval=retry_interval,
+                                       resync_interval=resync_interval)
         self._event_failure_said = False
         self._api_failing = False
 
     async def run(self) -> None:
-        log.info("applying nvshare.com/ annotations of the pods on node %s through %s", self.node,
+        log.info("applying the %s of the pods on node %s through %s", self.what, self.node,
                  self.paths.control_socket)
-        await run_until_first_exits(self._follow_pods(), self._tell_scheduler())
+        await run_until_first_exits(self._follow_pods(), self.scheduler.run())
 
     # ---- the API server -------------------------------------------------------------------
 
@@ -73,21 +80,36 @@ class PodSettingsSync:
     async def _list_and_watch(self, client: httpx.AsyncClient) -> None:
         documents, version = await list_pods(client, self.node)
         self._api_failing = False
-        pods = [pod for pod in map(read_pod, documents) if pod is not None]
+        self._documents = {}
+        pods = []
+        for document in documents:
+            pod = self.reader(document)
+            if pod is not None:
+                self._documents[pod.uid] = document
+                pods.append(pod)
         await self._report(client, self.settings.replace_all(pods))
-        self._changed.set()
+        self.scheduler.wake()
         log.info("following the %d pods on node %s", len(pods), self.node)
         while True:  # the server ends each watch after a while; the next resumes where it ended
             async for kind, document in watch_pods(client, self.node, version):
                 version = (document.get("metadata") or {}).get("resourceVersion") or version
-                pod = read_pod(document) if kind != "BOOKMARK" else None
+                pod = self.reader(document) if kind != "BOOKMARK" else None
                 if pod is None:
                     continue
                 if kind == "DELETED":
+                    self._documents.pop(pod.uid, None)
                     self.settings.remove(pod.uid)
                 else:
+                    self._documents[pod.uid] = document
                     await self._report(client, self.settings.update(pod))
-                self._changed.set()
+                self.scheduler.wake()
+
+    def refresh(self) -> None:
+        """What the pods ask for changed without a change of the pods (the reader's other
+        input): every pod is read again."""
+        pods = [pod for pod in map(self.reader, self._documents.values()) if pod is not None]
+        self.settings.replace_all(pods)
+        self.scheduler.wake()
 
     async def _report(self, client: httpx.AsyncClient, problems: list[Problem]) -> None:
         """In the plugin's log, and as a Warning event of the pod (`kubectl describe pod`)."""
@@ -113,57 +135,6 @@ class PodSettingsSync:
             "source": {"component": EVENT_COMPONENT, "host": self.node},
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
-
-    # ---- the scheduler --------------------------------------------------------------------
-
-    async def _tell_scheduler(self) -> None:
-        told = None  # (pid, start time) of the scheduler that has the settings
-        failing = False
-        while True:
-            try:
-                await asyncio.wait_for(self._changed.wait(), self.resync_interval)
-            except asyncio.TimeoutError:
-                pass
-            self._changed.clear()
-            try:
-                identity = await self._scheduler_identity()
-                if identity != told:
-                    if told is not None:
-                        log.info("the scheduler restarted: sending the pods' settings again")
-                    self.settings.scheduler_restarted()
-                    told = identity
-                for request in self.settings.pending():
-                    await self._send(request)
-                if failing:
-                    log.info("the scheduler answers again")
-                failing = False
-            except control.ControlFailure as failure:
-                if not failing:
-                    log.warning("cannot reach the scheduler (retrying every %g s): %s", self.retry_interval, failure)
-                failing = True
-                told = None
-                await asyncio.sleep(self.retry_interval)
-                self._changed.set()
-
-    async def _scheduler_identity(self) -> tuple:
-        scheduler = (await self._request("status"))["scheduler"]
-        return scheduler["pid"], scheduler["started"]
-
-    async def _send(self, request: Request) -> None:
-        what = f"{request.annotation}={request.value}" if request.value is not None else f"no {request.annotation}"
-        try:
-            await self._request(request.op, **request.fields)
-        except control.ControlFailure as failure:
-            if failure.exit_code != control.EXIT_REFUSED:
-                raise
-            log.warning("pod %s (%s): the scheduler refused %s: %s", request.pod, request.pod_uid, what, failure)
-        else:
-            log.info("pod %s (%s): %s", request.pod, request.pod_uid, what)
-        self.settings.told(request)
-
-    async def _request(self, op: str, **fields) -> dict:
-        # The control client is blocking (zmq REQ); its own timeout bounds the thread.
-        return await asyncio.to_thread(control.request, self.paths, op, timeout=CONTROL_TIMEOUT_S, **fields)
 
 
 def _describe(error: Exception) -> str:

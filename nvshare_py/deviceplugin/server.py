@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import signal
 import stat
@@ -25,7 +24,8 @@ from typing import Callable, TypeVar
 
 import grpc
 
-from .config import CONTAINER_PRELOAD_PATH, CONTROL_DEVICE_NODES, CdiNames, PluginConfig, Preload
+from .config import CdiNames, PluginConfig
+from .injection import HostError, MissingHostFile, container_edits, prepare_host
 from .inventory import PhysicalGpu, GpuUnavailable, InvalidRequest, Inventory
 from .kubeapi import ApiServer
 from .nvml import Nvml
@@ -37,6 +37,7 @@ from .v1beta1 import api_pb2_grpc as api_grpc
 
 log = logging.getLogger(__name__)
 
+INSTALLER = "nvshare-device-plugin"  # the command whose install-library puts libnvshare.so on the node
 REGISTER_TIMEOUT_S = 10.0
 SERVER_STOP_GRACE_S = 1.0
 # A health check that takes this many health intervals (at least NVML_SLOW_MIN_S) is logged
@@ -50,10 +51,6 @@ T = TypeVar("T")
 
 class PluginError(RuntimeError):
     """The plugin cannot go on; the message is meant for the operator."""
-
-
-class MissingHostFile(RuntimeError):
-    """A file the containers need is not on the node."""
 
 
 class Changes:
@@ -75,54 +72,16 @@ class Changes:
             return self._version
 
 
-def _host_files(config: PluginConfig) -> list[tuple[Path, str]]:
-    """The node files every container mounts, each with what puts it there."""
-    files = [(config.library, "`nvshare-device-plugin install-library` puts it there (the "
-                              "device-plugin DaemonSet runs it as an init container)")]
-    if config.preload is Preload.FILE:
-        files.append((config.preload_file, "the plugin writes it at start; restart the plugin"))
-    return files
-
-
 def container_response(config: PluginConfig, gpus: list[PhysicalGpu]) -> api.ContainerAllocateResponse:
-    """What one container needs in order to run under nvshare on `gpus`."""
-    for path, remedy in _host_files(config):
-        if not path.is_file():
-            raise MissingHostFile(f"{path} is not on this node; {remedy}")
-    client_dir = config.socket_paths.client_dir
-    if not client_dir.is_dir():
-        raise MissingHostFile(f"the scheduler's client socket directory {client_dir} does not exist")
-    envs = dict(config.container_env)
-    envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(gpu.uuid for gpu in gpus)
-    envs["NVSHARE_SOCKET_DIR"] = str(config.socket_paths.root)
-    mounts = [
-        # Only the client directory: the control socket must stay out of containers.
-        api.Mount(container_path=str(client_dir), host_path=str(client_dir), read_only=True),
-        api.Mount(container_path=str(config.container_library), host_path=str(config.library), read_only=True),
-    ]
-    if config.preload is Preload.ENV:
-        envs["LD_PRELOAD"] = str(config.container_library)
-    else:
-        mounts.append(api.Mount(container_path=str(CONTAINER_PRELOAD_PATH),
-                                host_path=str(config.preload_file), read_only=True))
-    return api.ContainerAllocateResponse(envs=envs, mounts=mounts, devices=device_specs(config, gpus),
-                                         cdi_devices=cdi_devices(config, gpus))
-
-
-def device_specs(config: PluginConfig, gpus: list[PhysicalGpu]) -> list[api.DeviceSpec]:
-    """The GPUs' device nodes and the control nodes, those present under --device-dir: every
-    CRI runtime creates them in the container and allows them in its device cgroup, so the
-    container reaches its GPUs (and only those) even where no NVIDIA hook runs, and keeps them
-    when the kubelet updates its cgroup (the CPU manager does)."""
-    if not config.device_specs:
-        return []
-    names = [f"nvidia{gpu.minor}" for gpu in gpus if gpu.minor is not None] + list(CONTROL_DEVICE_NODES)
-    specs = []
-    for name in names:
-        host_path = config.device_dir / name
-        if host_path.exists():
-            specs.append(api.DeviceSpec(container_path=f"/dev/{name}", host_path=str(host_path), permissions="rw"))
-    return specs
+    """What one container needs in order to run under nvshare on `gpus` (injection.py)."""
+    edits = container_edits(config.injection, gpus, INSTALLER)
+    return api.ContainerAllocateResponse(
+        envs=edits.env,
+        mounts=[api.Mount(container_path=mount.container_path, host_path=mount.host_path, read_only=mount.read_only)
+                for mount in edits.mounts],
+        devices=[api.DeviceSpec(container_path=node.container_path, host_path=node.host_path,
+                                permissions=node.permissions) for node in edits.device_nodes],
+        cdi_devices=cdi_devices(config, gpus))
 
 
 def cdi_devices(config: PluginConfig, gpus: list[PhysicalGpu]) -> list[api.CDIDevice]:
@@ -412,34 +371,6 @@ class Plugin:
                 return f"{self.config.plugin_socket} was removed"
 
 
-def replace_file(target: Path, data: bytes, mode: int) -> None:
-    """Writes `target` anew through one rename, so that containers already running keep the
-    file they have (their mount or mapping holds the old one)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = target.with_name(f".{target.name}.{os.getpid()}")
-    try:
-        scratch.write_bytes(data)
-        scratch.chmod(mode)
-        scratch.replace(target)
-    finally:
-        scratch.unlink(missing_ok=True)  # only left when a step failed
-
-
-def _prepare_host(config: PluginConfig) -> None:
-    client_dir = config.socket_paths.client_dir
-    try:
-        if not client_dir.is_dir():
-            # The mount source must exist even before the scheduler starts; the protocol's mode.
-            client_dir.mkdir(parents=True)
-            client_dir.chmod(0o755)
-            log.info("created the client socket directory %s", client_dir)
-        if config.preload is Preload.FILE:
-            replace_file(config.preload_file, f"{config.container_library}\n".encode(), 0o644)
-            log.info("wrote %s (mounted at %s in containers)", config.preload_file, CONTAINER_PRELOAD_PATH)
-    except OSError as error:
-        raise PluginError(f"cannot prepare {error.filename} on the node: {error.strerror}") from None
-
-
 async def serve(config: PluginConfig) -> None:
     """Runs the plugin until SIGTERM or SIGINT."""
     nvml = Nvml()
@@ -452,7 +383,10 @@ async def serve(config: PluginConfig) -> None:
                  config.replicas, config.resource_name)
         for gpu in gpus:
             log.info("  GPU %d: %s (%s, %.1f GiB)", gpu.index, gpu.uuid, gpu.name, gpu.memory / 2**30)
-        _prepare_host(config)
+        try:
+            prepare_host(config.injection)
+        except HostError as error:
+            raise PluginError(str(error)) from None
         nvml.watch_xids(gpus)
         plugin = Plugin(config, nvml, Inventory(gpus, config.replicas), pod_settings_sync(config))
         stop = asyncio.Event()

@@ -9,6 +9,7 @@ other as `nvshare_py.deviceplugin.v1beta1.api_pb2`, while the proto package (and
 method path) stays `v1beta1`. The stubs demand a protobuf runtime at least as new as the
 protoc in grpcio-tools and a grpcio at least as new as grpcio-tools: after regenerating, keep
 the `grpcio`/`protobuf` minimums in pyproject.toml in step (`python -m ... --print-minimums`).
+The DRA driver's stubs (nvshare_py/dra/kubeletapi) are made by the same two functions.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ ROOT = HERE.parents[2]
 PROTO = HERE / "api.proto"
 
 
-def regenerate() -> None:
+def regenerate(protos: list[Path]) -> None:
+    """Compiles `protos` (files inside the checkout) into stubs beside each of them."""
     from grpc_tools import protoc
 
     proto_include = Path(protoc.__file__).parent / "_proto"
@@ -33,16 +35,16 @@ def regenerate() -> None:
         f"--python_out={ROOT}",
         f"--pyi_out={ROOT}",
         f"--grpc_python_out={ROOT}",
-        str(PROTO.relative_to(ROOT)),
+        *(str(proto.relative_to(ROOT)) for proto in protos),
     ])
     if status != 0:
         raise SystemExit(f"protoc failed with status {status}")
 
 
-def generated_minimums() -> dict[str, str]:
-    """The runtime versions the committed stubs refuse to run below."""
-    pb2 = (HERE / "api_pb2.py").read_text()
-    grpc_stub = (HERE / "api_pb2_grpc.py").read_text()
+def generated_minimums(proto: Path) -> dict[str, str]:
+    """The runtime versions the committed stubs of `proto` refuse to run below."""
+    pb2 = proto.with_name(f"{proto.stem}_pb2.py").read_text()
+    grpc_stub = proto.with_name(f"{proto.stem}_pb2_grpc.py").read_text()
     protobuf = re.search(r"Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", pb2)
     grpcio = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", grpc_stub)
     found = {}
@@ -55,6 +57,6 @@ def generated_minimums() -> dict[str, str]:
 
 if __name__ == "__main__":
     if "--print-minimums" not in sys.argv[1:]:
-        regenerate()
-    for package, version in generated_minimums().items():
+        regenerate([PROTO])
+    for package, version in generated_minimums(PROTO).items():
         print(f"{package}>={version}")
