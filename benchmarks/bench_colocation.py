@@ -43,6 +43,11 @@ Prints one JSON document on stdout (`summary`: per regime, job set and mode the 
 ratio to sequential; `results`: everything measured; `paper`: the paper's ratios); writes colocation-<date>[-quick|-gpu].json and .png (ratios
 per regime and mode beside the paper's, and the TQ sweep) into --out (benchmarks/results); a
 text table of ratios vs sequential goes to stderr.
+
+(Some 850 lines: two experiments, the paper's above and issue 18's `--working-set` cases (jobs
+that touch their whole working set every step), each with its own main and document. They share
+this file because they run their jobs the same way: simapp or PyTorch jobs started together, one
+scheduler per mode and TQ, the lock history read from its events.)
 """
 
 from __future__ import annotations

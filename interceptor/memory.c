@@ -8,6 +8,11 @@
  * device's memory limit (limits.c): one that would pass it is refused with
  * CUDA_ERROR_OUT_OF_MEMORY without reaching the driver. A failed allocation gives its charge
  * back; a free (a deferred one when it completes) uncharges it.
+ *
+ * (Some 750 lines, most of them the allocation and free hooks, the stream-ordered frees of
+ * converted memory and swap.c's view of what may move: one file, because all of these read or
+ * change the pointer table and the pending-free list under mem_mu, which no other unit sees. The
+ * rest answers the memory queries from the charged byte counts and explains the IPC refusal.)
  */
 #define _GNU_SOURCE
 #include <stdlib.h>

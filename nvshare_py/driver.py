@@ -22,6 +22,10 @@ Example::
         cuda.synchronize()
         assert cuda.memcpy_dtoh(ptr, 4) == (7).to_bytes(4, "little")
         cuda.free(ptr)
+
+(Some 670 lines: the PTX of its kernels, the table of C signatures, and `Driver`'s methods, each
+a few lines around one driver call. One binding: every method goes through the same resolver
+and error translation.)
 """
 
 from __future__ import annotations

@@ -27,6 +27,11 @@ second, from a thread of the extension's own (on a socket of its own), to say th
 Nothing at all where the scheduler's
 socket does not exist or libnvshare.so is not loaded in the kernel (then there is nothing to
 share, and no hooks are installed).
+
+(Some 800 lines: the link that asks QUERY, the words and the three displays (the wait note,
+`%nvshare`'s status, the note after a cell), the thread that watches a running cell, and the
+IPython hooks and magic. One extension, loaded by this name: every part serves what a cell
+shows, and no other module of the package uses them.)
 """
 
 from __future__ import annotations

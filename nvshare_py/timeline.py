@@ -13,6 +13,10 @@ optional dependency imported only when a picture is asked for). `nvsharectl time
     console.print(summary_table(summarise(timeline)))
     write_json(path, to_json(timeline))
     write_png(path, timeline, title="...")         # MissingMatplotlib if it is not installed
+
+(Some 600 lines: the replay of events into intervals and its four views (summary table,
+terminal, JSON, PNG), each under a hundred lines and all reading the one Timeline and Interval
+model.)
 """
 
 from __future__ import annotations

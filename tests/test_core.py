@@ -1,4 +1,9 @@
-"""Scenario tests of the sans-I/O lock core: one test per scheduling rule of docs/protocol.md."""
+"""Scenario tests of the sans-I/O lock core: one test per scheduling rule of docs/protocol.md.
+
+(Some 950 lines: short tests in sections by rule (registration, mode on, contention, modes,
+liveness, reconnection and recovery, status), all driving the core through the `Harness` below;
+gangs, admission and residency have test files of their own.)
+"""
 
 from __future__ import annotations
 

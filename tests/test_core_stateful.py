@@ -43,6 +43,10 @@ waiting inside the recovery window, grants only start at its end: add (recovery 
 Alive timeouts need no slack here: removing a silent client only ends its grant or its
 place in the queue earlier (removal happens at a Tick on the exact timeout instant, like every
 other deadline).
+
+(Some 700 lines: one state machine, `LockCoreMachine`: its model of what the clients were told,
+its rules and its invariants all work on the machine's state, and the derivation above is what
+`waiting_is_bounded` checks.)
 """
 
 from __future__ import annotations

@@ -4,7 +4,11 @@ GRANT lets the grantee prefetch, and that memory that fits never moves.
 
 Example tests first, then a Hypothesis state machine: simulated swapping clients (each knows
 how much of its converted memory is on the device and reports it truthfully) against one
-device whose budget is below their sum or above it."""
+device whose budget is below their sum or above it.
+
+(Some 850 lines: the examples, in sections by the issue that brought their rules (swapping, many
+tenants, pipelined handoffs and the swap-cost policy), and the state machine. All of them drive
+one core and one device through the `Cluster` below: the residency rules' one test module.)"""
 
 from __future__ import annotations
 

@@ -2,6 +2,11 @@
 
 Facts checked against the real driver 580 (CUDA 13) on an H200 are marked "measured".
 Everything runs in child processes: the simulated libcuda.so.1 never enters the test process.
+
+(Some 1,000 lines: one test per fact, in sections that follow the simulator's sources (entry
+points, contexts, memory, execution, agreement with a real GPU, VMM handles), all run the same
+way: simapp or `probe` in a child process of the `simcuda` fixture. Residency, pools, swapping
+and pipelining have test files of their own.)
 """
 
 from __future__ import annotations

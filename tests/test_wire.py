@@ -4,6 +4,11 @@ interceptor/message.c (the protocol codec), driven through tests/c/wire_harness.
 The C side is checked against real libzmq (pyzmq ROUTER sockets), against a hand-driven ZMTP
 peer where byte-level control matters (fragmentation, PING contexts, protocol violations), and
 against nvshare_py.protocol, whose encoder and decoder it must agree with byte for byte.
+
+(Some 1,250 lines: the codec's tests (builders and parser, most of them against the Python
+codec, many with Hypothesis) and the transport's (against libzmq, a hand-driven peer, and
+connect errors). Both drive the one harness, compiled once a session with sanitizers where they
+work, and together they are the wire layer's tests.)
 """
 
 from __future__ import annotations

@@ -39,6 +39,10 @@ minute on an H100) and on the simulated driver (tests/simcuda, to check the scri
 Safety: at most 2 x `--gib` of device memory at once (the engine part's managed buffer and its
 cuMemAlloc ceiling buffer), refused unless that is below a third of the free memory. Writes
 swap-paths.json into $OUT (or --out); prints a short table.
+
+(Some 800 lines: the six parts, about a hundred lines each with their child processes. They
+share the entry points resolved as the swap engine resolves them (`Api`), the timing and
+checking helpers and the one swap-paths.json, and run as one command on a GPU machine.)
 """
 
 from __future__ import annotations

@@ -20,6 +20,11 @@ Exit status: 0 all checks passed; 1 a check failed, a program crashed, something
 or --json/--png could not be written (the logs are kept and their directory named); 2 usage
 error or a missing part of the installation; 130 interrupted (every process the demo started is
 stopped).
+
+(Some 700 lines: one command from start to exit status: finding a GPU, starting the scheduler
+and the two programs, the live view, the checks and the report. Every part works on the one
+`Demo` and its working directory; the drawing is nvshare_py.timeline's, the programs are
+worker.py.)
 """
 
 from __future__ import annotations

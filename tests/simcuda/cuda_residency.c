@@ -43,6 +43,11 @@
  * Each process keeps, per allocation, a hint per chunk: the slot it was last put in, and what it
  * knows of the chunk's host pages. The hint is checked against the slot's (pid, address), so
  * evictions by other processes need not tell the owner anything.
+ *
+ * (Some 900 lines: the cost model above and the shared device file, from opening it through the
+ * engines, the per-allocation hints and the migrations to physical memory's fixed slots. One
+ * file, because every part reads or writes that file's private layout under its robust lock and
+ * must leave it consistent for the crash rules above.)
  */
 #define _GNU_SOURCE
 #include <errno.h>
