@@ -155,6 +155,20 @@ static inline void nvs_gate_exit(struct nvs_device *d) {
     nvs_tls.depth--;
 }
 
+/* Work the interceptor submits on the holder's behalf in an application thread (the pages of a
+ * new allocation): counted in flight like a submission, so that a release waits for it and an
+ * idle probe sees it (a prefetch may do its migration inside the call, leaving no GPU work for
+ * a synchronise to find), but never waited for: 0, nothing counted, when the gate is closed.
+ * 1: passed; end with nvs_gate_leave. */
+static inline int nvs_gate_try_pass(struct nvs_device *d) {
+    atomic_fetch_add(&d->entered, 1);
+    if (nvs_gate_passable(d)) return 1;
+    atomic_fetch_add(&d->exited, 1);
+    return 0;
+}
+
+static inline void nvs_gate_leave(struct nvs_device *d) { atomic_fetch_add(&d->exited, 1); }
+
 /* Under nvs_mu: forget a context in every device's list (drains no longer synchronise it). */
 void nvs_gate_forget_context_locked(CUcontext ctx);
 /* Under nvs_mu: open or close a device's gate. */

@@ -289,18 +289,24 @@ static void advise_onto_device(CUdeviceptr ptr, size_t size, struct nvs_device *
  * nothing it queues can meet them half made. A refusal leaves the pages to the faults, as before.
  */
 static void make_pages(CUdeviceptr ptr, size_t size, struct nvs_device *d) {
-    if (d == NULL || nvs_real.cuMemPrefetchAsync_v2 == NULL || nvs_real.cuStreamCreate == NULL ||
-        !nvs_gate_passable(d))
-        return;
+    if (d == NULL || nvs_real.cuMemPrefetchAsync_v2 == NULL || nvs_real.cuStreamCreate == NULL) return;
     pthread_mutex_lock(&nvs_mu);
     int capturing = d->captures > 0;
     pthread_mutex_unlock(&nvs_mu);
+    /* Passed like a submission: the making is the holder's work. With the GPU full it evicts
+     * other processes' pages on the driver's path, which on an H200 took the prefetch call itself
+     * most of a second per GiB; an idle probe that found nothing in flight meanwhile released a
+     * loading tenant between two pieces of its load (issue 29). */
+    if (capturing || !nvs_gate_try_pass(d)) return;
     CUstream stream;
-    if (capturing || nvs_real.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) return;
-    CUmemLocation here = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = d->ordinal};
-    CUresult r = nvs_real.cuMemPrefetchAsync_v2(ptr, size, here, 0, stream);
-    if (r == CUDA_SUCCESS) r = nvs_real.cuStreamSynchronize(stream);
-    nvs_real.cuStreamDestroy_v2(stream);
+    CUresult r = nvs_real.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING);
+    if (r == CUDA_SUCCESS) {
+        CUmemLocation here = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = d->ordinal};
+        r = nvs_real.cuMemPrefetchAsync_v2(ptr, size, here, 0, stream);
+        if (r == CUDA_SUCCESS) r = nvs_real.cuStreamSynchronize(stream);
+        nvs_real.cuStreamDestroy_v2(stream);
+    }
+    nvs_gate_leave(d);
     if (r != CUDA_SUCCESS)
         nvs_debug("making the pages of %#llx (%zu bytes) on device %d failed (%d): they come as touched",
                   (unsigned long long)ptr, size, d->ordinal, r);

@@ -39,12 +39,16 @@ def test_a_holders_new_allocation_is_made_on_the_device_and_a_waiters_is_not(scr
     assert into_device == [("fault", 8 * MIB), ("prefetch", 16 * MIB)], into_device
 
 
-def test_a_holder_making_its_pages_past_its_idle_window_is_not_released(scripted, cuda_app, simcuda, tmp_path):
+@pytest.mark.parametrize("in_call", ["0", "1"], ids=["migrated-by-the-stream", "migrated-inside-the-call"])
+def test_a_holder_making_its_pages_past_its_idle_window_is_not_released(scripted, cuda_app, simcuda, tmp_path,
+                                                                         in_call):
     """Others wait (CONTENDED, idle window 0.1 s) while the holder allocates 32 MiB whose making
     takes 0.64 s: the holder keeps its grant through the allocation and runs its next kernel
-    under it, asking for no second grant."""
+    under it, asking for no second grant. Also where the driver migrates inside the prefetch
+    call (SIMCUDA_PREFETCH_IN_CALL), so that a synchronise finds no work in the meantime."""
     env = {**scripted.env, "SIMCUDA_MEMORY": "256M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
-           "SIMCUDA_PREFETCH_US_PER_MIB": "20000"}
+           "SIMCUDA_PREFETCH_US_PER_MIB": "20000", "SIMCUDA_PREFETCH_IN_CALL": in_call,
+           "NVSHARE_IDLE_RELEASE_MS": "1000"}  # early release on (the scripted scheduler's default is off)
     app = cuda_app(env, "init", "kernel:1000", "sync", "mark:allocating", "alloc:plain:33554432",
                    "kernel:1000", "sync", "wait")
     grant(scripted, 1)

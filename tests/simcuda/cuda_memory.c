@@ -758,6 +758,16 @@ static CUresult prefetch(CUdeviceptr devPtr, size_t count, CUmemLocation locatio
     op->u.prefetch.target = location.type == CU_MEM_LOCATION_TYPE_DEVICE ? sim_device_get(location.id) : NULL;
     op->u.prefetch.discard = discard;
     op->u.prefetch.range = range;
+    struct sim_device *target = op->u.prefetch.target;
+    if (target && !discard && sim_residency_prefetch_in_call() && sim_residency_models(target)) {
+        /* The migration made by the calling thread, as a driver may do it inside the call: the
+         * stream gets nothing, so a synchronise finds no work while the call still runs. */
+        sim_engine_enter(target);
+        sim_residency_touch(ctx, op);
+        sim_engine_leave(target);
+        sim_op_free(op);
+        return CUDA_SUCCESS;
+    }
     return sim_submit(ctx, stream, op, 0);
 }
 

@@ -136,6 +136,7 @@ struct costs {
 static struct shared_device *shared[SIM_MAX_DEVICES]; /* by device->index; NULL: not modelled */
 static struct costs costs;
 static int modelled;       /* some device is modelled */
+static int prefetch_in_call; /* SIMCUDA_PREFETCH_IN_CALL: a prefetch to a device migrates inside the call */
 
 /* What a process knows of one chunk of its allocation (alloc->chunk_state). */
 enum chunk_state {
@@ -147,6 +148,11 @@ enum chunk_state {
 int sim_residency_models(const struct sim_device *device)
 {
     return shared[device->index] != NULL;
+}
+
+int sim_residency_prefetch_in_call(void)
+{
+    return prefetch_in_call;
 }
 
 double sim_residency_timeslice(void)
@@ -275,6 +281,10 @@ CUresult sim_residency_open(void)
     if (read_double("SIMCUDA_TIMESLICE_US", DEFAULT_TIMESLICE_US, 0, 1, &slice_us) != 0)
         return CUDA_ERROR_INVALID_VALUE;
     costs.timeslice_s = slice_us * 1e-6;
+    double in_call;
+    if (read_double("SIMCUDA_PREFETCH_IN_CALL", 0, 0, 0, &in_call) != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    prefetch_in_call = in_call != 0;
     for (int i = 0; i < sim_device_count; i++) {
         CUresult result = open_shared(dir, &sim_devices[i], &shared[sim_devices[i].index]);
         if (result != CUDA_SUCCESS)

@@ -404,6 +404,9 @@ struct sim_pool *sim_pool_new(struct sim_device *device, int is_default);
 /* Maps the shared state of every device when SIMCUDA_RESIDENCY_DIR is set (called by cuInit). */
 CUresult sim_residency_open(void);
 int sim_residency_models(const struct sim_device *device);
+/* Whether a prefetch to a device migrates in the calling thread, leaving nothing on its stream
+ * (SIMCUDA_PREFETCH_IN_CALL). */
+int sim_residency_prefetch_in_call(void);
 /* Seconds a kernel runs before it lets other processes' work onto the simulated GPU. */
 double sim_residency_timeslice(void);
 /* Fair, process-shared turns on the simulated GPU for kernels and prefetches (no-ops when
