@@ -114,3 +114,28 @@ def test_hot_cold_counts_swap_ins_of_hot_tenants_after_the_warm_up(run):
     assert {r["tenant"] for r in requests} == {0, 1, 2, 3}
     assert block["hot_swap_ins"] == sum(1 for r in requests if r["tenant"] < 3 and r["cold"]
                                         and r["offset_s"] >= block["warm_up_s"])
+
+
+def test_notebook_kernels_are_tenants_too(tmp_path):
+    """The same tenants as nvshare-jupyter kernels driven as a notebook drives them (issue 29:
+    "notebooks are tenants too"): three of 34 MiB on an 84 MiB card, so that at most two fit.
+    Every cell is answered; a kernel asked while its memory is out gets it back through the
+    swap engine's pinned copies before its cell runs, and nothing of it comes back by faults."""
+    out = tmp_path / "kernels.json"
+    argv = [sys.executable, str(BENCH), "--quick", "--kernels", "--tenants", "3", "--gib", "4", "--card-gib", "10",
+            "--modes", "on", "--scenarios", "load", "turns", "--rounds", "1", "--interval", "0.5",
+            "--baseline-requests", "2", "--out", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "NVSHARE_BENCH_LOGS": str(tmp_path / "logs")})
+    assert done.returncode == 0, done.stderr[-4000:]
+    document = json.loads(out.read_text())
+    assert document["kernels"] is True and document["failures"] == []
+    load = document["scenarios"]["load"]["on"]
+    assert load["loaded"] == load["tenants"] == 3
+    turns = [r for r in nvshare_requests(document) if r["scenario"] == "turns"]
+    assert sorted(r["tenant"] for r in turns) == [0, 1, 2] and all(r["answered"] for r in turns), turns
+    cold = [r for r in turns if r["cold"]]
+    assert cold, turns  # two fit: one of three asked in turn finds its memory out
+    for request in cold:
+        assert request["copied_in_bytes"] > 0 and request["faulted_in_bytes"] == 0, request
+    assert document["scenarios"]["turns"]["on"]["simulated_link_mib"]["faulted_in"] == 0
