@@ -30,13 +30,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator, TypeVar
 
 from .. import protocol
 from ..vocabulary import GPU_UUID, MODE
 from . import eviction, gangs, residency
 from .admission import Admit, AdmissionBook, AdmissionConfig, Decision, Refuse, Waiter
+from .core_config import CoreConfig, check_seconds, ms
 from . import fairshare
 from .records import Client, Device, Hold, Pair
 from .events import (
@@ -98,75 +98,6 @@ _MESSAGE_TYPES = {Register: "HELLO", HandleClaims: "HELLO", DeviceInfo: "DEVICE"
 
 def _shown(value: int | None) -> str:
     return "unset" if value is None else str(value)
-
-
-def _ms(seconds: float) -> int:
-    return round(seconds * 1000)
-
-
-def _check_seconds(name: str, value: float, *, allow_zero: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number of seconds, not {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} seconds, not {value!r}")
-    if _ms(value) > protocol.MAX_INT:
-        raise ValueError(f"{name} of {value!r} seconds is too large")
-
-
-@dataclass(frozen=True)
-class CoreConfig:
-    mode: Mode = "on"
-    tq: float = 30.0  # time quantum, seconds
-    grace: float = 5.0  # seconds between DROP and REVOKE
-    heartbeat_interval: float = 1.0  # sent to clients in WELCOME
-    heartbeat_timeout: float = 5.0  # no message for this long -> the client is gone
-    idle_release: float = 1.0  # sent to clients in WELCOME; 0: holders never release early
-    # While others wait, the idle window of a holder whose release would move none of its
-    # memory (CONTENDED idle_ms=, residency.idle_ms); 0: the holder's own window.
-    idle_release_contended: float = 0.1
-    recovery: float = 0.0  # > 0 only when restarting over a previous daemon's clients
-    # Budgets move memory at handoffs (residency.py). False: nothing is ever asked to move, as
-    # before issue 8 (the fault-driven baseline of benchmarks/bench_colocation.py).
-    swapping: bool = True
-    admission: AdmissionConfig = AdmissionConfig()  # off unless a spill is given
-    # What `set-admission spill=auto` sets: the daemon's measurement of the host (a share of its
-    # MemAvailable when it started); None: not measured, and `auto` is refused.
-    auto_spill: int | None = None
-    # Weights and priorities (fairshare.py): the shortest quantum a light or outranked holder
-    # gets, and grants per class of ageing (0: none).
-    min_quantum: float = 1.0
-    ageing: int = 4
-    # How long a gang that said its size waits for missing members after one of them asked
-    # (gangs.py): then it runs with those present, and says so.
-    gang_wait: float = 30.0
-    # Bytes kept free on a device under memory pressure while nobody waits (eviction.py);
-    # None: `auto`, the largest tenant that is out, at most a quarter of the budget.
-    headroom: int | None = None
-    # The order idle tenants are evicted in within a priority class (eviction.ORDERS): `lru2`,
-    # the use before the last one, or `lru`, the last use.
-    eviction_order: str = "lru2"
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODE:
-            raise ValueError(f"mode must be {MODE.describe()}, not {self.mode!r}")
-        _check_seconds("tq", self.tq, allow_zero=False)
-        _check_seconds("grace", self.grace, allow_zero=True)
-        _check_seconds("heartbeat_interval", self.heartbeat_interval, allow_zero=False)
-        _check_seconds("heartbeat_timeout", self.heartbeat_timeout, allow_zero=False)
-        if self.heartbeat_timeout <= self.heartbeat_interval:
-            raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
-        _check_seconds("idle_release", self.idle_release, allow_zero=True)
-        _check_seconds("idle_release_contended", self.idle_release_contended, allow_zero=True)
-        _check_seconds("recovery", self.recovery, allow_zero=True)
-        _check_seconds("min_quantum", self.min_quantum, allow_zero=False)
-        _check_seconds("gang_wait", self.gang_wait, allow_zero=True)
-        if isinstance(self.ageing, bool) or not isinstance(self.ageing, int) or not 0 <= self.ageing <= 1_000_000:
-            raise ValueError(f"ageing must be a whole number of grants from 0 to 1000000, not {self.ageing!r}")
-        if self.eviction_order not in eviction.ORDERS:
-            raise ValueError(f"eviction_order must be one of {', '.join(eviction.ORDERS)}, not {self.eviction_order!r}")
-        if self.headroom is not None and (isinstance(self.headroom, bool) or not isinstance(self.headroom, int)
-                                          or not 0 <= self.headroom <= protocol.MAX_INT):
-            raise ValueError(f"headroom must be a number of bytes or None (auto), not {self.headroom!r}")
 
 
 _ClientHandler = Callable[[Client, Any, list[Action]], None]
@@ -420,8 +351,8 @@ class SchedulerCore:
         config = self.config
         out.append(Send(client.key, protocol.Welcome(
             client=client.cid,
-            heartbeat_ms=_ms(config.heartbeat_interval),
-            idle_release_ms=_ms(config.idle_release),
+            heartbeat_ms=ms(config.heartbeat_interval),
+            idle_release_ms=ms(config.idle_release),
             admission=True,
         )))
         out.append(LockEvent(now, "register", client=client.cid, detail=register_detail(ev.info)))
@@ -488,7 +419,7 @@ class SchedulerCore:
                 out.append(Send(new.key, self._grant_message(dev, hold.grant)))
                 if hold.state == "draining":  # the DROP may have been lost with the old connection
                     out.append(Send(new.key, protocol.Drop(device=dev.id, grant=hold.grant, reason=hold.reason,
-                                                           grace_ms=max(0, _ms(hold.deadline - now)),
+                                                           grace_ms=max(0, ms(hold.deadline - now)),
                                                            evict=self._evict_on_drop(pair))))
                 hold.contended = False  # a CONTENDED may have been lost too: _settle tells it again
                 out.append(Log("info", "grant-passes", {"client": new.cid, "device": dev.id, "grant": hold.grant,
@@ -766,7 +697,7 @@ class SchedulerCore:
 
     def _set_quantum(self, ev: SetQuantum, out: list[Action]) -> None:
         try:
-            _check_seconds("tq", ev.seconds, allow_zero=False)
+            check_seconds("tq", ev.seconds, allow_zero=False)
         except ValueError as exc:
             raise ControlError("bad-request", str(exc)) from None
         targets = self._targets(ev.device)
@@ -874,7 +805,7 @@ class SchedulerCore:
                 out.append(Log("info", "limit-sent", {"client": cid, "device": device, "bytes": limit}))
 
     def _notify_settings(self, dev: Device, out: list[Action]) -> None:
-        notice = protocol.ModeNotice(device=dev.id, mode=dev.mode, quantum_ms=_ms(dev.tq))
+        notice = protocol.ModeNotice(device=dev.id, mode=dev.mode, quantum_ms=ms(dev.tq))
         out.extend(Send(pair.client.key, notice) for pair in dev.pairs)
 
     # --- the lock rules ------------------------------------------------------------------
@@ -1068,7 +999,7 @@ class SchedulerCore:
                 hold.contended = True
                 hold.told_end = self.quantum_end(pair)
                 hold.told_swap = swap
-                left = _ms(hold.told_end - now)
+                left = ms(hold.told_end - now)
                 out.append(Send(pair.client.key, protocol.Contended(device=dev.id, grant=hold.grant,
                                                                     quantum_left_ms=left, evict=swap[0],
                                                                     idle_ms=swap[1])))
@@ -1537,7 +1468,7 @@ class SchedulerCore:
 
     def _grant_message(self, dev: Device, grant: int, prefetch: int = 0) -> protocol.Grant:
         return protocol.Grant(device=dev.id, grant=grant, mode=dev.mode, exclusive=dev.mode == "on",
-                              quantum_ms=_ms(dev.tq), prefetch=prefetch)
+                              quantum_ms=ms(dev.tq), prefetch=prefetch)
 
     def _room_made(self, dev: Device, pair: Pair, now: float, out: list[Action]) -> bool:
         """Whether `pair`, the next waiter, may be granted now as far as residency goes.
@@ -1647,7 +1578,7 @@ class SchedulerCore:
     def _contended_swap(self, pair: Pair) -> tuple[int, int]:
         """CONTENDED's evict= and idle_ms= for the holder `pair` (residency.py). Without swapping
         nothing of the holder's moves: its pauses are worth nothing to it."""
-        free_ms = _ms(self.config.idle_release_contended)
+        free_ms = ms(self.config.idle_release_contended)
         if not self.config.swapping:
             return (0, free_ms if self._next_other_waiter(pair) is not None else 0)
         dev = pair.device
@@ -1719,7 +1650,7 @@ class SchedulerCore:
         if hold.turn is not None:  # a gang's members stop after the same collective (_fenced)
             hold.turn.fence[hold.grant] = None
         out.append(Send(pair.client.key, protocol.Drop(device=dev.id, grant=hold.grant,
-                                                       grace_ms=_ms(grace), reason=reason, evict=evict,
+                                                       grace_ms=ms(grace), reason=reason, evict=evict,
                                                        fence=hold.turn is not None)))
         out.append(LockEvent(now, "drop", dev.id, cid, hold.grant, reason))
         out.append(Log("info", "dropped", {"client": cid, "device": dev.id, "grant": hold.grant, "reason": reason,
