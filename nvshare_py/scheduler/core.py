@@ -38,13 +38,14 @@ from . import eviction, gangs, residency
 from .admission import Admit, AdmissionBook, AdmissionConfig, Decision, Refuse, Waiter
 from .core_config import CoreConfig, check_seconds, ms
 from . import fairshare
+from .queue_order import next_other_waiter, next_waiter, rank, service_order
 from .records import Client, Device, Hold, Pair
+from .registry import Registry
 from .events import (
     AcquireRequest,
     Action,
     AdmitRequest,
     ClaimsLeft,
-    ClientInfo,
     ClientKey,
     ClientMessage,
     ControlError,
@@ -111,16 +112,6 @@ def _message_row(kind: type[_M], handle: Callable[[Client, float, _M, list[Actio
     return kind, lambda client, event, out: handle(client, event.now, event.message, out)
 
 
-def _same_process(old: ClientInfo, new: ClientInfo) -> bool:
-    """A reconnection: same random session, and the kernel-verified host pid and uid do not
-    contradict it (0 / None mean the daemon could not see them)."""
-    return (
-        old.session == new.session
-        and (old.host_pid == new.host_pid or old.host_pid == 0 or new.host_pid == 0)
-        and (old.uid == new.uid or old.uid is None or new.uid is None)
-    )
-
-
 # --- the core ------------------------------------------------------------------------------
 
 
@@ -129,20 +120,12 @@ class SchedulerCore:
 
     def __init__(self, config: CoreConfig, now: float) -> None:
         self.config = config
-        self._default_mode: Mode = config.mode
-        self._default_tq = config.tq
-        self._clients: dict[ClientKey, Client] = {}
-        self._sessions: dict[str, list[Client]] = {}
-        # Clients ordered by last message, least recently heard first: the head is the next
-        # one to time out, so heartbeats and timeouts cost O(1).
-        self._silence: OrderedDict[ClientKey, Client] = OrderedDict()
-        self._devices: dict[str, Device] = {}
+        self._registry = Registry(config.mode, config.tq)
+        self.settings = self._registry.settings
         # Earliest pending drop/quantum deadline per device; refreshed after every change.
         self._deadlines: dict[Device, float] = {}
-        self._client_numbers = 0
         self._grant_numbers = 0
         self._queue_numbers = 0
-        self.settings = fairshare.Settings()
         self._recovery_end: float | None = now + config.recovery if config.recovery > 0 else None
         self._admission: AdmissionBook[Pair] = AdmissionBook(config.admission)
         self._budgets = 0  # the sum of the devices' budgets (known ones): the capacity less the spill
@@ -196,12 +179,11 @@ class SchedulerCore:
         out: list[Action] = []
         if isinstance(event, FromClient):
             kind = type(event.message) if isinstance(event, ClientMessage) else type(event)
-            client = self._clients.get(event.client)
+            client = self._registry.clients.get(event.client)
             if client is None:
                 out.append(Log("debug", "from-unregistered", {"client": repr(event.client), "type": kind.__name__}))
                 return out
-            client.last_seen = event.now
-            self._silence.move_to_end(client.key)
+            self._registry.heard(client, event.now)
             client_handler = self._client_handlers.get(kind)
             if client_handler is None:  # a message this scheduler has no use for: its liveness is all
                 out.append(Log("debug", "unhandled-message", {"client": client.cid, "type": kind.__name__}))
@@ -219,8 +201,8 @@ class SchedulerCore:
         """When `Tick` is due next: grace and quantum ends that matter, heartbeat timeouts and
         the end of the recovery window. None when nothing is pending."""
         best = self._recovery_end
-        if self._silence:
-            client = next(iter(self._silence.values()))
+        client = self._registry.most_silent()
+        if client is not None:
             timeout = client.last_seen + self.config.heartbeat_timeout
             if best is None or timeout < best:
                 best = timeout
@@ -243,33 +225,21 @@ class SchedulerCore:
     @property
     def default_mode(self) -> Mode:
         """The mode of devices without a setting of their own (SetMode without a device)."""
-        return self._default_mode
+        return self._registry.default_mode
 
     @property
     def default_tq(self) -> float:
         """The time quantum of devices without a setting of their own."""
-        return self._default_tq
+        return self._registry.default_tq
 
     def weight(self, client: Client) -> int:
-        return self.settings.weight.resolve(client.cid, client.info.pod_uid)
+        return self._registry.weight(client)
 
     def priority(self, client: Client) -> int:
-        return self.settings.priority.resolve(client.cid, client.info.pod_uid)
+        return self._registry.priority(client)
 
     def limit(self, pair: Pair) -> int | None:
-        client = pair.client
-        return self.settings.limit(client.cid, client.info.pod_uid, pair.device.id)
-
-    @staticmethod
-    def principal(client: Client) -> Hashable:
-        """Whom admission's quota is for (admission.py): the client's pod, else its user, both
-        as the kernel shows them; a client whose uid the daemon cannot see is its own."""
-        info = client.info
-        if info.pod_uid:
-            return ("pod", info.pod_uid)
-        if info.uid is not None:
-            return ("uid", info.uid)
-        return ("client", client.key)
+        return self._registry.limit(pair)
 
     def quantum_end(self, pair: Pair) -> float:
         """When the quantum of the pair's current grant ends (it matters only while others
@@ -287,7 +257,7 @@ class SchedulerCore:
         contenders = itertools.chain(dev.holders.values(), dev.queue)
         heaviest = max((self.weight(other.client) for other in contenders), default=1)
         length = fairshare.quantum(dev.tq, self.weight(pair.client), heaviest, self.config.min_quantum)
-        best = self._next_waiter(dev)
+        best = next_waiter(dev, self.config.ageing)
         if self.config.swapping and best is not None and best is not pair:
             # Over a budget the handoff swaps: the quantum is long enough that this takes at
             # most a tenth of it (residency.py), beyond the TQ if need be.
@@ -296,26 +266,27 @@ class SchedulerCore:
         # class has aged at least as much, so ageing never makes equals cut each other's quanta
         # (it only lifts a lower class past a higher one).
         holder_rank = fairshare.effective_class(hold.klass, dev.grants_made - hold.aged_from, self.config.ageing)
-        if best is not None and self._rank(best) > holder_rank:
+        if best is not None and rank(best, self.config.ageing) > holder_rank:
             length = min(length, self.config.min_quantum, dev.tq)
         return length
 
     def client_id(self, key: ClientKey) -> str | None:
-        client = self._clients.get(key)
+        client = self._registry.clients.get(key)
         return None if client is None else client.cid
 
     def devices(self) -> list[Device]:
         """The devices by id, for views.py to read (never to change)."""
-        return [self._devices[device_id] for device_id in sorted(self._devices)]
+        devices = self._registry.devices
+        return [devices[device_id] for device_id in sorted(devices)]
 
     def clients(self) -> list[Client]:
         """The registrations in registration order (c1, c2, ...), for views.py to read."""
-        return list(self._clients.values())
+        return list(self._registry.clients.values())
 
     def gang_units(self) -> list[gangs.Gang]:
         """The named gangs and the processes that are gangs of one (several devices), in the
         order they formed, for views.py to read."""
-        solo = [client.gang for client in self._clients.values() if client.gang.solo and client.gang.ganged]
+        solo = [client.gang for client in self._registry.clients.values() if client.gang.solo and client.gang.ganged]
         return list(self._gangs.values()) + solo
 
     def live_grants(self, turn: gangs.Turn) -> list[Pair]:
@@ -325,26 +296,15 @@ class SchedulerCore:
     # --- registration --------------------------------------------------------------------
 
     def _register(self, ev: Register, out: list[Action]) -> None:
-        if ev.client in self._clients:
-            out.append(Log("debug", "second-registration", {"client": self._clients[ev.client].cid}))
+        if ev.client in self._registry.clients:
+            out.append(Log("debug", "second-registration", {"client": self._registry.clients[ev.client].cid}))
             return
         now = ev.now
         if len(set(ev.held) | set(ev.wanted)) > protocol.MAX_DEVICES:
             out.append(Send(ev.client, protocol.Error(code="bad-field", type="HELLO",
                                                       detail=f"a client may use at most {protocol.MAX_DEVICES} devices")))
             return
-        self._client_numbers += 1
-        client = Client(ev.client, f"c{self._client_numbers}", ev.info, now)
-        predecessors = [old for old in self._sessions.get(ev.info.session, ()) if _same_process(old.info, ev.info)]
-        self._clients[client.key] = client
-        self._sessions.setdefault(ev.info.session, []).append(client)
-        self._silence[client.key] = client
-        # The process keeps what was set for it: from the registration it reconnects as, or
-        # from one it ended (BYE, a closed connection) while it lived on.
-        for old in predecessors:
-            self.settings.rename_client(old.cid, client.cid)
-        if client.process is not None:
-            self.settings.restore(client.process, client.cid)
+        client, predecessors = self._registry.register(ev.client, ev.info, now)
         # Its memory limits come before WELCOME: a process's first allocation and its first
         # cuMemGetInfo wait for the registration, which then includes them (docs/protocol.md).
         self._sync_limits(client, out)
@@ -448,7 +408,7 @@ class SchedulerCore:
             out.append(ClaimsLeft(client.key))
 
     def _handle_claims(self, ev: HandleClaims, out: list[Action]) -> None:
-        client = self._clients.get(ev.client)
+        client = self._registry.clients.get(ev.client)
         if client is None:  # gone meanwhile: its claims went with it
             return
         touched: dict[Device, None] = {}
@@ -494,7 +454,7 @@ class SchedulerCore:
             self._gang_announced(pair, ev.now, out)
 
     def _device_measured(self, ev: DeviceMeasured, out: list[Action]) -> None:
-        dev = self._device(ev.device)
+        dev = self._registry.device(ev.device)
         if ev.name:
             dev.name = ev.name
         if ev.total == dev.total:
@@ -515,7 +475,7 @@ class SchedulerCore:
         freed = max(0, pair.used - used)
         dev.used += used - pair.used
         pair.used = used
-        self._admission.report(pair, self.principal(client), min(used, dev.size))
+        self._admission.report(pair, client.principal, min(used, dev.size))
         in_flight = pair.swap.allowed
         if ev.resident is not None:
             residency.report(pair, min(ev.resident, used), freed)
@@ -640,10 +600,7 @@ class SchedulerCore:
         # must not pass to another that is being removed in the same tick (it would be granted,
         # or make the holder contended, for a client that is already gone).
         silent_devices: list[Device] = []
-        while self._silence:
-            client = next(iter(self._silence.values()))
-            if client.last_seen + timeout > now:
-                break
+        while (client := self._registry.most_silent()) is not None and client.last_seen + timeout <= now:
             silent_devices += self._unlink_removed(client, "heartbeat-timeout", now, out)
         if silent_devices:
             self._settle_after_removal(silent_devices, now, out)
@@ -651,7 +608,7 @@ class SchedulerCore:
             if wait_end <= now:
                 self._gang_waited_out(gang, now, out)
         if recovered:
-            due = list(self._devices.values())
+            due = list(self._registry.devices.values())
         else:
             due = [dev for dev, deadline in self._deadlines.items() if deadline <= now]
         for dev in due:
@@ -667,15 +624,15 @@ class SchedulerCore:
         the first program), so an unknown device is made when named by its UUID; anything else
         unknown is refused, so that a typo does not configure a device that never comes."""
         if device_id is None:
-            return list(self._devices.values())
-        dev = self._devices.get(device_id)
+            return list(self._registry.devices.values())
+        dev = self._registry.devices.get(device_id)
         if dev is None:
             # A GPU as the interceptor names it: the only name under which a device nobody has
             # announced yet may be configured.
             if not GPU_UUID.match(device_id):
                 raise ControlError("unknown-device", f"no client has announced device {device_id}, and it is not "
                                                      f"a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
-            dev = self._device(device_id)
+            dev = self._registry.device(device_id)
         return [dev]
 
     def _set_mode(self, ev: SetMode, out: list[Action]) -> None:
@@ -683,7 +640,7 @@ class SchedulerCore:
             raise ControlError("bad-request", f"mode must be {MODE.describe()}, not {ev.mode!r}")
         targets = self._targets(ev.device)
         if ev.device is None:
-            self._default_mode = ev.mode
+            self._registry.default_mode = ev.mode
         out.append(Log("info", "mode-set", {"device": ev.device or "", "mode": ev.mode}))
         for dev in targets:
             if dev.mode == ev.mode:
@@ -702,7 +659,7 @@ class SchedulerCore:
             raise ControlError("bad-request", str(exc)) from None
         targets = self._targets(ev.device)
         if ev.device is None:
-            self._default_tq = ev.seconds
+            self._registry.default_tq = ev.seconds
         out.append(Log("info", "tq-set", {"device": ev.device or "", "seconds": ev.seconds}))
         for dev in targets:
             if dev.tq == ev.seconds:
@@ -737,7 +694,7 @@ class SchedulerCore:
             target = fairshare.Target(client, pod_uid)
         except ValueError as exc:
             raise ControlError("bad-request", str(exc)) from None
-        if client is not None and not any(c.cid == client for c in self._clients.values()):
+        if client is not None and not any(c.cid == client for c in self._registry.clients.values()):
             raise ControlError("unknown-client", f"no client {client} is registered")
         if pod_uid is not None and (not isinstance(pod_uid, str) or not pod_uid):
             raise ControlError("bad-request", "pod_uid must be a pod's UID")
@@ -751,7 +708,7 @@ class SchedulerCore:
         target = self._target(ev.client, ev.pod_uid)
         self.settings.weight.set(target, weight, fairshare.DEFAULT_WEIGHT)
         out.append(Log("info", "weight-set", {"target": target.describe(), "weight": _shown(weight)}))
-        for dev in list(self._devices.values()):
+        for dev in list(self._registry.devices.values()):
             self._settle(dev, ev.now, out)  # quanta follow the weights at once
 
     def _set_priority(self, ev: SetPriority, out: list[Action]) -> None:
@@ -762,7 +719,7 @@ class SchedulerCore:
         target = self._target(ev.client, ev.pod_uid)
         self.settings.priority.set(target, priority, fairshare.DEFAULT_PRIORITY)
         out.append(Log("info", "priority-set", {"target": target.describe(), "priority": _shown(priority)}))
-        for dev in list(self._devices.values()):
+        for dev in list(self._registry.devices.values()):
             moved = set()
             for pair in dev.queue:
                 klass = self._queue_class(pair.client.gang) if pair.gang_queued else self.priority(pair.client)
@@ -784,7 +741,7 @@ class SchedulerCore:
         self.settings.set_limit(target, ev.device, limit)
         out.append(Log("info", "limit-set", {"target": target.describe(), "device": ev.device or "",
                                              "bytes": _shown(limit)}))
-        for client in self._clients.values():
+        for client in self._registry.clients.values():
             self._sync_limits(client, out)
 
     def _sync_limits(self, client: Client, out: list[Action]) -> None:
@@ -915,7 +872,7 @@ class SchedulerCore:
         if self._recovering(now):
             return  # only claims of reconnecting holders are granted until recovery ends
         while dev.queue:
-            pair = dev.evict_for or self._next_waiter(dev)  # room is being made for the former
+            pair = dev.evict_for or next_waiter(dev, self.config.ageing)  # room is being made for the former
             assert pair is not None  # the queue is not empty
             if pair.hold is not None:
                 break  # a draining holder that asked again waits for its own release
@@ -928,35 +885,6 @@ class SchedulerCore:
             if not self._room_made(dev, pair, now, out):
                 break  # the next one waits for EVICTED answers; FCFS again
             self._grant(pair, now, out)
-
-    def _rank(self, pair: Pair) -> int:
-        """A waiter's effective priority class (fairshare.effective_class). A gang's waiters
-        share one: it ages by the grants on whichever of its devices saw most, so that the gang
-        ranks alike on all of them (one order between gangs on every device: no deadlock) and
-        never falls behind a waiter that queued after it on any of them."""
-        waited = pair.device.grants_made - pair.queued_grants
-        if pair.gang_queued:
-            waited = max(other.device.grants_made - other.queued_grants
-                         for other in pair.client.gang.pairs() if other.gang_queued)
-        return fairshare.effective_class(pair.queued_class, waited, self.config.ageing)
-
-    def _next_waiter(self, dev: Device) -> Pair | None:
-        """The waiter served next: the highest effective class, the earliest ACQUIRE among
-        equals. Ageing keeps ACQUIRE order within a class (an earlier waiter has seen at least
-        as many grants), so only the head of each class can be next; where gangs wait (whose
-        ageing is the gang's, _rank) every waiter is compared."""
-        if dev.gang_waiters:
-            return max(dev.queue, key=lambda pair: (self._rank(pair), -pair.queued_seq), default=None)
-        best = None
-        best_key = None
-        for waiters in dev.classes:
-            if not waiters:
-                continue
-            head = next(iter(waiters))
-            key = (self._rank(head), -head.queued_seq)
-            if best_key is None or key > best_key:
-                best, best_key = head, key
-        return best
 
     @staticmethod
     def _contended(dev: Device) -> bool:
@@ -1178,7 +1106,7 @@ class SchedulerCore:
         queued = [pair for pair in gang.pairs() if pair.gang_queued]
         for pair in queued:
             dev = pair.device
-            head = dev.evict_for or self._next_waiter(dev)
+            head = dev.evict_for or next_waiter(dev, self.config.ageing)
             if pair.hold is not None or head is None or head.client.gang is not gang or self._blocked(dev, pair):
                 return False
         if not all(self._room_made(pair.device, pair, now, out) for pair in queued):
@@ -1355,7 +1283,7 @@ class SchedulerCore:
         self._admission.set_capacity(self._budgets + (self._admission.config.spill or 0))
         for pair in dev.pairs:  # their uses count up to the device's size, which may have changed
             if pair.used:
-                self._admission.report(pair, self.principal(pair.client), min(pair.used, dev.size))
+                self._admission.report(pair, pair.client.principal, min(pair.used, dev.size))
         self._settle(dev, now, out)
         self._size_swap_space(now, out)
         self._settle_admission(now, out)
@@ -1370,7 +1298,7 @@ class SchedulerCore:
             self._answer(Refuse(Waiter(pair, ev.request, ev.bytes, ev.now, 0), "limit"),
                          ev.now, out)
             return
-        waiter = self._admission.ask(pair, self.principal(client), ev.request, ev.bytes, ev.now)
+        waiter = self._admission.ask(pair, client.principal, ev.request, ev.bytes, ev.now)
         self._settle_admission(ev.now, out)
         if waiter is not None and ev.request and pair in self._admission.waiters:
             out.append(LockEvent(ev.now, "admit-wait", ev.device, client.cid, detail=str(ev.bytes)))
@@ -1482,7 +1410,7 @@ class SchedulerCore:
                     "device": dev.id, "client": pair.client.cid,
                     "silent": ",".join(other.client.cid for other in dev.evict_awaited)}))
             else:
-                later_first = reversed(self._service_order(dev))
+                later_first = reversed(service_order(dev, self.config.ageing))
                 for other, amount in eviction.room_plan(dev, pair, dev.evict_asked, self._evict_order, later_first):
                     dev.evict_asked[other] = amount
                     dev.evict_awaited[other] = None
@@ -1508,17 +1436,12 @@ class SchedulerCore:
         dev.evict_deadline = None
         dev.evict_for = None
 
-    def _service_order(self, dev: Device) -> list[Pair]:
-        """The waiters in the order they would be served if nothing changed: priority classes
-        (with ageing), then ACQUIRE order (_next_waiter's rule, applied to the whole queue)."""
-        return sorted(dev.queue, key=lambda pair: (-self._rank(pair), pair.queued_seq))
-
     def _woken(self, dev: Device) -> list[Pair]:
         """The waiters whose memory comes back ahead of their grant (asking is waking,
         eviction.py): in service order, up to the first that holds a grant (a draining holder
         that asked again). Gangs wait for their turn as a whole: none of them is woken early."""
         woken = []
-        for waiter in self._service_order(dev):
+        for waiter in service_order(dev, self.config.ageing):
             if waiter.hold is not None or waiter.gang_queued:
                 break
             woken.append(waiter)
@@ -1580,9 +1503,9 @@ class SchedulerCore:
         nothing of the holder's moves: its pauses are worth nothing to it."""
         free_ms = ms(self.config.idle_release_contended)
         if not self.config.swapping:
-            return (0, free_ms if self._next_other_waiter(pair) is not None else 0)
+            return (0, free_ms if next_other_waiter(pair, self.config.ageing) is not None else 0)
         dev = pair.device
-        return (self._evict_on_drop(pair), residency.idle_ms(dev, pair, self._next_other_waiter(pair), free_ms))
+        return (self._evict_on_drop(pair), residency.idle_ms(dev, pair, next_other_waiter(pair, self.config.ageing), free_ms))
 
     def _size_swap_space(self, now: float, out: list[Action]) -> None:
         """The swap pools (POOL) and, for processes without one, their private areas (PREPARE)."""
@@ -1595,7 +1518,7 @@ class SchedulerCore:
         been below its size for POOL_SHRINK_AFTER."""
         if not self.config.swapping:
             return
-        targets = eviction.pool_targets(self._devices.values(), self.principal)
+        targets = eviction.pool_targets(self._registry.devices.values(), lambda client: client.principal)
         for owner in self._pools.keys() - targets.keys():
             targets[owner] = 0
         for owner, target in targets.items():
@@ -1614,8 +1537,8 @@ class SchedulerCore:
                 self._pools[owner] = (told, below)
             else:
                 self._pools.pop(owner, None)
-        for client in self._clients.values():
-            size = self._pools.get(self.principal(client), (0, None))[0]
+        for client in self._registry.clients.values():
+            size = self._pools.get(client.principal, (0, None))[0]
             if size != client.told_pool:
                 client.told_pool = size
                 out.append(Send(client.key, protocol.Pool(bytes=size)))
@@ -1629,8 +1552,8 @@ class SchedulerCore:
         """PREPARE to the clients whose swap area should change (residency.area_targets)."""
         if not self.config.swapping:
             return
-        targets = residency.area_targets(self._devices.values(), self._admission.config.spill)
-        for dev in self._devices.values():
+        targets = residency.area_targets(self._registry.devices.values(), self._admission.config.spill)
+        for dev in self._registry.devices.values():
             for pair in dev.pairs:
                 target = targets.get(pair, 0)
                 if residency.prepare_due(pair, target):
@@ -1662,16 +1585,7 @@ class SchedulerCore:
         """DROP's `evict=` for the holder `pair`: room for the queue's head (residency.py)."""
         if not self.config.swapping or pair.held.reason == "conflict":  # a refused claim holds nothing
             return 0
-        return residency.evict_on_drop(pair.device, pair, self._next_other_waiter(pair))
-
-    def _next_other_waiter(self, pair: Pair) -> Pair | None:
-        """The waiter served next after `pair`'s release (priority classes, then ACQUIRE order);
-        None when that is `pair` itself."""
-        dev = pair.device
-        grantee = self._next_waiter(dev)
-        # It asked again and is served next: a handoff to itself moves nothing, and no room is
-        # made for anyone behind it.
-        return None if grantee is pair else grantee
+        return residency.evict_on_drop(pair.device, pair, next_other_waiter(pair, self.config.ageing))
 
     def _enqueue(self, pair: Pair, now: float, out: list[Action], seq: int | None = None,
                  klass: int | None = None) -> bool:
@@ -1748,38 +1662,21 @@ class SchedulerCore:
     def _forget_if_unused(self, dev: Device) -> None:
         """A device nobody uses and nobody configured is forgotten: clients cannot grow the
         table by naming devices and leaving (issue 12). It comes back when named again."""
-        if (self._devices.get(dev.id) is dev  # not forgotten already (a gang's turn ended)
+        registry = self._registry
+        if (registry.devices.get(dev.id) is dev  # not forgotten already (a gang's turn ended)
                 and not dev.pairs and not dev.holders and not dev.overdue and not dev.queue and dev.reserved is None
                 and dev.budget_override is None
-                and not dev.total and dev.mode == self._default_mode and dev.tq == self._default_tq):
-            del self._devices[dev.id]
+                and not dev.total and dev.mode == registry.default_mode and dev.tq == registry.default_tq):
+            del registry.devices[dev.id]
             self._deadlines.pop(dev, None)
 
     def _unlink_client(self, client: Client, *, park: bool) -> None:
-        process = client.process
-        if park and process is not None:
-            self.settings.park(client.cid, process)
-        else:
-            self.settings.forget_client(client.cid)
-            if process is not None:
-                self.settings.forget_process(process)
+        self._registry.unlink(client, park=park)
         gang = client.gang
         gang.members.pop(client, None)
         if not gang.solo and not gang.members:
             del self._gangs[gang.key]
             self._gang_deadlines.pop(gang, None)
-        del self._clients[client.key]
-        del self._silence[client.key]
-        same_session = self._sessions[client.info.session]
-        same_session.remove(client)
-        if not same_session:
-            del self._sessions[client.info.session]
-
-    def _device(self, device_id: str) -> Device:
-        dev = self._devices.get(device_id)
-        if dev is None:
-            dev = self._devices[device_id] = Device(device_id, self._default_mode, self._default_tq)
-        return dev
 
     def _pair(self, client: Client, device_id: str, ev: Event, out: list[Action]) -> Pair | None:
         """The client's pair of the device, made on first use; None (and ERROR to the client)
@@ -1791,7 +1688,7 @@ class SchedulerCore:
                     code="bad-field", type=_MESSAGE_TYPES[type(ev)],
                     detail=f"a client may use at most {protocol.MAX_DEVICES} devices")))
                 return None
-            dev = self._device(device_id)
+            dev = self._registry.device(device_id)
             pair = client.pairs[device_id] = Pair(client, dev)
             dev.pairs[pair] = None
         return pair

@@ -83,6 +83,18 @@ class Client:
         info = self.info
         return (info.uid, info.host_pid, info.host_start) if info.host_pid else None
 
+    @property
+    def principal(self) -> Hashable:
+        """Whom its admission quota and swap pool are for (admission.py, eviction.py): its pod,
+        else its user, both as the kernel shows them; a client whose uid the daemon cannot see
+        is its own."""
+        info = self.info
+        if info.pod_uid:
+            return ("pod", info.pod_uid)
+        if info.uid is not None:
+            return ("uid", info.uid)
+        return ("client", self.key)
+
 
 class Device:
     __slots__ = ("id", "name", "total", "budget_override", "mode", "tq", "holders", "overdue", "queue",
