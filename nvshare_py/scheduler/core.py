@@ -35,7 +35,8 @@ from typing import Any, Callable, Hashable, Iterator, TypeVar
 from .. import protocol
 from ..vocabulary import GPU_UUID, MODE
 from . import eviction, gangs, residency
-from .admission import Admit, AdmissionBook, AdmissionConfig, Decision, Refuse, Waiter
+from .admission import AdmissionConfig, Waiter
+from .admitting import Admissions
 from .core_config import CoreConfig, check_seconds, ms
 from . import fairshare
 from .queue_order import next_other_waiter, next_waiter, rank, service_order
@@ -127,9 +128,7 @@ class SchedulerCore:
         self._grant_numbers = 0
         self._queue_numbers = 0
         self._recovery_end: float | None = now + config.recovery if config.recovery > 0 else None
-        self._admission: AdmissionBook[Pair] = AdmissionBook(config.admission)
-        self._budgets = 0  # the sum of the devices' budgets (known ones): the capacity less the spill
-        self._admission.set_capacity(config.admission.spill or 0)
+        self._admissions = Admissions(config.admission)
         # Named gangs by gangs.key (a gang lives while it has members), their display numbers,
         # the turn numbers, and when each gang that waits for members stops waiting.
         self._gangs: dict[Hashable, gangs.Gang] = {}
@@ -210,7 +209,7 @@ class SchedulerCore:
             earliest = min(self._deadlines.values())
             if best is None or earliest < best:
                 best = earliest
-        admission_due = self._admission.next_deadline()
+        admission_due = self._admissions.book.next_deadline()
         if admission_due is not None and (best is None or admission_due < best):
             best = admission_due
         if self._gang_deadlines:
@@ -373,7 +372,7 @@ class SchedulerCore:
                 self._leave_queue(pair, now)
             pair.client = new
             new.pairs[device_id] = pair
-            self._admission.reset(pair)  # the new connection's client asks afresh
+            self._admissions.book.reset(pair)  # the new connection's client asks afresh
             if pair.hold is not None:
                 hold = pair.hold
                 out.append(Send(new.key, self._grant_message(dev, hold.grant)))
@@ -475,7 +474,7 @@ class SchedulerCore:
         freed = max(0, pair.used - used)
         dev.used += used - pair.used
         pair.used = used
-        self._admission.report(pair, client.principal, min(used, dev.size))
+        self._admissions.report(pair, used)
         in_flight = pair.swap.allowed
         if ev.resident is not None:
             residency.report(pair, min(ev.resident, used), freed)
@@ -492,7 +491,7 @@ class SchedulerCore:
                 dev.queue or ev.resident is not None or eviction.under_pressure(dev))):
             self._settle(dev, ev.now, out)
         self._size_swap_space(ev.now, out)
-        self._settle_admission(ev.now, out)
+        self._admissions.settle(ev.now, out)
 
     def _acquire(self, client: Client, ev: AcquireRequest, out: list[Action]) -> None:
         pair = self._pair(client, ev.device, ev, out)
@@ -585,7 +584,7 @@ class SchedulerCore:
             self._settle(dev, now, out)
             self._forget_if_unused(dev)
         self._size_swap_space(now, out)
-        self._settle_admission(now, out)
+        self._admissions.settle(now, out)
 
     # --- time ----------------------------------------------------------------------------
 
@@ -614,7 +613,7 @@ class SchedulerCore:
         for dev in due:
             self._settle(dev, now, out)
         self._size_swap_space(now, out)
-        self._settle_admission(now, out)
+        self._admissions.settle(now, out)
 
     # --- control requests ----------------------------------------------------------------
 
@@ -1256,57 +1255,43 @@ class SchedulerCore:
 
     @property
     def admission(self) -> AdmissionConfig:
-        return self._admission.config
+        return self._admissions.book.config
 
     def admission_capacity(self) -> int:
         """What the clients may hold on this node: the devices' budgets (the daemon's
         measurements and the operator's settings, never a client's word) plus the host spill."""
-        return self._admission.capacity
+        return self._admissions.book.capacity
 
     def admission_reserved(self) -> int:
-        return self._admission.reserved
+        return self._admissions.book.reserved
 
     def admission_of(self, pair: Pair) -> tuple[int, Waiter[Pair] | None]:
         """A pair's admitted total and its unanswered question, for views.py."""
-        return self._admission.admitted(pair), self._admission.waiters.get(pair)
+        book = self._admissions.book
+        return book.admitted(pair), book.waiters.get(pair)
 
     def admission_reservation(self, pair: Pair) -> int:
-        return self._admission.reservation(pair)
+        return self._admissions.book.reservation(pair)
 
     def admission_waiters(self) -> list[Waiter[Pair]]:
-        return list(self._admission.waiters.values())
+        return list(self._admissions.book.waiters.values())
 
     def _budget_changed(self, dev: Device, before: int, now: float, out: list[Action]) -> None:
         """A device's budget changed from `before`: the capacity follows, and what depends on
         the budget is settled again (auto mode, room for a grant, swap areas, admission)."""
-        self._budgets += dev.budget - before
-        self._admission.set_capacity(self._budgets + (self._admission.config.spill or 0))
-        for pair in dev.pairs:  # their uses count up to the device's size, which may have changed
-            if pair.used:
-                self._admission.report(pair, pair.client.principal, min(pair.used, dev.size))
+        self._admissions.budget_changed(dev, before)
         self._settle(dev, now, out)
         self._size_swap_space(now, out)
-        self._settle_admission(now, out)
+        self._admissions.settle(now, out)
 
     def _admit(self, client: Client, ev: AdmitRequest, out: list[Action]) -> None:
         pair = self._pair(client, ev.device, ev, out)
         if pair is None:
             return
-        limit = self.limit(pair)
-        if ev.request and limit is not None and ev.bytes > limit:
-            # Past the operator's limit: no wait can change that (docs/protocol.md, REFUSED).
-            self._answer(Refuse(Waiter(pair, ev.request, ev.bytes, ev.now, 0), "limit"),
-                         ev.now, out)
-            return
-        waiter = self._admission.ask(pair, client.principal, ev.request, ev.bytes, ev.now)
-        self._settle_admission(ev.now, out)
-        if waiter is not None and ev.request and pair in self._admission.waiters:
-            out.append(LockEvent(ev.now, "admit-wait", ev.device, client.cid, detail=str(ev.bytes)))
-            out.append(Log("info", "admission-waits", {"client": client.cid, "device": ev.device, "bytes": ev.bytes,
-                                                      "capacity": self.admission_capacity()}))
+        self._admissions.ask(pair, ev, self.limit(pair), out)
 
     def _set_admission(self, ev: SetAdmission, out: list[Action]) -> None:
-        old = self._admission.config
+        old = self._admissions.book.config
         spill = old.spill if ev.keep_spill else ev.spill
         if spill == "auto":
             if self.config.auto_spill is None:
@@ -1319,37 +1304,13 @@ class SchedulerCore:
             new = AdmissionConfig(spill=spill, policy=policy, timeout=timeout, share=share, seed=old.seed)
         except ValueError as exc:
             raise ControlError("bad-request", str(exc)) from None
-        self._admission.reconfigure(new)
-        self._admission.set_capacity(self._budgets + (spill or 0))
+        self._admissions.reconfigure(new)
         shown = "off" if spill is None else spill
         out.append(LockEvent(ev.now, "admission", detail=f"spill={shown} policy={policy} timeout={timeout:g} "
                                                          f"share={share:g}"))
         out.append(Log("info", "admission-set", {"spill": shown, "policy": policy, "timeout": timeout,
                                                 "share": share}))
-        self._settle_admission(ev.now, out)
-
-    def _settle_admission(self, now: float, out: list[Action]) -> None:
-        """Answer the admission questions that can be answered now (cheap when none can)."""
-        for decision in self._admission.settle(now):
-            self._answer(decision, now, out)
-
-    def _answer(self, decision: Decision[Pair], now: float, out: list[Action]) -> None:
-        waiter = decision.waiter
-        pair = waiter.pair
-        cid, device_id = pair.client.cid, pair.device.id
-        waited = now - waiter.since
-        if isinstance(decision, Admit):
-            out.append(Send(pair.client.key, protocol.Admitted(device=device_id, request=waiter.request,
-                                                               bytes=decision.total)))
-            if waited > 0:
-                out.append(LockEvent(now, "admitted", device_id, cid, detail=f"{decision.total} after {waited:.3f}s"))
-            return
-        out.append(Send(pair.client.key, protocol.Refused(device=device_id, request=waiter.request,
-                                                          reason=decision.reason)))
-        out.append(LockEvent(now, "refused", device_id, cid, detail=f"{waiter.bytes} {decision.reason}"))
-        out.append(Log("warning", "admission-refused", {"client": cid, "device": device_id, "bytes": waiter.bytes,
-                                                      "reason": decision.reason,
-                                                      "capacity": self.admission_capacity()}))
+        self._admissions.settle(ev.now, out)
 
     # --- state changes -------------------------------------------------------------------
 
@@ -1552,7 +1513,7 @@ class SchedulerCore:
         """PREPARE to the clients whose swap area should change (residency.area_targets)."""
         if not self.config.swapping:
             return
-        targets = residency.area_targets(self._registry.devices.values(), self._admission.config.spill)
+        targets = residency.area_targets(self._registry.devices.values(), self._admissions.book.config.spill)
         for dev in self._registry.devices.values():
             for pair in dev.pairs:
                 target = targets.get(pair, 0)
@@ -1655,7 +1616,7 @@ class SchedulerCore:
         dev.evict_awaited.pop(pair, None)
         if dev.evict_for is pair:
             self._end_eviction_wait(dev)
-        self._admission.forget(pair)
+        self._admissions.book.forget(pair)
         dev.used -= pair.used
         del dev.pairs[pair]
 
