@@ -28,7 +28,6 @@ gangs.py.
 from __future__ import annotations
 
 import itertools
-import math
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Iterator, TypeVar
 
@@ -39,9 +38,10 @@ from .admission import AdmissionConfig, Waiter
 from .admitting import Admissions
 from .core_config import CoreConfig, check_seconds, ms
 from . import fairshare
-from .queue_order import next_other_waiter, next_waiter, rank, service_order
+from .queue_order import next_waiter, rank
 from .records import Client, Device, Hold, Pair
 from .registry import Registry
+from .swapping import Swapping, end_eviction_wait
 from .events import (
     AcquireRequest,
     Action,
@@ -82,11 +82,6 @@ __all__ = ["CoreConfig", "ControlError", "SchedulerCore"]
 # How many of those ahead of a waiter, when its wait began, a pair remembers (for QUERY's
 # `last_wait`, nvshare_py/scheduler/views.py): a bound, so that a long queue costs no more.
 AHEAD_REMEMBERED = 4
-# How long a user's swap pool keeps its size after what it must hold fell below it, before it
-# shrinks (eviction.py): a tenant's swap-in frees its part of the pool a moment before the
-# eviction that restores the headroom needs it again, and pinning it anew each time would cost
-# seconds of every process's time.
-POOL_SHRINK_AFTER = 30.0
 # Claims of one HELLO handled per step: a process rarely holds more devices than this, and one
 # HELLO claiming many (invented) devices is handled in pieces (HandleClaims) between other
 # users' messages instead of in one step of a few milliseconds (benchmarks/bench_floods.py).
@@ -129,15 +124,13 @@ class SchedulerCore:
         self._queue_numbers = 0
         self._recovery_end: float | None = now + config.recovery if config.recovery > 0 else None
         self._admissions = Admissions(config.admission)
+        self._swapping = Swapping(config, self._registry, self._admissions)
         # Named gangs by gangs.key (a gang lives while it has members), their display numbers,
         # the turn numbers, and when each gang that waits for members stops waiting.
         self._gangs: dict[Hashable, gangs.Gang] = {}
         self._gang_numbers = 0
         self._turn_numbers = 0
         self._gang_deadlines: dict[gangs.Gang, float] = {}
-        # The swap pool of each principal (eviction.py): the size its clients were told, and
-        # since when what it must hold has been below that (None: not below).
-        self._pools: dict[Hashable, tuple[int, float | None]] = {}
         # Devices to settle (see _settle): a gang's grant or drop on one device changes others.
         self._unsettled: dict[Device, None] = {}
         self._settling = False
@@ -216,9 +209,9 @@ class SchedulerCore:
             gang_due = min(self._gang_deadlines.values())
             if best is None or gang_due < best:
                 best = gang_due
-        shrinks = [below + POOL_SHRINK_AFTER for _, below in self._pools.values() if below is not None]
-        if shrinks and (best is None or min(shrinks) < best):
-            best = min(shrinks)
+        shrink_due = self._swapping.next_deadline()
+        if shrink_due is not None and (best is None or shrink_due < best):
+            best = shrink_due
         return best
 
     @property
@@ -291,6 +284,10 @@ class SchedulerCore:
     def live_grants(self, turn: gangs.Turn) -> list[Pair]:
         """The pairs whose current grant belongs to `turn` (views.py)."""
         return self._live(turn)
+
+    def pool_sizes(self) -> dict[Hashable, int]:
+        """The swap pools' sizes by principal, for views.py."""
+        return self._swapping.pool_sizes()
 
     # --- registration --------------------------------------------------------------------
 
@@ -379,7 +376,7 @@ class SchedulerCore:
                 if hold.state == "draining":  # the DROP may have been lost with the old connection
                     out.append(Send(new.key, protocol.Drop(device=dev.id, grant=hold.grant, reason=hold.reason,
                                                            grace_ms=max(0, ms(hold.deadline - now)),
-                                                           evict=self._evict_on_drop(pair))))
+                                                           evict=self._swapping.evict_on_drop(pair))))
                 hold.contended = False  # a CONTENDED may have been lost too: _settle tells it again
                 out.append(Log("info", "grant-passes", {"client": new.cid, "device": dev.id, "grant": hold.grant,
                                                    "predecessor": old.cid}))
@@ -490,7 +487,7 @@ class SchedulerCore:
         if dev.mode == "auto" or dev.evict_awaited or (self.config.swapping and (
                 dev.queue or ev.resident is not None or eviction.under_pressure(dev))):
             self._settle(dev, ev.now, out)
-        self._size_swap_space(ev.now, out)
+        self._swapping.size_swap_space(ev.now, out)
         self._admissions.settle(ev.now, out)
 
     def _acquire(self, client: Client, ev: AcquireRequest, out: list[Action]) -> None:
@@ -583,7 +580,7 @@ class SchedulerCore:
         for dev in dict.fromkeys(devices):
             self._settle(dev, now, out)
             self._forget_if_unused(dev)
-        self._size_swap_space(now, out)
+        self._swapping.size_swap_space(now, out)
         self._admissions.settle(now, out)
 
     # --- time ----------------------------------------------------------------------------
@@ -612,7 +609,7 @@ class SchedulerCore:
             due = [dev for dev, deadline in self._deadlines.items() if deadline <= now]
         for dev in due:
             self._settle(dev, now, out)
-        self._size_swap_space(now, out)
+        self._swapping.size_swap_space(now, out)
         self._admissions.settle(now, out)
 
     # --- control requests ----------------------------------------------------------------
@@ -798,9 +795,9 @@ class SchedulerCore:
             if not dropped or not self._revocations_due(dev, now):
                 break
         if dev.evict_deadline is not None and (not dev.queue or now >= dev.evict_deadline):
-            self._end_eviction_wait(dev)  # nobody waits for the room any more, or not longer
-        self._relieve_pressure(dev, now, out)
-        self._prefetch_ahead(dev, now, out)
+            end_eviction_wait(dev)  # nobody waits for the room any more, or not longer
+        self._swapping.relieve_pressure(dev, now, out)
+        self._swapping.prefetch_ahead(dev, now, out)
         self._notify_contention(dev, now, out)
         self._refresh_deadline(dev)
         turn = dev.reserved
@@ -881,7 +878,7 @@ class SchedulerCore:
                 continue
             if self._blocked(dev, pair):
                 break  # FCFS within the class: nobody overtakes the next one
-            if not self._room_made(dev, pair, now, out):
+            if not self._swapping.room_made(dev, pair, now, out):
                 break  # the next one waits for EVICTED answers; FCFS again
             self._grant(pair, now, out)
 
@@ -918,7 +915,7 @@ class SchedulerCore:
                 continue
             if hold.state != "holding":
                 continue
-            swap = self._contended_swap(pair)
+            swap = self._swapping.contended_swap(pair)
             if (not hold.contended or self.quantum_end(pair) != hold.told_end
                     or residency.swap_notice_changed(hold.told_swap, swap)):
                 # Again when the quantum's end moved (a heavier or higher-class waiter came), or
@@ -1108,7 +1105,7 @@ class SchedulerCore:
             head = dev.evict_for or next_waiter(dev, self.config.ageing)
             if pair.hold is not None or head is None or head.client.gang is not gang or self._blocked(dev, pair):
                 return False
-        if not all(self._room_made(pair.device, pair, now, out) for pair in queued):
+        if not all(self._swapping.room_made(pair.device, pair, now, out) for pair in queued):
             return False
         self._turn_numbers += 1
         turn = gang.turn = gangs.Turn(gang, self._turn_numbers, now)
@@ -1281,7 +1278,7 @@ class SchedulerCore:
         the budget is settled again (auto mode, room for a grant, swap areas, admission)."""
         self._admissions.budget_changed(dev, before)
         self._settle(dev, now, out)
-        self._size_swap_space(now, out)
+        self._swapping.size_swap_space(now, out)
         self._admissions.settle(now, out)
 
     def _admit(self, client: Client, ev: AdmitRequest, out: list[Action]) -> None:
@@ -1334,19 +1331,7 @@ class SchedulerCore:
         if pair.waiting_since is not None:
             self._leave_queue(pair, now)
         cid = pair.client.cid
-        # An EVICT still pending is moot now: a client granted the device keeps what it has
-        # (it answers EVICTED with it), and its memory is no room for anyone.
-        pair.swap.leaving = 0
-        prefetch = residency.prefetch_on_grant(dev, pair) if self.config.swapping else 0
-        # The grant brings the rest back: until the grantee says it has, all of it counts as in
-        # flight (nobody else is let into its room meanwhile).
-        pair.swap.allowed = residency.converted(pair) if pair.resident is not None and pair.swapped else 0
-        # Made while the budget is exceeded (a holder or an EVICT did not answer within the
-        # grace, or nothing more could move): the event says by how much.
-        over = max(0, residency.excess(dev, pair)) if self.config.swapping and dev.mode != "off" else 0
-        # swapped=: what the grantee still has to bring back before its gate opens (the rest came
-        # in ahead of the grant, behind the holder's swap-out).
-        swapped = pair.swapped if pair.swap.allowed else 0
+        prefetch, swapped, over = self._swapping.granted(pair)
         detail = " ".join(part for part in (f"prefetch={prefetch}" if prefetch else "",
                                             f"swapped={swapped}" if swapped else "",
                                             f"over_budget={over}" if over else "") if part)
@@ -1359,169 +1344,6 @@ class SchedulerCore:
         return protocol.Grant(device=dev.id, grant=grant, mode=dev.mode, exclusive=dev.mode == "on",
                               quantum_ms=ms(dev.tq), prefetch=prefetch)
 
-    def _room_made(self, dev: Device, pair: Pair, now: float, out: list[Action]) -> bool:
-        """Whether `pair`, the next waiter, may be granted now as far as residency goes.
-        While its memory would not fit beside what the others keep resident, idle clients are
-        asked to EVICT (residency.eviction_plan) and the grant waits for their EVICTED answers,
-        at most the grace: then it proceeds with a warning, as it does at once when nothing
-        that could move is left to ask (the driver's faults then share the device)."""
-        if self.config.swapping and dev.mode != "off" and residency.excess(dev, pair) > 0:
-            if dev.evict_deadline is not None and now >= dev.evict_deadline:
-                out.append(Log("warning", "evict-timeout", {
-                    "device": dev.id, "client": pair.client.cid,
-                    "silent": ",".join(other.client.cid for other in dev.evict_awaited)}))
-            else:
-                later_first = reversed(service_order(dev, self.config.ageing))
-                for other, amount in eviction.room_plan(dev, pair, dev.evict_asked, self._evict_order, later_first):
-                    dev.evict_asked[other] = amount
-                    dev.evict_awaited[other] = None
-                    self._evict(other, amount, f"room for={pair.client.cid}", now, out)
-                # Moves asked for earlier (pressure, waking) are waited for as well.
-                for other in dev.pairs:
-                    if other.swap.leaving and other not in dev.evict_asked:
-                        dev.evict_asked[other] = other.swap.leaving
-                        dev.evict_awaited[other] = None
-                if dev.evict_awaited:
-                    if dev.evict_deadline is None:
-                        dev.evict_deadline = now + self.config.grace
-                    dev.evict_for = pair
-                    return False
-        self._end_eviction_wait(dev)
-        return True
-
-    @staticmethod
-    def _end_eviction_wait(dev: Device) -> None:
-        """EVICTED answers that come later only update what the clients keep resident."""
-        dev.evict_asked.clear()
-        dev.evict_awaited.clear()
-        dev.evict_deadline = None
-        dev.evict_for = None
-
-    def _woken(self, dev: Device) -> list[Pair]:
-        """The waiters whose memory comes back ahead of their grant (asking is waking,
-        eviction.py): in service order, up to the first that holds a grant (a draining holder
-        that asked again). Gangs wait for their turn as a whole: none of them is woken early."""
-        woken = []
-        for waiter in service_order(dev, self.config.ageing):
-            if waiter.hold is not None or waiter.gang_queued:
-                break
-            woken.append(waiter)
-        return woken
-
-    def _relieve_pressure(self, dev: Device, now: float, out: list[Action]) -> None:
-        """Idle tenants moved out, whole and least recently used first, when what the device's
-        clients keep is over its budget, or leaves no room for the waiters being woken or for
-        the headroom (eviction.pressure_plan)."""
-        if not self.config.swapping or not eviction.under_pressure(dev):
-            dev.headroom = 0
-            return  # memory that fits never moves
-        woken = self._woken(dev)
-        dev.headroom, room_for = eviction.headroom(dev, self.config.headroom)
-        # The headroom is for the next request: it is made while nobody waits and no swap-in
-        # runs, so that its eviction never shares the link with memory on its way in.
-        quiet = not woken and not any(pair.swap.allowed for pair in dev.pairs)
-        for victim, amount, why in eviction.pressure_plan(dev, woken, dev.headroom if quiet else 0, room_for,
-                                                          self._evict_order):
-            whom = f" for={woken[0].client.cid}" if why == "wake" else ""
-            self._evict(victim, amount, f"{why}{whom}", now, out)
-
-    def _evict_order(self, pair: Pair) -> tuple[float, ...]:
-        """Where an idle pair stands in eviction order (eviction.order_key): a higher priority
-        class later, then by use."""
-        return eviction.order_key(pair, self.priority(pair.client), self.config.eviction_order)
-
-    def _evict(self, pair: Pair, amount: int, why: str, now: float, out: list[Action]) -> None:
-        """EVICT `amount` bytes of `pair`, and the timeline says why it was chosen."""
-        pair.swap.leaving += amount
-        dev = pair.device
-        idle_for = f" idle={now - pair.last_held:.1f}s" if pair.last_held > -math.inf else " idle=never-ran"
-        detail = f"bytes={amount} reason={why} class={self.priority(pair.client)}{idle_for}"
-        out.append(Send(pair.client.key, protocol.Evict(device=dev.id, bytes=amount)))
-        out.append(LockEvent(now, "evict", dev.id, pair.client.cid, detail=detail))
-        out.append(Log("debug", "evict-asked", {"client": pair.client.cid, "device": dev.id, "bytes": amount,
-                                                "why": why}))
-
-    def _prefetch_ahead(self, dev: Device, now: float, out: list[Action]) -> None:
-        """PREFETCH to the woken waiters, in the order they will be served: room others made (or
-        that was free) each may fill with its swapped-out memory while it waits, so that its
-        gate opens sooner after the grant (residency.prefetch_ahead). A waiter served later gets
-        room only once the ones before it have all theirs."""
-        if not self.config.swapping or dev.mode == "off":
-            return
-        for waiter in self._woken(dev):
-            allowed = residency.prefetch_ahead(dev, waiter)
-            if allowed:
-                waiter.swap.allowed = allowed
-                out.append(Send(waiter.client.key, protocol.Prefetch(device=dev.id, resident=allowed)))
-                out.append(LockEvent(now, "prefetch", dev.id, waiter.client.cid, detail=f"resident={allowed}"))
-                out.append(Log("debug", "prefetch-ahead", {"client": waiter.client.cid, "device": dev.id,
-                                                           "resident": allowed}))
-            if eviction.wanted_back(waiter) > 0:
-                break
-
-    def _contended_swap(self, pair: Pair) -> tuple[int, int]:
-        """CONTENDED's evict= and idle_ms= for the holder `pair` (residency.py). Without swapping
-        nothing of the holder's moves: its pauses are worth nothing to it."""
-        free_ms = ms(self.config.idle_release_contended)
-        if not self.config.swapping:
-            return (0, free_ms if next_other_waiter(pair, self.config.ageing) is not None else 0)
-        dev = pair.device
-        return (self._evict_on_drop(pair), residency.idle_ms(dev, pair, next_other_waiter(pair, self.config.ageing), free_ms))
-
-    def _size_swap_space(self, now: float, out: list[Action]) -> None:
-        """The swap pools (POOL) and, for processes without one, their private areas (PREPARE)."""
-        self._size_pools(now, out)
-        self._prepare_areas(out)
-
-    def _size_pools(self, now: float, out: list[Action]) -> None:
-        """POOL to every client whose principal's swap pool changed size (eviction.pool_targets,
-        by enough: eviction.pool_due): it grows at once, and shrinks once what it must hold has
-        been below its size for POOL_SHRINK_AFTER."""
-        if not self.config.swapping:
-            return
-        targets = eviction.pool_targets(self._registry.devices.values(), lambda client: client.principal)
-        for owner in self._pools.keys() - targets.keys():
-            targets[owner] = 0
-        for owner, target in targets.items():
-            told, below = self._pools.get(owner, (0, None))
-            if target >= told:
-                below = None
-                if eviction.pool_due(told, target):
-                    told = target
-            elif below is None:
-                below = now
-            elif now - below >= POOL_SHRINK_AFTER:
-                below = None
-                if eviction.pool_due(told, target):
-                    told = target
-            if told or below is not None:
-                self._pools[owner] = (told, below)
-            else:
-                self._pools.pop(owner, None)
-        for client in self._registry.clients.values():
-            size = self._pools.get(client.principal, (0, None))[0]
-            if size != client.told_pool:
-                client.told_pool = size
-                out.append(Send(client.key, protocol.Pool(bytes=size)))
-                out.append(Log("debug", "pool", {"client": client.cid, "bytes": size}))
-
-    def pool_sizes(self) -> dict[Hashable, int]:
-        """The swap pools' sizes by principal, for views.py."""
-        return {owner: told for owner, (told, _) in self._pools.items()}
-
-    def _prepare_areas(self, out: list[Action]) -> None:
-        """PREPARE to the clients whose swap area should change (residency.area_targets)."""
-        if not self.config.swapping:
-            return
-        targets = residency.area_targets(self._registry.devices.values(), self._admissions.book.config.spill)
-        for dev in self._registry.devices.values():
-            for pair in dev.pairs:
-                target = targets.get(pair, 0)
-                if residency.prepare_due(pair, target):
-                    pair.swap.prepared = target
-                    out.append(Send(pair.client.key, protocol.Prepare(device=dev.id, bytes=target)))
-                    out.append(Log("debug", "prepare", {"client": pair.client.cid, "device": dev.id, "bytes": target}))
-
     def _drop(self, pair: Pair, now: float, reason: str, out: list[Action], grace: float | None = None) -> None:
         dev = pair.device
         hold = pair.held
@@ -1530,7 +1352,7 @@ class SchedulerCore:
         hold.deadline = now + grace
         hold.reason = reason
         cid = pair.client.cid
-        evict = self._evict_on_drop(pair)
+        evict = self._swapping.evict_on_drop(pair)
         if hold.turn is not None:  # a gang's members stop after the same collective (_fenced)
             hold.turn.fence[hold.grant] = None
         out.append(Send(pair.client.key, protocol.Drop(device=dev.id, grant=hold.grant,
@@ -1541,12 +1363,6 @@ class SchedulerCore:
                                            "evict": evict}))
         if hold.turn is not None and not hold.turn.ending:
             self._end_turn(hold.turn, "quantum" if reason == "quantum" else "gang", now, out)
-
-    def _evict_on_drop(self, pair: Pair) -> int:
-        """DROP's `evict=` for the holder `pair`: room for the queue's head (residency.py)."""
-        if not self.config.swapping or pair.held.reason == "conflict":  # a refused claim holds nothing
-            return 0
-        return residency.evict_on_drop(pair.device, pair, next_other_waiter(pair, self.config.ageing))
 
     def _enqueue(self, pair: Pair, now: float, out: list[Action], seq: int | None = None,
                  klass: int | None = None) -> bool:
@@ -1615,7 +1431,7 @@ class SchedulerCore:
         dev.evict_asked.pop(pair, None)
         dev.evict_awaited.pop(pair, None)
         if dev.evict_for is pair:
-            self._end_eviction_wait(dev)
+            end_eviction_wait(dev)
         self._admissions.book.forget(pair)
         dev.used -= pair.used
         del dev.pairs[pair]
