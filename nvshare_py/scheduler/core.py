@@ -42,6 +42,7 @@ from .queue_order import next_waiter, rank
 from .records import Client, Device, Hold, Pair
 from .registry import Registry
 from .swapping import Swapping, end_eviction_wait
+from .turns import GangTurns, live_pairs
 from .events import (
     AcquireRequest,
     Action,
@@ -73,7 +74,6 @@ from .events import (
     SetWeight,
     Tick,
     Unregister,
-    key_values,
     register_detail,
 )
 
@@ -125,12 +125,7 @@ class SchedulerCore:
         self._recovery_end: float | None = now + config.recovery if config.recovery > 0 else None
         self._admissions = Admissions(config.admission)
         self._swapping = Swapping(config, self._registry, self._admissions)
-        # Named gangs by gangs.key (a gang lives while it has members), their display numbers,
-        # the turn numbers, and when each gang that waits for members stops waiting.
-        self._gangs: dict[Hashable, gangs.Gang] = {}
-        self._gang_numbers = 0
-        self._turn_numbers = 0
-        self._gang_deadlines: dict[gangs.Gang, float] = {}
+        self._turns = GangTurns(self, config, self._registry, self._swapping)
         # Devices to settle (see _settle): a gang's grant or drop on one device changes others.
         self._unsettled: dict[Device, None] = {}
         self._settling = False
@@ -147,7 +142,7 @@ class SchedulerCore:
         }
         self._client_handlers.update([
             _message_row(protocol.Evicted, self._evicted),
-            _message_row(protocol.Fenced, self._fenced),
+            _message_row(protocol.Fenced, self._turns.fenced),
         ])
         self._other_handlers: dict[type[Event], Callable[[Any, list[Action]], None]] = {
             Register: self._register,
@@ -205,10 +200,9 @@ class SchedulerCore:
         admission_due = self._admissions.book.next_deadline()
         if admission_due is not None and (best is None or admission_due < best):
             best = admission_due
-        if self._gang_deadlines:
-            gang_due = min(self._gang_deadlines.values())
-            if best is None or gang_due < best:
-                best = gang_due
+        gang_due = self._turns.next_deadline()
+        if gang_due is not None and (best is None or gang_due < best):
+            best = gang_due
         shrink_due = self._swapping.next_deadline()
         if shrink_due is not None and (best is None or shrink_due < best):
             best = shrink_due
@@ -240,7 +234,7 @@ class SchedulerCore:
         members' on their devices."""
         turn = pair.held.turn
         if turn is not None:
-            return turn.since + min(self._quantum_length(member) for member in self._live(turn))
+            return turn.since + min(self._quantum_length(member) for member in live_pairs(turn))
         return pair.held.since + self._quantum_length(pair)
 
     def _quantum_length(self, pair: Pair) -> float:
@@ -278,12 +272,11 @@ class SchedulerCore:
     def gang_units(self) -> list[gangs.Gang]:
         """The named gangs and the processes that are gangs of one (several devices), in the
         order they formed, for views.py to read."""
-        solo = [client.gang for client in self._registry.clients.values() if client.gang.solo and client.gang.ganged]
-        return list(self._gangs.values()) + solo
+        return self._turns.units()
 
     def live_grants(self, turn: gangs.Turn) -> list[Pair]:
         """The pairs whose current grant belongs to `turn` (views.py)."""
-        return self._live(turn)
+        return live_pairs(turn)
 
     def pool_sizes(self) -> dict[Hashable, int]:
         """The swap pools' sizes by principal, for views.py."""
@@ -314,7 +307,7 @@ class SchedulerCore:
         out.append(LockEvent(now, "register", client=client.cid, detail=register_detail(ev.info)))
         out.append(Log("info", "registered", {"client": client.cid, "pid": ev.info.pid, "host_pid": ev.info.host_pid,
                                            "program": ev.info.program}))
-        self._join_gang(client, ev, out)
+        self._turns.join(client, ev, out)
 
         held = dict.fromkeys(ev.held)
         wanted = dict.fromkeys(ev.wanted)
@@ -330,31 +323,26 @@ class SchedulerCore:
                 continue
             touched[pair.device] = None
             if client.gang.ganged:
-                self._gang_acquire(pair, now, out)
+                self._turns.acquire(pair, now, out)
             else:
-                self._enqueue(pair, now, out)
+                self.enqueue(pair, now, out)
         gang = client.gang
-        self._check_formed(gang, now, out)
-        if gang.ganged and self._request_of(gang) is not None:
+        self._turns.check_formed(gang, now, out)
+        if gang.ganged and self._turns.request_of(gang) is not None:
             # The gang asked for a turn before the reconnection: it still asks for all its
             # devices, also those the process did not ask for itself (it does not list them).
-            self._request_turn(gang, now, out)
+            self._turns.request_turn(gang, now, out)
         for pair in gang.pairs():  # a place its predecessor gave up may let its gang run
             if pair.gang_queued:
                 touched[pair.device] = None
         for dev in touched:
-            self._settle(dev, now, out)
+            self.settle(dev, now, out)
 
     def _take_over(self, old: Client, new: Client, held: dict[str, None], wanted: dict[str, None], now: float,
                    out: list[Action], touched: dict[Device, None]) -> None:
         """`new` is `old` reconnected: it inherits the holds it still claims (same grant) and the
         queue places it still wants; everything else of `old` is given up."""
-        if old.gang.solo and new.gang.solo:  # the process's own unit goes on, with its turn
-            del new.gang.members[new]
-            new.gang = old.gang
-            del old.gang.members[old]
-            new.gang.members[new] = None
-            new.gang.display = new.cid
+        self._turns.take_over(old, new)
         for device_id, pair in old.pairs.items():
             dev = pair.device
             touched[dev] = None
@@ -366,7 +354,7 @@ class SchedulerCore:
                 out.append(LockEvent(now, "release", dev.id, old.cid, pair.hold.grant, "replaced"))
                 self._end_hold(pair, now)
             if pair.waiting_since is not None and device_id not in wanted:
-                self._leave_queue(pair, now)
+                self.leave_queue(pair, now)
             pair.client = new
             new.pairs[device_id] = pair
             self._admissions.book.reset(pair)  # the new connection's client asks afresh
@@ -410,7 +398,7 @@ class SchedulerCore:
         touched: dict[Device, None] = {}
         self._claim_some(client, ev, out, touched)
         for dev in touched:
-            self._settle(dev, ev.now, out)
+            self.settle(dev, ev.now, out)
 
     def _claim(self, pair: Pair, believed: bool, now: float, out: list[Action]) -> None:
         """A registering client says its gate is open on this device, and it is not the same
@@ -436,7 +424,7 @@ class SchedulerCore:
             return
         out.append(LockEvent(now, "grant", dev.id, pair.client.cid, hold.grant, "claimed"))
         out.append(Log("warning", "claim-refused", {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
-        self._drop(pair, now, "conflict", out, grace=self.config.grace if believed else 0.0)
+        self.drop(pair, now, "conflict", out, grace=self.config.grace if believed else 0.0)
 
     # --- client events -------------------------------------------------------------------
 
@@ -447,7 +435,7 @@ class SchedulerCore:
         if pair is not None and ev.name and not pair.device.name:
             pair.device.name = ev.name
         if pair is not None and client.gang.ganged:
-            self._gang_announced(pair, ev.now, out)
+            self._turns.announced(pair, ev.now, out)
 
     def _device_measured(self, ev: DeviceMeasured, out: list[Action]) -> None:
         dev = self._registry.device(ev.device)
@@ -486,7 +474,7 @@ class SchedulerCore:
         # are moved out now rather than paged out by the driver (eviction.py).
         if dev.mode == "auto" or dev.evict_awaited or (self.config.swapping and (
                 dev.queue or ev.resident is not None or eviction.under_pressure(dev))):
-            self._settle(dev, ev.now, out)
+            self.settle(dev, ev.now, out)
         self._swapping.size_swap_space(ev.now, out)
         self._admissions.settle(ev.now, out)
 
@@ -495,9 +483,9 @@ class SchedulerCore:
         if pair is None:
             return
         if client.gang.ganged:
-            self._gang_acquire(pair, ev.now, out)
-        elif self._enqueue(pair, ev.now, out):
-            self._settle(pair.device, ev.now, out)
+            self._turns.acquire(pair, ev.now, out)
+        elif self.enqueue(pair, ev.now, out):
+            self.settle(pair.device, ev.now, out)
 
     def _release(self, client: Client, ev: ReleaseReport, out: list[Action]) -> None:
         pair = client.pairs.get(ev.device)
@@ -510,14 +498,14 @@ class SchedulerCore:
             out.append(Log("debug", "released", dict(fields, reason=ev.reason)))
             turn = pair.hold.turn
             if turn is not None and ev.reason == "idle":
-                turn.idle.add(ev.grant)  # it pauses within its gang's turn (_check_turn)
+                turn.idle.add(ev.grant)  # it pauses within its gang's turn (turns.py, check_turn)
             reason = pair.hold.reason
             self._end_hold(pair, ev.now)
             if turn is not None and ev.reason == "idle" and turn.fence.pop(ev.grant, 0) is None:
                 # Its idle release crossed the fenced DROP: it paused where it was, which may be
                 # behind the others' collectives. It is fenced like a member paused before.
-                self._fence_paused(turn, pair, ev.now, out, reason)
-            self._settle(dev, ev.now, out)
+                self._turns.fence_paused(turn, pair, ev.now, out, reason)
+            self.settle(dev, ev.now, out)
         elif pair is not None and ev.grant in pair.overdue:
             del pair.overdue[ev.grant]
             del pair.device.overdue[ev.grant]
@@ -537,7 +525,7 @@ class SchedulerCore:
         out.append(LockEvent(now, "evicted", dev.id, client.cid, detail=f"resident={evicted.resident}"))
         if pair in dev.evict_awaited:
             del dev.evict_awaited[pair]
-        self._settle(dev, now, out)
+        self.settle(dev, now, out)
 
     def _heartbeat(self, client: Client, ev: Alive, out: list[Action]) -> None:
         pass  # liveness was refreshed in handle()
@@ -578,8 +566,8 @@ class SchedulerCore:
 
     def _settle_after_removal(self, devices: list[Device], now: float, out: list[Action]) -> None:
         for dev in dict.fromkeys(devices):
-            self._settle(dev, now, out)
-            self._forget_if_unused(dev)
+            self.settle(dev, now, out)
+            self.forget_if_unused(dev)
         self._swapping.size_swap_space(now, out)
         self._admissions.settle(now, out)
 
@@ -600,15 +588,13 @@ class SchedulerCore:
             silent_devices += self._unlink_removed(client, "heartbeat-timeout", now, out)
         if silent_devices:
             self._settle_after_removal(silent_devices, now, out)
-        for gang, wait_end in list(self._gang_deadlines.items()):
-            if wait_end <= now:
-                self._gang_waited_out(gang, now, out)
+        self._turns.tick(now, out)
         if recovered:
             due = list(self._registry.devices.values())
         else:
             due = [dev for dev, deadline in self._deadlines.items() if deadline <= now]
         for dev in due:
-            self._settle(dev, now, out)
+            self.settle(dev, now, out)
         self._swapping.size_swap_space(now, out)
         self._admissions.settle(now, out)
 
@@ -644,9 +630,9 @@ class SchedulerCore:
             dev.mode = ev.mode
             out.append(LockEvent(ev.now, "mode", dev.id, detail=ev.mode))
             self._notify_settings(dev, out)
-            self._settle(dev, ev.now, out)
+            self.settle(dev, ev.now, out)
         if ev.device is not None:
-            self._forget_if_unused(targets[0])  # set back to the defaults on a device nobody uses
+            self.forget_if_unused(targets[0])  # set back to the defaults on a device nobody uses
 
     def _set_quantum(self, ev: SetQuantum, out: list[Action]) -> None:
         try:
@@ -665,9 +651,9 @@ class SchedulerCore:
             self._notify_settings(dev, out)
             for pair in dev.holders.values():
                 pair.held.contended = False  # the quantum left changed: tell it again
-            self._settle(dev, ev.now, out)
+            self.settle(dev, ev.now, out)
         if ev.device is not None:
-            self._forget_if_unused(targets[0])
+            self.forget_if_unused(targets[0])
 
     def _set_budget(self, ev: SetBudget, out: list[Action]) -> None:
         budget = ev.budget
@@ -680,7 +666,7 @@ class SchedulerCore:
         out.append(LockEvent(ev.now, "budget", dev.id, detail=detail))
         out.append(Log("info", "budget-set", {"device": dev.id, "budget": detail}))
         self._budget_changed(dev, before, ev.now, out)
-        self._forget_if_unused(dev)
+        self.forget_if_unused(dev)
 
     # --- per-client settings (fairshare.py) -----------------------------------------------
 
@@ -705,7 +691,7 @@ class SchedulerCore:
         self.settings.weight.set(target, weight, fairshare.DEFAULT_WEIGHT)
         out.append(Log("info", "weight-set", {"target": target.describe(), "weight": _shown(weight)}))
         for dev in list(self._registry.devices.values()):
-            self._settle(dev, ev.now, out)  # quanta follow the weights at once
+            self.settle(dev, ev.now, out)  # quanta follow the weights at once
 
     def _set_priority(self, ev: SetPriority, out: list[Action]) -> None:
         try:
@@ -718,7 +704,7 @@ class SchedulerCore:
         for dev in list(self._registry.devices.values()):
             moved = set()
             for pair in dev.queue:
-                klass = self._queue_class(pair.client.gang) if pair.gang_queued else self.priority(pair.client)
+                klass = self._turns.queue_class(pair.client.gang) if pair.gang_queued else self.priority(pair.client)
                 if klass != pair.queued_class:
                     del dev.classes[pair.queued_class][pair]
                     moved.add(klass)
@@ -726,7 +712,7 @@ class SchedulerCore:
                     dev.classes[klass][pair] = None
             for klass in moved:  # back into ACQUIRE order
                 dev.classes[klass] = OrderedDict.fromkeys(sorted(dev.classes[klass], key=lambda p: p.queued_seq))
-            self._settle(dev, ev.now, out)
+            self.settle(dev, ev.now, out)
 
     def _set_limit(self, ev: SetLimit, out: list[Action]) -> None:
         try:
@@ -763,7 +749,7 @@ class SchedulerCore:
 
     # --- the lock rules ------------------------------------------------------------------
 
-    def _settle(self, dev: Device, now: float, out: list[Action]) -> None:
+    def settle(self, dev: Device, now: float, out: list[Action]) -> None:
         """Bring the device in line with the rules after anything about it changed. A gang's
         grant, drop or end on one device changes its others: those are settled too, in the
         same call (a device is queued here while another is being settled)."""
@@ -786,7 +772,7 @@ class SchedulerCore:
         while True:
             self._revoke_due(dev, now, out)
             if dev.reserved is not None:
-                self._check_turn(dev.reserved, now, out)
+                self._turns.check_turn(dev.reserved, now, out)
             dropped = self._enforce_exclusion(dev, now, out)
             self._grant_waiters(dev, now, out)
             dropped |= self._drop_expired(dev, now, out)
@@ -803,13 +789,13 @@ class SchedulerCore:
         turn = dev.reserved
         if turn is not None and not turn.ending:
             # Contention on one device of a turn moves the quantum of all: tell them all.
-            live = self._live(turn)
+            live = live_pairs(turn)
             told = (self._turn_contended(turn), self.quantum_end(live[0]) if live else 0.0)
             if told != turn.told:
                 turn.told = told
                 for other in turn.devices:
                     if other is not dev:
-                        self._settle(other, now, out)
+                        self.settle(other, now, out)
 
     def _timers(self, dev: Device) -> Iterator[tuple[float, Pair, str]]:
         """(when, pair, what) for each holder's timer that matters now: a DROP'd grant is
@@ -858,7 +844,7 @@ class SchedulerCore:
                  and (first.held.turn is None or pair.held.turn is not first.held.turn)]
         for pair in later:
             if pair.held.state == "holding":  # not dropped meanwhile with the rest of its gang
-                self._drop(pair, now, reason, out)
+                self.drop(pair, now, reason, out)
         return bool(later)
 
     def _recovering(self, now: float) -> bool:
@@ -873,14 +859,14 @@ class SchedulerCore:
             if pair.hold is not None:
                 break  # a draining holder that asked again waits for its own release
             if pair.gang_queued:
-                if not self._start_turn(pair.client.gang, now, out):
+                if not self._turns.start_turn(pair.client.gang, now, out):
                     break  # the gang reserves the device until it has all of its devices
                 continue
-            if self._blocked(dev, pair):
+            if self.blocked(dev, pair):
                 break  # FCFS within the class: nobody overtakes the next one
             if not self._swapping.room_made(dev, pair, now, out):
                 break  # the next one waits for EVICTED answers; FCFS again
-            self._grant(pair, now, out)
+            self.grant(pair, now, out)
 
     @staticmethod
     def _contended(dev: Device) -> bool:
@@ -891,7 +877,7 @@ class SchedulerCore:
         expired = [pair for when, pair, what in self._timers(dev) if what == "drop" and now >= when]
         for pair in expired:
             if pair.held.state == "holding":  # not dropped meanwhile with the rest of its gang
-                self._drop(pair, now, "quantum", out)
+                self.drop(pair, now, "quantum", out)
         return bool(expired)
 
     def _refresh_deadline(self, dev: Device) -> None:
@@ -941,7 +927,7 @@ class SchedulerCore:
 
     # --- gangs (gangs.py says what they are) ----------------------------------------------
 
-    def _blocked(self, dev: Device, pair: Pair) -> bool:
+    def blocked(self, dev: Device, pair: Pair) -> bool:
         """Whether `pair` may not be granted now beside the device's holders of other units
         and a turn of another gang that reserves the device (a reservation counts as a holder
         with nothing resident: in mode on it blocks, in auto it blocks only what does not fit)."""
@@ -957,198 +943,6 @@ class SchedulerCore:
         budget = dev.budget
         return budget <= 0 or sum(holder.used for holder in others) + pair.used > budget
 
-    def _join_gang(self, client: Client, ev: Register, out: list[Action]) -> None:
-        """The registration's HELLO named a gang: it joins it (made on its first member)."""
-        if not ev.gang:
-            return
-        why = gangs.refusal(ev.gang, ev.gang_size, client.info)
-        if why is not None:
-            out.append(Log("warning", "gang-refused", {"client": client.cid, "gang": ev.gang[:gangs.GANG_NAME_MAX],
-                                                      "why": why}))
-            return
-        key = gangs.key(ev.gang, client.info)
-        gang = self._gangs.get(key)
-        if gang is None:
-            self._gang_numbers += 1
-            gang = self._gangs[key] = gangs.Gang(key, ev.gang, f"g{self._gang_numbers}", ev.gang_size)
-        elif ev.gang_size != gang.size:
-            out.append(Log("warning", "gang-size-differs", {"client": client.cid, "gang": gang.display,
-                                                           "size": ev.gang_size, "kept": gang.size}))
-        del client.gang.members[client]
-        client.gang = gang
-        gang.members[client] = None
-        out.append(LockEvent(ev.now, "gang-join", client=client.cid, detail=key_values(
-            {"gang": gang.display, "name": gang.name, "members": len(gang.members), "size": gang.size})))
-        out.append(Log("info", "gang-joined", {"client": client.cid, "gang": gang.display, "name": gang.name,
-                                               "members": len(gang.members), "size": gang.size}))
-
-    def _check_formed(self, gang: gangs.Gang, now: float, out: list[Action]) -> None:
-        """A gang that has all its members stops waiting for them; if one asked meanwhile, the
-        gang asks for its turn now."""
-        if gang.formed or not gang.complete():
-            return
-        gang.formed = True
-        self._gang_deadlines.pop(gang, None)
-        if gang.asked_at is not None:
-            gang.asked_at = None
-            self._request_turn(gang, now, out)
-
-    def _gang_waited_out(self, gang: gangs.Gang, now: float, out: list[Action]) -> None:
-        """The wait for missing members ran out (--gang-wait): the gang runs with those it has."""
-        del self._gang_deadlines[gang]
-        gang.formed = True
-        gang.asked_at = None
-        out.append(LockEvent(now, "gang-incomplete", detail=key_values(
-            {"gang": gang.display, "members": gang.present(), "size": gang.size, "name": gang.name})))
-        out.append(Log("warning", "gang-incomplete", {"gang": gang.display, "name": gang.name,
-                                                      "members": gang.present(), "size": gang.size,
-                                                      "waited": self.config.gang_wait}))
-        self._request_turn(gang, now, out)
-
-    def _gang_acquire(self, pair: Pair, now: float, out: list[Action]) -> None:
-        """ACQUIRE from a member of a ganged unit. Within a running turn it is granted at once
-        on a device the turn reserves, or on one nobody holds, reserves or waits for (which
-        joins the turn); on any other device the turn ends (DROP `gang`), since holding some of
-        a gang's devices while waiting for another is how gangs deadlock. Otherwise the whole
-        gang asks for its next turn (after its members came, or the wait for them ran out)."""
-        gang = pair.client.gang
-        self._check_formed(gang, now, out)
-        if pair.waiting_since is not None or (pair.hold is not None and pair.hold.state == "holding"):
-            return
-        turn = gang.turn
-        if turn is not None and not turn.ending:
-            if self._joins_turn(turn, pair):
-                self._join_turn(turn, pair, now, out)
-                return
-            self._end_turn(turn, "gang", now, out)
-        if not gang.complete():
-            if gang.asked_at is None:
-                gang.asked_at = now
-                self._gang_deadlines[gang] = now + self.config.gang_wait
-                out.append(Log("info", "gang-waits", {"gang": gang.display, "client": pair.client.cid,
-                                                      "members": gang.present(), "size": gang.size}))
-            return
-        self._request_turn(gang, now, out)
-
-    def _gang_announced(self, pair: Pair, now: float, out: list[Action]) -> None:
-        """A member of a ganged unit uses a new device (a member that came late, or a process
-        that began to use another device). While the gang asks for a turn, the device joins
-        the request; while its turn runs, the device joins the turn if nobody holds, reserves
-        or waits for it (the member is granted it unasked). Otherwise it waits for the
-        member's ACQUIRE (_gang_acquire)."""
-        gang = pair.client.gang
-        self._check_formed(gang, now, out)  # the member is present now (gangs.Gang.present)
-        if pair.waiting_since is not None or pair.hold is not None:
-            return
-        turn = gang.turn
-        if turn is not None and not turn.ending:
-            if self._joins_turn(turn, pair):
-                self._join_turn(turn, pair, now, out)
-            return
-        request = self._request_of(gang)
-        if request is not None and self._enqueue(pair, now, out, request.queued_seq, request.queued_class):
-            self._settle(pair.device, now, out)
-
-    def _joins_turn(self, turn: gangs.Turn, pair: Pair) -> bool:
-        dev = pair.device
-        return dev in turn.devices or (dev.reserved is None and not dev.queue and not self._blocked(dev, pair))
-
-    def _queue_class(self, gang: gangs.Gang) -> int:
-        """The priority class a gang's waiters queue in: its members' highest, one for all of
-        them, so that the gang ranks alike on every device."""
-        return max(self.priority(member) for member in gang.members)
-
-    def _request_of(self, gang: gangs.Gang) -> Pair | None:
-        """A pair of the gang's pending request for a turn (its place and class), if any."""
-        return next((pair for pair in gang.pairs() if pair.gang_queued), None)
-
-    def _request_turn(self, gang: gangs.Gang, now: float, out: list[Action]) -> None:
-        """Queue every pair of every member with one place in ACQUIRE order, so that the gang
-        is ahead of or behind any other waiter alike on all its devices: the earliest place
-        one of its pairs already has (a process that began to use a second device keeps the
-        place it had on its first), else a new one. A member that holds a device outside a
-        turn (a claim after a restart, or a process that began to use a second device) may
-        not hold it while the gang waits: it is dropped and queues too."""
-        pairs = gang.pairs()
-        waiting = [pair for pair in pairs if pair.waiting_since is not None]
-        if waiting:
-            first = min(waiting, key=lambda pair: pair.queued_seq)
-            seq, klass = first.queued_seq, first.queued_class
-        else:
-            self._queue_numbers += 1
-            seq, klass = self._queue_numbers, self._queue_class(gang)
-        touched: dict[Device, None] = {}
-        for pair in waiting:
-            if not pair.gang_queued:  # it waited on its own: it waits with its gang now
-                self._leave_queue(pair, now)
-        for pair in pairs:
-            if self._enqueue(pair, now, out, seq, klass):
-                touched[pair.device] = None
-        for dev in touched:  # only once every pair waits: a turn never starts with a part
-            self._settle(dev, now, out)
-        if gang.turn is None:  # it could not start at once (_start_turn takes such holds in)
-            for pair in pairs:
-                if pair.hold is not None and pair.hold.turn is None and pair.hold.state == "holding":
-                    self._drop(pair, now, "gang", out)
-                    self._enqueue(pair, now, out, seq, klass)
-                    self._settle(pair.device, now, out)
-
-    def _start_turn(self, gang: gangs.Gang, now: float, out: list[Action]) -> bool:
-        """Grant the gang every device it asked for at once, or nothing: each of its waiting
-        pairs must be the next waiter of its device and not blocked there, and room must be
-        made for each (residency). Returns whether the turn began."""
-        if gang.turn is not None:
-            return False  # the last one has not ended (members still drain)
-        queued = [pair for pair in gang.pairs() if pair.gang_queued]
-        for pair in queued:
-            dev = pair.device
-            head = dev.evict_for or next_waiter(dev, self.config.ageing)
-            if pair.hold is not None or head is None or head.client.gang is not gang or self._blocked(dev, pair):
-                return False
-        if not all(self._swapping.room_made(pair.device, pair, now, out) for pair in queued):
-            return False
-        self._turn_numbers += 1
-        turn = gang.turn = gangs.Turn(gang, self._turn_numbers, now)
-        gang.turns += 1
-        for pair in queued:
-            self._grant_in_turn(turn, pair, now, out)
-        for pair in gang.pairs():  # a hold made outside a turn joins it (a claim, a first device)
-            hold = pair.hold
-            if hold is not None and hold.turn is None and hold.state == "holding":
-                hold.turn = turn
-                turn.grants[hold.grant] = pair
-                turn.devices[pair.device] = None
-                pair.device.reserved = turn
-        out.append(LockEvent(now, "gang-turn", detail=key_values(
-            {"gang": gang.display, "turn": turn.number, "members": ",".join(m.cid for m in gang.members),
-             "devices": len(turn.devices)})))
-        out.append(Log("info", "turn-granted", {"gang": gang.display, "turn": turn.number,
-                                                "members": len(gang.members), "devices": len(turn.devices)}))
-        return True
-
-    def _join_turn(self, turn: gangs.Turn, pair: Pair, now: float, out: list[Action]) -> None:
-        """`pair` (the member that asked or announced) is granted its device within the running
-        turn; a device new to the turn goes also to every other member that announced it."""
-        new = pair.device not in turn.devices
-        self._grant_in_turn(turn, pair, now, out)
-        for other in turn.unit.pairs() if new else ():
-            if other.device is pair.device and other.hold is None and other.waiting_since is None:
-                self._grant_in_turn(turn, other, now, out)
-
-    def _grant_in_turn(self, turn: gangs.Turn, pair: Pair, now: float, out: list[Action]) -> None:
-        self._grant(pair, now, out)
-        pair.held.turn = turn
-        turn.grants[pair.held.grant] = pair
-        dev = pair.device
-        if dev not in turn.devices:
-            turn.devices[dev] = None
-            dev.reserved = turn
-        self._settle(dev, now, out)
-
-    @staticmethod
-    def _live(turn: gangs.Turn) -> list[Pair]:
-        return [pair for grant, pair in turn.grants.items() if pair.hold is not None and pair.hold.grant == grant]
-
     def _turn_contended(self, turn: gangs.Turn) -> bool:
         return any(self._contended(dev) for dev in turn.devices)
 
@@ -1157,96 +951,6 @@ class SchedulerCore:
         gang's grant, for any device of the gang's turn."""
         turn = pair.held.turn
         return self._contended(pair.device) if turn is None else self._turn_contended(turn)
-
-    def _end_turn(self, turn: gangs.Turn, reason: str, now: float, out: list[Action]) -> None:
-        """The gang's hold ends: DROP to every member still holding (a DROP reaches them all).
-        A member that paused for idleness (in mode `on`, where its device waited for it) is
-        granted its device again and dropped with the others: the fence (_settle_fence) may
-        find it behind their collectives, and it must then launch up to theirs."""
-        turn.ending = True
-        for pair in dict.fromkeys(pair for grant, pair in turn.grants.items() if grant in turn.idle):
-            self._fence_paused(turn, pair, now, out)
-        for pair in self._live(turn):
-            if pair.held.state == "holding":
-                self._drop(pair, now, reason, out)
-        for dev in turn.devices:
-            self._settle(dev, now, out)
-
-    def _fence_paused(self, turn: gangs.Turn, pair: Pair, now: float, out: list[Action],
-                      reason: str | None = None) -> None:
-        """A member paused for idleness while its gang's turn ends (in mode `on`, where its
-        device waited for it) is granted its device again, to be dropped with the fence: the
-        others may have launched collectives it has not, and it must launch up to theirs.
-        `reason`: drop it now, with that reason (else _end_turn drops it with the others). Not
-        once no other member holds: their collectives all completed, so none waits for it."""
-        if (pair.hold is None and pair.waiting_since is None and pair.device in turn.devices
-                and pair.device.mode == "on" and pair.client.pairs.get(pair.device.id) is pair
-                and self._live(turn)):
-            self._grant_in_turn(turn, pair, now, out)
-            if reason is not None and pair.hold is not None and pair.hold.state == "holding":
-                self._drop(pair, now, reason, out)
-
-    def _fenced(self, client: Client, now: float, fenced: protocol.Fenced, out: list[Action]) -> None:
-        """FENCED: a dropped member of a gang's turn stopped launching collectives after
-        `collectives` of them (its gate is closed) and waits for FENCE."""
-        pair = client.pairs.get(fenced.device)
-        hold = pair.hold if pair is not None else None
-        turn = hold.turn if hold is not None and hold.grant == fenced.grant else None
-        if turn is None or turn.fence.get(fenced.grant, 0) is not None:
-            out.append(Log("debug", "fenced-stale", {"client": client.cid, "device": fenced.device,
-                                                     "grant": fenced.grant}))
-            return
-        turn.fence[fenced.grant] = fenced.collectives
-        self._settle_fence(turn, now, out)
-
-    def _settle_fence(self, turn: gangs.Turn, now: float, out: list[Action]) -> None:
-        """Once every dropped member still holding has said where it stopped (members that
-        released, left, were revoked or do not count collectives are not waited for), tell them
-        all the most any said: each launches collectives up to it, so all stop after the same
-        one, and none of them waits in a collective for a partner that stopped before it."""
-        if turn.fence_target is not None or not turn.fence:
-            return
-        live = {pair.held.grant: pair for pair in self._live(turn)}
-        if any(turn.fence.get(grant) is None for grant in live):  # (a grant not dropped yet will be)
-            return
-        said = [(grant, count) for grant, count in turn.fence.items() if count is not None and grant in live]
-        if not said:
-            return
-        target = turn.fence_target = max(count for _, count in said)
-        for grant, _ in said:
-            pair = live[grant]
-            out.append(Send(pair.client.key, protocol.Fence(device=pair.device.id, grant=grant, collectives=target)))
-        out.append(LockEvent(now, "gang-fence", detail=key_values(
-            {"gang": turn.unit.display, "turn": turn.number, "collectives": target,
-             "behind": sum(1 for _, count in said if count < target)})))
-
-    def _check_turn(self, turn: gangs.Turn, now: float, out: list[Action]) -> None:
-        """A member released (other than for idleness), left or died, or was revoked: the
-        gang's hold ends (DROP `gang` to the others); once none of its grants is left, its
-        devices are free together. A member that released for idleness only pauses: its
-        device stays with the turn, and it is granted it again at once when it asks (its
-        partners may wait in a collective for it); the turn ends with its quantum, or when
-        every member has released."""
-        live = self._live(turn)
-        ended = len(turn.grants) - len(live) - len(turn.idle)
-        if live and ended > 0 and not turn.ending:
-            self._end_turn(turn, "gang", now, out)
-        if live:
-            self._settle_fence(turn, now, out)  # a member it waited for has gone
-            return
-        gang = turn.unit
-        if gang.turn is turn:
-            gang.turn = None
-        for dev in turn.devices:
-            if dev.reserved is turn:
-                dev.reserved = None
-            self._settle(dev, now, out)
-        for pair in gang.pairs():  # its next request may now start
-            if pair.gang_queued:
-                self._settle(pair.device, now, out)
-        out.append(LockEvent(now, "gang-end", detail=key_values({"gang": gang.display, "turn": turn.number})))
-        for dev in turn.devices:
-            self._forget_if_unused(dev)
 
     # --- admission (nvshare_py/scheduler/admission.py decides) ----------------------------
 
@@ -1277,7 +981,7 @@ class SchedulerCore:
         """A device's budget changed from `before`: the capacity follows, and what depends on
         the budget is settled again (auto mode, room for a grant, swap areas, admission)."""
         self._admissions.budget_changed(dev, before)
-        self._settle(dev, now, out)
+        self.settle(dev, now, out)
         self._swapping.size_swap_space(now, out)
         self._admissions.settle(now, out)
 
@@ -1325,11 +1029,11 @@ class SchedulerCore:
         dev.holders[hold.grant] = pair
         return hold
 
-    def _grant(self, pair: Pair, now: float, out: list[Action]) -> None:
+    def grant(self, pair: Pair, now: float, out: list[Action]) -> None:
         dev = pair.device
         hold = self._new_hold(pair, now)
         if pair.waiting_since is not None:
-            self._leave_queue(pair, now)
+            self.leave_queue(pair, now)
         cid = pair.client.cid
         prefetch, swapped, over = self._swapping.granted(pair)
         detail = " ".join(part for part in (f"prefetch={prefetch}" if prefetch else "",
@@ -1344,7 +1048,7 @@ class SchedulerCore:
         return protocol.Grant(device=dev.id, grant=grant, mode=dev.mode, exclusive=dev.mode == "on",
                               quantum_ms=ms(dev.tq), prefetch=prefetch)
 
-    def _drop(self, pair: Pair, now: float, reason: str, out: list[Action], grace: float | None = None) -> None:
+    def drop(self, pair: Pair, now: float, reason: str, out: list[Action], grace: float | None = None) -> None:
         dev = pair.device
         hold = pair.held
         grace = self.config.grace if grace is None else grace
@@ -1353,7 +1057,7 @@ class SchedulerCore:
         hold.reason = reason
         cid = pair.client.cid
         evict = self._swapping.evict_on_drop(pair)
-        if hold.turn is not None:  # a gang's members stop after the same collective (_fenced)
+        if hold.turn is not None:  # a gang's members stop after the same collective (turns.py, fenced)
             hold.turn.fence[hold.grant] = None
         out.append(Send(pair.client.key, protocol.Drop(device=dev.id, grant=hold.grant,
                                                        grace_ms=ms(grace), reason=reason, evict=evict,
@@ -1362,9 +1066,9 @@ class SchedulerCore:
         out.append(Log("info", "dropped", {"client": cid, "device": dev.id, "grant": hold.grant, "reason": reason,
                                            "evict": evict}))
         if hold.turn is not None and not hold.turn.ending:
-            self._end_turn(hold.turn, "quantum" if reason == "quantum" else "gang", now, out)
+            self._turns.end_turn(hold.turn, "quantum" if reason == "quantum" else "gang", now, out)
 
-    def _enqueue(self, pair: Pair, now: float, out: list[Action], seq: int | None = None,
+    def enqueue(self, pair: Pair, now: float, out: list[Action], seq: int | None = None,
                  klass: int | None = None) -> bool:
         """ACQUIRE: idempotent while waiting or holding; a draining holder is queued behind
         the others for a fresh grant after its release. Returns whether it queued. `seq` and
@@ -1378,8 +1082,7 @@ class SchedulerCore:
         pair.waiting_since = now
         dev.queue[pair] = None
         if seq is None:
-            self._queue_numbers += 1
-            seq = self._queue_numbers
+            seq = self.new_queue_place()
         pair.queued_seq = seq
         pair.queued_grants = dev.grants_made
         pair.queued_class = self.priority(pair.client) if klass is None else klass
@@ -1389,7 +1092,12 @@ class SchedulerCore:
         out.append(LockEvent(now, "acquire", dev.id, pair.client.cid))
         return True
 
-    def _leave_queue(self, pair: Pair, now: float) -> None:
+    def new_queue_place(self) -> int:
+        """A place in ACQUIRE order behind every waiter of every device."""
+        self._queue_numbers += 1
+        return self._queue_numbers
+
+    def leave_queue(self, pair: Pair, now: float) -> None:
         pair.swap.allowed = 0
         pair.device.gang_waiters -= pair.gang_queued
         pair.gang_queued = False
@@ -1426,7 +1134,7 @@ class SchedulerCore:
         if pair.hold is not None:
             self._end_hold(pair, now)
         if pair.waiting_since is not None:
-            self._leave_queue(pair, now)
+            self.leave_queue(pair, now)
         self._forget_overdue(pair)
         dev.evict_asked.pop(pair, None)
         dev.evict_awaited.pop(pair, None)
@@ -1436,7 +1144,7 @@ class SchedulerCore:
         dev.used -= pair.used
         del dev.pairs[pair]
 
-    def _forget_if_unused(self, dev: Device) -> None:
+    def forget_if_unused(self, dev: Device) -> None:
         """A device nobody uses and nobody configured is forgotten: clients cannot grow the
         table by naming devices and leaving (issue 12). It comes back when named again."""
         registry = self._registry
@@ -1449,11 +1157,7 @@ class SchedulerCore:
 
     def _unlink_client(self, client: Client, *, park: bool) -> None:
         self._registry.unlink(client, park=park)
-        gang = client.gang
-        gang.members.pop(client, None)
-        if not gang.solo and not gang.members:
-            del self._gangs[gang.key]
-            self._gang_deadlines.pop(gang, None)
+        self._turns.leave(client)
 
     def _pair(self, client: Client, device_id: str, ev: Event, out: list[Action]) -> Pair | None:
         """The client's pair of the device, made on first use; None (and ERROR to the client)
