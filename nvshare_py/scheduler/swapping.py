@@ -57,7 +57,7 @@ class Swapping:
         """The swap pools' sizes by principal, for views.py."""
         return {owner: told for owner, (told, _) in self._pools.items()}
 
-    # --- a handoff ---------------------------------------------------------------------------
+    # --- a handoff ------------------------------------------------------------------------
 
     def room_made(self, dev: Device, pair: Pair, now: float, out: list[Action]) -> bool:
         """Whether `pair`, the next waiter, may be granted now as far as residency goes.
@@ -123,7 +123,7 @@ class Swapping:
             return (0, free_ms if grantee is not None else 0)
         return (self.evict_on_drop(pair), residency.idle_ms(pair.device, pair, grantee, free_ms))
 
-    # --- a device settled ----------------------------------------------------------------------
+    # --- a device settled -----------------------------------------------------------------
 
     def relieve_pressure(self, dev: Device, now: float, out: list[Action]) -> None:
         """Idle tenants moved out, whole and least recently used first, when what the device's
@@ -187,7 +187,7 @@ class Swapping:
         out.append(Log("debug", "evict-asked", {"client": pair.client.cid, "device": dev.id, "bytes": amount,
                                                 "why": why}))
 
-    # --- pinned host memory ----------------------------------------------------------------------
+    # --- pinned host memory ---------------------------------------------------------------
 
     def size_swap_space(self, now: float, out: list[Action]) -> None:
         """The swap pools (POOL) and, for processes without one, their private areas (PREPARE)."""
