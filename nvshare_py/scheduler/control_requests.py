@@ -75,6 +75,11 @@ class ControlRequests:
             dev = self._registry.device(device_id)
         return [dev]
 
+    def _notify_settings(self, dev: Device, out: list[Action]) -> None:
+        """MODE to every client of the device: its mode or quantum changed."""
+        notice = protocol.ModeNotice(device=dev.id, mode=dev.mode, quantum_ms=ms(dev.tq))
+        out.extend(Send(pair.client.key, notice) for pair in dev.pairs)
+
     def set_mode(self, ev: SetMode, out: list[Action]) -> None:
         if ev.mode not in MODE:
             raise ControlError("bad-request", f"mode must be {MODE.describe()}, not {ev.mode!r}")
@@ -126,7 +131,7 @@ class ControlRequests:
         self._budget_changed(dev, before, ev.now, out)
         self._lock.forget_if_unused(dev)
 
-    # --- per-client settings (fairshare.py) -----------------------------------------------
+    # --- per-client settings (fairshare.py) ----------------------------------------------
 
     def _target(self, client: str | None, pod_uid: str | None) -> fairshare.Target:
         """Whom a setting is for; a client must be registered now (its id dies with it)."""
@@ -162,7 +167,10 @@ class ControlRequests:
         for dev in list(self._registry.devices.values()):
             moved = set()
             for pair in dev.queue:
-                klass = self._turns.queue_class(pair.client.gang) if pair.gang_queued else self._registry.priority(pair.client)
+                if pair.gang_queued:
+                    klass = self._turns.queue_class(pair.client.gang)
+                else:
+                    klass = self._registry.priority(pair.client)
                 if klass != pair.queued_class:
                     del dev.classes[pair.queued_class][pair]
                     moved.add(klass)
@@ -188,22 +196,21 @@ class ControlRequests:
         """LIMIT to the client for every resolved limit it was not told: the one for every
         device (no `device`), then each device whose own differs from what the client applies
         to it. So a client knows its limits on devices it has not named yet (docs/protocol.md)."""
+        settings = self._registry.settings
         cid, pod_uid = client.cid, client.info.pod_uid
-        every = self._registry.settings.limit_every(cid, pod_uid) or 0
+        every = settings.limit_every(cid, pod_uid) or 0
         if every != client.told_every:
             client.told_every = every
             out.append(Send(client.key, protocol.Limit(bytes=every)))
             out.append(Log("info", "limit-sent", {"client": cid, "device": "", "bytes": every}))
-        for device in sorted(set(self._registry.settings.limit_devices()) | set(client.told)):
-            limit = self._registry.settings.limit(cid, pod_uid, device) or 0
+        for device in sorted(set(settings.limit_devices()) | set(client.told)):
+            limit = settings.limit(cid, pod_uid, device) or 0
             if limit != client.told.get(device, client.told_every):
                 client.told[device] = limit
                 out.append(Send(client.key, protocol.Limit(bytes=limit, device=device)))
                 out.append(Log("info", "limit-sent", {"client": cid, "device": device, "bytes": limit}))
 
-    def _notify_settings(self, dev: Device, out: list[Action]) -> None:
-        notice = protocol.ModeNotice(device=dev.id, mode=dev.mode, quantum_ms=ms(dev.tq))
-        out.extend(Send(pair.client.key, notice) for pair in dev.pairs)
+    # --- admission (admitting.py) ---------------------------------------------------------
 
     def set_admission(self, ev: SetAdmission, out: list[Action]) -> None:
         old = self._admissions.book.config

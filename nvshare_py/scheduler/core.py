@@ -1,30 +1,30 @@
-"""The scheduler's lock logic as a pure state machine (sans-I/O).
+"""The scheduler's lock core as a pure state machine (sans-I/O): `SchedulerCore`, its one entry
+point.
 
 The daemon feeds `SchedulerCore.handle` the events of nvshare_py.scheduler.events (each carries
 `now`, seconds on a monotonic clock) and carries out the actions it returns; it sends
-`Tick(now)` once `next_deadline()` is reached. Nothing here reads a clock, touches a socket or
-logs, so every rule of docs/protocol.md ("Scheduling rules", "Lock state") can be tested with
-plain function calls.
+`Tick(now)` once `next_deadline()` is reached (a deadline is due at the very tick it announced:
+after `handle(Tick(now))` the next one lies after `now`). Nothing here or in the modules it uses
+reads a clock, touches a socket or logs, so every rule of docs/protocol.md ("Scheduling rules",
+"Lock state") can be tested with plain function calls.
 
-Words used below:
-- a *pair* is one (client, device) relation: the client's memory use on the device, its place
-  in the device's queue, its current grant and its statistics;
-- an *active holder* holds a grant in state `holding` or `draining` (after a DROP); active
-  holders are what the mode rules count;
-- a grant revoked after its grace ran out but not yet released is *overdue*: it is listed in
-  the status so the operator sees it, but it no longer counts for granting. (For mode `on`,
-  "draining and overdue holders count" means holders past their quantum, which are still
-  active; a revoked grant never blocks the lock, or one hung client would stop a device.)
-
-Time comparisons use `>=` throughout: a deadline is due at the very tick `next_deadline()`
-announced, so after `handle(Tick(now))` the next deadline always lies after `now`.
-
-The module is long because it is one state machine: every rule reads and changes the same lock
-state (holds, queues, turns), and split across files the rules would no longer be read
-together. What stands on its own lives beside it: admission.py, residency.py, fairshare.py,
-gangs.py.
+This module is the core's glue: which event goes where, what a registration, a reconnection, a
+client's messages and its leaving change, what a tick does, and what views.py may read. The lock
+itself, who holds and who waits on each device and the rules that grant, drop and revoke (the
+words *pair*, *active holder*, *overdue* are defined there), is lock.py. Beside them, each
+asked at its moments and pure like them:
+- registry.py: the registrations, devices and per-client settings (bookkeeping);
+- queue_order.py: the order waiters are served in (priority classes, ageing, ACQUIRE order);
+- turns.py: a gang's turns on all its devices (gangs.py: what a gang is);
+- swapping.py: room before a grant, pressure, PREFETCH, POOL and PREPARE (residency.py and
+  eviction.py: the rules it applies);
+- admitting.py: ADMIT and its answers (admission.py: the rules);
+- control_requests.py: the operator's set-* requests and the clients' LIMITs (fairshare.py:
+  weights, priorities, limits);
+- core_config.py: CoreConfig; records.py: the records every one of them reads.
+Their imports point one way (docs/architecture.md): core.py on top, then control_requests.py,
+lock.py, turns.py, swapping.py, admitting.py, registry.py and queue_order.py.
 """
-
 from __future__ import annotations
 
 from typing import Any, Callable, Hashable, TypeVar
@@ -96,9 +96,6 @@ def _message_row(kind: type[_M], handle: Callable[[Client, float, _M, list[Actio
     """The row of `_client_handlers` for a message that comes as a ClientMessage: `handle` gets
     the time it arrived and the message, of the class it is registered for."""
     return kind, lambda client, event, out: handle(client, event.now, event.message, out)
-
-
-# --- the core -----------------------------------------------------------------------------
 
 
 class SchedulerCore:
@@ -238,6 +235,24 @@ class SchedulerCore:
         """The swap pools' sizes by principal, for views.py."""
         return self._swapping.pool_sizes()
 
+    @property
+    def admission(self) -> AdmissionConfig:
+        return self._admissions.book.config
+
+    def admission_capacity(self) -> int:
+        """What the clients may hold on this node: the devices' budgets (the daemon's
+        measurements and the operator's settings, never a client's word) plus the host spill."""
+        return self._admissions.book.capacity
+
+    def admission_reserved(self) -> int:
+        return self._admissions.book.reserved
+
+    def admission_reservation(self, pair: Pair) -> int:
+        return self._admissions.book.reservation(pair)
+
+    def admission_waiters(self) -> list[Waiter[Pair]]:
+        return list(self._admissions.book.waiters.values())
+
     # --- registration ---------------------------------------------------------------------
 
     def _register(self, ev: Register, out: list[Action]) -> None:
@@ -321,11 +336,11 @@ class SchedulerCore:
                     out.append(Send(new.key, protocol.Drop(device=dev.id, grant=hold.grant, reason=hold.reason,
                                                            grace_ms=max(0, ms(hold.deadline - now)),
                                                            evict=self._swapping.evict_on_drop(pair))))
-                hold.contended = False  # a CONTENDED may have been lost too: _settle tells it again
+                hold.contended = False  # a CONTENDED may have been lost too: settling tells it again
                 out.append(Log("info", "grant-passes", {"client": new.cid, "device": dev.id, "grant": hold.grant,
                                                    "predecessor": old.cid}))
         old.pairs = {}
-        self._unlink_client(old, park=False)  # its settings passed to `new` (_register)
+        self._unlink_client(old, park=False)  # its settings passed to `new` (Registry.register)
         out.append(Forget(old.key, "replaced"))
         out.append(LockEvent(now, "unregister", client=old.cid, detail="replaced"))
         out.append(Log("info", "replaced", {"client": old.cid, "successor": new.cid}))
@@ -356,6 +371,21 @@ class SchedulerCore:
         for dev in touched:
             self._lock.settle(dev, ev.now, out)
 
+    def _pair(self, client: Client, device_id: str, ev: Event, out: list[Action]) -> Pair | None:
+        """The client's pair of the device, made on first use; None (and ERROR to the client)
+        when the client already uses protocol.MAX_DEVICES devices."""
+        pair = client.pairs.get(device_id)
+        if pair is None:
+            if len(client.pairs) >= protocol.MAX_DEVICES:
+                out.append(Send(client.key, protocol.Error(
+                    code="bad-field", type=_MESSAGE_TYPES[type(ev)],
+                    detail=f"a client may use at most {protocol.MAX_DEVICES} devices")))
+                return None
+            dev = self._registry.device(device_id)
+            pair = client.pairs[device_id] = Pair(client, dev)
+            dev.pairs[pair] = None
+        return pair
+
     # --- client events --------------------------------------------------------------------
 
     def _device_info(self, client: Client, ev: DeviceInfo, out: list[Action]) -> None:
@@ -377,6 +407,14 @@ class SchedulerCore:
         dev.total = ev.total
         out.append(Log("info", "device-measured", {"device": dev.id, "total": ev.total}))
         self._budget_changed(dev, before, ev.now, out)
+
+    def _budget_changed(self, dev: Device, before: int, now: float, out: list[Action]) -> None:
+        """A device's budget changed from `before`: the capacity follows, and what depends on
+        the budget is settled again (auto mode, room for a grant, swap areas, admission)."""
+        self._admissions.budget_changed(dev, before)
+        self._lock.settle(dev, now, out)
+        self._swapping.size_swap_space(now, out)
+        self._admissions.settle(now, out)
 
     def _memory(self, client: Client, ev: MemoryReport, out: list[Action]) -> None:
         pair = self._pair(client, ev.device, ev, out)
@@ -416,6 +454,12 @@ class SchedulerCore:
             self._turns.acquire(pair, ev.now, out)
         elif self._lock.enqueue(pair, ev.now, out):
             self._lock.settle(pair.device, ev.now, out)
+
+    def _admit(self, client: Client, ev: AdmitRequest, out: list[Action]) -> None:
+        pair = self._pair(client, ev.device, ev, out)
+        if pair is None:
+            return
+        self._admissions.ask(pair, ev, self.limit(pair), out)
 
     def _release(self, client: Client, ev: ReleaseReport, out: list[Action]) -> None:
         pair = client.pairs.get(ev.device)
@@ -463,6 +507,8 @@ class SchedulerCore:
     def _unregister(self, client: Client, ev: Unregister, out: list[Action]) -> None:
         self._remove_client(client, ev.reason, ev.now, out)
 
+    # --- a client leaves ------------------------------------------------------------------
+
     def _remove_client(self, client: Client, reason: str, now: float, out: list[Action]) -> None:
         self._settle_after_removal(self._unlink_removed(client, reason, now, out), now, out)
 
@@ -501,6 +547,26 @@ class SchedulerCore:
         self._swapping.size_swap_space(now, out)
         self._admissions.settle(now, out)
 
+    def _discard_pair(self, pair: Pair, now: float) -> None:
+        """The client is gone from this device: nothing of it may block anyone."""
+        dev = pair.device
+        if pair.hold is not None:
+            self._lock.end_hold(pair, now)
+        if pair.waiting_since is not None:
+            self._lock.leave_queue(pair, now)
+        self._lock.forget_overdue(pair)
+        dev.evict_asked.pop(pair, None)
+        dev.evict_awaited.pop(pair, None)
+        if dev.evict_for is pair:
+            end_eviction_wait(dev)
+        self._admissions.book.forget(pair)
+        dev.used -= pair.used
+        del dev.pairs[pair]
+
+    def _unlink_client(self, client: Client, *, park: bool) -> None:
+        self._registry.unlink(client, park=park)
+        self._turns.leave(client)
+
     # --- time -----------------------------------------------------------------------------
 
     def _tick(self, ev: Tick, out: list[Action]) -> None:
@@ -524,77 +590,3 @@ class SchedulerCore:
             self._lock.settle(dev, now, out)
         self._swapping.size_swap_space(now, out)
         self._admissions.settle(now, out)
-
-    # --- admission (nvshare_py/scheduler/admission.py decides) ----------------------------
-
-    @property
-    def admission(self) -> AdmissionConfig:
-        return self._admissions.book.config
-
-    def admission_capacity(self) -> int:
-        """What the clients may hold on this node: the devices' budgets (the daemon's
-        measurements and the operator's settings, never a client's word) plus the host spill."""
-        return self._admissions.book.capacity
-
-    def admission_reserved(self) -> int:
-        return self._admissions.book.reserved
-
-    def admission_of(self, pair: Pair) -> tuple[int, Waiter[Pair] | None]:
-        """A pair's admitted total and its unanswered question, for views.py."""
-        book = self._admissions.book
-        return book.admitted(pair), book.waiters.get(pair)
-
-    def admission_reservation(self, pair: Pair) -> int:
-        return self._admissions.book.reservation(pair)
-
-    def admission_waiters(self) -> list[Waiter[Pair]]:
-        return list(self._admissions.book.waiters.values())
-
-    def _budget_changed(self, dev: Device, before: int, now: float, out: list[Action]) -> None:
-        """A device's budget changed from `before`: the capacity follows, and what depends on
-        the budget is settled again (auto mode, room for a grant, swap areas, admission)."""
-        self._admissions.budget_changed(dev, before)
-        self._lock.settle(dev, now, out)
-        self._swapping.size_swap_space(now, out)
-        self._admissions.settle(now, out)
-
-    def _admit(self, client: Client, ev: AdmitRequest, out: list[Action]) -> None:
-        pair = self._pair(client, ev.device, ev, out)
-        if pair is None:
-            return
-        self._admissions.ask(pair, ev, self.limit(pair), out)
-
-    def _discard_pair(self, pair: Pair, now: float) -> None:
-        """The client is gone from this device: nothing of it may block anyone."""
-        dev = pair.device
-        if pair.hold is not None:
-            self._lock.end_hold(pair, now)
-        if pair.waiting_since is not None:
-            self._lock.leave_queue(pair, now)
-        self._lock.forget_overdue(pair)
-        dev.evict_asked.pop(pair, None)
-        dev.evict_awaited.pop(pair, None)
-        if dev.evict_for is pair:
-            end_eviction_wait(dev)
-        self._admissions.book.forget(pair)
-        dev.used -= pair.used
-        del dev.pairs[pair]
-
-    def _unlink_client(self, client: Client, *, park: bool) -> None:
-        self._registry.unlink(client, park=park)
-        self._turns.leave(client)
-
-    def _pair(self, client: Client, device_id: str, ev: Event, out: list[Action]) -> Pair | None:
-        """The client's pair of the device, made on first use; None (and ERROR to the client)
-        when the client already uses protocol.MAX_DEVICES devices."""
-        pair = client.pairs.get(device_id)
-        if pair is None:
-            if len(client.pairs) >= protocol.MAX_DEVICES:
-                out.append(Send(client.key, protocol.Error(
-                    code="bad-field", type=_MESSAGE_TYPES[type(ev)],
-                    detail=f"a client may use at most {protocol.MAX_DEVICES} devices")))
-                return None
-            dev = self._registry.device(device_id)
-            pair = client.pairs[device_id] = Pair(client, dev)
-            dev.pairs[pair] = None
-        return pair

@@ -4,9 +4,10 @@ members, a unit's request for a turn queued on all its devices at one place, the
 everywhere at once or not at all, a member's ACQUIRE or new device within a running turn, the
 turn's end (DROP to all) and the fence that stops every member after the same collective.
 
-A turn changes several devices at once through the lock's own operations: GangTurns is given the
-lock (lock.Lock) as LockRules, what it needs of it, and the lock calls back here where its rules
-meet a gang (a grant to a gang's waiter, a drop of a gang's grant, a device a turn reserves).
+The lock (lock.py) asks here where its rules meet a gang (a gang's waiter is next, a gang's grant
+is dropped, a device a turn reserves is settled), and a turn changes its devices through the
+lock's own operations: GangTurns is given the lock as LockRules, what it needs of it, so that
+this module imports nothing above it.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class GangTurns:
         return min(self._deadlines.values(), default=None)
 
     def tick(self, now: float, out: list[Action]) -> None:
+        """The gangs whose wait for their members ran out by `now` run with those they have."""
         for gang, wait_end in list(self._deadlines.items()):
             if wait_end <= now:
                 self._waited_out(gang, now, out)
@@ -297,7 +299,7 @@ class GangTurns:
             self._lock.settle(dev, now, out)
 
     def fence_paused(self, turn: gangs.Turn, pair: Pair, now: float, out: list[Action],
-                      reason: str | None = None) -> None:
+                     reason: str | None = None) -> None:
         """A member paused for idleness while its gang's turn ends (in mode `on`, where its
         device waited for it) is granted its device again, to be dropped with the fence: the
         others may have launched collectives it has not, and it must launch up to theirs.
