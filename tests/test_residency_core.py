@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from nvshare_py import protocol
 from nvshare_py.scheduler import residency, views
 from nvshare_py.scheduler.admission import AdmissionConfig
-from nvshare_py.scheduler.core import POOL_SHRINK_AFTER, CoreConfig, SchedulerCore
+from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
 from nvshare_py.scheduler.events import (
     LockEvent,
     AcquireRequest,
@@ -39,6 +39,7 @@ from nvshare_py.scheduler.events import (
     Tick,
     Unregister,
 )
+from nvshare_py.scheduler.swapping import POOL_SHRINK_AFTER
 
 GiB = 1 << 30
 DEV = "GPU-5151ad00-0000-4000-8000-00000000000a"

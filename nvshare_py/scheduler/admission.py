@@ -14,7 +14,7 @@ Words used below:
   the core bounds by the device's size, and counts as 0 on a device nobody sized), since memory allocated before the client registered,
   or before admission was on, is real too;
 - a *principal* is whoever a limit on reservations is for: a Kubernetes pod (its verified UID),
-  else a user (the kernel-verified uid); the core says which (SchedulerCore.principal). Its
+  else a user (the kernel-verified uid); the core says which (records.Client.principal). Its
   *holding* is the sum of its pairs' reservations;
 - a principal's *quota* is `share` of the capacity: the most it may hold. What a principal
   holds beyond it (use it reported, e.g. allocated before it registered) is not counted, so
@@ -32,7 +32,7 @@ Cost: every total is kept incrementally (a report or an answer changes a few sum
 the number of pairs), and the queue is only looked at when something could be admitted now
 (memory freed, capacity grew, a new question) or a deadline passed.
 
-This module decides; nvshare_py/scheduler/core.py owns the pairs and turns the decisions into
+This module decides; the core owns the pairs, and its admitting.py turns the decisions into
 messages, timeline events and log lines. Nothing here reads a clock or touches a socket.
 """
 

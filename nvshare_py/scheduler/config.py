@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from . import admission
 from . import events as ev
 from .admission import AdmissionConfig
-from .core import CoreConfig
+from .core_config import CoreConfig
 from .logs import log
 from .metrics_http import parse_address
 from .runtime import CLIENT_CONNECTIONS_MAX

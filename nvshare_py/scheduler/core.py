@@ -1,50 +1,46 @@
-"""The scheduler's lock logic as a pure state machine (sans-I/O).
+"""The scheduler's lock core as a pure state machine (sans-I/O): `SchedulerCore`, its one entry
+point.
 
 The daemon feeds `SchedulerCore.handle` the events of nvshare_py.scheduler.events (each carries
 `now`, seconds on a monotonic clock) and carries out the actions it returns; it sends
-`Tick(now)` once `next_deadline()` is reached. Nothing here reads a clock, touches a socket or
-logs, so every rule of docs/protocol.md ("Scheduling rules", "Lock state") can be tested with
-plain function calls.
+`Tick(now)` once `next_deadline()` is reached (a deadline is due at the very tick it announced:
+after `handle(Tick(now))` the next one lies after `now`). Nothing here or in the modules it uses
+reads a clock, touches a socket or logs, so every rule of docs/protocol.md ("Scheduling rules",
+"Lock state") can be tested with plain function calls.
 
-Words used below:
-- a *pair* is one (client, device) relation: the client's memory use on the device, its place
-  in the device's queue, its current grant and its statistics;
-- an *active holder* holds a grant in state `holding` or `draining` (after a DROP); active
-  holders are what the mode rules count;
-- a grant revoked after its grace ran out but not yet released is *overdue*: it is listed in
-  the status so the operator sees it, but it no longer counts for granting. (For mode `on`,
-  "draining and overdue holders count" means holders past their quantum, which are still
-  active; a revoked grant never blocks the lock, or one hung client would stop a device.)
-
-Time comparisons use `>=` throughout: a deadline is due at the very tick `next_deadline()`
-announced, so after `handle(Tick(now))` the next deadline always lies after `now`.
-
-The module is long because it is one state machine: every rule reads and changes the same lock
-state (holds, queues, turns), and split across files the rules would no longer be read
-together. What stands on its own lives beside it: admission.py, residency.py, fairshare.py,
-gangs.py.
+This module is the core's glue: which event goes where, what a registration, a reconnection, a
+client's messages and its leaving change, what a tick does, and what views.py may read. The lock
+itself, who holds and who waits on each device and the rules that grant, drop and revoke (the
+words *pair*, *active holder*, *overdue* are defined there), is lock.py. Beside them, each
+asked at its moments and pure like them:
+- registry.py: the registrations, devices and per-client settings (bookkeeping);
+- queue_order.py: the order waiters are served in (priority classes, ageing, ACQUIRE order);
+- turns.py: a gang's turns on all its devices (gangs.py: what a gang is);
+- swapping.py: room before a grant, pressure, PREFETCH, POOL and PREPARE (residency.py and
+  eviction.py: the rules it applies);
+- admitting.py: ADMIT and its answers (admission.py: the rules);
+- control_requests.py: the operator's set-* requests and the clients' LIMITs (fairshare.py:
+  weights, priorities, limits);
+- core_config.py: CoreConfig; records.py: the records every one of them reads.
+Their imports point one way (docs/architecture.md): core.py on top, then control_requests.py,
+lock.py, turns.py, swapping.py, admitting.py, registry.py and queue_order.py.
 """
-
 from __future__ import annotations
 
-import itertools
-import math
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterator, TypeVar
+from typing import Any, Callable, Hashable, TypeVar
 
 from .. import protocol
-from ..vocabulary import GPU_UUID, MODE
 from . import eviction, gangs, residency
-from .admission import Admit, AdmissionBook, AdmissionConfig, Decision, Refuse, Waiter
-from . import fairshare
-from .records import Client, Device, Hold, Pair
+from .admission import AdmissionConfig, Waiter
+from .admitting import Admissions
+from .control_requests import ControlRequests
+from .core_config import CoreConfig, ms
 from .events import (
     AcquireRequest,
     Action,
     AdmitRequest,
+    Alive,
     ClaimsLeft,
-    ClientInfo,
     ClientKey,
     ClientMessage,
     ControlError,
@@ -53,7 +49,6 @@ from .events import (
     Event,
     Forget,
     FromClient,
-    Alive,
     HandleClaims,
     LockEvent,
     Log,
@@ -71,20 +66,16 @@ from .events import (
     SetWeight,
     Tick,
     Unregister,
-    key_values,
     register_detail,
 )
+from .lock import Lock, grant_message
+from .records import Client, Device, Pair
+from .registry import Registry
+from .swapping import Swapping, end_eviction_wait
+from .turns import live_pairs
 
 __all__ = ["CoreConfig", "ControlError", "SchedulerCore"]
 
-# How many of those ahead of a waiter, when its wait began, a pair remembers (for QUERY's
-# `last_wait`, nvshare_py/scheduler/views.py): a bound, so that a long queue costs no more.
-AHEAD_REMEMBERED = 4
-# How long a user's swap pool keeps its size after what it must hold fell below it, before it
-# shrinks (eviction.py): a tenant's swap-in frees its part of the pool a moment before the
-# eviction that restores the headroom needs it again, and pinning it anew each time would cost
-# seconds of every process's time.
-POOL_SHRINK_AFTER = 30.0
 # Claims of one HELLO handled per step: a process rarely holds more devices than this, and one
 # HELLO claiming many (invented) devices is handled in pieces (HandleClaims) between other
 # users' messages instead of in one step of a few milliseconds (benchmarks/bench_floods.py).
@@ -94,79 +85,6 @@ CLAIMS_PER_STEP = 8
 # The client message behind each event that may name a new device (for ERROR's `type`).
 _MESSAGE_TYPES = {Register: "HELLO", HandleClaims: "HELLO", DeviceInfo: "DEVICE", MemoryReport: "MEMORY", AcquireRequest: "ACQUIRE",
                   AdmitRequest: "ADMIT"}
-
-
-def _shown(value: int | None) -> str:
-    return "unset" if value is None else str(value)
-
-
-def _ms(seconds: float) -> int:
-    return round(seconds * 1000)
-
-
-def _check_seconds(name: str, value: float, *, allow_zero: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number of seconds, not {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} seconds, not {value!r}")
-    if _ms(value) > protocol.MAX_INT:
-        raise ValueError(f"{name} of {value!r} seconds is too large")
-
-
-@dataclass(frozen=True)
-class CoreConfig:
-    mode: Mode = "on"
-    tq: float = 30.0  # time quantum, seconds
-    grace: float = 5.0  # seconds between DROP and REVOKE
-    heartbeat_interval: float = 1.0  # sent to clients in WELCOME
-    heartbeat_timeout: float = 5.0  # no message for this long -> the client is gone
-    idle_release: float = 1.0  # sent to clients in WELCOME; 0: holders never release early
-    # While others wait, the idle window of a holder whose release would move none of its
-    # memory (CONTENDED idle_ms=, residency.idle_ms); 0: the holder's own window.
-    idle_release_contended: float = 0.1
-    recovery: float = 0.0  # > 0 only when restarting over a previous daemon's clients
-    # Budgets move memory at handoffs (residency.py). False: nothing is ever asked to move, as
-    # before issue 8 (the fault-driven baseline of benchmarks/bench_colocation.py).
-    swapping: bool = True
-    admission: AdmissionConfig = AdmissionConfig()  # off unless a spill is given
-    # What `set-admission spill=auto` sets: the daemon's measurement of the host (a share of its
-    # MemAvailable when it started); None: not measured, and `auto` is refused.
-    auto_spill: int | None = None
-    # Weights and priorities (fairshare.py): the shortest quantum a light or outranked holder
-    # gets, and grants per class of ageing (0: none).
-    min_quantum: float = 1.0
-    ageing: int = 4
-    # How long a gang that said its size waits for missing members after one of them asked
-    # (gangs.py): then it runs with those present, and says so.
-    gang_wait: float = 30.0
-    # Bytes kept free on a device under memory pressure while nobody waits (eviction.py);
-    # None: `auto`, the largest tenant that is out, at most a quarter of the budget.
-    headroom: int | None = None
-    # The order idle tenants are evicted in within a priority class (eviction.ORDERS): `lru2`,
-    # the use before the last one, or `lru`, the last use.
-    eviction_order: str = "lru2"
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODE:
-            raise ValueError(f"mode must be {MODE.describe()}, not {self.mode!r}")
-        _check_seconds("tq", self.tq, allow_zero=False)
-        _check_seconds("grace", self.grace, allow_zero=True)
-        _check_seconds("heartbeat_interval", self.heartbeat_interval, allow_zero=False)
-        _check_seconds("heartbeat_timeout", self.heartbeat_timeout, allow_zero=False)
-        if self.heartbeat_timeout <= self.heartbeat_interval:
-            raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
-        _check_seconds("idle_release", self.idle_release, allow_zero=True)
-        _check_seconds("idle_release_contended", self.idle_release_contended, allow_zero=True)
-        _check_seconds("recovery", self.recovery, allow_zero=True)
-        _check_seconds("min_quantum", self.min_quantum, allow_zero=False)
-        _check_seconds("gang_wait", self.gang_wait, allow_zero=True)
-        if isinstance(self.ageing, bool) or not isinstance(self.ageing, int) or not 0 <= self.ageing <= 1_000_000:
-            raise ValueError(f"ageing must be a whole number of grants from 0 to 1000000, not {self.ageing!r}")
-        if self.eviction_order not in eviction.ORDERS:
-            raise ValueError(f"eviction_order must be one of {', '.join(eviction.ORDERS)}, not {self.eviction_order!r}")
-        if self.headroom is not None and (isinstance(self.headroom, bool) or not isinstance(self.headroom, int)
-                                          or not 0 <= self.headroom <= protocol.MAX_INT):
-            raise ValueError(f"headroom must be a number of bytes or None (auto), not {self.headroom!r}")
 
 
 _ClientHandler = Callable[[Client, Any, list[Action]], None]
@@ -180,54 +98,19 @@ def _message_row(kind: type[_M], handle: Callable[[Client, float, _M, list[Actio
     return kind, lambda client, event, out: handle(client, event.now, event.message, out)
 
 
-def _same_process(old: ClientInfo, new: ClientInfo) -> bool:
-    """A reconnection: same random session, and the kernel-verified host pid and uid do not
-    contradict it (0 / None mean the daemon could not see them)."""
-    return (
-        old.session == new.session
-        and (old.host_pid == new.host_pid or old.host_pid == 0 or new.host_pid == 0)
-        and (old.uid == new.uid or old.uid is None or new.uid is None)
-    )
-
-
-# --- the core ------------------------------------------------------------------------------
-
-
 class SchedulerCore:
     """Events in, actions out. Not thread-safe: the daemon calls it from one task."""
 
     def __init__(self, config: CoreConfig, now: float) -> None:
         self.config = config
-        self._default_mode: Mode = config.mode
-        self._default_tq = config.tq
-        self._clients: dict[ClientKey, Client] = {}
-        self._sessions: dict[str, list[Client]] = {}
-        # Clients ordered by last message, least recently heard first: the head is the next
-        # one to time out, so heartbeats and timeouts cost O(1).
-        self._silence: OrderedDict[ClientKey, Client] = OrderedDict()
-        self._devices: dict[str, Device] = {}
-        # Earliest pending drop/quantum deadline per device; refreshed after every change.
-        self._deadlines: dict[Device, float] = {}
-        self._client_numbers = 0
-        self._grant_numbers = 0
-        self._queue_numbers = 0
-        self.settings = fairshare.Settings()
-        self._recovery_end: float | None = now + config.recovery if config.recovery > 0 else None
-        self._admission: AdmissionBook[Pair] = AdmissionBook(config.admission)
-        self._budgets = 0  # the sum of the devices' budgets (known ones): the capacity less the spill
-        self._admission.set_capacity(config.admission.spill or 0)
-        # Named gangs by gangs.key (a gang lives while it has members), their display numbers,
-        # the turn numbers, and when each gang that waits for members stops waiting.
-        self._gangs: dict[Hashable, gangs.Gang] = {}
-        self._gang_numbers = 0
-        self._turn_numbers = 0
-        self._gang_deadlines: dict[gangs.Gang, float] = {}
-        # The swap pool of each principal (eviction.py): the size its clients were told, and
-        # since when what it must hold has been below that (None: not below).
-        self._pools: dict[Hashable, tuple[int, float | None]] = {}
-        # Devices to settle (see _settle): a gang's grant or drop on one device changes others.
-        self._unsettled: dict[Device, None] = {}
-        self._settling = False
+        self._registry = Registry(config.mode, config.tq)
+        self.settings = self._registry.settings
+        self._admissions = Admissions(config.admission)
+        self._swapping = Swapping(config, self._registry, self._admissions)
+        self._lock = Lock(config, self._registry, self._swapping, now)
+        self._turns = self._lock.turns
+        self._controls = ControlRequests(config, self._registry, self._lock, self._turns, self._admissions,
+                                         self._budget_changed)
         # A client's events by their class, and its ClientMessages by the class of the message
         # they carry (events.from_client): a message of the client's with neither is ignored.
         self._client_handlers: dict[type[FromClient] | type[protocol.Message], _ClientHandler] = {
@@ -241,23 +124,23 @@ class SchedulerCore:
         }
         self._client_handlers.update([
             _message_row(protocol.Evicted, self._evicted),
-            _message_row(protocol.Fenced, self._fenced),
+            _message_row(protocol.Fenced, self._turns.fenced),
         ])
         self._other_handlers: dict[type[Event], Callable[[Any, list[Action]], None]] = {
             Register: self._register,
             HandleClaims: self._handle_claims,
             DeviceMeasured: self._device_measured,
             Tick: self._tick,
-            SetMode: self._set_mode,
-            SetQuantum: self._set_quantum,
-            SetBudget: self._set_budget,
-            SetAdmission: self._set_admission,
-            SetWeight: self._set_weight,
-            SetPriority: self._set_priority,
-            SetLimit: self._set_limit,
+            SetMode: self._controls.set_mode,
+            SetQuantum: self._controls.set_quantum,
+            SetBudget: self._controls.set_budget,
+            SetAdmission: self._controls.set_admission,
+            SetWeight: self._controls.set_weight,
+            SetPriority: self._controls.set_priority,
+            SetLimit: self._controls.set_limit,
         }
 
-    # --- public API ----------------------------------------------------------------------
+    # --- public API -----------------------------------------------------------------------
 
     def handle(self, event: Event) -> list[Action]:
         """Apply one event. Raises ControlError only for control requests (SetMode, SetQuantum,
@@ -265,12 +148,11 @@ class SchedulerCore:
         out: list[Action] = []
         if isinstance(event, FromClient):
             kind = type(event.message) if isinstance(event, ClientMessage) else type(event)
-            client = self._clients.get(event.client)
+            client = self._registry.clients.get(event.client)
             if client is None:
                 out.append(Log("debug", "from-unregistered", {"client": repr(event.client), "type": kind.__name__}))
                 return out
-            client.last_seen = event.now
-            self._silence.move_to_end(client.key)
+            self._registry.heard(client, event.now)
             client_handler = self._client_handlers.get(kind)
             if client_handler is None:  # a message this scheduler has no use for: its liveness is all
                 out.append(Log("debug", "unhandled-message", {"client": client.cid, "type": kind.__name__}))
@@ -287,147 +169,116 @@ class SchedulerCore:
     def next_deadline(self) -> float | None:
         """When `Tick` is due next: grace and quantum ends that matter, heartbeat timeouts and
         the end of the recovery window. None when nothing is pending."""
-        best = self._recovery_end
-        if self._silence:
-            client = next(iter(self._silence.values()))
+        best = self._lock.next_deadline()
+        client = self._registry.most_silent()
+        if client is not None:
             timeout = client.last_seen + self.config.heartbeat_timeout
             if best is None or timeout < best:
                 best = timeout
-        if self._deadlines:
-            earliest = min(self._deadlines.values())
-            if best is None or earliest < best:
-                best = earliest
-        admission_due = self._admission.next_deadline()
+        admission_due = self._admissions.book.next_deadline()
         if admission_due is not None and (best is None or admission_due < best):
             best = admission_due
-        if self._gang_deadlines:
-            gang_due = min(self._gang_deadlines.values())
-            if best is None or gang_due < best:
-                best = gang_due
-        shrinks = [below + POOL_SHRINK_AFTER for _, below in self._pools.values() if below is not None]
-        if shrinks and (best is None or min(shrinks) < best):
-            best = min(shrinks)
+        gang_due = self._turns.next_deadline()
+        if gang_due is not None and (best is None or gang_due < best):
+            best = gang_due
+        shrink_due = self._swapping.next_deadline()
+        if shrink_due is not None and (best is None or shrink_due < best):
+            best = shrink_due
         return best
 
     @property
     def default_mode(self) -> Mode:
         """The mode of devices without a setting of their own (SetMode without a device)."""
-        return self._default_mode
+        return self._registry.default_mode
 
     @property
     def default_tq(self) -> float:
         """The time quantum of devices without a setting of their own."""
-        return self._default_tq
+        return self._registry.default_tq
 
     def weight(self, client: Client) -> int:
-        return self.settings.weight.resolve(client.cid, client.info.pod_uid)
+        return self._registry.weight(client)
 
     def priority(self, client: Client) -> int:
-        return self.settings.priority.resolve(client.cid, client.info.pod_uid)
+        return self._registry.priority(client)
 
     def limit(self, pair: Pair) -> int | None:
-        client = pair.client
-        return self.settings.limit(client.cid, client.info.pod_uid, pair.device.id)
-
-    @staticmethod
-    def principal(client: Client) -> Hashable:
-        """Whom admission's quota is for (admission.py): the client's pod, else its user, both
-        as the kernel shows them; a client whose uid the daemon cannot see is its own."""
-        info = client.info
-        if info.pod_uid:
-            return ("pod", info.pod_uid)
-        if info.uid is not None:
-            return ("uid", info.uid)
-        return ("client", client.key)
+        return self._registry.limit(pair)
 
     def quantum_end(self, pair: Pair) -> float:
-        """When the quantum of the pair's current grant ends (it matters only while others
-        wait): its weighted quantum, cut to the floor while a waiter outranks it. A gang's
-        grants share one quantum (gangs.py): from the turn's start, the shortest of its
-        members' on their devices."""
-        turn = pair.held.turn
-        if turn is not None:
-            return turn.since + min(self._quantum_length(member) for member in self._live(turn))
-        return pair.held.since + self._quantum_length(pair)
-
-    def _quantum_length(self, pair: Pair) -> float:
-        dev = pair.device
-        hold = pair.held
-        contenders = itertools.chain(dev.holders.values(), dev.queue)
-        heaviest = max((self.weight(other.client) for other in contenders), default=1)
-        length = fairshare.quantum(dev.tq, self.weight(pair.client), heaviest, self.config.min_quantum)
-        best = self._next_waiter(dev)
-        if self.config.swapping and best is not None and best is not pair:
-            # Over a budget the handoff swaps: the quantum is long enough that this takes at
-            # most a tenth of it (residency.py), beyond the TQ if need be.
-            length = max(length, residency.quantum_floor(dev, pair, best))
-        # The holder ages as if it still waited: one that queued before a waiter of its own
-        # class has aged at least as much, so ageing never makes equals cut each other's quanta
-        # (it only lifts a lower class past a higher one).
-        holder_rank = fairshare.effective_class(hold.klass, dev.grants_made - hold.aged_from, self.config.ageing)
-        if best is not None and self._rank(best) > holder_rank:
-            length = min(length, self.config.min_quantum, dev.tq)
-        return length
+        """When the quantum of the pair's current grant ends (lock.Lock.quantum_end)."""
+        return self._lock.quantum_end(pair)
 
     def client_id(self, key: ClientKey) -> str | None:
-        client = self._clients.get(key)
+        client = self._registry.clients.get(key)
         return None if client is None else client.cid
 
     def devices(self) -> list[Device]:
         """The devices by id, for views.py to read (never to change)."""
-        return [self._devices[device_id] for device_id in sorted(self._devices)]
+        devices = self._registry.devices
+        return [devices[device_id] for device_id in sorted(devices)]
 
     def clients(self) -> list[Client]:
         """The registrations in registration order (c1, c2, ...), for views.py to read."""
-        return list(self._clients.values())
+        return list(self._registry.clients.values())
 
     def gang_units(self) -> list[gangs.Gang]:
         """The named gangs and the processes that are gangs of one (several devices), in the
         order they formed, for views.py to read."""
-        solo = [client.gang for client in self._clients.values() if client.gang.solo and client.gang.ganged]
-        return list(self._gangs.values()) + solo
+        return self._turns.units()
 
     def live_grants(self, turn: gangs.Turn) -> list[Pair]:
         """The pairs whose current grant belongs to `turn` (views.py)."""
-        return self._live(turn)
+        return live_pairs(turn)
 
-    # --- registration --------------------------------------------------------------------
+    def pool_sizes(self) -> dict[Hashable, int]:
+        """The swap pools' sizes by principal, for views.py."""
+        return self._swapping.pool_sizes()
+
+    @property
+    def admission(self) -> AdmissionConfig:
+        return self._admissions.book.config
+
+    def admission_capacity(self) -> int:
+        """What the clients may hold on this node: the devices' budgets (the daemon's
+        measurements and the operator's settings, never a client's word) plus the host spill."""
+        return self._admissions.book.capacity
+
+    def admission_reserved(self) -> int:
+        return self._admissions.book.reserved
+
+    def admission_reservation(self, pair: Pair) -> int:
+        return self._admissions.book.reservation(pair)
+
+    def admission_waiters(self) -> list[Waiter[Pair]]:
+        return list(self._admissions.book.waiters.values())
+
+    # --- registration ---------------------------------------------------------------------
 
     def _register(self, ev: Register, out: list[Action]) -> None:
-        if ev.client in self._clients:
-            out.append(Log("debug", "second-registration", {"client": self._clients[ev.client].cid}))
+        if ev.client in self._registry.clients:
+            out.append(Log("debug", "second-registration", {"client": self._registry.clients[ev.client].cid}))
             return
         now = ev.now
         if len(set(ev.held) | set(ev.wanted)) > protocol.MAX_DEVICES:
             out.append(Send(ev.client, protocol.Error(code="bad-field", type="HELLO",
                                                       detail=f"a client may use at most {protocol.MAX_DEVICES} devices")))
             return
-        self._client_numbers += 1
-        client = Client(ev.client, f"c{self._client_numbers}", ev.info, now)
-        predecessors = [old for old in self._sessions.get(ev.info.session, ()) if _same_process(old.info, ev.info)]
-        self._clients[client.key] = client
-        self._sessions.setdefault(ev.info.session, []).append(client)
-        self._silence[client.key] = client
-        # The process keeps what was set for it: from the registration it reconnects as, or
-        # from one it ended (BYE, a closed connection) while it lived on.
-        for old in predecessors:
-            self.settings.rename_client(old.cid, client.cid)
-        if client.process is not None:
-            self.settings.restore(client.process, client.cid)
+        client, predecessors = self._registry.register(ev.client, ev.info, now)
         # Its memory limits come before WELCOME: a process's first allocation and its first
         # cuMemGetInfo wait for the registration, which then includes them (docs/protocol.md).
-        self._sync_limits(client, out)
+        self._controls.sync_limits(client, out)
         config = self.config
         out.append(Send(client.key, protocol.Welcome(
             client=client.cid,
-            heartbeat_ms=_ms(config.heartbeat_interval),
-            idle_release_ms=_ms(config.idle_release),
+            heartbeat_ms=ms(config.heartbeat_interval),
+            idle_release_ms=ms(config.idle_release),
             admission=True,
         )))
         out.append(LockEvent(now, "register", client=client.cid, detail=register_detail(ev.info)))
         out.append(Log("info", "registered", {"client": client.cid, "pid": ev.info.pid, "host_pid": ev.info.host_pid,
                                            "program": ev.info.program}))
-        self._join_gang(client, ev, out)
+        self._turns.join(client, ev, out)
 
         held = dict.fromkeys(ev.held)
         wanted = dict.fromkeys(ev.wanted)
@@ -435,7 +286,7 @@ class SchedulerCore:
         for old in predecessors:
             self._take_over(old, client, held, wanted, now, out, touched)
         client.claims_left = list(held)
-        client.claims_believed = self._recovering(now)
+        client.claims_believed = self._lock.recovering(now)
         self._claim_some(client, ev, out, touched)
         for device_id in wanted:
             pair = self._pair(client, device_id, ev, out)
@@ -443,58 +294,53 @@ class SchedulerCore:
                 continue
             touched[pair.device] = None
             if client.gang.ganged:
-                self._gang_acquire(pair, now, out)
+                self._turns.acquire(pair, now, out)
             else:
-                self._enqueue(pair, now, out)
+                self._lock.enqueue(pair, now, out)
         gang = client.gang
-        self._check_formed(gang, now, out)
-        if gang.ganged and self._request_of(gang) is not None:
+        self._turns.check_formed(gang, now, out)
+        if gang.ganged and self._turns.request_of(gang) is not None:
             # The gang asked for a turn before the reconnection: it still asks for all its
             # devices, also those the process did not ask for itself (it does not list them).
-            self._request_turn(gang, now, out)
+            self._turns.request_turn(gang, now, out)
         for pair in gang.pairs():  # a place its predecessor gave up may let its gang run
             if pair.gang_queued:
                 touched[pair.device] = None
         for dev in touched:
-            self._settle(dev, now, out)
+            self._lock.settle(dev, now, out)
 
     def _take_over(self, old: Client, new: Client, held: dict[str, None], wanted: dict[str, None], now: float,
                    out: list[Action], touched: dict[Device, None]) -> None:
         """`new` is `old` reconnected: it inherits the holds it still claims (same grant) and the
         queue places it still wants; everything else of `old` is given up."""
-        if old.gang.solo and new.gang.solo:  # the process's own unit goes on, with its turn
-            del new.gang.members[new]
-            new.gang = old.gang
-            del old.gang.members[old]
-            new.gang.members[new] = None
-            new.gang.display = new.cid
+        self._turns.take_over(old, new)
         for device_id, pair in old.pairs.items():
             dev = pair.device
             touched[dev] = None
             if device_id in new.pairs:  # two stale registrations of one process: keep the first
                 self._discard_pair(pair, now)
                 continue
-            self._forget_overdue(pair)
+            self._lock.forget_overdue(pair)
             if pair.hold is not None and device_id not in held:
                 out.append(LockEvent(now, "release", dev.id, old.cid, pair.hold.grant, "replaced"))
-                self._end_hold(pair, now)
+                self._lock.end_hold(pair, now)
             if pair.waiting_since is not None and device_id not in wanted:
-                self._leave_queue(pair, now)
+                self._lock.leave_queue(pair, now)
             pair.client = new
             new.pairs[device_id] = pair
-            self._admission.reset(pair)  # the new connection's client asks afresh
+            self._admissions.book.reset(pair)  # the new connection's client asks afresh
             if pair.hold is not None:
                 hold = pair.hold
-                out.append(Send(new.key, self._grant_message(dev, hold.grant)))
+                out.append(Send(new.key, grant_message(dev, hold.grant)))
                 if hold.state == "draining":  # the DROP may have been lost with the old connection
                     out.append(Send(new.key, protocol.Drop(device=dev.id, grant=hold.grant, reason=hold.reason,
-                                                           grace_ms=max(0, _ms(hold.deadline - now)),
-                                                           evict=self._evict_on_drop(pair))))
-                hold.contended = False  # a CONTENDED may have been lost too: _settle tells it again
+                                                           grace_ms=max(0, ms(hold.deadline - now)),
+                                                           evict=self._swapping.evict_on_drop(pair))))
+                hold.contended = False  # a CONTENDED may have been lost too: settling tells it again
                 out.append(Log("info", "grant-passes", {"client": new.cid, "device": dev.id, "grant": hold.grant,
                                                    "predecessor": old.cid}))
         old.pairs = {}
-        self._unlink_client(old, park=False)  # its settings passed to `new` (_register)
+        self._unlink_client(old, park=False)  # its settings passed to `new` (Registry.register)
         out.append(Forget(old.key, "replaced"))
         out.append(LockEvent(now, "unregister", client=old.cid, detail="replaced"))
         out.append(Log("info", "replaced", {"client": old.cid, "successor": new.cid}))
@@ -512,46 +358,35 @@ class SchedulerCore:
                 continue
             touched[pair.device] = None
             if pair.hold is None:
-                self._claim(pair, client.claims_believed, ev.now, out)
+                self._lock.claim(pair, client.claims_believed, ev.now, out)
         if client.claims_left:
             out.append(ClaimsLeft(client.key))
 
     def _handle_claims(self, ev: HandleClaims, out: list[Action]) -> None:
-        client = self._clients.get(ev.client)
+        client = self._registry.clients.get(ev.client)
         if client is None:  # gone meanwhile: its claims went with it
             return
         touched: dict[Device, None] = {}
         self._claim_some(client, ev, out, touched)
         for dev in touched:
-            self._settle(dev, ev.now, out)
+            self._lock.settle(dev, ev.now, out)
 
-    def _claim(self, pair: Pair, believed: bool, now: float, out: list[Action]) -> None:
-        """A registering client says its gate is open on this device, and it is not the same
-        process taking over its own registration's hold (that is _take_over).
+    def _pair(self, client: Client, device_id: str, ev: Event, out: list[Action]) -> Pair | None:
+        """The client's pair of the device, made on first use; None (and ERROR to the client)
+        when the client already uses protocol.MAX_DEVICES devices."""
+        pair = client.pairs.get(device_id)
+        if pair is None:
+            if len(client.pairs) >= protocol.MAX_DEVICES:
+                out.append(Send(client.key, protocol.Error(
+                    code="bad-field", type=_MESSAGE_TYPES[type(ev)],
+                    detail=f"a client may use at most {protocol.MAX_DEVICES} devices")))
+                return None
+            dev = self._registry.device(device_id)
+            pair = client.pairs[device_id] = Pair(client, dev)
+            dev.pairs[pair] = None
+        return pair
 
-        Inside the recovery window after a restart nobody holds anything yet, so the claim is
-        believed: the first claimant keeps the lock (no grant is made to others until it
-        releases, dies or is revoked), and a claim that may not run beside it is dropped at once
-        with the usual grace, because both processes may really be running. `believed` says
-        whether the HELLO came inside the window (its later claims are handled a little later).
-
-        Outside the window the daemon knows every hold, and this is none of them: the claim is
-        refused by a grant that is dropped and revoked at once (DROP conflict with grace 0, then
-        REVOKE), which closes the claimant's gate without making anyone wait. A client that
-        reconnects again and again with `held=` thus never blocks a grant (issue 12)."""
-        dev = pair.device
-        conflict = bool(dev.holders) and self._serialised_against(dev, pair)
-        hold = self._new_hold(pair, now)
-        if believed and not conflict:
-            out.append(Send(pair.client.key, self._grant_message(dev, hold.grant)))
-            out.append(LockEvent(now, "grant", dev.id, pair.client.cid, hold.grant, "claimed"))
-            out.append(Log("info", "claim-kept", {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
-            return
-        out.append(LockEvent(now, "grant", dev.id, pair.client.cid, hold.grant, "claimed"))
-        out.append(Log("warning", "claim-refused", {"client": pair.client.cid, "device": dev.id, "grant": hold.grant}))
-        self._drop(pair, now, "conflict", out, grace=self.config.grace if believed else 0.0)
-
-    # --- client events -------------------------------------------------------------------
+    # --- client events --------------------------------------------------------------------
 
     def _device_info(self, client: Client, ev: DeviceInfo, out: list[Action]) -> None:
         """A client uses the device. Its `total` is not used: a device is sized only by the
@@ -560,10 +395,10 @@ class SchedulerCore:
         if pair is not None and ev.name and not pair.device.name:
             pair.device.name = ev.name
         if pair is not None and client.gang.ganged:
-            self._gang_announced(pair, ev.now, out)
+            self._turns.announced(pair, ev.now, out)
 
     def _device_measured(self, ev: DeviceMeasured, out: list[Action]) -> None:
-        dev = self._device(ev.device)
+        dev = self._registry.device(ev.device)
         if ev.name:
             dev.name = ev.name
         if ev.total == dev.total:
@@ -572,6 +407,14 @@ class SchedulerCore:
         dev.total = ev.total
         out.append(Log("info", "device-measured", {"device": dev.id, "total": ev.total}))
         self._budget_changed(dev, before, ev.now, out)
+
+    def _budget_changed(self, dev: Device, before: int, now: float, out: list[Action]) -> None:
+        """A device's budget changed from `before`: the capacity follows, and what depends on
+        the budget is settled again (auto mode, room for a grant, swap areas, admission)."""
+        self._admissions.budget_changed(dev, before)
+        self._lock.settle(dev, now, out)
+        self._swapping.size_swap_space(now, out)
+        self._admissions.settle(now, out)
 
     def _memory(self, client: Client, ev: MemoryReport, out: list[Action]) -> None:
         pair = self._pair(client, ev.device, ev, out)
@@ -584,7 +427,7 @@ class SchedulerCore:
         freed = max(0, pair.used - used)
         dev.used += used - pair.used
         pair.used = used
-        self._admission.report(pair, self.principal(client), min(used, dev.size))
+        self._admissions.report(pair, used)
         in_flight = pair.swap.allowed
         if ev.resident is not None:
             residency.report(pair, min(ev.resident, used), freed)
@@ -599,18 +442,24 @@ class SchedulerCore:
         # are moved out now rather than paged out by the driver (eviction.py).
         if dev.mode == "auto" or dev.evict_awaited or (self.config.swapping and (
                 dev.queue or ev.resident is not None or eviction.under_pressure(dev))):
-            self._settle(dev, ev.now, out)
-        self._size_swap_space(ev.now, out)
-        self._settle_admission(ev.now, out)
+            self._lock.settle(dev, ev.now, out)
+        self._swapping.size_swap_space(ev.now, out)
+        self._admissions.settle(ev.now, out)
 
     def _acquire(self, client: Client, ev: AcquireRequest, out: list[Action]) -> None:
         pair = self._pair(client, ev.device, ev, out)
         if pair is None:
             return
         if client.gang.ganged:
-            self._gang_acquire(pair, ev.now, out)
-        elif self._enqueue(pair, ev.now, out):
-            self._settle(pair.device, ev.now, out)
+            self._turns.acquire(pair, ev.now, out)
+        elif self._lock.enqueue(pair, ev.now, out):
+            self._lock.settle(pair.device, ev.now, out)
+
+    def _admit(self, client: Client, ev: AdmitRequest, out: list[Action]) -> None:
+        pair = self._pair(client, ev.device, ev, out)
+        if pair is None:
+            return
+        self._admissions.ask(pair, ev, self.limit(pair), out)
 
     def _release(self, client: Client, ev: ReleaseReport, out: list[Action]) -> None:
         pair = client.pairs.get(ev.device)
@@ -623,14 +472,14 @@ class SchedulerCore:
             out.append(Log("debug", "released", dict(fields, reason=ev.reason)))
             turn = pair.hold.turn
             if turn is not None and ev.reason == "idle":
-                turn.idle.add(ev.grant)  # it pauses within its gang's turn (_check_turn)
+                turn.idle.add(ev.grant)  # it pauses within its gang's turn (turns.py, check_turn)
             reason = pair.hold.reason
-            self._end_hold(pair, ev.now)
+            self._lock.end_hold(pair, ev.now)
             if turn is not None and ev.reason == "idle" and turn.fence.pop(ev.grant, 0) is None:
                 # Its idle release crossed the fenced DROP: it paused where it was, which may be
                 # behind the others' collectives. It is fenced like a member paused before.
-                self._fence_paused(turn, pair, ev.now, out, reason)
-            self._settle(dev, ev.now, out)
+                self._turns.fence_paused(turn, pair, ev.now, out, reason)
+            self._lock.settle(dev, ev.now, out)
         elif pair is not None and ev.grant in pair.overdue:
             del pair.overdue[ev.grant]
             del pair.device.overdue[ev.grant]
@@ -650,13 +499,15 @@ class SchedulerCore:
         out.append(LockEvent(now, "evicted", dev.id, client.cid, detail=f"resident={evicted.resident}"))
         if pair in dev.evict_awaited:
             del dev.evict_awaited[pair]
-        self._settle(dev, now, out)
+        self._lock.settle(dev, now, out)
 
     def _heartbeat(self, client: Client, ev: Alive, out: list[Action]) -> None:
         pass  # liveness was refreshed in handle()
 
     def _unregister(self, client: Client, ev: Unregister, out: list[Action]) -> None:
         self._remove_client(client, ev.reason, ev.now, out)
+
+    # --- a client leaves ------------------------------------------------------------------
 
     def _remove_client(self, client: Client, reason: str, now: float, out: list[Action]) -> None:
         self._settle_after_removal(self._unlink_removed(client, reason, now, out), now, out)
@@ -691,1176 +542,51 @@ class SchedulerCore:
 
     def _settle_after_removal(self, devices: list[Device], now: float, out: list[Action]) -> None:
         for dev in dict.fromkeys(devices):
-            self._settle(dev, now, out)
-            self._forget_if_unused(dev)
-        self._size_swap_space(now, out)
-        self._settle_admission(now, out)
-
-    # --- time ----------------------------------------------------------------------------
-
-    def _tick(self, ev: Tick, out: list[Action]) -> None:
-        now = ev.now
-        recovered = self._recovery_end is not None and now >= self._recovery_end
-        if recovered:
-            self._recovery_end = None
-            out.append(Log("info", "recovered"))
-        timeout = self.config.heartbeat_timeout
-        # Every client that fell silent goes before any device is settled: a lock freed by one
-        # must not pass to another that is being removed in the same tick (it would be granted,
-        # or make the holder contended, for a client that is already gone).
-        silent_devices: list[Device] = []
-        while self._silence:
-            client = next(iter(self._silence.values()))
-            if client.last_seen + timeout > now:
-                break
-            silent_devices += self._unlink_removed(client, "heartbeat-timeout", now, out)
-        if silent_devices:
-            self._settle_after_removal(silent_devices, now, out)
-        for gang, wait_end in list(self._gang_deadlines.items()):
-            if wait_end <= now:
-                self._gang_waited_out(gang, now, out)
-        if recovered:
-            due = list(self._devices.values())
-        else:
-            due = [dev for dev, deadline in self._deadlines.items() if deadline <= now]
-        for dev in due:
-            self._settle(dev, now, out)
-        self._size_swap_space(now, out)
-        self._settle_admission(now, out)
-
-    # --- control requests ----------------------------------------------------------------
-
-    def _targets(self, device_id: str | None) -> list[Device]:
-        """The devices a setting is for: all known ones (None), or the one named. An operator
-        may configure a GPU before any client has announced it (a budget set at boot applies to
-        the first program), so an unknown device is made when named by its UUID; anything else
-        unknown is refused, so that a typo does not configure a device that never comes."""
-        if device_id is None:
-            return list(self._devices.values())
-        dev = self._devices.get(device_id)
-        if dev is None:
-            # A GPU as the interceptor names it: the only name under which a device nobody has
-            # announced yet may be configured.
-            if not GPU_UUID.match(device_id):
-                raise ControlError("unknown-device", f"no client has announced device {device_id}, and it is not "
-                                                     f"a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
-            dev = self._device(device_id)
-        return [dev]
-
-    def _set_mode(self, ev: SetMode, out: list[Action]) -> None:
-        if ev.mode not in MODE:
-            raise ControlError("bad-request", f"mode must be {MODE.describe()}, not {ev.mode!r}")
-        targets = self._targets(ev.device)
-        if ev.device is None:
-            self._default_mode = ev.mode
-        out.append(Log("info", "mode-set", {"device": ev.device or "", "mode": ev.mode}))
-        for dev in targets:
-            if dev.mode == ev.mode:
-                continue
-            dev.mode = ev.mode
-            out.append(LockEvent(ev.now, "mode", dev.id, detail=ev.mode))
-            self._notify_settings(dev, out)
-            self._settle(dev, ev.now, out)
-        if ev.device is not None:
-            self._forget_if_unused(targets[0])  # set back to the defaults on a device nobody uses
-
-    def _set_quantum(self, ev: SetQuantum, out: list[Action]) -> None:
-        try:
-            _check_seconds("tq", ev.seconds, allow_zero=False)
-        except ValueError as exc:
-            raise ControlError("bad-request", str(exc)) from None
-        targets = self._targets(ev.device)
-        if ev.device is None:
-            self._default_tq = ev.seconds
-        out.append(Log("info", "tq-set", {"device": ev.device or "", "seconds": ev.seconds}))
-        for dev in targets:
-            if dev.tq == ev.seconds:
-                continue
-            dev.tq = ev.seconds
-            out.append(LockEvent(ev.now, "tq", dev.id, detail=f"{ev.seconds:g}"))
-            self._notify_settings(dev, out)
-            for pair in dev.holders.values():
-                pair.held.contended = False  # the quantum left changed: tell it again
-            self._settle(dev, ev.now, out)
-        if ev.device is not None:
-            self._forget_if_unused(targets[0])
-
-    def _set_budget(self, ev: SetBudget, out: list[Action]) -> None:
-        budget = ev.budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
-            raise ControlError("bad-request", f"budget must be a positive number of bytes or null, not {budget!r}")
-        (dev,) = self._targets(ev.device)
-        before = dev.budget
-        dev.budget_override = budget
-        detail = "total" if budget is None else str(budget)
-        out.append(LockEvent(ev.now, "budget", dev.id, detail=detail))
-        out.append(Log("info", "budget-set", {"device": dev.id, "budget": detail}))
-        self._budget_changed(dev, before, ev.now, out)
-        self._forget_if_unused(dev)
-
-    # --- per-client settings (fairshare.py) -----------------------------------------------
-
-    def _target(self, client: str | None, pod_uid: str | None) -> fairshare.Target:
-        """Whom a setting is for; a client must be registered now (its id dies with it)."""
-        try:
-            target = fairshare.Target(client, pod_uid)
-        except ValueError as exc:
-            raise ControlError("bad-request", str(exc)) from None
-        if client is not None and not any(c.cid == client for c in self._clients.values()):
-            raise ControlError("unknown-client", f"no client {client} is registered")
-        if pod_uid is not None and (not isinstance(pod_uid, str) or not pod_uid):
-            raise ControlError("bad-request", "pod_uid must be a pod's UID")
-        return target
-
-    def _set_weight(self, ev: SetWeight, out: list[Action]) -> None:
-        try:
-            weight = fairshare.check_weight(ev.weight)
-        except ValueError as exc:
-            raise ControlError("bad-request", str(exc)) from None
-        target = self._target(ev.client, ev.pod_uid)
-        self.settings.weight.set(target, weight, fairshare.DEFAULT_WEIGHT)
-        out.append(Log("info", "weight-set", {"target": target.describe(), "weight": _shown(weight)}))
-        for dev in list(self._devices.values()):
-            self._settle(dev, ev.now, out)  # quanta follow the weights at once
-
-    def _set_priority(self, ev: SetPriority, out: list[Action]) -> None:
-        try:
-            priority = fairshare.check_priority(ev.priority)
-        except ValueError as exc:
-            raise ControlError("bad-request", str(exc)) from None
-        target = self._target(ev.client, ev.pod_uid)
-        self.settings.priority.set(target, priority, fairshare.DEFAULT_PRIORITY)
-        out.append(Log("info", "priority-set", {"target": target.describe(), "priority": _shown(priority)}))
-        for dev in list(self._devices.values()):
-            moved = set()
-            for pair in dev.queue:
-                klass = self._queue_class(pair.client.gang) if pair.gang_queued else self.priority(pair.client)
-                if klass != pair.queued_class:
-                    del dev.classes[pair.queued_class][pair]
-                    moved.add(klass)
-                    pair.queued_class = klass
-                    dev.classes[klass][pair] = None
-            for klass in moved:  # back into ACQUIRE order
-                dev.classes[klass] = OrderedDict.fromkeys(sorted(dev.classes[klass], key=lambda p: p.queued_seq))
-            self._settle(dev, ev.now, out)
-
-    def _set_limit(self, ev: SetLimit, out: list[Action]) -> None:
-        try:
-            limit = fairshare.check_limit(ev.limit, protocol.MAX_INT)
-        except ValueError as exc:
-            raise ControlError("bad-request", str(exc)) from None
-        target = self._target(ev.client, ev.pod_uid)
-        self.settings.set_limit(target, ev.device, limit)
-        out.append(Log("info", "limit-set", {"target": target.describe(), "device": ev.device or "",
-                                             "bytes": _shown(limit)}))
-        for client in self._clients.values():
-            self._sync_limits(client, out)
-
-    def _sync_limits(self, client: Client, out: list[Action]) -> None:
-        """LIMIT to the client for every resolved limit it was not told: the one for every
-        device (no `device`), then each device whose own differs from what the client applies
-        to it. So a client knows its limits on devices it has not named yet (docs/protocol.md)."""
-        cid, pod_uid = client.cid, client.info.pod_uid
-        every = self.settings.limit_every(cid, pod_uid) or 0
-        if every != client.told_every:
-            client.told_every = every
-            out.append(Send(client.key, protocol.Limit(bytes=every)))
-            out.append(Log("info", "limit-sent", {"client": cid, "device": "", "bytes": every}))
-        for device in sorted(set(self.settings.limit_devices()) | set(client.told)):
-            limit = self.settings.limit(cid, pod_uid, device) or 0
-            if limit != client.told.get(device, client.told_every):
-                client.told[device] = limit
-                out.append(Send(client.key, protocol.Limit(bytes=limit, device=device)))
-                out.append(Log("info", "limit-sent", {"client": cid, "device": device, "bytes": limit}))
-
-    def _notify_settings(self, dev: Device, out: list[Action]) -> None:
-        notice = protocol.ModeNotice(device=dev.id, mode=dev.mode, quantum_ms=_ms(dev.tq))
-        out.extend(Send(pair.client.key, notice) for pair in dev.pairs)
-
-    # --- the lock rules ------------------------------------------------------------------
-
-    def _settle(self, dev: Device, now: float, out: list[Action]) -> None:
-        """Bring the device in line with the rules after anything about it changed. A gang's
-        grant, drop or end on one device changes its others: those are settled too, in the
-        same call (a device is queued here while another is being settled)."""
-        self._unsettled[dev] = None
-        if self._settling:
-            return
-        self._settling = True
-        try:
-            while self._unsettled:
-                next_dev = next(iter(self._unsettled))
-                del self._unsettled[next_dev]
-                self._settle_device(next_dev, now, out)
-        finally:
-            self._settling = False
-
-    def _settle_device(self, dev: Device, now: float, out: list[Action]) -> None:
-        """Revoke holders whose grace ran out, end a gang's turn that lost a member, drop
-        holders that may no longer run together, grant what the queue allows, drop holders
-        whose quantum ended while someone waits."""
-        while True:
-            self._revoke_due(dev, now, out)
-            if dev.reserved is not None:
-                self._check_turn(dev.reserved, now, out)
-            dropped = self._enforce_exclusion(dev, now, out)
-            self._grant_waiters(dev, now, out)
-            dropped |= self._drop_expired(dev, now, out)
-            # A DROP with grace 0 is due at once: go round again so it is revoked (and the
-            # lock passed on) now, not at a tick that next_deadline() would put at `now`.
-            if not dropped or not self._revocations_due(dev, now):
-                break
-        if dev.evict_deadline is not None and (not dev.queue or now >= dev.evict_deadline):
-            self._end_eviction_wait(dev)  # nobody waits for the room any more, or not longer
-        self._relieve_pressure(dev, now, out)
-        self._prefetch_ahead(dev, now, out)
-        self._notify_contention(dev, now, out)
-        self._refresh_deadline(dev)
-        turn = dev.reserved
-        if turn is not None and not turn.ending:
-            # Contention on one device of a turn moves the quantum of all: tell them all.
-            live = self._live(turn)
-            told = (self._turn_contended(turn), self.quantum_end(live[0]) if live else 0.0)
-            if told != turn.told:
-                turn.told = told
-                for other in turn.devices:
-                    if other is not dev:
-                        self._settle(other, now, out)
-
-    def _timers(self, dev: Device) -> Iterator[tuple[float, Pair, str]]:
-        """(when, pair, what) for each holder's timer that matters now: a DROP'd grant is
-        revoked when its grace ends; while others wait (outside mode off), a holding grant is
-        dropped when its quantum ends. The one source of what a Tick does and of
-        next_deadline()."""
-        for pair in dev.holders.values():
-            hold = pair.held
-            if hold.state == "draining":
-                yield hold.deadline, pair, "revoke"
-            elif self._holder_contended(pair):
-                yield self.quantum_end(pair), pair, "drop"
-
-    def _revocations_due(self, dev: Device, now: float) -> list[Pair]:
-        return [pair for when, pair, what in self._timers(dev) if what == "revoke" and now >= when]
-
-    def _revoke_due(self, dev: Device, now: float, out: list[Action]) -> None:
-        for pair in self._revocations_due(dev, now):
-            hold = pair.held
-            cid = pair.client.cid
-            del dev.holders[hold.grant]
-            self._hold_over(pair, now)
-            hold.state = "overdue"
-            pair.overdue[hold.grant] = hold
-            dev.overdue[hold.grant] = pair
-            out.append(Send(pair.client.key, protocol.Revoke(device=dev.id, grant=hold.grant, reason="grace-expired")))
-            out.append(LockEvent(now, "revoke", dev.id, cid, hold.grant, "grace-expired"))
-            out.append(Log("warning", "revoked", {"client": cid, "device": dev.id, "grant": hold.grant,
-                                        "pid": pair.client.info.pid, "reason": hold.reason}))
-
-    def _enforce_exclusion(self, dev: Device, now: float, out: list[Action]) -> bool:
-        """Mode on allows one active holder; auto allows several while their memory fits the
-        budget. Otherwise every holder but the one granted first is dropped."""
-        if len(dev.holders) < 2 or dev.mode == "off":
-            return False
-        if dev.mode == "auto":
-            budget = dev.budget
-            if budget > 0 and dev.held_used() <= budget:
-                return False
-            reason = "memory"
-        else:
-            reason = "mode"
-        first, *rest = dev.holders.values()
-        # A gang's members on one device hold it together, as one holder.
-        later = [pair for pair in rest if pair.held.state == "holding"
-                 and (first.held.turn is None or pair.held.turn is not first.held.turn)]
-        for pair in later:
-            if pair.held.state == "holding":  # not dropped meanwhile with the rest of its gang
-                self._drop(pair, now, reason, out)
-        return bool(later)
-
-    def _recovering(self, now: float) -> bool:
-        return self._recovery_end is not None and now < self._recovery_end
-
-    def _grant_waiters(self, dev: Device, now: float, out: list[Action]) -> None:
-        if self._recovering(now):
-            return  # only claims of reconnecting holders are granted until recovery ends
-        while dev.queue:
-            pair = dev.evict_for or self._next_waiter(dev)  # room is being made for the former
-            assert pair is not None  # the queue is not empty
-            if pair.hold is not None:
-                break  # a draining holder that asked again waits for its own release
-            if pair.gang_queued:
-                if not self._start_turn(pair.client.gang, now, out):
-                    break  # the gang reserves the device until it has all of its devices
-                continue
-            if self._blocked(dev, pair):
-                break  # FCFS within the class: nobody overtakes the next one
-            if not self._room_made(dev, pair, now, out):
-                break  # the next one waits for EVICTED answers; FCFS again
-            self._grant(pair, now, out)
-
-    def _rank(self, pair: Pair) -> int:
-        """A waiter's effective priority class (fairshare.effective_class). A gang's waiters
-        share one: it ages by the grants on whichever of its devices saw most, so that the gang
-        ranks alike on all of them (one order between gangs on every device: no deadlock) and
-        never falls behind a waiter that queued after it on any of them."""
-        waited = pair.device.grants_made - pair.queued_grants
-        if pair.gang_queued:
-            waited = max(other.device.grants_made - other.queued_grants
-                         for other in pair.client.gang.pairs() if other.gang_queued)
-        return fairshare.effective_class(pair.queued_class, waited, self.config.ageing)
-
-    def _next_waiter(self, dev: Device) -> Pair | None:
-        """The waiter served next: the highest effective class, the earliest ACQUIRE among
-        equals. Ageing keeps ACQUIRE order within a class (an earlier waiter has seen at least
-        as many grants), so only the head of each class can be next; where gangs wait (whose
-        ageing is the gang's, _rank) every waiter is compared."""
-        if dev.gang_waiters:
-            return max(dev.queue, key=lambda pair: (self._rank(pair), -pair.queued_seq), default=None)
-        best = None
-        best_key = None
-        for waiters in dev.classes:
-            if not waiters:
-                continue
-            head = next(iter(waiters))
-            key = (self._rank(head), -head.queued_seq)
-            if best_key is None or key > best_key:
-                best, best_key = head, key
-        return best
-
-    @staticmethod
-    def _contended(dev: Device) -> bool:
-        """Someone waits for the device in a mode where quanta count: holders' quanta end."""
-        return bool(dev.queue) and dev.mode != "off"
-
-    def _drop_expired(self, dev: Device, now: float, out: list[Action]) -> bool:
-        expired = [pair for when, pair, what in self._timers(dev) if what == "drop" and now >= when]
-        for pair in expired:
-            if pair.held.state == "holding":  # not dropped meanwhile with the rest of its gang
-                self._drop(pair, now, "quantum", out)
-        return bool(expired)
-
-    def _refresh_deadline(self, dev: Device) -> None:
-        whens = [when for when, _, _ in self._timers(dev)]
-        if dev.evict_deadline is not None:
-            whens.append(dev.evict_deadline)
-        best = min(whens, default=None)
-        if best is None:
-            self._deadlines.pop(dev, None)
-        else:
-            self._deadlines[dev] = best
-
-    def _notify_contention(self, dev: Device, now: float, out: list[Action]) -> None:
-        """CONTENDED to each holder whose quantum still runs, once per contention episode
-        (from the first waiter until the queue is empty again), so that it can drain ahead of
-        the quantum's end. Holders whose quantum has run out were dropped instead."""
-        for pair in dev.holders.values():
-            hold = pair.held
-            if not self._holder_contended(pair):
-                hold.contended = False
-                continue
-            if hold.state != "holding":
-                continue
-            swap = self._contended_swap(pair)
-            if (not hold.contended or self.quantum_end(pair) != hold.told_end
-                    or residency.swap_notice_changed(hold.told_swap, swap)):
-                # Again when the quantum's end moved (a heavier or higher-class waiter came), or
-                # what the handoff will move or cost did.
-                hold.contended = True
-                hold.told_end = self.quantum_end(pair)
-                hold.told_swap = swap
-                left = _ms(hold.told_end - now)
-                out.append(Send(pair.client.key, protocol.Contended(device=dev.id, grant=hold.grant,
-                                                                    quantum_left_ms=left, evict=swap[0],
-                                                                    idle_ms=swap[1])))
-                out.append(Log("debug", "contended", {"client": pair.client.cid, "device": dev.id, "grant": hold.grant,
-                                            "quantum_left_ms": left, "evict": swap[0], "idle_ms": swap[1]}))
-
-    def _serialised_against(self, dev: Device, pair: Pair) -> bool:
-        """Whether `pair` may not run beside the device's current (non-empty) holders."""
-        if dev.mode == "on":
-            return True
-        if dev.mode == "off":
-            return False
-        budget = dev.budget
-        return budget <= 0 or dev.held_used() + pair.used > budget
-
-    # --- gangs (gangs.py says what they are) ----------------------------------------------
-
-    def _blocked(self, dev: Device, pair: Pair) -> bool:
-        """Whether `pair` may not be granted now beside the device's holders of other units
-        and a turn of another gang that reserves the device (a reservation counts as a holder
-        with nothing resident: in mode on it blocks, in auto it blocks only what does not fit)."""
-        if dev.mode == "off":
-            return False
-        unit = pair.client.gang
-        others = [holder for holder in dev.holders.values() if holder.client.gang is not unit]
-        reserved = dev.reserved is not None and dev.reserved.unit is not unit
-        if not others and not reserved:
-            return False
-        if dev.mode == "on":
-            return True
-        budget = dev.budget
-        return budget <= 0 or sum(holder.used for holder in others) + pair.used > budget
-
-    def _join_gang(self, client: Client, ev: Register, out: list[Action]) -> None:
-        """The registration's HELLO named a gang: it joins it (made on its first member)."""
-        if not ev.gang:
-            return
-        why = gangs.refusal(ev.gang, ev.gang_size, client.info)
-        if why is not None:
-            out.append(Log("warning", "gang-refused", {"client": client.cid, "gang": ev.gang[:gangs.GANG_NAME_MAX],
-                                                      "why": why}))
-            return
-        key = gangs.key(ev.gang, client.info)
-        gang = self._gangs.get(key)
-        if gang is None:
-            self._gang_numbers += 1
-            gang = self._gangs[key] = gangs.Gang(key, ev.gang, f"g{self._gang_numbers}", ev.gang_size)
-        elif ev.gang_size != gang.size:
-            out.append(Log("warning", "gang-size-differs", {"client": client.cid, "gang": gang.display,
-                                                           "size": ev.gang_size, "kept": gang.size}))
-        del client.gang.members[client]
-        client.gang = gang
-        gang.members[client] = None
-        out.append(LockEvent(ev.now, "gang-join", client=client.cid, detail=key_values(
-            {"gang": gang.display, "name": gang.name, "members": len(gang.members), "size": gang.size})))
-        out.append(Log("info", "gang-joined", {"client": client.cid, "gang": gang.display, "name": gang.name,
-                                               "members": len(gang.members), "size": gang.size}))
-
-    def _check_formed(self, gang: gangs.Gang, now: float, out: list[Action]) -> None:
-        """A gang that has all its members stops waiting for them; if one asked meanwhile, the
-        gang asks for its turn now."""
-        if gang.formed or not gang.complete():
-            return
-        gang.formed = True
-        self._gang_deadlines.pop(gang, None)
-        if gang.asked_at is not None:
-            gang.asked_at = None
-            self._request_turn(gang, now, out)
-
-    def _gang_waited_out(self, gang: gangs.Gang, now: float, out: list[Action]) -> None:
-        """The wait for missing members ran out (--gang-wait): the gang runs with those it has."""
-        del self._gang_deadlines[gang]
-        gang.formed = True
-        gang.asked_at = None
-        out.append(LockEvent(now, "gang-incomplete", detail=key_values(
-            {"gang": gang.display, "members": gang.present(), "size": gang.size, "name": gang.name})))
-        out.append(Log("warning", "gang-incomplete", {"gang": gang.display, "name": gang.name,
-                                                      "members": gang.present(), "size": gang.size,
-                                                      "waited": self.config.gang_wait}))
-        self._request_turn(gang, now, out)
-
-    def _gang_acquire(self, pair: Pair, now: float, out: list[Action]) -> None:
-        """ACQUIRE from a member of a ganged unit. Within a running turn it is granted at once
-        on a device the turn reserves, or on one nobody holds, reserves or waits for (which
-        joins the turn); on any other device the turn ends (DROP `gang`), since holding some of
-        a gang's devices while waiting for another is how gangs deadlock. Otherwise the whole
-        gang asks for its next turn (after its members came, or the wait for them ran out)."""
-        gang = pair.client.gang
-        self._check_formed(gang, now, out)
-        if pair.waiting_since is not None or (pair.hold is not None and pair.hold.state == "holding"):
-            return
-        turn = gang.turn
-        if turn is not None and not turn.ending:
-            if self._joins_turn(turn, pair):
-                self._join_turn(turn, pair, now, out)
-                return
-            self._end_turn(turn, "gang", now, out)
-        if not gang.complete():
-            if gang.asked_at is None:
-                gang.asked_at = now
-                self._gang_deadlines[gang] = now + self.config.gang_wait
-                out.append(Log("info", "gang-waits", {"gang": gang.display, "client": pair.client.cid,
-                                                      "members": gang.present(), "size": gang.size}))
-            return
-        self._request_turn(gang, now, out)
-
-    def _gang_announced(self, pair: Pair, now: float, out: list[Action]) -> None:
-        """A member of a ganged unit uses a new device (a member that came late, or a process
-        that began to use another device). While the gang asks for a turn, the device joins
-        the request; while its turn runs, the device joins the turn if nobody holds, reserves
-        or waits for it (the member is granted it unasked). Otherwise it waits for the
-        member's ACQUIRE (_gang_acquire)."""
-        gang = pair.client.gang
-        self._check_formed(gang, now, out)  # the member is present now (gangs.Gang.present)
-        if pair.waiting_since is not None or pair.hold is not None:
-            return
-        turn = gang.turn
-        if turn is not None and not turn.ending:
-            if self._joins_turn(turn, pair):
-                self._join_turn(turn, pair, now, out)
-            return
-        request = self._request_of(gang)
-        if request is not None and self._enqueue(pair, now, out, request.queued_seq, request.queued_class):
-            self._settle(pair.device, now, out)
-
-    def _joins_turn(self, turn: gangs.Turn, pair: Pair) -> bool:
-        dev = pair.device
-        return dev in turn.devices or (dev.reserved is None and not dev.queue and not self._blocked(dev, pair))
-
-    def _queue_class(self, gang: gangs.Gang) -> int:
-        """The priority class a gang's waiters queue in: its members' highest, one for all of
-        them, so that the gang ranks alike on every device."""
-        return max(self.priority(member) for member in gang.members)
-
-    def _request_of(self, gang: gangs.Gang) -> Pair | None:
-        """A pair of the gang's pending request for a turn (its place and class), if any."""
-        return next((pair for pair in gang.pairs() if pair.gang_queued), None)
-
-    def _request_turn(self, gang: gangs.Gang, now: float, out: list[Action]) -> None:
-        """Queue every pair of every member with one place in ACQUIRE order, so that the gang
-        is ahead of or behind any other waiter alike on all its devices: the earliest place
-        one of its pairs already has (a process that began to use a second device keeps the
-        place it had on its first), else a new one. A member that holds a device outside a
-        turn (a claim after a restart, or a process that began to use a second device) may
-        not hold it while the gang waits: it is dropped and queues too."""
-        pairs = gang.pairs()
-        waiting = [pair for pair in pairs if pair.waiting_since is not None]
-        if waiting:
-            first = min(waiting, key=lambda pair: pair.queued_seq)
-            seq, klass = first.queued_seq, first.queued_class
-        else:
-            self._queue_numbers += 1
-            seq, klass = self._queue_numbers, self._queue_class(gang)
-        touched: dict[Device, None] = {}
-        for pair in waiting:
-            if not pair.gang_queued:  # it waited on its own: it waits with its gang now
-                self._leave_queue(pair, now)
-        for pair in pairs:
-            if self._enqueue(pair, now, out, seq, klass):
-                touched[pair.device] = None
-        for dev in touched:  # only once every pair waits: a turn never starts with a part
-            self._settle(dev, now, out)
-        if gang.turn is None:  # it could not start at once (_start_turn takes such holds in)
-            for pair in pairs:
-                if pair.hold is not None and pair.hold.turn is None and pair.hold.state == "holding":
-                    self._drop(pair, now, "gang", out)
-                    self._enqueue(pair, now, out, seq, klass)
-                    self._settle(pair.device, now, out)
-
-    def _start_turn(self, gang: gangs.Gang, now: float, out: list[Action]) -> bool:
-        """Grant the gang every device it asked for at once, or nothing: each of its waiting
-        pairs must be the next waiter of its device and not blocked there, and room must be
-        made for each (residency). Returns whether the turn began."""
-        if gang.turn is not None:
-            return False  # the last one has not ended (members still drain)
-        queued = [pair for pair in gang.pairs() if pair.gang_queued]
-        for pair in queued:
-            dev = pair.device
-            head = dev.evict_for or self._next_waiter(dev)
-            if pair.hold is not None or head is None or head.client.gang is not gang or self._blocked(dev, pair):
-                return False
-        if not all(self._room_made(pair.device, pair, now, out) for pair in queued):
-            return False
-        self._turn_numbers += 1
-        turn = gang.turn = gangs.Turn(gang, self._turn_numbers, now)
-        gang.turns += 1
-        for pair in queued:
-            self._grant_in_turn(turn, pair, now, out)
-        for pair in gang.pairs():  # a hold made outside a turn joins it (a claim, a first device)
-            hold = pair.hold
-            if hold is not None and hold.turn is None and hold.state == "holding":
-                hold.turn = turn
-                turn.grants[hold.grant] = pair
-                turn.devices[pair.device] = None
-                pair.device.reserved = turn
-        out.append(LockEvent(now, "gang-turn", detail=key_values(
-            {"gang": gang.display, "turn": turn.number, "members": ",".join(m.cid for m in gang.members),
-             "devices": len(turn.devices)})))
-        out.append(Log("info", "turn-granted", {"gang": gang.display, "turn": turn.number,
-                                                "members": len(gang.members), "devices": len(turn.devices)}))
-        return True
-
-    def _join_turn(self, turn: gangs.Turn, pair: Pair, now: float, out: list[Action]) -> None:
-        """`pair` (the member that asked or announced) is granted its device within the running
-        turn; a device new to the turn goes also to every other member that announced it."""
-        new = pair.device not in turn.devices
-        self._grant_in_turn(turn, pair, now, out)
-        for other in turn.unit.pairs() if new else ():
-            if other.device is pair.device and other.hold is None and other.waiting_since is None:
-                self._grant_in_turn(turn, other, now, out)
-
-    def _grant_in_turn(self, turn: gangs.Turn, pair: Pair, now: float, out: list[Action]) -> None:
-        self._grant(pair, now, out)
-        pair.held.turn = turn
-        turn.grants[pair.held.grant] = pair
-        dev = pair.device
-        if dev not in turn.devices:
-            turn.devices[dev] = None
-            dev.reserved = turn
-        self._settle(dev, now, out)
-
-    @staticmethod
-    def _live(turn: gangs.Turn) -> list[Pair]:
-        return [pair for grant, pair in turn.grants.items() if pair.hold is not None and pair.hold.grant == grant]
-
-    def _turn_contended(self, turn: gangs.Turn) -> bool:
-        return any(self._contended(dev) for dev in turn.devices)
-
-    def _holder_contended(self, pair: Pair) -> bool:
-        """Whether the holder's quantum counts: someone waits for its device, or, for a
-        gang's grant, for any device of the gang's turn."""
-        turn = pair.held.turn
-        return self._contended(pair.device) if turn is None else self._turn_contended(turn)
-
-    def _end_turn(self, turn: gangs.Turn, reason: str, now: float, out: list[Action]) -> None:
-        """The gang's hold ends: DROP to every member still holding (a DROP reaches them all).
-        A member that paused for idleness (in mode `on`, where its device waited for it) is
-        granted its device again and dropped with the others: the fence (_settle_fence) may
-        find it behind their collectives, and it must then launch up to theirs."""
-        turn.ending = True
-        for pair in dict.fromkeys(pair for grant, pair in turn.grants.items() if grant in turn.idle):
-            self._fence_paused(turn, pair, now, out)
-        for pair in self._live(turn):
-            if pair.held.state == "holding":
-                self._drop(pair, now, reason, out)
-        for dev in turn.devices:
-            self._settle(dev, now, out)
-
-    def _fence_paused(self, turn: gangs.Turn, pair: Pair, now: float, out: list[Action],
-                      reason: str | None = None) -> None:
-        """A member paused for idleness while its gang's turn ends (in mode `on`, where its
-        device waited for it) is granted its device again, to be dropped with the fence: the
-        others may have launched collectives it has not, and it must launch up to theirs.
-        `reason`: drop it now, with that reason (else _end_turn drops it with the others). Not
-        once no other member holds: their collectives all completed, so none waits for it."""
-        if (pair.hold is None and pair.waiting_since is None and pair.device in turn.devices
-                and pair.device.mode == "on" and pair.client.pairs.get(pair.device.id) is pair
-                and self._live(turn)):
-            self._grant_in_turn(turn, pair, now, out)
-            if reason is not None and pair.hold is not None and pair.hold.state == "holding":
-                self._drop(pair, now, reason, out)
-
-    def _fenced(self, client: Client, now: float, fenced: protocol.Fenced, out: list[Action]) -> None:
-        """FENCED: a dropped member of a gang's turn stopped launching collectives after
-        `collectives` of them (its gate is closed) and waits for FENCE."""
-        pair = client.pairs.get(fenced.device)
-        hold = pair.hold if pair is not None else None
-        turn = hold.turn if hold is not None and hold.grant == fenced.grant else None
-        if turn is None or turn.fence.get(fenced.grant, 0) is not None:
-            out.append(Log("debug", "fenced-stale", {"client": client.cid, "device": fenced.device,
-                                                     "grant": fenced.grant}))
-            return
-        turn.fence[fenced.grant] = fenced.collectives
-        self._settle_fence(turn, now, out)
-
-    def _settle_fence(self, turn: gangs.Turn, now: float, out: list[Action]) -> None:
-        """Once every dropped member still holding has said where it stopped (members that
-        released, left, were revoked or do not count collectives are not waited for), tell them
-        all the most any said: each launches collectives up to it, so all stop after the same
-        one, and none of them waits in a collective for a partner that stopped before it."""
-        if turn.fence_target is not None or not turn.fence:
-            return
-        live = {pair.held.grant: pair for pair in self._live(turn)}
-        if any(turn.fence.get(grant) is None for grant in live):  # (a grant not dropped yet will be)
-            return
-        said = [(grant, count) for grant, count in turn.fence.items() if count is not None and grant in live]
-        if not said:
-            return
-        target = turn.fence_target = max(count for _, count in said)
-        for grant, _ in said:
-            pair = live[grant]
-            out.append(Send(pair.client.key, protocol.Fence(device=pair.device.id, grant=grant, collectives=target)))
-        out.append(LockEvent(now, "gang-fence", detail=key_values(
-            {"gang": turn.unit.display, "turn": turn.number, "collectives": target,
-             "behind": sum(1 for _, count in said if count < target)})))
-
-    def _check_turn(self, turn: gangs.Turn, now: float, out: list[Action]) -> None:
-        """A member released (other than for idleness), left or died, or was revoked: the
-        gang's hold ends (DROP `gang` to the others); once none of its grants is left, its
-        devices are free together. A member that released for idleness only pauses: its
-        device stays with the turn, and it is granted it again at once when it asks (its
-        partners may wait in a collective for it); the turn ends with its quantum, or when
-        every member has released."""
-        live = self._live(turn)
-        ended = len(turn.grants) - len(live) - len(turn.idle)
-        if live and ended > 0 and not turn.ending:
-            self._end_turn(turn, "gang", now, out)
-        if live:
-            self._settle_fence(turn, now, out)  # a member it waited for has gone
-            return
-        gang = turn.unit
-        if gang.turn is turn:
-            gang.turn = None
-        for dev in turn.devices:
-            if dev.reserved is turn:
-                dev.reserved = None
-            self._settle(dev, now, out)
-        for pair in gang.pairs():  # its next request may now start
-            if pair.gang_queued:
-                self._settle(pair.device, now, out)
-        out.append(LockEvent(now, "gang-end", detail=key_values({"gang": gang.display, "turn": turn.number})))
-        for dev in turn.devices:
-            self._forget_if_unused(dev)
-
-    # --- admission (nvshare_py/scheduler/admission.py decides) ----------------------------
-
-    @property
-    def admission(self) -> AdmissionConfig:
-        return self._admission.config
-
-    def admission_capacity(self) -> int:
-        """What the clients may hold on this node: the devices' budgets (the daemon's
-        measurements and the operator's settings, never a client's word) plus the host spill."""
-        return self._admission.capacity
-
-    def admission_reserved(self) -> int:
-        return self._admission.reserved
-
-    def admission_of(self, pair: Pair) -> tuple[int, Waiter[Pair] | None]:
-        """A pair's admitted total and its unanswered question, for views.py."""
-        return self._admission.admitted(pair), self._admission.waiters.get(pair)
-
-    def admission_reservation(self, pair: Pair) -> int:
-        return self._admission.reservation(pair)
-
-    def admission_waiters(self) -> list[Waiter[Pair]]:
-        return list(self._admission.waiters.values())
-
-    def _budget_changed(self, dev: Device, before: int, now: float, out: list[Action]) -> None:
-        """A device's budget changed from `before`: the capacity follows, and what depends on
-        the budget is settled again (auto mode, room for a grant, swap areas, admission)."""
-        self._budgets += dev.budget - before
-        self._admission.set_capacity(self._budgets + (self._admission.config.spill or 0))
-        for pair in dev.pairs:  # their uses count up to the device's size, which may have changed
-            if pair.used:
-                self._admission.report(pair, self.principal(pair.client), min(pair.used, dev.size))
-        self._settle(dev, now, out)
-        self._size_swap_space(now, out)
-        self._settle_admission(now, out)
-
-    def _admit(self, client: Client, ev: AdmitRequest, out: list[Action]) -> None:
-        pair = self._pair(client, ev.device, ev, out)
-        if pair is None:
-            return
-        limit = self.limit(pair)
-        if ev.request and limit is not None and ev.bytes > limit:
-            # Past the operator's limit: no wait can change that (docs/protocol.md, REFUSED).
-            self._answer(Refuse(Waiter(pair, ev.request, ev.bytes, ev.now, 0), "limit"),
-                         ev.now, out)
-            return
-        waiter = self._admission.ask(pair, self.principal(client), ev.request, ev.bytes, ev.now)
-        self._settle_admission(ev.now, out)
-        if waiter is not None and ev.request and pair in self._admission.waiters:
-            out.append(LockEvent(ev.now, "admit-wait", ev.device, client.cid, detail=str(ev.bytes)))
-            out.append(Log("info", "admission-waits", {"client": client.cid, "device": ev.device, "bytes": ev.bytes,
-                                                      "capacity": self.admission_capacity()}))
-
-    def _set_admission(self, ev: SetAdmission, out: list[Action]) -> None:
-        old = self._admission.config
-        spill = old.spill if ev.keep_spill else ev.spill
-        if spill == "auto":
-            if self.config.auto_spill is None:
-                raise ControlError("bad-request", "this scheduler did not measure the host: give the spill in bytes")
-            spill = self.config.auto_spill
-        policy = old.policy if ev.policy is None else ev.policy
-        timeout = old.timeout if ev.timeout is None else ev.timeout
-        share = old.share if ev.share is None else ev.share
-        try:
-            new = AdmissionConfig(spill=spill, policy=policy, timeout=timeout, share=share, seed=old.seed)
-        except ValueError as exc:
-            raise ControlError("bad-request", str(exc)) from None
-        self._admission.reconfigure(new)
-        self._admission.set_capacity(self._budgets + (spill or 0))
-        shown = "off" if spill is None else spill
-        out.append(LockEvent(ev.now, "admission", detail=f"spill={shown} policy={policy} timeout={timeout:g} "
-                                                         f"share={share:g}"))
-        out.append(Log("info", "admission-set", {"spill": shown, "policy": policy, "timeout": timeout,
-                                                "share": share}))
-        self._settle_admission(ev.now, out)
-
-    def _settle_admission(self, now: float, out: list[Action]) -> None:
-        """Answer the admission questions that can be answered now (cheap when none can)."""
-        for decision in self._admission.settle(now):
-            self._answer(decision, now, out)
-
-    def _answer(self, decision: Decision[Pair], now: float, out: list[Action]) -> None:
-        waiter = decision.waiter
-        pair = waiter.pair
-        cid, device_id = pair.client.cid, pair.device.id
-        waited = now - waiter.since
-        if isinstance(decision, Admit):
-            out.append(Send(pair.client.key, protocol.Admitted(device=device_id, request=waiter.request,
-                                                               bytes=decision.total)))
-            if waited > 0:
-                out.append(LockEvent(now, "admitted", device_id, cid, detail=f"{decision.total} after {waited:.3f}s"))
-            return
-        out.append(Send(pair.client.key, protocol.Refused(device=device_id, request=waiter.request,
-                                                          reason=decision.reason)))
-        out.append(LockEvent(now, "refused", device_id, cid, detail=f"{waiter.bytes} {decision.reason}"))
-        out.append(Log("warning", "admission-refused", {"client": cid, "device": device_id, "bytes": waiter.bytes,
-                                                      "reason": decision.reason,
-                                                      "capacity": self.admission_capacity()}))
-
-    # --- state changes -------------------------------------------------------------------
-
-    def _new_hold(self, pair: Pair, now: float) -> Hold:
-        """Every grant is made here: a fresh id, the pair's hold, the device's holders."""
-        self._grant_numbers += 1
-        dev = pair.device
-        if pair.waiting_since is not None:
-            hold = Hold(self._grant_numbers, now, pair.queued_class, pair.queued_grants)
-        else:
-            hold = Hold(self._grant_numbers, now, self.priority(pair.client), dev.grants_made)
-        dev.grants_made += 1
-        pair.hold = hold
-        pair.grants += 1
-        dev.holders[hold.grant] = pair
-        return hold
-
-    def _grant(self, pair: Pair, now: float, out: list[Action]) -> None:
-        dev = pair.device
-        hold = self._new_hold(pair, now)
-        if pair.waiting_since is not None:
-            self._leave_queue(pair, now)
-        cid = pair.client.cid
-        # An EVICT still pending is moot now: a client granted the device keeps what it has
-        # (it answers EVICTED with it), and its memory is no room for anyone.
-        pair.swap.leaving = 0
-        prefetch = residency.prefetch_on_grant(dev, pair) if self.config.swapping else 0
-        # The grant brings the rest back: until the grantee says it has, all of it counts as in
-        # flight (nobody else is let into its room meanwhile).
-        pair.swap.allowed = residency.converted(pair) if pair.resident is not None and pair.swapped else 0
-        # Made while the budget is exceeded (a holder or an EVICT did not answer within the
-        # grace, or nothing more could move): the event says by how much.
-        over = max(0, residency.excess(dev, pair)) if self.config.swapping and dev.mode != "off" else 0
-        # swapped=: what the grantee still has to bring back before its gate opens (the rest came
-        # in ahead of the grant, behind the holder's swap-out).
-        swapped = pair.swapped if pair.swap.allowed else 0
-        detail = " ".join(part for part in (f"prefetch={prefetch}" if prefetch else "",
-                                            f"swapped={swapped}" if swapped else "",
-                                            f"over_budget={over}" if over else "") if part)
-        out.append(Send(pair.client.key, self._grant_message(dev, hold.grant, prefetch)))
-        out.append(LockEvent(now, "grant", dev.id, cid, hold.grant, detail))
-        out.append(Log("debug", "granted", {"client": cid, "device": dev.id, "grant": hold.grant, "prefetch": prefetch,
-                                            "over_budget": over}))
-
-    def _grant_message(self, dev: Device, grant: int, prefetch: int = 0) -> protocol.Grant:
-        return protocol.Grant(device=dev.id, grant=grant, mode=dev.mode, exclusive=dev.mode == "on",
-                              quantum_ms=_ms(dev.tq), prefetch=prefetch)
-
-    def _room_made(self, dev: Device, pair: Pair, now: float, out: list[Action]) -> bool:
-        """Whether `pair`, the next waiter, may be granted now as far as residency goes.
-        While its memory would not fit beside what the others keep resident, idle clients are
-        asked to EVICT (residency.eviction_plan) and the grant waits for their EVICTED answers,
-        at most the grace: then it proceeds with a warning, as it does at once when nothing
-        that could move is left to ask (the driver's faults then share the device)."""
-        if self.config.swapping and dev.mode != "off" and residency.excess(dev, pair) > 0:
-            if dev.evict_deadline is not None and now >= dev.evict_deadline:
-                out.append(Log("warning", "evict-timeout", {
-                    "device": dev.id, "client": pair.client.cid,
-                    "silent": ",".join(other.client.cid for other in dev.evict_awaited)}))
-            else:
-                later_first = reversed(self._service_order(dev))
-                for other, amount in eviction.room_plan(dev, pair, dev.evict_asked, self._evict_order, later_first):
-                    dev.evict_asked[other] = amount
-                    dev.evict_awaited[other] = None
-                    self._evict(other, amount, f"room for={pair.client.cid}", now, out)
-                # Moves asked for earlier (pressure, waking) are waited for as well.
-                for other in dev.pairs:
-                    if other.swap.leaving and other not in dev.evict_asked:
-                        dev.evict_asked[other] = other.swap.leaving
-                        dev.evict_awaited[other] = None
-                if dev.evict_awaited:
-                    if dev.evict_deadline is None:
-                        dev.evict_deadline = now + self.config.grace
-                    dev.evict_for = pair
-                    return False
-        self._end_eviction_wait(dev)
-        return True
-
-    @staticmethod
-    def _end_eviction_wait(dev: Device) -> None:
-        """EVICTED answers that come later only update what the clients keep resident."""
-        dev.evict_asked.clear()
-        dev.evict_awaited.clear()
-        dev.evict_deadline = None
-        dev.evict_for = None
-
-    def _service_order(self, dev: Device) -> list[Pair]:
-        """The waiters in the order they would be served if nothing changed: priority classes
-        (with ageing), then ACQUIRE order (_next_waiter's rule, applied to the whole queue)."""
-        return sorted(dev.queue, key=lambda pair: (-self._rank(pair), pair.queued_seq))
-
-    def _woken(self, dev: Device) -> list[Pair]:
-        """The waiters whose memory comes back ahead of their grant (asking is waking,
-        eviction.py): in service order, up to the first that holds a grant (a draining holder
-        that asked again). Gangs wait for their turn as a whole: none of them is woken early."""
-        woken = []
-        for waiter in self._service_order(dev):
-            if waiter.hold is not None or waiter.gang_queued:
-                break
-            woken.append(waiter)
-        return woken
-
-    def _relieve_pressure(self, dev: Device, now: float, out: list[Action]) -> None:
-        """Idle tenants moved out, whole and least recently used first, when what the device's
-        clients keep is over its budget, or leaves no room for the waiters being woken or for
-        the headroom (eviction.pressure_plan)."""
-        if not self.config.swapping or not eviction.under_pressure(dev):
-            dev.headroom = 0
-            return  # memory that fits never moves
-        woken = self._woken(dev)
-        dev.headroom, room_for = eviction.headroom(dev, self.config.headroom)
-        # The headroom is for the next request: it is made while nobody waits and no swap-in
-        # runs, so that its eviction never shares the link with memory on its way in.
-        quiet = not woken and not any(pair.swap.allowed for pair in dev.pairs)
-        for victim, amount, why in eviction.pressure_plan(dev, woken, dev.headroom if quiet else 0, room_for,
-                                                          self._evict_order):
-            whom = f" for={woken[0].client.cid}" if why == "wake" else ""
-            self._evict(victim, amount, f"{why}{whom}", now, out)
-
-    def _evict_order(self, pair: Pair) -> tuple[float, ...]:
-        """Where an idle pair stands in eviction order (eviction.order_key): a higher priority
-        class later, then by use."""
-        return eviction.order_key(pair, self.priority(pair.client), self.config.eviction_order)
-
-    def _evict(self, pair: Pair, amount: int, why: str, now: float, out: list[Action]) -> None:
-        """EVICT `amount` bytes of `pair`, and the timeline says why it was chosen."""
-        pair.swap.leaving += amount
-        dev = pair.device
-        idle_for = f" idle={now - pair.last_held:.1f}s" if pair.last_held > -math.inf else " idle=never-ran"
-        detail = f"bytes={amount} reason={why} class={self.priority(pair.client)}{idle_for}"
-        out.append(Send(pair.client.key, protocol.Evict(device=dev.id, bytes=amount)))
-        out.append(LockEvent(now, "evict", dev.id, pair.client.cid, detail=detail))
-        out.append(Log("debug", "evict-asked", {"client": pair.client.cid, "device": dev.id, "bytes": amount,
-                                                "why": why}))
-
-    def _prefetch_ahead(self, dev: Device, now: float, out: list[Action]) -> None:
-        """PREFETCH to the woken waiters, in the order they will be served: room others made (or
-        that was free) each may fill with its swapped-out memory while it waits, so that its
-        gate opens sooner after the grant (residency.prefetch_ahead). A waiter served later gets
-        room only once the ones before it have all theirs."""
-        if not self.config.swapping or dev.mode == "off":
-            return
-        for waiter in self._woken(dev):
-            allowed = residency.prefetch_ahead(dev, waiter)
-            if allowed:
-                waiter.swap.allowed = allowed
-                out.append(Send(waiter.client.key, protocol.Prefetch(device=dev.id, resident=allowed)))
-                out.append(LockEvent(now, "prefetch", dev.id, waiter.client.cid, detail=f"resident={allowed}"))
-                out.append(Log("debug", "prefetch-ahead", {"client": waiter.client.cid, "device": dev.id,
-                                                           "resident": allowed}))
-            if eviction.wanted_back(waiter) > 0:
-                break
-
-    def _contended_swap(self, pair: Pair) -> tuple[int, int]:
-        """CONTENDED's evict= and idle_ms= for the holder `pair` (residency.py). Without swapping
-        nothing of the holder's moves: its pauses are worth nothing to it."""
-        free_ms = _ms(self.config.idle_release_contended)
-        if not self.config.swapping:
-            return (0, free_ms if self._next_other_waiter(pair) is not None else 0)
-        dev = pair.device
-        return (self._evict_on_drop(pair), residency.idle_ms(dev, pair, self._next_other_waiter(pair), free_ms))
-
-    def _size_swap_space(self, now: float, out: list[Action]) -> None:
-        """The swap pools (POOL) and, for processes without one, their private areas (PREPARE)."""
-        self._size_pools(now, out)
-        self._prepare_areas(out)
-
-    def _size_pools(self, now: float, out: list[Action]) -> None:
-        """POOL to every client whose principal's swap pool changed size (eviction.pool_targets,
-        by enough: eviction.pool_due): it grows at once, and shrinks once what it must hold has
-        been below its size for POOL_SHRINK_AFTER."""
-        if not self.config.swapping:
-            return
-        targets = eviction.pool_targets(self._devices.values(), self.principal)
-        for owner in self._pools.keys() - targets.keys():
-            targets[owner] = 0
-        for owner, target in targets.items():
-            told, below = self._pools.get(owner, (0, None))
-            if target >= told:
-                below = None
-                if eviction.pool_due(told, target):
-                    told = target
-            elif below is None:
-                below = now
-            elif now - below >= POOL_SHRINK_AFTER:
-                below = None
-                if eviction.pool_due(told, target):
-                    told = target
-            if told or below is not None:
-                self._pools[owner] = (told, below)
-            else:
-                self._pools.pop(owner, None)
-        for client in self._clients.values():
-            size = self._pools.get(self.principal(client), (0, None))[0]
-            if size != client.told_pool:
-                client.told_pool = size
-                out.append(Send(client.key, protocol.Pool(bytes=size)))
-                out.append(Log("debug", "pool", {"client": client.cid, "bytes": size}))
-
-    def pool_sizes(self) -> dict[Hashable, int]:
-        """The swap pools' sizes by principal, for views.py."""
-        return {owner: told for owner, (told, _) in self._pools.items()}
-
-    def _prepare_areas(self, out: list[Action]) -> None:
-        """PREPARE to the clients whose swap area should change (residency.area_targets)."""
-        if not self.config.swapping:
-            return
-        targets = residency.area_targets(self._devices.values(), self._admission.config.spill)
-        for dev in self._devices.values():
-            for pair in dev.pairs:
-                target = targets.get(pair, 0)
-                if residency.prepare_due(pair, target):
-                    pair.swap.prepared = target
-                    out.append(Send(pair.client.key, protocol.Prepare(device=dev.id, bytes=target)))
-                    out.append(Log("debug", "prepare", {"client": pair.client.cid, "device": dev.id, "bytes": target}))
-
-    def _drop(self, pair: Pair, now: float, reason: str, out: list[Action], grace: float | None = None) -> None:
-        dev = pair.device
-        hold = pair.held
-        grace = self.config.grace if grace is None else grace
-        hold.state = "draining"
-        hold.deadline = now + grace
-        hold.reason = reason
-        cid = pair.client.cid
-        evict = self._evict_on_drop(pair)
-        if hold.turn is not None:  # a gang's members stop after the same collective (_fenced)
-            hold.turn.fence[hold.grant] = None
-        out.append(Send(pair.client.key, protocol.Drop(device=dev.id, grant=hold.grant,
-                                                       grace_ms=_ms(grace), reason=reason, evict=evict,
-                                                       fence=hold.turn is not None)))
-        out.append(LockEvent(now, "drop", dev.id, cid, hold.grant, reason))
-        out.append(Log("info", "dropped", {"client": cid, "device": dev.id, "grant": hold.grant, "reason": reason,
-                                           "evict": evict}))
-        if hold.turn is not None and not hold.turn.ending:
-            self._end_turn(hold.turn, "quantum" if reason == "quantum" else "gang", now, out)
-
-    def _evict_on_drop(self, pair: Pair) -> int:
-        """DROP's `evict=` for the holder `pair`: room for the queue's head (residency.py)."""
-        if not self.config.swapping or pair.held.reason == "conflict":  # a refused claim holds nothing
-            return 0
-        return residency.evict_on_drop(pair.device, pair, self._next_other_waiter(pair))
-
-    def _next_other_waiter(self, pair: Pair) -> Pair | None:
-        """The waiter served next after `pair`'s release (priority classes, then ACQUIRE order);
-        None when that is `pair` itself."""
-        dev = pair.device
-        grantee = self._next_waiter(dev)
-        # It asked again and is served next: a handoff to itself moves nothing, and no room is
-        # made for anyone behind it.
-        return None if grantee is pair else grantee
-
-    def _enqueue(self, pair: Pair, now: float, out: list[Action], seq: int | None = None,
-                 klass: int | None = None) -> bool:
-        """ACQUIRE: idempotent while waiting or holding; a draining holder is queued behind
-        the others for a fresh grant after its release. Returns whether it queued. `seq` and
-        `klass`: it queues as part of its gang's request for a turn, whose every pair has the
-        same place in ACQUIRE order and the same class (gangs.py)."""
-        if pair.waiting_since is not None or (pair.hold is not None and pair.hold.state == "holding"):
-            return False
-        dev = pair.device
-        ahead = (other.client for other in itertools.chain(dev.holders.values(), dev.queue) if other is not pair)
-        pair.blocked_by = tuple(itertools.islice(ahead, AHEAD_REMEMBERED))
-        pair.waiting_since = now
-        dev.queue[pair] = None
-        if seq is None:
-            self._queue_numbers += 1
-            seq = self._queue_numbers
-        pair.queued_seq = seq
-        pair.queued_grants = dev.grants_made
-        pair.queued_class = self.priority(pair.client) if klass is None else klass
-        pair.gang_queued = klass is not None
-        dev.gang_waiters += pair.gang_queued
-        dev.classes[pair.queued_class][pair] = None
-        out.append(LockEvent(now, "acquire", dev.id, pair.client.cid))
-        return True
-
-    def _leave_queue(self, pair: Pair, now: float) -> None:
-        pair.swap.allowed = 0
-        pair.device.gang_waiters -= pair.gang_queued
-        pair.gang_queued = False
-        del pair.device.queue[pair]
-        del pair.device.classes[pair.queued_class][pair]
-        assert pair.waiting_since is not None  # a waiter
-        waited = now - pair.waiting_since
-        pair.wait_total += waited
-        pair.last_wait = (waited, pair.blocked_by)
-        pair.blocked_by = ()
-        pair.waiting_since = None
-
-    def _end_hold(self, pair: Pair, now: float) -> None:
-        del pair.device.holders[pair.held.grant]
-        self._hold_over(pair, now)
-
-    @staticmethod
-    def _hold_over(pair: Pair, now: float) -> None:
-        """The pair's grant ends (released or revoked): its time and when it ran are kept."""
-        hold = pair.held
-        pair.hold_total += now - hold.since
-        fairshare.remember_hold(pair.recent, hold.since, now, now)
-        pair.hold = None
-        pair.held_before, pair.last_held = pair.last_held, now
-
-    def _forget_overdue(self, pair: Pair) -> None:
-        for grant in pair.overdue:
-            del pair.device.overdue[grant]
-        pair.overdue.clear()
+            self._lock.settle(dev, now, out)
+            self._lock.forget_if_unused(dev)
+        self._swapping.size_swap_space(now, out)
+        self._admissions.settle(now, out)
 
     def _discard_pair(self, pair: Pair, now: float) -> None:
         """The client is gone from this device: nothing of it may block anyone."""
         dev = pair.device
         if pair.hold is not None:
-            self._end_hold(pair, now)
+            self._lock.end_hold(pair, now)
         if pair.waiting_since is not None:
-            self._leave_queue(pair, now)
-        self._forget_overdue(pair)
+            self._lock.leave_queue(pair, now)
+        self._lock.forget_overdue(pair)
         dev.evict_asked.pop(pair, None)
         dev.evict_awaited.pop(pair, None)
         if dev.evict_for is pair:
-            self._end_eviction_wait(dev)
-        self._admission.forget(pair)
+            end_eviction_wait(dev)
+        self._admissions.book.forget(pair)
         dev.used -= pair.used
         del dev.pairs[pair]
 
-    def _forget_if_unused(self, dev: Device) -> None:
-        """A device nobody uses and nobody configured is forgotten: clients cannot grow the
-        table by naming devices and leaving (issue 12). It comes back when named again."""
-        if (self._devices.get(dev.id) is dev  # not forgotten already (a gang's turn ended)
-                and not dev.pairs and not dev.holders and not dev.overdue and not dev.queue and dev.reserved is None
-                and dev.budget_override is None
-                and not dev.total and dev.mode == self._default_mode and dev.tq == self._default_tq):
-            del self._devices[dev.id]
-            self._deadlines.pop(dev, None)
-
     def _unlink_client(self, client: Client, *, park: bool) -> None:
-        process = client.process
-        if park and process is not None:
-            self.settings.park(client.cid, process)
+        self._registry.unlink(client, park=park)
+        self._turns.leave(client)
+
+    # --- time -----------------------------------------------------------------------------
+
+    def _tick(self, ev: Tick, out: list[Action]) -> None:
+        now = ev.now
+        recovered = self._lock.end_recovery(now, out)
+        timeout = self.config.heartbeat_timeout
+        # Every client that fell silent goes before any device is settled: a lock freed by one
+        # must not pass to another that is being removed in the same tick (it would be granted,
+        # or make the holder contended, for a client that is already gone).
+        silent_devices: list[Device] = []
+        while (client := self._registry.most_silent()) is not None and client.last_seen + timeout <= now:
+            silent_devices += self._unlink_removed(client, "heartbeat-timeout", now, out)
+        if silent_devices:
+            self._settle_after_removal(silent_devices, now, out)
+        self._turns.tick(now, out)
+        if recovered:
+            due = list(self._registry.devices.values())
         else:
-            self.settings.forget_client(client.cid)
-            if process is not None:
-                self.settings.forget_process(process)
-        gang = client.gang
-        gang.members.pop(client, None)
-        if not gang.solo and not gang.members:
-            del self._gangs[gang.key]
-            self._gang_deadlines.pop(gang, None)
-        del self._clients[client.key]
-        del self._silence[client.key]
-        same_session = self._sessions[client.info.session]
-        same_session.remove(client)
-        if not same_session:
-            del self._sessions[client.info.session]
-
-    def _device(self, device_id: str) -> Device:
-        dev = self._devices.get(device_id)
-        if dev is None:
-            dev = self._devices[device_id] = Device(device_id, self._default_mode, self._default_tq)
-        return dev
-
-    def _pair(self, client: Client, device_id: str, ev: Event, out: list[Action]) -> Pair | None:
-        """The client's pair of the device, made on first use; None (and ERROR to the client)
-        when the client already uses protocol.MAX_DEVICES devices."""
-        pair = client.pairs.get(device_id)
-        if pair is None:
-            if len(client.pairs) >= protocol.MAX_DEVICES:
-                out.append(Send(client.key, protocol.Error(
-                    code="bad-field", type=_MESSAGE_TYPES[type(ev)],
-                    detail=f"a client may use at most {protocol.MAX_DEVICES} devices")))
-                return None
-            dev = self._device(device_id)
-            pair = client.pairs[device_id] = Pair(client, dev)
-            dev.pairs[pair] = None
-        return pair
+            due = self._lock.due(now)
+        for dev in due:
+            self._lock.settle(dev, now, out)
+        self._swapping.size_swap_space(now, out)
+        self._admissions.settle(now, out)

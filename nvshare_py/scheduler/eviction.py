@@ -1,6 +1,6 @@
 """Which tenants' memory leaves a device, when, and how much pinned host memory that takes
-(issue 29; docs/scheduler.md, "Many tenants"). Pure functions over the core's records; core.py
-decides when they are asked and sends what they say.
+(issue 29; docs/scheduler.md, "Many tenants"). Pure functions over the core's records;
+swapping.py decides when they are asked and sends what they say.
 
 Handoffs alone (residency.py) met memory pressure only when the lock changed hands: a tenant
 that grew or loaded beside idle ones left the driver to page those out fault by fault, and every

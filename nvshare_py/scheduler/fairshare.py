@@ -1,6 +1,6 @@
 """Who gets how much GPU time: per-client settings (weight, priority class, memory limit) and
-the pure rules the lock core (core.py) applies with them. No clock, no I/O, no lock state:
-core.py asks, this module answers (docs/scheduler.md, "Weights and priorities").
+the pure rules the lock core applies with them (lock.py, queue_order.py). No clock, no I/O, no
+lock state: the core asks, this module answers (docs/scheduler.md, "Weights and priorities").
 
 Settings are given per client registration ("c3"), per Kubernetes pod (its verified UID,
 ClientInfo.pod_uid: every client of the pod, present and future) or as the default; the most

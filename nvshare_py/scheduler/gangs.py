@@ -1,7 +1,7 @@
 """Gangs: the processes of one multi-GPU job, granted their devices together (issue 19).
 
-The lock core (core.py) keeps the rules; this module holds what a gang is and the small pure
-decisions about it, so that the core stays readable. docs/scheduler.md, *Gangs*, is the
+The lock core runs the turns (turns.py); this module holds what a gang is and the small pure
+decisions about it, which the core's records (records.py) refer to. docs/scheduler.md, *Gangs*, is the
 user's account of the rules.
 
 Words used here and in the core:
@@ -63,8 +63,8 @@ class Turn:
         self.unit = unit
         self.number = number
         self.since = since
-        self.grants: dict[int, Any] = {}  # of core._Pair (this module knows nothing of the core's types)
-        self.devices: dict[Any, None] = {}  # of core._Device
+        self.grants: dict[int, Any] = {}  # of records.Pair (records.py imports this module, not the reverse)
+        self.devices: dict[Any, None] = {}  # of records.Device
         self.ending = False
         self.told: tuple[bool, float] = (False, 0.0)
         self.idle: set[int] = set()  # grants released for idleness: a pause, not the turn's end
@@ -85,7 +85,7 @@ class Gang:
         self.name = name
         self.display = display  # "g3" for a named gang, the client's id for a solo process
         self.size = size
-        self.members: dict[Any, None] = {}  # core._Client -> None, in joining order
+        self.members: dict[Any, None] = {}  # records.Client -> None, in joining order
         self.formed = size <= 1
         self.asked_at: float | None = None
         self.turn: Turn | None = None

@@ -1,7 +1,8 @@
 """The lock core's records: what the scheduler keeps of each grant, client, device and (client,
-device) pair. core.py changes them; the rules beside it (residency.py, eviction.py) and what the
-daemon shows (views.py) read them. Plain records with no rules of their own, so that every module
-that reads them can import them without importing the core.
+device) pair. The core changes them (core.py, the lock in lock.py and the modules beside them);
+the pure rules (queue_order.py, residency.py, eviction.py) and what the daemon shows (views.py)
+read them. Plain records with no rules of their own, so that every module that reads them can
+import them without importing the core.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Hold:
     the device's current contention episode, announcing the quantum end `told_end`. `klass`
     and `aged_from`: the holder's priority class and the device's grant count when it began to
     wait (when granted, if it did not wait), so that it ages on as a waiter would: a waiter of a
-    higher effective class cuts its quantum short (SchedulerCore.quantum_end)."""
+    higher effective class cuts its quantum short (lock.Lock.quantum_end)."""
 
     __slots__ = ("grant", "since", "state", "deadline", "reason", "contended", "told_end", "klass", "aged_from",
                  "told_swap", "turn")
@@ -82,6 +83,18 @@ class Client:
         """The process's kernel-verified identity (None where the daemon cannot see it)."""
         info = self.info
         return (info.uid, info.host_pid, info.host_start) if info.host_pid else None
+
+    @property
+    def principal(self) -> Hashable:
+        """Whom its admission quota and swap pool are for (admission.py, eviction.py): its pod,
+        else its user, both as the kernel shows them; a client whose uid the daemon cannot see
+        is its own."""
+        info = self.info
+        if info.pod_uid:
+            return ("pod", info.pod_uid)
+        if info.uid is not None:
+            return ("uid", info.uid)
+        return ("client", self.key)
 
 
 class Device:

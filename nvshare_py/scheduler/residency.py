@@ -1,6 +1,7 @@
 """Residency rules of the lock core: how much memory moves at a handoff, when, and what it costs
 (docs/scheduler.md, "Budgets and swapping"). Pure functions over the core's pairs and devices;
-core.py decides when they are asked and carries out what they say.
+the core decides when they are asked and carries out what they say (swapping.py, and lock.py for
+the quanta).
 
 What the scheduler knows of a pair (one client on one device):
 - `used`: MEMORY.used, all the client's allocations on the device (converted and unconverted);

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable
 
 from ..sizes import format_size
 from . import fairshare, residency
-from .core import AHEAD_REMEMBERED, SchedulerCore
+from .core import SchedulerCore
+from .lock import AHEAD_REMEMBERED
 from .records import Client, Device, Hold, Pair
 from .events import Log, LogKind
 from .refusals import Refused
