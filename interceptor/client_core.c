@@ -309,11 +309,56 @@ static void set_collective_limit(struct nvs_core *c, struct nvs_core_device *d, 
     d->limited = limit != NVS_CORE_NO_LIMIT;
 }
 
-/* This member launched what the gang stops after: the DROP's drain goes on. */
-static void fence_done(struct nvs_core *c, struct nvs_core_device *d) {
+/* DROP fence=1 to a holder whose shell counts collectives: none may be launched any more, and
+ * the drain waits for the gang's FENCE. */
+static void begin_fence(struct nvs_core *c, struct nvs_core_device *d) {
+    d->fence = NVS_FENCE_FREEZING;
+    set_collective_limit(c, d, 0);
+}
+
+/* A new grant: whatever fence there was is over, and collectives go again. */
+static void lift_fence(struct nvs_core *c, struct nvs_core_device *d) {
+    d->fence = NVS_FENCE_NONE;
+    if (d->limited) set_collective_limit(c, d, NVS_CORE_NO_LIMIT);
+}
+
+/* The shell's last limit holds, with `launched` collectives launched: a freezing member stopped
+ * there, and tells the gang (FENCED). */
+static void collectives_limited(struct nvs_core *c, struct nvs_core_device *d, uint64_t launched, double now) {
+    d->collectives = launched;
+    if (d->fence == NVS_FENCE_FREEZING) { /* none launched any more: where this member stopped */
+        d->fence = NVS_FENCE_WAITING;
+        struct nvs_core_queued *q = send_message(c, NVS_MSG_FENCED, (int)(d - c->devices), d->grant, NULL, now);
+        if (q != NULL) q->collectives = launched;
+        core_log(c, LOG_DEBUG, "%s: stopped after collective %llu; waiting for the gang's FENCE", d->uuid,
+                 (unsigned long long)launched);
+    }
+}
+
+/* This member launched what the gang stops after: the fence is over and the gate closed; the
+ * DROP's drain may begin (1: the lock rules request it). */
+static int fence_passed(struct nvs_core *c, struct nvs_core_device *d) {
     d->fence = NVS_FENCE_NONE;
     if (d->gate_open) set_gate(d, c, 0);
-    request_drain(c, d);
+    return 1;
+}
+
+/* The gang's FENCE to a member waiting at the fence: 1 when it has launched as many collectives
+ * as the gang stops after (fence_passed); otherwise its gate opens until it has (fence_reached). */
+static int fence_answered(struct nvs_core *c, struct nvs_core_device *d, uint64_t collectives) {
+    if (d->collectives >= collectives) return fence_passed(c, d);
+    core_log(c, LOG_DEBUG, "%s: the gang stops after collective %llu; this process launched %llu: running on",
+             d->uuid, (unsigned long long)collectives, (unsigned long long)d->collectives);
+    d->fence = NVS_FENCE_RUNNING;
+    d->fence_target = collectives;
+    set_collective_limit(c, d, collectives);
+    set_gate(d, c, 1);
+    return 0;
+}
+
+/* A member running on to the gang's collective: 1 once it has launched it (fence_passed). */
+static int fence_reached(struct nvs_core *c, struct nvs_core_device *d) {
+    return d->fence == NVS_FENCE_RUNNING && d->collectives >= d->fence_target && fence_passed(c, d);
 }
 
 static void schedule_reconnect(struct nvs_core *c, double now) {
@@ -378,12 +423,9 @@ static void send_hello(struct nvs_core *c, double now) {
     c->ping_sent = 0;
 }
 
-/* The scheduler answered `not-registered` although it had welcomed us: it dropped this client
- * while the connection stayed up (silent past its heartbeat timeout: the process was stopped,
- * or starved). Every grant is void and its lock may be someone else's by now: close the gates,
- * drain what already passed them (nothing to release: the scheduler forgot those grants), and
- * register again, asking for the devices waited for. */
-static void lose_registration(struct nvs_core *c, double now) {
+/* The scheduler dropped this client while the connection stayed up (lose_registration): what it
+ * knew of this registration is gone, apart from the grants (the lock rules' to void). */
+static void forget_registration(struct nvs_core *c, double now) {
     core_log(c, LOG_WARN,
              "the scheduler dropped this process's registration (silent past its heartbeat timeout); "
              "registering again, GPU work waits for the lock");
@@ -397,12 +439,29 @@ static void lose_registration(struct nvs_core *c, double now) {
         d->announced = 0; /* the scheduler forgot its DEVICE and MEMORY reports too */
         d->evicted_due = 0; /* and the EVICT it asked */
         d->evict_asked = 0;
+    }
+}
+
+/* The registration died with its grants: the scheduler forgot this process, or may have (it was
+ * silent past its lease). Each lock it held may be someone else's by now: close the gates and
+ * drain what already passed them (nothing to release: the scheduler forgot those grants). */
+static void void_grants(struct nvs_core *c, double now) {
+    for (int i = 0; i < c->n_devices; i++) {
+        struct nvs_core_device *d = &c->devices[i];
         if (d->state == NVS_HOLDING || d->state == NVS_DRAINING) {
             d->grant_known = 0;
             d->release_unanswerable = 1;
             begin_release(c, d, "revoke", now);
         }
     }
+}
+
+/* The scheduler answered `not-registered` although it had welcomed us: it dropped this client
+ * while the connection stayed up (silent past its heartbeat timeout: the process was stopped,
+ * or starved). Every grant is void; register again, asking for the devices waited for. */
+static void lose_registration(struct nvs_core *c, double now) {
+    forget_registration(c, now);
+    void_grants(c, now);
     send_hello(c, now);
 }
 
@@ -501,19 +560,13 @@ static void swap_job_done(struct nvs_core *c, struct nvs_core_device *d, enum nv
 static void start_swap_out(struct nvs_core *c, struct nvs_core_device *d);
 static void finish_release(struct nvs_core *c, struct nvs_core_device *d, double now);
 static void handle_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d, uint64_t resident);
+static void handle_prepare(struct nvs_core *c, struct nvs_core_device *d, uint64_t bytes);
+static void handle_pool(struct nvs_core *c, uint64_t bytes);
 static void start_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d);
 
 void nvs_core_collectives_limited(struct nvs_core *c, int device, uint64_t launched, double now) {
     if (!valid_device(c, device)) return;
-    struct nvs_core_device *d = &c->devices[device];
-    d->collectives = launched;
-    if (d->fence == NVS_FENCE_FREEZING) { /* none launched any more: where this member stopped */
-        d->fence = NVS_FENCE_WAITING;
-        struct nvs_core_queued *q = send_message(c, NVS_MSG_FENCED, device, d->grant, NULL, now);
-        if (q != NULL) q->collectives = launched;
-        core_log(c, LOG_DEBUG, "%s: stopped after collective %llu; waiting for the gang's FENCE", d->uuid,
-                 (unsigned long long)launched);
-    }
+    collectives_limited(c, &c->devices[device], launched, now);
     run_due(c, now);
 }
 
@@ -543,13 +596,7 @@ void nvs_core_disconnected(struct nvs_core *c, const char *why, double now) {
          * this process and granted its locks to others. Holders keep running through an outage
          * only while they were known to be registered. */
         core_log(c, LOG_WARN, "lost the scheduler after a silence: GPU work waits for the lock again");
-        for (int i = 0; i < c->n_devices; i++) {
-            struct nvs_core_device *d = &c->devices[i];
-            if (d->state == NVS_HOLDING || d->state == NVS_DRAINING) {
-                d->release_unanswerable = 1;
-                begin_release(c, d, "revoke", now);
-            }
-        }
+        void_grants(c, now);
     }
     if (c->connected) forget_connection(c, why, now);
     run_due(c, now);
@@ -619,7 +666,16 @@ static void settle_devices(struct nvs_core *c) {
     }
 }
 
-static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double now) {
+/* A registration's admission starts from what is allocated (the scheduler counts the reported use
+ * anyway); what comes next is asked for. */
+static void start_admission(struct nvs_core *c, struct nvs_core_device *d) {
+    d->admit_asked = 0;
+    set_admitted(c, d, c->admission ? d->bytes : NVS_CORE_UNADMITTED);
+}
+
+/* WELCOME: registered. The lease counts from the HELLO; the scheduler's heartbeat interval, idle
+ * window and admission hold from now on, and the limits that came before the WELCOME apply. */
+static void note_registration(struct nvs_core *c, const struct nvs_msg *m, double now) {
     /* After a warning that the scheduler was missing, say that it is here: "again" only if this
      * process had been registered before (not when it started before the scheduler). */
     if (c->lost_warned || c->fail_open_warned || c->refused_warned)
@@ -640,16 +696,20 @@ static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double n
     c->refusal[0] = '\0';
     c->admission = m->admission;
     for (int i = 0; i < c->n_devices; i++) {
-        struct nvs_core_device *d = &c->devices[i];
-        /* What was allocated before is admitted (the scheduler counts the reported use anyway);
-         * what comes next is asked for. */
-        d->admit_asked = 0;
-        set_admitted(c, d, c->admission ? d->bytes : NVS_CORE_UNADMITTED);
+        start_admission(c, &c->devices[i]);
         /* The limits of this registration came before its WELCOME (none: a restarted scheduler
          * knows none of the last one's). */
-        apply_limit(c, d);
+        apply_limit(c, &c->devices[i]);
+    }
+}
+
+/* WELCOME (note_registration: what the registration starts). A lock claimed in HELLO (held=)
+ * keeps its gate open until the scheduler decides, under a grant id it has yet to name. */
+static void handle_welcome(struct nvs_core *c, const struct nvs_msg *m, double now) {
+    note_registration(c, m, now);
+    for (int i = 0; i < c->n_devices; i++) {
+        struct nvs_core_device *d = &c->devices[i];
         if (d->state == NVS_UNSCHEDULED || d->state == NVS_HOLDING) {
-            /* claimed in HELLO (held=): keep the gate open until the scheduler decides */
             d->state = NVS_HOLDING;
             d->grant_known = 0;
             reset_idle_tracking(c, d, now);
@@ -679,6 +739,28 @@ static int grant_comes_back(const struct nvs_core_device *d, uint64_t grant) {
            strcmp(d->release_reason, "revoke") == 0;
 }
 
+/* CONTENDED for the current grant: others wait. The idle window follows what the scheduler says
+ * (idle_window_ms); unless the device drains with others, its drain starts ahead of the
+ * quantum's end by the lead it needs (predrain_lead), and the pre-drain names the grant it will
+ * release. */
+static void handle_contended(struct nvs_core *c, struct nvs_core_device *d, const struct nvs_msg *m, double now) {
+    d->contended_evict = m->evict;
+    d->contended_idle_ms = m->idle_ms;
+    if (!c->config.predrain) {
+        core_log(c, LOG_DEBUG, "others wait for %s; no pre-drain (NVSHARE_PREDRAIN=0)", d->uuid);
+    } else if (drains_with_others(c)) {
+        core_log(c, LOG_DEBUG, "others wait for %s; no pre-drain (a gang's devices drain together at its DROP)",
+                 d->uuid);
+    } else {
+        d->grant = m->grant;
+        d->grant_known = 1;
+        double left = m->quantum_left_ms / 1000.0, lead = predrain_lead(c, d);
+        d->predrain_at = now + (left > lead ? left - lead : 0); /* due now at the latest */
+        core_log(c, LOG_DEBUG, "others wait for %s: draining in %.3f s, %.3f s before the quantum ends", d->uuid,
+                 d->predrain_at - now, lead);
+    }
+}
+
 static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d, const struct nvs_msg *m, double now) {
     switch (m->type) {
     case NVS_MSG_GRANT:
@@ -705,8 +787,7 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
             break;
         }
         d->state = NVS_HOLDING;
-        d->fence = NVS_FENCE_NONE;
-        if (d->limited) set_collective_limit(c, d, NVS_CORE_NO_LIMIT); /* a new grant: collectives go again */
+        lift_fence(c, d);
         d->grant = m->grant;
         d->grant_known = 1;
         d->release_due = 0;
@@ -725,25 +806,10 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
         continue_grant(c, d, now);
         break;
     case NVS_MSG_CONTENDED:
-        if (d->state != NVS_HOLDING || !grant_matches(d, m->grant)) {
+        if (d->state != NVS_HOLDING || !grant_matches(d, m->grant))
             core_log(c, LOG_DEBUG, "stale CONTENDED for grant %llu ignored", (unsigned long long)m->grant);
-            break;
-        }
-        d->contended_evict = m->evict;
-        d->contended_idle_ms = m->idle_ms;
-        if (!c->config.predrain) {
-            core_log(c, LOG_DEBUG, "others wait for %s; no pre-drain (NVSHARE_PREDRAIN=0)", d->uuid);
-        } else if (drains_with_others(c)) {
-            core_log(c, LOG_DEBUG, "others wait for %s; no pre-drain (a gang's devices drain together at its DROP)",
-                     d->uuid);
-        } else {
-            d->grant = m->grant;
-            d->grant_known = 1;
-            double left = m->quantum_left_ms / 1000.0, lead = predrain_lead(c, d);
-            d->predrain_at = now + (left > lead ? left - lead : 0); /* due now at the latest */
-            core_log(c, LOG_DEBUG, "others wait for %s: draining in %.3f s, %.3f s before the quantum ends", d->uuid,
-                     d->predrain_at - now, lead);
-        }
+        else
+            handle_contended(c, d, m, now);
         break;
     case NVS_MSG_DROP:
     case NVS_MSG_REVOKE:
@@ -756,10 +822,7 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
                          d->uuid, m->reason_text);
                 begin_release(c, d, "revoke", now);
             } else if (!d->release_due) {
-                if (m->fence && c->config.counts_collectives && d->state == NVS_HOLDING) {
-                    d->fence = NVS_FENCE_FREEZING; /* the drain waits for the gang's FENCE */
-                    set_collective_limit(c, d, 0);
-                }
+                if (m->fence && c->config.counts_collectives && d->state == NVS_HOLDING) begin_fence(c, d);
                 begin_release(c, d, "drop", now);
             }
             if (m->evict > d->evict_due) d->evict_due = m->evict; /* DROP evict= (REVOKE: 0) */
@@ -778,18 +841,10 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
         }
         break;
     case NVS_MSG_FENCE:
-        if (d->fence != NVS_FENCE_WAITING || !grant_matches(d, m->grant)) {
+        if (d->fence != NVS_FENCE_WAITING || !grant_matches(d, m->grant))
             core_log(c, LOG_DEBUG, "stale FENCE for grant %llu ignored", (unsigned long long)m->grant);
-        } else if (d->collectives >= m->collectives) {
-            fence_done(c, d);
-        } else {
-            core_log(c, LOG_DEBUG, "%s: the gang stops after collective %llu; this process launched %llu: running on",
-                     d->uuid, (unsigned long long)m->collectives, (unsigned long long)d->collectives);
-            d->fence = NVS_FENCE_RUNNING;
-            d->fence_target = m->collectives;
-            set_collective_limit(c, d, m->collectives);
-            set_gate(d, c, 1);
-        }
+        else if (fence_answered(c, d, m->collectives))
+            request_drain(c, d);
         break;
     case NVS_MSG_ADMITTED:
     case NVS_MSG_REFUSED:
@@ -799,10 +854,7 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
         handle_evict(c, d, m->bytes, now);
         break;
     case NVS_MSG_PREPARE:
-        if (d->announced) { /* the shell keeps a swap area of this size ready for the device */
-            struct nvs_core_queued *q = push(c, NVS_ACT_SWAP_AREA, (int)(d - c->devices), 0);
-            if (q != NULL) q->action.bytes = m->bytes;
-        }
+        handle_prepare(c, d, m->bytes);
         break;
     case NVS_MSG_PREFETCH:
         handle_prefetch_ahead(c, d, m->resident);
@@ -827,6 +879,16 @@ static void note_refused(struct nvs_core *c, const struct nvs_msg *m) {
                  c->config.socket_path, m->detail, c->config.fail_open ? "runs unscheduled" : "waits");
     c->refused_warned = 1;
     snprintf(c->refusal, sizeof c->refusal, "%s", m->detail);
+}
+
+/* STATUS, the answer to a QUERY: after a lapsed lease's QUERY (lease_check_fire) with no
+ * not-registered answer before it, the HEARTBEAT found the registration: the lease is renewed. */
+static void handle_status(struct nvs_core *c, double now) {
+    if (!c->registered || c->ping_sent == 0) return;
+    core_log(c, LOG_INFO, "the scheduler still knows this process after %.3f s of silence; carrying on",
+             now - c->ping_sent);
+    c->lease_until = c->ping_sent + lease_seconds(c);
+    c->ping_sent = 0;
 }
 
 /* A newer scheduler's message: ignored, and said (a warning at most once a period). */
@@ -863,13 +925,7 @@ void nvs_core_receive(struct nvs_core *c, const char *buf, size_t len, double no
     } else if (m.type == NVS_MSG_WELCOME) {
         handle_welcome(c, &m, now);
     } else if (m.type == NVS_MSG_STATUS) {
-        if (c->registered && c->ping_sent > 0) {
-            /* No not-registered answer came before it: the HEARTBEAT found the registration. */
-            core_log(c, LOG_INFO, "the scheduler still knows this process after %.3f s of silence; carrying on",
-                     now - c->ping_sent);
-            c->lease_until = c->ping_sent + lease_seconds(c);
-            c->ping_sent = 0;
-        }
+        handle_status(c, now);
     } else if (m.type == NVS_MSG_ERROR && m.error_code == NVS_ERROR_CODE_TOO_MANY_CONNECTIONS) {
         note_refused(c, &m);
     } else if (m.type == NVS_MSG_ERROR) {
@@ -881,9 +937,8 @@ void nvs_core_receive(struct nvs_core *c, const char *buf, size_t len, double no
             core_log(c, LOG_DEBUG, "not-registered answer to %s ignored: registering", m.error_type);
     } else if (m.type == NVS_MSG_LIMIT) {
         handle_limit(c, &m);
-    } else if (m.type == NVS_MSG_POOL) { /* the shell sizes the pool (process-level: no device) */
-        struct nvs_core_queued *q = push(c, NVS_ACT_POOL, -1, 0);
-        if (q != NULL) q->action.bytes = m.bytes;
+    } else if (m.type == NVS_MSG_POOL) {
+        handle_pool(c, m.bytes);
     } else {
         struct nvs_core_device *d = NULL;
         for (int i = 0; i < c->n_devices && d == NULL; i++)
@@ -903,6 +958,9 @@ void nvs_core_job_done(struct nvs_core *c, int device, enum nvs_job_result resul
     d->job = NVS_JOB_NONE;
     if (job == NVS_JOB_DRAIN && !d->release_due) {
         continue_grant(c, d, now); /* its release was called off: the grant came back (see GRANT) */
+    } else if (job == NVS_JOB_SWAP_OUT && result == NVS_RESULT_MOVED && d->release_drained) {
+        finish_release(c, d, now); /* the swap-out a DROP asked for is done: the RELEASE follows */
+        continue_grant(c, d, now); /* a GRANT that came while it ran */
     } else if (job == NVS_JOB_SWAP_OUT || job == NVS_JOB_PREFETCH || job == NVS_JOB_PREFETCH_AHEAD) {
         swap_job_done(c, d, job, result, now);
     } else if (result == NVS_RESULT_ACTIVE || (job == NVS_JOB_PROBE && result == NVS_RESULT_DRAINED &&
@@ -1061,11 +1119,9 @@ static void swap_job_done(struct nvs_core *c, struct nvs_core_device *d, enum nv
             d->prefetch_ahead = 0;
         return;
     }
+    /* (a release's swap-out is the lock rules' to finish: nvs_core_job_done) */
     if (result != NVS_RESULT_MOVED) return; /* a capture began: run_due starts it again after it */
-    if (d->release_drained)
-        finish_release(c, d, now);
-    else if (d->evicted_due)
-        send_evicted(c, d, now);
+    if (d->evicted_due) send_evicted(c, d, now);
     continue_grant(c, d, now); /* a GRANT that came while the swap-out ran */
 }
 
@@ -1082,6 +1138,19 @@ static void start_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d) 
         q->action.bytes = d->prefetch_ahead - resident;
         d->prefetch_ahead_started = d->prefetch_ahead;
     }
+}
+
+/* PREPARE: the shell keeps a swap area of this size ready for the device (once announced). */
+static void handle_prepare(struct nvs_core *c, struct nvs_core_device *d, uint64_t bytes) {
+    if (!d->announced) return;
+    struct nvs_core_queued *q = push(c, NVS_ACT_SWAP_AREA, (int)(d - c->devices), 0);
+    if (q != NULL) q->action.bytes = bytes;
+}
+
+/* POOL: the shell sizes the swap pool (the process's: no device). */
+static void handle_pool(struct nvs_core *c, uint64_t bytes) {
+    struct nvs_core_queued *q = push(c, NVS_ACT_POOL, -1, 0);
+    if (q != NULL) q->action.bytes = bytes;
 }
 
 static void handle_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d, uint64_t resident) {
@@ -1203,7 +1272,7 @@ void nvs_core_exit(struct nvs_core *c, double now) {
 /* Things the process's devices need now, whatever the time (see above). */
 static void run_device_rules(struct nvs_core *c, struct nvs_core_device *d, double now) {
     int i = (int)(d - c->devices);
-    if (d->fence == NVS_FENCE_RUNNING && d->collectives >= d->fence_target) fence_done(c, d);
+    if (fence_reached(c, d)) request_drain(c, d); /* the gang's last collective is launched */
     /* a drain that waited for the worker or for a capture's end */
     if (d->drain_wanted && d->job == NVS_JOB_NONE && d->captures == 0) request_drain(c, d);
     run_due_swaps(c, d, now);
