@@ -13,6 +13,7 @@
 
 #include "client_core_internal.h"
 
+/* The idle window until a WELCOME names the scheduler's (client_core_handoff.c). */
 #define DEFAULT_IDLE_RELEASE_MS 1000
 
 static void run_due(struct nvs_core *c, double now);
@@ -195,6 +196,7 @@ static int grant_comes_back(const struct nvs_core_device *d, uint64_t grant) {
            strcmp(d->release_reason, "revoke") == 0;
 }
 
+/* A scheduler message about one of this process's devices. */
 static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d, const struct nvs_msg *m, double now) {
     switch (m->type) {
     case NVS_MSG_GRANT:
@@ -479,9 +481,10 @@ static void run_device_rules(struct nvs_core *c, struct nvs_core_device *d, doub
     run_admission(c, d, now);
 }
 
-/* The timers. `device` is NULL for the process's own; a device timer is asked for every known
- * device. In table order: the connection first, then the devices, then the registration's
- * keep-alive (a message sent for a device counts as one), then the outage warning. */
+/* The timers, each defined with its concern (the pre-drain's here). `device` is NULL for the
+ * process's own; a device timer is asked for every known device. In table order: the connection
+ * first, then the devices, then the registration's keep-alive (a message sent for a device counts
+ * as one), then the outage warning. */
 
 /* others wait and the quantum is nearly over: drain now, so the handoff is on time */
 static double predrain_due(const struct nvs_core *c, const struct nvs_core_device *d) {

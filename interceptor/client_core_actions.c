@@ -43,6 +43,7 @@ __attribute__((format(printf, 3, 4))) void core_log(struct nvs_core *c, int leve
     va_end(ap);
 }
 
+/* The registration's lease lasts a heartbeat interval from the last message sent. */
 double lease_seconds(const struct nvs_core *c) { return c->heartbeat_ms / 1000.0; }
 
 /* A message goes out while the lease holds: the scheduler will not forget this client for

@@ -49,6 +49,7 @@ void start_admission(struct nvs_core *c, struct nvs_core_device *d) {
     set_admitted(c, d, c->admission ? d->bytes : NVS_CORE_UNADMITTED);
 }
 
+/* ADMITTED or REFUSED, the answer to the ADMIT in flight (an older one's is stale). */
 void handle_admission_answer(struct nvs_core *c, struct nvs_core_device *d, const struct nvs_msg *m) {
     if (d->admit_asked == 0 || m->request != d->admit_request) {
         core_log(c, LOG_DEBUG, "stale admission answer %llu ignored", (unsigned long long)m->request);
@@ -72,7 +73,6 @@ void handle_admission_answer(struct nvs_core *c, struct nvs_core_device *d, cons
  * surplus (more than a chunk above the use, nobody waiting): the give-back timer (give_back_due)
  * hands it back once that has lasted GIVE_BACK_AFTER_S. */
 void run_admission(struct nvs_core *c, struct nvs_core_device *d, double now) {
-    int device = (int)(d - c->devices);
     int surplus = d->admit_wanted == 0 && d->admitted != NVS_CORE_UNADMITTED &&
                   d->admitted > d->bytes + nvs_core_headroom(d->bytes);
     if (!surplus) {
@@ -85,12 +85,8 @@ void run_admission(struct nvs_core *c, struct nvs_core_device *d, double now) {
     if (d->admit_wanted > d->admitted) {
         d->admit_asked = d->admit_wanted;
         d->admit_request = ++c->admit_numbers;
-        struct nvs_core_queued *q = push(c, NVS_ACT_SEND, device, 0);
-        if (q == NULL) return;
-        q->message = NVS_MSG_ADMIT;
-        q->number = d->admit_wanted;
-        q->request = d->admit_request;
-        note_sent(c, now);
+        struct nvs_core_queued *q = send_message(c, NVS_MSG_ADMIT, (int)(d - c->devices), d->admit_wanted, NULL, now);
+        if (q != NULL) q->request = d->admit_request;
     }
 }
 
@@ -105,12 +101,8 @@ double give_back_due(const struct nvs_core *c, const struct nvs_core_device *d) 
 void give_back_fire(struct nvs_core *c, struct nvs_core_device *d, double now) {
     d->surplus = 0;
     set_admitted(c, d, d->bytes + nvs_core_headroom(d->bytes) / 2);
-    struct nvs_core_queued *q = push(c, NVS_ACT_SEND, (int)(d - c->devices), 0);
-    if (q == NULL) return;
-    q->message = NVS_MSG_ADMIT;
-    q->number = d->admitted;
-    q->request = 0; /* a give-back: no answer */
-    note_sent(c, now);
+    /* ADMIT request=0: a give-back, which nobody answers */
+    send_message(c, NVS_MSG_ADMIT, (int)(d - c->devices), d->admitted, NULL, now);
 }
 
 /* The shell applies the scheduler's limit below the process's own (limits.c). */
@@ -121,13 +113,16 @@ static void set_scheduler_limit(struct nvs_core *c, struct nvs_core_device *d, u
     if (q != NULL) q->action.bytes = bytes;
 }
 
-/* The device's limit as this registration was told: its own, else the one for every device. */
-void apply_limit(struct nvs_core *c, struct nvs_core_device *d) {
+/* The limit this registration was told for the device `uuid`: its own, else the one for every
+ * device. */
+static uint64_t told_limit(const struct nvs_core *c, const char *uuid) {
     uint64_t bytes = c->limit_every;
     for (int i = 0; i < c->n_limits; i++)
-        if (strcmp(c->limits[i].device, d->uuid) == 0) bytes = c->limits[i].bytes;
-    set_scheduler_limit(c, d, bytes);
+        if (strcmp(c->limits[i].device, uuid) == 0) bytes = c->limits[i].bytes;
+    return bytes;
 }
+
+void apply_limit(struct nvs_core *c, struct nvs_core_device *d) { set_scheduler_limit(c, d, told_limit(c, d->uuid)); }
 
 static void apply_limits(struct nvs_core *c) {
     for (int i = 0; i < c->n_devices; i++)
@@ -180,8 +175,5 @@ void settle_devices(struct nvs_core *c) {
 uint64_t nvs_core_limit(const struct nvs_core *c, const char *uuid) {
     for (int i = 0; i < c->n_devices; i++)
         if (c->devices[i].known && strcmp(c->devices[i].uuid, uuid) == 0) return c->devices[i].scheduler_limit;
-    uint64_t bytes = c->limit_every;
-    for (int i = 0; i < c->n_limits; i++)
-        if (strcmp(c->limits[i].device, uuid) == 0) bytes = c->limits[i].bytes;
-    return bytes;
+    return told_limit(c, uuid); /* a device not added yet */
 }

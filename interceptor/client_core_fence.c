@@ -10,6 +10,7 @@
  */
 #include "client_core_internal.h"
 
+/* The shell lets collectives be launched on the device until `limit` have been, in all. */
 static void set_collective_limit(struct nvs_core *c, struct nvs_core_device *d, uint64_t limit) {
     struct nvs_core_queued *q = push(c, NVS_ACT_COLLECTIVES, (int)(d - c->devices), 0);
     if (q != NULL) q->action.bytes = limit;

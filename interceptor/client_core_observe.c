@@ -8,6 +8,7 @@
 
 #include "client_core_internal.h"
 
+/* A device the shell added (every entry point that names one by index checks it). */
 int valid_device(const struct nvs_core *c, int device) {
     return device >= 0 && device < NVS_CORE_MAX_DEVICES && c->devices[device].known;
 }
@@ -62,6 +63,8 @@ void nvs_core_observe_residency(struct nvs_core *c, int device, uint64_t convert
 }
 
 void nvs_core_observe_swap(struct nvs_core *c, const struct nvs_core_swap *swap) { c->swap = *swap; }
+
+/* --- views ----------------------------------------------------------------------------------*/
 
 enum nvs_lock_state nvs_core_state(const struct nvs_core *c, int device) {
     return valid_device(c, device) ? c->devices[device].state : NVS_IDLE;

@@ -2,8 +2,10 @@
  * The client core's connection and registration (docs/protocol.md, "Client behaviour"):
  * reconnection with back-off, HELLO (claiming the locks it holds) and the WELCOME timeout, what
  * a WELCOME starts, the lease and the heartbeats that keep it, and what the scheduler says of this
- * process rather than of a device (a refusal, a message or word this build does not know). What
- * a lost connection or registration means for the locks is the lock rules' (client_core.c).
+ * process rather than of a device (a refusal, a message or word this build does not know). A lost
+ * connection forgets what was the connection's (grant ids, announcements, what was asked: an
+ * ACQUIRE goes out again); what losing the scheduler means for the locks held is the lock rules'
+ * (client_core.c).
  */
 #include <stdio.h>
 #include <string.h>
@@ -12,7 +14,6 @@
 
 #define WELCOME_TIMEOUT_S 5.0
 #define FAST_RETRY_PERIOD_S 3.0 /* reconnect every 100 ms for this long, then back off to 1 s */
-
 #define WAIT_WARNING_PERIOD_S 10.0
 #define UNKNOWN_WARNING_PERIOD_S 60.0 /* unknown message types from the scheduler */
 
@@ -69,12 +70,10 @@ void send_hello(struct nvs_core *c, double now) {
     /* The new registration's limits follow this HELLO; until its WELCOME the last ones hold. */
     c->limit_every = 0;
     c->n_limits = 0;
-    struct nvs_core_queued *q = push(c, NVS_ACT_SEND, -1, 0);
+    struct nvs_core_queued *q = send_message(c, NVS_MSG_HELLO, -1, 0, NULL, now); /* (no lease to renew yet) */
     if (q == NULL) return;
-    q->message = NVS_MSG_HELLO;
     q->held = held;
     q->wanted = wanted;
-    c->last_sent = now;
     c->ping_sent = 0;
 }
 
