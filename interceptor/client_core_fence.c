@@ -1,12 +1,11 @@
 /*
- * A gang's fence (docs/interceptor.md, "Gangs").
- * A DROP with fence=1 reaches every member of a gang's turn at once, wherever each is in its
- * step. Closing each gate there would leave a member whose last collective waits for a partner
- * that stopped before launching its own: that drain never ends. So each member stops launching
- * collectives (the shell's limit 0), says how many it launched (FENCED), and the scheduler tells
- * all of them the most any launched (FENCE); a member behind opens its gate until it has launched
- * as many, then every member drains, each after the same collective.
- * The lock rules (client_core.c) start the drain once the fence says it may begin.
+ * A gang's fence (docs/interceptor.md, "Gangs"). A DROP with fence=1 reaches every member of a
+ * gang's turn at once, wherever each is in its step. Closing each gate there would leave a member
+ * whose last collective waits for a partner that stopped before launching its own: that drain
+ * never ends. So each member stops launching collectives (the shell's limit 0), says how many it
+ * launched (FENCED), and the scheduler tells all of them the most any launched (FENCE); a member
+ * behind opens its gate until it has launched as many, then every member drains, each after the
+ * same collective. The lock rules (client_core.c) start the drain once the fence says it may.
  */
 #include "client_core_internal.h"
 

@@ -2,14 +2,15 @@
  * Swapping (docs/protocol.md "Residency", docs/interceptor.md "Swapping"): the swap area and pool
  * the scheduler sizes (PREPARE, POOL), moving memory out (EVICT, a DROP's evict=) and back (a
  * GRANT's prefetch, PREFETCH ahead of a grant), the swap jobs' results, and the MEMORY reports
- * that say what is resident.
- * Kept apart from the lock rules (client_core.c): they only decide when the worker moves memory, and the
- * lock rules (release after the drain, no drain or swap during a capture) hold around them.
+ * that say what is resident. Kept apart from the lock rules (client_core.c): these only decide
+ * when the worker moves memory, and the lock rules (release after the drain, no drain or swap
+ * during a capture) hold around them.
  */
 #include "client_core_internal.h"
 
 #define MEMORY_REPORT_PERIOD_S 0.1
 
+/* Of the device's converted memory, what is on the device (not swapped out). */
 uint64_t resident_of(const struct nvs_core_device *d) {
     return d->swapped < d->converted ? d->converted - d->swapped : 0;
 }
@@ -120,6 +121,8 @@ void handle_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d, uint64
     start_prefetch_ahead(c, d);
 }
 
+/* A swap job's result: the gate a PREFETCH kept closed opens, a PREFETCH_AHEAD goes on while
+ * room was added, a swap-out for an EVICT is answered. */
 void swap_job_done(struct nvs_core *c, struct nvs_core_device *d, enum nvs_job job, enum nvs_job_result result,
                    double now) {
     if (job == NVS_JOB_PREFETCH) {
