@@ -12,7 +12,7 @@ time cuMemAlloc_v2 + cuMemFree_v2 pairs under the interceptor:
   (every pair stays within the admitted chunk: no message, one compare-and-swap more), and with
   admission off at the scheduler (the same path: the client still asks once per chunk);
 - 1 GiB pairs with an untimed pause after each that is longer than the client's give-back delay
-  (interceptor/client_core.c, GIVE_BACK_AFTER_S): without a scheduler, and with admission on,
+  (interceptor/client_core_admission.c, GIVE_BACK_AFTER_S): without a scheduler, and with admission on,
   where every allocation crosses the admitted total (the free before it gave the chunk back) and
   so waits for an ADMIT/ADMITTED round trip to the daemon: the price of asking.
 Per variant the median over rounds of each round's median and p90 (ns per pair). The simulated

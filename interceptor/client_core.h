@@ -4,9 +4,10 @@
  * registration and reconnection, heartbeats, memory reports, idle release, pre-drain, and the
  * rules that keep a release after the drain and a drain out of a CUDA-graph capture.
  *
- * Events in, actions out. Nothing in client_core.c takes a lock, reads a clock, touches a file
- * descriptor or calls CUDA: every event carries `now` (seconds, monotonic), and the caller
- * carries out the actions popped with nvs_core_pop() in order. In libnvshare.so the caller is
+ * Events in, actions out. Nothing in the core (client_core.c, the state machine, and the files of
+ * its concerns: client_core_internal.h) takes a lock, reads a clock, touches a file descriptor or
+ * calls CUDA: every event carries `now` (seconds, monotonic), and the caller carries out the
+ * actions popped with nvs_core_pop() in order. In libnvshare.so the caller is
  * client.c (under nvs_mu, see there); built alone as libnvshare_core.so, it is driven through
  * ctypes (nvshare_py/client_core.py) by nvshare_py.client and, paired with the scheduler's
  * SchedulerCore on virtual time, by the tests (tests/fixtures/client_core.py).

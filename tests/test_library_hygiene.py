@@ -18,6 +18,11 @@ from fixtures.interceptor import INTERCEPTOR_DIR, REPO_ROOT
 
 GLIBC_FLOOR = (2, 17)
 ALLOWED_NEEDED = {"libc.so.6", "libdl.so.2", "libpthread.so.0"}
+# The files of the client core (one module, whose interface is client_core.h), each calling only
+# those after it (client_core_internal.h).
+CLIENT_CORE_FILES = ["client_core.c", "client_core_output.c", "client_core_registration.c", "client_core_observe.c",
+                     "client_core_swap.c", "client_core_handoff.c", "client_core_admission.c", "client_core_fence.c",
+                     "client_core_actions.c"]
 
 
 def readelf(*args: str) -> str:
@@ -220,7 +225,7 @@ def test_library_override_and_clear_error(monkeypatch, tmp_path, libnvshare):
 
 # Files whose code is checked.
 LOCK_CHECKED_FILES = ["gate.c", "context.c", "memory.c", "admission.c", "hooks.c", "loader.c", "log.c", "config.c", "notify.c",
-                      "client.c", "worker.c", "client_core.c", "swap.c", "vmm.c", "area.c", "pool.c"]
+                      "client.c", "worker.c", *CLIENT_CORE_FILES, "swap.c", "vmm.c", "area.c", "pool.c"]
 # Direct CUDA calls and I/O; a function that makes one (transitively, among the interceptor's
 # functions) counts as one.
 FORBIDDEN_UNDER_NVS_MU = re.compile(
@@ -433,8 +438,16 @@ def test_objects_depend_on_each_other_without_cycles_beyond_the_notify_interface
     assert order.index("loader.c") < order.index("gate.c") < order.index("hooks.c")
     # gate.c and memory.c do not know each other's internals in both directions.
     assert ("gate.c", "memory.c") not in edges
-    # The client's lock logic is pure: it needs only the protocol codec (and libc).
-    assert {provider for (user, provider) in edges if user == "client_core.c"} == {"message.c"}
+    # The client's lock logic is pure: its files need only each other and the protocol codec (and
+    # libc), and call one way, down CLIENT_CORE_FILES. The rest of the library calls only its
+    # interface, client_core.h.
+    core = set(CLIENT_CORE_FILES)
+    assert {provider for (user, provider) in edges if user in core} - core == {"message.c"}
+    assert [(user, provider) for (user, provider) in edges if user in core and provider in core
+            and CLIENT_CORE_FILES.index(provider) < CLIENT_CORE_FILES.index(user)] == []
+    assert ("client_core.c", "client_core_actions.c") in edges  # the core's files were read
+    assert all(symbol.startswith("nvs_core_") for (user, provider), symbols in edges.items()
+               if provider in core and user not in core for symbol in symbols)
     # Nothing below the client shell calls into it or the worker except through notify.c.
     lower = {"loader.c", "hooks.c", "gate.c", "memory.c", "context.c"}
     assert not any(user in lower and provider in {"client.c", "worker.c"} for (user, provider) in edges)
@@ -483,16 +496,25 @@ def test_rtld_next_still_finds_the_next_definition_on_aarch64(tmp_path):
 INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([\w.]+)\.h"', re.M)
 
 
+CLIENT_CORE_MODULES = {Path(name).stem for name in CLIENT_CORE_FILES} | {"client_core_internal"}
+
+
+def module(name: str) -> str:
+    """The module of a file's stem: the client core's files and their private header are one,
+    `client_core`."""
+    return "client_core" if name in CLIENT_CORE_MODULES else name
+
+
 def include_graph() -> dict[str, set[str]]:
     """Module -> the modules whose header it includes. A module is a name: its .c and its .h
     (gate.c and gate.h are `gate`); a header without a .c (hook_table.h, cuda_types.h) is a
-    module of its own."""
+    module of its own; the client core's files are one (`module`)."""
     graph: dict[str, set[str]] = {}
     for path in sorted([*INTERCEPTOR_DIR.glob("*.c"), *INTERCEPTOR_DIR.glob("*.h")]):
         if path.name == "signatures.c":  # not part of the library (make signatures)
             continue
-        included = set(INCLUDE.findall(path.read_text())) - {path.stem}
-        graph.setdefault(path.stem, set()).update(included)
+        included = {module(name) for name in INCLUDE.findall(path.read_text())} - {module(path.stem)}
+        graph.setdefault(module(path.stem), set()).update(included)
     return graph
 
 
@@ -511,8 +533,12 @@ def test_modules_include_each_other_one_way():
     # The loader knows the hook table, not the wrappers; the hooks sit above the gate and NVML.
     assert order.index("hook_table") < order.index("loader") < order.index("gate") < order.index("hooks")
     assert order.index("nvml") < order.index("hooks")
-    # The client core is pure: the protocol codec only.
+    # The client core is pure: the protocol codec only. Its private header is its own files'
+    # alone, and they are all listed.
     assert graph["client_core"] == {"message"}
+    includers = {path.name for path in [*INTERCEPTOR_DIR.glob("*.c"), *INTERCEPTOR_DIR.glob("*.h")]
+                 if "client_core_internal" in INCLUDE.findall(path.read_text())}
+    assert includers == set(CLIENT_CORE_FILES) == {path.name for path in INTERCEPTOR_DIR.glob("client_core*.c")}
     # Nothing includes the shells' files; the lower units reach them through notify.h.
     assert not any({"client", "hooks", "context"} & included for included in graph.values())
 
@@ -525,6 +551,6 @@ def test_includes_and_links_point_the_same_way(libnvshare):
 
     graph = {module: set(included) for module, included in include_graph().items()}
     for (user, provider), symbols in object_dependencies(libnvshare.parent).items():
-        if not symbols <= NOTIFY_SYMBOLS:
-            graph.setdefault(user.removesuffix(".c"), set()).add(provider.removesuffix(".c"))
+        if not symbols <= NOTIFY_SYMBOLS and module(user.removesuffix(".c")) != module(provider.removesuffix(".c")):
+            graph.setdefault(module(user.removesuffix(".c")), set()).add(module(provider.removesuffix(".c")))
     graphlib.TopologicalSorter(graph).prepare()  # raises CycleError on a cycle
