@@ -48,6 +48,10 @@ text table of ratios vs sequential goes to stderr.
 that touch their whole working set every step), each with its own main and document. They share
 this file because they run their jobs the same way: simapp or PyTorch jobs started together, one
 scheduler per mode and TQ, the lock history read from its events.)
+
+Why one file of some 850 lines: a benchmark a user runs as one script; the job programs, the
+regimes and the report are its parts, each short, and splitting it would scatter one
+measurement's definition over modules nobody imports elsewhere.
 """
 
 from __future__ import annotations

@@ -102,6 +102,10 @@ on stderr.
 This file is over 600 lines because it is one program with three sides that must agree: the
 tenant (run as a child and imported by kernel cells), the driver of the scenarios, and the
 analysis of what the scheduler's timeline and status said.
+
+Why one file of some 1,400 lines: one script a user runs (`--quick`, `--gpu`); the tenant
+program, the scenarios, the no-nvshare and physical-bound baselines and the summary are each
+short and only meaningful together, since the summary compares them within one run.
 """
 
 from __future__ import annotations

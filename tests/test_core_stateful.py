@@ -47,6 +47,10 @@ other deadline).
 (Some 700 lines: one state machine, `LockCoreMachine`: its model of what the clients were told,
 its rules and its invariants all work on the machine's state, and the derivation above is what
 `waiting_is_bounded` checks.)
+
+Why one file of some 700 lines: one Hypothesis state machine, whose rules and invariants share
+the model it keeps of the core; split, the invariants would no longer sit beside the rules that
+must keep them.
 """
 
 from __future__ import annotations

@@ -43,6 +43,9 @@ swap-paths.json into $OUT (or --out); prints a short table.
 (Some 800 lines: the six parts, about a hundred lines each with their child processes. They
 share the entry points resolved as the swap engine resolves them (`Api`), the timing and
 checking helpers and the one swap-paths.json, and run as one command on a GPU machine.)
+
+Why one file of some 830 lines: each swap path is a short measurement through the driver API,
+and the point of the script is to run them side by side in one process on one GPU.
 """
 
 from __future__ import annotations

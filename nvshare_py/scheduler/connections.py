@@ -21,6 +21,10 @@ model*):
   principal (fairness.py), and so do setting the connection up and ending it; accepting runs
   in turns of the socket's `Door`; a connection whose peer does not read its answers is not
   read either until it does.
+
+Why one file of some 600 lines: every bound above is checked at a step of the same connection's
+life (accept, read, write, close), so what one peer can cost is read in one place; its parser
+(zmtp.py) and its turns (fairness.py) already live apart.
 """
 
 from __future__ import annotations

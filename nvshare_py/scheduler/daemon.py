@@ -39,7 +39,7 @@ core returns (sends, timeline entries, logs, forgetting clients) and moves the t
 place to observe what the scheduler does. It never awaits, so events are applied one at a
 time. Nothing here blocks and there are no threads; the daemon does not use libzmq at all.
 
-About 600 lines: the pump and the translation table are one room on purpose (every event and
+About 650 lines: the pump and the translation table are one room on purpose (every event and
 every action passes `_feed` and `_carry_out`), and the pid watchers are a few lines each beside
 the registrations they follow.
 """
