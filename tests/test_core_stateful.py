@@ -552,7 +552,7 @@ class LockCoreMachine(RuleBasedStateMachine):
         device=st.sampled_from((None,) + DEVICES),
     )
     def operator(self, change, device):
-        """nvsharectl set-mode / set-tq / set-budget (GiB; None: back to the total)."""
+        """nvsharectl on|off|auto / set-tq / set-budget (GiB; None: back to the total)."""
         setting, value = change
         if setting == "budget":
             device = device or DEVICES[0]  # set-budget always names a device

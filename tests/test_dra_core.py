@@ -1,10 +1,12 @@
 """The DRA driver's pure parts: quantities, the published devices, a claim's allocation read as
-what to prepare, its CDI spec, the ResourceSlice plan, the pods' settings from their claims and
-the checkpoint. The driver as a process: tests/test_dra_driver.py."""
+what to prepare, the GPUs' modes the claims ask for, its CDI spec, the ResourceSlice plan, the
+pods' settings from their claims and the checkpoint. The driver as a process:
+tests/test_dra_driver.py."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -13,8 +15,9 @@ from nvshare_py.deviceplugin.injection import Injection, MissingHostFile, Preloa
 from nvshare_py.deviceplugin.inventory import PhysicalGpu
 from nvshare_py.deviceplugin.podsettings import MEMORY_LIMIT, PRIORITY, WEIGHT, PodSettings, Request
 from nvshare_py.dra import cdi, checkpoint, podclaims, slices
-from nvshare_py.dra.claims import ClaimError, PreparedClaim, read_claim
+from nvshare_py.dra.claims import ClaimError, PreparedClaim, check_modes, read_claim, wanted_modes
 from nvshare_py.dra.devices import MEMORY_STEP, DeviceSet, Sharing, UnknownDevice
+from nvshare_py.dra.gpumodes import GpuModes, ModeRequest
 from nvshare_py.dra.quantity import parse_quantity
 from nvshare_py.paths import SocketPaths
 
@@ -164,13 +167,17 @@ def test_results_and_configuration_of_other_drivers_are_not_ours():
     (claim([result()], [opaque(priority=8)]), "priority must be an integer from 0 to 7"),
     (claim([result()], [opaque(memoryLimit="lots")]), "memoryLimit: 'lots' is not a quantity"),
     (claim([result()], [opaque(memoryLimit="0")]), "memoryLimit must be more than 0"),
-    (claim([result()], [opaque(mode="on")]), "mode is not a claim setting"),
+    (claim([result()], [opaque(mode="sometimes")]), "mode must be on, off or auto, not 'sometimes'"),
+    (claim([result()], [opaque(mode=["on"])]), "mode must be on, off or auto, not ['on']"),
+    (claim([result("gpu-0", "a"), result("gpu-0", "b")], [opaque(requests=["a"], mode="on"),
+                                                          opaque(requests=["b"], mode="off")]),
+     f"team-a/nb asks for modes on and off on GPU {GPUS[0].uuid}"),
     (claim([result()], [opaque(apiVersion="other.example.com/v1")]), "apiVersion 'other.example.com/v1'"),
     (claim([result()], [{"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": [1]}}]), "not an object"),
     ({"metadata": {"name": "nb", "namespace": "team-a", "uid": "u"}, "status": {}}, "is not allocated"),
 ])
 def test_a_claim_that_cannot_be_prepared_says_why(document, reason):
-    with pytest.raises(ClaimError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ClaimError, match=re.escape(reason)):
         read_claim(document, DRIVER, NODE, devices())
 
 
@@ -180,6 +187,91 @@ def test_a_prepared_claim_survives_json():
     prepared = PreparedClaim(prepared.uid, prepared.namespace, prepared.name, prepared.devices, prepared.weight,
                              prepared.priority, {"gpu-0": ("a=b",)})
     assert PreparedClaim.from_json(json.loads(json.dumps(prepared.to_json()))) == prepared
+
+
+# ---- GPU modes -------------------------------------------------------------------------------------
+
+
+def moded(name: str, uid: str, modes: dict[int, str | None]) -> PreparedClaim:
+    """A prepared claim with one request per GPU index, each asking for its mode (None: none)."""
+    document = claim([result(f"gpu-{index}", f"r{index}") for index in modes],
+                     [opaque(requests=[f"r{index}"], mode=mode) for index, mode in modes.items() if mode], uid)
+    document["metadata"]["name"] = name
+    return read_claim(document, DRIVER, NODE, devices())
+
+
+def test_a_claim_asks_its_gpus_for_the_mode_of_its_configuration():
+    prepared = read_claim(claim([result("gpu-0", "train"), result("gpu-1", "eval")],
+                                [opaque("FromClass", mode="auto"), opaque("FromClaim", requests=["eval"], mode="off")]),
+                          DRIVER, NODE, devices())
+    # The class's mode for every request, the claim's where it names one.
+    assert prepared.gpu_modes == {GPUS[0].uuid: "auto", GPUS[1].uuid: "off"}
+    assert PreparedClaim.from_json(json.loads(json.dumps(prepared.to_json()))) == prepared
+    assert read_claim(claim([result("gpu-1")]), DRIVER, NODE, devices()).gpu_modes == {}  # none: any mode
+
+
+def test_a_claim_that_asks_a_gpu_for_another_mode_than_prepared_claims_is_refused_naming_them():
+    first = moded("first", "u1", {0: "auto", 1: None})
+    prepared = [first, moded("plain", "u2", {0: None})]
+    with pytest.raises(ClaimError) as refused:
+        check_modes(moded("late", "u3", {0: "off"}), prepared)
+    assert str(refused.value).startswith(f"GPU {GPUS[0].uuid} is in mode auto, set by ResourceClaim team-a/first; "
+                                         "ResourceClaim team-a/late asks for mode off there")
+    # The same mode, no mode, or a mode on a GPU where no claim asks for one: prepared.
+    for fine in (moded("same", "u4", {0: "auto"}), moded("any", "u5", {0: None}), moded("other", "u6", {1: "off"})):
+        check_modes(fine, prepared)
+    check_modes(first, prepared)  # the claim itself, prepared again
+    assert wanted_modes([*prepared, moded("other", "u6", {1: "off"})]) == {GPUS[0].uuid: "auto", GPUS[1].uuid: "off"}
+
+
+SCHEDULER = {"pid": 1, "started": 1.0, "defaults": {"mode": "on", "tq": 30.0}}
+
+
+def told_all(modes: GpuModes, scheduler: dict = SCHEDULER) -> list[ModeRequest]:
+    sent = modes.pending(scheduler)
+    for request in sent:
+        modes.told(request)
+    return sent
+
+
+def test_gpu_modes_are_set_once_and_given_back_to_the_schedulers_default_when_no_claim_asks():
+    given_back = []
+    modes = GpuModes(given_back=lambda: given_back.append(set(modes.owned)))
+    modes.want({GPUS[0].uuid: "auto"})
+    (request,) = told_all(modes)
+    assert (request.op, request.fields) == ("set-mode", {"device": GPUS[0].uuid, "mode": "auto"})
+    assert (request.subject, str(request)) == (f"GPU {GPUS[0].uuid}", "mode auto")
+    assert modes.pending(SCHEDULER) == [] and modes.owned == {GPUS[0].uuid}
+    # A restarted scheduler gets the mode again.
+    modes.scheduler_restarted()
+    assert told_all(modes) == [request]
+    # No claim asks any more: the default of the scheduler as it says it now.
+    modes.want({})
+    (back,) = told_all(modes, dict(SCHEDULER, defaults={"mode": "off"}))
+    assert back.fields == {"device": GPUS[0].uuid, "mode": "off"} and back.give_back
+    assert given_back == [set()] and modes.owned == set() and modes.pending(SCHEDULER) == []
+
+
+def test_only_gpus_the_driver_set_are_given_back_and_a_give_back_survives_a_scheduler_restart():
+    # GPU 1 was set by the driver before it restarted (the checkpoint says so); GPU 0 never was.
+    modes = GpuModes(owned=[GPUS[1].uuid])
+    modes.scheduler_restarted()
+    assert modes.pending(SCHEDULER) == [ModeRequest(GPUS[1].uuid, "on", give_back=True)]
+    assert modes.pending({"pid": 1, "started": 1.0}) == []  # a scheduler that says no default: nothing to give back
+    told_all(modes)
+    assert modes.owned == set() and modes.pending(SCHEDULER) == []
+
+
+def test_a_claim_prepared_while_its_gpu_is_given_back_gets_its_mode_again():
+    modes = GpuModes()
+    modes.want({GPUS[0].uuid: "off"})
+    told_all(modes)
+    modes.want({})
+    (back,) = modes.pending(SCHEDULER)
+    modes.want({GPUS[0].uuid: "auto"})  # while the give-back is on its way
+    modes.told(back)
+    assert modes.owned == {GPUS[0].uuid}
+    assert modes.pending(SCHEDULER) == [ModeRequest(GPUS[0].uuid, "auto")]
 
 
 # ---- CDI --------------------------------------------------------------------------------------------
@@ -363,13 +455,22 @@ def test_a_limit_for_one_device_is_sent_and_removed_with_that_device():
 
 def test_the_checkpoint_keeps_prepared_claims_and_refuses_a_damaged_file(tmp_path):
     path = tmp_path / "checkpoint.json"
-    assert checkpoint.load(path) == {}
-    kept = {"u1": prepared_claim("shared", "u1", {GPUS[0].uuid: 4 * GiB}, weight=3)}
+    assert checkpoint.load(path) == checkpoint.Checkpoint({}, frozenset())
+    kept = checkpoint.Checkpoint({"u1": prepared_claim("shared", "u1", {GPUS[0].uuid: 4 * GiB}, weight=3),
+                                  "u2": moded("moded", "u2", {1: "auto"})}, frozenset({GPUS[1].uuid, "GPU-given-back-later"}))
     checkpoint.save(path, kept)
     assert checkpoint.load(path) == kept
+    assert checkpoint.load(path).claims["u2"].gpu_modes == {GPUS[1].uuid: "auto"}
     assert path.stat().st_mode & 0o777 == 0o600
+    # A checkpoint of a driver from before modes: its claims, and no GPU to give back.
+    (before_modes,) = [claim for claim in json.loads(path.read_text())["claims"] if claim["uid"] == "u1"]
+    for device in before_modes["devices"]:
+        del device["mode"]
+    path.write_text(json.dumps({"kind": checkpoint.KIND, "version": 1, "claims": [before_modes]}))
+    assert checkpoint.load(path) == checkpoint.Checkpoint({"u1": kept.claims["u1"]}, frozenset())
     for damage in ("{", json.dumps({"kind": "something else", "version": 1, "claims": []}),
-                   json.dumps({"kind": checkpoint.KIND, "version": 1, "claims": [{"uid": "x"}]})):
+                   json.dumps({"kind": checkpoint.KIND, "version": 1, "claims": [{"uid": "x"}]}),
+                   json.dumps({"kind": checkpoint.KIND, "version": 1, "claims": [], "modesSet": "GPU-0"})):
         path.write_text(damage)
         with pytest.raises(checkpoint.CheckpointError):
             checkpoint.load(path)

@@ -449,6 +449,60 @@ def test_pods_that_use_a_claim_get_its_settings_in_the_scheduler(node, apiserver
         wait_for(lambda: pod_settings(scheduler.status()) == {}, PATIENCE, "the deleted pod's settings removed")
 
 
+def test_a_claims_mode_is_its_gpus_while_it_is_prepared_and_a_claim_asking_another_waits(
+        node, apiserver, kubelet, start_driver, scheduler):
+    auto = allocated("auto-a", "u-auto-a", [share("gpu-0", "4Gi")], [gpu_config("FromClaim", mode="auto")])
+    also_auto = allocated("auto-b", "u-auto-b", [share("gpu-0", "2Gi")], [gpu_config(mode="auto")])  # the class's
+    plain = allocated("plain", "u-plain", [share("gpu-0", "2Gi")])
+    serial = allocated("serial", "u-off", [share("gpu-0", "2Gi")], [gpu_config("FromClaim", mode="off")])
+    for document in (auto, also_auto, plain, serial):
+        apiserver.put_claim(document)
+
+    def mode(index: int) -> str:
+        """The GPU's mode in the scheduler: its own, or the default where it has none."""
+        status = scheduler.status()
+        found = next((device for device in status["devices"] if device["device"] == uuid(index)), None)
+        return found["mode"] if found else status["scheduler"]["defaults"]["mode"]
+
+    def refusal(claim: dict) -> str:
+        return kubelet.prepare(DRIVER, [ref(claim)]).claims[claim["metadata"]["uid"]].error
+
+    assert mode(0) == "on"  # the scheduler's default (tests' DEFAULT_OPTIONS)
+    with start_driver(socket_dir=scheduler.socket_dir) as driver:
+        kubelet.wait_for_plugin(DRIVER)
+        response = kubelet.prepare(DRIVER, [ref(auto), ref(plain)])
+        assert response.claims["u-auto-a"].error == "" and response.claims["u-plain"].error == ""
+        wait_for(lambda: mode(0) == "auto", PATIENCE, "GPU 0 in the claim's mode")
+        # Another mode on that GPU: refused, naming the GPU, its mode and the claim that set it.
+        error = refusal(serial)
+        assert f"GPU {uuid(0)} is in mode auto, set by ResourceClaim team-a/auto-a; ResourceClaim team-a/serial " \
+               "asks for mode off there" in error, error
+        assert f"{DRIVER}-claim_u-off.json" not in node.specs()
+        assert refusal(also_auto) == ""  # the same mode
+        # A restarted scheduler gets the mode again (at the next change of the pods, or the 30 s resync).
+        scheduler.restart()
+        add_pod(apiserver, "idle", "team-a")
+        wait_for(lambda: mode(0) == "auto", PATIENCE, "GPU 0's mode after a scheduler restart")
+        driver.stop(signal.SIGKILL)
+    scheduler.request("set-mode", mode="auto", device=uuid(1))  # the operator's, on a GPU no claim asks a mode of
+    # A restarted driver knows from its checkpoint which claims asked for which mode.
+    with start_driver(socket_dir=scheduler.socket_dir) as driver:
+        kubelet.wait_for_plugin(DRIVER, registrations=2)
+        assert kubelet.unprepare(DRIVER, [ref(auto)]).claims["u-auto-a"].error == ""
+        assert "is in mode auto, set by ResourceClaim team-a/auto-b" in refusal(serial)  # auto-b still asks
+        assert mode(0) == "auto"
+        kubelet.unprepare(DRIVER, [ref(also_auto)])
+        wait_for(lambda: mode(0) == "on", PATIENCE, "GPU 0 given back to the scheduler's default")
+        # The claim that waited is prepared now (the kubelet asks again until it is).
+        assert refusal(serial) == ""
+        wait_for(lambda: mode(0) == "off", PATIENCE, "GPU 0 in the waiting claim's mode")
+        kubelet.unprepare(DRIVER, [ref(serial), ref(plain)])
+        wait_for(lambda: mode(0) == "on", PATIENCE, "GPU 0 given back again")
+        driver.wait_for_log(f"GPU {uuid(0)}: mode on (the scheduler's default")
+        assert mode(1) == "auto"  # a mode the driver did not set is not undone
+        assert json.loads(node.checkpoint.read_text())["modesSet"] == []
+
+
 # ---- the command line ---------------------------------------------------------------------------
 
 

@@ -270,7 +270,7 @@ def test_a_restarted_scheduler_or_plugin_gets_the_settings_again(apiserver, cont
         # A restart between two requests is told by the scheduler's start time.
         control_standin.restart(unnoticed=True)
         control_standin.wait_for_settings(expected, "after an unnoticed restart")
-        assert running.log_has("the scheduler restarted: sending the pods' settings again")
+        assert running.log_has("the scheduler restarted: sending every setting again")
         # Away for a while: said once, and caught up when it is back.
         control_standin.stop()
         apiserver.annotate("nb-0", {WEIGHT: "6"})

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from nvshare_py.sizes import parse_size
 
@@ -149,6 +149,11 @@ class Request:
             fields["device"] = self.device
         return fields
 
+    @property
+    def subject(self) -> str:
+        """Whom the request is for, in log lines."""
+        return f"pod {self.pod} ({self.pod_uid})"
+
     def __str__(self) -> str:
         where = f" on {self.device}" if self.device is not None else ""
         return f"{self.annotation}={self.value}{where}" if self.value is not None else f"no {self.annotation}{where}"
@@ -189,8 +194,10 @@ class PodSettings:
         """A new scheduler knows none of the settings: every one is sent again."""
         self._told.clear()
 
-    def pending(self) -> list[Request]:
-        """The requests that bring the scheduler to the pods' settings, removals first."""
+    def pending(self, scheduler: Mapping[str, Any] | None = None) -> list[Request]:
+        """The requests that bring the scheduler to the pods' settings, removals first.
+        (`scheduler`, the scheduler's part of its status, is for the link's other sources,
+        whose requests depend on the scheduler's defaults: a pod's settings do not.)"""
         wanted: dict[Key, int] = {}
         for uid, pod in self._pods.items():
             wanted.update({(uid, name, None): value for name, value in pod.values.items()})

@@ -4,8 +4,9 @@ per-pod settings (podsettings.py says which and how), over the scheduler's contr
 Two tasks under one owner (`PodSettingsSync.run`, a branch of the plugin's task tree):
 - `_follow_pods` lists the node's pods, then watches them, listing again whenever the watch
   cannot resume; every change goes into `PodSettings` and wakes the other task;
-- the `SchedulerLink` (schedulerlink.py) sends what `PodSettings` says is pending, and
-  everything again to a scheduler that restarted.
+- the `SchedulerLink` (schedulerlink.py) sends what `PodSettings` (and the owner's
+  `other_settings`: the DRA driver's GPU modes) says is pending, and everything again to a
+  scheduler that restarted.
 Both are idempotent from the pods alone: a plugin that restarts lists the pods and sends their
 settings again, which changes nothing in a scheduler that has them.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
 import httpx
 
@@ -27,7 +28,7 @@ from nvshare_py.paths import SocketPaths
 
 from .kubeapi import ApiError, ApiServer, WatchExpired, list_pods, post_event, watch_pods
 from .podsettings import Pod, PodSettings, Problem, read_pod
-from .schedulerlink import SchedulerLink
+from .schedulerlink import SchedulerLink, SettingsSource
 from .tasks import run_until_first_exits
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ EVENT_COMPONENT = "nvshare-device-plugin"
 class PodSettingsSync:
     def __init__(self, api: ApiServer, node: str, paths: SocketPaths, *, retry_interval: float = 5.0,
                  resync_interval: float = 30.0, reader: Callable[[dict], Pod | None] = read_pod,
-                 what: str = "nvshare.com/ annotations") -> None:
+                 what: str = "nvshare.com/ annotations", other_settings: Sequence[SettingsSource] = ()) -> None:
         self.api = api
         self.node = node
         self.paths = paths
@@ -49,7 +50,7 @@ class PodSettingsSync:
         self.retry_interval = retry_interval
         self.resync_interval = resync_interval
         self.settings = PodSettings()
-        self.scheduler = SchedulerLink(paths, self.settings, retry_interval=retry_interval,
+        self.scheduler = SchedulerLink(paths, [self.settings, *other_settings], retry_interval=retry_interval,
                                        resync_interval=resync_interval)
         self._event_failure_said = False
         self._api_failing = False

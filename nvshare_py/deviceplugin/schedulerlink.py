@@ -1,7 +1,9 @@
 """Keeping the scheduler told: the per-pod settings a `PodSettings` wants, sent over the
-scheduler's control socket. The device plugin's pod watcher (podwatch.py) and the DRA driver's
-claim watcher (nvshare_py/dra/claimwatch.py) each run one, beside the task that feeds their
-`PodSettings`.
+scheduler's control socket. The pod watcher (podwatch.py) of the device plugin and of the DRA
+driver (whose pods' settings come from their claims, nvshare_py/dra/podclaims.py) runs one,
+beside the task that feeds its `PodSettings`; the DRA driver's GPU modes
+(nvshare_py/dra/gpumodes.py) go through it too. Each such source of settings says what is
+pending and hears what was told (`SettingsSource`).
 
 Before each round it asks the scheduler who it is (pid and start time in `status`): a
 scheduler that restarted has forgotten everything, and gets every setting again. It also
@@ -13,22 +15,35 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any, Mapping, Protocol, Sequence
 
 from nvshare_py import control
 from nvshare_py.paths import SocketPaths
-
-from .podsettings import PodSettings, Request
 
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 5.0
 
 
+class SettingsSource(Protocol):
+    """Settings the scheduler is kept told of. Its requests have `op` and `fields` (the control
+    request), `subject` (whom it is for, in log lines) and a `str()` (what it sets)."""
+
+    def scheduler_restarted(self) -> None:
+        """A new scheduler knows none of the settings: every one is pending again."""
+
+    def pending(self, scheduler: Mapping[str, Any]) -> Sequence[Any]:
+        """The requests that bring the scheduler up to date; `scheduler`: its part of the status."""
+
+    def told(self, request: Any) -> None:
+        """The scheduler answered `request`, accepting or refusing it."""
+
+
 class SchedulerLink:
-    def __init__(self, paths: SocketPaths, settings: PodSettings, *, retry_interval: float = 5.0,
+    def __init__(self, paths: SocketPaths, sources: Sequence[SettingsSource], *, retry_interval: float = 5.0,
                  resync_interval: float = 30.0) -> None:
         self.paths = paths
-        self.settings = settings
+        self.sources = list(sources)
         self.retry_interval = retry_interval
         self.resync_interval = resync_interval
         self._changed = asyncio.Event()
@@ -47,14 +62,17 @@ class SchedulerLink:
                 pass
             self._changed.clear()
             try:
-                identity = await self._scheduler_identity()
+                scheduler = (await self._request("status"))["scheduler"]
+                identity = scheduler["pid"], scheduler["started"]
                 if identity != told:
                     if told is not None:
-                        log.info("the scheduler restarted: sending the pods' settings again")
-                    self.settings.scheduler_restarted()
+                        log.info("the scheduler restarted: sending every setting again")
+                    for source in self.sources:
+                        source.scheduler_restarted()
                     told = identity
-                for request in self.settings.pending():
-                    await self._send(request)
+                for source in self.sources:
+                    for request in source.pending(scheduler):
+                        await self._send(source, request)
                 if failing:
                     log.info("the scheduler answers again")
                 failing = False
@@ -66,20 +84,16 @@ class SchedulerLink:
                 await asyncio.sleep(self.retry_interval)
                 self._changed.set()
 
-    async def _scheduler_identity(self) -> tuple:
-        scheduler = (await self._request("status"))["scheduler"]
-        return scheduler["pid"], scheduler["started"]
-
-    async def _send(self, request: Request) -> None:
+    async def _send(self, source: SettingsSource, request: Any) -> None:
         try:
             await self._request(request.op, **request.fields)
         except control.ControlFailure as failure:
             if failure.exit_code != control.EXIT_REFUSED:
                 raise
-            log.warning("pod %s (%s): the scheduler refused %s: %s", request.pod, request.pod_uid, request, failure)
+            log.warning("%s: the scheduler refused %s: %s", request.subject, request, failure)
         else:
-            log.info("pod %s (%s): %s", request.pod, request.pod_uid, request)
-        self.settings.told(request)
+            log.info("%s: %s", request.subject, request)
+        source.told(request)
 
     async def _request(self, op: str, **fields) -> dict:
         # The control client is blocking (zmq REQ); its own timeout bounds the thread.

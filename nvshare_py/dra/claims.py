@@ -13,6 +13,7 @@ and in the claim (the user's), as the allocation recorded it (`status.allocation
         weight: 2            # 1..1000: share of lock time while several wait
         priority: 4          # 0..7: higher classes get the GPU first
         memoryLimit: 8Gi     # a Kubernetes quantity: what each process may allocate on the GPU
+        mode: auto           # on, off or auto: the scheduling mode of each GPU of the claim
 
 An entry applies to the requests it names (all when it names none); entries from the class
 come first and the claim's override them, later ones earlier ones. Unknown keys are ignored
@@ -20,14 +21,18 @@ come first and the claim's override them, later ones earlier ones. Unknown keys 
 claim. With consumable capacity, what the allocation consumed of `memory` is the memory limit
 (a claim that asked for none consumed a whole card's worth: no limit), and `memoryLimit` can
 only lower it.
+
+A mode is the GPU's, not the claim's: every claim prepared on a GPU that asks for one must ask
+for the same (`check_modes`), while the claims that ask for none take the GPU as it is.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Iterable
 
 from nvshare_py.deviceplugin.podsettings import PRIORITY_RANGE, WEIGHT_RANGE
+from nvshare_py.vocabulary import MODE
 
 from .devices import MEMORY, DeviceSet, UnknownDevice
 from .quantity import parse_quantity
@@ -48,12 +53,12 @@ class Settings:
     weight: int | None = None
     priority: int | None = None
     memory_limit: int | None = None  # bytes
+    mode: str | None = None  # a word of MODE
 
     def over(self, base: "Settings") -> "Settings":
         """These settings where they say something, `base`'s elsewhere."""
-        return Settings(*(mine if mine is not None else theirs
-                          for mine, theirs in ((self.weight, base.weight), (self.priority, base.priority),
-                                               (self.memory_limit, base.memory_limit))))
+        return replace(base, **{setting.name: getattr(self, setting.name) for setting in fields(self)
+                                if getattr(self, setting.name) is not None})
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class ClaimDevice:
     gpu_uuid: str
     share_id: str | None = None
     memory_limit: int | None = None  # bytes; None: the whole card
+    mode: str | None = None  # the GPU's scheduling mode it asks for; None: any
 
 
 @dataclass(frozen=True)
@@ -83,18 +89,27 @@ class PreparedClaim:
         """GPU UUID -> the memory limit there (None: none)."""
         return merge_limits((device.gpu_uuid, device.memory_limit) for device in self.devices)
 
+    @property
+    def gpu_modes(self) -> dict[str, str]:
+        """GPU UUID -> the mode the claim asks for there (GPUs where it asks for none are not in it)."""
+        return {device.gpu_uuid: device.mode for device in self.devices if device.mode is not None}
+
+    def describe(self) -> str:
+        return f"ResourceClaim {self.namespace}/{self.name}"
+
     def to_json(self) -> dict:
         return {"uid": self.uid, "namespace": self.namespace, "name": self.name, "weight": self.weight,
                 "priority": self.priority,
                 "devices": [{"requests": list(d.requests), "pool": d.pool, "device": d.device, "gpu": d.gpu_uuid,
-                             "shareID": d.share_id, "memoryLimit": d.memory_limit} for d in self.devices],
+                             "shareID": d.share_id, "memoryLimit": d.memory_limit, "mode": d.mode}
+                            for d in self.devices],
                 "cdiDevices": {name: list(ids) for name, ids in self.cdi_devices.items()}}
 
     @classmethod
     def from_json(cls, document: dict) -> "PreparedClaim":
         return cls(document["uid"], document["namespace"], document["name"],
                    tuple(ClaimDevice(tuple(d["requests"]), d["pool"], d["device"], d["gpu"], d.get("shareID"),
-                                     d.get("memoryLimit")) for d in document["devices"]),
+                                     d.get("memoryLimit"), d.get("mode")) for d in document["devices"]),
                    document.get("weight"), document.get("priority"),
                    {name: tuple(ids) for name, ids in (document.get("cdiDevices") or {}).items()})
 
@@ -110,6 +125,24 @@ def merge_limits(limits: Iterable[tuple[str, int | None]]) -> dict[str, int | No
             before = merged[uuid]
             merged[uuid] = None if before is None or limit is None else max(before, limit)
     return merged
+
+
+def wanted_modes(claims: Iterable[PreparedClaim]) -> dict[str, str]:
+    """GPU UUID -> the mode the prepared `claims` ask for there (they agree: `check_modes`)."""
+    return {uuid: mode for claim in claims for uuid, mode in claim.gpu_modes.items()}
+
+
+def check_modes(claim: PreparedClaim, prepared: Iterable[PreparedClaim]) -> None:
+    """ClaimError when `claim` asks a GPU for a mode other than the one prepared claims set
+    there: its pods would run under a mode they did not ask for, or change the others' mode."""
+    others = [other for other in prepared if other.uid != claim.uid]
+    for uuid, mode in claim.gpu_modes.items():
+        setters = [other for other in others if other.gpu_modes.get(uuid, mode) != mode]
+        if setters:
+            in_force = setters[0].gpu_modes[uuid]
+            names = ", ".join(other.describe() for other in setters if other.gpu_modes[uuid] == in_force)
+            raise ClaimError(f"GPU {uuid} is in mode {in_force}, set by {names}; {claim.describe()} asks for mode "
+                             f"{mode} there and can be prepared once no claim prepared there asks for another mode")
 
 
 def _integer(parameters: dict, key: str, low: int, high: int) -> int | None:
@@ -129,10 +162,9 @@ def read_config(parameters: object, source: str) -> Settings:
     if api_version is not None and (not isinstance(api_version, str) or api_version.split("/")[0] != CONFIG_GROUP):
         raise ClaimError(f"the {CONFIG_GROUP} configuration has apiVersion {api_version!r}, not "
                          f"{CONFIG_GROUP}/{CONFIG_VERSION}")
-    if parameters.get("mode") is not None:
-        # The scheduler keeps a GPU's mode only while the GPU has clients; one set when a claim
-        # is prepared, before its containers run, would be forgotten (docs/kubernetes.md).
-        raise ClaimError("mode is not a claim setting: set the GPU's mode with nvsharectl set-mode on the node")
+    mode = parameters.get("mode")
+    if mode is not None and (not isinstance(mode, str) or mode not in MODE):
+        raise ClaimError(f"mode must be {MODE.describe()}, not {mode!r}")
     memory = parameters.get("memoryLimit")
     if memory is not None:
         try:
@@ -142,7 +174,7 @@ def read_config(parameters: object, source: str) -> Settings:
         if memory <= 0:
             raise ClaimError(f"memoryLimit must be more than 0, not {parameters.get('memoryLimit')!r}")
     return Settings(_integer(parameters, "weight", *WEIGHT_RANGE), _integer(parameters, "priority", *PRIORITY_RANGE),
-                    memory)
+                    memory, mode)
 
 
 def _applies(config_requests: list, request: str) -> bool:
@@ -162,7 +194,7 @@ def read_claim(claim: dict, driver: str, pool: str, devices: DeviceSet) -> Prepa
     configs = sorted((entry for entry in allocated.get("config") or []
                       if (entry.get("opaque") or {}).get("driver") == driver),
                      key=lambda entry: entry.get("source") != FROM_CLASS)  # the class's first
-    prepared = []
+    prepared: list[ClaimDevice] = []
     weights, priorities = [], []
     for result in allocated.get("results") or []:
         if result.get("driver") != driver:
@@ -180,8 +212,12 @@ def read_claim(claim: dict, driver: str, pool: str, devices: DeviceSet) -> Prepa
             if _applies(entry.get("requests") or [], request):
                 settings = read_config(entry["opaque"].get("parameters"), entry.get("source", "")).over(settings)
         limit = _memory_limit(result, settings, devices.card_memory(device.gpu), where)
+        if settings.mode is not None:
+            for other in prepared:
+                if other.gpu_uuid == device.gpu.uuid and other.mode not in (None, settings.mode):
+                    raise ClaimError(f"{where} asks for modes {other.mode} and {settings.mode} on GPU {device.gpu.uuid}")
         prepared.append(ClaimDevice((request.split("/")[0],), pool, device.name, device.gpu.uuid,
-                                    result.get("shareID"), limit))
+                                    result.get("shareID"), limit, settings.mode))
         weights.append(settings.weight)
         priorities.append(settings.priority)
     return PreparedClaim(str(metadata.get("uid", "")), str(metadata.get("namespace", "")), str(metadata.get("name", "")),

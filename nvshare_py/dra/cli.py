@@ -109,7 +109,8 @@ def serve_command(
                                                  help="CDI kind of the GPUs in the node's NVIDIA CDI spec.")] = DEFAULT_CDI_KIND,
     pod_settings: Annotated[bool, typer.Option(envvar="NVSHARE_DRA_POD_SETTINGS",
                                                help="Give the pods that use a claim its weight, priority and memory "
-                                                    "limit through the scheduler's control socket.")] = True,
+                                                    "limit, and its GPUs the mode it asks for, through the "
+                                                    "scheduler's control socket.")] = True,
     api_server: Annotated[str, typer.Option(envvar="NVSHARE_DRA_API_SERVER", show_default="the cluster's",
                                             help="The API server's URL; in a pod, the cluster's is found.")] = "",
     api_credentials: Annotated[Optional[Path], typer.Option(envvar="NVSHARE_DRA_API_CREDENTIALS",

@@ -20,7 +20,10 @@ them, and the kubelet removes them once a driver stays away).
   slice whose consumable-capacity fields the API server dropped (the feature is off there)
   is written again with replicas.
 - Settings: the pod watcher (nvshare_py/deviceplugin/podwatch.py) follows the node's pods and
-  gives each the settings of the prepared claims it uses (podclaims.py).
+  gives each the settings of the prepared claims it uses (podclaims.py); its scheduler link
+  also gives each GPU the mode its prepared claims ask for, and the default back once none
+  does (gpumodes.py). A claim that asks a GPU for another mode than prepared claims there is
+  refused (claims.check_modes).
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ from nvshare_py.deviceplugin.podwatch import PodSettingsSync
 from nvshare_py.deviceplugin.tasks import run_until_first_exits
 
 from . import cdi, checkpoint, kubeapi, podclaims, slices
-from .claims import ClaimError, PreparedClaim, read_claim
+from .claims import ClaimError, PreparedClaim, check_modes, read_claim, wanted_modes
 from .config import DriverConfig, SharingChoice
 from .devices import DeviceSet, Sharing
+from .gpumodes import GpuModes
 from .kubeletapi import PLUGIN_TYPE, SUPPORTED_SERVICES
 from .kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from .kubeletapi import registration_pb2, registration_pb2_grpc
@@ -81,13 +85,19 @@ class Driver:
         initial = Sharing.REPLICAS if config.sharing is SharingChoice.REPLICAS else Sharing.CAPACITY
         self.devices = DeviceSet(gpus, initial, config.shares, config.memory_oversubscription)
         try:
-            self.prepared: dict[str, PreparedClaim] = checkpoint.load(config.checkpoint)
+            kept = checkpoint.load(config.checkpoint)
         except checkpoint.CheckpointError as error:
             raise DriverError(str(error)) from None
+        self.prepared: dict[str, PreparedClaim] = dict(kept.claims)
+        # Without the pods' settings the driver tells the scheduler nothing, modes included:
+        # then it neither sets a mode nor gives one back (the checkpoint keeps what it had set).
+        self.modes = GpuModes(kept.modes_set, given_back=self._modes_given_back)
         self.pods = (PodSettingsSync(config.api, config.node_name, config.injection.socket_paths,
                                      reader=podclaims.reader(self._prepared_by_name),
-                                     what="nvshare ResourceClaims")
+                                     what="nvshare ResourceClaims", other_settings=[self.modes])
                      if config.pod_settings else None)
+        if self.pods is not None:
+            self.modes.want(wanted_modes(self.prepared.values()))
         self._preparing: dict[str, asyncio.Future[PreparedClaim | str]] = {}  # claim UID -> its preparation
         self._refused = asyncio.Event()  # the kubelet refused the registration
         self._refusal = ""
@@ -157,6 +167,8 @@ class Driver:
                     log.info("claim %s/%s: its CDI spec was missing and is written again", known.namespace, known.name)
                 return known
             claim = await self._read(request)
+            # No await from here on until the claim is recorded: no other is recorded in between.
+            check_modes(claim, self.prepared.values())
             self._write_spec(claim)
         except (ClaimError, ApiError, MissingHostFile) as error:
             reason = str(error)
@@ -203,9 +215,21 @@ class Driver:
         return answers
 
     def _save(self) -> None:
-        checkpoint.save(self.config.checkpoint, self.prepared)
+        if self.pods is not None:
+            self.modes.want(wanted_modes(self.prepared.values()))  # before the checkpoint: what it owns grows
+        self._write_checkpoint()
         if self.pods is not None:
             self.pods.refresh()
+
+    def _write_checkpoint(self) -> None:
+        checkpoint.save(self.config.checkpoint, checkpoint.Checkpoint(self.prepared, self.modes.owned))
+
+    def _modes_given_back(self) -> None:
+        """A GPU went back to the scheduler's default mode: the checkpoint no longer lists it."""
+        try:
+            self._write_checkpoint()
+        except OSError as error:  # the checkpoint still lists it: a restarted driver sets the default again
+            log.warning("cannot write the checkpoint %s: %s", self.config.checkpoint, error)
 
     # ---- the kubelet's side ----------------------------------------------------------------
 
@@ -333,7 +357,8 @@ def _check_claims(claims: list[Any]) -> None:
 
 def _describe(claim: PreparedClaim) -> str:
     devices = ", ".join(f"{device.device} ({device.gpu_uuid}"
-                        + (f", limit {device.memory_limit} bytes" if device.memory_limit is not None else "") + ")"
+                        + (f", limit {device.memory_limit} bytes" if device.memory_limit is not None else "")
+                        + (f", mode {device.mode}" if device.mode is not None else "") + ")"
                         for device in claim.devices) or "no devices of this driver"
     settings = "".join(f", {name} {value}" for name, value in (("weight", claim.weight), ("priority", claim.priority))
                        if value is not None)
