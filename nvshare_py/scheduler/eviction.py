@@ -18,6 +18,13 @@ handoff evicted a slice of everybody, so that every later request paid a swap-in
   request goes before a hot one asked every second, which plain recency (`lru`, the last use
   alone) would evict for it (LRU-2, O'Neil et al. 1993); for cyclic requests to more tenants
   than fit both orders are the same, and no order helps.
+- *A slice where a whole tenant would be too much.* When what is still needed is less than an
+  eighth of the next victim's memory, that victim is asked for what is needed alone: on the
+  H200 each PyTorch tenant kept some 100 MB that no swap moves, so three hot tenants and a
+  whole tenant's headroom came to a few hundred MB over the budget, and taking a whole hot
+  tenant for them brought it back at its next request, every second. For the same reason a
+  headroom short by less than an eighth of itself is left as it is: a swap-in that shares the
+  link with that little loses little.
 - *Headroom.* While the device's clients have more memory than its budget (pressure), room for
   one more tenant is kept free when nobody waits, so that the next request's swap-in does not
   share the link with an eviction (two processes' copies of managed memory the opposite ways ran
@@ -46,6 +53,9 @@ from .residency import committed, converted, excess, movable
 # `auto` headroom is at most this share of the budget: on a device whose tenants are each large
 # against it, keeping a whole one free would leave too little for the rest.
 HEADROOM_SHARE = 4
+# A need under 1/SLICE_SHARE of the next victim's memory takes a slice of it, not all of it; a
+# headroom short by less than 1/SLICE_SHARE of itself is left as it is.
+SLICE_SHARE = 8
 # POOL is sent again when what it says moved by this much, or by an eighth (or to or from 0).
 POOL_STEP = 512 << 20
 
@@ -116,6 +126,12 @@ def victims(dev: Device, key: Callable[[Pair], tuple[float, ...]]) -> list[Pair]
     return sorted(candidates, key=key)
 
 
+def whole_or_slice(available: int, need: int) -> int:
+    """What a victim with `available` bytes to move is asked for when `need` bytes are wanted:
+    all of it, or `need` alone when that is under an eighth of it (SLICE_SHARE)."""
+    return need if need < available // SLICE_SHARE else available
+
+
 def pressure_plan(dev: Device, woken: Iterable[Pair], room: int, room_for: Pair | None,
                   key: Callable[[Pair], tuple[float, ...]]) -> list[tuple[Pair, int, str]]:
     """EVICTs (pair, bytes, why) that keep the device's committed memory within its budget,
@@ -140,16 +156,16 @@ def pressure_plan(dev: Device, woken: Iterable[Pair], room: int, room_for: Pair 
     idle_ones = victims(dev, key)
     while urgent > 0 and idle_ones:
         pair = idle_ones.pop(0)
-        amount = movable(pair) - pair.swap.leaving
+        amount = whole_or_slice(movable(pair) - pair.swap.leaving, urgent)
         plan.append((pair, amount, "pressure" if over > 0 else "wake"))
         urgent -= amount
         over -= amount
     spare = room + min(0, urgent)
-    if spare <= 0:
+    if spare <= room // SLICE_SHARE:
         return plan
     holders = [pair for pair in dev.pairs if pair.hold is not None and movable(pair) > 0]
     for pair in sorted(idle_ones + holders, key=key):
-        if spare <= 0 or pair.hold is not None:
+        if spare <= room // SLICE_SHARE or pair.hold is not None:
             break
         if pair is not room_for:
             amount = movable(pair) - pair.swap.leaving
@@ -175,7 +191,7 @@ def room_plan(dev: Device, grantee: Pair, asked: Iterable[Pair], key: Callable[[
         if need <= 0:
             return plan
         if pair not in asked:
-            amount = movable(pair) - pair.swap.leaving
+            amount = whole_or_slice(movable(pair) - pair.swap.leaving, need)
             if pair is latest:  # the last holder, back soon: what it keeps it need not bring back
                 amount = min(amount, need)
             plan.append((pair, amount))
