@@ -440,6 +440,32 @@ class Run:
                            if c["metadata"]["namespace"] in ("nvshare-examples", "team-a", "team-b")])
         check("slice-stays", "the node's ResourceSlice stays while the driver runs", published)
 
+        # A claim's mode: inference workers that run side by side on GPU 1 (mode auto) while
+        # their claims are prepared, and GPU 1 back in the scheduler's default after the last.
+        def mode_of(gpu: str) -> str | None:
+            return next((device["mode"] for device in self.nvsharectl("status")["devices"]
+                         if device["device"] == gpu), None)
+        default_mode = mode_of(uuid(0))
+        template, deployment = self.example("side-by-side.yaml")
+        deployment["spec"]["replicas"] = 2
+        cluster.apply(template)
+        cluster.apply(self.localise(deployment))
+
+        def side_by_side():
+            found = [self.running(pod) for pod in self.pods("nvshare-examples", "app=side-by-side-inference")]
+            return len(found) == 2 and all(found) and found
+        check("mode-running", "two pods whose claims ask for mode auto run on GPU 1", side_by_side)
+        servers = side_by_side() or []
+        check("mode-set", "while their claims are prepared, GPU 1 is in mode auto and GPU 0 keeps the default",
+              lambda: mode_of(uuid(1)) == "auto" and mode_of(uuid(0)) == default_mode)
+        check("mode-limits", "each of their clients has the claim's 3 GiB limit on GPU 1",
+              lambda: all(self.client_settings(pod, 1, 0, uuid(1), 3 * GiB) for pod in servers))
+        mode_claims = [self.claim_of(pod) for pod in servers]
+        cluster.kubectl("delete", "deployment", "side-by-side-inference", "-n", "nvshare-examples")
+        check("mode-restored", "after the last of them is unprepared, GPU 1 is back in the scheduler's default",
+              lambda: all(f"unprepared claim nvshare-examples/{claim['metadata']['name']} " in self.driver_log()
+                          for claim in mode_claims) and mode_of(uuid(1)) == default_mode, timeout=2 * WAIT_S)
+
     def cleanup(self) -> None:
         self.node.cleanup()
         self.cluster.stop()
