@@ -60,9 +60,15 @@ def pool_of(shm: Path) -> Path:
 
 
 def segments(shm: Path) -> dict[str, int]:
-    """The pool's segment files and their sizes."""
-    pool = pool_of(shm)
-    return {p.name: p.stat().st_size for p in pool.glob("segment-*")} if pool.is_dir() else {}
+    """The pool's segment files and their sizes. A segment that retires between the listing
+    and its stat (the members remove it while the test looks) is not there."""
+    found: dict[str, int] = {}
+    for path in pool_of(shm).glob("segment-*"):
+        try:
+            found[path.name] = path.stat().st_size
+        except FileNotFoundError:
+            continue
+    return found
 
 
 def eventually(what: str, check, seen=lambda: None):
