@@ -219,11 +219,14 @@ def test_socket_paths_over_107_bytes_are_refused():
 
 def test_idle_daemon_does_not_wake_up(scheduler):
     def thread_switches() -> int:
+        """The daemon's threads' voluntary context switches: each time one of them blocked
+        again after waking. Involuntary ones are other processes taking the CPU from a
+        thread that runs (CPU hogs beside the suite), not the daemon waking up."""
         total = 0
         for tid in os.listdir(f"/proc/{scheduler.pid}/task"):
             with open(f"/proc/{scheduler.pid}/task/{tid}/status") as status:
                 fields = dict(line.split(":", 1) for line in status)
-            total += int(fields["voluntary_ctxt_switches"]) + int(fields["nonvoluntary_ctxt_switches"])
+            total += int(fields["voluntary_ctxt_switches"])
         return total
 
     def quiet_for_half_a_second() -> bool:
@@ -237,8 +240,9 @@ def test_idle_daemon_does_not_wake_up(scheduler):
     before = thread_switches()
     time.sleep(2.0)
     # No clients, no deadlines: nothing may wake any of the daemon's threads (a polling loop
-    # would show hundreds of context switches).
-    assert thread_switches() - before <= 2
+    # would show hundreds of context switches; a few are left for a worker thread of Trio's
+    # cache that ends while we look).
+    assert thread_switches() - before <= 4
 
 
 def test_a_failing_core_stops_the_daemon_and_leaves_its_sockets_for_recovery(monkeypatch):
