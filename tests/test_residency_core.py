@@ -155,6 +155,28 @@ def test_a_holder_that_did_not_evict_is_asked_again_and_the_grant_waits_for_its_
     assert c.grant_of("b").prefetch == 0
 
 
+def test_two_jobs_taking_turns_move_only_the_excess_when_the_second_fills_the_device():
+    """Issue 18's pair on the H200 after issue 29's policy: the second job's first step faulted
+    its memory in beside the first's, and pressure moved all of the first job out (26 GB where
+    17.6 were over the budget), which it brought back a step later: the pair took 1.27 times as
+    long as the jobs one after the other. The job that has just released is back within a
+    step; it gives what is over the budget, as at a handoff."""
+    c = Cluster(budget=16 * GiB)
+    c.join("a", 12 * GiB, 0)
+    c.feed(AcquireRequest(c.now, "a", DEV))
+    a_grant = c.grant_of("a").grant
+    c.feed(MemoryReport(c.now, "a", DEV, 12 * GiB, 12 * GiB))
+    c.join("b", 0, 0)  # b starts: its model is not loaded yet
+    c.feed(AcquireRequest(c.now, "b", DEV))
+    c.now += 1.0
+    c.feed(ReleaseReport(c.now, "a", DEV, a_grant, "idle", 12 * GiB))  # a's CPU phase
+    c.grant_of("b")
+    seen = c.feed(MemoryReport(c.now, "b", DEV, 12 * GiB, 12 * GiB))  # b loads and runs its first step
+    assert [m.bytes for m in c.sent(protocol.Evict, "a")] == [8 * GiB]
+    ((client, detail),) = evictions(seen)
+    assert client == "c1" and "reason=pressure" in detail
+
+
 def test_a_tenant_that_runs_over_the_budget_moves_the_least_recently_used_idle_one_out_whole():
     """Issue 29: memory pressure is met when it arises, not at the next handoff, and by whole
     tenants, the least recently used first: the timeline says why."""

@@ -141,10 +141,14 @@ def pressure_plan(dev: Device, woken: Iterable[Pair], room: int, room_for: Pair 
     waiter's memory) or `headroom`.
 
     Pressure is what the tenants that ran keep on the device: one that has only allocated presses
-    on nobody yet (its room is made when it runs: room_plan). Pressure and waking cannot wait.
-    The headroom can: a holder that comes before every idle
+    on nobody yet (its room is made when it runs: room_plan). Pressure and waking cannot wait:
+    whole idle tenants in eviction order, except that the most recently used of them gives only
+    what is needed, as in room_plan (two training jobs taking turns: the one that has just
+    released is back within a step, and moving all of it out doubled what a handoff moved).
+    The headroom can wait: a holder that comes before every idle
     tenant in eviction order (the cold tenant that is serving its rare request) is waited for,
-    and goes when it is idle, rather than a tenant that is used more often."""
+    and goes when it is idle, rather than a tenant that is used more often; the rest of the most
+    recent one stands in that order like any idle tenant."""
     budget = dev.budget
     if budget <= 0 or dev.mode == "off":
         return []
@@ -154,23 +158,29 @@ def pressure_plan(dev: Device, woken: Iterable[Pair], room: int, room_for: Pair 
     urgent = over + wanted
     plan: list[tuple[Pair, int, str]] = []
     idle_ones = victims(dev, key)
+    latest = max(idle_ones, key=last_used, default=None)
+    left = {pair: movable(pair) - pair.swap.leaving for pair in idle_ones}
     while urgent > 0 and idle_ones:
         pair = idle_ones.pop(0)
-        amount = whole_or_slice(movable(pair) - pair.swap.leaving, urgent)
+        amount = whole_or_slice(left[pair], urgent)
+        if pair is latest:
+            amount = min(amount, urgent)
         plan.append((pair, amount, "pressure" if over > 0 else "wake"))
+        left[pair] -= amount
         urgent -= amount
         over -= amount
     spare = room + min(0, urgent)
     if spare <= room // SLICE_SHARE:
         return plan
+    if latest is not None and latest not in idle_ones and left[latest] > 0:
+        idle_ones.append(latest)
     holders = [pair for pair in dev.pairs if pair.hold is not None and movable(pair) > 0]
     for pair in sorted(idle_ones + holders, key=key):
         if spare <= room // SLICE_SHARE or pair.hold is not None:
             break
         if pair is not room_for:
-            amount = movable(pair) - pair.swap.leaving
-            plan.append((pair, amount, "headroom"))
-            spare -= amount
+            plan.append((pair, left[pair], "headroom"))
+            spare -= left[pair]
     return plan
 
 
