@@ -16,6 +16,7 @@ It is a test double for what the kubelet checks and calls, not for its bookkeepi
 
 from __future__ import annotations
 
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -76,8 +77,13 @@ class DraKubeletStandin:
         while not self._stop.wait(POLL_S):
             present = {}
             for entry in self.registry_dir.iterdir():
-                if entry.is_socket():
-                    info = entry.stat()
+                # A restarting plugin removes its socket and makes it again, maybe between the
+                # listing and the stat: gone now, it is looked at again on the next round.
+                try:
+                    info = entry.lstat()
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISSOCK(info.st_mode):
                     present[entry] = (info.st_ino, info.st_ctime_ns)
             for path, identity in present.items():
                 if self._seen.get(path) != identity:

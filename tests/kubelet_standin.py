@@ -112,7 +112,7 @@ class KubeletStandin:
         self.stop()
         for entry in self.plugin_dir.iterdir():
             if entry.is_socket():
-                entry.unlink()
+                entry.unlink(missing_ok=True)  # a plugin may remove its own meanwhile
         self.start()
 
     # ---- the kubelet's Register handler ----------------------------------------------------
