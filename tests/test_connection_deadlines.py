@@ -111,17 +111,23 @@ def test_a_peer_streaming_whole_messages_back_to_back_is_never_cut_off():
     run(test)
 
 
+async def trickle_until_closed(server: Server, sock) -> None:
+    """Sends the rest of an ADMIT whose first 10 bytes went, a byte a second, until the server
+    closes the connection; it must, for a frame not finished in time."""
+    for byte in ADMIT[10:-1]:
+        if await closed_by_server(sock):
+            break
+        await sock.send(bytes([byte]))
+        await trio.sleep(1.0)
+    assert await closed_by_server(sock), "the trickling peer was never closed"
+    assert server.closed == ["a frame not finished in time"], server.closed
+
+
 def test_a_peer_trickling_one_frame_is_closed_after_the_frame_deadline():
     async def test(server: Server) -> None:
         sock = await server.connect()
         await sock.send(ADMIT[:10])  # a header and the start of the body, then a byte a second
-        for byte in ADMIT[10:-1]:
-            if await closed_by_server(sock):
-                break
-            await sock.send(bytes([byte]))
-            await trio.sleep(1.0)
-        assert await closed_by_server(sock), "the trickling peer was never closed"
-        assert server.closed == ["a frame not finished in time"], server.closed
+        await trickle_until_closed(server, sock)
         assert server.messages == 0
 
     run(test)
@@ -133,13 +139,7 @@ def test_a_peer_that_finishes_messages_but_then_trickles_one_is_closed():
     async def test(server: Server) -> None:
         sock = await server.connect()
         await sock.send(ADMIT * 3 + ADMIT[:10])
-        for byte in ADMIT[10:-1]:
-            if await closed_by_server(sock):
-                break
-            await sock.send(bytes([byte]))
-            await trio.sleep(1.0)
-        assert await closed_by_server(sock), "the trickling peer was never closed"
-        assert server.closed == ["a frame not finished in time"], server.closed
+        await trickle_until_closed(server, sock)
         assert server.messages == 3
 
     run(test)

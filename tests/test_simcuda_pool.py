@@ -286,6 +286,23 @@ REFUSALS = {  # case: (the reason the warning gives, whether making the case nee
 }
 
 
+def swap_out_and_back_told_both(sched: ScriptedScheduler, app) -> None:
+    """The scheduler tells a patterned process both POOL and PREPARE of two segments, has all of
+    its memory swapped out at a DROP and back at the next grant; the process finds every word
+    right and exits 0."""
+    grant(sched, 1)
+    app.expect("waiting")
+    sched.send("POOL", bytes=2 * SEGMENT)
+    sched.send("PREPARE", device=sched.device, bytes=2 * SEGMENT)
+    area_at_least(sched, 2 * SEGMENT)
+    sched.send("DROP", device=sched.device, grant=1, grace_ms=60_000, reason="quantum", evict=2 * SEGMENT)
+    assert sched.expect("RELEASE")["resident"] == "0"
+    app.continue_()
+    grant(sched, 2, prefetch=2 * SEGMENT)
+    app.expect("verified 2")
+    assert app.wait() == 0, app.stderr
+
+
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_a_pool_directory_that_is_not_safely_ours_is_refused_and_the_process_swaps_through_its_own_area(
         schedulers, cuda_app, simcuda, tmp_path, shm, case):
@@ -311,17 +328,7 @@ def test_a_pool_directory_that_is_not_safely_ours_is_refused_and_the_process_swa
     before = sorted(p.name for p in pool.iterdir())
     sched = schedulers()
     app = patterned(cuda_app, pool_env(sched, tmp_path, shm), 0xA0000000)
-    grant(sched, 1)
-    app.expect("waiting")
-    sched.send("POOL", bytes=2 * SEGMENT)
-    sched.send("PREPARE", device=sched.device, bytes=2 * SEGMENT)
-    area_at_least(sched, 2 * SEGMENT)
-    sched.send("DROP", device=sched.device, grant=1, grace_ms=60_000, reason="quantum", evict=2 * SEGMENT)
-    assert sched.expect("RELEASE")["resident"] == "0"
-    app.continue_()
-    grant(sched, 2, prefetch=2 * SEGMENT)
-    app.expect("verified 2")
-    assert app.wait() == 0, app.stderr
+    swap_out_and_back_told_both(sched, app)
     assert sorted(p.name for p in pool.iterdir()) == before  # nothing was made there
     warnings = [line for line in app.stderr.splitlines() if "swap pool" in line and "warn" in line]
     assert len(warnings) == 1 and f"is not used ({reason})" in warnings[0], app.stderr
@@ -337,17 +344,7 @@ def test_with_the_pool_turned_off_pool_is_ignored_and_prepare_pins_an_area_of_it
     private area, no directory is made in shared memory."""
     sched = schedulers()
     app = patterned(cuda_app, pool_env(sched, tmp_path, shm, NVSHARE_POOL="0"), 0xA0000000)
-    grant(sched, 1)
-    app.expect("waiting")
-    sched.send("POOL", bytes=2 * SEGMENT)
-    sched.send("PREPARE", device=sched.device, bytes=2 * SEGMENT)
-    area_at_least(sched, 2 * SEGMENT)
-    sched.send("DROP", device=sched.device, grant=1, grace_ms=60_000, reason="quantum", evict=2 * SEGMENT)
-    assert sched.expect("RELEASE")["resident"] == "0"
-    app.continue_()
-    grant(sched, 2, prefetch=2 * SEGMENT)
-    app.expect("verified 2")
-    assert app.wait() == 0, app.stderr
+    swap_out_and_back_told_both(sched, app)
     assert list(shm.iterdir()) == [] and "swap pool" not in app.stderr
     lines = simcuda.read_trace(cuda_app.trace)
     assert [(p["how"], p["bytes"]) for p in lines if p["op"] == "pin"] == [("registered", 64 * MIB)]

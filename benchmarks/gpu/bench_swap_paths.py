@@ -165,6 +165,17 @@ def gbps(nbytes: int, seconds: float) -> float | None:
 # --- part 1: the engine's path in one process --------------------------------------------------
 
 
+def libc_for_maps() -> ctypes.CDLL:
+    """libc with the signatures of the calls the probes make: mmap, madvise, munmap, fallocate."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = c_void_p
+    libc.mmap.argtypes = [c_void_p, c_size_t, c_int, c_int, c_int, ctypes.c_long]
+    libc.madvise.argtypes = [c_void_p, c_size_t, c_int]
+    libc.munmap.argtypes = [c_void_p, c_size_t]
+    libc.fallocate.argtypes = [c_int, c_int, ctypes.c_long, ctypes.c_long]
+    return libc
+
+
 def engine(nbytes: int) -> dict:
     cuda = Driver()
     cuda.context(0)
@@ -181,9 +192,7 @@ def engine(nbytes: int) -> dict:
     api.check("cuMemHostAlloc", byref(pinned), nbytes, 0)
     out["host_alloc_s_per_gib"] = round((time.perf_counter() - start) / (nbytes / GIB), 4)
     # Registration of ordinary memory: what an area grown in place would pay.
-    libc = ctypes.CDLL(None)
-    libc.mmap.restype = c_void_p
-    libc.mmap.argtypes = [c_void_p, c_size_t, c_int, c_int, c_int, ctypes.c_long]
+    libc = libc_for_maps()
     area = libc.mmap(None, nbytes, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
     start = time.perf_counter()
     registered = api.cuMemHostRegister is not None and api.cuMemHostRegister(c_void_p(area), nbytes, 0) == 0
@@ -466,11 +475,7 @@ def pinning(nbytes: int) -> dict:
     api = Api()
     chunk = 64 << 20
     count = max(1, nbytes // chunk)
-    libc = ctypes.CDLL(None)
-    libc.mmap.restype = c_void_p
-    libc.mmap.argtypes = [c_void_p, c_size_t, c_int, c_int, c_int, ctypes.c_long]
-    libc.madvise.argtypes = [c_void_p, c_size_t, c_int]
-    libc.munmap.argtypes = [c_void_p, c_size_t]
+    libc = libc_for_maps()
     per_gib = count * chunk / GIB
     out: dict = {"bytes": count * chunk, "chunk": chunk}
 
@@ -667,10 +672,7 @@ def shared_child(directory: str, count: int) -> None:
     cuda = Driver()
     cuda.context(0)
     api = Api()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = c_void_p
-    libc.mmap.argtypes = [c_void_p, c_size_t, c_int, c_int, c_int, ctypes.c_long]
-    libc.madvise.argtypes = [c_void_p, c_size_t, c_int]
+    libc = libc_for_maps()
     maps = map_shared(libc, shared_files(Path(directory), count))
     out = register_all(api, cuda, maps)
     nbytes = count * SEGMENT
@@ -691,12 +693,7 @@ def shared(nbytes: int) -> dict:
     cuda = Driver()
     cuda.context(0)
     api = Api()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = c_void_p
-    libc.mmap.argtypes = [c_void_p, c_size_t, c_int, c_int, c_int, ctypes.c_long]
-    libc.madvise.argtypes = [c_void_p, c_size_t, c_int]
-    libc.munmap.argtypes = [c_void_p, c_size_t]
-    libc.fallocate.argtypes = [c_int, c_int, ctypes.c_long, ctypes.c_long]
+    libc = libc_for_maps()
     count = max(2, nbytes // SEGMENT)
     nbytes = count * SEGMENT
     info = meminfo()

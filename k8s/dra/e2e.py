@@ -215,6 +215,11 @@ class Run:
         seen = self.saw(pod)
         return any(step["step"] == "check:0:7" for step in seen["steps"]) and pod
 
+    def all_running(self, namespace: str, selector: str, count: int) -> list[dict] | bool:
+        """The `count` pods of `selector` once every one of them runs (`running`)."""
+        found = [self.running(pod) for pod in self.pods(namespace, selector)]
+        return len(found) == count and all(found) and found
+
     @staticmethod
     def step(seen: dict, name: str) -> dict:
         found = [step for step in seen["steps"] if step["step"] == name]
@@ -369,8 +374,7 @@ class Run:
         cluster.apply(self.localise(deployment))
 
         def workers():
-            found = [self.running(pod) for pod in self.pods("nvshare-examples", "app=shared-gpu-workers")]
-            return len(found) == 2 and all(found) and found
+            return self.all_running("nvshare-examples", "app=shared-gpu-workers", 2)
         check("shared-running", "two pods of one ResourceClaim run", workers)
         pair = workers() or []
         shared = cluster.get("resourceclaim", "shared-gpu", "-n", "nvshare-examples")
@@ -452,8 +456,7 @@ class Run:
         cluster.apply(self.localise(deployment))
 
         def side_by_side():
-            found = [self.running(pod) for pod in self.pods("nvshare-examples", "app=side-by-side-inference")]
-            return len(found) == 2 and all(found) and found
+            return self.all_running("nvshare-examples", "app=side-by-side-inference", 2)
         check("mode-running", "two pods whose claims ask for mode auto run on GPU 1", side_by_side)
         servers = side_by_side() or []
         check("mode-set", "while their claims are prepared, GPU 1 is in mode auto and GPU 0 keeps the default",

@@ -10,7 +10,7 @@ registration and whenever a limit changes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 from .. import protocol
 from ..vocabulary import GPU_UUID, MODE
@@ -36,6 +36,17 @@ from .lock import Lock
 from .records import Client, Device
 from .registry import Registry
 from .turns import GangTurns
+
+
+T = TypeVar("T")
+
+
+def _checked(check: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`check(...)`'s answer; what it refuses (ValueError) is the request's: a bad request."""
+    try:
+        return check(*args, **kwargs)
+    except ValueError as exc:
+        raise ControlError("bad-request", str(exc)) from None
 
 
 def _shown(value: int | None) -> str:
@@ -98,10 +109,7 @@ class ControlRequests:
             self._lock.forget_if_unused(targets[0])  # set back to the defaults on a device nobody uses
 
     def set_quantum(self, ev: SetQuantum, out: list[Action]) -> None:
-        try:
-            check_seconds("tq", ev.seconds, allow_zero=False)
-        except ValueError as exc:
-            raise ControlError("bad-request", str(exc)) from None
+        _checked(check_seconds, "tq", ev.seconds, allow_zero=False)
         targets = self._targets(ev.device)
         if ev.device is None:
             self._registry.default_tq = ev.seconds
@@ -135,10 +143,7 @@ class ControlRequests:
 
     def _target(self, client: str | None, pod_uid: str | None) -> fairshare.Target:
         """Whom a setting is for; a client must be registered now (its id dies with it)."""
-        try:
-            target = fairshare.Target(client, pod_uid)
-        except ValueError as exc:
-            raise ControlError("bad-request", str(exc)) from None
+        target = _checked(fairshare.Target, client, pod_uid)
         if client is not None and not any(c.cid == client for c in self._registry.clients.values()):
             raise ControlError("unknown-client", f"no client {client} is registered")
         if pod_uid is not None and (not isinstance(pod_uid, str) or not pod_uid):
@@ -146,10 +151,7 @@ class ControlRequests:
         return target
 
     def set_weight(self, ev: SetWeight, out: list[Action]) -> None:
-        try:
-            weight = fairshare.check_weight(ev.weight)
-        except ValueError as exc:
-            raise ControlError("bad-request", str(exc)) from None
+        weight = _checked(fairshare.check_weight, ev.weight)
         target = self._target(ev.client, ev.pod_uid)
         self._registry.settings.weight.set(target, weight, fairshare.DEFAULT_WEIGHT)
         out.append(Log("info", "weight-set", {"target": target.describe(), "weight": _shown(weight)}))
@@ -157,10 +159,7 @@ class ControlRequests:
             self._lock.settle(dev, ev.now, out)  # quanta follow the weights at once
 
     def set_priority(self, ev: SetPriority, out: list[Action]) -> None:
-        try:
-            priority = fairshare.check_priority(ev.priority)
-        except ValueError as exc:
-            raise ControlError("bad-request", str(exc)) from None
+        priority = _checked(fairshare.check_priority, ev.priority)
         target = self._target(ev.client, ev.pod_uid)
         self._registry.settings.priority.set(target, priority, fairshare.DEFAULT_PRIORITY)
         out.append(Log("info", "priority-set", {"target": target.describe(), "priority": _shown(priority)}))
@@ -181,10 +180,7 @@ class ControlRequests:
             self._lock.settle(dev, ev.now, out)
 
     def set_limit(self, ev: SetLimit, out: list[Action]) -> None:
-        try:
-            limit = fairshare.check_limit(ev.limit, protocol.MAX_INT)
-        except ValueError as exc:
-            raise ControlError("bad-request", str(exc)) from None
+        limit = _checked(fairshare.check_limit, ev.limit, protocol.MAX_INT)
         target = self._target(ev.client, ev.pod_uid)
         self._registry.settings.set_limit(target, ev.device, limit)
         out.append(Log("info", "limit-set", {"target": target.describe(), "device": ev.device or "",
@@ -222,10 +218,7 @@ class ControlRequests:
         policy = old.policy if ev.policy is None else ev.policy
         timeout = old.timeout if ev.timeout is None else ev.timeout
         share = old.share if ev.share is None else ev.share
-        try:
-            new = AdmissionConfig(spill=spill, policy=policy, timeout=timeout, share=share, seed=old.seed)
-        except ValueError as exc:
-            raise ControlError("bad-request", str(exc)) from None
+        new = _checked(AdmissionConfig, spill=spill, policy=policy, timeout=timeout, share=share, seed=old.seed)
         self._admissions.reconfigure(new)
         shown = "off" if spill is None else spill
         out.append(LockEvent(ev.now, "admission", detail=f"spill={shown} policy={policy} timeout={timeout:g} "

@@ -126,10 +126,14 @@ def victims(dev: Device, key: Callable[[Pair], tuple[float, ...]]) -> list[Pair]
     return sorted(candidates, key=key)
 
 
-def whole_or_slice(available: int, need: int) -> int:
+def asked_of(available: int, need: int, most_recent: bool) -> int:
     """What a victim with `available` bytes to move is asked for when `need` bytes are wanted:
-    all of it, or `need` alone when that is under an eighth of it (SLICE_SHARE)."""
-    return need if need < available // SLICE_SHARE else available
+    all of it, or `need` alone when that is under an eighth of it (SLICE_SHARE); the most
+    recently used idle tenant (the last holder, back soon) never more than `need`, as a holder
+    at its DROP (residency.evict_on_drop)."""
+    if most_recent or need < available // SLICE_SHARE:
+        return min(need, available)
+    return available
 
 
 def pressure_plan(dev: Device, woken: Iterable[Pair], room: int, room_for: Pair | None,
@@ -162,9 +166,7 @@ def pressure_plan(dev: Device, woken: Iterable[Pair], room: int, room_for: Pair 
     left = {pair: movable(pair) - pair.swap.leaving for pair in idle_ones}
     while urgent > 0 and idle_ones:
         pair = idle_ones.pop(0)
-        amount = whole_or_slice(left[pair], urgent)
-        if pair is latest:
-            amount = min(amount, urgent)
+        amount = asked_of(left[pair], urgent, pair is latest)
         plan.append((pair, amount, "pressure" if over > 0 else "wake"))
         left[pair] -= amount
         urgent -= amount
@@ -201,9 +203,7 @@ def room_plan(dev: Device, grantee: Pair, asked: Iterable[Pair], key: Callable[[
         if need <= 0:
             return plan
         if pair not in asked:
-            amount = whole_or_slice(movable(pair) - pair.swap.leaving, need)
-            if pair is latest:  # the last holder, back soon: what it keeps it need not bring back
-                amount = min(amount, need)
+            amount = asked_of(movable(pair) - pair.swap.leaving, need, pair is latest)
             plan.append((pair, amount))
             need -= amount
     for pair in later_first:
