@@ -13,7 +13,7 @@
  * zeroing them), which spreads over cores where the driver's pinning does not: made present
  * first (MADV_POPULATE_WRITE) from four threads, a GiB takes 0.05-0.08 s, and registering
  * present pages 0.02-0.04 s. So a chunk is an anonymous mapping aligned to 2 MiB, advised MADV_HUGEPAGE,
- * made present by up to POPULATE_THREADS threads, registered PORTABLE, and given back with
+ * made present from several threads (populate.c), registered PORTABLE, and given back with
  * cuMemHostUnregister + munmap. Where registering fails (the driver refuses, no entry point, no
  * mapping) the area warns once and pins its chunks with cuMemHostAlloc from then on; each chunk
  * remembers how it was pinned and is freed that way.
@@ -46,19 +46,13 @@
 #include "loader.h"
 #include "log.h"
 #include "pool.h"
+#include "populate.h"
 
 #define AREA_CHUNK ((size_t)64 << 20)
 #define AREA_PAGE ((size_t)64 << 10)
 #define PAGES_PER_CHUNK (AREA_CHUNK / AREA_PAGE)
 #define MAX_CHUNKS 16384 /* 1 TiB of pinned memory */
 #define HUGE_PAGE ((size_t)2 << 20) /* a transparent huge page (x86-64, aarch64 with 4 KiB pages) */
-/* Threads that make a chunk's pages present at once (the pinner among them): four ran 3.6 times
- * as fast as one on an H200's host; at most one per four online CPUs, so that the application's
- * own threads keep theirs. */
-#define POPULATE_THREADS 4
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
-#endif
 
 enum pinning {
     PINNED_REGISTERED, /* an anonymous mapping of ours, cuMemHostRegister'd */
@@ -323,33 +317,6 @@ static char *map_chunk(void) {
     return host;
 }
 
-static void *populate_part(void *start) {
-    /* Advice only: where it fails (a kernel before 5.14, no memory) registering populates. */
-    madvise(start, AREA_CHUNK / POPULATE_THREADS, MADV_POPULATE_WRITE);
-    return NULL;
-}
-
-/* Makes the chunk's pages present before it is registered, a part per thread (the calling one
- * too). The helpers inherit the pinner's mask: they take no signals meant for the application. */
-static void populate(char *host) {
-    long online = sysconf(_SC_NPROCESSORS_ONLN);
-    int threads = online / 4 < 1 ? 1 : online / 4 > POPULATE_THREADS ? POPULATE_THREADS : (int)(online / 4);
-    pthread_t helpers[POPULATE_THREADS];
-    int started[POPULATE_THREADS] = {0};
-    size_t part = AREA_CHUNK / POPULATE_THREADS;
-    /* The parts are fixed (a quarter each); with fewer threads, the calling one takes the rest. */
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setstacksize(&attr, 64 * 1024);
-    for (int i = 1; i < threads; i++)
-        started[i] = pthread_create(&helpers[i], &attr, populate_part, host + (size_t)i * part) == 0;
-    pthread_attr_destroy(&attr);
-    for (int i = 0; i < POPULATE_THREADS; i++)
-        if (!started[i]) populate_part(host + (size_t)i * part);
-    for (int i = 1; i < threads; i++)
-        if (started[i]) pthread_join(helpers[i], NULL);
-}
-
 /* Registers a chunk of our own mapping, or says which error refused it. */
 static CUresult register_mapping(char *host) {
     if (nvs_real.cuMemHostRegister_v2 == NULL) return CUDA_ERROR_NOT_FOUND;
@@ -361,7 +328,8 @@ static CUresult register_mapping(char *host) {
 static CUresult pin_chunk(struct chunk *c) {
     if (!__atomic_load_n(&registering_failed, __ATOMIC_RELAXED)) {
         char *mapped = map_chunk();
-        if (mapped != NULL) populate(mapped);
+        /* Advice only: where it fails (a kernel before 5.14, no memory) registering populates. */
+        if (mapped != NULL) nvs_populate(mapped, AREA_CHUNK);
         CUresult r = mapped == NULL ? CUDA_ERROR_OUT_OF_MEMORY : register_mapping(mapped);
         if (r == CUDA_SUCCESS) {
             c->host = mapped;

@@ -11,11 +11,15 @@
  * is made 0700 and refused (a warning, then the private area) when it is a symbolic link, not
  * ours, open to group or others, not on tmpfs or hugetlbfs, or holds a file that is not ours.
  *
- * What: files segment-<k> of NVSHARE_POOL_SEGMENT bytes (512 MiB), made present once by their
- * maker (fallocate: 0.10 s per GiB on an H200's /dev/shm, the fastest way measured), mapped
- * MAP_SHARED (advised MADV_HUGEPAGE and MADV_DONTFORK) and registered PORTABLE in every member by
- * its pinner thread, ahead of need (0.22 s per GiB in the first process, 0.095 in the next:
- * benchmarks/results/swap-paths-h200-2026-11-28-shared.json). And MAP_NAME, the shared state:
+ * What: files segment-<k> of NVSHARE_POOL_SEGMENT bytes (512 MiB), mapped MAP_SHARED (advised
+ * MADV_HUGEPAGE and MADV_DONTFORK) and registered PORTABLE in every member by its pinner thread,
+ * ahead of need. Their maker makes the pages present from several threads before it registers
+ * them (populate.c): registering absent pages cost 0.40 s per GiB on an H200's /dev/shm (0.21 in
+ * a tmpfs mounted huge=always), present ones 0.04 (0.02), making them present 0.19 (0.06); the
+ * other members register the present pages in 0.15 (0.025) s per GiB
+ * (benchmarks/results/pool-pinning-h200-2026-11-28.json). Huge pages make the pool grow two to
+ * three times as fast: docs/interceptor.md, "The pool", says how to give it some. And MAP_NAME,
+ * the shared state:
  * a robust process-shared mutex over the segment table (state, owner, file, which members have
  * it registered) and the member table (what each member's scheduler wants).
  *
@@ -72,6 +76,7 @@
 #include "loader.h"
 #include "log.h"
 #include "pool.h"
+#include "populate.h"
 
 #define POOL_MAGIC 0x6e76732d706f6f6cull /* "nvs-pool" */
 #define MAP_NAME "pool-1.map"            /* the layout's version is in the name */
@@ -641,11 +646,21 @@ static void register_existing(const struct action *a) {
     nvs_debug("swap pool: registered %s (%zu bytes) in %.3f s", name, segment_bytes, nvs_now() - since);
 }
 
+/* A new segment's pages, present before they are registered (populate.c); where the kernel has
+ * no MADV_POPULATE_WRITE (before 5.14), fallocate makes them present and registering maps them.
+ * 0, or why not (an errno). */
+static int make_present(int fd, char *host) {
+    int error = nvs_populate(host, segment_bytes);
+    if (error == EINVAL) error = fallocate(fd, 0, 0, (off_t)segment_bytes) == 0 ? 0 : errno;
+    return error;
+}
+
 /* Makes segment a->index: the file, present, mapped and registered here; then READY for all. */
 static void create(const struct action *a) {
     char name[32], why[160] = "";
     segment_name(a->index, name, sizeof name);
     double since = nvs_now(), present = 0;
+    int error = 0;
     int fd = openat(dir_fd, name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0 && errno == EEXIST && unlinkat(dir_fd, name, 0) == 0) /* not in the table: a stray */
         fd = openat(dir_fd, name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
@@ -653,10 +668,14 @@ static void create(const struct action *a) {
     char *host = NULL;
     if (fd < 0)
         snprintf(why, sizeof why, "it cannot be made: %s", strerror(errno));
-    else if (ftruncate(fd, (off_t)segment_bytes) != 0 || fallocate(fd, 0, 0, (off_t)segment_bytes) != 0)
-        snprintf(why, sizeof why, "its %zu bytes cannot be had: %s", segment_bytes, strerror(errno));
-    else if (file_status(fd, &st) != 0 || (host = map_segment(fd)) == NULL)
+    else if (ftruncate(fd, (off_t)segment_bytes) != 0 || file_status(fd, &st) != 0 || (host = map_segment(fd)) == NULL)
         snprintf(why, sizeof why, "it cannot be mapped: %s", strerror(errno));
+    else if ((error = make_present(fd, host)) != 0) {
+        snprintf(why, sizeof why, "its %zu bytes cannot be had: %s", segment_bytes,
+                 error == EFAULT ? "shared memory is full" : strerror(error));
+        munmap(host, segment_bytes);
+        host = NULL;
+    }
     if (fd >= 0) close(fd);
     present = nvs_now() - since;
     CUresult r = host != NULL ? register_segment(host) : CUDA_SUCCESS;

@@ -5,7 +5,10 @@
 # 6 x 30 GiB on one card, scheduler defaults but for admission_share=1: the six tenants are one user's,
 # and 0.75 of the node's capacity would hold the sixth's load back for the admission timeout), vmm
 # (bench_vmm_swap.py: segments, torch, jax, nccl: NCCL needs two GPUs), pair (issue 18's pair, sequential
-# and swap). Needs the wheels of trio, outcome, sniffio and pyzmq in .whl/ when the machine lacks them.
+# and swap), pool-probe (probe_pool_pinning.py: what growing the swap pool costs, in /dev/shm and in a
+# tmpfs mounted with huge=always), pair-hugepool (the pair's swap run with its pool in that tmpfs). The
+# huge tmpfs is mounted at $HUGE_POOL (default /tmp/nvshare-huge): run as root, or the whole script
+# under `unshare -Urm` (a user namespace of its own may mount a tmpfs). Needs the wheels of trio, outcome, sniffio and pyzmq in .whl/ when the machine lacks them.
 # Writes everything under $OUT (or ./gpu-out); each part's JSON and a tarball of its logs.
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -20,6 +23,11 @@ python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__ve
 # HOST_GIB: the host's free memory where MemAvailable starts small and grows as memory is used
 # (the two-GPU machines here: 31 GiB at first, 256 GiB the limit).
 TENANTS=(python3 benchmarks/bench_tenants.py --gpu --scheduler-option admission_share=1 ${HOST_GIB:+--host-gib $HOST_GIB})
+HUGE_POOL=${HUGE_POOL:-/tmp/nvshare-huge}
+huge_pool() {
+    mkdir -p "$HUGE_POOL" && { mountpoint -q "$HUGE_POOL" ||
+        mount -t tmpfs -o huge=always,mode=0700 nvshare-huge "$HUGE_POOL"; } && grep " $HUGE_POOL " /proc/mounts
+}
 for part in "$@"; do
     logs=$OUT/logs-$part; mkdir -p "$logs"
     case $part in
@@ -34,6 +42,13 @@ for part in "$@"; do
              2>&1 | tail -25 ;;
     pair) NVSHARE_BENCH_LOGS=$logs timeout 300 python3 benchmarks/bench_colocation.py --gpu --working-set pair \
               --ws-modes sequential swap --out "$OUT" 2>&1 | tail -12 ;;
+    pool-probe) huge_pool || echo "no huge tmpfs: /dev/shm only"
+        dirs=(/dev/shm); mountpoint -q "$HUGE_POOL" && dirs+=("$HUGE_POOL")
+        timeout 300 python3 benchmarks/gpu/probe_pool_pinning.py --gib 4 --out "$OUT/pool-pinning.json" "${dirs[@]}" \
+            2>&1 | tail -40 ;;
+    pair-hugepool) huge_pool || { echo "no huge tmpfs: $part not run"; continue; }
+        NVSHARE_POOL_DIR=$HUGE_POOL NVSHARE_BENCH_LOGS=$logs timeout 300 python3 benchmarks/bench_colocation.py --gpu \
+            --working-set pair --ws-modes swap --out "$OUT/hugepool" 2>&1 | tail -12 ;;
     *) echo "unknown part $part" >&2 ;;
     esac
     tar czf "$OUT/logs-$part.tgz" -C "$OUT" "logs-$part" && rm -rf "$logs"
