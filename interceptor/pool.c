@@ -13,12 +13,15 @@
  *
  * What: files segment-<k> of NVSHARE_POOL_SEGMENT bytes (512 MiB), mapped MAP_SHARED (advised
  * MADV_HUGEPAGE and MADV_DONTFORK) and registered PORTABLE in every member by its pinner thread,
- * ahead of need. Their maker makes the pages present from several threads before it registers
- * them (populate.c): registering absent pages cost 0.40 s per GiB on an H200's /dev/shm (0.21 in
- * a tmpfs mounted huge=always), present ones 0.04 (0.02), making them present 0.19 (0.06); the
- * other members register the present pages in 0.15 (0.025) s per GiB
- * (benchmarks/results/pool-pinning-h200-2026-11-28.json). Huge pages make the pool grow two to
- * three times as fast: docs/interceptor.md, "The pool", says how to give it some. And MAP_NAME,
+ * ahead of need. Each member makes the pages present and mapped from several threads before it
+ * registers them (populate.c; the maker makes them, the others map them): registering holds the
+ * driver, and a process's copies wait meanwhile. On an H200, copies into registered segments
+ * ran at 18.9 GB/s (/dev/shm) and 7.6 GB/s (a tmpfs mounted huge=always) beside a thread that
+ * fallocated and registered more, at 45.9 and 44.8 GB/s beside one that made them present first
+ * (52.5 alone); registering absent pages cost 0.40-0.49 s per GiB (0.21), present ones 0.04-0.11
+ * (0.02-0.03) (benchmarks/results/pool-pinning-h200-2026-11-28*.json). Huge pages make the pool
+ * grow two to three times as fast: docs/interceptor.md, "The pool", says how to give it some.
+ * And MAP_NAME,
  * the shared state:
  * a robust process-shared mutex over the segment table (state, owner, file, which members have
  * it registered) and the member table (what each member's scheduler wants).
@@ -636,6 +639,9 @@ static void register_existing(const struct action *a) {
         nvs_debug("swap pool: %s is not the file the pool names: retired", name);
         return;
     }
+    /* Mapped here first (the pages exist: its maker made them), as its maker does: advice, where
+     * it fails registering maps them. */
+    nvs_populate(host, segment_bytes);
     CUresult r = register_segment(host);
     if (r != CUDA_SUCCESS) {
         munmap(host, segment_bytes);

@@ -13,6 +13,9 @@ with `--gib` per variant, each in seconds per GiB:
 - mapping present pages first (MADV_POPULATE_WRITE, four threads) and registering afterwards;
 - making and mapping them in one step (MADV_POPULATE_WRITE without fallocate, four threads);
 - registering the same files in a second process (as the pool's other members do);
+- pinned copies out of device memory (managed, resident, as a swap-out's) into segments
+  registered before, alone and beside a thread that grows the pool meanwhile, the old way
+  (fallocate, register) and the new one (made present from four threads, register): GB/s;
 
 and how much of the memory came as huge pages (ShmemHugePages in /proc/meminfo). No nvshare
 involved: plain ctypes calls (the entry points of bench_swap_paths.py). Writes one JSON document
@@ -163,6 +166,72 @@ def probe(directory: Path, count: int) -> dict:
     return out
 
 
+def copies_beside_growth(directory: Path, count: int) -> dict:
+    """GB/s of DtoH copies into `count` registered segments while nothing else happens, and while
+    another thread makes and registers `count` more segments (each way)."""
+    cuda = Driver()
+    cuda.context(0)
+    api = Api()
+    libc = libc_for_maps()
+    nbytes = count * SEGMENT
+    managed = cuda.alloc(nbytes, "managed")
+    cuda.fill(managed, 7, nbytes // 4)
+    cuda.synchronize()
+    stream = cuda.create_stream()
+    target = Files(libc, directory, "target", count)
+    made = [target]
+    out: dict = {}
+    try:
+        target.fallocate(target.fds)
+        target.map()
+        register(api, target.maps)
+
+        def copy_once() -> None:
+            for k, address in enumerate(target.maps):
+                api.check("cuMemcpyDtoHAsync", c_void_p(address), managed + k * SEGMENT, SEGMENT, c_void_p(stream))
+            cuda.stream_synchronize(stream)
+
+        def copying_while(growing: threading.Thread | None) -> float:
+            copy_once()  # warm
+            copied, start = 0, time.perf_counter()
+            if growing is not None:
+                growing.start()
+            while copied == 0 or (growing is not None and growing.is_alive()):
+                copy_once()
+                copied += nbytes
+            seconds = time.perf_counter() - start
+            if growing is not None:
+                growing.join()
+            return round(copied / seconds / 1e9, 2)
+
+        out["alone_GBps"] = copying_while(None)
+        for way in ("fallocate_then_register", "populate_4_threads_then_register"):
+            files = Files(libc, directory, way, count)
+            made.append(files)
+            files.map()
+
+            def grow(files: Files = files, way: str = way) -> None:
+                cuda.context(0)
+                if way.startswith("fallocate"):
+                    files.fallocate(files.fds)
+                else:
+                    on_threads(cuda, files.populate, [files.maps[k::THREADS] for k in range(THREADS)])
+                register(api, files.maps)
+
+            start = time.perf_counter()
+            out[f"beside_{way}_GBps"] = copying_while(threading.Thread(target=grow))
+            out[f"{way}_growth_s_per_gib"] = round((time.perf_counter() - start) / (nbytes / GIB), 4)
+    except (OSError, RuntimeError) as exc:
+        out["error"] = str(exc)
+    finally:
+        for files in made:
+            files.close(api if "error" not in out else None)
+            for path in files.paths:
+                path.unlink(missing_ok=True)
+        cuda.free(managed)
+    return out
+
+
 def mount_options(directory: Path) -> str | None:
     best = None
     for line in Path("/proc/mounts").read_text().splitlines():
@@ -193,7 +262,8 @@ def main() -> None:
         work = directory / f"nvshare-probe-{os.getpid()}"
         work.mkdir(mode=0o700)
         try:
-            document[str(directory)] = {"mount": mount_options(directory), **probe(work, count)}
+            document[str(directory)] = {"mount": mount_options(directory), **probe(work, count),
+                                        "copies": copies_beside_growth(work, count)}
         finally:
             work.rmdir()
     text = json.dumps(document, indent=1)

@@ -429,17 +429,32 @@ static int advised_huge(uintptr_t start, size_t bytes)
     return huge && covered >= end;
 }
 
-/* The bytes of [start, start + bytes) whose pages are present (mincore); 0 where it cannot tell. */
+/* The bytes of [start, start + bytes) whose pages are present in this process's page tables
+ * (/proc/self/pagemap, bit 63): what registering finds mapped, and so need not make or map
+ * itself. Pages of a shared file that another process made are not mapped here until this one
+ * touches them, as on a real host. Where pagemap cannot be read, the pages in memory (mincore);
+ * 0 where neither can tell. */
 static size_t present_bytes(uintptr_t start, size_t bytes)
 {
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
     uintptr_t first = start & ~(uintptr_t)(page - 1);
     size_t pages = (start + bytes - first + page - 1) / page, present = 0;
-    unsigned char *map = malloc(pages);
-    if (map && mincore((void *)first, start + bytes - first, map) == 0)
+    uint64_t *entries = malloc(pages * sizeof *entries);
+    int fd = entries ? open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC) : -1;
+    ssize_t wanted = (ssize_t)(pages * sizeof *entries);
+    if (fd >= 0 && pread(fd, entries, (size_t)wanted, (off_t)(first / page * sizeof *entries)) == wanted) {
         for (size_t i = 0; i < pages; i++)
-            present += map[i] & 1;
-    free(map);
+            present += entries[i] >> 63;
+    } else {
+        unsigned char *map = malloc(pages);
+        if (map && mincore((void *)first, start + bytes - first, map) == 0)
+            for (size_t i = 0; i < pages; i++)
+                present += map[i] & 1;
+        free(map);
+    }
+    if (fd >= 0)
+        close(fd);
+    free(entries);
     present *= page;
     return present < bytes ? present : bytes;
 }
