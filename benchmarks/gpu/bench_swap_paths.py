@@ -463,13 +463,36 @@ def handoff(nbytes: int) -> dict:
 # --- part 4: how fast pinned memory can be had ---------------------------------------------------------
 
 
+def on_threads(cuda: Driver, work, shares: list) -> float:
+    """Seconds for `work(share)` on a thread per share, each with the context current; a thread's
+    failure is raised here."""
+    import threading
+
+    failures: list[BaseException] = []
+
+    def run(share) -> None:
+        try:
+            cuda.context(0)
+            work(share)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller
+            failures.append(exc)
+
+    start = time.perf_counter()
+    workers = [threading.Thread(target=run, args=(share,)) for share in shares]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    if failures:
+        raise RuntimeError(f"a probe thread failed: {failures[0]}")
+    return time.perf_counter() - start
+
+
 def pinning(nbytes: int) -> dict:
     """Seconds per GiB to pin `nbytes` in 64 MiB chunks: cuMemHostAlloc one after the other and
     from 2, 4 and 8 threads at once;
     cuMemHostRegister of ordinary memory, of memory advised to transparent huge pages
     (MADV_HUGEPAGE), and from 4 threads at once (each registering its own chunks)."""
-    import threading
-
     cuda = Driver()
     cuda.context(0)
     api = Api()
@@ -481,17 +504,7 @@ def pinning(nbytes: int) -> dict:
 
     def timed_on_threads(work, shares: list) -> float:
         """Seconds per GiB for `work(share)` on a thread each (the context current there too)."""
-        def run(share) -> None:
-            cuda.context(0)
-            work(share)
-
-        start = time.perf_counter()
-        workers = [threading.Thread(target=run, args=(share,)) for share in shares]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-        return round((time.perf_counter() - start) / per_gib, 4)
+        return round(on_threads(cuda, work, shares) / per_gib, 4)
 
     def host_alloc(threads: int) -> float:
         hosts: list[c_void_p] = []

@@ -37,33 +37,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_swap_paths import CU_MEMHOSTREGISTER_PORTABLE, GIB, Api, Driver, libc_for_maps, meminfo  # noqa: E402
+from bench_swap_paths import (CU_MEMHOSTREGISTER_PORTABLE, GIB, Api, Driver, libc_for_maps, meminfo,  # noqa: E402
+                              on_threads)
 
 SEGMENT = 512 << 20  # the pool's (NVSHARE_POOL_SEGMENT); --segment-mib changes it
 MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23
 THREADS = 4
-
-
-def on_threads(cuda: Driver, work, shares: list) -> float:
-    """Seconds for `work(share)` on a thread per share, each with the context current."""
-    failures: list[BaseException] = []
-
-    def run(share) -> None:
-        try:
-            cuda.context(0)
-            work(share)
-        except BaseException as exc:  # noqa: BLE001 - reported with the result
-            failures.append(exc)
-
-    start = time.perf_counter()
-    workers = [threading.Thread(target=run, args=(share,)) for share in shares]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    if failures:
-        raise RuntimeError(f"a probe thread failed: {failures[0]}")
-    return time.perf_counter() - start
 
 
 class Files:
@@ -95,13 +74,16 @@ class Files:
             if self.libc.madvise(c_void_p(address), SEGMENT, MADV_POPULATE_WRITE) != 0:
                 raise OSError(ctypes.get_errno(), "MADV_POPULATE_WRITE")
 
-    def close(self, api: Api | None) -> None:
+    def remove(self, api: Api | None, unlink: bool = True) -> None:
+        """Unregistered (with `api`), unmapped, closed and removed (`unlink`)."""
         for address in self.maps:
             if api is not None:
                 api.check("cuMemHostUnregister", c_void_p(address))
             self.libc.munmap(c_void_p(address), SEGMENT)
         for fd in self.fds:
             os.close(fd)
+        for path in self.paths if unlink else ():
+            path.unlink(missing_ok=True)
 
 
 def register(api: Api, maps: list[int]) -> None:
@@ -116,7 +98,7 @@ def second_process(directory: str, prefix: str, count: int) -> None:
     files.map()
     api = Api()
     seconds = on_threads(cuda, lambda maps: register(api, maps), [files.maps])
-    files.close(api)
+    files.remove(api, unlink=False)  # the first process's files
     print(json.dumps({"register_s_per_gib": round(seconds / (count * SEGMENT / GIB), 4)}))
 
 
@@ -160,9 +142,7 @@ def probe(directory: Path, count: int) -> dict:
         out["error"] = str(exc)
     finally:
         for files in made:
-            files.close(api if "error" not in out else None)
-            for path in files.paths:
-                path.unlink(missing_ok=True)
+            files.remove(api if "error" not in out else None)
     return out
 
 
@@ -225,9 +205,7 @@ def copies_beside_growth(directory: Path, count: int) -> dict:
         out["error"] = str(exc)
     finally:
         for files in made:
-            files.close(api if "error" not in out else None)
-            for path in files.paths:
-                path.unlink(missing_ok=True)
+            files.remove(api if "error" not in out else None)
         cuda.free(managed)
     return out
 
