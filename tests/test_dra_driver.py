@@ -94,8 +94,10 @@ class DriverProcess:
                  socket_dir: Path | None = None):
         self.node = node
         self.log_path = node.root / f"driver-{time.monotonic_ns()}.log"
+        # PYTHONFAULTHANDLER: a driver that does not end in time is sent SIGABRT (`wait`), and
+        # the log then shows where each of its threads was.
         env = child_env(extra={"LD_LIBRARY_PATH": str(nvml_dir), "SIMCUDA_DEVICES": "2", "SIMCUDA_MEMORY": "16G",
-                               "PYTHONUNBUFFERED": "1"})
+                               "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
         command = [sys.executable, "-m", "nvshare_py.dra", "serve", "--node-name", NODE,
                    "--api-server", apiserver.url, "--api-credentials", str(apiserver.directory),
                    "--registry-dir", str(node.registry), "--plugins-dir", str(node.plugins), "--cdi-dir", str(node.cdi),
@@ -111,10 +113,20 @@ class DriverProcess:
         wait_for(lambda: text in self.log() or self.process.poll() is not None, PATIENCE, f"{text!r} in the log")
         assert text in self.log(), self.log()
 
+    def wait(self) -> int:
+        """Its exit status; a driver still running after PATIENCE is aborted and fails the test
+        with its log (and its threads' stacks)."""
+        try:
+            return self.process.wait(PATIENCE)
+        except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGABRT)
+            self.process.wait(PATIENCE)
+            raise AssertionError(f"the driver did not end within {PATIENCE:g} s; its log:\n{self.log()}") from None
+
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.process.poll() is None:
             self.process.send_signal(sig)
-        return self.process.wait(PATIENCE)
+        return self.wait()
 
 
 @pytest.fixture
@@ -231,7 +243,7 @@ def test_a_kubelet_that_refuses_the_driver_ends_it(node, apiserver, start_driver
     kubelet = DraKubeletStandin(node.registry, services=("v2.DRAPlugin",)).start()
     try:
         with start_driver() as driver:
-            assert driver.process.wait(PATIENCE) == 1
+            assert driver.wait() == 1
             assert f"the kubelet refused to register {DRIVER}: none of services supported by the plugin" in driver.log()
             assert not (node.registry / f"{DRIVER}-reg.sock").exists()
     finally:
@@ -330,7 +342,7 @@ def test_a_damaged_checkpoint_stops_the_driver_saying_so(node, apiserver, start_
     node.checkpoint.parent.mkdir(parents=True)
     node.checkpoint.write_text("{not json")
     with start_driver() as driver:
-        assert driver.process.wait(PATIENCE) == 1
+        assert driver.wait() == 1
         assert f"the checkpoint {node.checkpoint} is damaged" in driver.log()
 
 

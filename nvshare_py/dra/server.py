@@ -238,10 +238,10 @@ class Driver:
         while True:
             await self._wait_for_directory(self.config.registry_dir)
             self.config.plugin_dir.mkdir(parents=True, exist_ok=True)
-            servers = []
+            servers: list[grpc.aio.Server] = []
             try:
-                servers.append(await self._start(self.config.dra_socket, self._add_dra_services))
-                servers.append(await self._start(self.config.registration_socket, self._add_registration))
+                await self._start(self.config.dra_socket, self._add_dra_services, servers)
+                await self._start(self.config.registration_socket, self._add_registration, servers)
                 log.info("serving DRA (%s) on %s, registration on %s", ", ".join(SUPPORTED_SERVICES),
                          self.config.dra_socket, self.config.registration_socket)
                 reason = await self._wait_for_reset()
@@ -267,7 +267,10 @@ class Driver:
     def _add_registration(self, server: grpc.aio.Server) -> None:
         registration_pb2_grpc.add_RegistrationServicer_to_server(RegistrationService(self), server)
 
-    async def _start(self, path: Path, add_services) -> grpc.aio.Server:
+    async def _start(self, path: Path, add_services, servers: list[grpc.aio.Server]) -> None:
+        """A server listening on `path`, added to `servers` before it starts: the kubelet may
+        answer the registration (and a refusal end the driver) while it starts, and a server
+        that was listening must be stopped all the same."""
         _remove_stale_socket(path)
         server = grpc.aio.server()
         add_services(server)
@@ -275,9 +278,9 @@ class Driver:
             server.add_insecure_port(f"unix://{path}")
         except RuntimeError as error:
             raise DriverError(f"cannot listen on {path}: {error}") from None
-        await server.start()
         self._identities[path] = _identity(path)
-        return server
+        servers.append(server)
+        await server.start()
 
     async def _wait_for_reset(self) -> str:
         while True:
