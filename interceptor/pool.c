@@ -21,10 +21,9 @@
  * (52.5 alone); registering absent pages cost 0.40-0.49 s per GiB (0.21), present ones 0.04-0.11
  * (0.02-0.03) (benchmarks/results/pool-pinning-h200-2026-11-28*.json). Huge pages make the pool
  * grow two to three times as fast: docs/interceptor.md, "The pool", says how to give it some.
- * And MAP_NAME,
- * the shared state:
- * a robust process-shared mutex over the segment table (state, owner, file, which members have
- * it registered) and the member table (what each member's scheduler wants).
+ * And MAP_NAME, the shared state: a robust process-shared mutex over the segment table (state,
+ * owner, file, which members have it registered) and the member table (what each member's
+ * scheduler wants).
  *
  * Who owns what: a whole segment belongs to one member at a time. Inside it, area.c hands out
  * pages as in its own chunks: claiming a free segment registered here replaces pinning a chunk

@@ -4,12 +4,12 @@
  * it was no faster). Made present first, from several threads, the kernel spreads that work over
  * cores, and registering only pins what is mapped, in a tenth of the time:
  *
- *                                   make present          register    (s per GiB, H200 host)
- *   anonymous, transparent huge      0.05  (4 threads)     0.02
- *   /dev/shm (4 KiB pages)           0.19  (4 threads)     0.04        fallocate + register: 0.19 + 0.40
- *   tmpfs mounted huge=always        0.06  (4 threads)     0.02        fallocate + register: 0.003 + 0.21
+ *                                make present (4 threads)  register   (s per GiB, H200 hosts)
+ *   anonymous, transparent huge   0.05                      0.02
+ *   /dev/shm (4 KiB pages)        0.19-0.68                 0.04-0.11  fallocate + register: 0.14-0.19 + 0.40-0.49
+ *   tmpfs mounted huge=always     0.06-0.10                 0.02-0.03  fallocate + register: 0.003 + 0.21
  *
- * (benchmarks/results/swap-paths-h200-2026-11-28-pinning.json, pool-pinning-h200-2026-11-28.json.)
+ * (benchmarks/results/swap-paths-h200-2026-11-28-pinning.json, pool-pinning-h200-2026-11-28*.json.)
  */
 #define _GNU_SOURCE
 #include <errno.h>
