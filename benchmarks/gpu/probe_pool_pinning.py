@@ -112,9 +112,9 @@ def probe(directory: Path, count: int) -> dict:
     huge_before = meminfo().get("ShmemHugePages", 0)
     made: list[Files] = []
     try:
-        one, four, mapped_first, faulted = (Files(libc, directory, name, count)
-                                            for name in ("one", "four", "mapped", "faulted"))
-        made += [one, four, mapped_first, faulted]
+        for name in ("one", "four", "mapped", "faulted"):
+            made.append(Files(libc, directory, name, count))  # each removed at the end, even if the next fails
+        one, four, mapped_first, faulted = made
         out["fallocate_s_per_gib"] = round(on_threads(cuda, one.fallocate, [one.fds]) / gib, 4)
         out["fallocate_4_threads_s_per_gib"] = round(
             on_threads(cuda, four.fallocate, [four.fds[k::THREADS] for k in range(THREADS)]) / gib, 4)

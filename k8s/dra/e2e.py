@@ -178,6 +178,19 @@ class Run:
     def example(self, name: str) -> list[dict]:
         return [doc for doc in yaml.safe_load_all((REPO / "k8s/dra/examples" / name).read_text()) if doc]
 
+    def deploy(self, name: str, selector: str, replicas: int, check: str, detail: str) -> list[dict]:
+        """Example `name`: what its pods use, then a Deployment of `replicas` of them (localised),
+        applied; check `check` waits until they all run. Its pods (none if they never ran)."""
+        used, deployment = self.example(name)
+        deployment["spec"]["replicas"] = replicas
+        self.cluster.apply(used)
+        self.cluster.apply(self.localise(deployment))
+
+        def running() -> list[dict] | bool:
+            return self.all_running("nvshare-examples", selector, replicas)
+        self.check(check, detail, running)
+        return running() or []
+
     def pod(self, namespace: str, name: str) -> dict:
         return self.cluster.get("pod", name, "-n", namespace)
 
@@ -369,14 +382,8 @@ class Run:
               and notebook["metadata"]["uid"] not in json.dumps(self.nvsharectl("status").get("settings")))
 
         # One claim, two pods.
-        claim, deployment = self.example("shared-claim.yaml")
-        cluster.apply(claim)
-        cluster.apply(self.localise(deployment))
-
-        def workers():
-            return self.all_running("nvshare-examples", "app=shared-gpu-workers", 2)
-        check("shared-running", "two pods of one ResourceClaim run", workers)
-        pair = workers() or []
+        pair = self.deploy("shared-claim.yaml", "app=shared-gpu-workers", 2, "shared-running",
+                           "two pods of one ResourceClaim run")
         shared = cluster.get("resourceclaim", "shared-gpu", "-n", "nvshare-examples")
         check("shared-reserved", "the claim is reserved for both pods",
               lambda: {entry["uid"] for entry in cluster.get("resourceclaim", "shared-gpu", "-n", "nvshare-examples")
@@ -450,15 +457,8 @@ class Run:
             return next((device["mode"] for device in self.nvsharectl("status")["devices"]
                          if device["device"] == gpu), None)
         default_mode = mode_of(uuid(0))
-        template, deployment = self.example("side-by-side.yaml")
-        deployment["spec"]["replicas"] = 2
-        cluster.apply(template)
-        cluster.apply(self.localise(deployment))
-
-        def side_by_side():
-            return self.all_running("nvshare-examples", "app=side-by-side-inference", 2)
-        check("mode-running", "two pods whose claims ask for mode auto run on GPU 1", side_by_side)
-        servers = side_by_side() or []
+        servers = self.deploy("side-by-side.yaml", "app=side-by-side-inference", 2, "mode-running",
+                              "two pods whose claims ask for mode auto run on GPU 1")
         check("mode-set", "while their claims are prepared, GPU 1 is in mode auto and GPU 0 keeps the default",
               lambda: mode_of(uuid(1)) == "auto" and mode_of(uuid(0)) == default_mode)
         check("mode-limits", "each of their clients has the claim's 3 GiB limit on GPU 1",
