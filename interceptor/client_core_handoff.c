@@ -143,6 +143,11 @@ static int drains_with_others(const struct nvs_core *c) {
 void handle_contended(struct nvs_core *c, struct nvs_core_device *d, const struct nvs_msg *m, double now) {
     d->contended_evict = m->evict;
     d->contended_idle_ms = m->idle_ms;
+    /* A shorter window is looked at as often as it needs from now on: the look planned for the
+     * window before (up to IDLE_CHECK_PERIOD_MAX_S away) would add its wait to the waiter's. */
+    long window = idle_window_ms(c, d);
+    if (window > 0 && now + idle_check_period(window) < d->idle_next_check)
+        d->idle_next_check = now + idle_check_period(window);
     if (!c->config.predrain) {
         core_log(c, LOG_DEBUG, "others wait for %s; no pre-drain (NVSHARE_PREDRAIN=0)", d->uuid);
     } else if (drains_with_others(c)) {

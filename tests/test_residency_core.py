@@ -462,6 +462,43 @@ def test_a_holder_whose_release_moves_nothing_of_its_own_is_told_a_short_idle_wi
         assert (contended.evict, contended.idle_ms) == (0, told)
 
 
+def test_a_holder_whose_pauses_are_long_is_released_sooner_than_one_whose_pauses_are_short():
+    """Three servers asked every second in mode on waited for each other's contended window
+    (0.1 s each: the third 0.25 s for a request of 11 ms). A holder whose last pause away from
+    the device lasted at least two windows (a server between requests) is told a tenth of the
+    window; one that came back within that (a training job's short host pause) keeps the window,
+    and a long pause followed by a short one gives the window back."""
+    c = Cluster(budget=16 * GiB)
+    c.core = SchedulerCore(CoreConfig(tq=30.0, heartbeat_timeout=1e6, heartbeat_interval=1e5,
+                                      idle_release_contended=0.1), c.now)
+    c.join("a", 4 * GiB, 0)
+    c.join("b", 4 * GiB, 0)
+
+    def contended_window_after_pause(pause: float) -> int:
+        c.feed(AcquireRequest(c.now, "a", DEV))
+        grant = c.grant_of("a")
+        c.now += 0.01
+        c.feed(ReleaseReport(c.now, "a", DEV, grant.grant, "idle", 4 * GiB))
+        c.now += pause
+        c.feed(AcquireRequest(c.now, "a", DEV))
+        c.grant_of("a")
+        c.feed(AcquireRequest(c.now, "b", DEV))
+        (contended,) = c.sent(protocol.Contended, "a")
+        assert contended.evict == 0, contended  # its release moves nothing: the window is free
+        c.now += 0.01
+        c.feed(ReleaseReport(c.now, "a", DEV, contended.grant, "idle", 4 * GiB))
+        b_grant = c.grant_of("b")
+        c.now += 0.01
+        c.feed(ReleaseReport(c.now, "b", DEV, b_grant.grant, "idle", 4 * GiB))
+        return contended.idle_ms
+
+    assert contended_window_after_pause(0.9) == 10  # a server asked every second
+    assert contended_window_after_pause(0.3) == 10  # three windows: long enough
+    assert contended_window_after_pause(0.05) == 100  # a short host pause: the window stays
+    assert contended_window_after_pause(5.0) == 10
+    assert contended_window_after_pause(0.0) == 100
+
+
 def test_an_unmeasured_price_does_not_keep_an_idle_holder():
     """Issue 29: the sixth tenant held the GPU idle for 48.6 s while five asked, because its
     handoff was priced at the slow path nobody had measured. Only measured prices lengthen the

@@ -1,7 +1,8 @@
 #!/bin/bash
 # Issue 29's and issue 31's real-GPU runs, as made through the device tool (benchmarks/results/README.md):
 #   bash benchmarks/gpu/run_issue29.sh PART...
-# PART: smoke (2 tenants of 1 GiB, one round: the script itself), tenants-on, tenants-auto (the issue's
+# PART: smoke (2 tenants of 1 GiB, one round: the script itself), hot-cold-small (6 x 12 GiB under a
+# 48 GiB budget, mode on, the hot-cold scenario alone: what fits one H200's host), tenants-on, tenants-auto (the issue's
 # 6 x 30 GiB on one card, scheduler defaults but for admission_share=1: the six tenants are one user's,
 # and 0.75 of the node's capacity would hold the sixth's load back for the admission timeout), vmm
 # (bench_vmm_swap.py: segments, torch, jax, nccl: NCCL needs two GPUs), pair (issue 18's pair, sequential
@@ -38,6 +39,10 @@ for part in "$@"; do
         [ "${smoked:-0}" = 0 ] || { echo "the smoke run failed: $part not run"; continue; }
         NVSHARE_BENCH_LOGS=$logs timeout 500 "${TENANTS[@]}" --modes "${part#tenants-}" --rounds 3 --bursts 2 \
             --cold-every 20 --cold-periods 2 --baseline-requests 10 --out "$OUT/$part.json" 2>&1 | tail -25 ;;
+    hot-cold-small)  # warm requests in mode on beside cold ones, at a size a single H200's host holds
+        NVSHARE_BENCH_LOGS=$logs timeout 240 "${TENANTS[@]}" --tenants 6 --gib 12 --budget-gib 48 --modes on \
+            --scenarios hot-cold --cold-every 20 --cold-periods 1 --baseline-requests 10 \
+            --out "$OUT/$part.json" 2>&1 | tail -25 ;;
     vmm) OUT=$OUT NVSHARE_LOG=debug NVSHARE_BENCH_LOGS=$logs timeout 400 python3 benchmarks/gpu/bench_vmm_swap.py \
              2>&1 | tail -25 ;;
     pair) NVSHARE_BENCH_LOGS=$logs timeout 300 python3 benchmarks/bench_colocation.py --gpu --working-set pair \

@@ -133,7 +133,8 @@ def serve(
     idle_release_contended: float = typer.Option(
         0.1, parser=number_between(0, DAY),
         help="While others wait, the idle window of a holder whose release would move none of its memory, so that "
-        "a tenant asked every second does not keep the GPU from the others for a quantum; 0: its usual window"),
+        "a tenant asked every second does not keep the GPU from the others for a quantum (a tenth of it for a holder whose "
+        "last pause away lasted twice this: a server between requests); 0: its usual window"),
     recovery: float = typer.Option(2.0, parser=number_between(0, DAY), help="After a restart over a previous daemon's sockets: seconds to wait for holders to reclaim their locks"),
     swapping: str = typer.Option(
         "on", metavar="on|off", parser=one_of(SWAPPING, "on or off"), help="on: a handoff over a device's memory budget moves memory in bulk (DROP evict=, EVICT, "

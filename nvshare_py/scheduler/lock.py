@@ -24,6 +24,7 @@ which changes devices through the lock in return). No clock, no I/O.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Iterator
 
 from .. import protocol
@@ -412,6 +413,7 @@ class Lock:
         dev = pair.device
         ahead = (other.client for other in itertools.chain(dev.holders.values(), dev.queue) if other is not pair)
         pair.blocked_by = tuple(itertools.islice(ahead, AHEAD_REMEMBERED))
+        pair.away = now - pair.last_held if pair.hold is None and pair.last_held > -math.inf else 0.0
         pair.waiting_since = now
         dev.queue[pair] = None
         if seq is None:

@@ -158,7 +158,7 @@ class Device:
 
 class Pair:
     __slots__ = ("client", "device", "used", "hold", "overdue", "waiting_since", "wait_total", "hold_total",
-                 "grants", "blocked_by", "last_wait", "resident", "swapped", "last_held", "held_before", "queued_seq",
+                 "grants", "blocked_by", "last_wait", "resident", "swapped", "last_held", "held_before", "away", "queued_seq",
                  "queued_grants",
                  "queued_class", "recent", "swap", "gang_queued")
 
@@ -183,6 +183,10 @@ class Pair:
         self.swapped = 0
         self.last_held = -math.inf
         self.held_before = -math.inf
+        # How long it stayed away between its last grant's end and its latest ACQUIRE (0: it
+        # asked while it still held, or had never held): how long its pauses last, as far as
+        # the scheduler sees them (residency.free_idle_ms).
+        self.away = 0.0
         self.swap = SwapState()  # its swap engine, and what it was told to prepare and prefetch
         # While waiting: its place in ACQUIRE order, the device's grants_made then, and the
         # priority class it waits in.

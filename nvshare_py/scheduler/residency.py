@@ -50,6 +50,10 @@ MIGRATE_OUT_BPS = 4e9
 SWAP_SHARE_OF_QUANTUM = 0.10
 # What a handoff costs besides moving memory: the drain, the messages, the copies' start-up.
 HANDOFF_OVERHEAD_S = 0.05
+# A holder whose last pause away lasted this many contended idle windows is released after a
+# SERVER_WINDOW_SHARE-th of the window when its release moves nothing (free_idle_ms).
+LONG_PAUSE_FACTOR = 2
+SERVER_WINDOW_SHARE = 10
 # PREPARE and PREFETCH are sent again only when what they say moved by this much (or to 0, or
 # to everything): the clients' areas grow in chunks of this size and their moves in blocks.
 STEP_BYTES = 64 << 20
@@ -223,19 +227,34 @@ def idle_ms(dev: Device, holder: Pair, grantee: Pair | None, free_ms: int) -> in
     not released for idleness shorter than that round trip, priced at the holder's measured
     pace; a busy job's short pauses do not swap both ways for less than they gain. When the
     release moves nothing of the holder's, its pauses are worth nothing to it and another tenant
-    is waiting: `free_ms` (the operator's --idle-release-contended; 0: the client's window). Only
-    a measured price counts (issue 29): a first quantum,
-    a move nobody has measured yet, or an area still being pinned keep no idle GPU from the
-    others for seconds (0: the client's own window)."""
+    is waiting: `free_ms` (the operator's --idle-release-contended; 0: the client's window), or
+    less for a holder whose pauses are long (free_idle_ms). Only a measured price counts (issue
+    29): a first quantum, a move nobody has measured yet, or an area still being pinned keep no
+    idle GPU from the others for seconds (0: the client's own window)."""
     if grantee is None:
         return 0  # it waits behind itself: nobody to let in
     evict = evict_on_drop(dev, holder, grantee)
     if not evict:
-        return free_ms
+        return free_idle_ms(holder, free_ms)
     if not holder.swap.out_bps or not holder.swap.in_bps:
         return 0
     round_trip = evict / holder.swap.out_bps + evict / holder.swap.in_bps
     return round((round_trip + HANDOFF_OVERHEAD_S) * 1000)
+
+
+def free_idle_ms(holder: Pair, free_ms: int) -> int:
+    """The idle window, while others wait, of a holder whose release moves none of its memory:
+    `free_ms`, or a tenth of it (at least 1 ms) when the holder's last pause away from the device
+    lasted at least LONG_PAUSE_FACTOR times `free_ms`. Its pauses are expected to repeat, as the
+    client's ski-rental rule expects (docs/interceptor.md): a server between requests asked every
+    second comes back long after the waiters were served, so the window only delays them (three
+    servers asked at once in mode on: the third waited for two windows, 0.25 s, for a request of
+    11 ms on the simulated driver); a training job whose host pauses are short keeps the window,
+    so that it is not handed off at every step. A single long pause of such a job buys it one
+    shorter window: its next pause, short, restores the usual one."""
+    if free_ms and holder.away >= LONG_PAUSE_FACTOR * free_ms / 1000:
+        return max(1, free_ms // SERVER_WINDOW_SHARE)
+    return free_ms
 
 
 def area_targets(devices: Iterable[Device], spill: int | None) -> dict[Pair, int]:

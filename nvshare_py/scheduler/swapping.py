@@ -120,7 +120,7 @@ class Swapping:
         free_ms = ms(self._config.idle_release_contended)
         grantee = next_other_waiter(pair, self._config.ageing)
         if not self._config.swapping:
-            return (0, free_ms if grantee is not None else 0)
+            return (0, residency.free_idle_ms(pair, free_ms) if grantee is not None else 0)
         return (self.evict_on_drop(pair), residency.idle_ms(pair.device, pair, grantee, free_ms))
 
     # --- a device settled -----------------------------------------------------------------
