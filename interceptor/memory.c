@@ -471,13 +471,25 @@ struct pending_free {
  * it while they settle a context's frees and destroy it, so no free outlives its context. */
 static struct pending_free *pending;
 static _Atomic int n_pending;
+/* Polls (nvs_memory_poll_frees) that have taken pending frees off the list to query their
+ * events; under mem_mu, by the polling threads. A settle (nvs_memory_settle_frees) waits on
+ * polls_back until none has: it would find the list without the frees it must wait for, and an
+ * allocation that needed one of them was refused (CI under two CPU hogs). */
+static int polls_out;
+static pthread_cond_t polls_back = PTHREAD_COND_INITIALIZER;
 
 int nvs_memory_frees_pending(void) { return atomic_load(&n_pending) > 0; }
 
-/* Detach the pending frees `take` selects; the rest stay. */
-static struct pending_free *detach_pending(int (*take)(const struct pending_free *, const void *), const void *arg) {
+/* Detach the pending frees `take` selects; the rest stay. A poll says so (`poll`: it gives them
+ * back with give_back_pending); anyone else first waits until no poll has any out. */
+static struct pending_free *detach_pending(int (*take)(const struct pending_free *, const void *), const void *arg,
+                                           int poll) {
     struct pending_free *taken = NULL;
     pthread_mutex_lock(&mem_mu);
+    if (poll)
+        polls_out++;
+    else
+        while (polls_out > 0) pthread_cond_wait(&polls_back, &mem_mu);
     for (struct pending_free **link = &pending; *link != NULL;) {
         struct pending_free *p = *link;
         if (take(p, arg)) {
@@ -492,13 +504,16 @@ static struct pending_free *detach_pending(int (*take)(const struct pending_free
     return taken;
 }
 
-static void give_back_pending(struct pending_free *list) {
-    if (list == NULL) return;
+/* Put `list` back on the pending list; `poll`: a poll's frees (detach_pending), the poll ends. */
+static void give_back_pending(struct pending_free *list, int poll) {
     struct pending_free *tail = list;
-    while (tail->next != NULL) tail = tail->next;
+    while (tail != NULL && tail->next != NULL) tail = tail->next;
     pthread_mutex_lock(&mem_mu);
-    tail->next = pending;
-    pending = list;
+    if (tail != NULL) {
+        tail->next = pending;
+        pending = list;
+    }
+    if (poll && --polls_out == 0) pthread_cond_broadcast(&polls_back);
     pthread_mutex_unlock(&mem_mu);
 }
 
@@ -528,7 +543,7 @@ void nvs_memory_poll_frees(void) {
      * the frees to a later poll (the worker polls every few milliseconds while frees are
      * pending) rather than wait for it. */
     if (pthread_rwlock_tryrdlock(&nvs_ctx_mu) != 0) return;
-    struct pending_free *list = detach_pending(any_free, NULL), *keep = NULL;
+    struct pending_free *list = detach_pending(any_free, NULL, 1), *keep = NULL;
     while (list != NULL) {
         struct pending_free *p = list;
         list = p->next;
@@ -540,7 +555,7 @@ void nvs_memory_poll_frees(void) {
         }
     }
     /* Back on the list before nvs_ctx_mu goes: a context destroyed next must find them. */
-    give_back_pending(keep);
+    give_back_pending(keep, 1);
     pthread_rwlock_unlock(&nvs_ctx_mu);
 }
 
@@ -557,7 +572,7 @@ static int made_in(const struct pending_free *p, const void *arg) {
 void nvs_memory_settle_frees(CUcontext ctx, struct nvs_device *device) {
     if (atomic_load(&n_pending) == 0) return;
     struct context_selector which = {ctx, device};
-    struct pending_free *list = detach_pending(made_in, &which);
+    struct pending_free *list = detach_pending(made_in, &which, 0);
     while (list != NULL) {
         struct pending_free *p = list;
         list = p->next;
@@ -614,7 +629,7 @@ static CUresult free_async(CUdeviceptr dptr, CUstream s, int per_thread) {
     p->blocks = a.blocks;
     if (nvs_real.cuCtxGetCurrent(&p->ctx) != CUDA_SUCCESS) p->ctx = NULL;
     atomic_fetch_add(&n_pending, 1);
-    give_back_pending(p);
+    give_back_pending(p, 0);
     nvs_worker_kick(); /* the worker polls while frees are pending */
     return CUDA_SUCCESS;
 }
@@ -755,6 +770,8 @@ void nvs_memory_reset_after_fork(void) {
         free(p);
     }
     atomic_store(&n_pending, 0);
+    polls_out = 0; /* a poll of the parent's is no thread of the child's: nothing comes back */
+    pthread_cond_init(&polls_back, NULL);
 }
 
 void nvs_memory_fork_prepare(void) { pthread_mutex_lock(&mem_mu); }

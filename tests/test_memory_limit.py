@@ -152,6 +152,17 @@ def test_a_stream_ordered_free_gives_the_budget_back_once_its_work_is_done(run):
     assert refusals(stderr) == []
 
 
+def test_an_allocation_waits_for_a_stream_ordered_free_that_the_worker_is_looking_at(run):
+    """Was: the worker took the pending frees off their list while it asked whether their work
+    was done, and an allocation that needed one of them found the list empty, waited for nothing
+    and was refused (CI under two CPU hogs). Here every query of the simulated driver takes
+    0.1 s, so the worker holds the list most of the time."""
+    results, stderr = run(f"free-async-after:300000:{48 * MiB}", f"alloc:plain:{48 * MiB}", "meminfo", limit="64M",
+                          SIMCUDA_EVENT_QUERY_US="100000")
+    assert results[1] == {"ok": True}, stderr
+    assert refusals(stderr) == []
+
+
 def test_threads_allocating_together_never_pass_the_limit(run):
     results, stderr = run(f"threads:8:{MiB}", "meminfo", limit="64M")
     assert results[0]["allocated"] == 64  # exactly the limit: none beyond it, none lost

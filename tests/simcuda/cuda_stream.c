@@ -3,7 +3,9 @@
  * queue: synchronising a stream waits for the last operation queued on it, synchronising a
  * default stream (NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD) for everything queued so far.
  */
+#include <stdatomic.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "simcuda.h"
 
@@ -215,6 +217,21 @@ static int event_done(struct sim_event *event, double *time)
     return done;
 }
 
+/* SIMCUDA_EVENT_QUERY_US: how long a cuEventQuery takes (default 0). A real query takes
+ * microseconds, but its caller can be preempted around it for as long as a busy machine likes;
+ * tests make that window wide so that what happens meanwhile in other threads is tested. */
+static unsigned event_query_us(void)
+{
+    static _Atomic long cached = -1;
+    long us = atomic_load(&cached);
+    if (us < 0) {
+        const char *text = getenv("SIMCUDA_EVENT_QUERY_US");
+        us = text && *text ? strtol(text, NULL, 10) : 0;
+        atomic_store(&cached, us < 0 ? 0 : us);
+    }
+    return (unsigned)us;
+}
+
 SIM_EXPORT CUresult cuEventQuery(CUevent hEvent)
 {
     SIM_ENTER();
@@ -222,6 +239,9 @@ SIM_EXPORT CUresult cuEventQuery(CUevent hEvent)
     CUresult result = check_event(hEvent, &event);
     if (result != CUDA_SUCCESS)
         return result;
+    unsigned delay = event_query_us();
+    if (delay)
+        usleep(delay);
     return event_done(event, NULL) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
