@@ -490,19 +490,37 @@ class WorkingSet:
 
 
 def handoff_stalls(events: list[dict[str, Any]], link_bps: float | None) -> dict[str, Any]:
-    """Per grant that still had memory to bring back (detail swapped=S): the time until the
-    grantee reported all of it back (event `restored`, its gate open), against issue 18's bound
-    S / (0.8 x link) + 50 ms."""
+    """Per handoff to a client that had memory to bring back, how long it stalled:
+    - a grant that still had memory to bring back (detail swapped=S): until the grantee reported
+      all of it back (event `restored` of that grant, its gate open), against issue 18's bound
+      S / (0.8 x link) + 50 ms;
+    - memory brought back ahead of the grant (`restored` with grant 0 before the grant): from when
+      the lock was let go (the last release, revoke or loss before the grant, or the client's own
+      ACQUIRE if later) to the grant, at which its gate opens. The events do not say S there: no
+      bound."""
     stalls = []
     for index, event in enumerate(events):
-        swapped = int(detail_fields(event["detail"]).get("swapped", 0)) if event["kind"] == "grant" else 0
-        if not swapped:
+        if event["kind"] != "grant":
             continue
-        back = next((later for later in events[index + 1:] if later["kind"] == "restored"
-                     and later["client"] == event["client"] and later["grant"] == event["grant"]), None)
-        stall = round(back["t"] - event["t"], 4) if back else None
-        bound = round(swapped / (0.8 * link_bps) + 0.05, 4) if link_bps else None
-        stalls.append({"client": event["client"], "swapped_mib": swapped // MIB, "stall_s": stall, "bound_s": bound})
+        swapped = int(detail_fields(event["detail"]).get("swapped", 0))
+        earlier = events[:index]
+        if swapped:
+            back = next((later for later in events[index + 1:] if later["kind"] == "restored"
+                         and later["client"] == event["client"] and later["grant"] == event["grant"]), None)
+            stall = round(back["t"] - event["t"], 4) if back else None
+            bound = round(swapped / (0.8 * link_bps) + 0.05, 4) if link_bps else None
+            stalls.append({"client": event["client"], "swapped_mib": swapped // MIB, "stall_s": stall, "bound_s": bound})
+            continue
+        asked = next((e for e in reversed(earlier) if e["kind"] == "acquire" and e["client"] == event["client"]), None)
+        ahead = next((e for e in reversed(earlier) if e["kind"] == "restored" and e["client"] == event["client"]
+                      and not e["grant"] and (asked is None or e["t"] >= asked["t"])), None)
+        if ahead is None:
+            continue
+        freed = next((e["t"] for e in reversed(earlier) if e["kind"] in ("release", "revoke", "lost")), None)
+        since = [t for t in (freed, asked["t"] if asked else None) if t is not None]
+        start = max(since, default=event["t"])
+        stall = round(event["t"] - start, 4) if start <= ahead["t"] else 0.0  # back before the lock was let go
+        stalls.append({"client": event["client"], "swapped_mib": None, "stall_s": stall, "bound_s": None})
     measured = [s for s in stalls if s["stall_s"] is not None]
     return {"handoffs_with_memory_to_bring_back": len(stalls),
             "max_stall_s": max((s["stall_s"] for s in measured), default=None),

@@ -729,6 +729,9 @@ def annotate(session: Session, records: list[dict[str, Any]], events: list[dict]
         grant_swapped = int(detail_fields(grant["detail"]).get("swapped", 0)) if grant else 0
         restored = next((e for e in events if grant and e["kind"] == "restored" and e["client"] == grant["client"]
                          and e["grant"] == grant["grant"] and e["t"] >= grant["t"]), None)
+        if restored is None and grant:  # its memory back ahead of the grant (grant 0)
+            restored = next((e for e in reversed(events) if e["kind"] == "restored" and e["client"] == grant["client"]
+                             and not e["grant"] and record["sent"] <= e["t"] <= grant["t"]), None)
         size = max(record["swapped_when_asked"], grant_swapped)
         record.update({
             "grant": round(grant["t"], 6) if grant else None, "grant_swapped": grant_swapped,

@@ -12,6 +12,7 @@ one core and one device through the `Cluster` below: the residency rules' one te
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, settings
@@ -84,6 +85,17 @@ class Cluster:
         (grant,) = self.sent(protocol.Grant, key)
         return grant
 
+    def granted_once_back(self, key: str, used: int) -> protocol.Grant:
+        """`key`, the next waiter, room made for it, is told to bring its memory back ahead of its
+        grant (PREFETCH), not granted yet; it reports all of it back and is granted then, with
+        nothing left to bring back."""
+        (prefetch,) = self.sent(protocol.Prefetch, key)
+        assert not self.sent(protocol.Grant, key), "granted before its memory is back"
+        self.feed(MemoryReport(self.now, key, DEV, used, prefetch.resident))
+        grant = self.grant_of(key)
+        assert grant.prefetch == 0
+        return grant
+
     def advance(self, seconds: float) -> list:
         self.now += seconds
         return self.feed(Tick(self.now))
@@ -140,8 +152,9 @@ def test_holder_that_evicted_as_asked_lets_the_grantee_in_at_once_and_is_paid_ba
     (drop,) = c.sent(protocol.Drop, "b")
     assert drop.evict == 8 * GiB
     c.feed(ReleaseReport(c.now, "b", DEV, grant_b.grant, "drop", 4 * GiB))
-    # a's 8 GiB evicted earlier now fit (b keeps 4 of 16): it may prefetch them all.
-    assert c.grant_of("a").prefetch == 8 * GiB
+    # a's 8 GiB evicted earlier now fit (b keeps 4 of 16): they all come back, ahead of its grant.
+    assert c.sent(protocol.Prefetch, "a")[0].resident == 12 * GiB
+    c.granted_once_back("a", 12 * GiB)
 
 
 def test_a_holder_that_did_not_evict_is_asked_again_and_the_grant_waits_for_its_answer():
@@ -270,7 +283,8 @@ def test_a_handoff_to_oneself_moves_no_memory():
     c.advance(1.0)
     assert c.sent(protocol.Drop, "b")[0].evict == 8 * GiB
     c.feed(ReleaseReport(c.now, "b", DEV, b_grant, "drop", 4 * GiB))
-    assert c.grant_of("a").prefetch == 8 * GiB
+    assert c.sent(protocol.Prefetch, "a")[0].resident == 12 * GiB
+    c.granted_once_back("a", 12 * GiB)
 
 
 # --- many tenants (issue 29: eviction.py) ---------------------------------------------------
@@ -304,8 +318,14 @@ def serve(c: Cluster, key: str, size: int, fixed: int = 0) -> list:
     every action of the request."""
     seen = list(c.feed(AcquireRequest(c.now, key, DEV)))
     seen += answer_evicts(c)
-    grant = c.grant_of(key) if c.sent(protocol.Grant, key) else next(
-        a.message for a in seen if isinstance(a, Send) and isinstance(a.message, protocol.Grant) and a.client == key)
+    grants = [a.message for a in seen if isinstance(a, Send) and isinstance(a.message, protocol.Grant) and a.client == key]
+    if not grants:  # it brings its memory back ahead of its grant
+        (prefetch, *_) = [a.message for a in reversed(seen)
+                          if isinstance(a, Send) and isinstance(a.message, protocol.Prefetch) and a.client == key]
+        seen += c.feed(MemoryReport(c.now, key, DEV, size + fixed, prefetch.resident + fixed))
+        seen += answer_evicts(c)
+        grants = [a.message for a in seen if isinstance(a, Send) and isinstance(a.message, protocol.Grant) and a.client == key]
+    (grant,) = grants
     seen += c.feed(MemoryReport(c.now, key, DEV, size + fixed, size))
     seen += answer_evicts(c)
     c.now += 1.0
@@ -369,8 +389,9 @@ def test_pressure_keeps_a_headroom_of_one_whole_tenant_and_moves_tenants_whole()
 def test_a_request_to_a_sleeping_tenant_finds_room_and_the_headroom_comes_back_after_it():
     c = tenants(5, 6 * GiB, 24 * GiB)
     seen = serve(c, "t0", 6 * GiB)  # t0 was out: the headroom takes it in, nobody is evicted first
+    prefetch = next(a.message for a in seen if isinstance(a, Send) and isinstance(a.message, protocol.Prefetch))
     grant = next(a.message for a in seen if isinstance(a, Send) and isinstance(a.message, protocol.Grant))
-    assert grant.prefetch == 6 * GiB
+    assert prefetch.resident == 6 * GiB and grant.prefetch == 0  # all of it back ahead of the grant
     evicted = evictions(seen)
     # After its request the least recently used of the others (t2) goes, whole, to restore
     # the room, and the timeline says why it was chosen.
@@ -604,7 +625,11 @@ class ResidencyMachine(RuleBasedStateMachine):
     def observe(self) -> None:
         """Check the last actions and play them onto the simulated clients (a grantee's
         report of what it brought in is fed in turn)."""
-        timed_out = any(isinstance(a, Log) and a.what == "evict-timeout" for a in self.c.actions)
+        # A grant made when the grace ran out on an EVICT, or while a holder the grace ran out on
+        # (revoked, not released) keeps its memory on the device, may exceed the budget (its event
+        # says over_budget=).
+        (dev,) = self.c.core.devices()
+        timed_out = bool(dev.overdue) or any(isinstance(a, Log) and a.what == "evict-timeout" for a in self.c.actions)
         self.timed_out |= timed_out
         follow_ups = []
         for action in self.c.actions:
@@ -615,8 +640,13 @@ class ResidencyMachine(RuleBasedStateMachine):
                 assert not isinstance(message, protocol.Evict), "memory that fits never moves"
                 assert getattr(message, "evict", 0) == 0 and getattr(message, "prefetch", 0) == 0
             if isinstance(message, protocol.Grant):
-                assert self.queue and self.queue[0] is client, "FCFS: the head is granted"
-                self.queue.pop(0)
+                assert client in self.queue, "only a waiter is granted"
+                head = self.queue[0]
+                if client is not head:  # lent (lock.py): the head cannot run yet, this one moves nothing
+                    (dev,) = self.c.core.devices()
+                    assert client.moved_out == 0, "FCFS: only a waiter with nothing out goes ahead of the head"
+                    assert head.moved_out > 0 or dev.evict_awaited, "FCFS: only a head that is not ready is passed"
+                self.queue.remove(client)
                 others = sum(self.committed(other) for other in self.clients if other is not client)
                 if not timed_out:
                     assert others + min(client.used, self.budget) <= self.budget, \
@@ -726,12 +756,31 @@ class ResidencyMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_lock_never_sits_idle_longer_than_the_grace(self):
+        """Idle with waiters only while the next one waits for EVICTED answers (at most the
+        grace) or brings its memory back (at most the grace and what it takes at its pace, here
+        nothing: FAST)."""
         if not hasattr(self, "c"):
             return
         (dev,) = self.c.core.devices()
         if dev.queue and not dev.holders:
-            assert dev.evict_awaited, "a waiter without a holder waits only for EVICTED answers"
-            assert self.c.core.next_deadline() <= dev.evict_deadline <= self.c.now + self.grace
+            if dev.evict_awaited:
+                assert self.c.core.next_deadline() <= dev.evict_deadline <= self.c.now + self.grace
+            else:
+                restoring = [pair.swap.restore_by for pair in dev.queue if pair.swap.restore_by is not None
+                             and math.isfinite(pair.swap.restore_by)]
+                assert restoring, "a waiter without a holder waits for EVICTED answers or for its memory"
+                assert self.c.core.next_deadline() <= min(restoring) <= self.c.now + self.grace + 1e-3
+
+    @invariant()
+    def a_lent_grant_ends_when_the_waiter_it_passed_is_ready(self):
+        if not hasattr(self, "c"):
+            return
+        (dev,) = self.c.core.devices()
+        for pair in dev.holders.values():
+            head = pair.held.ahead_of
+            if head is not None and pair.held.state == "holding":
+                assert head.waiting_since is not None, "lent ahead of a waiter that is no longer waiting"
+                assert dev.evict_awaited or not residency.nearly_back(head), "the passed waiter is ready: dropped"
 
     @invariant()
     def every_evict_is_awaited_only_while_someone_waits(self):
@@ -820,10 +869,57 @@ def test_the_next_waiter_brings_its_memory_back_as_the_holder_moves_out():
     assert c.grant_of("b").prefetch == 0  # everything came back while a moved out
 
 
-def test_the_timeline_shows_what_a_grant_still_had_to_bring_back_and_when_it_was_back():
-    """A grant made while the grantee's memory is partly out says how much (swapped=); the
-    grantee's report that all of it is back is the event `restored` (its gate has opened): the
-    two events bound the handoff's stall."""
+def test_a_resident_tenant_is_served_while_a_cold_one_brings_its_memory_back_and_then_lets_it_in():
+    """Issue 29, mode on: a tenant asked every second waited for a cold one's whole swap-in
+    under its grant (0.5 s for 20 GiB on an H200) though nothing of its own had to move. Now the
+    cold one brings its memory back ahead of its grant, and the lock is lent meanwhile to the
+    waiters that are ready; the lent grant is dropped as soon as the cold one is back, and the
+    cold one is served next."""
+    c = Cluster(budget=16 * GiB)
+    c.join("hot", 4 * GiB, 4 * GiB)
+    c.join("cold", 12 * GiB, 12 * GiB)
+    c.feed(MemoryReport(c.now, "cold", DEV, 12 * GiB, 0))  # all of it out
+    c.feed(AcquireRequest(c.now, "cold", DEV))
+    (prefetch,) = c.sent(protocol.Prefetch, "cold")
+    assert prefetch.resident == 12 * GiB and not c.sent(protocol.Grant)  # the lock stays free
+    c.now += 0.1
+    c.feed(AcquireRequest(c.now, "hot", DEV))
+    lent = c.grant_of("hot")  # ready: nothing of its own to move, room beside the cold one
+    c.feed(MemoryReport(c.now, "cold", DEV, 12 * GiB, 6 * GiB))  # half back: the loan goes on
+    assert not c.sent(protocol.Drop)
+    c.feed(MemoryReport(c.now, "cold", DEV, 12 * GiB, 12 * GiB))
+    (drop,) = c.sent(protocol.Drop, "hot")
+    assert (drop.grant, drop.evict) == (lent.grant, 0) and not c.sent(protocol.Grant)
+    c.feed(ReleaseReport(c.now, "hot", DEV, lent.grant, "drop", 4 * GiB))
+    assert c.grant_of("cold").prefetch == 0
+    # A later request of the hot one waits its turn behind the cold holder, as before.
+    c.feed(AcquireRequest(c.now, "hot", DEV))
+    assert not c.sent(protocol.Grant)
+
+
+def test_a_lent_grant_of_a_tenant_that_keeps_working_is_dropped_when_the_cold_one_is_back():
+    """The lent grant's quantum ends when the waiter it went ahead of is ready, not at the TQ: a
+    busy tenant cannot keep a cold one that asked first waiting for a whole quantum."""
+    c = Cluster(budget=16 * GiB, tq=30.0)
+    c.join("busy", 4 * GiB, 4 * GiB)
+    c.join("cold", 12 * GiB, 12 * GiB)
+    c.feed(MemoryReport(c.now, "cold", DEV, 12 * GiB, 0))
+    c.feed(AcquireRequest(c.now, "cold", DEV))
+    c.feed(AcquireRequest(c.now, "busy", DEV))
+    lent = c.grant_of("busy")
+    c.advance(0.4)
+    assert not c.sent(protocol.Drop)
+    c.feed(MemoryReport(c.now, "cold", DEV, 12 * GiB, 12 * GiB))
+    assert c.sent(protocol.Drop, "busy")[0].grant == lent.grant
+
+
+def test_the_timeline_shows_when_a_tenants_memory_was_back_ahead_of_its_grant_or_under_it():
+    """A waiter whose memory is out brings it back ahead of its grant (PREFETCH): the event
+    `restored` (grant 0, `ahead`) says when all of it is back, and the grant follows with nothing
+    to bring back. A client that does not (an older one ignores PREFETCH) is granted when its time
+    to do so ran out (the grace, plus its memory at its measured pace): that grant says what it
+    still has to bring back (swapped=), and `restored` with the grant says when it did (its gate
+    opened then): the two bound the handoff's stall."""
     c = Cluster(budget=16 * GiB)
     c.join("a", 12 * GiB, 12 * GiB)
     c.join("b", 12 * GiB, 12 * GiB)
@@ -832,12 +928,27 @@ def test_the_timeline_shows_what_a_grant_still_had_to_bring_back_and_when_it_was
     grant_a = c.grant_of("a")
     c.feed(AcquireRequest(c.now, "b", DEV))
     c.feed(ReleaseReport(c.now, "a", DEV, grant_a.grant, "quantum", 4 * GiB))  # nothing ahead of it
-    (grant,) = [a for a in c.actions if isinstance(a, LockEvent) and a.kind == "grant"]
-    assert f"swapped={8 * GiB}" in grant.detail.split()
-    c.feed(MemoryReport(c.now, "b", DEV, 12 * GiB, 8 * GiB))  # half of it back: the gate is still shut
-    assert not [a for a in c.actions if isinstance(a, LockEvent) and a.kind == "restored"]
+    events = lambda kind: [a for a in c.actions if isinstance(a, LockEvent) and a.kind == kind]  # noqa: E731
+    (prefetch,) = c.sent(protocol.Prefetch, "b")
+    assert prefetch.resident == 12 * GiB and not events("grant")
+    c.feed(MemoryReport(c.now, "b", DEV, 12 * GiB, 8 * GiB))  # half of it back
+    assert not events("restored") and not events("grant")
     c.feed(MemoryReport(c.now, "b", DEV, 12 * GiB, 12 * GiB))
-    (restored,) = [a for a in c.actions if isinstance(a, LockEvent) and a.kind == "restored"]
+    (restored,) = events("restored")
+    (grant,) = events("grant")
+    assert restored.grant == 0 and "ahead" in restored.detail.split() and restored.client == grant.client
+    assert "swapped=" not in grant.detail and c.actions.index(restored) < c.actions.index(grant)
+    c.feed(ReleaseReport(c.now, "b", DEV, grant.grant, "idle", 12 * GiB))
+    c.feed(AcquireRequest(c.now, "a", DEV))  # a has 8 GiB out; room is made of idle b
+    answer_evicts(c)
+    assert c.sent(protocol.Prefetch, "a") and not c.sent(protocol.Grant)
+    c.advance(1.0)  # a does not act on the PREFETCH
+    assert not c.sent(protocol.Grant)
+    c.advance(1.5)  # its time ran out: 2 s of grace, its pace at FAST
+    (grant,) = events("grant")
+    assert f"swapped={8 * GiB}" in grant.detail.split()
+    c.feed(MemoryReport(c.now, "a", DEV, 12 * GiB, 12 * GiB))
+    (restored,) = events("restored")
     assert (restored.client, restored.grant) == (grant.client, grant.grant)
 
 

@@ -150,14 +150,18 @@ def test_swaps_asked_at_a_handoff_over_budget_are_counted_in_both_directions():
     d.feed(ev.MemoryReport(10.0, "b", GPU, 12000, 12000))
     d.feed(ev.AcquireRequest(10.0, "a", GPU))
     d.feed(ev.Tick(20.0))  # DROP evict=8000 to b
-    d.feed(ev.ReleaseReport(20.0, "b", GPU, 2, "drop", 4000))  # a is granted with prefetch=8000
+    d.feed(ev.ReleaseReport(20.0, "b", GPU, 2, "drop", 4000))  # a is told to bring its 8000 back (PREFETCH)
     found = d.scrape(20.0)
     assert value(found, "nvshare_device_swap_requested_bytes_total", device=GPU, direction="out") == 16000
     assert value(found, "nvshare_device_swap_requested_bytes_total", device=GPU, direction="in") == 8000
     # a has not reported bringing its 8000 back yet: both halves are out until it does.
     assert value(found, "nvshare_device_memory_swapped_bytes", device=GPU) == 16000
-    d.feed(ev.MemoryReport(20.0, "a", GPU, 12000, 12000))
-    assert value(d.scrape(20.0), "nvshare_device_memory_swapped_bytes", device=GPU) == 8000
+    d.feed(ev.MemoryReport(21.5, "a", GPU, 12000, 12000))  # all back, ahead of its grant
+    found = d.scrape(21.5)
+    assert value(found, "nvshare_device_memory_swapped_bytes", device=GPU) == 8000
+    # Its swap-in, from the PREFETCH to the report: what its request waited for its memory.
+    assert value(found, "nvshare_device_swap_in_seconds_count", device=GPU) == 1
+    assert value(found, "nvshare_device_swap_in_seconds_sum", device=GPU) == 1.5
 
 
 def register(d: "Driven", key: str, now: float, pod: str, uid: int) -> None:

@@ -210,6 +210,9 @@ def colocation(work: Path, base_env: dict, preload: Path, budget: int, job_bytes
                 "evicted_answers": sum(1 for e in events if e["kind"] == "evicted"),
                 "prefetch_granted_gib": round(sum(int(e["detail"].split("=")[1]) for e in grants
                                                   if e["detail"].startswith("prefetch=")) / GiB, 2),
+                # What PREFETCHes let waiters bring back ahead of their grants (event detail bytes=).
+                "prefetch_ahead_gib": round(sum(int(part.partition("=")[2]) for e in events if e["kind"] == "prefetch"
+                                                for part in e["detail"].split() if part.startswith("bytes=")) / GiB, 2),
                 # What DROPs asked holders to evict: the daemon's info log ("drop grant ... evict=N").
                 "evict_on_drop_gib": round(sum(int(n) for n in re.findall(r" drop grant .* evict=(\d+)",
                                                                           scheduler.log_text())) / GiB, 2),

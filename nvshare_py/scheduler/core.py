@@ -435,6 +435,9 @@ class SchedulerCore:
                 # A grant's memory is all back: its gate has opened (the handoff's stall ends).
                 out.append(LockEvent(ev.now, "restored", dev.id, client.cid, pair.hold.grant,
                                      f"resident={ev.resident}"))
+            elif pair.waiting_since is not None and in_flight and not pair.swap.allowed and not pair.swapped:
+                # A waiter's memory is all back ahead of its grant (grant 0): its gate opens at it.
+                out.append(LockEvent(ev.now, "restored", dev.id, client.cid, 0, f"resident={ev.resident} ahead"))
         residency.report_engine(pair, ev.engine, ev.area, ev.out_bps, ev.in_bps, ev.pool)
         # Swapping: a report may be a move's progress (the next waiter may bring its memory in
         # behind it), or change what a handoff costs (the quanta and contention notices).

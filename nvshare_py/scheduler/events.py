@@ -332,6 +332,7 @@ LogKind = Literal[
     "gang-waits",
     "grant-passes",
     "granted",
+    "lent",
     "limit-sent",
     "limit-set",
     "mode-set",

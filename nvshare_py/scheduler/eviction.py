@@ -33,7 +33,9 @@ handoff evicted a slice of everybody, so that every later request paid a swap-in
   tenant's own memory.
 - *Asking is waking.* The waiters are woken in the order they will be served: room is made for
   their memory (idle victims, never another waiter or a holder) and they are told to bring it
-  back ahead of their grant (residency.prefetch_ahead), while the lock is still busy.
+  back ahead of their grant (residency.prefetch_ahead), whether the lock is busy or not: the
+  next one is granted once its memory is back, and the lock is lent meanwhile to waiters that
+  have nothing to move (lock.py, Lock._lend).
 - *Pinned memory follows what is out.* The swap pool of a user (or pod), which its processes
   share (docs/interceptor.md, "The swap pool"), is sized to what they have out or are moving out.
 

@@ -8,6 +8,9 @@ Words used below:
   in the device's queue, its current grant and its statistics (records.py);
 - an *active holder* holds a grant in state `holding` or `draining` (after a DROP); active
   holders are what the mode rules count;
+- a *lent* grant is made to a waiter that has nothing to move while the next waiter cannot run
+  yet for its memory (room is being made for it, or it brings its memory back ahead of its
+  grant); it is dropped as soon as that waiter is ready (_lend, _recall_loans);
 - a grant revoked after its grace ran out but not yet released is *overdue*: it is listed in
   the status so the operator sees it, but it no longer counts for granting. (For mode `on`,
   "draining and overdue holders count" means holders past their quantum, which are still
@@ -31,7 +34,7 @@ from .. import protocol
 from . import fairshare, gangs, residency
 from .core_config import CoreConfig, ms
 from .events import Action, LockEvent, Log, Send
-from .queue_order import next_waiter, rank
+from .queue_order import next_waiter, rank, service_order
 from .records import Device, Hold, Pair
 from .registry import Registry
 from .swapping import Swapping, end_eviction_wait
@@ -152,6 +155,7 @@ class Lock:
             if dev.reserved is not None:
                 self.turns.check_turn(dev.reserved, now, out)
             dropped = self._enforce_exclusion(dev, now, out)
+            dropped |= self._recall_loans(dev, now, out)
             self._grant_waiters(dev, now, out)
             dropped |= self._drop_expired(dev, now, out)
             # A DROP with grace 0 is due at once: go round again so it is revoked (and the
@@ -186,6 +190,10 @@ class Lock:
                 yield hold.deadline, pair, "revoke"
             elif self._holder_contended(pair):
                 yield self.quantum_end(pair), pair, "drop"
+        for pair in dev.queue:
+            when = pair.swap.restore_by
+            if when is not None and math.isfinite(when):
+                yield when, pair, "restore"  # granted then, whatever it still has out
 
     def _revocations_due(self, dev: Device, now: float) -> list[Pair]:
         return [pair for when, pair, what in self._timers(dev) if what == "revoke" and now >= when]
@@ -239,9 +247,48 @@ class Lock:
                 continue
             if self.blocked(dev, pair):
                 break  # FCFS within the class: nobody overtakes the next one
-            if not self._swapping.room_made(dev, pair, now, out):
-                break  # the next one waits for EVICTED answers; FCFS again
+            if not self._swapping.room_made(dev, pair, now, out) or self._swapping.restores_first(pair, now):
+                # The next one waits for EVICTED answers, or for its memory to come back: the
+                # lock is lent meanwhile, and it is served first once it is ready.
+                self._lend(dev, pair, now, out)
+                break
             self.grant(pair, now, out)
+
+    def _lend(self, dev: Device, head: Pair, now: float, out: list[Action]) -> None:
+        """While `head`, the next waiter, cannot run yet for its memory (room is being made for it,
+        or it brings it back ahead of its grant: swapping.restores_first), the waiters behind it
+        that are ready (nothing of theirs to move: swapping.ready) are granted in service order,
+        as far as the mode lets them run; each such grant is *lent*: it ends (DROP quantum) as
+        soon as `head` is ready (_recall_loans). So the lock is not idle for a swap-in, and a
+        waiter is held up by one that overtook it for at most that one's drain."""
+        for pair in service_order(dev, self._config.ageing):
+            if pair is head or pair.hold is not None or pair.gang_queued or not self._swapping.ready(dev, pair):
+                continue
+            if self.blocked(dev, pair):
+                if dev.mode == "on":
+                    return  # one holder at a time: nobody else fits beside it
+                continue  # auto: a smaller one may fit
+            self.grant(pair, now, out)
+            pair.held.ahead_of = head
+            out.append(Log("debug", "lent", {"client": pair.client.cid, "device": dev.id, "ahead_of": head.client.cid}))
+
+    def _recall_loans(self, dev: Device, now: float, out: list[Action]) -> bool:
+        """Lent grants (_lend) whose waiter is ready now, or whose time to bring its memory back
+        ran out, are dropped; one whose waiter left the queue or was granted is an ordinary
+        grant from then on. Returns whether it dropped any."""
+        recalled = False
+        for pair in list(dev.holders.values()):
+            hold = pair.held
+            head = hold.ahead_of
+            if head is None or hold.state != "holding":
+                continue
+            if head.waiting_since is None or head.device is not dev:
+                hold.ahead_of = None
+            elif self._swapping.room_ready(dev, now) and not self._swapping.restores_first(head, now):
+                hold.ahead_of = None
+                self.drop(pair, now, "quantum", out)
+                recalled = True
+        return recalled
 
     @staticmethod
     def _contended(dev: Device) -> bool:
@@ -434,6 +481,7 @@ class Lock:
 
     def leave_queue(self, pair: Pair, now: float) -> None:
         pair.swap.allowed = 0
+        pair.swap.restore_by = None
         pair.device.gang_waiters -= pair.gang_queued
         pair.gang_queued = False
         del pair.device.queue[pair]

@@ -109,16 +109,18 @@ class SchedulerMetrics:
         # How long the moves took is the clients' to measure (the interceptor's trace).
         self.swap_requested = Counter("nvshare_device_swap_requested_bytes_total",
                                       "Bytes the scheduler asked clients to move: out = DROP evict= and EVICT, "
-                                      "in = GRANT prefetch=", ("device", "direction"), registry=registry)
+                                      "in = GRANT prefetch= and PREFETCH (what it allows beyond what the client "
+                                      "had resident or was allowed)", ("device", "direction"), registry=registry)
         # What moved, as the clients reported it, and how long a grant's swap-in stalled its
         # client (docs/scheduler.md, "Many tenants").
         self.swap_moved = Counter("nvshare_device_swap_moved_bytes_total",
                                   "Bytes the device's clients were seen moving to the host (out) and back (in)",
                                   ("device", "direction"), registry=registry)
         self.swap_in_seconds = Histogram("nvshare_device_swap_in_seconds",
-                                         "Time from a grant that still had memory to bring back to its client's "
-                                         "report that all of it is back (its gate opens then): what a request to "
-                                         "a swapped-out tenant waits for its memory", ("device",),
+                                         "Time from when a tenant's memory began to come back (the first PREFETCH "
+                                         "of its wait, or a grant that still had memory to bring back) to its "
+                                         "client's report that all of it is back: what a request to a swapped-out "
+                                         "tenant waits for its memory", ("device",),
                                          buckets=HANDOFF_BUCKETS, registry=registry)
         self.device_swapped = Gauge("nvshare_device_memory_swapped_bytes",
                                     "Memory of the device's clients seen moved to the host and not brought back",
@@ -221,6 +223,8 @@ class SchedulerMetrics:
         self._last_grantee: dict[str, str] = {}  # device -> client of its latest grant
         self._handoff_from: dict[str, float] = {}  # device -> when its holder was asked or let go
         self._restoring: dict[int, float] = {}  # grant -> its time, of a grant with memory to bring back
+        # (client, device) -> the first PREFETCH of a wait: its memory began to come back then
+        self._restoring_ahead: dict[tuple[str, str], float] = {}
         self._moved_seen: dict[tuple[str, str], int] = {}  # (device, direction) -> the status total counted
         self._latest = 0.0  # the time of the latest event observed (the core's clock)
         self._overflow_zeroed = False  # OVERFLOW's device counters are at 0 once it is used
@@ -331,12 +335,19 @@ class SchedulerMetrics:
             self._end_admission(client, device, now)
             if kind == "refused":
                 self.admission_refused.labels(self._device(device), entry.detail.rpartition(" ")[2]).inc()
+        elif kind == "prefetch":
+            self._restoring_ahead.setdefault((client, device), now)
+            more = dict(field.partition("=")[::2] for field in entry.detail.split()).get("bytes", "0")
+            self.swap_requested.labels(self._device(device), "in").inc(int(more) if more.isdigit() else 0)
         elif kind == "grant":
+            coming_back_since = self._restoring_ahead.pop((client, device), now)
             self._on_grant(entry)
             if "swapped=" in entry.detail:
-                self._restoring[entry.grant] = now
+                self._restoring[entry.grant] = coming_back_since
         elif kind == "restored":
-            began = self._restoring.pop(entry.grant, None)
+            # A grant's memory back, or a waiter's ahead of its grant (grant 0).
+            key = (client, device)
+            began = self._restoring.pop(entry.grant, None) if entry.grant else self._restoring_ahead.pop(key, None)
             if began is not None:
                 self.swap_in_seconds.labels(self._device(device)).observe(now - began)
         elif kind == "drop":
@@ -388,6 +399,7 @@ class SchedulerMetrics:
 
     def _end_wait(self, client: str, device: str, now: float) -> float | None:
         """The wait is over: count its last part; its start, if there was one."""
+        self._restoring_ahead.pop((client, device), None)
         waiting = self._waiting.pop((client, device), None)
         if waiting is None:
             return None

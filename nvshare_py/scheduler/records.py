@@ -28,6 +28,9 @@ class SwapState:
     allowed: int = 0     # the last PREFETCH's resident= in the current wait (0: none)
     leaving: int = 0     # bytes an EVICT asked it to move out that it has not been seen moving yet
     pool: bool = False   # its area is its user's swap pool (POOL), not memory of its own
+    # While it is the next waiter and brings its memory back ahead of its grant, when it is
+    # granted whatever it still has out (swapping.restores_first; None: not yet asked).
+    restore_by: float | None = None
 
 
 class Hold:
@@ -39,7 +42,7 @@ class Hold:
     higher effective class cuts its quantum short (lock.Lock.quantum_end)."""
 
     __slots__ = ("grant", "since", "state", "deadline", "reason", "contended", "told_end", "klass", "aged_from",
-                 "told_swap", "turn")
+                 "told_swap", "turn", "ahead_of")
 
     def __init__(self, grant: int, since: float, klass: int, aged_from: int) -> None:
         self.grant = grant
@@ -53,6 +56,9 @@ class Hold:
         self.aged_from = aged_from
         self.told_swap = (0, 0)  # CONTENDED's evict= and idle_ms= as last told (residency.py)
         self.turn: gangs.Turn | None = None  # the gang's turn it was granted in (gangs.py)
+        # The waiter this grant was made ahead of while that one brought its memory back: the
+        # grant is dropped once that waiter is ready (lock.py, Lock._lend).
+        self.ahead_of: Pair | None = None
 
 
 class Client:

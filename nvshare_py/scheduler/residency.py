@@ -152,6 +152,12 @@ def prefetch_ahead(dev: Device, waiter: Pair) -> int:
     return allowed if allowed > told else 0
 
 
+def nearly_back(pair: Pair) -> bool:
+    """Whether what the pair has out is at most a block (STEP_BYTES) and a 32nd of its converted
+    memory: what a grant brings back in a few milliseconds."""
+    return pair.swapped <= min(STEP_BYTES, converted(pair) // 32)
+
+
 def report(pair: Pair, resident: int, freed: int = 0) -> None:
     """Apply a `resident=` report. A drop in `resident` is memory moved to the host, except
     what the client freed meanwhile (`freed`: how much its `used` fell in the same report); a

@@ -89,6 +89,42 @@ class Swapping:
         end_eviction_wait(dev)
         return True
 
+    def restores_first(self, pair: Pair, now: float) -> bool:
+        """Whether `pair`, the next waiter, room made for it, brings its memory back before it is
+        granted (PREFETCH: prefetch_ahead) rather than under its grant, whose gate stays closed
+        until it is back. Then the lock is lent meanwhile to waiters that are ready (lock.py,
+        Lock._lend): in mode on, a tenant asked every second waited for a cold one's whole
+        swap-in (0.5 s for 20 GiB on an H200) though nothing of its own had to move. Until its
+        `restore_by`: the grace, plus what its memory takes at its measured pace, after it was
+        first asked, so that a client that does not act on PREFETCH, or whose last bytes cannot
+        come back ahead, is granted all the same. What is nearly back is granted (the rest comes
+        back under the grant: residency.nearly_back)."""
+        dev = pair.device
+        if (not self._config.swapping or dev.mode == "off" or dev.budget <= 0 or pair.resident is None
+                or pair.gang_queued or residency.nearly_back(pair)):
+            return False
+        if pair.swap.restore_by is None:
+            pace = pair.swapped / pair.swap.in_bps if pair.swap.in_bps else 0.0
+            pair.swap.restore_by = now + self._config.grace + pace
+        if now < pair.swap.restore_by:
+            return True
+        pair.swap.restore_by = -math.inf  # ran out in this wait: no timer for it any more
+        return False
+
+    @staticmethod
+    def room_ready(dev: Device, now: float) -> bool:
+        """Whether the device waits for no EVICTED answer any more (room_made would decide now),
+        or has waited for them as long as it does."""
+        return not dev.evict_awaited or (dev.evict_deadline is not None and now >= dev.evict_deadline)
+
+    def ready(self, dev: Device, pair: Pair) -> bool:
+        """Whether the waiter `pair` may run without any memory moving for it: nothing of its own
+        out or leaving, and room for all of it beside what the others occupy."""
+        if not self._config.swapping or dev.mode == "off":
+            return True
+        nothing_out = pair.resident is None or (residency.nearly_back(pair) and not pair.swap.leaving)
+        return nothing_out and residency.excess(dev, pair) <= 0
+
     def granted(self, pair: Pair) -> tuple[int, int, int]:
         """The pair is granted its device: (prefetch, swapped, over). `prefetch`: what GRANT
         tells it to bring back at once; `swapped`: what it still has to bring back before its
@@ -146,15 +182,18 @@ class Swapping:
         """PREFETCH to the woken waiters, in the order they will be served: room others made (or
         that was free) each may fill with its swapped-out memory while it waits, so that its
         gate opens sooner after the grant (residency.prefetch_ahead). A waiter served later gets
-        room only once the ones before it have all theirs."""
+        room only once the ones before it have all theirs. The event says also how many bytes more
+        than before it may bring back (`bytes=`: what the metrics count as asked to move in)."""
         if not self._config.swapping or dev.mode == "off":
             return
         for waiter in self._woken(dev):
             allowed = residency.prefetch_ahead(dev, waiter)
             if allowed:
+                more = allowed - max(waiter.resident or 0, waiter.swap.allowed)
                 waiter.swap.allowed = allowed
                 out.append(Send(waiter.client.key, protocol.Prefetch(device=dev.id, resident=allowed)))
-                out.append(LockEvent(now, "prefetch", dev.id, waiter.client.cid, detail=f"resident={allowed}"))
+                out.append(LockEvent(now, "prefetch", dev.id, waiter.client.cid,
+                                     detail=f"resident={allowed} bytes={max(0, more)}"))
                 out.append(Log("debug", "prefetch-ahead", {"client": waiter.client.cid, "device": dev.id,
                                                            "resident": allowed}))
             if eviction.wanted_back(waiter) > 0:
