@@ -316,16 +316,16 @@ def serve(c: Cluster, key: str, size: int, fixed: int = 0) -> list:
     """A request to `key`: it asks, is granted, brings back and touches all its memory, then
     releases after its idle window; each EVICT the core sends meanwhile is carried out. Returns
     every action of the request."""
+    def sent_to_key(kind: type) -> list:
+        return [a.message for a in seen if isinstance(a, Send) and isinstance(a.message, kind) and a.client == key]
+
     seen = list(c.feed(AcquireRequest(c.now, key, DEV)))
     seen += answer_evicts(c)
-    grants = [a.message for a in seen if isinstance(a, Send) and isinstance(a.message, protocol.Grant) and a.client == key]
-    if not grants:  # it brings its memory back ahead of its grant
-        (prefetch, *_) = [a.message for a in reversed(seen)
-                          if isinstance(a, Send) and isinstance(a.message, protocol.Prefetch) and a.client == key]
+    if not sent_to_key(protocol.Grant):  # it brings its memory back ahead of its grant
+        prefetch = sent_to_key(protocol.Prefetch)[-1]
         seen += c.feed(MemoryReport(c.now, key, DEV, size + fixed, prefetch.resident + fixed))
         seen += answer_evicts(c)
-        grants = [a.message for a in seen if isinstance(a, Send) and isinstance(a.message, protocol.Grant) and a.client == key]
-    (grant,) = grants
+    (grant,) = sent_to_key(protocol.Grant)
     seen += c.feed(MemoryReport(c.now, key, DEV, size + fixed, size))
     seen += answer_evicts(c)
     c.now += 1.0
@@ -722,6 +722,18 @@ class ResidencyMachine(RuleBasedStateMachine):
         if not client.waiting or client.allowed <= client.on_device:
             return
         client.bring_in(client.allowed)
+        self.c.feed(MemoryReport(self.c.now, client.key, DEV, client.used, client.on_device))
+        self.observe()
+
+    @rule(i=st.integers(0, 3))
+    def goes_cold(self, i):
+        """A client that holds nothing and is not asked to move anything has all of its memory
+        moved out (an earlier handoff's, as far as the core knows): it comes back cold."""
+        client = self.clients[i % len(self.clients)]
+        busy = client.grant is not None or client.evict_asked is not None or client.waiting
+        if self.fits or busy or not client.on_device:
+            return
+        client.move_out(client.on_device)
         self.c.feed(MemoryReport(self.c.now, client.key, DEV, client.used, client.on_device))
         self.observe()
 
