@@ -925,6 +925,20 @@ def test_a_lent_grant_of_a_tenant_that_keeps_working_is_dropped_when_the_cold_on
     assert c.sent(protocol.Drop, "busy")[0].grant == lent.grant
 
 
+def test_in_auto_a_lent_grant_that_fits_beside_the_cold_one_is_kept():
+    """Mode auto runs tenants side by side while their memory fits: the waiter the lock was lent
+    ahead of, back now, is granted beside the lent holder, which keeps its grant."""
+    c = Cluster(mode="auto", budget=16 * GiB)
+    c.join("hot", 4 * GiB, 4 * GiB)
+    c.join("cold", 12 * GiB, 12 * GiB)
+    c.feed(MemoryReport(c.now, "cold", DEV, 12 * GiB, 0))
+    c.feed(AcquireRequest(c.now, "cold", DEV))
+    c.feed(AcquireRequest(c.now, "hot", DEV))
+    c.grant_of("hot")
+    c.feed(MemoryReport(c.now, "cold", DEV, 12 * GiB, 12 * GiB))
+    assert not c.sent(protocol.Drop) and c.grant_of("cold").prefetch == 0
+
+
 def test_the_timeline_shows_when_a_tenants_memory_was_back_ahead_of_its_grant_or_under_it():
     """A waiter whose memory is out brings it back ahead of its grant (PREFETCH): the event
     `restored` (grant 0, `ahead`) says when all of it is back, and the grant follows with nothing

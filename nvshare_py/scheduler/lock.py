@@ -274,8 +274,9 @@ class Lock:
 
     def _recall_loans(self, dev: Device, now: float, out: list[Action]) -> bool:
         """Lent grants (_lend) whose waiter is ready now, or whose time to bring its memory back
-        ran out, are dropped; one whose waiter left the queue or was granted is an ordinary
-        grant from then on. Returns whether it dropped any."""
+        ran out, are dropped if that waiter may not run beside them (in mode auto it may, where
+        their memory fits); one whose waiter left the queue or was granted, or may run beside
+        it, is an ordinary grant from then on. Returns whether it dropped any."""
         recalled = False
         for pair in list(dev.holders.values()):
             hold = pair.held
@@ -286,8 +287,9 @@ class Lock:
                 hold.ahead_of = None
             elif self._swapping.room_ready(dev, now) and not self._swapping.restores_first(head, now):
                 hold.ahead_of = None
-                self.drop(pair, now, "quantum", out)
-                recalled = True
+                if self.blocked(dev, head):
+                    self.drop(pair, now, "quantum", out)
+                    recalled = True
         return recalled
 
     @staticmethod
