@@ -122,7 +122,12 @@ class DraKubeletStandin:
                 except grpc.RpcError:
                     pass  # a plugin answers a refusal with an error of its own
                 return
-            stub.NotifyRegistrationStatus(registration_pb2.RegistrationStatus(plugin_registered=True), timeout=5)
+            try:
+                stub.NotifyRegistrationStatus(registration_pb2.RegistrationStatus(plugin_registered=True), timeout=5)
+            except grpc.RpcError:
+                # The plugin went away meanwhile (a driver that stops or restarts): not registered,
+                # and the watcher goes on (its thread died here once, in CI under load).
+                return
         with self._changed:
             self.plugins[info.name] = Registered(path, info.name, info.endpoint or str(path), chosen,
                                                  list(info.supported_versions))
