@@ -54,7 +54,13 @@ class RawClient:
         self.sock.connect(str(path))
         self._buffer = b""
         if handshake:
-            self.sock.sendall(GREETING + ready(identity))
+            try:
+                self.sock.sendall(GREETING + ready(identity))
+            except BrokenPipeError:
+                # A refused connection is answered and closed at once (its greeting unread): on
+                # a busy machine that can come before we send. What it wrote is read all the
+                # same, as libnvshare's transport does.
+                pass
             self._read_exactly(64)
             self._next_frame()  # the server's READY
 
