@@ -50,6 +50,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this tree's nvshare_py, 
 from bench_colocation import GPU_JOB, gpu_jobs, gpu_uuid  # noqa: E402  (the paper's pytorch-add job, one copy)
 from nvshare_py.testing.interceptor import benchmark_library  # noqa: E402
 from nvshare_py.testing.scheduler import SchedulerProcess, child_env  # noqa: E402
+from nvshare_py.timeline import detail_fields  # noqa: E402
 
 GiB = 1 << 30
 CU_MEM_ATTACH_GLOBAL = 1
@@ -208,11 +209,11 @@ def colocation(work: Path, base_env: dict, preload: Path, budget: int, job_bytes
                 "grants": len(grants),
                 "evict_requests": sum(1 for e in events if e["kind"] == "evict"),
                 "evicted_answers": sum(1 for e in events if e["kind"] == "evicted"),
-                "prefetch_granted_gib": round(sum(int(e["detail"].split("=")[1]) for e in grants
-                                                  if e["detail"].startswith("prefetch=")) / GiB, 2),
+                "prefetch_granted_gib": round(sum(int(detail_fields(e["detail"]).get("prefetch", 0))
+                                                  for e in grants) / GiB, 2),
                 # What PREFETCHes let waiters bring back ahead of their grants (event detail bytes=).
-                "prefetch_ahead_gib": round(sum(int(part.partition("=")[2]) for e in events if e["kind"] == "prefetch"
-                                                for part in e["detail"].split() if part.startswith("bytes=")) / GiB, 2),
+                "prefetch_ahead_gib": round(sum(int(detail_fields(e["detail"]).get("bytes", 0))
+                                                for e in events if e["kind"] == "prefetch") / GiB, 2),
                 # What DROPs asked holders to evict: the daemon's info log ("drop grant ... evict=N").
                 "evict_on_drop_gib": round(sum(int(n) for n in re.findall(r" drop grant .* evict=(\d+)",
                                                                           scheduler.log_text())) / GiB, 2),

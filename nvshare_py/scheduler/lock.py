@@ -283,7 +283,7 @@ class Lock:
             head = hold.ahead_of
             if head is None or hold.state != "holding":
                 continue
-            if head.waiting_since is None or head.device is not dev:
+            if head.waiting_since is None:
                 hold.ahead_of = None
             elif self._swapping.room_ready(dev, now) and not self._swapping.restores_first(head, now):
                 hold.ahead_of = None
