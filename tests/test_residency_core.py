@@ -486,7 +486,7 @@ def test_a_holder_whose_release_moves_nothing_of_its_own_is_told_a_short_idle_wi
 def test_a_holder_whose_pauses_are_long_is_released_sooner_than_one_whose_pauses_are_short():
     """Three servers asked every second in mode on waited for each other's contended window
     (0.1 s each: the third 0.25 s for a request of 11 ms). A holder whose last pause away from
-    the device lasted at least two windows (a server between requests) is told a tenth of the
+    the device lasted at least two windows (a server between requests) is told a fiftieth of the
     window; one that came back within that (a training job's short host pause) keeps the window,
     and a long pause followed by a short one gives the window back."""
     c = Cluster(budget=16 * GiB)
@@ -513,10 +513,10 @@ def test_a_holder_whose_pauses_are_long_is_released_sooner_than_one_whose_pauses
         c.feed(ReleaseReport(c.now, "b", DEV, b_grant.grant, "idle", 4 * GiB))
         return contended.idle_ms
 
-    assert contended_window_after_pause(0.9) == 10  # a server asked every second
-    assert contended_window_after_pause(0.3) == 10  # three windows: long enough
+    assert contended_window_after_pause(0.9) == 2  # a server asked every second
+    assert contended_window_after_pause(0.3) == 2  # three windows: long enough
     assert contended_window_after_pause(0.05) == 100  # a short host pause: the window stays
-    assert contended_window_after_pause(5.0) == 10
+    assert contended_window_after_pause(5.0) == 2
     assert contended_window_after_pause(0.0) == 100
 
 

@@ -53,7 +53,7 @@ HANDOFF_OVERHEAD_S = 0.05
 # A holder whose last pause away lasted this many contended idle windows is released after a
 # SERVER_WINDOW_SHARE-th of the window when its release moves nothing (free_idle_ms).
 LONG_PAUSE_FACTOR = 2
-SERVER_WINDOW_SHARE = 10
+SERVER_WINDOW_SHARE = 50
 # PREPARE and PREFETCH are sent again only when what they say moved by this much (or to 0, or
 # to everything): the clients' areas grow in chunks of this size and their moves in blocks.
 STEP_BYTES = 64 << 20
@@ -250,12 +250,15 @@ def idle_ms(dev: Device, holder: Pair, grantee: Pair | None, free_ms: int) -> in
 
 def free_idle_ms(holder: Pair, free_ms: int) -> int:
     """The idle window, while others wait, of a holder whose release moves none of its memory:
-    `free_ms`, or a tenth of it (at least 1 ms) when the holder's last pause away from the device
-    lasted at least LONG_PAUSE_FACTOR times `free_ms`. Its pauses are expected to repeat, as the
-    client's ski-rental rule expects (docs/interceptor.md): a server between requests asked every
-    second comes back long after the waiters were served, so the window only delays them (three
-    servers asked at once in mode on: the third waited for two windows, 0.25 s, for a request of
-    11 ms on the simulated driver); a training job whose host pauses are short keeps the window,
+    `free_ms`, or a fiftieth of it (at least 1 ms; 2 ms by default) when the holder's last pause
+    away from the device lasted at least LONG_PAUSE_FACTOR times `free_ms`. Its pauses are
+    expected to repeat, as the client's ski-rental rule expects (docs/interceptor.md): a server
+    between requests asked every second comes back long after the waiters were served, so the
+    window only delays them (three servers asked at once in mode on: the third waited for two
+    windows, 0.25 s, for a request of 11 ms on the simulated driver; with a tenth of it, 10 ms,
+    an H200's requests of 3 ms at once took twice their time without nvshare, 21 against 10 ms
+    at the median). Releasing a server in a host gap of its request costs it one ACQUIRE and the
+    other requests' time, as sharing the GPU natively would; a training job whose host pauses are short keeps the window,
     so that it is not handed off at every step. A single long pause of such a job buys it one
     shorter window: its next pause, short, restores the usual one."""
     if free_ms and holder.away >= LONG_PAUSE_FACTOR * free_ms / 1000:
