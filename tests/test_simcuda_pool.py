@@ -102,6 +102,18 @@ def words_in_segments(shm: Path, name: str = "segment-*") -> set[int]:
     return found
 
 
+def moved_out(scheduler: ScriptedScheduler) -> None:
+    """A DROP of grant 1 that asks for both 8 MiB allocations out; the RELEASE says nothing of
+    them is left on the device."""
+    scheduler.send("DROP", device=scheduler.device, grant=1, grace_ms=60_000, reason="quantum", evict=2 * SEGMENT)
+    assert scheduler.expect("RELEASE")["resident"] == "0"
+
+
+def segments_holding(shm: Path, word: int) -> set[str]:
+    """The segment files holding a patterned process's words (`word`, `word + 1`)."""
+    return {name for name in segments(shm) if {word, word + 1} & words_in_segments(shm, name)}
+
+
 def pinned_copies(lines: list[dict], pid: int, link: str) -> list[dict]:
     return [c for c in lines if c["op"] == "memcpy" and c.get("link") == link and c["pid"] == pid]
 
@@ -113,6 +125,18 @@ def patterned(cuda_app, env, word: int, *extra: str):
                     "sync", "wait", "verify", *extra)
 
 
+def pool_member(cuda_app, scheduler: ScriptedScheduler, tmp_path: Path, shm: Path, word: int, pool: int, area: int,
+                *extra: str):
+    """A patterned process (`patterned`) granted its device and told POOL `pool` bytes, once its
+    swap area holds `area` bytes."""
+    app = patterned(cuda_app, pool_env(scheduler, tmp_path, shm), word, *extra)
+    grant(scheduler, 1)
+    app.expect("waiting")
+    scheduler.send("POOL", bytes=pool)
+    area_at_least(scheduler, area)
+    return app
+
+
 def test_two_processes_of_a_user_move_their_memory_through_the_same_segments(schedulers, cuda_app, simcuda, tmp_path,
                                                                               shm):
     """POOL 16 MiB (two segments) to both processes. A moves its 16 MiB out through both segments
@@ -122,11 +146,7 @@ def test_two_processes_of_a_user_move_their_memory_through_the_same_segments(sch
     segment for each member (each member's part may end in a segment it fills in part), and both
     find their data back."""
     sched_a, sched_b = schedulers(), schedulers()
-    a = patterned(cuda_app, pool_env(sched_a, tmp_path, shm), 0xA0000000, "wait")
-    grant(sched_a, 1)
-    a.expect("waiting")
-    sched_a.send("POOL", bytes=2 * SEGMENT)
-    area_at_least(sched_a, 2 * SEGMENT)
+    a = pool_member(cuda_app, sched_a, tmp_path, shm, 0xA0000000, 2 * SEGMENT, 2 * SEGMENT, "wait")
     b = patterned(cuda_app, pool_env(sched_b, tmp_path, shm), 0xB0000000, "wait")
     grant(sched_b, 1)
     b.expect("waiting")
@@ -134,8 +154,7 @@ def test_two_processes_of_a_user_move_their_memory_through_the_same_segments(sch
     area_at_least(sched_b, 2 * SEGMENT)  # B registered the segments A made
     sizes = [segments(shm)]
 
-    sched_a.send("DROP", device=sched_a.device, grant=1, grace_ms=60_000, reason="quantum", evict=2 * SEGMENT)
-    assert sched_a.expect("RELEASE")["resident"] == "0"
+    moved_out(sched_a)
     sizes.append(segments(shm))
     assert {0xA0000000, 0xA0000001} <= words_in_segments(shm)
     a.continue_()
@@ -143,8 +162,7 @@ def test_two_processes_of_a_user_move_their_memory_through_the_same_segments(sch
     a.expect("verified 2")
     sizes.append(segments(shm))
 
-    sched_b.send("DROP", device=sched_b.device, grant=1, grace_ms=60_000, reason="quantum", evict=2 * SEGMENT)
-    assert sched_b.expect("RELEASE")["resident"] == "0"
+    moved_out(sched_b)
     sizes.append(segments(shm))
     words = words_in_segments(shm)
     assert {0xB0000000, 0xB0000001} <= words and not {0xA0000000, 0xA0000001} & words
@@ -175,11 +193,7 @@ def test_the_maker_of_a_segment_registers_pages_it_made_present_first(schedulers
     maker makes a segment's pages present (from several threads) before it registers them. The
     simulated driver counts what was present at each registration (mincore)."""
     scheduler = schedulers()
-    app = patterned(cuda_app, pool_env(scheduler, tmp_path, shm), 0xC0000000)
-    grant(scheduler, 1)
-    app.expect("waiting")
-    scheduler.send("POOL", bytes=2 * SEGMENT)
-    area_at_least(scheduler, 2 * SEGMENT)
+    app = pool_member(cuda_app, scheduler, tmp_path, shm, 0xC0000000, 2 * SEGMENT, 2 * SEGMENT)
     app.continue_()
     app.expect("verified 2")
     app.continue_()
@@ -190,6 +204,44 @@ def test_the_maker_of_a_segment_registers_pages_it_made_present_first(schedulers
     assert all(p["how"] == "registered" and p["present"] == SEGMENT for p in pins), pins
 
 
+def test_a_member_registers_the_free_segments_before_those_another_member_holds(schedulers, cuda_app, simcuda,
+                                                                                 tmp_path, shm):
+    """A segment another member holds is of no use to a process until it is free again, and
+    registering one takes its time (0.1 s per 512 MiB on an H200): when six tenants loaded at
+    once, each registered every segment in turn, most of them already full of another's memory,
+    while its own eviction waited 6 s for a free one. A holds two of a pool of four; B, joining,
+    registers the two free ones (and makes what the pool still lacks) before A's two."""
+    sched_a, sched_b = schedulers(), schedulers()
+    a = pool_member(cuda_app, sched_a, tmp_path, shm, 0xA0000000, 4 * SEGMENT, 4 * SEGMENT)
+    moved_out(sched_a)
+    held_by_a = segments_holding(shm, 0xA0000000)
+    assert len(held_by_a) == 2, segments(shm)
+
+    b = patterned(cuda_app, pool_env(sched_b, tmp_path, shm), 0xB0000000)
+    grant(sched_b, 1)
+    b.expect("waiting")
+    sched_b.send("POOL", bytes=4 * SEGMENT)
+
+    def pinned_by_b() -> int:
+        return sum(1 for p in simcuda.read_trace(cuda_app.trace)
+                   if p["op"] == "pin" and p["bytes"] == SEGMENT and p["pid"] == b.pid)
+
+    eventually("B registers every segment of the pool", lambda: pinned_by_b() >= len(segments(shm)),
+               lambda: (pinned_by_b(), segments(shm)))
+    b.continue_()
+    b.expect("verified 2")
+    assert b.wait() == 0, b.stderr
+    steps = [line.split("swap pool: ", 1)[1].split()[1] for line in b.stderr.splitlines()
+             if "swap pool: registered segment-" in line or "swap pool: made segment-" in line]
+    held = [i for i, name in enumerate(steps) if name in held_by_a]
+    others = [i for i, name in enumerate(steps) if name not in held_by_a]
+    assert len(held) == 2 and len(others) >= 2 and max(others) < min(held), steps
+    a.continue_()
+    grant(sched_a, 2, prefetch=2 * SEGMENT)
+    a.expect("verified 2")
+    assert a.wait() == 0, a.stderr
+
+
 def test_the_segments_of_a_member_killed_while_it_held_them_are_claimed_by_another(schedulers, cuda_app, simcuda,
                                                                                    tmp_path, shm):
     """A moves its memory out into two segments of the pool and is killed (SIGKILL: no exit
@@ -198,27 +250,17 @@ def test_the_segments_of_a_member_killed_while_it_held_them_are_claimed_by_anoth
     left; B finds A gone and moves its own memory out through those, at the pinned rate, without
     a new segment being made."""
     sched_a, sched_b = schedulers(), schedulers()
-    a = patterned(cuda_app, pool_env(sched_a, tmp_path, shm), 0xA0000000)
-    grant(sched_a, 1)
-    a.expect("waiting")
-    sched_a.send("POOL", bytes=2 * SEGMENT)
-    area_at_least(sched_a, 2 * SEGMENT)
-    b = patterned(cuda_app, pool_env(sched_b, tmp_path, shm), 0xB0000000, "wait")
-    grant(sched_b, 1)
-    b.expect("waiting")
-    sched_b.send("POOL", bytes=SEGMENT)
-    area_at_least(sched_b, 2 * SEGMENT)
-    sched_a.send("DROP", device=sched_a.device, grant=1, grace_ms=60_000, reason="quantum", evict=2 * SEGMENT)
-    assert sched_a.expect("RELEASE")["resident"] == "0"
-    held_by_a = {name for name in segments(shm) if {0xA0000000, 0xA0000001} & words_in_segments(shm, name)}
+    a = pool_member(cuda_app, sched_a, tmp_path, shm, 0xA0000000, 2 * SEGMENT, 2 * SEGMENT)
+    b = pool_member(cuda_app, sched_b, tmp_path, shm, 0xB0000000, SEGMENT, 2 * SEGMENT, "wait")
+    moved_out(sched_a)
+    held_by_a = segments_holding(shm, 0xA0000000)
     assert len(held_by_a) == 2, segments(shm)
     a.process.send_signal(signal.SIGKILL)
     a.process.wait(PATIENCE_S)
     eventually("the pool shrinks to A's two segments", lambda: set(segments(shm)) == held_by_a,
                lambda: segments(shm))
 
-    sched_b.send("DROP", device=sched_b.device, grant=1, grace_ms=60_000, reason="quantum", evict=2 * SEGMENT)
-    assert sched_b.expect("RELEASE")["resident"] == "0"
+    moved_out(sched_b)
     words = words_in_segments(shm)
     assert {0xB0000000, 0xB0000001} <= words and not {0xA0000000, 0xA0000001} & words
     assert set(segments(shm)) == held_by_a  # the same two files: reclaimed, not made anew
@@ -240,14 +282,9 @@ def test_a_pool_shrinks_when_pool_falls_and_what_a_member_still_holds_retires_on
     the two A holds stay. Once its memory is back they are what the pool keeps. POOL 0: none is
     left, and the pinned memory the process has (MEMORY area=) is 0."""
     sched = schedulers()
-    a = patterned(cuda_app, pool_env(sched, tmp_path, shm), 0xA0000000, "wait")
-    grant(sched, 1)
-    a.expect("waiting")
-    sched.send("POOL", bytes=3 * SEGMENT)
-    area_at_least(sched, 3 * SEGMENT)
+    a = pool_member(cuda_app, sched, tmp_path, shm, 0xA0000000, 3 * SEGMENT, 3 * SEGMENT, "wait")
     eventually("the pool holds four segments", lambda: len(segments(shm)) == 4, lambda: segments(shm))
-    sched.send("DROP", device=sched.device, grant=1, grace_ms=60_000, reason="quantum", evict=2 * SEGMENT)
-    assert sched.expect("RELEASE")["resident"] == "0"
+    moved_out(sched)
 
     sched.send("POOL", bytes=SEGMENT)
     eventually("the free segments retire", lambda: len(segments(shm)) == 2, lambda: segments(shm))
@@ -323,8 +360,7 @@ def swap_out_and_back_told_both(sched: ScriptedScheduler, app) -> None:
     sched.send("POOL", bytes=2 * SEGMENT)
     sched.send("PREPARE", device=sched.device, bytes=2 * SEGMENT)
     area_at_least(sched, 2 * SEGMENT)
-    sched.send("DROP", device=sched.device, grant=1, grace_ms=60_000, reason="quantum", evict=2 * SEGMENT)
-    assert sched.expect("RELEASE")["resident"] == "0"
+    moved_out(sched)
     app.continue_()
     grant(sched, 2, prefetch=2 * SEGMENT)
     app.expect("verified 2")
