@@ -52,8 +52,12 @@ is recorded with its error; the session is started afresh for the next one.
 - `hot-cold`: 3 tenants asked every `--hot-every` (1 s), 3 every `--cold-every` (60 s): swap-ins
   of hot tenants after the warm-up (the first cold period) are counted (`hot_swap_ins`).
 - `fits`: as many tenants as fit the card (floor(0.95 x card / G)), requests in turn, without
-  nvshare and in each mode: the warm latency against no nvshare (the reference of every
-  `warm_p99_ratio`; without `fits`, the baseline tenant alone).
+  nvshare and in each mode: the warm latency against no nvshare.
+- Where all N tenants fit the card itself (a `--budget-gib` below it makes it play a smaller
+  one), the request scenarios also run without nvshare first (mode `none`, `--native auto`), and
+  each scenario's `warm_p99_ratio` is held against its own run without nvshare: in `hot-cold`
+  three requests arrive at once, and natively they share the GPU too. Elsewhere the reference
+  is `fits` without nvshare, else the baseline tenant alone.
 
 Per request: when it was sent and answered (wall clock and CLOCK_MONOTONIC), its latency, its
 tenant, warm or cold, S, and the scheduler's grant and restored times. How:
@@ -939,10 +943,10 @@ def baseline(bench: Bench, h2d_bps: float | None) -> dict[str, Any]:
     return out
 
 
-def fits_count(bench: Bench) -> int:
-    """How many tenants fit the card's free memory, and the budget where one is set (with 5 %
-    for contexts and the allocator)."""
-    room = min(bench.card["free"], bench.budget or bench.card["free"])
+def fits_count(bench: Bench, budget: bool = True) -> int:
+    """How many tenants fit the card's free memory, and the budget where one is set (`budget`)
+    (with 5 % for contexts and the allocator)."""
+    room = min(bench.card["free"], bench.budget or bench.card["free"]) if budget else bench.card["free"]
     return min(bench.args.tenants, int(0.95 * room // bench.tenant_bytes))
 
 
@@ -990,6 +994,11 @@ def run_all(bench: Bench, h2d_bps: float | None, failures: list[dict[str, Any]],
     plans = scenario_plans(args)
     if not plans and "load" not in args.scenarios:
         return done
+    # Where every tenant fits the card itself (a budget below it plays a smaller card), the
+    # same requests without nvshare are what a warm request is held against: three requests at
+    # once share the GPU natively too, which one tenant alone does not show.
+    if plans and args.native == "auto" and fits_count(bench, budget=False) == args.tenants:
+        run_mode(bench, "none", plans, h2d_bps, done, failed, save)
     for mode in args.modes:
         run_mode(bench, mode, plans, h2d_bps, done, failed, save)
     return done
@@ -1006,9 +1015,9 @@ def run_mode(bench: Bench, mode: str, plans: dict[str, tuple[Plan, float]], h2d_
         for scenario, (plan, warm_up) in plans.items() if plans else [("load", ([], 0.0))]:
             try:
                 if session is None:
-                    session = Session(bench, mode, args.tenants, mode)
+                    session = Session(bench, None if mode == "none" else mode, args.tenants, mode)
                     load = session.load()
-                    if "load" in args.scenarios and mode not in done.get("load", {}):
+                    if "load" in args.scenarios and mode != "none" and mode not in done.get("load", {}):
                         done.setdefault("load", {})[mode] = load
                         progress("load", mode, load)
                     if load["loaded"] < load["tenants"]:
@@ -1049,10 +1058,13 @@ def progress(scenario: str, mode: str, block: dict[str, Any]) -> None:
 # --- the report ---------------------------------------------------------------------------------------
 
 
-def warm_reference(done: dict[str, Any], base: dict[str, Any] | None) -> tuple[float | None, str]:
-    """The warm p99 without nvshare that warm requests are held against: `fits` without nvshare,
-    else the baseline tenant alone."""
-    for source, block in (("fits without nvshare", done.get("fits", {}).get("none")),
+def warm_reference(done: dict[str, Any], base: dict[str, Any] | None,
+                   scenario: str | None = None) -> tuple[float | None, str]:
+    """The warm p99 without nvshare that the warm requests of `scenario` are held against: the
+    same scenario without nvshare where it ran (every tenant fits the card), else `fits` without
+    nvshare, else the baseline tenant alone."""
+    for source, block in (("the same scenario without nvshare", done.get(scenario or "", {}).get("none")),
+                          ("fits without nvshare", done.get("fits", {}).get("none")),
                           ("one tenant alone without nvshare", (base or {}).get("native"))):
         if block:
             warm = [r["latency_s"] for r in block["records"] if r.get("answered") and not r["first"]]
@@ -1104,10 +1116,18 @@ def summarise(bench: Bench, done: dict[str, Any], base: dict[str, Any] | None, h
     reference, reference_source = warm_reference(done, base)
     scenarios: dict[str, Any] = {}
     for scenario, modes in done.items():
+        own, own_source = warm_reference(done, base, scenario)
         for mode, block in modes.items():
-            figures = (load_figures(block, base) if scenario == "load"
-                       else scenario_figures(scenario, block, reference, bench.idle_window))
+            if scenario == "load":
+                figures = load_figures(block, base)
+            else:
+                figures = scenario_figures(scenario, block, own, bench.idle_window)
+                figures["warm_reference"] = own_source
+                figures["warm_reference_p99_s"] = round(own, 4) if own else None
             scenarios.setdefault(scenario, {})[mode] = figures
+    natively = sorted(scenario for scenario, modes in done.items() if scenario not in ("load", "fits") and "none" in modes)
+    if natively:
+        reference_source = f"the same scenario without nvshare ({', '.join(natively)}), else {reference_source}"
     summary: dict[str, Any] = {"warm_reference": reference_source,
                                "warm_reference_p99_s": round(reference, 4) if reference else None,
                                "idle_window_s": bench.idle_window}
@@ -1234,6 +1254,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kernels", action="store_true", help="tenants are Jupyter kernels of the nvshare kernelspec")
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--native", choices=("auto", "never"), default="auto",
+                        help="auto: where every tenant fits the card itself (--budget-gib below it plays a smaller "
+                             "card), run the request scenarios without nvshare too, the reference for their warm "
+                             "requests; never: hold warm requests against fits, else one tenant alone")
     parser.add_argument("--tenants", type=int, default=6)
     parser.add_argument("--gib", type=float, default=30.0, help="weights per tenant (GiB; divided by "
                         f"{SIM_DIVISOR} on the simulated driver)")

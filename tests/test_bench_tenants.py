@@ -116,6 +116,36 @@ def test_hot_cold_counts_swap_ins_of_hot_tenants_after_the_warm_up(run):
                                         and r["offset_s"] >= block["warm_up_s"])
 
 
+def test_where_the_tenants_fit_the_card_warm_requests_are_held_against_the_same_scenario_unshared(tmp_path):
+    """Four tenants of 17 MiB fit the 170 MiB card, and a budget of 42 MiB makes it play a
+    smaller one: hot-cold runs without nvshare first, and each mode's warm requests are held
+    against that run (three hot tenants asked at once share the GPU natively too), not against
+    one tenant alone."""
+    out = tmp_path / "tenants.json"
+    argv = [sys.executable, str(BENCH), "--quick", "--tenants", "4", "--gib", "2", "--card-gib", "20",
+            "--budget-gib", "5", "--modes", "on", "--scenarios", "hot-cold", "--cold-every", "2",
+            "--cold-periods", "1", "--baseline-requests", "3", "--out", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "NVSHARE_BENCH_LOGS": str(tmp_path / "logs")})
+    assert done.returncode == 0, done.stderr[-4000:]
+    document = json.loads(out.read_text())
+    assert document["failures"] == []
+    runs = document["scenarios"]["hot-cold"]
+    assert set(runs) == {"none", "on"}
+    native = [r for r in document["results"] if r["scenario"] == "hot-cold" and r["mode"] == "none"]
+    assert native and all(r["answered"] and not r["cold"] for r in native)
+    reference = runs["none"]["warm"]["p99_s"]
+    assert runs["on"]["warm_reference"] == "the same scenario without nvshare"
+    assert runs["on"]["warm_reference_p99_s"] == pytest.approx(reference, abs=1e-4)
+    assert runs["on"]["warm_p99_ratio"] == pytest.approx(runs["on"]["warm"]["p99_s"] / reference, rel=0.01)
+    # The unshared run is the reference, not a mode: the summary counts nvshare's requests only.
+    summary = document["summary"]
+    assert set(summary["by_mode"]) == {"on"}
+    assert summary["requests"] == len([r for r in document["results"] if r["scenario"] == "hot-cold"
+                                       and r["mode"] == "on"])
+    assert summary["warm_reference"].startswith("the same scenario without nvshare (hot-cold)")
+
+
 def test_notebook_kernels_are_tenants_too(tmp_path):
     """The same tenants as nvshare-jupyter kernels driven as a notebook drives them (issue 29:
     "notebooks are tenants too"): three of 34 MiB on an 84 MiB card, so that at most two fit.

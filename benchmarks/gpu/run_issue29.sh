@@ -2,7 +2,9 @@
 # Issue 29's and issue 31's real-GPU runs, as made through the device tool (benchmarks/results/README.md):
 #   bash benchmarks/gpu/run_issue29.sh PART...
 # PART: smoke (2 tenants of 1 GiB, one round: the script itself), hot-cold-small (6 x 12 GiB under a
-# 48 GiB budget, mode on, the hot-cold scenario alone: what fits one H200's host), tenants-on, tenants-auto (the issue's
+# 48 GiB budget, mode on, the hot-cold scenario alone: what fits one H200's host), hot-cold-small-auto (the
+# same in mode auto), turns-small (the same size, mode on, requests in turn and in bursts of three),
+# turns-small-hugepool (its requests in turn with the pool in the huge tmpfs below), tenants-on, tenants-auto (the issue's
 # 6 x 30 GiB on one card, scheduler defaults but for admission_share=1: the six tenants are one user's,
 # and 0.75 of the node's capacity would hold the sixth's load back for the admission timeout), vmm
 # (bench_vmm_swap.py: segments, torch, jax, nccl: NCCL needs two GPUs), pair (issue 18's pair, sequential
@@ -23,7 +25,8 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
 python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)' | tee -a "$OUT/machine.txt"
 # HOST_GIB: the host's free memory where MemAvailable starts small and grows as memory is used
 # (the two-GPU machines here: 31 GiB at first, 256 GiB the limit).
-TENANTS=(python3 benchmarks/bench_tenants.py --gpu --scheduler-option admission_share=1 ${HOST_GIB:+--host-gib $HOST_GIB})
+TENANTS=(python3 benchmarks/bench_tenants.py --gpu --scheduler-option admission_share=1 ${HOST_GIB:+--host-gib $HOST_GIB}
+         ${NVSHARE_LOG:+--scheduler-option log_level=$NVSHARE_LOG})
 HUGE_POOL=${HUGE_POOL:-/tmp/nvshare-huge}
 huge_pool() {
     mkdir -p "$HUGE_POOL" && { mountpoint -q "$HUGE_POOL" ||
@@ -39,9 +42,19 @@ for part in "$@"; do
         [ "${smoked:-0}" = 0 ] || { echo "the smoke run failed: $part not run"; continue; }
         NVSHARE_BENCH_LOGS=$logs timeout 500 "${TENANTS[@]}" --modes "${part#tenants-}" --rounds 3 --bursts 2 \
             --cold-every 20 --cold-periods 2 --baseline-requests 10 --out "$OUT/$part.json" 2>&1 | tail -25 ;;
-    hot-cold-small)  # warm requests in mode on beside cold ones, at a size a single H200's host holds
-        NVSHARE_BENCH_LOGS=$logs timeout 240 "${TENANTS[@]}" --tenants 6 --gib 12 --budget-gib 48 --modes on \
+    hot-cold-small|hot-cold-small-auto)  # warm requests beside cold ones, at a size a single H200's host holds
+        mode=on; [ "$part" = hot-cold-small-auto ] && mode=auto
+        NVSHARE_BENCH_LOGS=$logs timeout 240 "${TENANTS[@]}" --tenants 6 --gib 12 --budget-gib 48 --modes $mode \
             --scenarios hot-cold --cold-every 20 --cold-periods 1 --baseline-requests 10 \
+            --out "$OUT/$part.json" 2>&1 | tail -25 ;;
+    turns-small)  # every request cold (requests in turn), and bursts of three, at the same size in mode on
+        NVSHARE_BENCH_LOGS=$logs timeout 300 "${TENANTS[@]}" --tenants 6 --gib 12 --budget-gib 48 --modes on \
+            --scenarios turns bursts --rounds 3 --bursts 2 --baseline-requests 10 \
+            --out "$OUT/$part.json" 2>&1 | tail -25 ;;
+    turns-small-hugepool)  # requests in turn with the pool in the huge tmpfs (no run without nvshare: turns-small has it)
+        huge_pool || { echo "no huge tmpfs: $part not run"; continue; }
+        NVSHARE_POOL_DIR=$HUGE_POOL NVSHARE_BENCH_LOGS=$logs timeout 300 "${TENANTS[@]}" --tenants 6 --gib 12 \
+            --budget-gib 48 --modes on --scenarios turns --rounds 3 --baseline-requests 10 --native never \
             --out "$OUT/$part.json" 2>&1 | tail -25 ;;
     vmm) OUT=$OUT NVSHARE_LOG=debug NVSHARE_BENCH_LOGS=$logs timeout 400 python3 benchmarks/gpu/bench_vmm_swap.py \
              2>&1 | tail -25 ;;
