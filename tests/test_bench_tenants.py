@@ -117,13 +117,13 @@ def test_hot_cold_counts_swap_ins_of_hot_tenants_after_the_warm_up(run):
 
 
 def test_where_the_tenants_fit_the_card_warm_requests_are_held_against_the_same_scenario_unshared(tmp_path):
-    """Four tenants of 17 MiB fit the 170 MiB card, and a budget of 42 MiB makes it play a
-    smaller one: hot-cold runs without nvshare first, and each mode's warm requests are held
-    against that run (three hot tenants asked at once share the GPU natively too), not against
-    one tenant alone."""
+    """Four tenants of 17 MiB fit the 170 MiB card: hot-cold runs without nvshare first, and each
+    mode's warm requests are held against that run (three hot tenants asked at once share the GPU
+    natively too), not against one tenant alone. (No budget: nothing is swapped, so every request
+    after a tenant's first is warm however slowly a busy machine serves it.)"""
     out = tmp_path / "tenants.json"
     argv = [sys.executable, str(BENCH), "--quick", "--tenants", "4", "--gib", "2", "--card-gib", "20",
-            "--budget-gib", "5", "--modes", "on", "--scenarios", "hot-cold", "--cold-every", "2",
+            "--modes", "on", "--scenarios", "hot-cold", "--cold-every", "2",
             "--cold-periods", "1", "--baseline-requests", "3", "--out", str(out)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "NVSHARE_BENCH_LOGS": str(tmp_path / "logs")})
@@ -134,6 +134,7 @@ def test_where_the_tenants_fit_the_card_warm_requests_are_held_against_the_same_
     assert set(runs) == {"none", "on"}
     native = [r for r in document["results"] if r["scenario"] == "hot-cold" and r["mode"] == "none"]
     assert native and all(r["answered"] and not r["cold"] for r in native)
+    assert runs["none"]["warm"] and runs["on"]["warm"], (runs["none"]["warm"], runs["on"]["warm"])
     reference = runs["none"]["warm"]["p99_s"]
     assert runs["on"]["warm_reference"] == "the same scenario without nvshare"
     assert runs["on"]["warm_reference_p99_s"] == pytest.approx(reference, abs=1e-4)
