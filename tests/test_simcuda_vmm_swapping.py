@@ -80,7 +80,11 @@ def test_expandable_segments_swap_out_and_back_intact_round_after_round(schedule
     for app in apps:
         app.expect("done", timeout=60)
         assert app.wait() == 0, app.stderr[-6000:]
-        assert "failed" not in app.stderr and "warning" not in app.stderr, app.stderr[-6000:]
+        # Complaints, not debug lines: at exit a context the program already destroyed is dropped
+        # with a debug line ("push failed"), which says nothing about the swaps.
+        complaints = [line for line in app.stderr.splitlines()
+                      if ("failed" in line or "warning" in line) and ": debug: " not in line]
+        assert complaints == [], app.stderr[-6000:]
     lines = simcuda.read_trace(cuda_app.trace)
     for app in apps:
         released = sum(p["bytes"] for p in lines if p["op"] == "physical" and p["event"] == "release"
