@@ -946,7 +946,9 @@ def baseline(bench: Bench, h2d_bps: float | None) -> dict[str, Any]:
 def fits_count(bench: Bench, budget: bool = True) -> int:
     """How many tenants fit the card's free memory, and the budget where one is set (`budget`)
     (with 5 % for contexts and the allocator)."""
-    room = min(bench.card["free"], bench.budget or bench.card["free"]) if budget else bench.card["free"]
+    room = bench.card["free"]
+    if budget and bench.budget:
+        room = min(room, bench.budget)
     return min(bench.args.tenants, int(0.95 * room // bench.tenant_bytes))
 
 
@@ -1125,7 +1127,8 @@ def summarise(bench: Bench, done: dict[str, Any], base: dict[str, Any] | None, h
                 figures["warm_reference"] = own_source
                 figures["warm_reference_p99_s"] = round(own, 4) if own else None
             scenarios.setdefault(scenario, {})[mode] = figures
-    natively = sorted(scenario for scenario, modes in done.items() if scenario not in ("load", "fits") and "none" in modes)
+    natively = sorted(scenario for scenario, modes in done.items()
+                      if scenario not in ("load", "fits") and "none" in modes)
     if natively:
         reference_source = f"the same scenario without nvshare ({', '.join(natively)}), else {reference_source}"
     summary: dict[str, Any] = {"warm_reference": reference_source,

@@ -590,20 +590,19 @@ static void choose_locked(struct action *a) {
         *a = (struct action){.kind = REGISTER, .index = k, .ino = segments[k].ino, .target = a->target};
         return;
     }
-    if (live < a->target && a->target != growth_failed_at) {
-        for (int i = 0; i < MAX_SEGMENTS; i++) {
-            if (segments[i].state != RETIRING || segments[i].owner != NONE) continue;
-            segments[i].state = READY;
-            *a = (struct action){.kind = REVIVED, .index = i, .target = a->target};
-            return;
-        }
-        for (int i = 0; i < MAX_SEGMENTS; i++) {
-            if (segments[i].state != ABSENT) continue;
-            segments[i].state = CREATING;
-            segments[i].owner = self;
-            *a = (struct action){.kind = CREATE, .index = i, .target = a->target};
-            return;
-        }
+    if (live >= a->target || a->target == growth_failed_at) return;
+    for (int i = 0; i < MAX_SEGMENTS; i++) {
+        if (segments[i].state != RETIRING || segments[i].owner != NONE) continue;
+        segments[i].state = READY;
+        *a = (struct action){.kind = REVIVED, .index = i, .target = a->target};
+        return;
+    }
+    for (int i = 0; i < MAX_SEGMENTS; i++) {
+        if (segments[i].state != ABSENT) continue;
+        segments[i].state = CREATING;
+        segments[i].owner = self;
+        *a = (struct action){.kind = CREATE, .index = i, .target = a->target};
+        return;
     }
 }
 

@@ -27,6 +27,7 @@ python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__ve
 # (the two-GPU machines here: 31 GiB at first, 256 GiB the limit).
 TENANTS=(python3 benchmarks/bench_tenants.py --gpu --scheduler-option admission_share=1 ${HOST_GIB:+--host-gib $HOST_GIB}
          ${NVSHARE_LOG:+--scheduler-option log_level=$NVSHARE_LOG})
+SMALL=("${TENANTS[@]}" --tenants 6 --gib 12 --budget-gib 48)  # the *-small parts: what one H200's host holds
 HUGE_POOL=${HUGE_POOL:-/tmp/nvshare-huge}
 huge_pool() {
     mkdir -p "$HUGE_POOL" && { mountpoint -q "$HUGE_POOL" ||
@@ -44,18 +45,15 @@ for part in "$@"; do
             --cold-every 20 --cold-periods 2 --baseline-requests 10 --out "$OUT/$part.json" 2>&1 | tail -25 ;;
     hot-cold-small|hot-cold-small-auto)  # warm requests beside cold ones, at a size a single H200's host holds
         mode=on; [ "$part" = hot-cold-small-auto ] && mode=auto
-        NVSHARE_BENCH_LOGS=$logs timeout 240 "${TENANTS[@]}" --tenants 6 --gib 12 --budget-gib 48 --modes $mode \
-            --scenarios hot-cold --cold-every 20 --cold-periods 1 --baseline-requests 10 \
-            --out "$OUT/$part.json" 2>&1 | tail -25 ;;
+        NVSHARE_BENCH_LOGS=$logs timeout 240 "${SMALL[@]}" --modes $mode --scenarios hot-cold \
+            --cold-every 20 --cold-periods 1 --baseline-requests 10 --out "$OUT/$part.json" 2>&1 | tail -25 ;;
     turns-small)  # every request cold (requests in turn), and bursts of three, at the same size in mode on
-        NVSHARE_BENCH_LOGS=$logs timeout 300 "${TENANTS[@]}" --tenants 6 --gib 12 --budget-gib 48 --modes on \
-            --scenarios turns bursts --rounds 3 --bursts 2 --baseline-requests 10 \
-            --out "$OUT/$part.json" 2>&1 | tail -25 ;;
+        NVSHARE_BENCH_LOGS=$logs timeout 300 "${SMALL[@]}" --modes on --scenarios turns bursts \
+            --rounds 3 --bursts 2 --baseline-requests 10 --out "$OUT/$part.json" 2>&1 | tail -25 ;;
     turns-small-hugepool)  # requests in turn with the pool in the huge tmpfs (no run without nvshare: turns-small has it)
         huge_pool || { echo "no huge tmpfs: $part not run"; continue; }
-        NVSHARE_POOL_DIR=$HUGE_POOL NVSHARE_BENCH_LOGS=$logs timeout 300 "${TENANTS[@]}" --tenants 6 --gib 12 \
-            --budget-gib 48 --modes on --scenarios turns --rounds 3 --baseline-requests 10 --native never \
-            --out "$OUT/$part.json" 2>&1 | tail -25 ;;
+        NVSHARE_POOL_DIR=$HUGE_POOL NVSHARE_BENCH_LOGS=$logs timeout 300 "${SMALL[@]}" --modes on \
+            --scenarios turns --rounds 3 --baseline-requests 10 --native never --out "$OUT/$part.json" 2>&1 | tail -25 ;;
     vmm) OUT=$OUT NVSHARE_LOG=debug NVSHARE_BENCH_LOGS=$logs timeout 400 python3 benchmarks/gpu/bench_vmm_swap.py \
              2>&1 | tail -25 ;;
     pair) NVSHARE_BENCH_LOGS=$logs timeout 300 python3 benchmarks/bench_colocation.py --gpu --working-set pair \

@@ -258,8 +258,8 @@ def free_idle_ms(holder: Pair, free_ms: int) -> int:
     windows, 0.25 s, for a request of 11 ms on the simulated driver; with a tenth of it, 10 ms,
     an H200's requests of 3 ms at once took twice their time without nvshare, 21 against 10 ms
     at the median). Releasing a server in a host gap of its request costs it one ACQUIRE and the
-    other requests' time, as sharing the GPU natively would; a training job whose host pauses are short keeps the window,
-    so that it is not handed off at every step. A single long pause of such a job buys it one
+    other requests' time, as sharing the GPU natively would; a training job whose host pauses
+    are short keeps the window, so that it is not handed off at every step. A single long pause of such a job buys it one
     shorter window: its next pause, short, restores the usual one."""
     if free_ms and holder.away >= LONG_PAUSE_FACTOR * free_ms / 1000:
         return max(1, free_ms // SERVER_WINDOW_SHARE)
