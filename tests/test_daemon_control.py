@@ -293,9 +293,18 @@ def test_the_events_ring_pages_by_bytes_keeps_the_newest_and_tells_where_to_go_o
     page = ring.page(0, 10_000)  # the first 50 are gone: the page starts at the oldest kept
     entries = [json.loads(e) for e in page.entries]
     assert entries[0]["seq"] == 51 and page.more and page.next == entries[-1]["seq"] + 1
-    assert sum(len(e) + 1 for e in page.entries) <= 1_000
+    assert len(f"[{','.join(page.entries)}]") <= 1_000  # the answer's "events" array, brackets and all
     assert [e["seq"] for e in json.loads(ring.page(140, 3).json())["events"]] == [140, 141, 142]
     assert json.loads(ring.page(151, 10).json()) == {"events": [], "next": 151, "more": False}
+    # Entries that fill a page to its last byte with their commas: the brackets must fit too (a
+    # fresh-clone CI run under load got an answer of PAGE_BYTES + 1).
+    exact = EventRing(keep=10)
+    for n in range(4):
+        exact.record(1000.0, GPU, "c1", "grant", n, "")
+    encoded = exact.page(1, 10).entries
+    exact.page_bytes = sum(len(e) + 1 for e in encoded[:3])
+    fitted = exact.page(1, 10).entries
+    assert len(f"[{','.join(fitted)}]") <= exact.page_bytes and fitted == encoded[:2]
     huge = EventRing(page_bytes=10)
     huge.record(1000.0, GPU, "c1", "register", 0, "program=" + "p" * 500)
     assert len(huge.page(1, 10).entries) == 1  # one entry at least, whatever its size

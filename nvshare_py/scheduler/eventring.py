@@ -64,7 +64,7 @@ class EventRing:
         first = self.next_seq - len(self._entries)
         start = max(since, first) - first
         chosen: list[str] = []
-        size = 0
+        size = 1  # the array's brackets, less the comma its last entry does not need
         for entry in itertools.islice(self._entries, start, start + limit):
             size += len(entry) + 1
             if chosen and size > self.page_bytes:
