@@ -523,8 +523,12 @@ def test_a_holder_whose_pauses_are_long_is_released_sooner_than_one_whose_pauses
 def test_an_unmeasured_price_does_not_keep_an_idle_holder():
     """Issue 29: the sixth tenant held the GPU idle for 48.6 s while five asked, because its
     handoff was priced at the slow path nobody had measured. Only measured prices lengthen the
-    idle window (CONTENDED idle_ms=); with none, the client's own window applies."""
+    idle window (CONTENDED idle_ms=); with none, the holder gets the window of a release that
+    moves nothing (--idle-release-contended). The client's own window (1 s) let a server asked
+    every second, never idle that long, keep the lock for 20 s of its quantum on an H200."""
     c = Cluster(budget=16 * GiB)
+    c.core = SchedulerCore(CoreConfig(tq=30.0, heartbeat_timeout=1e6, heartbeat_interval=1e5,
+                                      idle_release_contended=0.1), c.now)
     for key in ("a", "b"):
         c.feed(Register(c.now, key, ClientInfo(pid=len(key) + 100, session=f"{abs(hash(key)):016x}"[:16])))
         c.feed(DeviceMeasured(c.now, DEV, TOTAL))
@@ -536,7 +540,7 @@ def test_an_unmeasured_price_does_not_keep_an_idle_holder():
     c.feed(MemoryReport(c.now, "a", DEV, 12 * GiB, 12 * GiB))
     c.feed(AcquireRequest(c.now, "b", DEV))
     (contended,) = c.sent(protocol.Contended, "a")
-    assert contended.evict == 8 * GiB and contended.idle_ms == 0
+    assert contended.evict == 8 * GiB and contended.idle_ms == 100
 
 
 def test_a_users_swap_pool_follows_what_is_out_and_shrinks_only_after_a_while():

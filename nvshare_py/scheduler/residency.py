@@ -236,14 +236,15 @@ def idle_ms(dev: Device, holder: Pair, grantee: Pair | None, free_ms: int) -> in
     is waiting: `free_ms` (the operator's --idle-release-contended; 0: the client's window), or
     less for a holder whose pauses are long (free_idle_ms). Only a measured price counts (issue
     29): a first quantum, a move nobody has measured yet, or an area still being pinned keep no
-    idle GPU from the others for seconds (0: the client's own window)."""
+    idle GPU from the others, so an unmeasured price gets the window of a release that moves
+    nothing. It used to leave the client's own window (1 s): on an H200 a server asked every
+    second, which had to give up 0.4 GB when released and had never measured a move, kept the
+    lock for 20 s of its quantum while three others' requests waited."""
     if grantee is None:
         return 0  # it waits behind itself: nobody to let in
     evict = evict_on_drop(dev, holder, grantee)
-    if not evict:
+    if not evict or not holder.swap.out_bps or not holder.swap.in_bps:
         return free_idle_ms(holder, free_ms)
-    if not holder.swap.out_bps or not holder.swap.in_bps:
-        return 0
     round_trip = evict / holder.swap.out_bps + evict / holder.swap.in_bps
     return round((round_trip + HANDOFF_OVERHEAD_S) * 1000)
 
