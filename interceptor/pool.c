@@ -28,8 +28,12 @@
  * Who owns what: a whole segment belongs to one member at a time. Inside it, area.c hands out
  * pages as in its own chunks: claiming a free segment registered here replaces pinning a chunk
  * (instant, so it happens on a swap's path), and a segment that is wholly free again goes back
- * to the pool at once, registered everywhere, for anyone to evict into. Segments are not zeroed
- * between members: they are one user's (one pod's) processes.
+ * to the pool at once, registered everywhere, for anyone to evict into. A swap-out that finds no
+ * free segment registered here (the pinner takes no step while the worker moves memory:
+ * worker.c) does on its path what the pinner would have done next: joins the pool, or registers
+ * a free segment another member made (0.06-0.19 s per 512 MiB on an H200), rather than move the
+ * rest the driver's slow way. Segments are not zeroed between members: they are one user's (one
+ * pod's) processes.
  *
  * Membership and liveness: member slot k is held by an OFD lock on byte LOCKS_AT + k of the
  * map file (one per open file description, so a fork child's copy of the descriptor, closed at
@@ -52,8 +56,8 @@
  * only (no CUDA call, no file written or removed, no log line). INIT_LOCK (an OFD lock: joining,
  * and the last member's removal) is taken before it, never after. The pinner thread joins,
  * registers, makes and unregisters segments (a context current, nvs_ctx_mu read-held); the
- * worker claims and any thread releases (through area.c); the client thread only stores the
- * scheduler's size.
+ * worker claims (and registers what it claims unregistered, its job's context current) and any
+ * thread releases (through area.c); the client thread only stores the scheduler's size.
  *
  * Over 600 lines: the shared state's rules (who may change which field, in which state, and
  * what a crash leaves) are kept in one place.
@@ -125,8 +129,9 @@ struct shared {
 #define LOCKS_AT ((off_t)((sizeof(struct shared) + 4095) / 4096 * 4096))
 #define INIT_LOCK (LOCKS_AT + MAX_MEMBERS)
 
-/* This process's side. Written by the pinner while it joins, before `joined` is published;
- * constant afterwards (a fork child resets them). */
+/* This process's side. Written by the pinner while it joins (or by a swap job's claim, while the
+ * pinner takes no step), before `joined` is published; constant afterwards (a fork child resets
+ * them). */
 static struct shared *shared;
 static int dir_fd = -1, map_fd = -1;
 static int self = NONE;
@@ -546,7 +551,7 @@ static int unregistered_locked(int held) {
     struct shared_segment *segments = shared->segments;
     for (int i = 0; i < MAX_SEGMENTS; i++)
         if (segments[i].state == READY && mapped[i].host == NULL && mapped[i].ino != segments[i].ino &&
-            (segments[i].owner != NONE) == held)
+            (segments[i].owner != NONE) == held && segments[i].owner != self)
             return i;
     return NONE;
 }
@@ -632,17 +637,25 @@ static void registering_failed(int k, CUresult r) {
     leave(1);
 }
 
-static void register_existing(const struct action *a) {
+/* Segment `index`'s file mapped here, if it is the file the table names (`ino`); else NULL. */
+static char *map_named(int index, uint64_t ino) {
     char name[32];
-    segment_name(a->index, name, sizeof name);
-    double since = nvs_now();
+    segment_name(index, name, sizeof name);
     int fd = openat(dir_fd, name, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
     struct stat st;
     char *host = NULL;
     if (fd >= 0 && file_status(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() &&
-        (uint64_t)st.st_size == segment_bytes && (uint64_t)st.st_ino == a->ino)
+        (uint64_t)st.st_size == segment_bytes && (uint64_t)st.st_ino == ino)
         host = map_segment(fd);
     if (fd >= 0) close(fd);
+    return host;
+}
+
+static void register_existing(const struct action *a) {
+    char name[32];
+    segment_name(a->index, name, sizeof name);
+    double since = nvs_now();
+    char *host = map_named(a->index, a->ino);
     if (host == NULL) {
         /* Not the file the table names (removed behind the pool's back, or replaced): retired,
          * so that it is made anew. */
@@ -822,10 +835,65 @@ static int free_segment_locked(void) {
     return NONE;
 }
 
+/* A free segment that is not registered here, claimed while the caller registers it
+ * (register_claimed). */
+static int claim_unregistered_locked(uint64_t *ino) {
+    int k = unregistered_locked(0);
+    if (k != NONE) {
+        shared->segments[k].owner = self;
+        *ino = shared->segments[k].ino;
+        changed_locked();
+    }
+    return k;
+}
+
+/* Registers segment k, claimed by claim_unregistered_locked, on the swap job's path: 0 and *out
+ * when it is ours to use, else -1 (given back). Its mapping's pages are not made present first,
+ * as the pinner's are (populate.c): the job's own calls wait for the registration either way, and
+ * registering present pages this way took 0.15-0.21 s per GiB on one thread on an H200, against
+ * 0.22-0.63 s for mapping them from four threads first (pool-pinning-h200-2026-11-28*.json). */
+static int register_claimed(int k, uint64_t ino, struct nvs_pool_segment *out) {
+    double since = nvs_now();
+    char *host = map_named(k, ino);
+    CUresult r = host != NULL ? register_segment(host) : CUDA_ERROR_INVALID_VALUE;
+    int kept = 0;
+    if (lock_shared() == 0) {
+        struct shared_segment *s = &shared->segments[k];
+        kept = r == CUDA_SUCCESS && atomic_load(&joined) && s->state == READY && s->ino == ino && s->owner == self;
+        if (kept) {
+            mapped[k].host = host;
+            mapped[k].ino = ino;
+            s->registered |= 1ULL << self;
+            *out = (struct nvs_pool_segment){.host = host, .bytes = segment_bytes, .index = k};
+        } else {
+            if (s->owner == self && s->ino == ino) s->owner = NONE;
+            mapped[k].ino = ino; /* not tried again here (the pinner retires or replaces it) */
+        }
+        refresh_locked();
+        changed_locked();
+        unlock_shared();
+    }
+    if (!kept && host != NULL && r == CUDA_SUCCESS) unpin_segment(k, host);
+    else if (!kept && host != NULL) munmap(host, segment_bytes);
+    if (kept)
+        nvs_debug("swap pool: registered and claimed segment-%d on a swap's path in %.3f s", k, nvs_now() - since);
+    else
+        nvs_debug("swap pool: segment-%d could not be registered on a swap's path (%d)", k, r);
+    return kept ? 0 : -1;
+}
+
+/* A free segment registered here, claimed. Else, on the swap's path (the pinner takes no step
+ * meanwhile: worker.c), what the pinner would have done next for it: join the pool (told POOL
+ * since), or register a free segment another member made. The pool does not grow on the path:
+ * making a segment's pages cost 0.15-0.5 s per 512 MiB on an H200 beside five members doing the
+ * same, slower than the driver's prefetch to the host the rest then takes. */
 int nvs_pool_claim(struct nvs_pool_segment *out) {
+    if (!atomic_load(&joined) && !(nvs_pool_due() && join())) return -1; /* told POOL: join first */
     if (!atomic_load(&joined) || lock_shared() != 0) return -1;
     int k = atomic_load(&joined) ? free_segment_locked() : NONE;
     if (k == NONE && atomic_load(&joined) && reap_locked() > 0) k = free_segment_locked(); /* one may have died */
+    uint64_t ino = 0;
+    int unregistered = k == NONE && atomic_load(&joined) ? claim_unregistered_locked(&ino) : NONE;
     if (k != NONE) {
         shared->segments[k].owner = self;
         *out = (struct nvs_pool_segment){.host = mapped[k].host, .bytes = segment_bytes, .index = k};
@@ -833,6 +901,7 @@ int nvs_pool_claim(struct nvs_pool_segment *out) {
         changed_locked();
     }
     unlock_shared();
+    if (unregistered != NONE) return register_claimed(unregistered, ino, out);
     if (k != NONE) nvs_debug("swap pool: claimed segment-%d", k);
     return k != NONE ? 0 : -1;
 }

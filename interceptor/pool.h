@@ -28,9 +28,11 @@ int nvs_pool_joined(void);
  * of it, changed. */
 int nvs_pool_due(void);
 int nvs_pool_step(void);
-/* For the swap area (area.c), any thread, no lock held: claim a free segment registered here
- * (instant: nothing is pinned on the way), 0 and *out, or -1 when there is none; and give a
- * wholly free segment back to the pool. */
+/* For the swap area (area.c): claim a free segment registered here (instant: nothing is pinned
+ * on the way), 0 and *out; where there is none, the swap-out joins the pool (told POOL since) or
+ * registers a free segment another member made, on its path (the worker, a context current; the
+ * pinner takes no step meanwhile); -1 when none can be had. And (any thread, no lock held) give a wholly free segment
+ * back to the pool. */
 int nvs_pool_claim(struct nvs_pool_segment *out);
 void nvs_pool_release(int index);
 /* Bytes in the pool's free segments registered here, as last seen (any thread, no lock). */

@@ -20,8 +20,14 @@
  * whole first quantum (tests/test_simcuda_swapping.py shows it; on an H200 the first quanta,
  * priced at the slow path's cost while the area was pinned, went from 10-16 s to 3.6 s with this
  * thread and the area's pages made present by several, area.c). Both
- * hold nvs_ctx_mu for reading, so they run side by side; a handoff's swap job and a chunk being
- * pinned share the CPU for at most one chunk (64 MiB: 12-50 ms).
+ * hold nvs_ctx_mu for reading, so they run side by side, except that the pinner takes no step
+ * while the worker moves memory (a swap job): on an H200 a registration in one thread held up
+ * the process's other CUDA calls for its whole length, and the swap engine's moves ran at 7 GB/s
+ * beside a thread that registered segments, 19 GB/s beside four that mapped their pages, against
+ * 46 GB/s alone (registrations and mappings in five other processes cost it nothing;
+ * benchmarks/results/swap-beside-pinners-h200-2026-11-29.json). Six tenants' pools growing
+ * while they moved memory out made those moves run at 1.8-2.7 GB/s. A step that began before a
+ * swap job ends before the job's first call (step_mu); drains and probes do not stop the pinner.
  *
  * Jobs come in struct nvs_device (job, under nvs_mu); results go back there (job_result) and
  * the client thread is woken to feed them to the core. Nothing here decides lock state.
@@ -39,6 +45,11 @@ static pthread_cond_t worker_cv = PTHREAD_COND_INITIALIZER; /* with nvs_mu */
 static int worker_kicked;                                    /* under nvs_mu */
 static pthread_cond_t pinner_cv = PTHREAD_COND_INITIALIZER; /* with nvs_mu */
 static int pinner_kicked;                                    /* under nvs_mu */
+static int moving; /* under nvs_mu, written by the worker: a swap job runs (the pinner waits) */
+/* Held by the pinner for each step; the worker takes and drops it once `moving` is set, so that
+ * the step it may be in the middle of ends before the job's calls begin. Nothing else is taken
+ * under it but what a step takes (nvs_ctx_mu, nvs_mu). */
+static pthread_mutex_t step_mu = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic int exiting;
 
 void nvs_worker_assign_locked(struct nvs_device *d, enum nvs_job job, uint64_t bytes) {
@@ -97,6 +108,11 @@ static enum nvs_job_result run_probe(struct nvs_device *d) {
     return quiet ? NVS_RESULT_DRAINED : NVS_RESULT_ACTIVE;
 }
 
+/* The jobs that move memory between the device and the host (swap.c). */
+static int moves_memory(enum nvs_job job) {
+    return job == NVS_JOB_SWAP_OUT || job == NVS_JOB_PREFETCH || job == NVS_JOB_PREFETCH_AHEAD;
+}
+
 static enum nvs_job_result run_job(struct nvs_device *d, enum nvs_job job, uint64_t bytes) {
     switch (job) {
     case NVS_JOB_PROBE:
@@ -144,10 +160,18 @@ static void *worker_main(void *unused) {
         if (d != NULL && !atomic_load(&exiting)) {
             enum nvs_job job = d->job;
             uint64_t bytes = d->job_bytes;
+            int moves = moves_memory(job);
             d->job_running = 1;
+            moving = moves;
             pthread_mutex_unlock(&nvs_mu);
+            if (moves) { /* a pinner step under way ends first */
+                pthread_mutex_lock(&step_mu);
+                pthread_mutex_unlock(&step_mu);
+            }
             enum nvs_job_result result = run_job(d, job, bytes);
             pthread_mutex_lock(&nvs_mu);
+            if (moves) nvs_pinner_wake_locked(); /* its steps may go on */
+            moving = 0;
             d->job_running = 0;
             d->job = NVS_JOB_NONE;
             d->job_result = result;
@@ -170,8 +194,21 @@ static void *worker_main(void *unused) {
     return NULL;
 }
 
+/* One step towards the swap area's (or pool's) target, unless the worker moves memory: 1 when
+ * it changed something. */
+static int step_unless_moving(void) {
+    pthread_mutex_lock(&step_mu);
+    pthread_mutex_lock(&nvs_mu);
+    int wait = moving;
+    pthread_mutex_unlock(&nvs_mu);
+    int changed = !wait && nvs_swap_prepare_step();
+    pthread_mutex_unlock(&step_mu);
+    return changed;
+}
+
 /* Steps towards the swap area's target while there is one to take; waits to be told when there
- * is none, and retries now and then while one is due but cannot be taken. */
+ * is none, and retries now and then while one is due but cannot be taken (a swap job's end
+ * tells it at once). */
 static void *pinner_main(void *unused) {
     (void)unused;
     nvs_swap_resolve();
@@ -179,7 +216,7 @@ static void *pinner_main(void *unused) {
     while (!atomic_load(&exiting)) {
         pinner_kicked = 0;
         pthread_mutex_unlock(&nvs_mu);
-        while (!atomic_load(&exiting) && nvs_swap_prepare_step()) continue;
+        while (!atomic_load(&exiting) && step_unless_moving()) continue;
         int due = !atomic_load(&exiting) && nvs_swap_prepare_due();
         int watching = nvs_swap_prepare_watching();
         pthread_mutex_lock(&nvs_mu);
@@ -217,4 +254,6 @@ void nvs_worker_reset_after_fork(void) {
     worker_kicked = 0;
     pthread_cond_init(&pinner_cv, NULL);
     pinner_kicked = 0;
+    pthread_mutex_init(&step_mu, NULL);
+    moving = 0;
 }

@@ -118,6 +118,15 @@ def pinned_copies(lines: list[dict], pid: int, link: str) -> list[dict]:
     return [c for c in lines if c["op"] == "memcpy" and c.get("link") == link and c["pid"] == pid]
 
 
+def assert_moved_out_through_the_pool(simcuda, cuda_app, pid: int, nbytes: int) -> None:
+    """Process `pid` copied `nbytes` out to pinned memory and moved nothing the driver's slow way
+    (a migration to the host)."""
+    lines = simcuda.read_trace(cuda_app.trace)
+    out = pinned_copies(lines, pid, "d2h")
+    assert sum(c["bytes"] for c in out if c["pinned"]) == nbytes, out
+    assert migrations(lines, direction="to_host", owner=pid) == []
+
+
 def patterned(cuda_app, env, word: int, *extra: str):
     """A process with two 8 MiB allocations filled with `word` and `word + 1`, which waits, checks
     them through every access path after its grant, and waits again before it ends."""
@@ -245,6 +254,84 @@ def test_a_member_registers_the_free_segments_before_those_another_member_holds(
     assert a.wait() == 0, a.stderr
 
 
+def test_a_member_takes_no_pinning_step_while_it_moves_memory(schedulers, cuda_app, simcuda, tmp_path, shm):
+    """A registration holds up the process's other calls for its whole length (the simulated
+    driver models it as the H200 showed: the swap engine's moves ran at 7 GB/s beside a thread
+    that registered segments, 46 GB/s alone). B grows the pool while A registers each segment
+    B makes; A is told to move its memory out meanwhile. A's pinner starts no registration
+    while A's swap-out copies run: its memory goes out through the two segments it had, and
+    the registrations go on after."""
+    sched_a, sched_b = schedulers(), schedulers()
+    slow = {"SIMCUDA_REGISTER_PRESENT_US_PER_MIB": "10000", "SIMCUDA_PINNED_US_PER_MIB": "20000"}
+    a = patterned(cuda_app, pool_env(sched_a, tmp_path, shm, **slow), 0xA0000000, "wait")
+    grant(sched_a, 1)
+    a.expect("waiting")
+    sched_a.send("POOL", bytes=2 * SEGMENT)
+    area_at_least(sched_a, 2 * SEGMENT)
+    b = patterned(cuda_app, pool_env(sched_b, tmp_path, shm, **slow), 0xB0000000, "wait")
+    grant(sched_b, 1)
+    b.expect("waiting")
+    sched_b.send("POOL", bytes=12 * SEGMENT)
+
+    def pins_by_a() -> list[dict]:
+        return [p for p in simcuda.read_trace(cuda_app.trace)
+                if p["op"] == "pin" and p["bytes"] == SEGMENT and p["pid"] == a.pid]
+
+    before = len(pins_by_a())
+    eventually("A registers a segment B made", lambda: len(pins_by_a()) > before, pins_by_a)
+    moved_out(sched_a)
+    eventually("A registers every segment of the pool", lambda: len(pins_by_a()) >= len(segments(shm)),
+               lambda: (len(pins_by_a()), segments(shm)))
+
+    lines = simcuda.read_trace(cuda_app.trace)
+    out = pinned_copies(lines, a.pid, "d2h")
+    assert sum(c["bytes"] for c in out if c["pinned"]) == 2 * SEGMENT, out
+    first, last = min(c["start"] for c in out), max(c["end"] for c in out)
+    during = [p for p in pins_by_a() if first <= p["start"] < last]
+    after = [p for p in pins_by_a() if p["start"] >= last]
+    assert during == [] and after, (first, last, pins_by_a())
+    a.continue_()
+    grant(sched_a, 2, prefetch=2 * SEGMENT)
+    a.expect("verified 2")
+    b.continue_()  # B still holds its grant
+    b.expect("verified 2")
+    for app in (a, b):
+        app.continue_()
+        assert app.wait() == 0, app.stderr
+
+
+def test_a_swap_out_registers_free_segments_another_member_made_rather_than_go_the_slow_way(schedulers, cuda_app,
+                                                                                           simcuda, tmp_path, shm):
+    """B made the pool (eight segments, each registered in B only); A joins and is told at once
+    to move its 32 MiB out, before its pinner (registering slowly here: 1.2 s a segment) has
+    caught up, and the pinner takes no step while A's swap-out runs. The swap-out claims free
+    segments A has not registered yet and registers them on its way: all 32 MiB go out through
+    the pool, none the driver's slow way (a migration to the host), and A finds its data back."""
+    sched_a, sched_b = schedulers(), schedulers()
+    b = pool_member(cuda_app, sched_b, tmp_path, shm, 0xB0000000, 8 * SEGMENT, 8 * SEGMENT, "wait")
+    words = [0xA0000000 + k for k in range(4)]
+    slow = {"SIMCUDA_REGISTER_US_PER_MIB": "150000", "SIMCUDA_REGISTER_PRESENT_US_PER_MIB": "150000"}
+    a = cuda_app(pool_env(sched_a, tmp_path, shm, **slow),
+                 "init", *[f"pattern:plain:{SEGMENT}:{w:#x}" for w in words], "sync", "wait", "verify", "wait")
+    grant(sched_a, 1)
+    a.expect("waiting")
+    sched_a.send("POOL", bytes=8 * SEGMENT)
+    memory_until(sched_a, lambda fields: fields.get("pool") == "1")  # A joined
+    sched_a.send("DROP", device=sched_a.device, grant=1, grace_ms=60_000, reason="quantum", evict=4 * SEGMENT)
+    assert sched_a.expect("RELEASE")["resident"] == "0"
+
+    assert_moved_out_through_the_pool(simcuda, cuda_app, a.pid, 4 * SEGMENT)
+    a.continue_()
+    grant(sched_a, 2, prefetch=4 * SEGMENT)
+    a.expect("verified 4")
+    b.continue_()
+    b.expect("verified 2")
+    for app in (a, b):
+        app.continue_()
+        assert app.wait() == 0, app.stderr
+    assert "registered and claimed segment-" in a.stderr, a.stderr
+
+
 def test_the_segments_of_a_member_killed_while_it_held_them_are_claimed_by_another(schedulers, cuda_app, simcuda,
                                                                                    tmp_path, shm):
     """A moves its memory out into two segments of the pool and is killed (SIGKILL: no exit
@@ -267,10 +354,7 @@ def test_the_segments_of_a_member_killed_while_it_held_them_are_claimed_by_anoth
     words = words_in_segments(shm)
     assert {0xB0000000, 0xB0000001} <= words and not {0xA0000000, 0xA0000001} & words
     assert set(segments(shm)) == held_by_a  # the same two files: reclaimed, not made anew
-    lines = simcuda.read_trace(cuda_app.trace)
-    out = pinned_copies(lines, b.pid, "d2h")
-    assert sum(c["bytes"] for c in out if c["pinned"]) == 2 * SEGMENT, out
-    assert migrations(lines, direction="to_host", owner=b.pid) == []
+    assert_moved_out_through_the_pool(simcuda, cuda_app, b.pid, 2 * SEGMENT)
     b.continue_()
     grant(sched_b, 2, prefetch=2 * SEGMENT)
     b.expect("verified 2")

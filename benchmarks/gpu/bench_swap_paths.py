@@ -155,6 +155,16 @@ def check_words(cuda: Driver, ptr: int, nbytes: int, first: int, second: int) ->
     return True
 
 
+def write_document(document: dict, out: Path | None, name: str) -> str:
+    """The document as JSON, written to `out`, else to $OUT/`name` when $OUT is set; its text."""
+    text = json.dumps(document, indent=1)
+    path = out or (Path(os.environ["OUT"]) / name if os.environ.get("OUT") else None)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    return text
+
+
 def gbps(nbytes: int, seconds: float) -> float | None:
     """GB/s; None for a move that was not measured (negative seconds)."""
     if seconds < 0:
@@ -815,11 +825,7 @@ def main() -> None:
     document = {"benchmark": "swap-paths", "gib": args.gib,
                 **{part: in_child(part, sizes[part]) for part in args.parts}}
     document["elapsed_s"] = round(time.monotonic() - started, 1)
-    text = json.dumps(document, indent=1)
-    out = args.out or (Path(os.environ["OUT"]) / "swap-paths.json" if os.environ.get("OUT") else None)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+    text = write_document(document, args.out, "swap-paths.json")
     e = document.get("engine", {"error": "not run"})
     if "error" not in e:
         print(f"ceiling pinned: d2h {e['ceiling']['d2h_GBps']} GB/s, h2d {e['ceiling']['h2d_GBps']} GB/s",

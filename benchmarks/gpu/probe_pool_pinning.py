@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_swap_paths import (CU_MEMHOSTREGISTER_PORTABLE, GIB, Api, Driver, libc_for_maps, meminfo,  # noqa: E402
-                              on_threads)
+                              on_threads, write_document)
 
 SEGMENT = 512 << 20  # the pool's (NVSHARE_POOL_SEGMENT); --segment-mib changes it
 MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23
@@ -244,11 +244,7 @@ def main() -> None:
                                         "copies": copies_beside_growth(work, count)}
         finally:
             work.rmdir()
-    text = json.dumps(document, indent=1)
-    out = args.out or (Path(os.environ["OUT"]) / "pool-pinning.json" if os.environ.get("OUT") else None)
-    if out is not None:
-        out.write_text(text + "\n")
-    print(text)
+    print(write_document(document, args.out, "pool-pinning.json"))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
 # and 0.75 of the node's capacity would hold the sixth's load back for the admission timeout), vmm
 # (bench_vmm_swap.py: segments, torch, jax, nccl: NCCL needs two GPUs), pair (issue 18's pair, sequential
 # and swap), pool-probe (probe_pool_pinning.py: what growing the swap pool costs, in /dev/shm and in a
-# tmpfs mounted with huge=always), pair-hugepool (the pair's swap run with its pool in that tmpfs). The
+# tmpfs mounted with huge=always), pinners-probe (probe_swap_beside_pinners.py: the swap engine's moves
+# beside pool members that map and register segments), pair-hugepool (the pair's swap run with its pool in that tmpfs). The
 # huge tmpfs is mounted at $HUGE_POOL (default /tmp/nvshare-huge): run as root, or the whole script
 # under `unshare -Urm` (a user namespace of its own may mount a tmpfs). Needs the wheels of trio, outcome, sniffio and pyzmq in .whl/ when the machine lacks them.
 # Writes everything under $OUT (or ./gpu-out); each part's JSON and a tarball of its logs.
@@ -62,6 +63,8 @@ for part in "$@"; do
         dirs=(/dev/shm); mountpoint -q "$HUGE_POOL" && dirs+=("$HUGE_POOL")
         timeout 300 python3 benchmarks/gpu/probe_pool_pinning.py --gib 4 --out "$OUT/pool-pinning.json" "${dirs[@]}" \
             2>&1 | tail -40 ;;
+    pinners-probe) timeout 300 python3 benchmarks/gpu/probe_swap_beside_pinners.py --out "$OUT/swap-beside-pinners.json" \
+            2>&1 | tail -60 ;;
     pair-hugepool) huge_pool || { echo "no huge tmpfs: $part not run"; continue; }
         NVSHARE_POOL_DIR=$HUGE_POOL NVSHARE_BENCH_LOGS=$logs timeout 300 python3 benchmarks/bench_colocation.py --gpu \
             --working-set pair --ws-modes swap --out "$OUT/hugepool" 2>&1 | tail -12 ;;

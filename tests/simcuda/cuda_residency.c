@@ -459,20 +459,38 @@ static size_t present_bytes(uintptr_t start, size_t bytes)
     return present < bytes ? present : bytes;
 }
 
+/* Held for writing while a registration runs (sim_pin_cost), for a moment for reading by every
+ * entry point (sim_driver_wait). The real driver's registration holds up the process's other
+ * calls for its whole length: on an H200 the swap engine's copies and discards in another thread
+ * ran at 7 GB/s beside a thread registering 512 MiB segments, 46 GB/s alone, while registrations
+ * in five other processes cost them nothing
+ * (benchmarks/results/swap-beside-pinners-h200-2026-11-29.json). A forked child never takes it
+ * (its calls fail before: sim_check_init). */
+static pthread_rwlock_t registering = PTHREAD_RWLOCK_INITIALIZER;
+
+void sim_driver_wait(void)
+{
+    pthread_rwlock_rdlock(&registering);
+    pthread_rwlock_unlock(&registering);
+}
+
 /* Pinning: the real driver locks the pages in (populating them), which costs per byte: what it
  * allocates itself at one rate, what it registers at another, faster when transparent huge pages
  * back it (fewer, larger pages to lock), and fastest for pages already present (populating them
- * is most of the price). */
+ * is most of the price). A registration holds the process's other calls meanwhile. */
 void sim_pin_cost(const struct sim_ctx *ctx, void *ptr, size_t bytes, enum sim_pinning how)
 {
     if (!modelled)
         return;
+    int held = how == SIM_PIN_REGISTERED && pthread_rwlock_wrlock(&registering) == 0;
     double start = sim_now();
     int huge = how == SIM_PIN_REGISTERED && advised_huge((uintptr_t)ptr, bytes);
     size_t present = how == SIM_PIN_REGISTERED ? present_bytes((uintptr_t)ptr, bytes) : 0;
     double per_byte = how == SIM_PIN_ALLOCATED ? costs.pin : huge ? costs.register_huge : costs.register_pages;
     host_populate((uintptr_t)ptr, bytes);
     sim_sleep_until(start + (double)(bytes - present) * per_byte + (double)present * costs.register_present);
+    if (held)
+        pthread_rwlock_unlock(&registering);
     char fields[200];
     snprintf(fields, sizeof fields,
              "\"op\": \"pin\", \"how\": \"%s\", \"huge\": %s, \"ptr\": %llu, \"bytes\": %zu, \"present\": %zu",

@@ -77,6 +77,7 @@ CUresult sim_check_init(void);
         CUresult sim_enter_result_ = sim_check_init(); \
         if (sim_enter_result_ != CUDA_SUCCESS) \
             return sim_enter_result_;        \
+        sim_driver_wait();                   \
     } while (0)
 
 /* Defines an entry point and its _ptds/_ptsz twin with one body (__func__ names each). */
@@ -425,6 +426,9 @@ enum sim_pinning { SIM_PIN_ALLOCATED, SIM_PIN_REGISTERED };
 /* When residency is modelled: the calling thread pays for pinning `bytes` of host memory at
  * `ptr`, and the pinning is traced ("pin"); sim_unpin_trace traces its end ("unpin"). */
 void sim_pin_cost(const struct sim_ctx *ctx, void *ptr, size_t bytes, enum sim_pinning how);
+/* Waits while a registration of host memory runs in the process (sim_pin_cost): the real driver
+ * holds every other call of the process meanwhile. Every entry point calls it (SIM_ENTER). */
+void sim_driver_wait(void);
 void sim_unpin_trace(const struct sim_ctx *ctx, uintptr_t ptr, size_t bytes, enum sim_pinning how);
 /* With the registry write-locked: gives a new managed allocation its chunk hints (-1 when out
  * of host memory), and frees its chunks' slots when it goes. */
