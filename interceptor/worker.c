@@ -45,10 +45,9 @@ static pthread_cond_t worker_cv = PTHREAD_COND_INITIALIZER; /* with nvs_mu */
 static int worker_kicked;                                    /* under nvs_mu */
 static pthread_cond_t pinner_cv = PTHREAD_COND_INITIALIZER; /* with nvs_mu */
 static int pinner_kicked;                                    /* under nvs_mu */
-static int moving; /* under nvs_mu, written by the worker: a swap job runs (the pinner waits) */
-/* Held by the pinner for each step; the worker takes and drops it once `moving` is set, so that
- * the step it may be in the middle of ends before the job's calls begin. Nothing else is taken
- * under it but what a step takes (nvs_ctx_mu, nvs_mu). */
+/* Held by the pinner for each step; the worker takes and drops it once a swap job is marked
+ * running, so that the step it may be in the middle of ends before the job's calls begin. Nothing
+ * else is taken under it but what a step takes (nvs_ctx_mu, nvs_mu). */
 static pthread_mutex_t step_mu = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic int exiting;
 
@@ -162,7 +161,6 @@ static void *worker_main(void *unused) {
             uint64_t bytes = d->job_bytes;
             int moves = moves_memory(job);
             d->job_running = 1;
-            moving = moves;
             pthread_mutex_unlock(&nvs_mu);
             if (moves) { /* a pinner step under way ends first */
                 pthread_mutex_lock(&step_mu);
@@ -171,7 +169,6 @@ static void *worker_main(void *unused) {
             enum nvs_job_result result = run_job(d, job, bytes);
             pthread_mutex_lock(&nvs_mu);
             if (moves) nvs_pinner_wake_locked(); /* its steps may go on */
-            moving = 0;
             d->job_running = 0;
             d->job = NVS_JOB_NONE;
             d->job_result = result;
@@ -194,12 +191,19 @@ static void *worker_main(void *unused) {
     return NULL;
 }
 
+/* Under nvs_mu: whether the worker runs a swap job (a running job stays in d->job until it ends). */
+static int moving_locked(void) {
+    for (int i = 0; i < nvs_n_devices; i++)
+        if (nvs_devices[i].job_running && moves_memory(nvs_devices[i].job)) return 1;
+    return 0;
+}
+
 /* One step towards the swap area's (or pool's) target, unless the worker moves memory: 1 when
  * it changed something. */
 static int step_unless_moving(void) {
     pthread_mutex_lock(&step_mu);
     pthread_mutex_lock(&nvs_mu);
-    int wait = moving;
+    int wait = moving_locked();
     pthread_mutex_unlock(&nvs_mu);
     int changed = !wait && nvs_swap_prepare_step();
     pthread_mutex_unlock(&step_mu);
@@ -255,5 +259,4 @@ void nvs_worker_reset_after_fork(void) {
     pthread_cond_init(&pinner_cv, NULL);
     pinner_kicked = 0;
     pthread_mutex_init(&step_mu, NULL);
-    moving = 0;
 }
