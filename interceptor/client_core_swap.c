@@ -125,6 +125,11 @@ void handle_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d, uint64
  * room was added, a swap-out for an EVICT is answered. */
 void swap_job_done(struct nvs_core *c, struct nvs_core_device *d, enum nvs_job job, enum nvs_job_result result,
                    double now) {
+    /* A move in ends with a report of it at once: the scheduler grants a waiter once its memory
+     * is back, and the report timer would send the last of it up to MEMORY_REPORT_PERIOD_S later
+     * (on an H200 requests to sleeping tenants waited 0.1 s for it between their memory's return
+     * and their grant). A move out ends with EVICTED, which says what stays. */
+    if (job != NVS_JOB_SWAP_OUT && memory_report_due(c, d)) memory_report_fire(c, d, now);
     if (job == NVS_JOB_PREFETCH) {
         if (result == NVS_RESULT_DEFERRED && d->state == NVS_HOLDING && !d->release_due) {
             d->prefetch_deferred = 1; /* VMM memory waits for the capture's end; so does the gate */

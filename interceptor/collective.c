@@ -137,7 +137,7 @@ static int claim(struct nvs_device *d, int *last) {
 static void wait_for_room(struct nvs_device *d) {
     pthread_mutex_lock(&nvs_mu);
     if (!room(atomic_load(&d->collectives))) {
-        if (d->waiters++ == 0) {
+        if (nvs_gate_add_waiter_locked(d)) {
             pthread_mutex_unlock(&nvs_mu); /* waking the client thread is I/O */
             nvs_client_wake();
             pthread_mutex_lock(&nvs_mu);

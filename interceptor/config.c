@@ -296,6 +296,17 @@ static void read_environment(void) {
             nvs_config.pool_segment = bytes;
     }
 
+    nvs_config.pinning_grace_ms = 250;
+    value = getenv("NVSHARE_PINNING_GRACE_MS");
+    if (value != NULL && value[0] != '\0') {
+        char *end;
+        long ms = strtol(value, &end, 10);
+        if (*end != '\0' || ms < 0 || ms > 86400000L)
+            nvs_warn("NVSHARE_PINNING_GRACE_MS=%s is not a number of milliseconds; using 250", value);
+        else
+            nvs_config.pinning_grace_ms = ms;
+    }
+
     nvs_config.vmm_hide = 0;
     nvs_config.vmm_swap = 1;
     value = getenv("NVSHARE_VMM");

@@ -30,6 +30,7 @@ struct nvs_config {
     int pool;                  /* NVSHARE_POOL (default 1): swap through the user's shared pool (pool.c) */
     char pool_dir[200];        /* NVSHARE_POOL_DIR (default /dev/shm): where the pool's directory is */
     uint64_t pool_segment;     /* NVSHARE_POOL_SEGMENT (default 512 MiB): bytes per segment of a new pool */
+    long pinning_grace_ms;     /* NVSHARE_PINNING_GRACE_MS (default 250): the pinner keeps out of the way (worker.c) */
     char pod[256];             /* NVSHARE_POD_NAME */
     char pod_namespace[256];   /* NVSHARE_POD_NAMESPACE */
     char program[128];         /* NVSHARE_PROGRAM, "" = /proc/self/comm */

@@ -154,8 +154,7 @@ void nvs_gate_wait(struct nvs_device *d) {
         pthread_mutex_unlock(&nvs_mu);
         return;
     }
-    int first = d->waiters++ == 0;
-    if (first) {
+    if (nvs_gate_add_waiter_locked(d)) {
         /* The first waiter wakes the client thread (a write to its pipe: I/O, so not under
          * nvs_mu). The gate is checked again under the lock before waiting: an opening in
          * between is not missed. */
@@ -170,7 +169,14 @@ void nvs_gate_wait(struct nvs_device *d) {
     pthread_mutex_unlock(&nvs_mu);
 }
 
+int nvs_gate_add_waiter_locked(struct nvs_device *d) {
+    if (d->waiters++ > 0) return 0;
+    d->asked_at = nvs_now();
+    return 1;
+}
+
 void nvs_gate_set_locked(struct nvs_device *d, int open) {
+    if (open && !atomic_load(&d->gate_open)) d->gate_opened_at = nvs_now();
     atomic_store(&d->gate_open, open);
     if (open) pthread_cond_broadcast(&nvs_gate_cv);
 }

@@ -59,9 +59,14 @@ struct nvs_device {
      *   waiters:   application threads blocked at the closed gate (they write it);
      *   captures:  stream captures in progress on the device (gate.c capture hooks);
      *   job:       work the client thread handed to the worker; job_running while it runs;
-     *   job_result: what the worker found, for the client thread to feed to the core. */
+     *   job_result: what the worker found, for the client thread to feed to the core;
+     *   asked_at, gate_opened_at: when the first of the waiters began to wait, when the gate
+     *              last opened (nvs_now(); nvs_gate_add_waiter_locked and nvs_gate_set_locked
+     *              write them), for the pinner, which keeps out of the application's way when it
+     *              asks for the device and when it gets it (worker.c). */
     int waiters;
     int captures;
+    double asked_at, gate_opened_at;
     /* Admission (admission.c): the largest total an allocating thread waits for (0: none; the
      * client thread passes it to the core) and the number of refusals so far. */
     uint64_t admit_wanted;
@@ -173,6 +178,9 @@ static inline void nvs_gate_leave(struct nvs_device *d) { atomic_fetch_add(&d->e
 void nvs_gate_forget_context_locked(CUcontext ctx);
 /* Under nvs_mu: open or close a device's gate. */
 void nvs_gate_set_locked(struct nvs_device *d, int open);
+/* Under nvs_mu: one more application thread waits on the device; 1 when it is the first (then
+ * the caller wakes the client thread, outside nvs_mu). */
+int nvs_gate_add_waiter_locked(struct nvs_device *d);
 /* Worker side: wait until no submission is in flight on the (closed) gate. */
 void nvs_gate_wait_quiet(struct nvs_device *d);
 /* Synchronise every recorded context of the device (gate left as it is). -1, synchronising

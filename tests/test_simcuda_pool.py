@@ -300,6 +300,50 @@ def test_a_member_takes_no_pinning_step_while_it_moves_memory(schedulers, cuda_a
         assert app.wait() == 0, app.stderr
 
 
+def test_a_member_takes_no_pinning_step_while_its_application_asks_for_the_gpu_or_has_just_got_it(
+        schedulers, cuda_app, simcuda, tmp_path, shm):
+    """A registration holds up the application's calls too: a request to a tenant whose pinner
+    registers the pool's segments (0.2 s each here) would wait for them. A joins B's pool of
+    twelve segments while it does not hold its device, and registers them one by one; then its
+    application launches a kernel of 0.6 s. From its ACQUIRE to the kernel's end (within the
+    pinning grace of its asking and of its grant: 3 s here, so that a busy machine's delays stay
+    inside it) A's pinner starts no registration but the one it may have been about to start when
+    A asked; it registers the rest after."""
+    sched_a, sched_b = schedulers(), schedulers()
+    b = pool_member(cuda_app, sched_b, tmp_path, shm, 0xB0000000, 12 * SEGMENT, 12 * SEGMENT, "wait")
+    slow = {"SIMCUDA_REGISTER_PRESENT_US_PER_MIB": "25000", "NVSHARE_PINNING_GRACE_MS": "3000"}
+    a = cuda_app(pool_env(sched_a, tmp_path, shm, **slow), "init", f"pattern:plain:{SEGMENT}:0xa0000000", "sync",
+                 "wait", "kernel:600000", "sync", "wait")
+    grant(sched_a, 1)
+    a.expect("waiting")
+    sched_a.send("DROP", device=sched_a.device, grant=1, grace_ms=60_000, reason="quantum")
+    sched_a.expect("RELEASE")
+    sched_a.send("POOL", bytes=12 * SEGMENT)
+
+    def pins_by_a() -> list[dict]:
+        return [p for p in simcuda.read_trace(cuda_app.trace)
+                if p["op"] == "pin" and p["bytes"] == SEGMENT and p["pid"] == a.pid]
+
+    eventually("A registers a segment of the pool", lambda: len(pins_by_a()) >= 1, pins_by_a)
+    a.continue_()
+    sched_a.expect("ACQUIRE")
+    asked = sched_a.received
+    sched_a.send("GRANT", device=sched_a.device, grant=2, mode="on", exclusive=1, quantum_ms=60_000)
+    a.expect("waiting")
+    [kernel] = [k for k in simcuda.read_trace(cuda_app.trace)
+                if k["op"] == "kernel" and k["pid"] == a.pid and k["end"] - k["start"] >= 0.5]
+    eventually("A registers every segment of the pool", lambda: len(pins_by_a()) >= len(segments(shm)),
+               lambda: (len(pins_by_a()), segments(shm)))
+    started = [p for p in pins_by_a() if asked <= p["start"] <= kernel["end"]]
+    assert len(started) <= 1, (asked, kernel, pins_by_a())
+    assert [p for p in pins_by_a() if p["start"] > kernel["end"]], (kernel, pins_by_a())
+    b.continue_()  # B still holds its grant
+    b.expect("verified 2")
+    for app in (a, b):
+        app.continue_()
+        assert app.wait() == 0, app.stderr
+
+
 def test_a_swap_out_registers_free_segments_another_member_made_rather_than_go_the_slow_way(schedulers, cuda_app,
                                                                                            simcuda, tmp_path, shm):
     """B made the pool (eight segments, each registered in B only); A joins and is told at once
