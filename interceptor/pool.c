@@ -12,8 +12,9 @@
  * ours, open to group or others, not on tmpfs or hugetlbfs, or holds a file that is not ours.
  *
  * What: files segment-<k> of NVSHARE_POOL_SEGMENT bytes (512 MiB), mapped MAP_SHARED (advised
- * MADV_HUGEPAGE and MADV_DONTFORK) and registered PORTABLE in every member by its pinner thread,
- * ahead of need. Each member makes the pages present and mapped from several threads before it
+ * MADV_HUGEPAGE and MADV_DONTFORK) and registered PORTABLE by each member's pinner thread, ahead
+ * of need: the segments it makes, and free ones others made while those free here could not take
+ * all that it could be asked to move out (choose_locked says why no more). Each member makes the pages present and mapped from several threads before it
  * registers them (populate.c; the maker makes them, the others map them): registering holds the
  * driver, and a process's copies wait meanwhile. On an H200, copies into registered segments
  * ran at 18.9 GB/s (/dev/shm) and 7.6 GB/s (a tmpfs mounted huge=always) beside a thread that
@@ -142,11 +143,12 @@ static struct {
     char *host;
     uint64_t ino;
 } mapped[MAX_SEGMENTS];
-/* Any thread. wanted: the scheduler's POOL (the client thread); joined: a member, claims may go
+/* Any thread. wanted: the scheduler's POOL (the client thread); needed: what this process could
+ * be asked to move out at once (swap.c, before each pinner step); joined: a member, claims may go
  * on (the pinner sets it, leaving clears it); refused: this process swaps through its own area
  * from now on (set once, by whoever found why, and said once); free_bytes: written under the
  * shared mutex. */
-static _Atomic uint64_t wanted;
+static _Atomic uint64_t wanted, needed;
 static _Atomic int joined, refused;
 static _Atomic uint64_t free_bytes;
 /* The pinner's own: the want last written to our slot, the `changes` it last found nothing to
@@ -158,6 +160,7 @@ static double next_look;
 static uint64_t growth_failed_at;
 
 void nvs_pool_want(uint64_t bytes) { atomic_store(&wanted, bytes); }
+void nvs_pool_need(uint64_t bytes) { atomic_store(&needed, bytes); }
 int nvs_pool_joined(void) { return atomic_load(&joined); }
 uint64_t nvs_pool_free_bytes(void) { return atomic_load(&free_bytes); }
 
@@ -233,11 +236,13 @@ static int usable_here_locked(int i) {
     return s->state == READY && mapped[i].host != NULL && mapped[i].ino == s->ino;
 }
 
-static void refresh_locked(void) {
+static uint64_t free_here_locked(void) {
     uint64_t free_segments = 0;
     for (int i = 0; i < MAX_SEGMENTS; i++) free_segments += usable_here_locked(i) && shared->segments[i].owner == NONE;
-    atomic_store(&free_bytes, free_segments * segment_bytes);
+    return free_segments * segment_bytes;
 }
+
+static void refresh_locked(void) { atomic_store(&free_bytes, free_here_locked()); }
 
 /* The pool's size in segments: the largest size a member that stays was told, and one segment
  * more for each such member. A segment is one member's at a time, so each member's part ends in
@@ -545,25 +550,27 @@ struct action {
     uint64_t target;
 };
 
-/* A READY segment this process has not mapped yet (a file that could not be mapped here is not
- * tried again); `held`: one another member holds (else a free one). */
-static int unregistered_locked(int held) {
+/* A free READY segment this process has not mapped yet (a file that could not be mapped here is
+ * not tried again). */
+static int unregistered_locked(void) {
     struct shared_segment *segments = shared->segments;
     for (int i = 0; i < MAX_SEGMENTS; i++)
         if (segments[i].state == READY && mapped[i].host == NULL && mapped[i].ino != segments[i].ino &&
-            (segments[i].owner != NONE) == held && segments[i].owner != self)
+            segments[i].owner == NONE)
             return i;
     return NONE;
 }
 
 /* The pinner's next thing to do, most urgent first: let go of what retired, remove what nobody
- * maps, shrink, register what others made (the free segments first: one another member holds is
- * of no use here until it is free again), grow. When six tenants loaded at once on an H200, each
- * member registered every segment in turn (0.1 s per 512 MiB), most of them already full of
- * another's memory, while its own eviction waited 6 s for a free one. Growing before registering
- * the held ones made the pool grow faster there (2.9 GiB/s against 2.2), but a held segment freed
- * while this member made a new one was not registered when its next eviction needed it, which
- * then took the driver's slow path (a CI run under load). Cheap changes are made here. */
+ * maps, shrink, register a free segment another member made while the free ones registered here
+ * could not take all that this process could be asked to move out (`needed`), grow. A member
+ * registers no more than that, and no segment another member holds (of no use here until it is
+ * free): on an H200 a registration took 0.05-0.2 s per 512 MiB and held up every other CUDA call
+ * of its process meanwhile, and when six tenants of 12 GiB loaded at once each member registered
+ * every segment of a pool of 36 GiB in turn, about 70 of them, for the 24 its own memory would
+ * fill, while the first requests to the tenants waited for room. A swap-out that finds too few
+ * free segments registered here registers more on its path (nvs_pool_claim). Cheap changes are
+ * made here. */
 static void choose_locked(struct action *a) {
     struct shared_segment *segments = shared->segments;
     uint64_t bit = 1ULL << self, live = 0;
@@ -589,8 +596,7 @@ static void choose_locked(struct action *a) {
         *a = (struct action){.kind = RETIRED, .index = i, .target = a->target};
         return;
     }
-    int k = unregistered_locked(0);
-    if (k == NONE) k = unregistered_locked(1);
+    int k = free_here_locked() < atomic_load(&needed) ? unregistered_locked() : NONE;
     if (k != NONE) {
         *a = (struct action){.kind = REGISTER, .index = k, .ino = segments[k].ino, .target = a->target};
         return;
@@ -838,7 +844,7 @@ static int free_segment_locked(void) {
 /* A free segment that is not registered here, claimed while the caller registers it
  * (register_claimed). */
 static int claim_unregistered_locked(uint64_t *ino) {
-    int k = unregistered_locked(0);
+    int k = unregistered_locked();
     if (k != NONE) {
         shared->segments[k].owner = self;
         *ino = shared->segments[k].ino;

@@ -18,6 +18,9 @@ struct nvs_pool_segment {
 /* The scheduler's POOL: the pool should hold `bytes` (any thread; under nvs_mu too: an atomic
  * store). */
 void nvs_pool_want(uint64_t bytes);
+/* What this process could be asked to move out at once (its movable memory on its devices): the
+ * pinner registers free segments others made until those free here would take it (any thread). */
+void nvs_pool_need(uint64_t bytes);
 /* 1 while this process is a member of its user's pool: its swap area takes its room from the
  * pool's segments then, and pins no chunks of its own. Any thread. */
 int nvs_pool_joined(void);

@@ -516,11 +516,16 @@ int nvs_swap_prepare_step(void) {
     pthread_rwlock_rdlock(&nvs_ctx_mu);
     pthread_mutex_lock(&nvs_mu);
     int capturing = 0;
+    uint64_t movable = 0; /* what an EVICT could ask this process to move out */
     for (int i = 0; i < nvs_n_devices; i++) {
-        capturing |= nvs_devices[i].captures > 0;
-        if (ctx == NULL && nvs_devices[i].n_contexts > 0) ctx = nvs_devices[i].contexts[0];
+        struct nvs_device *d = &nvs_devices[i];
+        capturing |= d->captures > 0;
+        if (ctx == NULL && d->n_contexts > 0) ctx = d->contexts[0];
+        uint64_t converted = atomic_load(&d->converted), swapped = atomic_load(&d->swapped);
+        movable += converted > swapped ? converted - swapped : 0;
     }
     pthread_mutex_unlock(&nvs_mu);
+    nvs_pool_need(movable);
     int changed = 0;
     if (!capturing && ctx != NULL && nvs_real.cuCtxPushCurrent_v2(ctx) == CUDA_SUCCESS) {
         changed = nvs_pool_step() > 0 || nvs_area_change_step() > 0;
