@@ -562,15 +562,19 @@ static int unregistered_locked(void) {
 }
 
 /* The pinner's next thing to do, most urgent first: let go of what retired, remove what nobody
- * maps, shrink, register a free segment another member made while the free ones registered here
- * could not take all that this process could be asked to move out (`needed`), grow. A member
+ * maps, shrink, grow, register a free segment another member made while the free ones registered
+ * here could not take all that this process could be asked to move out (`needed`). A member
  * registers no more than that, and no segment another member holds (of no use here until it is
  * free): on an H200 a registration took 0.05-0.2 s per 512 MiB and held up every other CUDA call
  * of its process meanwhile, and when six tenants of 12 GiB loaded at once each member registered
  * every segment of a pool of 36 GiB in turn, about 70 of them, for the 24 its own memory would
- * fill, while the first requests to the tenants waited for room. A swap-out that finds too few
- * free segments registered here registers more on its path (nvs_pool_claim). Cheap changes are
- * made here. */
+ * fill, while the first requests to the tenants waited for room. While the pool grows, every
+ * member makes segments, and what it makes (registered by it alone) is what it moves its memory
+ * into: each segment is registered once. A swap-out that finds too few free segments registered
+ * here registers more on its path (nvs_pool_claim), which is why growth no longer waits for
+ * registrations: before a swap-out could, a segment freed while its member made a new one was
+ * not registered when its eviction needed it, and the eviction took the driver's slow path (a
+ * CI run under load). Cheap changes are made here. */
 static void choose_locked(struct action *a) {
     struct shared_segment *segments = shared->segments;
     uint64_t bit = 1ULL << self, live = 0;
@@ -596,25 +600,21 @@ static void choose_locked(struct action *a) {
         *a = (struct action){.kind = RETIRED, .index = i, .target = a->target};
         return;
     }
-    int k = free_here_locked() < atomic_load(&needed) ? unregistered_locked() : NONE;
-    if (k != NONE) {
-        *a = (struct action){.kind = REGISTER, .index = k, .ino = segments[k].ino, .target = a->target};
-        return;
-    }
-    if (live >= a->target || a->target == growth_failed_at) return;
-    for (int i = 0; i < MAX_SEGMENTS; i++) {
+    for (int i = 0; live < a->target && a->target != growth_failed_at && i < MAX_SEGMENTS; i++) {
         if (segments[i].state != RETIRING || segments[i].owner != NONE) continue;
         segments[i].state = READY;
         *a = (struct action){.kind = REVIVED, .index = i, .target = a->target};
         return;
     }
-    for (int i = 0; i < MAX_SEGMENTS; i++) {
+    for (int i = 0; live < a->target && a->target != growth_failed_at && i < MAX_SEGMENTS; i++) {
         if (segments[i].state != ABSENT) continue;
         segments[i].state = CREATING;
         segments[i].owner = self;
         *a = (struct action){.kind = CREATE, .index = i, .target = a->target};
         return;
     }
+    int k = free_here_locked() < atomic_load(&needed) ? unregistered_locked() : NONE;
+    if (k != NONE) *a = (struct action){.kind = REGISTER, .index = k, .ino = segments[k].ino, .target = a->target};
 }
 
 /* A segment registered here, in the table (if it is still what the table names: else let go). */
