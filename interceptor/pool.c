@@ -29,7 +29,8 @@
  * Who owns what: a whole segment belongs to one member at a time. Inside it, area.c hands out
  * pages as in its own chunks: claiming a free segment registered here replaces pinning a chunk
  * (instant, so it happens on a swap's path), and a segment that is wholly free again goes back
- * to the pool at once, registered everywhere, for anyone to evict into. A swap-out that finds no
+ * to the pool at once, for any member to evict into (one that has not registered it registers it
+ * first). A swap-out that finds no
  * free segment registered here (the pinner takes no step while the worker moves memory:
  * worker.c) does on its path what the pinner would have done next: joins the pool, or registers
  * a free segment another member made (0.06-0.19 s per 512 MiB on an H200), rather than move the
