@@ -386,12 +386,13 @@ class Memory(Message):
     """Bytes this client has allocated on the device (managed + unconverted); a figure above the
     device's measured size counts as that size (for admission, the size of a device the daemon did
     not measure is its budget, and a report on a device with neither counts as 0; docs/protocol.md,
-    *Admission*). Sent when it changes, at most every 100 ms, and just before an `ACQUIRE`.
-    `resident`, from a client that swaps (see *Residency*): its converted bytes it believes are on
-    the device (all of them once it ran after a grant, less after it evicted). Absent: the client
-    takes no part in residency, and all of `used` counts as resident. `engine`, `area`, `out_bps`,
-    `in_bps`, from a client that swaps: its swap engine (docs/interceptor.md, *Swapping*), shown in
-    `nvsharectl status` and used to price a handoff."""
+    *Admission*). Sent when it changes, at most every 100 ms, but at once just before an `ACQUIRE`,
+    while a swap job moves memory (its progress), and when a move in ends (a waiter is granted once
+    its memory is back). `resident`, from a client that swaps (see *Residency*): its converted bytes
+    it believes are on the device (all of them once it ran after a grant, less after it evicted).
+    Absent: the client takes no part in residency, and all of `used` counts as resident. `engine`,
+    `area`, `out_bps`, `in_bps`, from a client that swaps: its swap engine (docs/interceptor.md,
+    *Swapping*), shown in `nvsharectl status` and used to price a handoff."""
 
     TYPE: ClassVar[str] = "MEMORY"
     device: str
