@@ -14,9 +14,10 @@
  * What: files segment-<k> of NVSHARE_POOL_SEGMENT bytes (512 MiB), mapped MAP_SHARED (advised
  * MADV_HUGEPAGE and MADV_DONTFORK) and registered PORTABLE by each member's pinner thread, ahead
  * of need: the segments it makes, and free ones others made while those free here could not take
- * all that it could be asked to move out (choose_locked says why no more). Each member makes the pages present and mapped from several threads before it
- * registers them (populate.c; the maker makes them, the others map them): registering holds the
- * driver, and a process's copies wait meanwhile. On an H200, copies into registered segments
+ * all that it could be asked to move out (choose_locked says why no more). Each member makes the
+ * pages present and mapped from several threads before it registers them (populate.c; the maker
+ * makes them, the others map them): registering holds the driver, and a process's copies wait
+ * meanwhile. On an H200, copies into registered segments
  * ran at 18.9 GB/s (/dev/shm) and 7.6 GB/s (a tmpfs mounted huge=always) beside a thread that
  * fallocated and registered more, at 45.9 and 44.8 GB/s beside one that made them present first
  * (52.5 alone); registering absent pages cost 0.40-0.49 s per GiB (0.21), present ones 0.04-0.11
@@ -30,12 +31,11 @@
  * pages as in its own chunks: claiming a free segment registered here replaces pinning a chunk
  * (instant, so it happens on a swap's path), and a segment that is wholly free again goes back
  * to the pool at once, for any member to evict into (one that has not registered it registers it
- * first). A swap-out that finds no
- * free segment registered here (the pinner takes no step while the worker moves memory:
- * worker.c) does on its path what the pinner would have done next: joins the pool, or registers
- * a free segment another member made (0.06-0.19 s per 512 MiB on an H200), rather than move the
- * rest the driver's slow way. Segments are not zeroed between members: they are one user's (one
- * pod's) processes.
+ * first). A swap-out that finds no free segment registered here (the pinner takes no step while
+ * the worker moves memory: worker.c) does on its path what the pinner would have done next: joins
+ * the pool, or registers a free segment another member made (0.06-0.19 s per 512 MiB on an H200),
+ * rather than move the rest the driver's slow way. Segments are not zeroed between members: they
+ * are one user's (one pod's) processes.
  *
  * Membership and liveness: member slot k is held by an OFD lock on byte LOCKS_AT + k of the
  * map file (one per open file description, so a fork child's copy of the descriptor, closed at
