@@ -115,6 +115,18 @@ def segments_holding(shm: Path, word: int) -> set[str]:
     return {name for name in segments(shm) if {word, word + 1} & words_in_segments(shm, name)}
 
 
+def segment_pins(simcuda, cuda_app, pid: int) -> list[dict]:
+    """Process `pid`'s registrations of whole segments, in the simulated driver's trace."""
+    return [p for p in simcuda.read_trace(cuda_app.trace)
+            if p["op"] == "pin" and p["bytes"] == SEGMENT and p["pid"] == pid]
+
+
+def logged_segments(app, step: str) -> list[str]:
+    """The segments a member's debug log says it took `step` on ("made", "registered")."""
+    return [line.split(f"swap pool: {step} ", 1)[1].split()[0] for line in app.stderr.splitlines()
+            if f"swap pool: {step} segment-" in line]
+
+
 def pinned_copies(lines: list[dict], pid: int, link: str) -> list[dict]:
     return [c for c in lines if c["op"] == "memcpy" and c.get("link") == link and c["pid"] == pid]
 
@@ -175,8 +187,7 @@ def test_two_processes_of_a_user_move_their_memory_through_the_same_segments(sch
     moved_out(sched_b)
     sizes.append(segments(shm))
     assert {0xB0000000, 0xB0000001} <= words_in_segments(shm)
-    made_by_a = {line.split("swap pool: made ", 1)[1].split()[0] for line in a.stderr.splitlines()
-                 if "swap pool: made segment-" in line}
+    made_by_a = set(logged_segments(a, "made"))
     assert segments_holding(shm, 0xB0000000) & made_by_a, (made_by_a, segments(shm))
     b.continue_()
     grant(sched_b, 2, prefetch=2 * SEGMENT)
@@ -241,8 +252,7 @@ def test_a_member_registers_free_segments_for_what_it_could_move_out_and_none_an
     grant(sched_b, 2, prefetch=2 * SEGMENT)
     b.expect("verified 2")
     assert b.wait() == 0, b.stderr
-    registered = [line.split("swap pool: registered ", 1)[1].split()[0] for line in b.stderr.splitlines()
-                  if "swap pool: registered segment-" in line]
+    registered = logged_segments(b, "registered")
     assert len(registered) <= 2 and not set(registered) & held_by_a, (registered, held_by_a, b.stderr)
     a.continue_()
     grant(sched_a, 2, prefetch=2 * SEGMENT)
@@ -270,8 +280,7 @@ def test_a_member_takes_no_pinning_step_while_it_moves_memory(schedulers, cuda_a
     sched_b.send("POOL", bytes=14 * SEGMENT)
 
     def pins_by(pid: int) -> list[dict]:
-        return [p for p in simcuda.read_trace(cuda_app.trace)
-                if p["op"] == "pin" and p["bytes"] == SEGMENT and p["pid"] == pid]
+        return segment_pins(simcuda, cuda_app, pid)
 
     before = len(pins_by(a.pid))
     eventually("A makes a segment of B's growth", lambda: len(pins_by(a.pid)) > before, lambda: pins_by(a.pid))
@@ -297,10 +306,11 @@ def test_a_member_takes_no_pinning_step_while_its_application_asks_for_the_gpu_o
     """A registration holds up the application's calls too: a request to a tenant whose pinner
     registers the pool's segments (0.2 s each here) would wait for them. A, with 56 MiB on its
     device, joins B's pool of twelve segments while it does not hold its device, and registers
-    seven of them one by one (room for its 56 MiB); then its application launches a kernel of 0.6 s. From its ACQUIRE to the kernel's end (within the
-    pinning grace of its asking and of its grant: 3 s here, so that a busy machine's delays stay
-    inside it) A's pinner starts no registration but the one it may have been about to start when
-    A asked; it registers the rest after."""
+    seven of them one by one (room for its 56 MiB); then its application launches a kernel of
+    0.6 s. From its ACQUIRE to the kernel's end (within the pinning grace of its asking and of its
+    grant: 3 s here, so that a busy machine's delays stay inside it) A's pinner starts no
+    registration but the one it may have been about to start when A asked; it registers the rest
+    after."""
     sched_a, sched_b = schedulers(), schedulers()
     device = {"SIMCUDA_MEMORY": "128M"}
     b = patterned(cuda_app, pool_env(sched_b, tmp_path, shm, **device), 0xB0000000, "wait")
@@ -319,8 +329,7 @@ def test_a_member_takes_no_pinning_step_while_its_application_asks_for_the_gpu_o
     sched_a.send("POOL", bytes=12 * SEGMENT)
 
     def pins_by_a() -> list[dict]:
-        return [p for p in simcuda.read_trace(cuda_app.trace)
-                if p["op"] == "pin" and p["bytes"] == SEGMENT and p["pid"] == a.pid]
+        return segment_pins(simcuda, cuda_app, a.pid)
 
     eventually("A registers a segment of the pool", lambda: len(pins_by_a()) >= 1, pins_by_a)
     a.continue_()
