@@ -70,7 +70,10 @@ tenant, warm or cold, S, and the scheduler's grant and restored times. How:
 - the bound of a cold request: S / (0.8 x pinned host-to-device bandwidth) + 0.2 s; stretch:
   1.05 x S / bandwidth. The bandwidth is measured in the same run on a GPU (pinned cudaMemcpy in
   a process of its own before the tenants start: bench_swap_bandwidth.py's ceiling) and derived
-  from the modelled rate on the simulated driver (SIMCUDA_PINNED_US_PER_MIB x scale).
+  from the modelled rate on the simulated driver (SIMCUDA_PINNED_US_PER_MIB x scale). A burst's
+  k-th answer is held against the bytes of all k (`queue_bound_s`, `cold_over_queue_bound`):
+  the one link brings them back one after another, so the issue's bound, met by a request
+  asked alone, cannot be met by the third of three asked at once.
 - idle_holder_wait: for a request that got a grant, for each `release` (or `revoke`, `lost`) of
   another client between the request's sending and its grant: from the later of the request's
   sending and the end of that holder's last piece of work (its load or its last request, as
@@ -769,6 +772,25 @@ def annotate(session: Session, records: list[dict[str, Any]], events: list[dict]
             for kind in ("faulted", "prefetched", "copied"):
                 record[f"{kind}_in_bytes"] = sum(size for t, size, how in moves
                                                  if how == kind and window[0] <= t <= window[1])
+    if h2d_bps:
+        queue_bounds(records, h2d_bps)
+
+
+def queue_bounds(records: list[dict[str, Any]], h2d_bps: float) -> None:
+    """Each cold request's bound with the requests asked at the same moment (a burst) that were
+    answered no later than it: their S comes over the same link first, so the k-th of a burst
+    can be no faster than the bytes of all k (`queue_bound_s`; a request asked alone: its own
+    bound)."""
+    asked_together: dict[float, list[dict[str, Any]]] = {}
+    for record in records:
+        if record.get("cold") and record.get("answered"):
+            asked_together.setdefault(record["offset_s"], []).append(record)
+    for group in asked_together.values():
+        group.sort(key=lambda r: r["reply"])
+        ahead = 0
+        for record in group:
+            ahead += record["S"]
+            record["queue_bound_s"] = round(ahead / (COLD_LINK_SHARE * h2d_bps) + COLD_SLACK_S, 4)
 
 
 # The timeline's kinds that say what happened to a request (a block keeps them, for reading).
@@ -836,6 +858,8 @@ def request_figures(records: list[dict[str, Any]], reference_p99: float | None, 
         "cold_over_bound": sum(1 for r in cold if r.get("bound_s") is not None and r["latency_s"] > r["bound_s"]),
         "cold_over_stretch": sum(1 for r in cold if r.get("bound_s") is not None
                                  and r["latency_s"] > r["stretch_bound_s"]),
+        "cold_over_queue_bound": sum(1 for r in cold if r.get("queue_bound_s") is not None
+                                     and r["latency_s"] > r["queue_bound_s"]),
         "S_max_bytes": max((r["S"] for r in cold), default=0),
         "brought_back_bytes": sum(r["S"] for r in cold),
         "idle_holder_wait_max_s": max((r["idle_holder_wait_s"] for r in answered
@@ -1166,6 +1190,8 @@ def mode_summary(bench: Bench, done: dict[str, Any], scenarios: dict[str, Any], 
         "cold_bound_s": round(largest / (COLD_LINK_SHARE * h2d_bps) + COLD_SLACK_S, 4) if h2d_bps else None,
         "cold_bound_for_bytes": largest,
         "cold_over_bound": sum(1 for r in cold if r.get("bound_s") is not None and r["latency_s"] > r["bound_s"]),
+        "cold_over_queue_bound": sum(1 for r in cold if r.get("queue_bound_s") is not None
+                                     and r["latency_s"] > r["queue_bound_s"]),
         "warm_p99_ratio": max(ratios) if ratios else None,
         "idle_holder_wait_max_s": max(waits) if waits else None,
         "hot_swap_ins": sum(hot) if hot else None,

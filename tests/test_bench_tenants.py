@@ -108,6 +108,22 @@ def test_warm_and_cold_agree_with_the_timeline_and_the_driver(run):
     assert checked == len(nvshare_requests(run))
 
 
+def test_a_bursts_later_answers_are_held_against_the_bytes_of_all_asked_with_them(run):
+    h2d = run["link"]["h2d_GBps"] * 1e9
+    checked = 0
+    for scenario in ("turns", "bursts", "hot-cold"):
+        cold = [r for r in nvshare_requests(run) if r["scenario"] == scenario and r["cold"]]
+        for request in cold:
+            together = [r for r in cold if r["offset_s"] == request["offset_s"] and r["reply"] <= request["reply"]]
+            expected = sum(r["S"] for r in together) / (0.8 * h2d) + 0.2
+            assert request["queue_bound_s"] == pytest.approx(expected, abs=1e-3), (request["key"], together)
+            assert request["queue_bound_s"] >= request["bound_s"]
+            checked += 1
+    assert checked == run["summary"]["cold"]
+    assert run["summary"]["cold_over_queue_bound"] == sum(1 for r in nvshare_requests(run)
+                                                          if r["cold"] and r["latency_s"] > r["queue_bound_s"])
+
+
 def test_hot_cold_counts_swap_ins_of_hot_tenants_after_the_warm_up(run):
     block = run["scenarios"]["hot-cold"]["on"]
     requests = [r for r in nvshare_requests(run) if r["scenario"] == "hot-cold"]

@@ -4,7 +4,8 @@
 # PART: smoke (2 tenants of 1 GiB, one round: the script itself), hot-cold-small (6 x 12 GiB under a
 # 48 GiB budget, mode on, the hot-cold scenario alone: what fits one H200's host), hot-cold-small-auto (the
 # same in mode auto), turns-small (the same size, mode on, requests in turn and in bursts of three),
-# turns-small-hugepool (its requests in turn with the pool in the huge tmpfs below), tenants-on, tenants-auto (the issue's
+# turns-small-hugepool (its requests in turn with the pool in the huge tmpfs below), issue-80-on and issue-80-auto
+# (the issue's proportions on an 80 GiB card: 6 x 17 GiB under a budget of 80 GiB, every scenario), tenants-on, tenants-auto (the issue's
 # 6 x 30 GiB on one card, scheduler defaults but for admission_share=1: the six tenants are one user's,
 # and 0.75 of the node's capacity would hold the sixth's load back for the admission timeout), vmm
 # (bench_vmm_swap.py: segments, torch, jax, nccl: NCCL needs two GPUs), pair (issue 18's pair, sequential
@@ -22,6 +23,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 free -g | head -2 | tee "$OUT/machine.txt"
+df -h /dev/shm | tee -a "$OUT/machine.txt"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee -a "$OUT/machine.txt"
 python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)' | tee -a "$OUT/machine.txt"
 # HOST_GIB: the host's free memory where MemAvailable starts small and grows as memory is used
@@ -51,6 +53,10 @@ for part in "$@"; do
     turns-small)  # every request cold (requests in turn), and bursts of three, at the same size in mode on
         NVSHARE_BENCH_LOGS=$logs timeout 300 "${SMALL[@]}" --modes on --scenarios turns bursts \
             --rounds 3 --bursts 2 --baseline-requests 10 --out "$OUT/$part.json" 2>&1 | tail -25 ;;
+    issue-80-on|issue-80-auto)  # 180 GiB on 141 GiB is 102 GiB on 80: the card never physically full
+        NVSHARE_BENCH_LOGS=$logs timeout 450 "${TENANTS[@]}" --tenants 6 --gib 17 --budget-gib 80 \
+            --modes "${part#issue-80-}" --scenarios load turns bursts hot-cold --rounds 3 --bursts 2 \
+            --cold-every 20 --cold-periods 1 --baseline-requests 10 --out "$OUT/$part.json" 2>&1 | tail -25 ;;
     turns-small-hugepool)  # requests in turn with the pool in the huge tmpfs (no run without nvshare: turns-small has it)
         huge_pool || { echo "no huge tmpfs: $part not run"; continue; }
         NVSHARE_POOL_DIR=$HUGE_POOL NVSHARE_BENCH_LOGS=$logs timeout 300 "${SMALL[@]}" --modes on \
