@@ -33,23 +33,9 @@ struct part {
     int error;
 };
 
-/* A part is made present a piece at a time. One madvise holds the process's mmap lock for its
- * whole range, and a thread that wants the lock for writing (an mmap or munmap: the driver's,
- * the allocator's, a new thread's stack) waits for it, with every page fault and driver call of
- * the process that reads the lock queued behind that writer. On an H200 a tenant's request sent
- * while its pinner made a 512 MiB segment present reached its first GPU call only after the
- * page making and the registration behind it, 0.37 s later
- * (benchmarks/results/tenants-h200-2026-11-29-issue80-on.json, turns' first request). Between
- * pieces the lock is let go: a piece is a few milliseconds of the kernel's work. */
-#define POPULATE_PIECE ((size_t)8 << 20)
-
 static void *populate_part(void *arg) {
     struct part *p = arg;
-    p->error = 0;
-    for (size_t done = 0; done < p->bytes && p->error == 0; done += POPULATE_PIECE) {
-        size_t piece = p->bytes - done < POPULATE_PIECE ? p->bytes - done : POPULATE_PIECE;
-        if (madvise(p->start + done, piece, MADV_POPULATE_WRITE) != 0) p->error = errno;
-    }
+    p->error = p->bytes == 0 || madvise(p->start, p->bytes, MADV_POPULATE_WRITE) == 0 ? 0 : errno;
     return NULL;
 }
 
