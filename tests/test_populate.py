@@ -1,6 +1,7 @@
 """interceptor/populate.c, the page making ahead of pinning (area.c's chunks, pool.c's
 segments), built with a small harness (tests/c/populate_harness.c): every page of a range is
-made present, whatever its size against the threads' parts, and a part that fails says why (a pool segment over a full /dev/shm: EFAULT)."""
+made present, whatever its size against the threads' parts, and a part that fails says why (a
+pool segment over a full /dev/shm: EFAULT)."""
 
 from __future__ import annotations
 
