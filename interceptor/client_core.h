@@ -76,6 +76,8 @@ enum nvs_action_kind {
     NVS_ACT_COLLECTIVES, /* let collectives be launched on the device until `bytes` of them have
                           * been in all (0: none from now on; NVS_CORE_NO_LIMIT: as many as
                           * wanted); report with nvs_core_observe_collectives */
+    NVS_ACT_SWAP_OUT_CUT, /* the device's running SWAP_OUT stops after the pieces in flight and
+                           * reports what it moved (the scheduler took its EVICT back) */
 };
 
 struct nvs_action {

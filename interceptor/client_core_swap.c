@@ -118,6 +118,14 @@ void handle_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d, uint64
         return;
     }
     if (resident > d->prefetch_ahead) d->prefetch_ahead = resident;
+    /* A PREFETCH while a move out for an EVICT runs takes the EVICT back: this process asked for
+     * the device meanwhile (docs/protocol.md, EVICT). The move stops after the pieces in flight,
+     * its EVICTED says what stayed, and what left before the cut comes back as this PREFETCH
+     * allows, once the move is over. */
+    if (d->evicted_due && d->job == NVS_JOB_SWAP_OUT) {
+        core_log(c, LOG_DEBUG, "EVICT of %s taken back: its move out stops", d->uuid);
+        push(c, NVS_ACT_SWAP_OUT_CUT, (int)(d - c->devices), 0);
+    }
     start_prefetch_ahead(c, d);
 }
 

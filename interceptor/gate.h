@@ -59,6 +59,9 @@ struct nvs_device {
      *   waiters:   application threads blocked at the closed gate (they write it);
      *   captures:  stream captures in progress on the device (gate.c capture hooks);
      *   job:       work the client thread handed to the worker; job_running while it runs;
+     *   job_cut:   the running SWAP_OUT is to stop after the pieces in flight (the client thread
+     *              sets it, NVS_ACT_SWAP_OUT_CUT; a new job clears it; the worker reads it
+     *              without nvs_mu, between the pieces it queues);
      *   job_result: what the worker found, for the client thread to feed to the core;
      *   asked_at, gate_opened_at: when the first of the waiters began to wait, when the gate
      *              last opened (nvs_now(); nvs_gate_add_waiter_locked and nvs_gate_set_locked
@@ -74,6 +77,7 @@ struct nvs_device {
     enum nvs_job job;
     uint64_t job_bytes; /* of a swap job (client_core.h, struct nvs_action) */
     int job_running;
+    _Atomic int job_cut;
     enum nvs_job_result job_result;
 
     /* Contexts this process used on the device (drains synchronise each), under nvs_mu. */

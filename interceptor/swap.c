@@ -425,6 +425,12 @@ int nvs_swap_out(struct nvs_device *d, uint64_t at_least) {
         double since = nvs_now();
         job.piece = piece_of(items, chosen);
         for (size_t i = 0; i < chosen; i++) {
+            /* The scheduler took the EVICT back (the application asked for the device while its
+             * memory moved out): what is queued ends, the rest stays. */
+            if (atomic_load(&d->job_cut)) {
+                nvs_debug("swap out of device %d cut short: %zu of %zu allocations queued", d->ordinal, i, chosen);
+                break;
+            }
             int pinned = pinned_engine && nvs_area_take(items[i].size, &items[i].area) == 0;
             /* Only the area can hold VMM memory; and a handle is claimed before its copy, so that
              * the application's unmap or release waits until it is out. */

@@ -57,6 +57,7 @@ static _Atomic int exiting;
 void nvs_worker_assign_locked(struct nvs_device *d, enum nvs_job job, uint64_t bytes) {
     d->job = job;
     d->job_bytes = bytes;
+    d->job_cut = 0;
     d->job_result = NVS_RESULT_NONE;
     worker_kicked = 1;
     pthread_cond_signal(&worker_cv);

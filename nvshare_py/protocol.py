@@ -563,7 +563,9 @@ class Fence(Message):
 @dataclass(frozen=True, slots=True)
 class Evict(Message):
     """To a client that does not hold the lock: move `bytes` of your converted memory to host memory
-    now (room for someone else's grant) and answer `EVICTED`."""
+    now (room for someone else's grant) and answer `EVICTED`. A `PREFETCH` that comes while the move
+    runs takes the `EVICT` back (the client asked for the device meanwhile): stop after the pieces
+    in flight and answer `EVICTED` with what stayed."""
 
     TYPE: ClassVar[str] = "EVICT"
     device: str
@@ -623,7 +625,8 @@ class Prefetch(Message):
     """Swapping, to the waiter that will be granted next: bring swapped-out memory back, keeping the
     gate closed, until `resident` bytes of your swappable memory are on the device (room the
     holder's swap-out has made, reported piece by piece). Sent again as the room grows. Memory in
-    flight counts against the budget from this moment."""
+    flight counts against the budget from this moment. Also sent, with what is on the device, to a
+    client whose `ACQUIRE` crossed an `EVICT`: it takes the `EVICT` back."""
 
     TYPE: ClassVar[str] = "PREFETCH"
     device: str

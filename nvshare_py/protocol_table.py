@@ -293,7 +293,9 @@ MESSAGES: Final[tuple[Message, ...]] = (
         required("device", DEVICE),
         required("bytes", UINT),
     ), "To a client that does not hold the lock: move `bytes` of your converted memory to host "
-       "memory now (room for someone else's grant) and answer `EVICTED`."),
+       "memory now (room for someone else's grant) and answer `EVICTED`. A `PREFETCH` that comes "
+       "while the move runs takes the `EVICT` back (the client asked for the device meanwhile): "
+       "stop after the pieces in flight and answer `EVICTED` with what stayed."),
     Message("CONTENDED", "Contended", SCHEDULER, (
         required("device", DEVICE),
         required("grant", UINT),
@@ -334,7 +336,8 @@ MESSAGES: Final[tuple[Message, ...]] = (
     ), "Swapping, to the waiter that will be granted next: bring swapped-out memory back, keeping "
        "the gate closed, until `resident` bytes of your swappable memory are on the device (room "
        "the holder's swap-out has made, reported piece by piece). Sent again as the room grows. "
-       "Memory in flight counts against the budget from this moment."),
+       "Memory in flight counts against the budget from this moment. Also sent, with what is on "
+       "the device, to a client whose `ACQUIRE` crossed an `EVICT`: it takes the `EVICT` back."),
     Message("REVOKE", "Revoke", SCHEDULER, (
         required("device", DEVICE),
         required("grant", UINT),

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
-from fixtures.client_core import (ACT_GATE, ACT_JOB, ACT_POOL, ACT_SEND, ACT_SWAP_AREA, HOLDING, IDLE, JOB_DRAIN, JOB_PREFETCH,
-                                  JOB_PREFETCH_AHEAD, JOB_PROBE, JOB_SWAP_OUT,
+from fixtures.client_core import (ACT_GATE, ACT_JOB, ACT_POOL, ACT_SEND, ACT_SWAP_AREA, ACT_SWAP_OUT_CUT, HOLDING, IDLE,
+                                  JOB_DRAIN, JOB_PREFETCH, JOB_PREFETCH_AHEAD, JOB_PROBE, JOB_SWAP_OUT,
                                   RESULT_DEFERRED, RESULT_DRAINED, RESULT_MOVED, ClientCore, World,
                                   build_client_core, load)
 from test_client_core_stateful import DEVICES, Sharing
@@ -202,6 +202,29 @@ def test_evict_makes_a_waiting_process_move_memory_and_answer(lib):
     assert jobs(actions) == [(JOB_SWAP_OUT, 3 * GIB)]
     s.swapped = 3 * GIB
     assert sent(s.job_done(RESULT_MOVED)) == [f"NVSHARE/1 EVICTED\ndevice={DEVICE}\nresident={GIB}"]
+
+
+def test_a_prefetch_during_an_evicts_move_cuts_it_and_brings_back_what_left(lib):
+    """The scheduler takes an EVICT back with a PREFETCH (the process asked for the device while
+    its memory moved out): the running move is cut, EVICTED says what stayed, and what left
+    before the cut comes back ahead of the grant."""
+    s = Script(lib, used=4 * GIB)
+    assert jobs(s.receive("EVICT", device=DEVICE, bytes=4 * GIB)) == [(JOB_SWAP_OUT, 4 * GIB)]
+    s.want()
+    actions = s.receive("PREFETCH", device=DEVICE, resident=4 * GIB)
+    assert [(a.kind, a.device) for a in actions if a.kind == ACT_SWAP_OUT_CUT] == [(ACT_SWAP_OUT_CUT, 0)]
+    assert jobs(actions) == [] and sent(actions) == []  # the move ends first, then it answers
+    s.swapped = GIB  # what had left when the cut took effect
+    actions = s.job_done(RESULT_MOVED)
+    assert f"NVSHARE/1 EVICTED\ndevice={DEVICE}\nresident={3 * GIB}" in sent(actions)
+    assert jobs(actions) == [(JOB_PREFETCH_AHEAD, GIB)]
+
+
+def test_a_prefetch_with_no_move_under_way_cuts_nothing(lib):
+    s = Script(lib, used=4 * GIB)
+    s.want()
+    actions = s.receive("PREFETCH", device=DEVICE, resident=4 * GIB)
+    assert not [a for a in actions if a.kind == ACT_SWAP_OUT_CUT]
 
 
 def test_evict_of_a_held_device_is_answered_at_once(lib):

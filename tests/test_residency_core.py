@@ -466,6 +466,25 @@ def test_asking_is_waking_the_sleeping_tenants_memory_comes_back_while_the_lock_
     assert not [a for a in c.actions if isinstance(a, LockEvent) and a.kind == "grant" and "swapped=" in a.detail]
 
 
+def test_a_tenant_that_asks_while_its_memory_moves_out_for_another_keeps_it_and_another_goes():
+    """Its ACQUIRE crossed the EVICT: it was idle when chosen (on an H200 four tenants asked at
+    once, and the one chosen a millisecond before its ACQUIRE arrived waited 1.4 s for its own
+    eviction, then for its memory's return). The EVICT is taken back with a PREFETCH of what it
+    has, and the room is asked of an idle tenant instead."""
+    c = tenants(4, 6 * GiB, 20 * GiB, headroom=0)  # t0 out; t1, t2, t3 resident and idle
+    c.feed(AcquireRequest(c.now, "t3", DEV))
+    c.grant_of("t3")  # t3 is busy with a long request
+    c.feed(AcquireRequest(c.now, "t0", DEV))  # a request for t0: room is made for it
+    assert [cid for cid, _ in evictions(c.actions)] == ["c2"]  # t1, the least recently used
+    seen = c.feed(AcquireRequest(c.now, "t1", DEV))  # t1's own request, sent before the EVICT came
+    (prefetch,) = c.sent(protocol.Prefetch, "t1")
+    assert prefetch.resident == 6 * GiB  # what it has stays
+    assert [cid for cid, _ in evictions(seen)] == ["c3"]  # t2 goes instead
+    assert any(isinstance(a, Log) and a.what == "evict-taken-back" for a in seen)
+    c.feed(ClientMessage(c.now, "t1", protocol.Evicted(device=DEV, resident=5 * GiB)))  # cut after 1 GiB
+    assert not c.sent(protocol.Evict, "t1")
+
+
 def test_a_holder_whose_release_moves_nothing_of_its_own_is_told_a_short_idle_window():
     """Issue 29: three servers asked every second, resident side by side in mode on: the holder
     is never idle for its 1 s window, so it kept the lock from the others for its quantum. When

@@ -95,6 +95,42 @@ def test_evict_moves_the_largest_of_the_oldest_allocations_first(scripted, cuda_
     assert [(m["cause"], m["bytes"]) for m in out] == [("prefetch", 16 * MIB)]
 
 
+def test_a_prefetch_while_an_evict_moves_memory_out_takes_the_evict_back(scripted, cuda_app, simcuda, tmp_path):
+    """The process asks for the device while its memory moves out for an EVICT (its ACQUIRE
+    crossed it: it was idle when the scheduler chose it): the scheduler's PREFETCH takes the EVICT
+    back. The move stops after the pieces in flight, EVICTED says what stayed, and what had left
+    comes back ahead of the grant."""
+    blocks = 16
+    total = blocks * 8 * MIB
+    # A slow link (20 ms per MiB: 2.6 s for the whole move), so that the PREFETCH comes early in it.
+    env = {**scripted.env, "SIMCUDA_MEMORY": "256M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
+           "SIMCUDA_PINNED_US_PER_MIB": "20000", "SIMCUDA_REGISTER_HUGE_US_PER_MIB": "0",
+           "SIMCUDA_REGISTER_US_PER_MIB": "0", "SIMCUDA_PIN_US_PER_MIB": "0"}
+    app = cuda_app(env, "init", *[f"alloc:plain:{8 * MIB}"] * blocks, "kernel:1000", "sync", "wait", "kernel:1000",
+                   "sync")
+    grant(scripted, 1)
+    app.expect("waiting")
+    scripted.send("DROP", device=scripted.device, grant=1, grace_ms=60_000, reason="quantum")
+    scripted.expect("RELEASE")
+    scripted.send("PREPARE", device=scripted.device, bytes=total)
+    memory_until(scripted, lambda fields: int(fields.get("area", 0)) >= total)
+    scripted.send("EVICT", device=scripted.device, bytes=total)
+    left = memory_until(scripted, lambda fields: int(fields.get("resident", total)) < total)  # under way
+    app.continue_()  # its next kernel waits at the closed gate: it asks
+    scripted.expect("ACQUIRE")
+    scripted.send("PREFETCH", device=scripted.device, resident=total)
+    stayed = int(scripted.expect("EVICTED")["resident"])
+    assert 0 < stayed <= int(left["resident"]), (stayed, left)
+    memory_until(scripted, lambda fields: int(fields.get("resident", 0)) == total)  # back before any grant
+    scripted.send("GRANT", device=scripted.device, grant=2, mode="on", exclusive=1, quantum_ms=60_000)  # its ACQUIRE above
+    assert app.wait() == 0, app.stderr
+    lines = simcuda.read_trace(cuda_app.trace)
+    out = sum(c["bytes"] for c in lines if c["op"] == "memcpy" and c.get("link") == "d2h" and c["pid"] == app.pid)
+    back = sum(c["bytes"] for c in lines if c["op"] == "memcpy" and c.get("link") == "h2d" and c["pid"] == app.pid)
+    assert out == back == total - stayed  # what left came back, and no more left after the cut
+    assert migrations(lines, direction="to_host") == []
+
+
 # --- the swap engine: a pinned swap area, copies at link speed, discard (issue 18) --------------
 
 FAMILIES = [("plain", 4 * MIB), ("pitch", MIB), ("async", 2 * MIB), ("pool", 2 * MIB), ("vmm", 2 * MIB)]

@@ -5,7 +5,8 @@
 # 48 GiB budget, mode on, the hot-cold scenario alone: what fits one H200's host), hot-cold-small-auto (the
 # same in mode auto), turns-small (the same size, mode on, requests in turn and in bursts of three),
 # turns-small-hugepool (its requests in turn with the pool in the huge tmpfs below), issue-80-on and issue-80-auto
-# (the issue's proportions on an 80 GiB card: 6 x 17 GiB under a budget of 80 GiB, every scenario), tenants-on, tenants-auto (the issue's
+# (the issue's proportions on an 80 GiB card: 6 x 17 GiB under a budget of 80 GiB, every scenario), issue-80-asked-at-once
+# (the same size, mode on, only the loads, bursts and hot-cold: tenants asked together), tenants-on, tenants-auto (the issue's
 # 6 x 30 GiB on one card, scheduler defaults but for admission_share=1: the six tenants are one user's,
 # and 0.75 of the node's capacity would hold the sixth's load back for the admission timeout), vmm
 # (bench_vmm_swap.py: segments, torch, jax, nccl: NCCL needs two GPUs), pair (issue 18's pair, sequential
@@ -57,6 +58,10 @@ for part in "$@"; do
         NVSHARE_BENCH_LOGS=$logs timeout 450 "${TENANTS[@]}" --tenants 6 --gib 17 --budget-gib 80 \
             --modes "${part#issue-80-}" --scenarios load turns bursts hot-cold --rounds 3 --bursts 2 \
             --cold-every 20 --cold-periods 1 --baseline-requests 10 --out "$OUT/$part.json" 2>&1 | tail -25 ;;
+    issue-80-asked-at-once)  # where ACQUIREs cross EVICTs: several tenants asked together
+        NVSHARE_BENCH_LOGS=$logs timeout 300 "${TENANTS[@]}" --tenants 6 --gib 17 --budget-gib 80 --modes on \
+            --scenarios load bursts hot-cold --bursts 2 --cold-every 20 --cold-periods 1 --baseline-requests 3 \
+            --native never --out "$OUT/$part.json" 2>&1 | tail -25 ;;
     turns-small-hugepool)  # requests in turn with the pool in the huge tmpfs (no run without nvshare: turns-small has it)
         huge_pool || { echo "no huge tmpfs: $part not run"; continue; }
         NVSHARE_POOL_DIR=$HUGE_POOL NVSHARE_BENCH_LOGS=$logs timeout 300 "${SMALL[@]}" --modes on \

@@ -456,6 +456,7 @@ class SchedulerCore:
         if client.gang.ganged:
             self._turns.acquire(pair, ev.now, out)
         elif self._lock.enqueue(pair, ev.now, out):
+            self._swapping.take_back_eviction(pair, ev.now, out)
             self._lock.settle(pair.device, ev.now, out)
 
     def _admit(self, client: Client, ev: AdmitRequest, out: list[Action]) -> None:
@@ -499,6 +500,7 @@ class SchedulerCore:
         dev = pair.device
         residency.report(pair, evicted.resident)
         pair.swap.leaving = 0  # the answer: whatever it did not move stays
+        pair.swap.for_grant = False
         out.append(LockEvent(now, "evicted", dev.id, client.cid, detail=f"resident={evicted.resident}"))
         if pair in dev.evict_awaited:
             del dev.evict_awaited[pair]

@@ -321,6 +321,7 @@ LogKind = Literal[
     "device-measured",
     "dropped",
     "evict-asked",
+    "evict-taken-back",
     "evict-timeout",
     "evicted-stale",
     "fenced-stale",

@@ -27,6 +27,9 @@ class SwapState:
     prepared: int = 0    # the last PREPARE's bytes
     allowed: int = 0     # the last PREFETCH's resident= in the current wait (0: none)
     leaving: int = 0     # bytes an EVICT asked it to move out that it has not been seen moving yet
+    # An EVICT under way makes room for the waiter granted next (swapping.room_made), whose grant
+    # waits for it: not taken back when this pair asks (swapping.take_back_eviction).
+    for_grant: bool = False
     pool: bool = False   # its area is its user's swap pool (POOL), not memory of its own
     # While it is the next waiter and brings its memory back ahead of its grant, when it is
     # granted whatever it still has out (swapping.restores_first; None: not yet asked).

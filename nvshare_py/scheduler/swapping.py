@@ -75,6 +75,7 @@ class Swapping:
                 for other, amount in eviction.room_plan(dev, pair, dev.evict_asked, self._evict_order, later_first):
                     dev.evict_asked[other] = amount
                     dev.evict_awaited[other] = None
+                    other.swap.for_grant = True
                     self._evict(other, amount, f"room for={pair.client.cid}", now, out)
                 # Moves asked for earlier (pressure, waking) are waited for as well.
                 for other in dev.pairs:
@@ -134,6 +135,7 @@ class Swapping:
         # An EVICT still pending is moot now: a client granted the device keeps what it has
         # (it answers EVICTED with it), and its memory is no room for anyone.
         pair.swap.leaving = 0
+        pair.swap.for_grant = False
         prefetch = residency.prefetch_on_grant(dev, pair) if self._config.swapping else 0
         # The grant brings the rest back: until the grantee says it has, all of it counts as in
         # flight (nobody else is let into its room meanwhile).
@@ -198,6 +200,27 @@ class Swapping:
                                                            "resident": allowed}))
             if eviction.wanted_back(waiter) > 0:
                 break
+
+    def take_back_eviction(self, pair: Pair, now: float, out: list[Action]) -> None:
+        """ACQUIRE from a pair whose memory moves out for an EVICT: it was idle when chosen, and
+        its ACQUIRE crossed the EVICT (four tenants asked at once on an H200, and the one chosen a
+        millisecond before its ACQUIRE arrived waited 1.4 s for its 18 GB to leave, then for them
+        to come back). Victims are idle tenants (eviction.py), so the EVICT is taken back: a
+        PREFETCH of what is on the device (the client stops the move after the pieces in flight,
+        answers EVICTED with what stayed, and brings back what left meanwhile), and what was
+        counted as leaving is no longer room for anyone; others are asked instead. Not an EVICT
+        that makes room for the waiter granted next (`for_grant`): that grant waits for it, and
+        the waiter keeps its turn (issue 20: a holder that released and asked again at once was
+        granted while its memory moved out for nobody)."""
+        if not self._config.swapping or not pair.swap.leaving or pair.swap.for_grant or pair.resident is None:
+            return
+        keep = max(pair.resident, pair.swap.allowed)
+        pair.swap.leaving = 0
+        pair.swap.allowed = keep
+        dev = pair.device
+        out.append(Send(pair.client.key, protocol.Prefetch(device=dev.id, resident=keep)))
+        out.append(LockEvent(now, "prefetch", dev.id, pair.client.cid, detail=f"resident={keep} bytes=0"))
+        out.append(Log("debug", "evict-taken-back", {"client": pair.client.cid, "device": dev.id, "resident": keep}))
 
     def _woken(self, dev: Device) -> list[Pair]:
         """The waiters whose memory comes back ahead of their grant (asking is waking,

@@ -352,6 +352,8 @@ WORDING: dict[LogKind, Callable[[dict[str, Any]], str]] = {
     "evict-timeout": lambda f: (f"{f['device']}: no room for {f['client']} after the grace "
                                 f"(EVICTED not received from {f['silent'] or 'nobody'}, or what moved was not enough): "
                                 "granting anyway, the driver's faults share the memory"),
+    "evict-taken-back": lambda f: (f"{f['client']} asked for {f['device']} while its memory moved out: the EVICT is "
+                                   f"taken back, it keeps {f['resident']} bytes resident"),
     "evicted-stale": lambda f: f"{f['client']} answered EVICT for {f['device']}, which it does not use",
     "fenced-stale": lambda f: f"FENCED of {f['client']} for grant {f['grant']} on {f['device']} ignored: no fence awaits it",
     "prepare": lambda f: f"{f['client']} told to keep a swap area of {f['bytes']} bytes ready for {f['device']}",
