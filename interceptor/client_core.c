@@ -293,7 +293,7 @@ static void handle_device_message(struct nvs_core *c, struct nvs_core_device *d,
         handle_prepare(c, d, m->bytes);
         break;
     case NVS_MSG_PREFETCH:
-        handle_prefetch_ahead(c, d, m->resident);
+        handle_prefetch_ahead(c, d, m->resident, now);
         break;
     case NVS_MSG_MODE:
         d->quantum_ms = m->quantum_ms;

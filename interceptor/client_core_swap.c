@@ -112,7 +112,7 @@ static void start_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d) 
     }
 }
 
-void handle_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d, uint64_t resident) {
+void handle_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d, uint64_t resident, double now) {
     if (d->state != NVS_WAITING && d->state != NVS_IDLE) {
         core_log(c, LOG_DEBUG, "PREFETCH of %s ignored: it holds the device", d->uuid);
         return;
@@ -121,10 +121,14 @@ void handle_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d, uint64
     /* A PREFETCH while a move out for an EVICT runs takes the EVICT back: this process asked for
      * the device meanwhile (docs/protocol.md, EVICT). The move stops after the pieces in flight,
      * its EVICTED says what stayed, and what left before the cut comes back as this PREFETCH
-     * allows, once the move is over. */
+     * allows, once the move is over. A move that has not begun (a capture or another job held it
+     * back) never does: the EVICT is answered now. */
     if (d->evicted_due && d->job == NVS_JOB_SWAP_OUT) {
         core_log(c, LOG_DEBUG, "EVICT of %s taken back: its move out stops", d->uuid);
         push(c, NVS_ACT_SWAP_OUT_CUT, (int)(d - c->devices), 0);
+    } else if (d->evicted_due && !d->release_drained) {
+        core_log(c, LOG_DEBUG, "EVICT of %s taken back before its move began", d->uuid);
+        send_evicted(c, d, now);
     }
     start_prefetch_ahead(c, d);
 }

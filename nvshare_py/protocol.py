@@ -563,9 +563,9 @@ class Fence(Message):
 @dataclass(frozen=True, slots=True)
 class Evict(Message):
     """To a client that does not hold the lock: move `bytes` of your converted memory to host memory
-    now (room for someone else's grant) and answer `EVICTED`. A `PREFETCH` that comes while the move
-    runs takes the `EVICT` back (the client asked for the device meanwhile): stop after the pieces
-    in flight and answer `EVICTED` with what stayed."""
+    now (room for someone else's grant) and answer `EVICTED`. A `PREFETCH` that comes before the
+    answer takes the `EVICT` back (the client asked for the device meanwhile): stop after the pieces
+    in flight, or do not begin, and answer `EVICTED` with what stayed."""
 
     TYPE: ClassVar[str] = "EVICT"
     device: str

@@ -294,8 +294,8 @@ MESSAGES: Final[tuple[Message, ...]] = (
         required("bytes", UINT),
     ), "To a client that does not hold the lock: move `bytes` of your converted memory to host "
        "memory now (room for someone else's grant) and answer `EVICTED`. A `PREFETCH` that comes "
-       "while the move runs takes the `EVICT` back (the client asked for the device meanwhile): "
-       "stop after the pieces in flight and answer `EVICTED` with what stayed."),
+       "before the answer takes the `EVICT` back (the client asked for the device meanwhile): "
+       "stop after the pieces in flight, or do not begin, and answer `EVICTED` with what stayed."),
     Message("CONTENDED", "Contended", SCHEDULER, (
         required("device", DEVICE),
         required("grant", UINT),

@@ -220,6 +220,22 @@ def test_a_prefetch_during_an_evicts_move_cuts_it_and_brings_back_what_left(lib)
     assert jobs(actions) == [(JOB_PREFETCH_AHEAD, GIB)]
 
 
+def test_a_prefetch_before_an_evicts_move_began_answers_it_and_nothing_moves(lib):
+    """The move waited for a capture's end when the EVICT was taken back: it is answered at once
+    with everything still there, and the capture's end moves nothing."""
+    s = Script(lib, used=4 * GIB)
+    s.want()
+    s.captures = 1
+    assert jobs(s.receive("EVICT", device=DEVICE, bytes=GIB)) == []  # after the capture
+    actions = s.receive("PREFETCH", device=DEVICE, resident=4 * GIB)
+    assert sent(actions) == [f"NVSHARE/1 EVICTED\ndevice={DEVICE}\nresident={4 * GIB}"]
+    assert not [a for a in actions if a.kind == ACT_SWAP_OUT_CUT]
+    s.captures = 0
+    s.observe()
+    s.core.tick(s.now)
+    assert jobs(s.actions()) == []
+
+
 def test_a_prefetch_with_no_move_under_way_cuts_nothing(lib):
     s = Script(lib, used=4 * GIB)
     s.want()
