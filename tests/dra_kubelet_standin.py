@@ -6,7 +6,9 @@ pkg/kubelet/cm/dra/plugin of k8s.io/kubernetes v1.34):
   refuses a plugin that is not a `DRAPlugin` or offers none of the DRA services it knows
   (`NotifyRegistrationStatus(false, why)`), else takes the first service of the plugin's list
   that it knows and says `NotifyRegistrationStatus(true)`; a socket that goes away
-  unregisters the plugin;
+  unregisters the plugin; a registration that failed (no answer to `GetInfo`, a refusal, a
+  status it could not deliver) is tried again after a back-off, doubling from 0.5 s, as the
+  kubelet's reconciler does with a plugin its actual state of the world lacks;
 - `prepare` / `unprepare` call NodePrepareResources / NodeUnprepareResources of the chosen
   service on the endpoint the plugin named, as the kubelet does before a pod's containers
   start and after they are gone, with the 45 s the kubelet gives a call.
@@ -31,6 +33,7 @@ from nvshare_py.dra.kubeletapi import registration_pb2, registration_pb2_grpc
 CALL_TIMEOUT_S = 45.0  # the kubelet's for a DRA call
 WAIT_TIMEOUT_S = 60.0
 POLL_S = 0.05
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 122.0  # the kubelet's exponential back-off of a failed operation
 STUBS = {DRA_V1_SERVICE: (dra_v1_pb2, dra_v1_pb2_grpc), DRA_V1BETA1_SERVICE: (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc)}
 
 
@@ -58,6 +61,8 @@ class DraKubeletStandin:
         self.refusals: list[str] = []
         self.registrations = 0
         self._seen: dict[Path, tuple[int, int]] = {}
+        # A socket whose registration failed: (its identity, when to try again, the back-off).
+        self._retry: dict[Path, tuple[tuple[int, int], float, float]] = {}
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="dra-kubelet", daemon=True)
@@ -86,9 +91,19 @@ class DraKubeletStandin:
                 if stat.S_ISSOCK(info.st_mode):
                     present[entry] = (info.st_ino, info.st_ctime_ns)
             for path, identity in present.items():
-                if self._seen.get(path) != identity:
+                failed, when, backoff = self._retry.get(path, (identity, 0.0, RETRY_FIRST_S / 2))
+                if failed != identity:  # a new socket at that path: no back-off
+                    when, backoff = 0.0, RETRY_FIRST_S / 2
+                if self._seen.get(path) != identity and time.monotonic() >= when:
                     self._seen[path] = identity
-                    self._register(path)
+                    if self._register(path):
+                        self._retry.pop(path, None)
+                    else:  # the same socket is looked at again after the back-off
+                        del self._seen[path]
+                        backoff = min(2 * backoff, RETRY_MAX_S)
+                        self._retry[path] = (identity, time.monotonic() + backoff, backoff)
+            for path in set(self._retry) - set(present):
+                del self._retry[path]
             for path in set(self._seen) - set(present):
                 del self._seen[path]
                 with self._changed:
@@ -97,14 +112,15 @@ class DraKubeletStandin:
                             del self.plugins[name]
                     self._changed.notify_all()
 
-    def _register(self, path: Path) -> None:
+    def _register(self, path: Path) -> bool:
+        """Whether the plugin at `path` was registered."""
         with grpc.insecure_channel(f"unix://{path}") as channel:
             stub = registration_pb2_grpc.RegistrationStub(channel)
             try:
                 info = stub.GetInfo(registration_pb2.InfoRequest(), timeout=10, wait_for_ready=True)
             except grpc.RpcError as error:
                 self._refused(f"GetInfo at {path} failed: {error.details()}")
-                return
+                return False
             why = None
             chosen = next((service for service in info.supported_versions if service in self.services), None)
             if info.type != PLUGIN_TYPE:
@@ -121,18 +137,19 @@ class DraKubeletStandin:
                                                   timeout=5)
                 except grpc.RpcError:
                     pass  # a plugin answers a refusal with an error of its own
-                return
+                return False
             try:
                 stub.NotifyRegistrationStatus(registration_pb2.RegistrationStatus(plugin_registered=True), timeout=5)
             except grpc.RpcError:
                 # The plugin went away meanwhile (a driver that stops or restarts): not registered,
                 # and the watcher goes on (its thread died here once, in CI under load).
-                return
+                return False
         with self._changed:
             self.plugins[info.name] = Registered(path, info.name, info.endpoint or str(path), chosen,
                                                  list(info.supported_versions))
             self.registrations += 1
             self._changed.notify_all()
+        return True
 
     def _refused(self, why: str) -> None:
         with self._changed:

@@ -243,7 +243,8 @@ def test_a_kubelet_that_refuses_the_driver_ends_it(node, apiserver, start_driver
     kubelet = DraKubeletStandin(node.registry, services=("v2.DRAPlugin",)).start()
     try:
         with start_driver() as driver:
-            assert driver.wait() == 1
+            kubelet.wait_until(lambda: kubelet.refusals, what="the kubelet's refusal")
+            assert driver.wait() == 1, kubelet.refusals
             assert f"the kubelet refused to register {DRIVER}: none of services supported by the plugin" in driver.log()
             assert not (node.registry / f"{DRIVER}-reg.sock").exists()
     finally:
