@@ -5,6 +5,7 @@ pool segment over a full /dev/shm: EFAULT)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -34,7 +35,7 @@ def populate(harness: Path, *args: str) -> dict[str, str]:
     done = subprocess.run([str(harness), *args], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, (done.returncode, done.stdout, done.stderr)
     words = dict(word.split("=", 1) for word in done.stdout.split())
-    if words["error"] == "EINVAL":
+    if int(words["error"]) == errno.EINVAL:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (before 5.14)")
     return words
 
@@ -42,7 +43,7 @@ def populate(harness: Path, *args: str) -> dict[str, str]:
 @pytest.mark.parametrize("size", [40 * MIB + 4096, 3 * MIB, 4096])
 def test_every_page_of_the_range_is_made_present(harness, size):
     words = populate(harness, "anon", str(size))
-    assert words["error"] == "0"
+    assert int(words["error"]) == 0
     assert words["present"] == words["pages"], words
 
 
@@ -50,5 +51,5 @@ def test_a_range_the_file_cannot_back_fails_with_efault_after_making_what_it_can
     # 40 MiB mapped over a file of 20 MiB: the pieces past its end cannot be had (a pool segment
     # whose /dev/shm filled up), the ones before it are made.
     words = populate(harness, "short-file", str(40 * MIB), str(20 * MIB))
-    assert words["error"] == "EFAULT", words
+    assert int(words["error"]) == errno.EFAULT, words
     assert int(words["present"]) >= 20 * MIB // os.sysconf("SC_PAGESIZE"), words

@@ -1,11 +1,11 @@
 /*
  * Drives interceptor/populate.c (tests/test_populate.py): makes a mapping's pages present with
- * nvs_populate and prints, as `key=value` words, what it returned and how many pages are there.
+ * nvs_populate and prints, as `key=value` words, what it returned (an errno, 0: none) and how
+ * many pages are there.
  *   populate_harness anon BYTES            anonymous private memory
  *   populate_harness short-file BYTES FILE a shared mapping of BYTES over a memfd of FILE bytes
  */
 #define _GNU_SOURCE
-#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,7 +38,6 @@ int main(int argc, char **argv) {
     }
     if (host == MAP_FAILED) return 3;
     int error = nvs_populate(host, bytes);
-    printf("error=%s present=%zu pages=%zu\n", error == 0 ? "0" : strerrorname_np(error), present_pages(host, bytes),
-           (bytes + page - 1) / page);
+    printf("error=%d present=%zu pages=%zu\n", error, present_pages(host, bytes), (bytes + page - 1) / page);
     return 0;
 }
