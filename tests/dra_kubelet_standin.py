@@ -91,9 +91,8 @@ class DraKubeletStandin:
                 if stat.S_ISSOCK(info.st_mode):
                     present[entry] = (info.st_ino, info.st_ctime_ns)
             for path, identity in present.items():
-                failed, when, backoff = self._retry.get(path, (identity, 0.0, RETRY_FIRST_S / 2))
-                if failed != identity:  # a new socket at that path: no back-off
-                    when, backoff = 0.0, RETRY_FIRST_S / 2
+                retry = self._retry.get(path)  # a new socket at that path starts without a back-off
+                when, backoff = (retry[1], retry[2]) if retry and retry[0] == identity else (0.0, RETRY_FIRST_S / 2)
                 if self._seen.get(path) != identity and time.monotonic() >= when:
                     self._seen[path] = identity
                     if self._register(path):
