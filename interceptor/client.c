@@ -216,6 +216,9 @@ static int next_io_action_locked(struct nvs_action *a, char *buf, size_t cap) {
         } else if (a->kind == NVS_ACT_POOL) { /* the pinner joins, grows or shrinks the pool */
             nvs_pool_want(a->bytes);
             nvs_pinner_wake_locked();
+        } else if (a->kind == NVS_ACT_POOL_NEED) { /* the pinner registers others' segments up to it */
+            nvs_pool_need_at_most(a->bytes);
+            nvs_pinner_wake_locked();
         } else if (a->kind == NVS_ACT_SWAP_OUT_CUT) { /* the worker's swap-out stops (swap.c) */
             nvs_devices[a->device].job_cut = 1;
         } else if (a->kind == NVS_ACT_COLLECTIVES) { /* a gang's fence (collective.c) */

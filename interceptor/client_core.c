@@ -329,7 +329,7 @@ void nvs_core_receive(struct nvs_core *c, const char *buf, size_t len, double no
     } else if (m.type == NVS_MSG_LIMIT) {
         handle_limit(c, &m);
     } else if (m.type == NVS_MSG_POOL) {
-        handle_pool(c, m.bytes);
+        handle_pool(c, &m);
     } else {
         struct nvs_core_device *d = NULL;
         for (int i = 0; i < c->n_devices && d == NULL; i++)

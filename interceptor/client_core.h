@@ -78,6 +78,8 @@ enum nvs_action_kind {
                           * wanted); report with nvs_core_observe_collectives */
     NVS_ACT_SWAP_OUT_CUT, /* the device's running SWAP_OUT stops after the pieces in flight and
                            * reports what it moved (the scheduler took its EVICT back) */
+    NVS_ACT_POOL_NEED,    /* register segments of the pool others made for at most `bytes` of this
+                           * process's memory (POOL need=; NVS_CORE_NO_LIMIT: all it has) */
 };
 
 struct nvs_action {

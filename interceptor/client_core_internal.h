@@ -79,7 +79,7 @@ void continue_grant(struct nvs_core *c, struct nvs_core_device *d, double now);
 void swap_job_done(struct nvs_core *c, struct nvs_core_device *d, enum nvs_job job, enum nvs_job_result result,
                    double now);
 void handle_prepare(struct nvs_core *c, struct nvs_core_device *d, uint64_t bytes);
-void handle_pool(struct nvs_core *c, uint64_t bytes);
+void handle_pool(struct nvs_core *c, const struct nvs_msg *m);
 void handle_prefetch_ahead(struct nvs_core *c, struct nvs_core_device *d, uint64_t resident, double now);
 void run_due_swaps(struct nvs_core *c, struct nvs_core_device *d, double now);
 int swap_running(const struct nvs_core_device *d);

@@ -22,10 +22,14 @@ void handle_prepare(struct nvs_core *c, struct nvs_core_device *d, uint64_t byte
     if (q != NULL) q->action.bytes = bytes;
 }
 
-/* POOL: the shell sizes the swap pool (the process's: no device). */
-void handle_pool(struct nvs_core *c, uint64_t bytes) {
+/* POOL: the shell sizes the swap pool (the process's: no device), and registers others'
+ * segments for as much of its memory as it may be asked to move out soon (need=; a scheduler
+ * that does not say: all of it). */
+void handle_pool(struct nvs_core *c, const struct nvs_msg *m) {
     struct nvs_core_queued *q = push(c, NVS_ACT_POOL, -1, 0);
-    if (q != NULL) q->action.bytes = bytes;
+    if (q != NULL) q->action.bytes = m->bytes;
+    q = push(c, NVS_ACT_POOL_NEED, -1, 0);
+    if (q != NULL) q->action.bytes = m->has_need ? m->need : NVS_CORE_NO_LIMIT;
 }
 
 /* The swap-out due now, if the worker is free and no capture runs (its prefetches and

@@ -66,10 +66,13 @@ struct nvs_device {
      *   asked_at, gate_opened_at: when the first of the waiters began to wait, when the gate
      *              last opened (nvs_now(); nvs_gate_add_waiter_locked and nvs_gate_set_locked
      *              write them), for the pinner, which keeps out of the application's way when it
-     *              asks for the device and when it gets it (worker.c). */
+     *              asks for the device and when it gets it (worker.c);
+     *   ahead_at:  when the worker last brought memory back ahead of a grant (a PREFETCH_AHEAD
+     *              job ended; the worker writes it): the grant follows within milliseconds, and
+     *              the pinner keeps out of its way too. */
     int waiters;
     int captures;
-    double asked_at, gate_opened_at;
+    double asked_at, gate_opened_at, ahead_at;
     /* Admission (admission.c): the largest total an allocating thread waits for (0: none; the
      * client thread passes it to the core) and the number of refusals so far. */
     uint64_t admit_wanted;

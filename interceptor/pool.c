@@ -145,11 +145,12 @@ static struct {
     uint64_t ino;
 } mapped[MAX_SEGMENTS];
 /* Any thread. wanted: the scheduler's POOL (the client thread); needed: what this process could
- * be asked to move out at once (swap.c, before each pinner step); joined: a member, claims may go
+ * be asked to move out at once (swap.c, before each pinner step); need_cap: of that, what it may
+ * be asked to move out soon (POOL need=, the client thread); joined: a member, claims may go
  * on (the pinner sets it, leaving clears it); refused: this process swaps through its own area
  * from now on (set once, by whoever found why, and said once); free_bytes: written under the
  * shared mutex. */
-static _Atomic uint64_t wanted, needed;
+static _Atomic uint64_t wanted, needed, need_cap = UINT64_MAX;
 static _Atomic int joined, refused;
 static _Atomic uint64_t free_bytes;
 /* The pinner's own: the want last written to our slot, the `changes` it last found nothing to
@@ -159,9 +160,11 @@ static uint64_t published = UINT64_MAX;
 static uint64_t seen;
 static double next_look;
 static uint64_t growth_failed_at;
+static uint64_t capped_said = UINT64_MAX; /* the need= at which the pinner last said it stops registering */
 
 void nvs_pool_want(uint64_t bytes) { atomic_store(&wanted, bytes); }
 void nvs_pool_need(uint64_t bytes) { atomic_store(&needed, bytes); }
+void nvs_pool_need_at_most(uint64_t bytes) { atomic_store(&need_cap, bytes); }
 int nvs_pool_joined(void) { return atomic_load(&joined); }
 uint64_t nvs_pool_free_bytes(void) { return atomic_load(&free_bytes); }
 
@@ -549,6 +552,7 @@ struct action {
     char *host;   /* UNMAP */
     uint64_t ino; /* REGISTER: the file the table names */
     uint64_t target;
+    int capped; /* NOTHING: a free segment another member made is left unregistered for need= */
 };
 
 /* A free READY segment this process has not mapped yet (a file that could not be mapped here is
@@ -564,9 +568,11 @@ static int unregistered_locked(void) {
 
 /* The pinner's next thing to do, most urgent first: let go of what retired, remove what nobody
  * maps, shrink, grow, register a free segment another member made while the free ones registered
- * here could not take all that this process could be asked to move out (`needed`). A member
- * registers no more than that, and no segment another member holds (of no use here until it is
- * free): on an H200 a registration took 0.05-0.2 s per 512 MiB and held up every other CUDA call
+ * here could not take all that this process could be asked to move out (`needed`), or as much of
+ * it as the scheduler says it may be asked to move out soon (`need_cap`: a tenant late in eviction
+ * order, asked every second, registered segments freed by cold tenants while it served, and its
+ * requests waited for the registrations). A member registers no more than that, and no segment
+ * another member holds (of no use here until it is free): on an H200 a registration took 0.05-0.2 s per 512 MiB and held up every other CUDA call
  * of its process meanwhile, and when six tenants of 12 GiB loaded at once each member registered
  * every segment of a pool of 36 GiB in turn, about 70 of them, for the 24 its own memory would
  * fill, while the first requests to the tenants waited for room. While the pool grows, every
@@ -614,8 +620,10 @@ static void choose_locked(struct action *a) {
         *a = (struct action){.kind = CREATE, .index = i, .target = a->target};
         return;
     }
-    int k = free_here_locked() < atomic_load(&needed) ? unregistered_locked() : NONE;
+    uint64_t need = atomic_load(&needed), cap = atomic_load(&need_cap), free_here = free_here_locked();
+    int k = free_here < (need < cap ? need : cap) ? unregistered_locked() : NONE;
     if (k != NONE) *a = (struct action){.kind = REGISTER, .index = k, .ino = segments[k].ino, .target = a->target};
+    else a->capped = free_here < need && unregistered_locked() != NONE;
 }
 
 /* A segment registered here, in the table (if it is still what the table names: else let go). */
@@ -830,6 +838,12 @@ int nvs_pool_step(void) {
     unlock_shared();
     if (gone) nvs_debug("swap pool: %d members are gone; what they held is free again", gone);
     if (resized) nvs_debug("swap pool: %llu bytes wanted", (unsigned long long)want);
+    uint64_t cap = atomic_load(&need_cap);
+    if (a.capped && cap != capped_said)
+        nvs_debug("swap pool: registers no more segments others made: the scheduler says this process may be asked "
+                  "to move out %llu bytes soon, and %llu are free here",
+                  (unsigned long long)cap, (unsigned long long)atomic_load(&free_bytes));
+    capped_said = a.capped ? cap : UINT64_MAX;
     perform(&a);
     return changed;
 }
@@ -936,8 +950,10 @@ void nvs_pool_reset_after_fork(void) {
     atomic_store(&joined, 0);
     atomic_store(&refused, 0);
     atomic_store(&free_bytes, 0);
+    atomic_store(&need_cap, UINT64_MAX);
     published = UINT64_MAX;
     seen = 0;
     next_look = 0;
     growth_failed_at = 0;
+    capped_said = UINT64_MAX;
 }

@@ -21,6 +21,9 @@ void nvs_pool_want(uint64_t bytes);
 /* What this process could be asked to move out at once (its movable memory on its devices): the
  * pinner registers free segments others made until those free here would take it (any thread). */
 void nvs_pool_need(uint64_t bytes);
+/* The scheduler's POOL need=: of that, register others' segments for at most `bytes` (what this
+ * process may be asked to move out soon; UINT64_MAX: no cap). Any thread (an atomic store). */
+void nvs_pool_need_at_most(uint64_t bytes);
 /* 1 while this process is a member of its user's pool: its swap area takes its room from the
  * pool's segments then, and pins no chunks of its own. Any thread. */
 int nvs_pool_joined(void);

@@ -143,6 +143,7 @@
     F(PREPARE, device, DEVICE, REQUIRED, device, 0, "")                  \
     F(PREPARE, bytes, UINT, REQUIRED, bytes, 0, 0)                       \
     F(POOL, bytes, UINT, REQUIRED, bytes, 0, 0)                          \
+    F(POOL, need, UINT, NULLABLE, need, 0, 0)                            \
     F(PREFETCH, device, DEVICE, REQUIRED, device, 0, "")                 \
     F(PREFETCH, resident, UINT, REQUIRED, resident, 0, 0)                \
     F(REVOKE, device, DEVICE, REQUIRED, device, 0, "")                   \
@@ -223,6 +224,8 @@
     X(UINT, bytes, 0)                \
     X(UINT, quantum_left_ms, 0)      \
     X(UINT, idle_ms, 0)              \
+    X(UINT, need, 0)                 \
+    X(HAS, has_need, 0)              \
     X(UINT, resident, 0)             \
     X(WORD_NUMBER, revoke_reason, 0) \
     X(UINT, request, 0)              \

@@ -173,6 +173,7 @@ static void *worker_main(void *unused) {
             enum nvs_job_result result = run_job(d, job, bytes);
             pthread_mutex_lock(&nvs_mu);
             if (moves) nvs_pinner_wake_locked(); /* its steps may go on */
+            if (job == NVS_JOB_PREFETCH_AHEAD) d->ahead_at = nvs_now();
             d->job_running = 0;
             d->job = NVS_JOB_NONE;
             d->job_result = result;
@@ -208,6 +209,9 @@ static int moving_locked(void) {
  * a closed gate) or of its getting it (the gate opened): on an H200 the first requests to six
  * tenants that had just loaded ended 0.35-0.52 s after their grant, their own pinner registering
  * 512 MiB segments of the growing pool in between (the request's own work took milliseconds). A
+ * waiter whose memory the worker has just brought back ahead of its grant is about to get it:
+ * on an H200 a step begun as that swap-in ended (its end wakes the pinner) made and registered
+ * a segment for 0.8 s, and the request's last 128 MiB and first calls waited for it. A
  * job that waits for its turn longer, or holds the GPU longer (a training job in its quantum),
  * lets steps go on beside it: a grace as long as a quantum of 1 s kept two such jobs' areas from
  * being pinned before their first handoffs (tests/test_simcuda_pipelining.py). */
@@ -216,6 +220,7 @@ static int application_starting_work_locked(double now) { /* under nvs_mu */
     for (int i = 0; i < nvs_n_devices; i++) {
         struct nvs_device *d = &nvs_devices[i];
         if (d->waiters > 0 && now - d->asked_at < grace) return 1;
+        if (d->waiters > 0 && now - d->ahead_at < grace) return 1; /* its grant is due */
         if (atomic_load(&d->gate_open) && now - d->gate_opened_at < grace) return 1;
     }
     return 0;

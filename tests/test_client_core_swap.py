@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
-from fixtures.client_core import (ACT_GATE, ACT_JOB, ACT_POOL, ACT_SEND, ACT_SWAP_AREA, ACT_SWAP_OUT_CUT, HOLDING, IDLE,
+from nvshare_py.client_core import NO_LIMIT
+from fixtures.client_core import (ACT_GATE, ACT_JOB, ACT_POOL, ACT_POOL_NEED, ACT_SEND, ACT_SWAP_AREA, ACT_SWAP_OUT_CUT, HOLDING, IDLE,
                                   JOB_DRAIN, JOB_PREFETCH, JOB_PREFETCH_AHEAD, JOB_PROBE, JOB_SWAP_OUT,
                                   RESULT_DEFERRED, RESULT_DRAINED, RESULT_MOVED, ClientCore, World,
                                   build_client_core, load)
@@ -312,6 +313,21 @@ def test_pool_asks_the_shell_to_size_the_shared_swap_pool_for_the_whole_process(
     assert [(a.device, a.bytes) for a in actions if a.kind == ACT_POOL] == [(-1, 12 * GIB)]
     assert not [a for a in actions if a.kind == ACT_SWAP_AREA]
     assert [(a.device, a.bytes) for a in s.receive("POOL", bytes=0) if a.kind == ACT_POOL] == [(-1, 0)]
+
+
+def test_pool_need_caps_what_the_shell_registers_of_others_segments(lib):
+    """POOL need= (issue 29): registering another member's segment holds up the process's GPU
+    calls, so a tenant late in eviction order (asked every second) registers segments only for
+    what it may be asked to move out soon. A scheduler that says nothing leaves no cap (all the
+    process has), as before need= existed."""
+    s = Script(lib, used=8 * GIB)
+    actions = s.receive("POOL", bytes=12 * GIB, need=2 * GIB)
+    assert [(a.kind, a.device, a.bytes) for a in actions if a.kind in (ACT_POOL, ACT_POOL_NEED)] == [
+        (ACT_POOL, -1, 12 * GIB), (ACT_POOL_NEED, -1, 2 * GIB)]
+    actions = s.receive("POOL", bytes=12 * GIB, need=0)
+    assert [a.bytes for a in actions if a.kind == ACT_POOL_NEED] == [0]
+    actions = s.receive("POOL", bytes=12 * GIB)  # an older scheduler
+    assert [a.bytes for a in actions if a.kind == ACT_POOL_NEED] == [NO_LIMIT]
 
 
 def test_memory_reports_say_what_the_swap_engine_is_and_has_ready(lib):

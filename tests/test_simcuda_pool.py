@@ -148,10 +148,10 @@ def patterned(cuda_app, env, word: int, *extra: str):
 
 
 def pool_member(cuda_app, scheduler: ScriptedScheduler, tmp_path: Path, shm: Path, word: int, pool: int, area: int,
-                *extra: str):
-    """A patterned process (`patterned`) granted its device and told POOL `pool` bytes, once its
-    swap area holds `area` bytes."""
-    app = patterned(cuda_app, pool_env(scheduler, tmp_path, shm), word, *extra)
+                *extra: str, env: dict[str, str] | None = None):
+    """A patterned process (`patterned`; `env`: more of its environment) granted its device and
+    told POOL `pool` bytes, once its swap area holds `area` bytes."""
+    app = patterned(cuda_app, pool_env(scheduler, tmp_path, shm, **(env or {})), word, *extra)
     grant(scheduler, 1)
     app.expect("waiting")
     scheduler.send("POOL", bytes=pool)
@@ -260,6 +260,40 @@ def test_a_member_registers_free_segments_for_what_it_could_move_out_and_none_an
     assert a.wait() == 0, a.stderr
 
 
+def test_a_member_registers_others_segments_only_for_what_the_scheduler_says_it_may_move_out_soon(
+        schedulers, cuda_app, simcuda, tmp_path, shm):
+    """POOL need= (issue 29): on an H200 hot tenants, last in eviction order, registered the
+    segments cold tenants freed while they served, and their requests waited for the
+    registrations. A made a pool of six segments and holds two; B joins (making its own spare
+    segment, as every member does) and, told it may be asked for nothing soon, registers none of
+    the four free ones A made, and says why; told 16 MiB, it registers one more, and moves all
+    16 MiB out through the two, none on the swap's path and none the driver's slow way."""
+    sched_a, sched_b = schedulers(), schedulers()
+    a = pool_member(cuda_app, sched_a, tmp_path, shm, 0xA0000000, 6 * SEGMENT, 6 * SEGMENT)
+    moved_out(sched_a)
+    b = patterned(cuda_app, pool_env(sched_b, tmp_path, shm), 0xB0000000)
+    grant(sched_b, 1)
+    b.expect("waiting")
+    sched_b.send("POOL", bytes=6 * SEGMENT, need=0)
+    eventually("B says it registers no more", lambda: "registers no more segments others made" in b.stderr,
+               lambda: b.stderr[-2000:])
+    assert logged_segments(b, "registered") == [], b.stderr
+    sched_b.send("POOL", bytes=6 * SEGMENT, need=2 * SEGMENT)
+    area_at_least(sched_b, 2 * SEGMENT)
+    moved_out(sched_b)
+    assert_moved_out_through_the_pool(simcuda, cuda_app, b.pid, 2 * SEGMENT)
+    assert len(logged_segments(b, "registered")) == 1, b.stderr
+    assert "on a swap's path" not in b.stderr, b.stderr
+    b.continue_()
+    grant(sched_b, 2, prefetch=2 * SEGMENT)
+    b.expect("verified 2")
+    assert b.wait() == 0, b.stderr
+    a.continue_()
+    grant(sched_a, 2, prefetch=2 * SEGMENT)
+    a.expect("verified 2")
+    assert a.wait() == 0, a.stderr
+
+
 def test_a_member_takes_no_pinning_step_while_it_moves_memory(schedulers, cuda_app, simcuda, tmp_path, shm):
     """A registration holds up the process's other calls for its whole length (the simulated
     driver models it as the H200 showed: the swap engine's moves ran at 7 GB/s beside a thread
@@ -269,11 +303,7 @@ def test_a_member_takes_no_pinning_step_while_it_moves_memory(schedulers, cuda_a
     the pool was still growing), and A's memory goes out through segments it had."""
     sched_a, sched_b = schedulers(), schedulers()
     slow = {"SIMCUDA_REGISTER_PRESENT_US_PER_MIB": "40000", "SIMCUDA_PINNED_US_PER_MIB": "40000"}
-    a = patterned(cuda_app, pool_env(sched_a, tmp_path, shm, **slow), 0xA0000000, "wait")
-    grant(sched_a, 1)
-    a.expect("waiting")
-    sched_a.send("POOL", bytes=2 * SEGMENT)
-    area_at_least(sched_a, 2 * SEGMENT)
+    a = pool_member(cuda_app, sched_a, tmp_path, shm, 0xA0000000, 2 * SEGMENT, 2 * SEGMENT, "wait", env=slow)
     b = patterned(cuda_app, pool_env(sched_b, tmp_path, shm, **slow), 0xB0000000, "wait")
     grant(sched_b, 1)
     b.expect("waiting")
@@ -348,6 +378,43 @@ def test_a_member_takes_no_pinning_step_while_its_application_asks_for_the_gpu_o
     for app in (a, b):
         app.continue_()
         assert app.wait() == 0, app.stderr
+
+
+def test_a_member_takes_no_pinning_step_between_its_memory_coming_back_ahead_and_its_grant(
+        schedulers, cuda_app, simcuda, tmp_path, shm):
+    """On an H200 a tenant's pinner began making a segment as the tenant's swap-in ahead of its
+    grant ended (the end of a swap job wakes the pinner), and the request's last 128 MiB and
+    first calls waited 0.8 s for it. A's memory is out in the pool and the pool is to grow; A
+    asks, and once the pinning grace of its asking has passed (its pinner grows the pool, a
+    segment every 80 ms), the scheduler tells it to bring its memory back (PREFETCH) and grants
+    it half a second after it is back: in between A's pinner starts no step, and it goes on
+    growing the pool once granted."""
+    sched = schedulers()
+    slow = {"SIMCUDA_REGISTER_PRESENT_US_PER_MIB": "10000", "NVSHARE_PINNING_GRACE_MS": "1000"}
+    a = pool_member(cuda_app, sched, tmp_path, shm, 0xA0000000, 2 * SEGMENT, 2 * SEGMENT, "wait", env=slow)
+    moved_out(sched)
+    sched.send("POOL", bytes=40 * SEGMENT)  # growth for about three seconds
+    a.continue_()  # verify: its first call waits at the closed gate
+    sched.expect("ACQUIRE")
+    asked = sched.received
+
+    def pins_by_a() -> list[dict]:
+        return segment_pins(simcuda, cuda_app, a.pid)
+
+    eventually("A's pinner grows the pool while A waits, once its asking's grace has passed",
+               lambda: any(p["start"] > asked + 1.0 for p in pins_by_a()), pins_by_a)
+    sched.send("PREFETCH", device=sched.device, resident=3 * SEGMENT)  # all of it (and the 4 KiB no swap moves)
+    while int(sched.expect("MEMORY").get("resident", 0)) < 2 * SEGMENT:
+        pass
+    back = sched.received
+    time.sleep(0.5)
+    granted = sched.send("GRANT", device=sched.device, grant=2, mode="on", exclusive=1, quantum_ms=60_000)
+    a.expect("verified 2")
+    eventually("A's pinner goes on growing the pool once granted",
+               lambda: any(p["start"] > granted for p in pins_by_a()), pins_by_a)
+    assert [p for p in pins_by_a() if back < p["start"] < granted] == [], (back, granted, pins_by_a())
+    a.continue_()
+    assert a.wait() == 0, a.stderr
 
 
 def test_a_swap_out_registers_free_segments_another_member_made_rather_than_go_the_slow_way(schedulers, cuda_app,

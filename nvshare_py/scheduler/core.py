@@ -442,8 +442,9 @@ class SchedulerCore:
         # Swapping: a report may be a move's progress (the next waiter may bring its memory in
         # behind it), or change what a handoff costs (the quanta and contention notices).
         # Or it may be pressure: the holder grew past the budget beside idle tenants, which
-        # are moved out now rather than paged out by the driver (eviction.py).
-        if dev.mode == "auto" or dev.evict_awaited or (self.config.swapping and (
+        # are moved out now rather than paged out by the driver (eviction.py). And a holder that
+        # grows while others wait is loading: its contention notice changes (free_idle_ms).
+        if dev.mode == "auto" or dev.evict_awaited or (pair.hold is not None and dev.queue) or (self.config.swapping and (
                 dev.queue or ev.resident is not None or eviction.under_pressure(dev))):
             self._lock.settle(dev, ev.now, out)
         self._swapping.size_swap_space(ev.now, out)
@@ -484,6 +485,7 @@ class SchedulerCore:
                 # behind the others' collectives. It is fenced like a member paused before.
                 self._turns.fence_paused(turn, pair, ev.now, out, reason)
             self._lock.settle(dev, ev.now, out)
+            self._swapping.size_swap_space(ev.now, out)  # eviction order moved: POOL need= (eviction.exposure)
         elif pair is not None and ev.grant in pair.overdue:
             del pair.overdue[ev.grant]
             del pair.device.overdue[ev.grant]
@@ -505,6 +507,7 @@ class SchedulerCore:
         if pair in dev.evict_awaited:
             del dev.evict_awaited[pair]
         self._lock.settle(dev, now, out)
+        self._swapping.size_swap_space(now, out)  # what leaves next moved: POOL need= (eviction.exposure)
 
     def _heartbeat(self, client: Client, ev: Alive, out: list[Action]) -> None:
         pass  # liveness was refreshed in handle()

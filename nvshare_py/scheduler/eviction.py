@@ -121,6 +121,13 @@ def order_key(pair: Pair, klass: int, order: str) -> tuple[float, ...]:
     return (klass, *used, -movable(pair))
 
 
+def order_key_once_back(pair: Pair, klass: int, order: str) -> tuple[float, ...]:
+    """Where `pair`, now out, would stand in eviction order (order_key) once it has come back and
+    served: its last use becomes the use before the last, and the last is now."""
+    used = (pair.last_held, float("inf")) if order == "lru2" else (float("inf"),)
+    return (klass, *used, -converted(pair))
+
+
 def victims(dev: Device, key: Callable[[Pair], tuple[float, ...]]) -> list[Pair]:
     """The idle pairs with swappable memory that is not leaving already, in eviction order
     (`key`: order_key with the pair's class and the configured order)."""
@@ -241,6 +248,41 @@ def pool_targets(devices: Iterable[Device], principal: Callable[[Client], Hashab
         for owner in moving:
             out[owner] = out.get(owner, 0) + max(moving[owner], min(swappable[owner], settled))
     return out
+
+
+def exposure(dev: Device, key: Callable[[Pair], tuple[float, ...]],
+             key_once_back: Callable[[Pair], tuple[float, ...]]) -> dict[Pair, int]:
+    """What each pair may be asked to move out soon (POOL need=): under pressure, the pairs
+    moving out, and the idle tenants first in eviction order as far as what must still leave for
+    the device to settle goes, or, if more, the largest tenant's memory less what is leaving
+    already: the headroom restored after a tenant comes back into it. That one is needed only if
+    a tenant that is out would stand behind the first idle tenant in eviction order once back
+    (`key_once_back`); where every tenant out would come first itself (cold tenants beside hot
+    ones: lru2), it leaves again and none of the resident ones is asked. All of their swappable
+    memory each (on the device or out: an eviction's progress does not change it, so POOL is not
+    sent again for every block moved). Holders come last in eviction order: one asked for part
+    of its memory at its DROP registers what it lacks on the swap's path. Nothing leaves a device
+    that is not under pressure. A member of a pool registers segments others made only
+    for that much (docs/interceptor.md, *The pool*): a registration holds up its process's GPU
+    calls, and on an H200 hot tenants late in eviction order, asked every second, registered the
+    segments cold tenants freed while serving, their requests waiting 35-60 ms where they took
+    20 ms without nvshare."""
+    if not under_pressure(dev):
+        return {}
+    settling = sum(committed(pair) for pair in dev.pairs) - (dev.budget - dev.headroom)
+    leaving = sum(pair.swap.leaving for pair in dev.pairs)
+    order = victims(dev, key)
+    returning = [key_once_back(pair) for pair in dev.pairs if pair.swapped > 0 and pair.hold is None]
+    headroom_next = (max((converted(pair) for pair in dev.pairs), default=0) - leaving
+                     if order and any(back > key(order[0]) for back in returning) else 0)
+    cover = max(headroom_next, settling)
+    exposed = {pair: converted(pair) for pair in dev.pairs if pair.swap.leaving > 0}
+    for pair in order:
+        if cover <= 0:
+            break
+        exposed[pair] = converted(pair)
+        cover -= movable(pair)
+    return exposed
 
 
 def pool_due(told: int, target: int) -> bool:

@@ -407,9 +407,9 @@ class Lock:
         self._grant_numbers += 1
         dev = pair.device
         if pair.waiting_since is not None:
-            hold = Hold(self._grant_numbers, now, pair.queued_class, pair.queued_grants)
+            hold = Hold(self._grant_numbers, now, pair.queued_class, pair.queued_grants, pair.used)
         else:
-            hold = Hold(self._grant_numbers, now, self._registry.priority(pair.client), dev.grants_made)
+            hold = Hold(self._grant_numbers, now, self._registry.priority(pair.client), dev.grants_made, pair.used)
         dev.grants_made += 1
         pair.hold = hold
         pair.grants += 1

@@ -45,9 +45,9 @@ class Hold:
     higher effective class cuts its quantum short (lock.Lock.quantum_end)."""
 
     __slots__ = ("grant", "since", "state", "deadline", "reason", "contended", "told_end", "klass", "aged_from",
-                 "told_swap", "turn", "ahead_of")
+                 "told_swap", "turn", "ahead_of", "used_at_grant")
 
-    def __init__(self, grant: int, since: float, klass: int, aged_from: int) -> None:
+    def __init__(self, grant: int, since: float, klass: int, aged_from: int, used_at_grant: int) -> None:
         self.grant = grant
         self.since = since
         self.state = "holding"
@@ -62,11 +62,14 @@ class Hold:
         # The waiter this grant was made ahead of while that one brought its memory back: the
         # grant is dropped once that waiter is ready (lock.py, Lock._lend).
         self.ahead_of: Pair | None = None
+        # The holder's allocated bytes when granted: one that allocated since is building up (a
+        # load), not a server between requests (residency.free_idle_ms).
+        self.used_at_grant = used_at_grant
 
 
 class Client:
     __slots__ = ("key", "cid", "info", "connected", "last_seen", "pairs", "told_every", "told", "gang", "claims_left",
-                 "claims_believed", "told_pool")
+                 "claims_believed", "told_pool", "told_pool_need")
 
     def __init__(self, key: ClientKey, cid: str, info: ClientInfo, now: float) -> None:
         self.key = key
@@ -86,6 +89,7 @@ class Client:
         self.claims_left: list[str] = []
         self.claims_believed = False
         self.told_pool = 0  # the swap pool's size it was told (POOL; eviction.py)
+        self.told_pool_need: int | None = None  # and POOL's need= (eviction.exposure; None: not said)
 
     @property
     def process(self) -> Hashable | None:

@@ -64,8 +64,11 @@ class Swapping:
         While its memory would not fit beside what the others keep resident, idle clients are
         asked to EVICT (eviction.room_plan) and the grant waits for their EVICTED answers,
         at most the grace: then it proceeds with a warning, as it does at once when nothing
-        that could move is left to ask (the driver's faults then share the device)."""
-        if self._config.swapping and dev.mode != "off" and residency.excess(dev, pair) > 0:
+        that could move is left to ask (the driver's faults then share the device). A waiter
+        whose memory is all on the device, and fits once the moves asked for are done, waits for
+        none of them (residency.runs_in_place)."""
+        if (self._config.swapping and dev.mode != "off" and residency.excess(dev, pair) > 0
+                and not residency.runs_in_place(dev, pair)):
             if dev.evict_deadline is not None and now >= dev.evict_deadline:
                 out.append(Log("warning", "evict-timeout", {
                     "device": dev.id, "client": pair.client.cid,
@@ -124,7 +127,7 @@ class Swapping:
         if not self._config.swapping or dev.mode == "off":
             return True
         nothing_out = pair.resident is None or (residency.nearly_back(pair) and not pair.swap.leaving)
-        return nothing_out and residency.excess(dev, pair) <= 0
+        return nothing_out and (residency.excess(dev, pair) <= 0 or residency.runs_in_place(dev, pair))
 
     def granted(self, pair: Pair) -> tuple[int, int, int]:
         """The pair is granted its device: (prefetch, swapped, over). `prefetch`: what GRANT
@@ -238,6 +241,10 @@ class Swapping:
         class later, then by use."""
         return eviction.order_key(pair, self._registry.priority(pair.client), self._config.eviction_order)
 
+    def _evict_order_once_back(self, pair: Pair) -> tuple[float, ...]:
+        """Where a pair that is out would stand in eviction order once back (eviction.order_key_once_back)."""
+        return eviction.order_key_once_back(pair, self._registry.priority(pair.client), self._config.eviction_order)
+
     def _evict(self, pair: Pair, amount: int, why: str, now: float, out: list[Action]) -> None:
         """EVICT `amount` bytes of `pair`, and the timeline says why it was chosen."""
         pair.swap.leaving += amount
@@ -281,12 +288,21 @@ class Swapping:
                 self._pools[owner] = (told, below)
             else:
                 self._pools.pop(owner, None)
+        need: dict[Hashable, int] = {}
+        for dev in self._registry.devices.values():
+            for pair, exposed in eviction.exposure(dev, self._evict_order, self._evict_order_once_back).items():
+                need[pair.client.key] = need.get(pair.client.key, 0) + exposed
         for client in self._registry.clients.values():
             size = self._pools.get(client.principal, (0, None))[0]
-            if size != client.told_pool:
+            wants = need.get(client.key, 0) if size else None
+            told_need = client.told_pool_need
+            need_moved = (wants is None) != (told_need is None) or (
+                wants is not None and told_need is not None and eviction.pool_due(told_need, wants))
+            if size != client.told_pool or need_moved:
                 client.told_pool = size
-                out.append(Send(client.key, protocol.Pool(bytes=size)))
-                out.append(Log("debug", "pool", {"client": client.cid, "bytes": size}))
+                client.told_pool_need = wants
+                out.append(Send(client.key, protocol.Pool(bytes=size, need=wants)))
+                out.append(Log("debug", "pool", {"client": client.cid, "bytes": size, "need": wants}))
 
     def _prepare_areas(self, out: list[Action]) -> None:
         """PREPARE to the clients whose swap area should change (residency.area_targets)."""

@@ -357,7 +357,8 @@ WORDING: dict[LogKind, Callable[[dict[str, Any]], str]] = {
     "evicted-stale": lambda f: f"{f['client']} answered EVICT for {f['device']}, which it does not use",
     "fenced-stale": lambda f: f"FENCED of {f['client']} for grant {f['grant']} on {f['device']} ignored: no fence awaits it",
     "prepare": lambda f: f"{f['client']} told to keep a swap area of {f['bytes']} bytes ready for {f['device']}",
-    "pool": lambda f: f"{f['client']} told that its user's swap pool holds {_size(f['bytes'])}",
+    "pool": lambda f: (f"{f['client']} told that its user's swap pool holds {_size(f['bytes'])}"
+                       + (f", to register for {_size(f['need'])} of its own" if f.get("need") is not None else "")),
     "lent": lambda f: (f"{f['client']} granted {f['device']} ahead of {f['ahead_of']}, which brings its memory "
                        "back meanwhile; dropped when that one is back"),
     "prefetch-ahead": lambda f: (f"{f['client']} may bring memory of {f['device']} back ahead of its grant, up to "
