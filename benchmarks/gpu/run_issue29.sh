@@ -6,7 +6,9 @@
 # same in mode auto), turns-small (the same size, mode on, requests in turn and in bursts of three),
 # turns-small-hugepool (its requests in turn with the pool in the huge tmpfs below), issue-80-on and issue-80-auto
 # (the issue's proportions on an 80 GiB card: 6 x 17 GiB under a budget of 80 GiB, every scenario), issue-80-asked-at-once
-# (the same size, mode on, only the loads, bursts and hot-cold: tenants asked together), tenants-on, tenants-auto (the issue's
+# (the same size, mode on, only the loads, bursts and hot-cold: tenants asked together), issue-80-hot (the same
+# size, mode on, the loads and three periods of hot-cold: do the hot tenants stay resident), issue-80-turns (the same
+# size, mode on, the loads and three rounds in turn, nothing else), tenants-on, tenants-auto (the issue's
 # 6 x 30 GiB on one card, scheduler defaults but for admission_share=1: the six tenants are one user's,
 # and 0.75 of the node's capacity would hold the sixth's load back for the admission timeout), vmm
 # (bench_vmm_swap.py: segments, torch, jax, nccl: NCCL needs two GPUs), pair (issue 18's pair, sequential
@@ -15,7 +17,8 @@
 # beside pool members that map and register segments), pair-hugepool (the pair's swap run with its pool in that tmpfs). The
 # huge tmpfs is mounted at $HUGE_POOL (default /tmp/nvshare-huge): run as root, or the whole script
 # under `unshare -Urm` (a user namespace of its own may mount a tmpfs). Needs the wheels of trio, outcome, sniffio and pyzmq in .whl/ when the machine lacks them.
-# Writes everything under $OUT (or ./gpu-out); each part's JSON and a tarball of its logs.
+# Writes everything under $OUT (or ./gpu-out); each part's JSON and a tarball of its logs (with WAITS=1 also where
+# the tenants' main threads waited: sample_waits.py).
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -39,6 +42,8 @@ huge_pool() {
 }
 for part in "$@"; do
     logs=$OUT/logs-$part; mkdir -p "$logs"
+    # WAITS=1: where each tenant's main thread waits, beside the part (sample_waits.py), into its logs
+    [ -n "${WAITS:-}" ] && { python3 benchmarks/gpu/sample_waits.py "$logs/waits.txt" 900 & waits=$!; }
     case $part in
     smoke) NVSHARE_BENCH_LOGS=$logs timeout 200 "${TENANTS[@]}" --tenants 2 --gib 1 --scenarios turns --modes on \
                --rounds 1 --interval 1 --baseline-requests 3 --out "$OUT/tenants-smoke.json" 2>&1 | tail -15
@@ -62,6 +67,13 @@ for part in "$@"; do
         NVSHARE_BENCH_LOGS=$logs timeout 300 "${TENANTS[@]}" --tenants 6 --gib 17 --budget-gib 80 --modes on \
             --scenarios load bursts hot-cold --bursts 2 --cold-every 20 --cold-periods 1 --baseline-requests 3 \
             --native never --out "$OUT/$part.json" 2>&1 | tail -25 ;;
+    issue-80-turns)  # the loads and three rounds of requests in turn at the same size, mode on (no run without nvshare)
+        NVSHARE_BENCH_LOGS=$logs timeout 300 "${TENANTS[@]}" --tenants 6 --gib 17 --budget-gib 80 --modes on \
+            --scenarios load turns --rounds 3 --baseline-requests 3 --native never --out "$OUT/$part.json" 2>&1 | tail -25 ;;
+    issue-80-hot)  # the issue's hot tenants at its proportions: three periods of the cold ones, the first the warm-up
+        NVSHARE_BENCH_LOGS=$logs timeout 400 "${TENANTS[@]}" --tenants 6 --gib 17 --budget-gib 80 --modes on \
+            --scenarios load hot-cold --cold-every 20 --cold-periods 3 --baseline-requests 3 \
+            --out "$OUT/$part.json" 2>&1 | tail -25 ;;
     turns-small-hugepool)  # requests in turn with the pool in the huge tmpfs (no run without nvshare: turns-small has it)
         huge_pool || { echo "no huge tmpfs: $part not run"; continue; }
         NVSHARE_POOL_DIR=$HUGE_POOL NVSHARE_BENCH_LOGS=$logs timeout 300 "${SMALL[@]}" --modes on \
@@ -81,5 +93,6 @@ for part in "$@"; do
             --working-set pair --ws-modes swap --out "$OUT/hugepool" 2>&1 | tail -12 ;;
     *) echo "unknown part $part" >&2 ;;
     esac
+    [ -n "${waits:-}" ] && { kill "$waits"; wait "$waits" 2>/dev/null; unset waits; }
     tar czf "$OUT/logs-$part.tgz" -C "$OUT" "logs-$part" && rm -rf "$logs"
 done
