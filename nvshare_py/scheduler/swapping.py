@@ -266,7 +266,8 @@ class Swapping:
     def _size_pools(self, now: float, out: list[Action]) -> None:
         """POOL to every client whose principal's swap pool changed size (eviction.pool_targets,
         by enough: eviction.pool_due): it grows at once, and shrinks once what it must hold has
-        been below its size for POOL_SHRINK_AFTER."""
+        been below its size for POOL_SHRINK_AFTER; and to a client whose need= (what it may be
+        asked to move out soon: eviction.exposure) moved by as much."""
         if not self._config.swapping:
             return
         targets = eviction.pool_targets(self._registry.devices.values(), lambda client: client.principal)
