@@ -568,20 +568,20 @@ static int unregistered_locked(void) {
 
 /* The pinner's next thing to do, most urgent first: let go of what retired, remove what nobody
  * maps, shrink, grow, register a free segment another member made while the free ones registered
- * here could not take all that this process could be asked to move out (`needed`), or as much of
- * it as the scheduler says it may be asked to move out soon (`need_cap`: a tenant late in eviction
+ * here could not take all that this process could be asked to move out (`needed`), or as much of it
+ * as the scheduler says it may be asked to move out soon (`need_cap`: a tenant late in eviction
  * order, asked every second, registered segments freed by cold tenants while it served, and its
  * requests waited for the registrations). A member registers no more than that, and no segment
- * another member holds (of no use here until it is free): on an H200 a registration took 0.05-0.2 s per 512 MiB and held up every other CUDA call
- * of its process meanwhile, and when six tenants of 12 GiB loaded at once each member registered
- * every segment of a pool of 36 GiB in turn, about 70 of them, for the 24 its own memory would
- * fill, while the first requests to the tenants waited for room. While the pool grows, every
- * member makes segments, and what it makes (registered by it alone) is what it moves its memory
- * into: each segment is registered once. A swap-out that finds too few free segments registered
- * here registers more on its path (nvs_pool_claim), which is why growth no longer waits for
- * registrations: before a swap-out could, a segment freed while its member made a new one was
- * not registered when its eviction needed it, and the eviction took the driver's slow path (a
- * CI run under load). Cheap changes are made here. */
+ * another member holds (of no use here until it is free): on an H200 a registration took 0.05-0.2 s
+ * per 512 MiB and held up every other CUDA call of its process meanwhile, and when six tenants of
+ * 12 GiB loaded at once each member registered every segment of a pool of 36 GiB in turn, about 70
+ * of them, for the 24 its own memory would fill, while the first requests to the tenants waited for
+ * room. While the pool grows, every member makes segments, and what it makes (registered by it
+ * alone) is what it moves its memory into: each segment is registered once. A swap-out that finds
+ * too few free segments registered here registers more on its path (nvs_pool_claim), which is why
+ * growth no longer waits for registrations: before a swap-out could, a segment freed while its
+ * member made a new one was not registered when its eviction needed it, and the eviction took the
+ * driver's slow path (a CI run under load). Cheap changes are made here. */
 static void choose_locked(struct action *a) {
     struct shared_segment *segments = shared->segments;
     uint64_t bit = 1ULL << self, live = 0;

@@ -203,18 +203,18 @@ static int moving_locked(void) {
     return 0;
 }
 
-/* A pinner step holds up the application's calls as it holds up the worker's (a registration
- * for its whole length, above), so none is taken within the pinning grace
- * (NVSHARE_PINNING_GRACE_MS, 250 ms) of the application's asking for the GPU (a thread waits at
- * a closed gate) or of its getting it (the gate opened): on an H200 the first requests to six
- * tenants that had just loaded ended 0.35-0.52 s after their grant, their own pinner registering
- * 512 MiB segments of the growing pool in between (the request's own work took milliseconds). A
- * waiter whose memory the worker has just brought back ahead of its grant is about to get it:
- * on an H200 a step begun as that swap-in ended (its end wakes the pinner) made and registered
- * a segment for 0.8 s, and the request's last 128 MiB and first calls waited for it. A
- * job that waits for its turn longer, or holds the GPU longer (a training job in its quantum),
- * lets steps go on beside it: a grace as long as a quantum of 1 s kept two such jobs' areas from
- * being pinned before their first handoffs (tests/test_simcuda_pipelining.py). */
+/* A pinner step holds up the application's calls as it holds up the worker's (a registration for
+ * its whole length, above), so none is taken within the pinning grace (NVSHARE_PINNING_GRACE_MS,
+ * 250 ms) of the application's asking for the GPU (a thread waits at a closed gate) or of its
+ * getting it (the gate opened): on an H200 the first requests to six tenants that had just loaded
+ * ended 0.35-0.52 s after their grant, their own pinner registering 512 MiB segments of the growing
+ * pool in between (the request's own work took milliseconds). A waiter whose memory the worker has
+ * just brought back ahead of its grant is about to get it: on an H200 a step begun as that swap-in
+ * ended (its end wakes the pinner) made and registered a segment for 0.8 s, and the request's last
+ * 128 MiB and first calls waited for it. A job that waits for its turn longer, or holds the GPU
+ * longer (a training job in its quantum), lets steps go on beside it: a grace as long as a quantum
+ * of 1 s kept two such jobs' areas from being pinned before their first handoffs
+ * (tests/test_simcuda_pipelining.py). */
 static int application_starting_work_locked(double now) { /* under nvs_mu */
     double grace = (double)nvs_config.pinning_grace_ms / 1000.0;
     for (int i = 0; i < nvs_n_devices; i++) {
