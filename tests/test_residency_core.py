@@ -675,6 +675,23 @@ def test_only_tenants_early_in_eviction_order_register_segments_ahead():
     assert set(needs().values()) == {0}, needs()
 
 
+def test_the_next_tenant_to_leave_is_told_while_another_moves_out():
+    """POOL need= in requests in turn: while t3 moves out for the headroom after t0's request,
+    t4, which the next request's headroom will take, is told its memory. On an H200, counting
+    what was leaving as that headroom kept the next victim from registering ahead: its eviction
+    registered every segment on its path, and a request whose room it made waited 8.4 s."""
+    c = tenants(6, 6 * GiB, 24 * GiB, uid=1000)  # t0-t2 out, t3-t5 resident, a headroom of one
+    c.feed(AcquireRequest(c.now, "t0", DEV))
+    (prefetch,) = c.sent(protocol.Prefetch, "t0")  # back into the headroom, ahead of its grant
+    c.feed(MemoryReport(c.now, "t0", DEV, 6 * GiB, prefetch.resident))
+    (grant,) = c.sent(protocol.Grant, "t0")
+    c.now += 1.0
+    c.feed(ReleaseReport(c.now, "t0", DEV, grant.grant, "idle", 6 * GiB))
+    leaving = {pair.client.key for dev in c.core.devices() for pair in dev.pairs if pair.swap.leaving}
+    needs = {client.key: client.told_pool_need for client in c.core.clients()}
+    assert leaving == {"t3"} and needs["t3"] == needs["t4"] == 6 * GiB, (leaving, needs)
+
+
 def test_status_says_when_each_tenant_last_ran_and_what_it_was_asked_to_move():
     c = tenants(3, 6 * GiB, 16 * GiB, headroom=0)
     document = views.status(c.core, c.now, lambda t: 1000.0 + t)

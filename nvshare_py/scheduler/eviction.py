@@ -254,8 +254,10 @@ def exposure(dev: Device, key: Callable[[Pair], tuple[float, ...]],
              key_once_back: Callable[[Pair], tuple[float, ...]]) -> dict[Pair, int]:
     """What each pair may be asked to move out soon (POOL need=): under pressure, the pairs
     moving out, and the idle tenants first in eviction order as far as what must still leave for
-    the device to settle goes, or, if more, the largest tenant's memory less what is leaving
-    already: the headroom restored after a tenant comes back into it. That one is needed only if
+    the device to settle goes, or, if more, the largest tenant's memory: the headroom restored
+    after a tenant comes back into it, whatever is leaving now (on an H200, counting what left
+    for the device to settle as that headroom kept the next victim from registering ahead, and
+    its eviction for the headroom registered everything on its path). That one is needed only if
     a tenant that is out would stand behind the first idle tenant in eviction order once back
     (`key_once_back`); where every tenant out would come first itself (cold tenants beside hot
     ones: lru2), it leaves again and none of the resident ones is asked. All of their swappable
@@ -270,10 +272,9 @@ def exposure(dev: Device, key: Callable[[Pair], tuple[float, ...]],
     if not under_pressure(dev):
         return {}
     settling = sum(committed(pair) for pair in dev.pairs) - (dev.budget - dev.headroom)
-    leaving = sum(pair.swap.leaving for pair in dev.pairs)
     order = victims(dev, key)
     returning = [key_once_back(pair) for pair in dev.pairs if pair.swapped > 0 and pair.hold is None]
-    headroom_next = (max((converted(pair) for pair in dev.pairs), default=0) - leaving
+    headroom_next = (max((converted(pair) for pair in dev.pairs), default=0)
                      if order and any(back > key(order[0]) for back in returning) else 0)
     cover = max(headroom_next, settling)
     exposed = {pair: converted(pair) for pair in dev.pairs if pair.swap.leaving > 0}
