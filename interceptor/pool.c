@@ -620,10 +620,12 @@ static void choose_locked(struct action *a) {
         *a = (struct action){.kind = CREATE, .index = i, .target = a->target};
         return;
     }
-    uint64_t need = atomic_load(&needed), cap = atomic_load(&need_cap), free_here = free_here_locked();
-    int k = free_here < (need < cap ? need : cap) ? unregistered_locked() : NONE;
-    if (k != NONE) *a = (struct action){.kind = REGISTER, .index = k, .ino = segments[k].ino, .target = a->target};
-    else a->capped = free_here < need && unregistered_locked() != NONE;
+    uint64_t free_here = free_here_locked();
+    int k = free_here < atomic_load(&needed) ? unregistered_locked() : NONE;
+    if (k != NONE && free_here >= atomic_load(&need_cap))
+        a->capped = 1; /* it would register k, but the scheduler's need= says no */
+    else if (k != NONE)
+        *a = (struct action){.kind = REGISTER, .index = k, .ino = segments[k].ino, .target = a->target};
 }
 
 /* A segment registered here, in the table (if it is still what the table names: else let go). */

@@ -612,15 +612,16 @@ class Pool(Message):
     have moved out or will be asked to. Keep that much of it mapped and registered in this process
     ahead of need, never on a handoff's path; every device's swap area takes its room from it, so
     that any process can move all of its memory at the link's speed while the pinned total follows
-    what is out. Register segments other processes made only for up to `need` bytes: registering
-    holds up the process's own GPU calls, and the driver's, for every process. A process that cannot
-    use the pool (docs/interceptor.md, *Swapping*) keeps a private area as `PREPARE` says. Sent to
-    every process of the user when it changes by at least 512 MiB or an eighth (or to or from 0),
-    and to a process whose `need` changed by as much."""
+    what is out. Register segments other processes made only for up to `need` bytes (without it, for
+    all of its memory on its devices): registering holds up the process's own GPU calls, and the
+    driver's, for every process. A process that cannot use the pool (docs/interceptor.md,
+    *Swapping*) keeps a private area as `PREPARE` says. Sent to every process of the user when it
+    changes by at least 512 MiB or an eighth (or to or from 0), and to a process whose `need`
+    changed by as much."""
 
     TYPE: ClassVar[str] = "POOL"
     bytes: int  # 0: none is needed any more
-    # bytes of this process's memory it may be asked to move out soon (it stands early in eviction order, or holds the GPU); absent: all it has on its devices
+    # bytes of this process's memory it may be asked to move out soon (it moves out now, or stands early in eviction order)
     need: int | None = None
 
 

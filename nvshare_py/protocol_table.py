@@ -323,13 +323,14 @@ MESSAGES: Final[tuple[Message, ...]] = (
     Message("POOL", "Pool", SCHEDULER, (
         required("bytes", UINT, "`0`: none is needed any more"),
         optional("need", UINT, None, "bytes of this process's memory it may be asked to move out soon "
-                 "(it stands early in eviction order, or holds the GPU); absent: all it has on its devices"),
+                 "(it moves out now, or stands early in eviction order)"),
     ), "Swapping (see *Residency*): the node's pinned swap pool that this process shares with the "
        "other processes of its user (of its pod, in Kubernetes) should hold `bytes`, about what they "
        "have moved out or will be asked to. Keep that much of it mapped and registered in this process "
        "ahead of need, never on a handoff's path; every device's swap area takes its room from it, so "
        "that any process can move all of its memory at the link's speed while the pinned total follows "
-       "what is out. Register segments other processes made only for up to `need` bytes: registering "
+       "what is out. Register segments other processes made only for up to `need` bytes (without it, for "
+       "all of its memory on its devices): registering "
        "holds up the process's own GPU calls, and the driver's, for every process. A process that "
        "cannot use the pool (docs/interceptor.md, *Swapping*) keeps a private area as `PREPARE` says. "
        "Sent to every process of the user when it changes by at least 512 MiB or an eighth (or to or "

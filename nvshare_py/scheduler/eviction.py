@@ -274,8 +274,9 @@ def exposure(dev: Device, key: Callable[[Pair], tuple[float, ...]],
     settling = sum(committed(pair) for pair in dev.pairs) - (dev.budget - dev.headroom)
     order = victims(dev, key)
     returning = [key_once_back(pair) for pair in dev.pairs if pair.swapped > 0 and pair.hold is None]
+    first = key(order[0]) if order else None
     headroom_next = (max((converted(pair) for pair in dev.pairs), default=0)
-                     if order and any(back > key(order[0]) for back in returning) else 0)
+                     if first is not None and any(back > first for back in returning) else 0)
     cover = max(headroom_next, settling)
     exposed = {pair: converted(pair) for pair in dev.pairs if pair.swap.leaving > 0}
     for pair in order:

@@ -297,8 +297,8 @@ class Swapping:
             size = self._pools.get(client.principal, (0, None))[0]
             wants = need.get(client.key, 0) if size else None
             told_need = client.told_pool_need
-            need_moved = (wants is None) != (told_need is None) or (
-                wants is not None and told_need is not None and eviction.pool_due(told_need, wants))
+            need_moved = wants != told_need and (wants is None or told_need is None
+                                                 or eviction.pool_due(told_need, wants))
             if size != client.told_pool or need_moved:
                 client.told_pool = size
                 client.told_pool_need = wants
