@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include "populate.h"
@@ -39,6 +40,12 @@ static void *populate_part(void *arg) {
     return NULL;
 }
 
+/* A helper thread's part, under a name of its own in /proc (where a stall is looked for). */
+static void *populate_helper(void *arg) {
+    prctl(PR_SET_NAME, "nvs-populate", 0, 0, 0);
+    return populate_part(arg);
+}
+
 int nvs_populate(char *host, size_t bytes) {
     long online = sysconf(_SC_NPROCESSORS_ONLN);
     int threads = online / 4 < 1 ? 1 : online / 4 > POPULATE_THREADS ? POPULATE_THREADS : (int)(online / 4);
@@ -57,7 +64,7 @@ int nvs_populate(char *host, size_t bytes) {
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setstacksize(&attr, 64 * 1024);
-    for (int i = 1; i < threads; i++) started[i] = pthread_create(&helpers[i], &attr, populate_part, &parts[i]) == 0;
+    for (int i = 1; i < threads; i++) started[i] = pthread_create(&helpers[i], &attr, populate_helper, &parts[i]) == 0;
     pthread_attr_destroy(&attr);
     for (int i = 0; i < POPULATE_THREADS; i++)
         if (!started[i]) populate_part(&parts[i]);

@@ -34,6 +34,7 @@
  * Jobs come in struct nvs_device (job, under nvs_mu); results go back there (job_result) and
  * the client thread is woken to feed them to the core. Nothing here decides lock state.
  */
+#include <sys/prctl.h>
 #include <time.h>
 
 #include "config.h"
@@ -154,6 +155,7 @@ static int any_capture_locked(void) {
 
 static void *worker_main(void *unused) {
     (void)unused;
+    prctl(PR_SET_NAME, "nvs-worker", 0, 0, 0); /* named in /proc, where a stall is looked for */
     nvs_swap_resolve(); /* which swap engine the driver allows, once, before any job */
     pthread_mutex_lock(&nvs_mu);
     for (;;) {
@@ -244,6 +246,7 @@ static int step_unless_in_the_way(void) {
  * tells it at once). */
 static void *pinner_main(void *unused) {
     (void)unused;
+    prctl(PR_SET_NAME, "nvs-pinner", 0, 0, 0);
     nvs_swap_resolve();
     pthread_mutex_lock(&nvs_mu);
     while (!atomic_load(&exiting)) {

@@ -63,7 +63,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nvshare_py import protocol, vocabulary
-from nvshare_py.scheduler import views
+from nvshare_py.scheduler import residency, views
 from nvshare_py.scheduler.core import CoreConfig, SchedulerCore
 from nvshare_py.scheduler.events import (
     AcquireRequest,
@@ -357,9 +357,9 @@ class LockCoreMachine(RuleBasedStateMachine):
         left = held.granted_at + dev.tq - self.now
         assert left > 0, "CONTENDED after the quantum ran out (a DROP is due instead)"
         assert msg.quantum_left_ms == round(left * 1000)
-        # Once per contention episode, but for a holder that grew since its grant: it is loading,
-        # and its idle window changes (residency.free_idle_ms).
-        grew = proc.used.get(dev.id, 0) > held.used_at_grant
+        # Once per contention episode, but for a holder that grew by a load's worth since its
+        # grant: it is loading, and its idle window changes (residency.free_idle_ms).
+        grew = proc.used.get(dev.id, 0) - held.used_at_grant >= residency.LOAD_GROWTH_BYTES
         assert not held.told or (grew and msg.idle_ms != held.told_idle_ms), "CONTENDED twice in one contention episode"
         held.told = True
         held.told_idle_ms = msg.idle_ms

@@ -84,6 +84,20 @@ def test_idle_holder_releases_early(scheduler_factory, cuda_app):
     assert idle.wait() == 0
 
 
+def test_the_interceptors_threads_are_named_where_a_stall_is_looked_for(scheduler_factory, cuda_app):
+    """/proc (ps -L, top -H, benchmarks/gpu/sample_waits.py) tells the interceptor's threads
+    from the application's: on an H200 a request stalled in brk behind another thread of its
+    process holding the memory map, and nothing said which of its threads that was."""
+    scheduler = scheduler_factory()
+    app = cuda_app(scheduler.env, "init", "kernel:1000", "sync", "wait")
+    app.expect("waiting")
+    task = f"/proc/{app.pid}/task"
+    names = {open(f"{task}/{tid}/comm").read().strip() for tid in os.listdir(task)}
+    assert {"nvs-client", "nvs-worker", "nvs-pinner"} <= names, names
+    app.continue_()
+    assert app.wait() == 0, app.stderr
+
+
 def test_a_holder_waiting_for_its_own_work_is_not_idle(scheduler_factory, cuda_app):
     """Steps of one long kernel and a synchronise: between launches the process submits nothing
     for longer than the idle window (0.3 s), but only because it waits for its own work, and it

@@ -544,7 +544,9 @@ def test_a_holder_that_allocates_in_its_grant_keeps_the_usual_window_whatever_it
     told the server's 2 ms window, released in the first host gap of its 17 GiB load, and
     finished it 7 s later behind the others' loads and evictions. A holder that allocates in its
     grant is building up, whatever its pause before: CONTENDED tells it the usual window again,
-    and a later grant in which it allocates nothing is a server's again."""
+    and a later grant in which it allocates nothing is a server's again. A request's own
+    allocations (32 MiB of workspace) are not a load: on an H200 a server that counted as one kept
+    the 0.1 s window after its request and three hot requests waited 58 ms for it."""
     for swapping in (True, False):
         c = Cluster(budget=32 * GiB if swapping else None)
         c.core = SchedulerCore(CoreConfig(tq=30.0, heartbeat_timeout=1e6, heartbeat_interval=1e5,
@@ -561,6 +563,8 @@ def test_a_holder_that_allocates_in_its_grant_keeps_the_usual_window_whatever_it
         c.feed(AcquireRequest(c.now, "b", DEV))
         (told,) = c.sent(protocol.Contended, "a")
         assert told.idle_ms == 2, told  # nothing allocated yet: a server's window
+        c.feed(MemoryReport(c.now, "a", DEV, 1 * GiB + (32 << 20), 1 * GiB + (32 << 20)))
+        assert not c.sent(protocol.Contended, "a")  # a request's workspace: still a server
         c.feed(MemoryReport(c.now, "a", DEV, 3 * GiB, 3 * GiB))  # its load allocates
         (again,) = c.sent(protocol.Contended, "a")
         assert (again.grant, again.idle_ms) == (load.grant, 100), (swapping, again)
@@ -673,6 +677,35 @@ def test_only_tenants_early_in_eviction_order_register_segments_ahead():
     assert "t0" not in resident_tenants(c)
     hot_rounds(2)
     assert set(needs().values()) == {0}, needs()
+
+
+def test_hot_tenants_are_told_nothing_while_a_cold_one_comes_and_goes():
+    """POOL need= with three tenants asked every round and a cold one every few: on an H200 each
+    cold tenant that had just served and was leaving again counted as if it were back at once,
+    hotter than the hot ones, so the first hot tenant in eviction order was told to register
+    segments for the headroom that would follow, and its requests waited for the registrations
+    (max 0.12 s against 20 ms without nvshare). The cold tenant comes back only as long after as
+    it came before: no hot tenant is told anything at any moment, and the cold one is told its
+    own memory as it leaves."""
+    c = tenants(6, 6 * GiB, 24 * GiB, uid=1000)  # t0-t2 out, t3-t5 resident, a headroom of one
+    hot = ("t3", "t4", "t5")
+
+    def told(seen: list, key: str) -> list[int | None]:
+        return [a.message.need for a in seen if isinstance(a, Send) and isinstance(a.message, protocol.Pool)
+                and a.client == key]
+
+    for _ in range(2):
+        for key in hot:
+            serve(c, key, 6 * GiB)
+    for cold in ("t0", "t1", "t0"):
+        c.now += 10.0
+        seen = serve(c, cold, 6 * GiB)
+        for _ in range(3):
+            for key in hot:
+                seen += serve(c, key, 6 * GiB)
+        assert all(not need for key in hot for need in told(seen, key)), {key: told(seen, key) for key in hot}
+        assert 6 * GiB in told(seen, cold), told(seen, cold)
+        assert resident_tenants(c) == set(hot), resident_tenants(c)
 
 
 def test_the_next_tenant_to_leave_is_told_while_another_moves_out():

@@ -8,7 +8,8 @@ state and wait channel, with the wall clock (the clock of the benchmark's `sent`
 interceptor's debug lines): `<time> <pid> <state> <wchan>`. When the main thread sleeps or is
 blocked anywhere but in its idle read of the next command, the line also holds its kernel stack
 (readable as root) and the threads of the process that are running or blocked (`OTHERS
-tid:state:wchan`). A request that waits before its first GPU call then shows on what: the
+tid:state:wchan:name`, with the top of their kernel stacks while the main thread is blocked).
+A request that waits before its first GPU call then shows on what: the
 process's memory map lock (`__do_sys_brk`, `vm_mmap_pgoff` beside the pool's page making in
 `faultin_page_range`), or the driver's locks (`os_acquire_rwlock_*` under `rmapiLockAcquire`).
 No CUDA, no nvshare: /proc only."""
@@ -39,12 +40,20 @@ def tenants() -> list[int]:
     return found
 
 
-def others(pid: int) -> str:
+def others(pid: int, stacks: bool) -> str:
+    """The process's other threads that run or are blocked: tid:state:wchan:name, and with
+    `stacks` (the main thread is blocked) the top of each one's kernel stack in brackets, which
+    says what holds the lock the main thread waits for."""
     busy = []
     for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
         stat = read(f"/proc/{pid}/task/{tid}/stat") if tid != str(pid) else ""
         if stat and state_of(stat) in ("R", "D"):
-            busy.append(f"{tid}:{state_of(stat)}:{read(f'/proc/{pid}/task/{tid}/wchan')}")
+            name = stat[stat.find("(") + 1:stat.rfind(")")].replace(" ", "_")
+            entry = f"{tid}:{state_of(stat)}:{read(f'/proc/{pid}/task/{tid}/wchan')}:{name}"
+            if stacks:
+                frames = read(f"/proc/{pid}/task/{tid}/stack").split("\n")[:4]
+                entry += "[" + ",".join(frame.split()[-1] for frame in frames if frame.strip()) + "]"
+            busy.append(entry)
     return " ".join(busy)
 
 
@@ -69,7 +78,7 @@ def main() -> None:
                 line = f"{now:.4f} {pid} {state} {wchan}"
                 if state == "D" or (state == "S" and wchan not in IDLE_WAITS):
                     stack = read(f"/proc/{pid}/task/{pid}/stack").strip().replace("\n", " | ")
-                    line += (f" STACK {stack[:600]}" if stack else "") + f" OTHERS {others(pid)}"
+                    line += (f" STACK {stack[:600]}" if stack else "") + f" OTHERS {others(pid, state == 'D')}"
                 out.write(line + "\n")
             time.sleep(0.005)
 

@@ -47,6 +47,7 @@ Words: a pair *leaves* bytes it was asked to move out and has not been seen movi
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Hashable, Iterable
 
 from .records import Client, Device, Pair
@@ -121,11 +122,25 @@ def order_key(pair: Pair, klass: int, order: str) -> tuple[float, ...]:
     return (klass, *used, -movable(pair))
 
 
-def order_key_once_back(pair: Pair, klass: int, order: str) -> tuple[float, ...]:
-    """Where `pair`, now out, would stand in eviction order (order_key) once it has come back and
-    served: its last use becomes the use before the last, and the last is now."""
-    used = (pair.last_held, float("inf")) if order == "lru2" else (float("inf"),)
-    return (klass, *used, -converted(pair))
+def behind_once_back(out: Pair, first: Pair, klass_out: int, klass_first: int, order: str, now: float) -> bool:
+    """Whether `out`, a tenant whose memory is out, would stand behind `first` (the first idle
+    tenant in eviction order) once it has come back and served, so that the headroom restored
+    after its return would take `first`. By last use (`lru`) the tenant back is the most recent.
+    By the use before the last (`lru2`), its last use becomes that; it comes back, as far as its
+    last two uses tell, as long after its last as it came after the one before (now at the
+    earliest; now if it ran once), and `first` goes on running as often as it has meanwhile. A
+    cold tenant that has just served and left again thus stays behind no tenant that runs more
+    often: on an H200 (three tenants asked every second, three every 20 s) one asked every
+    second was told to register segments while each cold tenant left, as if that one were back
+    at once, and its requests waited for the registrations (max 0.12 s against 20 ms without
+    nvshare)."""
+    if klass_out != klass_first:
+        return klass_out > klass_first
+    if order != "lru2":
+        return True
+    back_at = now if out.held_before == -math.inf else max(now, 2 * out.last_held - out.held_before)
+    first_before_then = max(first.held_before, back_at - (first.last_held - first.held_before))
+    return out.last_held > first_before_then
 
 
 def victims(dev: Device, key: Callable[[Pair], tuple[float, ...]]) -> list[Pair]:
@@ -251,7 +266,7 @@ def pool_targets(devices: Iterable[Device], principal: Callable[[Client], Hashab
 
 
 def exposure(dev: Device, key: Callable[[Pair], tuple[float, ...]],
-             key_once_back: Callable[[Pair], tuple[float, ...]]) -> dict[Pair, int]:
+             behind: Callable[[Pair, Pair], bool]) -> dict[Pair, int]:
     """What each pair may be asked to move out soon (POOL need=): under pressure, the pairs
     moving out, and the idle tenants first in eviction order as far as what must still leave for
     the device to settle goes, or, if more, the largest tenant's memory: the headroom restored
@@ -259,12 +274,15 @@ def exposure(dev: Device, key: Callable[[Pair], tuple[float, ...]],
     for the device to settle as that headroom kept the next victim from registering ahead, and
     its eviction for the headroom registered everything on its path). That one is needed only if
     a tenant that is out would stand behind the first idle tenant in eviction order once back
-    (`key_once_back`); where every tenant out would come first itself (cold tenants beside hot
-    ones: lru2), it leaves again and none of the resident ones is asked. All of their swappable
-    memory each (on the device or out: an eviction's progress does not change it, so POOL is not
-    sent again for every block moved). Holders come last in eviction order: one asked for part
-    of its memory at its DROP registers what it lacks on the swap's path. Nothing leaves a device
-    that is not under pressure. A member of a pool registers segments others made only
+    (`behind`: behind_once_back); where every tenant out would come first itself (cold tenants
+    beside hot ones: lru2), it leaves again and none of the resident ones is asked. All of their
+    swappable memory each (on the device or out: an eviction's progress does not change it, so
+    POOL is not sent again for every block moved). A holder stands where it will once it releases
+    (order_key: its use before the last is its previous grant): a cold tenant serving its rare
+    request is the one to leave after it, not the hot tenant behind it in order (told so on an
+    H200 while each cold request was served); a holder asked for part of its memory at its DROP
+    registers what it lacks on the swap's path. Nothing leaves
+    a device that is not under pressure. A member of a pool registers segments others made only
     for that much (docs/interceptor.md, *The pool*): a registration holds up its process's GPU
     calls, and on an H200 hot tenants late in eviction order, asked every second, registered the
     segments cold tenants freed while serving, their requests waiting 35-60 ms where they took
@@ -273,13 +291,13 @@ def exposure(dev: Device, key: Callable[[Pair], tuple[float, ...]],
         return {}
     settling = sum(committed(pair) for pair in dev.pairs) - (dev.budget - dev.headroom)
     order = victims(dev, key)
-    returning = [key_once_back(pair) for pair in dev.pairs if pair.swapped > 0 and pair.hold is None]
-    first = key(order[0]) if order else None
+    returning = [pair for pair in dev.pairs if pair.swapped > 0 and pair.hold is None]
     headroom_next = (max((converted(pair) for pair in dev.pairs), default=0)
-                     if first is not None and any(back > first for back in returning) else 0)
+                     if order and any(behind(pair, order[0]) for pair in returning) else 0)
     cover = max(headroom_next, settling)
     exposed = {pair: converted(pair) for pair in dev.pairs if pair.swap.leaving > 0}
-    for pair in order:
+    holders = [pair for pair in dev.pairs if pair.hold is not None and movable(pair) > pair.swap.leaving]
+    for pair in sorted(order + holders, key=key):
         if cover <= 0:
             break
         exposed[pair] = converted(pair)

@@ -54,6 +54,11 @@ HANDOFF_OVERHEAD_S = 0.05
 # SERVER_WINDOW_SHARE-th of the window when its release moves nothing (free_idle_ms).
 LONG_PAUSE_FACTOR = 2
 SERVER_WINDOW_SHARE = 50
+# A holder whose memory grew by at least this much in its grant is loading or building up and
+# keeps the usual window (free_idle_ms). A request's own allocations stay well under it: on an
+# H200 a server's first request after its memory came back (cuBLAS's workspace and the request's
+# tensors) counted as a load, kept the 0.1 s window and held three hot requests for 58 ms.
+LOAD_GROWTH_BYTES = 256 << 20
 # PREPARE and PREFETCH are sent again only when what they say moved by this much (or to 0, or
 # to everything): the clients' areas grow in chunks of this size and their moves in blocks.
 STEP_BYTES = 64 << 20
@@ -278,8 +283,8 @@ def free_idle_ms(holder: Pair, free_ms: int) -> int:
     (filling its next staging buffer) are short. On an H200 a tenant that had been away 0.84 s
     setting up its load was released 2 ms into the first gap of its 17 GiB load, waited 7 s
     behind the others' loads and evictions to finish it, and the six loads took 1.61 x the sum
-    of each alone."""
-    building_up = holder.hold is not None and holder.used > holder.hold.used_at_grant
+    of each alone. Growth under LOAD_GROWTH_BYTES (a request's workspace) is a server's."""
+    building_up = holder.hold is not None and holder.used - holder.hold.used_at_grant >= LOAD_GROWTH_BYTES
     if free_ms and holder.away >= LONG_PAUSE_FACTOR * free_ms / 1000 and not building_up:
         return max(1, free_ms // SERVER_WINDOW_SHARE)
     return free_ms

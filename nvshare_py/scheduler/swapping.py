@@ -11,7 +11,7 @@ core (core.py) after anything that changes what is out; nothing here grants, que
 from __future__ import annotations
 
 import math
-from typing import Hashable
+from typing import Callable, Hashable
 
 from .. import protocol
 from . import eviction, residency
@@ -241,9 +241,13 @@ class Swapping:
         class later, then by use."""
         return eviction.order_key(pair, self._registry.priority(pair.client), self._config.eviction_order)
 
-    def _evict_order_once_back(self, pair: Pair) -> tuple[float, ...]:
-        """Where a pair that is out would stand in eviction order once back (eviction.order_key_once_back)."""
-        return eviction.order_key_once_back(pair, self._registry.priority(pair.client), self._config.eviction_order)
+    def _behind_once_back(self, now: float) -> Callable[[Pair, Pair], bool]:
+        """Whether a pair that is out would stand behind another in eviction order once back, as
+        of `now` (eviction.behind_once_back, with each one's priority class)."""
+        def behind(out: Pair, first: Pair) -> bool:
+            return eviction.behind_once_back(out, first, self._registry.priority(out.client),
+                                             self._registry.priority(first.client), self._config.eviction_order, now)
+        return behind
 
     def _evict(self, pair: Pair, amount: int, why: str, now: float, out: list[Action]) -> None:
         """EVICT `amount` bytes of `pair`, and the timeline says why it was chosen."""
@@ -291,7 +295,7 @@ class Swapping:
                 self._pools.pop(owner, None)
         need: dict[Hashable, int] = {}
         for dev in self._registry.devices.values():
-            for pair, exposed in eviction.exposure(dev, self._evict_order, self._evict_order_once_back).items():
+            for pair, exposed in eviction.exposure(dev, self._evict_order, self._behind_once_back(now)).items():
                 need[pair.client.key] = need.get(pair.client.key, 0) + exposed
         for client in self._registry.clients.values():
             size = self._pools.get(client.principal, (0, None))[0]
