@@ -179,6 +179,7 @@ struct nvs_core_device {
     uint64_t evict_due;        /* DROP evict=: to move out after the drain, before the RELEASE */
     int release_drained;       /* the drain of the due release is done; its swap-out runs or waits */
     uint64_t evict_asked;      /* EVICT bytes= (a non-holder): to move out now, then EVICTED */
+    uint64_t bytes_at_evict;   /* `bytes` when that move began: an allocation since is the application back */
     int evicted_due;           /* an EVICTED answer is owed on the current connection */
     int grant_swap_due;        /* a GRANT's gate waits for its PREFETCH (or a running swap job) */
     uint64_t prefetch_due;     /* of that GRANT: bring back up to this many bytes */

@@ -61,6 +61,7 @@ void handle_evict(struct nvs_core *c, struct nvs_core_device *d, uint64_t bytes,
         return;
     }
     if (bytes > d->evict_asked) d->evict_asked = bytes; /* one move serves every EVICT not yet answered */
+    if (!d->evicted_due) d->bytes_at_evict = d->bytes;
     d->evicted_due = 1;
     start_swap_out(c, d);
 }

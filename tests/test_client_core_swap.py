@@ -221,6 +221,30 @@ def test_a_prefetch_during_an_evicts_move_cuts_it_and_brings_back_what_left(lib)
     assert jobs(actions) == [(JOB_PREFETCH_AHEAD, GIB)]
 
 
+def test_an_application_that_allocates_while_its_memory_moves_out_asks_for_the_device(lib):
+    """On an H200 a tenant's request came while its memory moved out for an EVICT, and its
+    first GPU call came 1.1-5.3 s later: its own eviction held the process's memory map and the
+    driver, so the ACQUIRE that takes the EVICT back waited for the move. The request's first
+    allocations come before that: the process asks for the device at the first one, with no
+    thread at the gate yet. Without an allocation (the move itself allocates nothing) it asks for
+    nothing."""
+    s = Script(lib, used=4 * GIB)
+    assert jobs(s.receive("EVICT", device=DEVICE, bytes=4 * GIB)) == [(JOB_SWAP_OUT, 4 * GIB)]
+    s.swapped = GIB
+    s.observe()
+    s.core.tick(s.now)
+    assert not [m for m in sent(s.actions()) if "ACQUIRE" in m]  # moving out is no asking
+    s.used += 2 << 20  # the request's first tensor
+    s.observe()
+    s.core.tick(s.now)
+    assert [m for m in sent(s.actions()) if "ACQUIRE" in m] == [f"NVSHARE/1 ACQUIRE\ndevice={DEVICE}"]
+    actions = s.receive("PREFETCH", device=DEVICE, resident=s.used)  # the scheduler takes the EVICT back
+    assert [(a.kind, a.device) for a in actions if a.kind == ACT_SWAP_OUT_CUT] == [(ACT_SWAP_OUT_CUT, 0)]
+    s.used -= 2 << 20
+    s.want()  # its kernel reaches the gate: no second ACQUIRE
+    assert not [m for m in sent(s.actions()) if "ACQUIRE" in m]
+
+
 def test_a_prefetch_before_an_evicts_move_began_answers_it_and_nothing_moves(lib):
     """The move waited for a capture's end when the EVICT was taken back: it is answered at once
     with everything still there, and the capture's end moves nothing."""
