@@ -456,9 +456,9 @@ static void run_device_rules(struct nvs_core *c, struct nvs_core_device *d, doub
      * came 1.1-5.3 s after the request, its main thread held in brk and in the driver meanwhile
      * by its own process's eviction (the segments it registered on the way hold the memory map
      * and the driver). Asking then lets the scheduler take the EVICT back that much sooner. */
-    int stirring = d->state == NVS_IDLE && d->evicted_due && d->bytes > d->bytes_at_evict && d->waiters == 0;
-    int wants = d->state == NVS_IDLE && (d->waiters > 0 || stirring);
-    if (stirring)
+    int allocating_while_evicted = d->state == NVS_IDLE && d->evicted_due && d->bytes > d->bytes_at_evict;
+    int wants = d->state == NVS_IDLE && (d->waiters > 0 || allocating_while_evicted);
+    if (wants && d->waiters == 0)
         core_log(c, LOG_DEBUG, "the application allocates on %s while its memory moves out: asking for it now", d->uuid);
     /* Announced once used, not once resolved: PyTorch resolves every device at start-up, and
      * the scheduler counts a process as a member of each device it announced (a gang is

@@ -281,12 +281,12 @@ def exposure(dev: Device, key: Callable[[Pair], tuple[float, ...]],
     (order_key: its use before the last is its previous grant): a cold tenant serving its rare
     request is the one to leave after it, not the hot tenant behind it in order (told so on an
     H200 while each cold request was served); a holder asked for part of its memory at its DROP
-    registers what it lacks on the swap's path. Nothing leaves
-    a device that is not under pressure. A member of a pool registers segments others made only
-    for that much (docs/interceptor.md, *The pool*): a registration holds up its process's GPU
-    calls, and on an H200 hot tenants late in eviction order, asked every second, registered the
-    segments cold tenants freed while serving, their requests waiting 35-60 ms where they took
-    20 ms without nvshare."""
+    registers what it lacks on the swap's path. Nothing leaves a device that is not under
+    pressure. A member of a pool registers segments others made only for that much
+    (docs/interceptor.md, *The pool*): a registration holds up its process's GPU calls, and on
+    an H200 hot tenants late in eviction order, asked every second, registered the segments cold
+    tenants freed while serving, their requests waiting 35-60 ms where they took 20 ms without
+    nvshare."""
     if not under_pressure(dev):
         return {}
     settling = sum(committed(pair) for pair in dev.pairs) - (dev.budget - dev.headroom)
