@@ -131,6 +131,42 @@ def test_a_prefetch_while_an_evict_moves_memory_out_takes_the_evict_back(scripte
     assert migrations(lines, direction="to_host") == []
 
 
+def test_an_application_that_allocates_while_its_memory_moves_out_asks_before_its_kernel(
+        scripted, cuda_app, simcuda, tmp_path):
+    """A request's first allocations come before its first kernel: a process whose memory moves
+    out for an EVICT asks for the device (ACQUIRE) when its application allocates, with no kernel
+    at the gate yet, so that the scheduler can take the EVICT back before the move is over (on an
+    H200 the kernel came 1.1-5.3 s after such a request, the move holding the process back)."""
+    # A slow link (60 ms per MiB: 7.7 s for the whole move), so that the allocation comes early in
+    # it even on a busy machine.
+    blocks = 16
+    total = blocks * 8 * MIB
+    env = {**scripted.env, "SIMCUDA_MEMORY": "256M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
+           "SIMCUDA_PINNED_US_PER_MIB": "60000", "SIMCUDA_REGISTER_HUGE_US_PER_MIB": "0",
+           "SIMCUDA_REGISTER_US_PER_MIB": "0", "SIMCUDA_PIN_US_PER_MIB": "0"}
+    app = cuda_app(env, "init", *[f"alloc:plain:{8 * MIB}"] * blocks, "kernel:1000", "sync", "wait",
+                   f"alloc:plain:{2 * MIB}", "wait", "kernel:1000", "sync")
+    grant(scripted, 1)
+    app.expect("waiting")
+    scripted.send("DROP", device=scripted.device, grant=1, grace_ms=60_000, reason="quantum")
+    scripted.expect("RELEASE")
+    scripted.send("PREPARE", device=scripted.device, bytes=total)
+    memory_until(scripted, lambda fields: int(fields.get("area", 0)) >= total)
+    scripted.send("EVICT", device=scripted.device, bytes=total)
+    memory_until(scripted, lambda fields: int(fields.get("resident", total)) < total)  # under way
+    app.continue_()  # it allocates, then stops before its kernel
+    scripted.expect("ACQUIRE")
+    app.expect("waiting")
+    everything = total + 2 * MIB  # with the new allocation
+    scripted.send("PREFETCH", device=scripted.device, resident=everything)  # the EVICT taken back
+    stayed = int(scripted.expect("EVICTED")["resident"])
+    assert stayed < everything, stayed
+    memory_until(scripted, lambda fields: int(fields.get("resident", 0)) == everything)
+    scripted.send("GRANT", device=scripted.device, grant=2, mode="on", exclusive=1, quantum_ms=60_000)
+    app.continue_()
+    assert app.wait() == 0, app.stderr
+
+
 # --- the swap engine: a pinned swap area, copies at link speed, discard (issue 18) --------------
 
 FAMILIES = [("plain", 4 * MIB), ("pitch", MIB), ("async", 2 * MIB), ("pool", 2 * MIB), ("vmm", 2 * MIB)]
