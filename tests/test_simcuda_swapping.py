@@ -95,19 +95,17 @@ def test_evict_moves_the_largest_of_the_oldest_allocations_first(scripted, cuda_
     assert [(m["cause"], m["bytes"]) for m in out] == [("prefetch", 16 * MIB)]
 
 
-def test_a_prefetch_while_an_evict_moves_memory_out_takes_the_evict_back(scripted, cuda_app, simcuda, tmp_path):
-    """The process asks for the device while its memory moves out for an EVICT (its ACQUIRE
-    crossed it: it was idle when the scheduler chose it): the scheduler's PREFETCH takes the EVICT
-    back. The move stops after the pieces in flight, EVICTED says what stayed, and what had left
-    comes back ahead of the grant."""
+def moving_out(scripted, cuda_app, tmp_path, us_per_mib: int, *after: str):
+    """A process of 16 allocations of 8 MiB that ran once, released the device, has a swap area
+    for all of it and is moving all of it out for an EVICT, over a link of `us_per_mib`; `after`:
+    its steps once it is let go on from its first `wait`. Returns (app, total, the MEMORY report
+    that showed the move under way)."""
     blocks = 16
     total = blocks * 8 * MIB
-    # A slow link (20 ms per MiB: 2.6 s for the whole move), so that the PREFETCH comes early in it.
     env = {**scripted.env, "SIMCUDA_MEMORY": "256M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
-           "SIMCUDA_PINNED_US_PER_MIB": "20000", "SIMCUDA_REGISTER_HUGE_US_PER_MIB": "0",
+           "SIMCUDA_PINNED_US_PER_MIB": str(us_per_mib), "SIMCUDA_REGISTER_HUGE_US_PER_MIB": "0",
            "SIMCUDA_REGISTER_US_PER_MIB": "0", "SIMCUDA_PIN_US_PER_MIB": "0"}
-    app = cuda_app(env, "init", *[f"alloc:plain:{8 * MIB}"] * blocks, "kernel:1000", "sync", "wait", "kernel:1000",
-                   "sync")
+    app = cuda_app(env, "init", *[f"alloc:plain:{8 * MIB}"] * blocks, "kernel:1000", "sync", "wait", *after)
     grant(scripted, 1)
     app.expect("waiting")
     scripted.send("DROP", device=scripted.device, grant=1, grace_ms=60_000, reason="quantum")
@@ -116,6 +114,16 @@ def test_a_prefetch_while_an_evict_moves_memory_out_takes_the_evict_back(scripte
     memory_until(scripted, lambda fields: int(fields.get("area", 0)) >= total)
     scripted.send("EVICT", device=scripted.device, bytes=total)
     left = memory_until(scripted, lambda fields: int(fields.get("resident", total)) < total)  # under way
+    return app, total, left
+
+
+def test_a_prefetch_while_an_evict_moves_memory_out_takes_the_evict_back(scripted, cuda_app, simcuda, tmp_path):
+    """The process asks for the device while its memory moves out for an EVICT (its ACQUIRE
+    crossed it: it was idle when the scheduler chose it): the scheduler's PREFETCH takes the EVICT
+    back. The move stops after the pieces in flight, EVICTED says what stayed, and what had left
+    comes back ahead of the grant."""
+    # A slow link (20 ms per MiB: 2.6 s for the whole move), so that the PREFETCH comes early in it.
+    app, total, left = moving_out(scripted, cuda_app, tmp_path, 20000, "kernel:1000", "sync")
     app.continue_()  # its next kernel waits at the closed gate: it asks
     scripted.expect("ACQUIRE")
     scripted.send("PREFETCH", device=scripted.device, resident=total)
@@ -139,21 +147,8 @@ def test_an_application_that_allocates_while_its_memory_moves_out_asks_before_it
     H200 the kernel came 1.1-5.3 s after such a request, the move holding the process back)."""
     # A slow link (60 ms per MiB: 7.7 s for the whole move), so that the allocation comes early in
     # it even on a busy machine.
-    blocks = 16
-    total = blocks * 8 * MIB
-    env = {**scripted.env, "SIMCUDA_MEMORY": "256M", "SIMCUDA_RESIDENCY_DIR": str(tmp_path),
-           "SIMCUDA_PINNED_US_PER_MIB": "60000", "SIMCUDA_REGISTER_HUGE_US_PER_MIB": "0",
-           "SIMCUDA_REGISTER_US_PER_MIB": "0", "SIMCUDA_PIN_US_PER_MIB": "0"}
-    app = cuda_app(env, "init", *[f"alloc:plain:{8 * MIB}"] * blocks, "kernel:1000", "sync", "wait",
-                   f"alloc:plain:{2 * MIB}", "wait", "kernel:1000", "sync")
-    grant(scripted, 1)
-    app.expect("waiting")
-    scripted.send("DROP", device=scripted.device, grant=1, grace_ms=60_000, reason="quantum")
-    scripted.expect("RELEASE")
-    scripted.send("PREPARE", device=scripted.device, bytes=total)
-    memory_until(scripted, lambda fields: int(fields.get("area", 0)) >= total)
-    scripted.send("EVICT", device=scripted.device, bytes=total)
-    memory_until(scripted, lambda fields: int(fields.get("resident", total)) < total)  # under way
+    app, total, _ = moving_out(scripted, cuda_app, tmp_path, 60000, f"alloc:plain:{2 * MIB}", "wait",
+                               "kernel:1000", "sync")
     app.continue_()  # it allocates, then stops before its kernel
     scripted.expect("ACQUIRE")
     app.expect("waiting")
