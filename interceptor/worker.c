@@ -221,8 +221,8 @@ static int application_starting_work_locked(double now) { /* under nvs_mu */
     double grace = (double)nvs_config.pinning_grace_ms / 1000.0;
     for (int i = 0; i < nvs_n_devices; i++) {
         struct nvs_device *d = &nvs_devices[i];
-        if (d->waiters > 0 && now - d->asked_at < grace) return 1;
-        if (d->waiters > 0 && now - d->ahead_at < grace) return 1; /* its grant is due */
+        /* it has just asked, or its memory has just come back ahead of its grant (which is due) */
+        if (d->waiters > 0 && (now - d->asked_at < grace || now - d->ahead_at < grace)) return 1;
         if (atomic_load(&d->gate_open) && now - d->gate_opened_at < grace) return 1;
     }
     return 0;

@@ -406,10 +406,11 @@ class Lock:
         """Every grant is made here: a fresh id, the pair's hold, the device's holders."""
         self._grant_numbers += 1
         dev = pair.device
-        if pair.waiting_since is not None:
-            hold = Hold(self._grant_numbers, now, pair.queued_class, pair.queued_grants, pair.used)
-        else:
-            hold = Hold(self._grant_numbers, now, self._registry.priority(pair.client), dev.grants_made, pair.used)
+        # A waiter keeps the class and the place it waited in; a hold made without waiting (a claim)
+        # takes its class now.
+        klass, aged_from = ((pair.queued_class, pair.queued_grants) if pair.waiting_since is not None
+                            else (self._registry.priority(pair.client), dev.grants_made))
+        hold = Hold(self._grant_numbers, now, klass, aged_from, pair.used)
         dev.grants_made += 1
         pair.hold = hold
         pair.grants += 1
